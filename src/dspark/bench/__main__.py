@@ -1,0 +1,47 @@
+"""Run the kernel benchmarks on a GPU and write JSON: ``python -m dspark.bench --out results.json``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import torch
+
+from .common import measure_copy_ceiling_gbps
+
+FAMILIES = ("greedy", "sampling")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench", description=__doc__)
+    parser.add_argument("--out", default="bench_results.json", help="JSON file to write")
+    parser.add_argument("--family", choices=FAMILIES, action="append", help="benchmark only these families")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("dspark bench: needs a CUDA device", file=sys.stderr)
+        return 2
+    ceiling = measure_copy_ceiling_gbps()
+    print(f"device: {torch.cuda.get_device_name()}  copy ceiling: {ceiling:.0f} GB/s (read+write)")
+    rows: list[dict] = []
+    for family in args.family or FAMILIES:
+        module = importlib.import_module(f"dspark.bench.{family}")
+        for result in module.run(ceiling, quick=args.quick):
+            rows.append(result)
+            print(json.dumps(result), flush=True)
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_ceiling_gb_per_s": round(ceiling, 1),
+        "results": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {len(rows)} results to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Timing and reporting helpers shared by the per-family benchmarks (GPU only).
+
+Each result row: kernel, backend, shape, median_us, bytes, gb_per_s, pct_of_copy_ceiling,
+and, where measured, the median of the PyTorch reference and of ``torch.compile`` of it and the
+ratios ``speedup_vs_reference`` / ``speedup_vs_compiled``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def median_us(fn: Callable[[], object], *, warmup: int = 10, reps: int = 50) -> float:
+    """Median wall time of ``fn`` in microseconds, one pair of CUDA events per repetition."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def measure_copy_ceiling_gbps(num_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src), warmup=3, reps=20)
+    return 2 * num_bytes / (us * 1e-6) / 1e9
+
+
+def try_compile(fn: Callable) -> Callable | None:
+    """``torch.compile(fn)``, or None when compilation is unavailable here."""
+    try:
+        return torch.compile(fn, dynamic=False)
+    except Exception:  # noqa: BLE001 - benchmark only: report "not measured"
+        return None
+
+
+def row(
+    kernel: str,
+    backend: str,
+    shape: dict,
+    us: float,
+    num_bytes: int,
+    ceiling_gbps: float,
+    *,
+    reference_us: float | None = None,
+    compiled_us: float | None = None,
+    target: str | None = None,
+) -> dict:
+    """One JSON result row; ``target`` is the issue's speed target in words, for the report."""
+    gbps = num_bytes / (us * 1e-6) / 1e9
+    out = {
+        "kernel": kernel,
+        "backend": backend,
+        "shape": shape,
+        "median_us": round(us, 2),
+        "bytes": int(num_bytes),
+        "gb_per_s": round(gbps, 1),
+        "pct_of_copy_ceiling": round(100.0 * gbps / ceiling_gbps, 1),
+    }
+    if reference_us is not None:
+        out["reference_us"] = round(reference_us, 2)
+        out["speedup_vs_reference"] = round(reference_us / us, 2)
+    if compiled_us is not None:
+        out["compiled_us"] = round(compiled_us, 2)
+        out["speedup_vs_compiled"] = round(compiled_us / us, 2)
+    if target is not None:
+        out["target"] = target
+    return out

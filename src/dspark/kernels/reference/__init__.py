@@ -1,0 +1,1 @@
+"""Pure-PyTorch reference backend: the executable specification of the kernel contracts."""

@@ -1,0 +1,1 @@
+"""Triton backend (GPU; CPU under TRITON_INTERPRET=1)."""

@@ -1,0 +1,3 @@
+import triton  # noqa: F401
+
+__all__: list[str] = []
