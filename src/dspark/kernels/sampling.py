@@ -1,1 +1,290 @@
-__all__: list[str] = []
+"""Sampling family: uniforms, probabilities, samplers and stores of the sampled draft path, and the
+probabilistic (speculative-sampling) accept (kernels.md 2.1-2.4, 3.9, 3.10, 3.12, 3.18-3.20, 3.22, 3.23).
+
+Terms: B batch rows, V vocabulary, P the draft width (``draft_token_ids [B, P]``), S the draft stride
+(the same width, seen from the verify side), ``P_v`` the drafts verified this round. Token ids and
+lengths are int32, logits/probabilities/uniforms float32.
+
+Sampling follows NVIDIA's inverse-CDF walk exactly: with ``t = clampUniform(u)`` the sampled index is
+the first one whose sequential fp32 sum of the positive entries exceeds ``t`` (strict), else the last
+positive index, else 0 -- the reference reproduces the C++ choice bit for bit for the same uniforms
+(``dspark.kernels.reference.sampling``). Uniforms come from ``fill_uniforms`` (SplitMix64, exact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import implementation
+from ._validate import Checker
+from .markov import _markov_inputs
+from .verify import _drafts
+
+__all__ = [
+    "fill_uniforms",
+    "logits_to_probabilities",
+    "markov_sample_step",
+    "vanilla_markov_sample",
+    "sample_probability_rows",
+    "store_draft_step_probabilities",
+    "normalize_top_k_rows",
+    "sample_top_k_rows_and_store",
+    "probabilistic_accept",
+]
+
+_UINT64_MAX = (1 << 64) - 1
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+# ------------------------------------------------------------------------------ shared validation
+
+
+def _filters(c: Checker, temperature, top_k, top_p) -> tuple[float, int, float]:
+    """``temperature >= 0``, ``top_k >= 0`` (0 = off), ``top_p`` in ``(0, 1]``."""
+    temperature = c.real("temperature", temperature, low=0.0)
+    top_k = c.integer("top_k", top_k, low=0)
+    top_p = c.real("top_p", top_p)
+    if not 0 < top_p <= 1:
+        c.fail(f"top_p must be in (0, 1], got {top_p}")
+    return temperature, top_k, top_p
+
+
+def _draft_ids(c: Checker, draft_token_ids, batch: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[B, P]`` contiguous draft-token buffer (written in place), ``P >= 1``."""
+    draft = c.tensor("draft_token_ids", draft_token_ids, dtype=torch.int32, shape=[batch, None], device=device,
+                     contiguous=True)
+    if draft.shape[1] < 1:
+        c.fail(f"draft_token_ids must have P >= 1 columns, got shape {list(draft.shape)}")
+    return draft
+
+
+def _step_uniforms(c: Checker, proposal_uniforms, batch: int, width: int, device: torch.device) -> torch.Tensor:
+    """f32 ``[B, P]`` proposal uniforms."""
+    return c.tensor("proposal_uniforms", proposal_uniforms, dtype=torch.float32, shape=[batch, width],
+                    device=device).contiguous()
+
+
+def _scratch(c: Checker, probability_scratch, device: torch.device | None = None) -> torch.Tensor:
+    """f32 ``[B, V]`` probability rows, ``V >= 1``."""
+    scratch = c.tensor("probability_scratch", probability_scratch, dtype=torch.float32, ndim=2, device=device)
+    if scratch.shape[1] < 1:
+        c.fail(f"probability_scratch must have V >= 1 columns, got shape {list(scratch.shape)}")
+    return scratch.contiguous()
+
+
+# ------------------------------------------------------------------------------ uniforms, probabilities
+
+
+def fill_uniforms(total_elements, philox_seed, philox_offset, device="cpu"):
+    """Counter-based uniforms (kernels.md 2.1, 3.10); returns f32 ``[total_elements]`` on ``device``.
+
+    ``u[i] = top24(splitmix64(seed XOR (offset + 0xD1B54A32D192ED03 * (i + 1)))) * 2^-24`` with all
+    arithmetic modulo 2^64 -- bit-exact with NVIDIA's ``dsparkFillUniforms`` (the "philox" names are
+    NVIDIA's; the generator is SplitMix64). ``philox_seed`` and ``philox_offset`` are unsigned 64-bit
+    ints; values lie in ``[0, 1 - 2^-24]``.
+    """
+    c = Checker("fill_uniforms")
+    total = c.integer("total_elements", total_elements, low=0)
+    seed = c.integer("philox_seed", philox_seed, low=0, high=_UINT64_MAX)
+    offset = c.integer("philox_offset", philox_offset, low=0, high=_UINT64_MAX)
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        c.fail(f"device must be a torch.device or device string, got {device!r} ({exc})", TypeError)
+    return implementation("fill_uniforms", device)(total, seed, offset, device)
+
+
+def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0):
+    """Temperature, top-k and (mass-clipped) top-p probabilities (kernels.md 3.9).
+
+    ``logits`` f32 ``[rows, V]`` (or ``[B, L, V]``, treated as ``B*L`` rows); returns f32 of the same
+    shape. ``x = logits * invTemp(T)`` with ``invTemp = 1/T`` (fp32), then:
+
+    * ``T < 1e-3``: one-hot at the argmax (ties to the lower index); ``top_k``/``top_p`` ignored.
+    * ``top_k`` in ``(0, V)`` keeps the ``top_k`` largest ``x`` (ties to the lower index); 0 or ``>= V``
+      keeps all (NVIDIA clamps ``K > V`` to V as well).
+    * ``top_p < 1 - 1e-6``: NVIDIA's mass-clipped nucleus, not the standard one: of the kept mass
+      ``S``, exactly ``top_p * S`` is handed out in descending order (the crossing token gets only what
+      is still missing) and divided by it; (0.5, 0.3, 0.15, 0.05) at 0.75 -> (2/3, 1/3, 0, 0).
+    * otherwise the plain softmax.
+
+    Rows whose softmax normaliser is not finite and positive (no finite logit, a NaN, or +inf) are
+    uniform ``1/V``: NVIDIA does so on the unfiltered path only; dspark on every path (documented
+    deviation; NVIDIA's filtered output is meaningless there). Normalisers are accurate (float64)
+    sums, where NVIDIA's top-p-only path sums sequentially in fp32 (up to ~6e-4 too high on 151 936
+    entries); results otherwise agree to fp32 rounding.
+    """
+    c = Checker("logits_to_probabilities")
+    x = c.tensor("logits", logits, dtype=torch.float32, ndim=(2, 3))
+    if x.shape[-1] < 1:
+        c.fail(f"logits must have V >= 1 columns, got shape {list(x.shape)}")
+    temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
+    probs = implementation("logits_to_probabilities", x.device)(
+        x.reshape(-1, x.shape[-1]).contiguous(), temperature, top_k, top_p)
+    return probs.reshape(x.shape)
+
+
+def normalize_top_k_rows(top_k_values, temperature):
+    """Softmax of top-k values (kernels.md 3.20); returns f32 ``[rows, K]``.
+
+    ``top_k_values`` f32 ``[rows, K]``; ``p = softmax(values * invTemp(T))``. Unlike
+    ``logits_to_probabilities``, ``T < 1e-3`` means ``invTemp = 1`` (a plain softmax, no one-hot), as
+    NVIDIA does. Rows without a finite normaliser get ``1/K``.
+    """
+    c = Checker("normalize_top_k_rows")
+    values = c.tensor("top_k_values", top_k_values, dtype=torch.float32, ndim=2)
+    if values.shape[1] < 1:
+        c.fail(f"top_k_values must have K >= 1 columns, got shape {list(values.shape)}")
+    temperature = c.real("temperature", temperature, low=0.0)
+    return implementation("normalize_top_k_rows", values.device)(values.contiguous(), temperature)
+
+
+# ------------------------------------------------------------------------------ draft-side steps
+
+
+def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step) -> None:
+    """Draw one token per row (kernels.md 3.18); writes ``draft_token_ids[:, step]``, returns None.
+
+    ``probability_scratch`` f32 ``[B, V]``, ``proposal_uniforms`` f32 ``[B, P]``, ``draft_token_ids``
+    int32 ``[B, P]`` (contiguous); the token is the inverse-CDF draw of row b with
+    ``proposal_uniforms[b, step]``.
+    """
+    c = Checker("sample_probability_rows")
+    scratch = _scratch(c, probability_scratch)
+    batch, device = scratch.shape[0], scratch.device
+    draft = _draft_ids(c, draft_token_ids, batch, device)
+    uniforms = _step_uniforms(c, proposal_uniforms, batch, draft.shape[1], device)
+    step = c.integer("step", step, low=0, high=draft.shape[1] - 1)
+    implementation("sample_probability_rows", device)(scratch, uniforms, draft, step)
+
+
+def store_draft_step_probabilities(probability_scratch, draft_probabilities, step) -> None:
+    """``draft_probabilities[:, step] = probability_scratch`` (kernels.md 3.19); returns None.
+
+    ``probability_scratch`` f32 ``[B, V]``; ``draft_probabilities`` f32 ``[B, P, V]``, contiguous.
+    """
+    c = Checker("store_draft_step_probabilities")
+    scratch = _scratch(c, probability_scratch)
+    batch, vocab = scratch.shape
+    probs = c.tensor("draft_probabilities", draft_probabilities, dtype=torch.float32, shape=[batch, None, vocab],
+                     device=scratch.device, contiguous=True)
+    step = c.integer("step", step, low=0, high=probs.shape[1] - 1)
+    implementation("store_draft_step_probabilities", scratch.device)(scratch, probs, step)
+
+
+def sample_top_k_rows_and_store(top_k_values, top_k_indices, proposal_uniforms, draft_token_ids,
+                                draft_top_k_probabilities, draft_top_k_indices, step, temperature) -> None:
+    """Sparse draft step (kernels.md 3.22); writes column/row ``step`` of three buffers, returns None.
+
+    ``top_k_values`` f32 ``[B, K]`` and ``top_k_indices`` int32 ``[B, K]`` (token ids, >= 0) are one
+    draft step's top-k logits. ``draft_top_k_probabilities[:, step]`` (f32 ``[B, P, K]``) receives
+    ``normalize_top_k_rows(top_k_values, temperature)``, ``draft_top_k_indices[:, step]`` (int32
+    ``[B, P, K]``) the ids, and ``draft_token_ids[:, step]`` (int32 ``[B, P]``) the id drawn from them
+    with ``proposal_uniforms[:, step]`` (f32 ``[B, P]``; fallback ``top_k_indices[:, 0]``).
+    """
+    c = Checker("sample_top_k_rows_and_store")
+    values = c.tensor("top_k_values", top_k_values, dtype=torch.float32, ndim=2)
+    (batch, k), device = values.shape, values.device
+    if k < 1:
+        c.fail(f"top_k_values must have K >= 1 columns, got shape {list(values.shape)}")
+    indices = c.tensor("top_k_indices", top_k_indices, dtype=torch.int32, shape=[batch, k], device=device)
+    draft = _draft_ids(c, draft_token_ids, batch, device)
+    width = draft.shape[1]
+    uniforms = _step_uniforms(c, proposal_uniforms, batch, width, device)
+    probs = c.tensor("draft_top_k_probabilities", draft_top_k_probabilities, dtype=torch.float32,
+                     shape=[batch, width, k], device=device, contiguous=True)
+    ids = c.tensor("draft_top_k_indices", draft_top_k_indices, dtype=torch.int32, shape=[batch, width, k],
+                   device=device, contiguous=True)
+    step = c.integer("step", step, low=0, high=width - 1)
+    temperature = c.real("temperature", temperature, low=0.0)
+    c.ids_in_range("top_k_indices", indices, _MAX_TOKEN_ID + 1)
+    implementation("sample_top_k_rows_and_store", device)(
+        values.contiguous(), indices.contiguous(), uniforms, draft, probs, ids, step, temperature)
+
+
+def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, draft_token_ids,
+                       draft_probabilities, step, temperature, top_k=0, top_p=1.0, *, logits_stride=0,
+                       logits_offset=0) -> None:
+    """One sampled Markov draft step (one iteration of kernels.md 3.12; a dspark addition); returns None.
+
+    ``z = build_markov_logits(...)`` for ``step`` (previous token ``first_prev_tokens`` at step 0, else
+    ``draft_token_ids[:, step-1]``), ``q = logits_to_probabilities(z, temperature, top_k, top_p)``;
+    writes ``draft_probabilities[:, step] = q`` (f32 ``[B, P, V]``, contiguous) and
+    ``draft_token_ids[:, step]`` (int32 ``[B, P]``, contiguous) = the draw from ``q`` with
+    ``proposal_uniforms[:, step]`` (f32 ``[B, P]``). ``backbone_logits`` f32 ``[B, L, V]`` or
+    ``[B*L, V]`` (``L = logits_stride or P``, row ``b*L + step + logits_offset``); ``markov_w1`` and
+    ``markov_w2`` fp16 or bf16 ``[V, R]``; ``first_prev_tokens`` int32 ``[B]``.
+    """
+    c = Checker("markov_sample_step")
+    draft = c.tensor("draft_token_ids", draft_token_ids, dtype=torch.int32, ndim=2)
+    width = draft.shape[1]
+    step = c.integer("step", step, low=0, high=width - 1)
+    m = _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
+                       logits_stride=logits_stride, logits_offset=logits_offset)
+    draft = _draft_ids(c, draft, m.batch, m.device)
+    uniforms = _step_uniforms(c, proposal_uniforms, m.batch, width, m.device)
+    probs = c.tensor("draft_probabilities", draft_probabilities, dtype=torch.float32, shape=[m.batch, width, m.vocab],
+                     device=m.device, contiguous=True)
+    temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
+    if step > 0:
+        c.ids_in_range(f"draft_token_ids[:, {step - 1}]", draft[:, step - 1], m.vocab)
+    implementation("markov_sample_step", m.device)(
+        m.logits, markov_w1.contiguous(), markov_w2.contiguous(), first_prev_tokens.contiguous(), uniforms, draft,
+        probs, step, temperature, top_k, top_p, m.stride, m.offset)
+
+
+def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
+                          top_k=0, top_p=1.0, *, logits_stride=0, logits_offset=0):
+    """A whole sampled Markov drafting round (kernels.md 3.12): ``markov_sample_step`` for steps 0..P-1.
+
+    Inputs as ``markov_sample_step``, ``P`` from ``proposal_uniforms`` f32 ``[B, P]``; returns
+    ``(draft_token_ids int32 [B, P], draft_probabilities f32 [B, P, V])``, ``draft_probabilities[b, s]``
+    being the distribution token ``s`` was drawn from.
+    """
+    c = Checker("vanilla_markov_sample")
+    uniforms = c.tensor("proposal_uniforms", proposal_uniforms, dtype=torch.float32, ndim=2)
+    width = uniforms.shape[1]
+    if width < 1:
+        c.fail(f"proposal_uniforms must be [B, P] with P >= 1, got shape {list(uniforms.shape)}")
+    m = _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=width,
+                       logits_stride=logits_stride, logits_offset=logits_offset)
+    uniforms = _step_uniforms(c, uniforms, m.batch, width, m.device)
+    temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
+    return implementation("vanilla_markov_sample", m.device)(
+        m.logits, markov_w1.contiguous(), markov_w2.contiguous(), first_prev_tokens.contiguous(), uniforms,
+        temperature, top_k, top_p, m.stride, m.offset)
+
+
+# ------------------------------------------------------------------------------ verification
+
+
+def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_ids, proposal_lengths, accept_uniforms,
+                         verify_proposal_len):
+    """Speculative-sampling verification (kernels.md 3.23); returns ``(accepted int32 [B, P_v+1], accept_length int32 [B])``.
+
+    ``target_probabilities`` f32 ``[B, P_v+1, V]`` (row i: the target's distribution after verify
+    token i), ``draft_probabilities`` f32 ``[B, S, V]``, ``draft_token_ids`` int32 ``[B, S]`` (ids in
+    ``[0, V)``), ``proposal_lengths`` int32 ``[B]``, ``accept_uniforms`` f32 ``[B, 2S+1]`` (``[0, S)``
+    accept tests, ``S + s`` the residual draw after a rejection at s, ``2S`` the bonus draw),
+    ``1 <= P_v <= S``. Row b walks ``rowP = max(1, min(P_v, proposal_lengths[b]))`` drafts: draft
+    ``t`` at s is accepted iff ``p = target[b, s, t] > 0`` and ``u[b, s] <= a`` with
+    ``a = 1 if q <= 1e-20 else min(1, p / q)`` (``q = draft[b, s, t]``); the first rejection appends a
+    draw from ``max(p - q, 0)`` (from ``p`` when that has mass ``<= 1e-20``) and stops; after ``rowP``
+    acceptances a bonus token is drawn from target row ``rowP``. Entries past ``accept_length`` are 0.
+    """
+    c = Checker("probabilistic_accept")
+    draft, p_v = _drafts(c, draft_token_ids, verify_proposal_len)
+    (batch, stride), device = draft.shape, draft.device
+    target = c.tensor("target_probabilities", target_probabilities, dtype=torch.float32, ndim=3, device=device)
+    vocab = target.shape[2]
+    if vocab < 1:
+        c.fail(f"target_probabilities must have V >= 1 columns, got shape {list(target.shape)}")
+    c.tensor("target_probabilities", target, shape=[batch, p_v + 1, vocab])
+    probs = c.tensor("draft_probabilities", draft_probabilities, dtype=torch.float32, shape=[batch, stride, vocab],
+                     device=device)
+    lengths = c.tensor("proposal_lengths", proposal_lengths, dtype=torch.int32, shape=[batch], device=device)
+    uniforms = c.tensor("accept_uniforms", accept_uniforms, dtype=torch.float32, shape=[batch, 2 * stride + 1],
+                        device=device)
+    c.ids_in_range(f"draft_token_ids[:, :{p_v}]", draft[:, :p_v], vocab)
+    return implementation("probabilistic_accept", device)(
+        target.contiguous(), probs.contiguous(), draft.contiguous(), lengths.contiguous(), uniforms.contiguous(), p_v)

@@ -1,1 +1,342 @@
-__all__: list[str] = []
+"""Reference sampled path: uniforms, probabilities, inverse-CDF samplers, stores, probabilistic accept.
+
+Arguments arrive validated and normalised by ``dspark.kernels.sampling`` (see ``_backend``):
+``backbone_logits`` is a contiguous f32 ``[rows, V]`` tensor with ``logits_stride`` resolved, other
+tensors are contiguous, scalars are Python numbers. Data-dependent token ids are clamped before they
+index anything (the GPU path does not check them).
+
+Inverse-CDF walks (kernels.md 2.2-2.4). NVIDIA walks a row on one thread, adding the positive entries
+in fp32 one after another and returning the first index whose running sum ``c_i`` exceeds the
+threshold ``t`` (strict ``t < c_i``). That sequential fp32 sum is not what ``torch.cumsum`` computes:
+on the CPU it accumulates in float64 and rounds each output to fp32 (checked: it differs from the
+sequential fp32 sum at most positions of a 10^5-entry row), on the GPU it is a parallel scan. So the
+walk here is exact in two stages: a float64 prefix sum with a rigorous bound on how far the sequential
+fp32 sums can stray from it settles every row whose threshold is not within that bound of a running
+sum (almost all rows); the remaining rows are walked exactly, one column at a time in fp32
+(``_sequential_prefix``). The result is bit-for-bit the C++ choice for the same uniforms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .markov import build_markov_logits
+
+__all__ = [
+    "fill_uniforms",
+    "logits_to_probabilities",
+    "markov_sample_step",
+    "vanilla_markov_sample",
+    "sample_probability_rows",
+    "store_draft_step_probabilities",
+    "normalize_top_k_rows",
+    "sample_top_k_rows_and_store",
+    "probabilistic_accept",
+]
+
+UNIFORM_MAX = 0.99999994  # 1 - 2^-24 as fp32 (bit pattern 0x3F7FFFFF), clampUniform's upper bound
+TINY = 1e-20  # the C++ "no mass" threshold of normalisers, ratios and residual sums
+GREEDY_TEMPERATURE = 1e-3  # below it, invTemp(T) = 1 and the dense path keeps only the argmax
+_FP32_UNIT_ROUNDOFF = 2.0**-24
+
+# SplitMix64 constants (kernels.md 2.1), as unsigned 64-bit values.
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MIX_1 = 0xBF58476D1CE4E5B9
+_MIX_2 = 0x94D049BB133111EB
+_COUNTER_STEP = 0xD1B54A32D192ED03
+
+
+# ------------------------------------------------------------------------------ SplitMix64 uniforms
+
+
+def _as_int64(value: int) -> int:
+    """The int64 with the bit pattern of the unsigned 64-bit ``value``."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64-stored unsigned 64-bit values (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finaliser of int64-stored unsigned 64-bit values; int64 ops wrap modulo 2^64."""
+    x = x + _as_int64(_GOLDEN_GAMMA)
+    x = (x ^ _shift_right(x, 30)) * _as_int64(_MIX_1)
+    x = (x ^ _shift_right(x, 27)) * _as_int64(_MIX_2)
+    return x ^ _shift_right(x, 31)
+
+
+def fill_uniforms(total_elements, philox_seed, philox_offset, device):
+    """f32 ``[total_elements]``: ``u[i] = top24(splitmix64(seed ^ (offset + C * (i + 1)))) * 2^-24``.
+
+    ``philox_seed``/``philox_offset`` are unsigned 64-bit ints. Values lie in ``[0, 1 - 2^-24]``, so
+    NVIDIA's ``clampUniform`` never changes them.
+    """
+    counter = torch.arange(1, total_elements + 1, dtype=torch.int64, device=device)
+    mixed = splitmix64(_as_int64(philox_seed) ^ (_as_int64(philox_offset) + counter * _as_int64(_COUNTER_STEP)))
+    return _shift_right(mixed, 40).float() * 2.0**-24
+
+
+# ------------------------------------------------------------------------------ inverse-CDF walks
+
+
+def clamp_uniform(u: torch.Tensor) -> torch.Tensor:
+    """``min(max(u, 0), 1 - 2^-24)`` with fmaxf's NaN rule (NaN -> 0)."""
+    return torch.nan_to_num(u, nan=0.0).clamp(0.0, UNIFORM_MAX)
+
+
+def _positive(w: torch.Tensor) -> torch.Tensor:
+    """The walk's weights: entries that are not > 0 (incl. NaN) are skipped, i.e. add nothing."""
+    return torch.where(w > 0, w, torch.zeros((), dtype=w.dtype, device=w.device))
+
+
+def _sequential_prefix(w: torch.Tensor) -> torch.Tensor:
+    """f32 ``[rows, N]`` running sums ``c_i = fl32(c_{i-1} + w_i)`` in the C++ order (exact, slow)."""
+    out = torch.empty_like(w)
+    running = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(w.shape[1]):
+        running = running + w[:, i]
+        out[:, i] = running
+    return out
+
+
+def _prefix_bounds(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(lower, upper)`` ``[rows, N]``, non-decreasing, enclosing the sequential fp32 sums.
+
+    Each fp32 addition errs by at most ``u * c_k`` (``u = 2^-24``; additions into the subnormal range
+    are exact) and ``c_k <= (1 + 2 N u) S_k`` for the exact prefix sum ``S_k``, so
+    ``|c_i - S_i| <= u (1 + 2 N u) sum_{k <= i, w_k > 0} S_k``; one extra ``u`` covers the float64
+    rounding of these bounds. ``lower`` is a running max because the true ``c`` never decreases.
+    """
+    exact = w.double().cumsum(-1)
+    slack = (exact * (w > 0)).cumsum(-1) * (_FP32_UNIT_ROUNDOFF * (2 + 2 * w.shape[-1] * _FP32_UNIT_ROUNDOFF))
+    return (exact - slack).cummax(-1).values, exact + slack
+
+
+def _last_positive(w: torch.Tensor) -> torch.Tensor:
+    """int64 ``[rows]``: the last index with ``w > 0``, -1 when there is none (the walk's fallback)."""
+    positive = w > 0
+    last = w.shape[1] - 1 - positive.flip(-1).to(torch.int8).argmax(-1)  # argmax: first maximum
+    return torch.where(positive.any(-1), last, torch.full_like(last, -1))
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor, scale_by_total: bool = False) -> torch.Tensor:
+    """NVIDIA's walk on each row of f32 ``w`` ``[rows, N]`` with threshold ``t`` per row (``u`` f32 ``[rows]``).
+
+    ``t = clamp_uniform(u)``, times the row's sequential fp32 total when ``scale_by_total`` (the
+    residual sampler). Returns int64 ``[rows]``: the first index with ``t < c_i``, else the last
+    positive index, else -1.
+    """
+    w = _positive(w)
+    t = clamp_uniform(u)
+    lower, upper = _prefix_bounds(w)
+    t_low = t_high = t.double()
+    if scale_by_total:  # fl32(t * total) for a total inside [lower, upper] of the last column
+        t_low = t_low * lower[:, -1] * (1 - 2 * _FP32_UNIT_ROUNDOFF)
+        t_high = t_high * upper[:, -1] * (1 + 2 * _FP32_UNIT_ROUNDOFF)
+    # c is non-decreasing, so the answer is the count of running sums <= t; bound it from both sides.
+    index = (upper <= t_low[:, None]).sum(-1)
+    unsure = index != (lower <= t_high[:, None]).sum(-1)
+    if bool(unsure.any()):
+        running = _sequential_prefix(w[unsure])
+        threshold = t[unsure] * running[:, -1] if scale_by_total else t[unsure]
+        index[unsure] = (running <= threshold[:, None]).sum(-1)
+    return torch.where(index < w.shape[1], index, _last_positive(w))
+
+
+def _sequential_total_exceeds(w: torch.Tensor, bound: float) -> torch.Tensor:
+    """bool ``[rows]``: the sequential fp32 sum of the positive entries of ``w`` is ``> bound``."""
+    w = _positive(w)
+    lower, upper = _prefix_bounds(w)
+    above = lower[:, -1] > bound
+    unsure = ~above & (upper[:, -1] > bound)
+    if bool(unsure.any()):
+        above[unsure] = _sequential_prefix(w[unsure])[:, -1] > bound
+    return above
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``sampleFromProbs`` (kernels.md 2.2) per row: int64 ``[rows]`` from f32 ``probs [rows, V]``, ``u [rows]``.
+
+    First index whose sequential fp32 sum of the positive entries exceeds ``clamp_uniform(u)``; if none,
+    the last positive index; 0 for a row without positive entries.
+    """
+    return _inverse_cdf(probs, u).clamp_min(0)
+
+
+def sample_from_residual(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``sampleFromResidual`` (kernels.md 2.3) per row: int64 ``[rows]`` from f32 ``p, q [rows, V]``, ``u [rows]``.
+
+    ``r = max(p - q, 0)`` in fp32 and ``S`` its sequential fp32 sum; the walk over ``r`` uses
+    ``t = clamp_uniform(u) * S``. Rows with ``S <= 1e-20`` sample ``p`` instead (``sample_from_probs``).
+    """
+    residual = p - q
+    walk = _inverse_cdf(residual, u, scale_by_total=True)
+    return torch.where(_sequential_total_exceeds(residual, TINY), walk, sample_from_probs(p, u))
+
+
+def sample_from_sparse_probs(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``sampleFromSparseProbs`` (kernels.md 2.4) per row: ``ids[k]`` for the walk's ``k`` over f32 ``probs [rows, K]``.
+
+    ``ids`` ``[rows, K]`` (any integer dtype, returned in it); the fallback without positive entries is
+    ``ids[:, 0]``.
+    """
+    k = _inverse_cdf(probs, u).clamp_min(0)
+    return ids.gather(1, k[:, None]).squeeze(1)
+
+
+# ------------------------------------------------------------------------------ probabilities
+
+
+def _scaled(values: torch.Tensor, temperature: float) -> torch.Tensor:
+    """f32 ``values * invTemp(T)`` with ``invTemp = 1`` below ``GREEDY_TEMPERATURE``, else the fp32 ``1/T``."""
+    if temperature < GREEDY_TEMPERATURE:
+        return values
+    one = torch.ones((), dtype=torch.float32)
+    return values * (one / torch.tensor(temperature, dtype=torch.float32)).to(values.device)
+
+
+def _softmax_weights(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``exp(x - max x)`` per row of f32 ``x``, and the bool rows whose sum is not finite and > 0.
+
+    Those degenerate rows are the ones with no finite logit, a NaN, or +inf.
+    """
+    weights = torch.exp((x - x.amax(-1, keepdim=True)).double())
+    total = weights.sum(-1)
+    return weights, ~(torch.isfinite(total) & (total > 0))
+
+
+def _top_k_top_p(x: torch.Tensor, weights: torch.Tensor, top_k: int, top_p: float | None):
+    """Filtered float64 weights and divisor ``[rows, 1]`` (kernels.md 3.9 Cases B/C, one formulation).
+
+    Entries ranked by ``x`` descending, ties to the lower index; ranks ``>= top_k`` dropped; the kept
+    sum ``S``. Without top-p the divisor is ``max(S, 1e-20)``. With top-p the nucleus is mass-clipped:
+    ``D = max(top_p * S, 1e-20)`` is handed out in rank order, each entry taking ``min(w, mass still
+    missing)``, stopping once at most 1e-20 is missing; the divisor is ``D``.
+    """
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    ranked = weights.gather(-1, order)
+    ranked[:, top_k:] = 0
+    kept = ranked.sum(-1, keepdim=True)
+    if top_p is None:
+        return torch.zeros_like(weights).scatter_(-1, order, ranked), kept.clamp_min(TINY)
+    divisor = (top_p * kept).clamp_min(TINY)
+    missing = divisor - (ranked.cumsum(-1) - ranked)
+    live = missing > TINY
+    live[:, 0] = True  # the top entry is always taken: the C++ checks the remaining mass after a take
+    clipped = torch.where(live, torch.minimum(ranked, missing), torch.zeros((), dtype=ranked.dtype, device=ranked.device))
+    return torch.zeros_like(weights).scatter_(-1, order, clipped), divisor
+
+
+def logits_to_probabilities(logits, temperature, top_k, top_p):
+    """f32 ``[rows, V]`` probabilities of f32 ``logits [rows, V]`` (kernels.md 3.9).
+
+    ``T < 1e-3`` keeps only the argmax (ties: lower index). ``top_k`` 0 or ``>= V`` means no top-k;
+    ``top_p >= 1 - 1e-6`` means no top-p. Normalisers are float64 sums (accurate, not NVIDIA's
+    sequential fp32 sum of Case C); degenerate rows get ``1/V`` everywhere.
+    """
+    vocab = logits.shape[1]
+    greedy = temperature < GREEDY_TEMPERATURE
+    k = 1 if greedy else (top_k if 0 < top_k < vocab else vocab)
+    nucleus = None if greedy or top_p >= 1 - 1e-6 else top_p
+    x = _scaled(logits, temperature)
+    weights, degenerate = _softmax_weights(x)
+    if k < vocab or nucleus is not None:
+        weights, divisor = _top_k_top_p(x, weights, k, nucleus)
+    else:
+        divisor = weights.sum(-1, keepdim=True)
+    probs = (weights / divisor).float()
+    return torch.where(degenerate[:, None], torch.full_like(probs, 1.0 / vocab), probs)
+
+
+def normalize_top_k_rows(top_k_values, temperature):
+    """f32 ``[rows, K]`` softmax of ``top_k_values * invTemp(T)`` (kernels.md 3.20), float64 normaliser.
+
+    No one-hot below ``T = 1e-3`` (invTemp is 1 there); degenerate rows get ``1/K``.
+    """
+    weights, degenerate = _softmax_weights(_scaled(top_k_values, temperature))
+    probs = (weights / weights.sum(-1, keepdim=True).clamp_min(TINY)).float()
+    return torch.where(degenerate[:, None], torch.full_like(probs, 1.0 / probs.shape[1]), probs)
+
+
+# ------------------------------------------------------------------------------ per-step stores
+
+
+def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step):
+    """``draft_token_ids[:, step] = sample_from_probs(probability_scratch, proposal_uniforms[:, step])``."""
+    draft_token_ids[:, step] = sample_from_probs(probability_scratch, proposal_uniforms[:, step]).to(torch.int32)
+
+
+def store_draft_step_probabilities(probability_scratch, draft_probabilities, step):
+    """``draft_probabilities[:, step] = probability_scratch`` (f32 ``[B, V]`` into ``[B, P, V]``)."""
+    draft_probabilities[:, step] = probability_scratch
+
+
+def sample_top_k_rows_and_store(top_k_values, top_k_indices, proposal_uniforms, draft_token_ids,
+                                draft_top_k_probabilities, draft_top_k_indices, step, temperature):
+    """Normalise ``[B, K]`` top-k values, store probabilities and ids at ``step``, draw the token (3.22)."""
+    probs = normalize_top_k_rows(top_k_values, temperature)
+    draft_top_k_probabilities[:, step] = probs
+    draft_top_k_indices[:, step] = top_k_indices
+    draft_token_ids[:, step] = sample_from_sparse_probs(probs, top_k_indices, proposal_uniforms[:, step])
+
+
+def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, draft_token_ids,
+                       draft_probabilities, step, temperature, top_k, top_p, logits_stride, logits_offset):
+    """One step of 3.12: Markov correction, probabilities, draw; writes column/row ``step`` of the buffers."""
+    corrected = build_markov_logits(backbone_logits, markov_w1, markov_w2, first_prev_tokens, draft_token_ids, step,
+                                    logits_stride, logits_offset)
+    probs = logits_to_probabilities(corrected, temperature, top_k, top_p)
+    store_draft_step_probabilities(probs, draft_probabilities, step)
+    sample_probability_rows(probs, proposal_uniforms, draft_token_ids, step)
+
+
+def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
+                          top_k, top_p, logits_stride, logits_offset):
+    """``markov_sample_step`` for steps 0..P-1 -> ``(draft_token_ids int32 [B, P], draft_probabilities f32 [B, P, V])``."""
+    batch, width = proposal_uniforms.shape
+    device = proposal_uniforms.device
+    draft_token_ids = torch.zeros(batch, width, dtype=torch.int32, device=device)
+    draft_probabilities = torch.empty(batch, width, markov_w1.shape[0], dtype=torch.float32, device=device)
+    for step in range(width):
+        markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, draft_token_ids,
+                           draft_probabilities, step, temperature, top_k, top_p, logits_stride, logits_offset)
+    return draft_token_ids, draft_probabilities
+
+
+# ------------------------------------------------------------------------------ verification
+
+
+def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_ids, proposal_lengths, accept_uniforms,
+                         verify_proposal_len):
+    """Speculative-sampling accept of kernels.md 3.23, vectorised over the batch.
+
+    ``target_probabilities`` f32 ``[B, P_v+1, V]``, ``draft_probabilities`` f32 ``[B, S, V]``,
+    ``draft_token_ids`` int32 ``[B, S]``, ``proposal_lengths`` int32 ``[B]``, ``accept_uniforms`` f32
+    ``[B, 2S+1]``. Returns ``(accepted int32 [B, P_v+1], accept_length int32 [B])``; entries past the
+    accepted prefix + 1 are 0.
+    """
+    batch, _, vocab = target_probabilities.shape
+    stride, pv = draft_token_ids.shape[1], verify_proposal_len
+    rows = torch.arange(batch, device=draft_token_ids.device)
+    positions = torch.arange(pv, device=draft_token_ids.device)
+    row_p = proposal_lengths.long().clamp(max=pv).clamp(min=1)  # max(1, min(P_v, len))
+    proposed = draft_token_ids[:, :pv].long()
+    index = proposed.clamp(0, vocab - 1)[:, :, None]
+    p = target_probabilities[:, :pv].gather(2, index).squeeze(2)
+    q = draft_probabilities[:, :pv].gather(2, index).squeeze(2)
+    ratio = torch.where(q <= TINY, torch.ones_like(p), torch.fmin(p / q, torch.ones_like(p)))  # fminf: NaN -> 1
+    accept = (p > 0) & (accept_uniforms[:, :pv] <= ratio) & (positions < row_p[:, None])
+    n = accept.long().cumprod(1).sum(1)  # length of the accepted prefix
+    # Row n of the target serves both the residual draw (rejected at n < rowP) and the bonus (n == rowP).
+    target_row = target_probabilities[rows, n]
+    rejected_at = n.clamp(max=stride - 1)  # only read when n < rowP <= S
+    residual = sample_from_residual(target_row, draft_probabilities[rows, rejected_at],
+                                    accept_uniforms[rows, stride + rejected_at])
+    bonus = sample_from_probs(target_row, accept_uniforms[:, 2 * stride])
+    last = torch.where(n < row_p, residual, bonus)
+    accepted = torch.zeros(batch, pv + 1, dtype=torch.int64, device=draft_token_ids.device)
+    accepted[:, :pv] = torch.where(positions < n[:, None], proposed, 0)
+    accepted.scatter_(1, n[:, None], last[:, None])
+    return accepted.to(torch.int32), (n + 1).to(torch.int32)

@@ -1,0 +1,204 @@
+"""One drafting round: draft block -> Markov loop -> confidence head -> per-row scheduler.
+
+The draft block (``DSparkDraftModel.forward_block``) gives final-norm hidden states for the
+``N = block_size`` slots ``[anchor, mask, ...]``; slot ``k + slot_offset`` drafts token k, where
+``slot_offset`` is 0 with ``sample_from_anchor`` and 1 without (runtime.md §1). The Markov loop then
+drafts the P tokens left to right:
+
+* vanilla head: ``dspark.kernels`` -- ``markov_greedy_round`` (greedy) or ``vanilla_markov_sample``
+  (sampled, which also returns the exact q each token was drawn from);
+* gated / rnn heads (and a vanilla rank the fused greedy kernel does not take): torch, one step at a
+  time through ``model.markov_bias``, then ``K.logits_to_probabilities`` + ``K.sample_probability_rows``.
+
+Drafts are sampled with the same temperature / top-k / top-p function as the target's probabilities
+(``K.logits_to_probabilities``), so q is exactly the distribution each token came from and
+verification stays lossless (runtime.md §3.9 note). Scheduling (chain mode, one row):
+``off`` verifies all P drafts; ``threshold`` / ``sps`` go through
+``K.compute_confidence_and_proposal_lengths`` / ``K.compute_confidence_and_sps_proposal_lengths``,
+except for a draft with STS temperatures (``config.sts_temperatures``): the fused kernels have no
+per-position temperature, so its calibrated confidences ``sigmoid(logit_k / T_k)`` come from
+``model.confidence_logits`` and the same length rules run on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels as K
+from ..kernels._validate import HALF_DTYPES, Checker
+from ..kernels.reference.confidence import sps_proposal_lengths, threshold_proposal_lengths
+
+__all__ = ["Drafter", "Proposal", "SamplingParams", "SCHEDULERS"]
+
+SCHEDULERS = ("off", "threshold", "sps")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Temperature / top-k / top-p of ``K.logits_to_probabilities`` and the uniforms' seed.
+
+    Greedy when ``temperature < 1e-3`` or ``top_k == 1`` (the kernels' one-hot case).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        c = Checker("SamplingParams")
+        c.real("temperature", self.temperature, low=0.0)
+        c.integer("top_k", self.top_k, low=0)
+        c.real("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p <= 0.0:
+            c.fail(f"top_p must be in (0, 1], got {self.top_p}")
+        c.integer("seed", self.seed, low=0, high=2**64 - 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-3 or self.top_k == 1
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """f32 ``[rows, V]`` probabilities of fp32 logits ``[rows, V]`` under these settings."""
+        return K.logits_to_probabilities(logits, self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class Proposal:
+    """A drafted chain for one row (B = 1).
+
+    ``token_ids`` int32 ``[1, P]`` (target ids); ``probabilities`` f32 ``[1, P, V]`` the distribution
+    each token was drawn from (``None`` when greedy); ``proposal_lengths`` int32 ``[1]`` drafts to
+    verify (the scheduler's choice, in [1, P]); ``confidence`` f32 ``[1, P]`` (``None`` when the
+    scheduler is off).
+    """
+
+    token_ids: torch.Tensor
+    probabilities: torch.Tensor | None
+    proposal_lengths: torch.Tensor
+    confidence: torch.Tensor | None
+
+
+class Drafter:
+    """Drafts P tokens per round with a ``DSparkDraftModel`` and keeps its context KV cache.
+
+    ``scheduler``: ``"off"``, ``"threshold"`` (``threshold`` = minimum prefix survival) or
+    ``"sps"`` (``threshold`` = survival floor); the latter two need the confidence head.
+    ``min_proposal_len`` / ``max_proposal_len`` (0 = P) bound the scheduled length.
+    """
+
+    def __init__(self, model, *, scheduler: str = "off", threshold: float = 0.0, min_proposal_len: int = 1,
+                 max_proposal_len: int = 0):
+        c = Checker("Drafter")
+        if scheduler not in SCHEDULERS:
+            c.fail(f"scheduler must be one of {list(SCHEDULERS)}, got {scheduler!r}")
+        if scheduler != "off" and model.confidence_head is None:
+            c.fail(f"scheduler {scheduler!r} needs a confidence head, but the draft has none (enable_confidence_head is False)")
+        self.model = model
+        self.config = model.config
+        self.scheduler = scheduler
+        # In SPS mode the threshold is a survival floor, a probability.
+        self.threshold = c.real("threshold", threshold, **(dict(low=0.0, high=1.0) if scheduler == "sps" else {}))
+        self.min_proposal_len = c.integer("min_proposal_len", min_proposal_len, low=0)
+        self.max_proposal_len = c.integer("max_proposal_len", max_proposal_len, low=0)
+        self.num_draft_tokens = self.config.num_draft_tokens
+        self.block_size = self.config.block_size
+        self.slot_offset = 0 if self.config.sample_from_anchor else 1
+        # The kernels take fp16/bf16 weights and hidden states; an fp32 draft (CPU) uses bf16 copies.
+        self.kernel_dtype = model.dtype if model.dtype in HALF_DTYPES else torch.bfloat16
+        self.markov_w1 = model.markov_w1.detach().to(self.kernel_dtype)
+        self.markov_w2 = model.markov_w2_target.detach().to(self.kernel_dtype)
+        self.fused_greedy = model.markov_head_type == "vanilla" and K.fused_greedy_supported(self.markov_w1.shape[1])
+        if scheduler != "off":
+            self.confidence_weight = model.confidence_weight.detach().to(self.kernel_dtype)
+            self.confidence_bias = model.confidence_bias.detach().to(self.kernel_dtype)
+        self.sts_temperatures = _sts_temperatures(self.config.sts_temperatures, self.num_draft_tokens, model.device)
+        self.cache = model.new_cache()
+
+    def reset(self) -> None:
+        """Forget the context (start of a new sequence)."""
+        self.cache = self.model.new_cache()
+
+    def propose(self, context_hidden: torch.Tensor, anchor: torch.Tensor, anchor_position: int,
+                sampling: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+        """Draft one round.
+
+        ``context_hidden`` ``[T_new, m*H]``: captured target hidden states of the positions verified
+        since the last call (``cache.length .. anchor_position-1``); ``anchor`` int32 ``[1]`` the last
+        committed token, at ``anchor_position``; ``uniforms`` f32 ``[1, P]`` draft uniforms (ignored
+        when greedy).
+        """
+        hidden = self.model.forward_block(self.cache, context_hidden, anchor, anchor_position)
+        logits = self.model.backbone_logits(hidden)
+        if self.model.markov_head_type == "vanilla" and (self.fused_greedy or not sampling.greedy):
+            tokens, probs = self._vanilla(logits, anchor, sampling, uniforms)
+        else:
+            tokens, probs = self._stepwise(hidden, logits, anchor, sampling, uniforms)
+        lengths, confidence = self._schedule(hidden, anchor, tokens)
+        return Proposal(tokens, probs, lengths, confidence)
+
+    def _vanilla(self, logits, anchor, sampling, uniforms):
+        rows = dict(logits_stride=self.block_size, logits_offset=self.slot_offset)
+        if sampling.greedy:
+            tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchor,
+                                           proposal_len=self.num_draft_tokens, **rows)
+            return tokens, None
+        return K.vanilla_markov_sample(logits, self.markov_w1, self.markov_w2, anchor, uniforms,
+                                       sampling.temperature, sampling.top_k, sampling.top_p, **rows)
+
+    def _stepwise(self, hidden, logits, anchor, sampling, uniforms):
+        """Sequential Markov loop in torch (gated / rnn heads, or a vanilla rank without a fused kernel)."""
+        p = self.num_draft_tokens
+        tokens = torch.zeros(1, p, dtype=torch.int32, device=logits.device)
+        probs = None if sampling.greedy else torch.empty(1, p, logits.shape[-1], device=logits.device)
+        if uniforms is None:  # greedy: the one-hot row is drawn whatever the uniform
+            uniforms = torch.zeros(1, p, device=logits.device)
+        prev, state = anchor, None
+        for step in range(p):
+            row = step + self.slot_offset
+            bias, state = self.model.markov_bias(hidden[row:row + 1], prev, state)
+            q = sampling.probabilities(logits[row:row + 1] + bias)
+            K.sample_probability_rows(q, uniforms, tokens, step)
+            if probs is not None:
+                K.store_draft_step_probabilities(q, probs, step)
+            prev = tokens[:, step]
+        return tokens, probs
+
+    def _schedule(self, hidden, anchor, tokens):
+        p = self.num_draft_tokens
+        if self.scheduler == "off":
+            return K.fill_proposal_lengths(1, p, device=tokens.device), None
+        if self.sts_temperatures is not None:
+            return self._schedule_sts(hidden, anchor, tokens)
+        args = (hidden.to(self.kernel_dtype), self.markov_w1, self.confidence_weight, self.confidence_bias, anchor, tokens)
+        kwargs = dict(confidence_with_markov=self.model.confidence_with_markov, min_proposal_len=self.min_proposal_len,
+                      max_proposal_len=self.max_proposal_len, hidden_stride=self.block_size,
+                      hidden_offset=self.slot_offset)
+        if self.scheduler == "threshold":
+            confidence, lengths = K.compute_confidence_and_proposal_lengths(*args, threshold=self.threshold, **kwargs)
+        else:
+            confidence, lengths = K.compute_confidence_and_sps_proposal_lengths(*args, survival_floor=self.threshold, **kwargs)
+        return lengths, confidence
+
+    def _schedule_sts(self, hidden, anchor, tokens):
+        """Calibrated confidences ``sigmoid(logit_k / T_k)`` (STS, runtime.md §4), then the same
+        threshold / SPS rules as the kernels (their reference implementations, on the scores)."""
+        rows = hidden[self.slot_offset:self.slot_offset + self.num_draft_tokens].unsqueeze(0)
+        prev = torch.cat([anchor, tokens[0, :-1]]).unsqueeze(0)
+        confidence = torch.sigmoid(self.model.confidence_logits(rows, prev) / self.sts_temperatures)
+        if self.scheduler == "threshold":
+            lengths = threshold_proposal_lengths(confidence, self.threshold, self.min_proposal_len, self.max_proposal_len)
+        else:
+            lengths = sps_proposal_lengths(confidence, self.threshold, self.min_proposal_len, self.max_proposal_len)
+        return lengths, confidence
+
+
+def _sts_temperatures(temperatures, num_draft_tokens: int, device) -> torch.Tensor | None:
+    """f32 ``[P]`` STS temperatures T_1..T_P; positions past a shorter list reuse its last value."""
+    if temperatures is None:
+        return None
+    values = list(temperatures)[:num_draft_tokens]
+    values += values[-1:] * (num_draft_tokens - len(values))
+    return torch.tensor(values, dtype=torch.float32, device=device)

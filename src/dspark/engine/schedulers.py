@@ -1,0 +1,109 @@
+"""Batch-level verification schedulers (runtime.md Part III).
+
+``prefix_schedule`` is the paper's Algorithm 1: the hardware-aware prefix scheduler that picks how
+many drafted tokens each request verifies from the confidence head's prefix survivals and a
+profiled steps-per-second curve SPS(B). ``SPSCostTable`` is that curve in TensorRT-LLM's JSON
+cost-table form. The single-request engine uses the per-row kernels of ``dspark.kernels``; these
+serve batched decoding.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..kernels._validate import Checker
+
+__all__ = ["SPSCostTable", "prefix_schedule", "prefix_survival"]
+
+
+@dataclass(frozen=True)
+class SPSCostTable:
+    """Target step time as a function of the total verify tokens B (bonus tokens included).
+
+    ``token_counts`` strictly increasing, ``step_time_ms`` of the same length (> 0),
+    ``fixed_overhead_ms`` added to every step. Between points the time is interpolated linearly;
+    outside the table it is extrapolated from the nearest segment (a one-point table is flat).
+    """
+
+    token_counts: tuple[int, ...]
+    step_time_ms: tuple[float, ...]
+    fixed_overhead_ms: float = 0.0
+
+    def __post_init__(self):
+        c = Checker("SPSCostTable")
+        counts = [c.integer("token_counts[]", n, low=1) for n in self.token_counts]
+        times = [c.real("step_time_ms[]", t, low=0.0) for t in self.step_time_ms]
+        if not counts or len(counts) != len(times):
+            c.fail(f"token_counts and step_time_ms must be non-empty and of equal length, got {len(counts)} and {len(times)}")
+        if any(b <= a for a, b in zip(counts, counts[1:])):
+            c.fail(f"token_counts must be strictly increasing, got {counts}")
+        c.real("fixed_overhead_ms", self.fixed_overhead_ms, low=0.0)
+        object.__setattr__(self, "token_counts", tuple(counts))
+        object.__setattr__(self, "step_time_ms", tuple(times))
+
+    @classmethod
+    def from_json(cls, path: str) -> "SPSCostTable":
+        """Read TensorRT-LLM's legacy cost-table JSON (``token_counts``, ``step_time_ms``,
+        optional ``fixed_overhead_ms``)."""
+        with open(path) as f:
+            d = json.load(f)
+        missing = [k for k in ("token_counts", "step_time_ms") if k not in d]
+        if missing:
+            Checker("SPSCostTable.from_json").fail(f"{path} is missing the key(s) {missing}")
+        return cls(tuple(d["token_counts"]), tuple(d["step_time_ms"]), d.get("fixed_overhead_ms", 0.0))
+
+    def step_time(self, tokens: int) -> float:
+        """Milliseconds of one target step verifying ``tokens`` tokens."""
+        n, t = self.token_counts, self.step_time_ms
+        if len(n) == 1:
+            return t[0] + self.fixed_overhead_ms
+        i = min(max(bisect.bisect_left(n, tokens), 1), len(n) - 1)
+        slope = (t[i] - t[i - 1]) / (n[i] - n[i - 1])
+        return t[i - 1] + slope * (tokens - n[i - 1]) + self.fixed_overhead_ms
+
+    def sps(self, tokens: int) -> float:
+        """Steps per second at ``tokens`` verify tokens: 1000 / step_time_ms."""
+        return 1000.0 / max(self.step_time(tokens), 1e-9)
+
+
+def prefix_survival(confidences: torch.Tensor) -> torch.Tensor:
+    """``a[r, j] = prod_{i<=j} c[r, i]`` for confidences ``[R, P]`` (float) -> float64 ``[R, P]``."""
+    return torch.cumprod(confidences.to(torch.float64), dim=-1)
+
+
+def prefix_schedule(confidences: torch.Tensor, sps: Callable[[int], float] | SPSCostTable) -> list[int]:
+    """Paper Algorithm 1: drafts each request verifies, from confidences ``[R, P]`` (conditional
+    c_{r,j}; a row's tail may be 0 for positions it did not draft).
+
+    Candidates (r, j) are admitted in descending prefix survival a_{r,j}, each adding one verify
+    token (B += 1) and a_{r,j} expected tokens (tau += a); admission stops at the FIRST candidate
+    that does not raise the goodput tau * SPS(B). The early stop is what keeps the scheduler
+    lossless: admitting x_j then never depends on c_{j+1}, which depends on x_j (Appendix A).
+    ``sps`` maps total verify tokens B (each request's anchor counts 1) to steps per second.
+    Returns ``[R]`` lengths (0 = verify the anchor only).
+    """
+    c = Checker("prefix_schedule")
+    c.tensor("confidences", confidences, ndim=2)
+    rate = sps.sps if isinstance(sps, SPSCostTable) else sps
+    survival = prefix_survival(confidences)
+    num_requests = survival.shape[0]
+    # Descending survival; ties by position then request so each request's prefix stays in order.
+    order = sorted(
+        ((float(survival[r, j]), j, r) for r in range(num_requests) for j in range(survival.shape[1]) if survival[r, j] > 0),
+        key=lambda item: (-item[0], item[1], item[2]),
+    )
+    lengths = [0] * num_requests
+    tokens, expected = num_requests, float(num_requests)
+    best = expected * rate(tokens)
+    for a, j, r in order:
+        tokens, expected = tokens + 1, expected + a
+        goodput = expected * rate(tokens)
+        if goodput <= best:
+            break
+        best, lengths[r] = goodput, j + 1
+    return lengths

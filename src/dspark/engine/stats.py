@@ -1,0 +1,77 @@
+"""Statistics of one speculative ``generate`` call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Per-round records and the derived figures.
+
+    Per round r: ``scheduled_lengths[r]`` drafts verified (P_v), ``accept_lengths[r]`` tokens the
+    verification produced (accepted drafts + the bonus/correction token, in ``[1, P_v+1]``),
+    ``committed[r]`` tokens appended to the output (fewer than ``accept_lengths[r]`` only when EOS
+    or ``max_new_tokens`` cut the last round). ``prefill_tokens`` counts the token sampled from the
+    prefill (1, or 0 when ``max_new_tokens`` is 0). Times are seconds.
+    """
+
+    num_drafts: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    scheduled_lengths: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+
+    def record_round(self, scheduled: int, accepted: int, committed: int) -> None:
+        self.scheduled_lengths.append(scheduled)
+        self.accept_lengths.append(accepted)
+        self.committed.append(committed)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.prefill_tokens + sum(self.committed)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: mean tokens produced per verification round, bonus token included."""
+        return sum(self.accept_lengths) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float | None]:
+        """Conditional acceptance of draft position k (1-based index k-1): among rounds that verified
+        position k with positions 1..k-1 all accepted, the fraction accepting k (None if no trial)."""
+        out = []
+        for k in range(1, self.num_drafts + 1):
+            trials = [a for a, s in zip(self.accept_lengths, self.scheduled_lengths) if s >= k and a >= k]
+            out.append(sum(a > k for a in trials) / len(trials) if trials else None)
+        return out
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "rounds": self.rounds,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_per_position": [None if a is None else round(a, 4) for a in self.acceptance_per_position],
+            "scheduled_lengths": list(self.scheduled_lengths),
+            "accept_lengths": list(self.accept_lengths),
+            "mean_scheduled_length": round(sum(self.scheduled_lengths) / self.rounds, 4) if self.rounds else 0.0,
+            "prefill_time_s": round(self.prefill_time, 6),
+            "draft_time_s": round(self.draft_time, 6),
+            "verify_time_s": round(self.verify_time, 6),
+            "total_time_s": round(self.total_time, 6),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+        }

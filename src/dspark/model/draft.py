@@ -1,0 +1,389 @@
+"""The DSpark draft model: a Qwen3-style DFlash backbone with KV injection, plus its heads.
+
+One draft round (runtime.md §2, §2.6; reference = DeepSpec's evaluator with its cropped cache):
+
+1. ``forward_block`` projects the captured target hidden states of the newly verified positions,
+   ``c = hidden_norm(fc(concat_m h))``, and appends their per-layer keys/values
+   (``RoPE(k_norm(k_proj c))``, ``v_proj c``, no ``input_layernorm``) to the ``DraftCache``;
+2. the block ``[anchor, mask, ..., mask]`` at positions ``p .. p+N-1`` runs through the layers; its
+   queries attend to the cached context (``< p``; on sliding layers only ``>= p - W``) and to the
+   block (bidirectional on full-attention layers, causal on sliding ones unless
+   ``sliding_window_non_causal``); the block's own K/V are never cached;
+3. ``backbone_logits`` = ``lm_head`` over the final-norm hidden states, in the target vocabulary.
+
+Submodule names equal the checkpoint tensor names (runtime.md §6.1), so ``state_dict()`` is the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels._validate import Checker
+from .config import DSparkConfig
+from .heads import ConfidenceHead, MarkovHead, scatter_vocab
+
+__all__ = ["DSparkDraftModel", "DraftCache", "RMSNorm", "rope_cos_sin", "apply_rope"]
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, cast back, then scale (same op order as HF)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+@lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """Default RoPE tables ``(cos, sin)`` ``[T, head_dim]`` for int positions ``[T]``, computed in
+    float32 and cast to ``dtype`` as Hugging Face does."""
+    freqs = positions.float()[:, None] * _inv_freq(head_dim, theta, positions.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX / HF ``rotate_half`` rotation of ``x`` ``[heads, T, d]`` by tables ``[T, d]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftCache:
+    """Per-layer context keys (after ``k_norm`` and RoPE) and values of one sequence.
+
+    Holds positions ``0 .. length-1``: only verified context. A block's K/V are written past
+    ``length`` for the duration of one layer's attention and overwritten by the next context (as
+    vLLM does), never counted in ``length``. Storage grows by doubling, so appending a round costs
+    amortised O(new tokens).
+    """
+
+    def __init__(self, num_layers: int):
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._keys)
+
+    def extend(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Append ``T`` positions: one ``[n_kv, T, d]`` key and value tensor per layer."""
+        for i, (k, v) in enumerate(zip(keys, values)):
+            self._keys[i] = _write_at(self._keys[i], self.length, k)
+            self._values[i] = _write_at(self._values[i], self.length, v)
+        self.length += keys[0].shape[1]
+
+    def with_block(self, layer: int, start: int, block_k: torch.Tensor, block_v: torch.Tensor):
+        """Keys and values ``[n_kv, length - start + N, d]``: context positions ``start .. length-1``
+        followed by the block's ``[n_kv, N, d]`` (stored past ``length``, so not kept)."""
+        end = self.length + block_k.shape[1]
+        self._keys[layer] = _write_at(self._keys[layer], self.length, block_k)
+        self._values[layer] = _write_at(self._values[layer], self.length, block_v)
+        return self._keys[layer][:, start:end], self._values[layer][:, start:end]
+
+    def crop(self, n: int) -> None:
+        """Keep positions ``< n`` (roll back to a shorter verified context)."""
+        self.length = Checker("DraftCache.crop").integer("n", n, low=0, high=self.length)
+
+
+def _write_at(buffer: torch.Tensor | None, start: int, new: torch.Tensor) -> torch.Tensor:
+    """Write ``new`` ``[h, T, d]`` at ``buffer[:, start:start+T]``, reallocating (doubling) if full."""
+    end = start + new.shape[1]
+    if buffer is None or end > buffer.shape[1]:
+        capacity = max(end, 16) if buffer is None else max(end, 2 * buffer.shape[1])
+        grown = new.new_empty(new.shape[0], capacity, new.shape[2])
+        if buffer is not None:
+            grown[:, :start] = buffer[:, :start]
+        buffer = grown
+    buffer[:, start:end] = new
+    return buffer
+
+
+class DraftAttention(nn.Module):
+    """Qwen3 attention (``q_norm``/``k_norm``, GQA, no biases) whose keys/values also come from
+    the injected context."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], n, self.head_dim).transpose(0, 1)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated keys and values ``[n_kv, T, d]`` of inputs ``x`` ``[T, H]``."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(self, x, cos, sin, cache: DraftCache, layer: int, start: int, mask) -> torch.Tensor:
+        """Block queries ``x`` ``[N, H]`` over the keys of context positions ``start ..`` and of the
+        block -> ``[N, H]``. ``mask``: bool ``[rep*N, keys]`` (see ``block_mask``) or None (all visible)."""
+        n = x.shape[0]
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        k, v = cache.with_block(layer, start, *self.key_value(x, cos, sin))
+        # GQA without copying K/V: the rep query heads of one KV head become rep*N query rows
+        q = q.reshape(self.num_kv_heads, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1))
+
+
+def block_mask(context_len: int, n: int, rep: int, device) -> torch.Tensor:
+    """Causal-block mask bool ``[rep*N, context_len + N]``: context all visible, block
+    lower-triangular, tiled for the ``rep`` query heads that share a KV head."""
+    block = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    mask = torch.cat([torch.ones(n, context_len, dtype=torch.bool, device=device), block], dim=1)
+    return mask.repeat(rep, 1)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def forward(self, h, cos, sin, cache: DraftCache, layer: int, start: int, mask) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DSparkDraftModel(nn.Module):
+    """The DSpark draft model (backbone + Markov head + optional confidence head).
+
+    Parameters follow the checkpoint names: ``embed_tokens [V_t, H]``, ``layers.{i}.*``, ``norm``,
+    ``fc [H, m*H]``, ``hidden_norm``, ``lm_head [V_d, H]``, ``markov_head.*``,
+    ``confidence_head.proj.*``; buffers ``d2t [V_d]`` int64 and ``t2d [V_t]`` bool only for a
+    reduced vocabulary. Everything the engine consumes is in the target vocabulary V_t.
+    """
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.config = config
+        h, v_t, v_d, r = config.hidden_size, config.vocab_size, config.draft_vocab_size, config.markov_rank
+        self.embed_tokens = nn.Embedding(v_t, h)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.fc = nn.Linear(config.num_capture_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, v_d, bias=False)
+        self.markov_head = MarkovHead(h, v_t, v_d, r, config.markov_head_type)
+        self.confidence_head = (ConfidenceHead(h, r, config.confidence_head_with_markov)
+                                if config.enable_confidence_head else None)
+        if config.reduced_vocab:
+            self.register_buffer("d2t", torch.zeros(v_d, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(v_t, dtype=torch.bool))
+        self._w2_target_cache: tuple | None = None
+
+    # ---- basic properties ---------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def markov_head_type(self) -> str:
+        return self.config.markov_head_type
+
+    @property
+    def confidence_with_markov(self) -> bool:
+        return self.config.confidence_head_with_markov
+
+    @property
+    def draft_to_target_ids(self) -> torch.Tensor | None:
+        """int64 ``[V_d]`` target id of each draft id (``arange + d2t``); None for a full vocabulary."""
+        if not self.config.reduced_vocab:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(self.config.num_hidden_layers)
+
+    # ---- backbone -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_block(self, cache: DraftCache, context_hidden: torch.Tensor, anchor_token, anchor_position: int):
+        """Append context K/V and run the draft block; returns final-norm hidden ``[N, H]`` (model dtype).
+
+        cache: this model's ``DraftCache`` holding positions ``< cache.length``.
+        context_hidden: ``[T_new, m*H]`` float, the concatenated captured target hidden states of
+            positions ``cache.length .. anchor_position-1`` (``T_new = anchor_position - cache.length``,
+            may be 0); their K/V are appended permanently.
+        anchor_token: int or 1-element integer tensor, the target id at ``anchor_position`` (slot 0).
+        anchor_position: int, absolute position p of the anchor; slot k sits at ``p + k``.
+        N = ``block_size``; afterwards ``cache.length == anchor_position``.
+        """
+        c = Checker("forward_block")
+        cfg = self.config
+        if not isinstance(cache, DraftCache) or cache.num_layers != cfg.num_hidden_layers:
+            c.fail(f"cache must be a DraftCache from this model's new_cache() ({cfg.num_hidden_layers} layers), "
+                   f"got {type(cache).__name__}", TypeError)
+        p = c.integer("anchor_position", anchor_position, low=cache.length)
+        c.tensor("context_hidden", context_hidden, dtype=_FLOAT_DTYPES, device=self.device,
+                 shape=[p - cache.length, cfg.num_capture_layers * cfg.hidden_size])
+        anchor = self._anchor_tensor(c, anchor_token)
+
+        n, t_new = cfg.block_size, context_hidden.shape[0]
+        positions = torch.arange(cache.length, p + n, device=self.device)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+        context = self.hidden_norm(self.fc(context_hidden.to(self.dtype)))
+        kv = [layer.self_attn.key_value(context, cos[:t_new], sin[:t_new]) for layer in self.layers]
+        cache.extend([k for k, _ in kv], [v for _, v in kv])
+
+        ids = torch.full((n,), cfg.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[0] = anchor
+        h = self.embed_tokens(ids)
+        masks: dict[int, torch.Tensor] = {}  # one causal mask per distinct context length
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        for i, layer in enumerate(self.layers):
+            window = cfg.layer_window(i)
+            start = 0 if window is None else max(0, p - window)
+            mask = None
+            if cfg.layer_is_causal(i) and n > 1:
+                mask = masks.setdefault(p - start, block_mask(p - start, n, rep, self.device))
+            h = layer(h, cos[t_new:], sin[t_new:], cache, i, start, mask)
+        return self.norm(h)
+
+    def _anchor_tensor(self, c: Checker, anchor_token) -> torch.Tensor:
+        """The anchor as a 1-element int64 tensor on the model device (no host sync for tensors)."""
+        v_t = self.config.vocab_size
+        if isinstance(anchor_token, torch.Tensor):
+            if anchor_token.numel() != 1 or anchor_token.dtype.is_floating_point or anchor_token.dtype == torch.bool:
+                c.fail(f"anchor_token must be an int or a 1-element integer tensor, got {anchor_token.dtype} "
+                       f"shape {list(anchor_token.shape)}", TypeError)
+            c.ids_in_range("anchor_token", anchor_token, v_t)
+            return anchor_token.reshape(1).to(self.device, torch.int64).clamp(0, v_t - 1)
+        return torch.tensor([c.integer("anchor_token", anchor_token, low=0, high=v_t - 1)], device=self.device)
+
+    @torch.no_grad()
+    def backbone_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head`` logits, fp32 ``[..., V_t]`` for hidden ``[..., H]``; a reduced-vocabulary
+        draft's logits are placed at their target ids with -inf everywhere else."""
+        c = Checker("backbone_logits")
+        c.tensor("hidden", hidden, dtype=_FLOAT_DTYPES, device=self.device)
+        if hidden.dim() < 1 or hidden.shape[-1] != self.config.hidden_size:
+            c.fail(f"hidden must have shape [..., {self.config.hidden_size}], got {list(hidden.shape)}")
+        logits = self.lm_head(hidden.to(self.dtype)).float()
+        if self.config.reduced_vocab:
+            logits = scatter_vocab(logits, self.draft_to_target_ids, self.config.vocab_size, -1, float("-inf"))
+        return logits
+
+    # ---- Markov head --------------------------------------------------------------------------
+
+    @property
+    def markov_w1(self) -> torch.Tensor:
+        """``[V_t, R]`` Markov embedding of the previous (target) token, model dtype."""
+        return self.markov_head.markov_w1.weight
+
+    @property
+    def markov_w2_target(self) -> torch.Tensor:
+        """``[V_t, R]`` Markov output weights in target ids (rows outside a reduced draft vocabulary
+        are zero), model dtype. Cached until the weight changes."""
+        w2 = self.markov_head.markov_w2.weight
+        if not self.config.reduced_vocab:
+            return w2
+        key = (w2.data_ptr(), w2._version, w2.device, w2.dtype)
+        if self._w2_target_cache is None or self._w2_target_cache[0] != key:
+            with torch.no_grad():
+                full = scatter_vocab(w2.detach(), self.draft_to_target_ids, self.config.vocab_size, 0, 0.0)
+            self._w2_target_cache = (key, full)
+        return self._w2_target_cache[1]
+
+    @torch.no_grad()
+    def markov_bias(self, hidden_k: torch.Tensor, prev_tokens: torch.Tensor, state: torch.Tensor | None = None):
+        """Markov correction of one step for every head type: ``(bias fp32 [B, V_t], state)``.
+
+        hidden_k ``[B, H]`` final-norm hidden of slot k; prev_tokens int ``[B]`` target ids
+        ``y_{k-1}``; state: rnn recurrent state fp32 ``[B, R]`` (None before slot 0; passed through
+        unchanged for vanilla/gated). Corrected logits = ``backbone_logits + bias``.
+        """
+        c = Checker("markov_bias")
+        cfg = self.config
+        c.tensor("hidden_k", hidden_k, dtype=_FLOAT_DTYPES, ndim=2, device=self.device)
+        b = hidden_k.shape[0]
+        c.tensor("hidden_k", hidden_k, shape=[b, cfg.hidden_size])
+        prev = self._token_ids(c, "prev_tokens", prev_tokens, [b])
+        if state is not None and cfg.markov_head_type == "rnn":
+            c.tensor("state", state, dtype=torch.float32, shape=[b, cfg.markov_rank], device=self.device)
+        bias, state = self.markov_head(hidden_k, prev, state)
+        if cfg.reduced_vocab:
+            bias = scatter_vocab(bias, self.draft_to_target_ids, cfg.vocab_size, -1, 0.0)
+        return bias, state
+
+    # ---- confidence head ----------------------------------------------------------------------
+
+    def _confidence_proj(self) -> nn.Linear:
+        if self.confidence_head is None:
+            Checker("DSparkDraftModel").fail("this draft has no confidence head (enable_confidence_head is False)")
+        return self.confidence_head.proj
+
+    @property
+    def confidence_weight(self) -> torch.Tensor:
+        """``[H]`` or ``[H + R]`` (hidden part first), model dtype: the kernels' layout."""
+        return self._confidence_proj().weight.view(-1)
+
+    @property
+    def confidence_bias(self) -> torch.Tensor:
+        """``[1]``, model dtype."""
+        return self._confidence_proj().bias
+
+    @torch.no_grad()
+    def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid confidences fp32 ``[B, P]`` from hidden ``[B, P, H]`` and the previous target
+        tokens ``[B, P]`` of each slot (slot 0: the anchor)."""
+        c = Checker("confidence_logits")
+        self._confidence_proj()
+        c.tensor("hidden", hidden, dtype=_FLOAT_DTYPES, ndim=3, device=self.device)
+        b, p, _ = hidden.shape
+        c.tensor("hidden", hidden, shape=[b, p, self.config.hidden_size])
+        prev = self._token_ids(c, "prev_tokens", prev_tokens, [b, p])
+        embedding = self.markov_head.markov_w1(prev) if self.confidence_with_markov else None
+        return self.confidence_head(hidden, embedding)
+
+    def _token_ids(self, c: Checker, name: str, ids: torch.Tensor, shape: list[int]) -> torch.Tensor:
+        """Validated int64 target ids; clamped so a bad id on the GPU (unchecked there) cannot
+        index out of range."""
+        c.tensor(name, ids, dtype=_INT_DTYPES, shape=shape, device=self.device)
+        c.ids_in_range(name, ids, self.config.vocab_size)
+        return ids.long().clamp(0, self.config.vocab_size - 1)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT_DTYPES = (torch.int32, torch.int64)

@@ -1,0 +1,134 @@
+"""Batch prefix scheduler (paper Algorithm 1), SPS cost tables, and the Appendix-A losslessness case."""
+
+import json
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+import dspark.kernels as K
+from dspark.engine import SPSCostTable, prefix_schedule, prefix_survival
+
+# ------------------------------------------------------------------------------------ cost tables
+
+
+def test_cost_table_interpolates_and_extrapolates_linearly():
+    table = SPSCostTable((2, 4, 8), (10.0, 14.0, 16.0), fixed_overhead_ms=1.0)
+    assert table.step_time(2) == pytest.approx(11.0)
+    assert table.step_time(3) == pytest.approx(13.0)  # halfway 10 -> 14, + overhead
+    assert table.step_time(6) == pytest.approx(16.0)  # halfway 14 -> 16, + overhead
+    assert table.step_time(1) == pytest.approx(9.0)  # first segment's slope continued
+    assert table.step_time(10) == pytest.approx(18.0)  # last segment's slope continued
+    assert table.sps(3) == pytest.approx(1000.0 / 13.0)
+    assert SPSCostTable((4,), (5.0,)).step_time(100) == pytest.approx(5.0)
+
+
+def test_cost_table_reads_tensorrt_llm_json(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"token_counts": [1, 8], "step_time_ms": [2.0, 9.0], "fixed_overhead_ms": 0.5}))
+    table = SPSCostTable.from_json(str(path))
+    assert table.token_counts == (1, 8) and table.step_time(4) == pytest.approx(5.5)
+    path.write_text(json.dumps({"token_counts": [1, 8]}))
+    with pytest.raises(ValueError, match="step_time_ms"):
+        SPSCostTable.from_json(str(path))
+
+
+@pytest.mark.parametrize(
+    "counts, times, match",
+    [((2, 2), (1.0, 2.0), "strictly increasing"), ((1, 2), (1.0,), "equal length"), ((0,), (1.0,), "token_counts"),
+     ((1,), (-1.0,), "step_time_ms")],
+)
+def test_cost_table_rejects_bad_tables(counts, times, match):
+    with pytest.raises(ValueError, match=match):
+        SPSCostTable(counts, times)
+
+
+# ---------------------------------------------------------------------------------- Algorithm 1
+
+
+def test_prefix_schedule_admits_by_survival_until_goodput_drops():
+    # SPS(B) = 1000 / (10 + B). Survivals: r0 0.9, 0.81, 0.081; r1 0.5, 0.25, 0.125.
+    # Admission: 0.9 (Θ 223.1) -> 0.81 (265.0) -> 0.5 (280.7) -> 0.25 (278.75 <= 280.7: stop).
+    confidences = torch.tensor([[0.9, 0.9, 0.1], [0.5, 0.5, 0.5]])
+    assert prefix_schedule(confidences, lambda b: 1000.0 / (10 + b)) == [2, 1]
+
+
+def test_prefix_schedule_stops_at_the_first_non_improvement():
+    # Appendix A: admitting x1 lowers goodput (1.8 * 0.5 < 1.0) although x1 and x2 together would
+    # raise it ((1 + 0.8 + 0.8) * 0.45 = 1.17): the causal scheduler must not look past x1.
+    table = SPSCostTable((1, 2, 3), (1000.0, 2000.0, 1000.0 / 0.45))
+    assert prefix_schedule(torch.tensor([[0.8, 1.0]]), table) == [0]
+    assert prefix_schedule(torch.tensor([[0.8, 1.0]]), lambda b: 1.0) == [2]  # flat curve: every draft pays
+    assert prefix_schedule(torch.tensor([[0.0, 0.0]]), lambda b: 10.0 / b) == [0]
+    assert prefix_schedule(torch.tensor([[1.0, 1.0, 1.0]]), lambda b: 1.0 / b ** 0.5) == [3]
+
+
+def test_prefix_survival_is_the_cumulative_product():
+    a = prefix_survival(torch.tensor([[0.5, 0.5, 0.2]]))
+    assert torch.allclose(a, torch.tensor([[0.5, 0.25, 0.05]], dtype=torch.float64))
+
+
+def test_prefix_schedule_rejects_a_non_matrix():
+    with pytest.raises(ValueError, match="prefix_schedule: confidences must be 2-D"):
+        prefix_schedule(torch.tensor([0.5, 0.5]), lambda b: 1.0)
+
+
+# ----------------------------------------------------------------------- Appendix A, statistically
+
+TARGET = torch.tensor([0.7, 0.3])  # p over V = {A, B}
+DRAFT = torch.tensor([0.5, 0.5])  # q at both draft positions
+A1 = 0.8  # c_1
+C2 = {0: 1.0, 1: 0.0}  # c_2 depends on the drafted x_1: this is what a retrospective scheduler exploits
+SPS = SPSCostTable((1, 2, 3), (1000.0, 2000.0, 1000.0 / 0.45))  # SPS(1, 2, 3) = (1.0, 0.5, 0.45)
+DRAWS = 100_000
+
+
+def _retrospective_schedule(confidences, sps):
+    """What Algorithm 1 must NOT do: the best prefix over all lengths (no early stop), i.e. the
+    decision on x_1 looks at c_2, which depends on x_1."""
+    survival = prefix_survival(confidences)[0]
+    goodput = [(1 + float(survival[:n].sum())) * sps.sps(1 + n) for n in range(survival.numel() + 1)]
+    return [max(range(len(goodput)), key=goodput.__getitem__)]
+
+
+def _first_emitted_token(schedule) -> torch.Tensor:
+    """Draft x_1, x_2 ~ q, schedule from c = (a_1, c_2(x_1)), verify, return the first emitted token."""
+    n = DRAWS
+    u = K.fill_uniforms(n * 8, 2026, 0).view(n, 8)
+    draft_probs = DRAFT.expand(n, 2, 2).contiguous()
+    drafts = torch.zeros(n, 2, dtype=torch.int32)
+    for step in range(2):
+        K.sample_probability_rows(draft_probs[:, step].contiguous(), u[:, :2].contiguous(), drafts, step)
+    length = {x1: schedule(torch.tensor([[A1, C2[x1]]]), SPS)[0] for x1 in (0, 1)}
+    lengths = torch.tensor([length[int(x)] for x in (0, 1)])[drafts[:, 0].long()].to(torch.int32)
+    first = torch.zeros(n, dtype=torch.int32)
+    plain = lengths == 0  # nothing verified: the target samples the token itself
+    out = torch.zeros(int(plain.sum()), 1, dtype=torch.int32)
+    K.sample_probability_rows(TARGET.expand(out.shape[0], 2).contiguous(), u[plain, 2:3].contiguous(), out, 0)
+    first[plain] = out[:, 0]
+    rows = ~plain
+    if rows.any():
+        m = int(rows.sum())
+        accepted, _ = K.probabilistic_accept(TARGET.expand(m, 3, 2).contiguous(), draft_probs[rows], drafts[rows],
+                                             lengths[rows], u[rows, 3:8].contiguous(), 2)
+        first[rows] = accepted[:, 0]
+    return first
+
+
+def _fit(first: torch.Tensor):
+    counts = torch.bincount(first.long(), minlength=2).double()
+    expected = TARGET.double() * counts.sum()
+    p_value = scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue
+    tv = 0.5 * float((counts / counts.sum() - TARGET.double()).abs().sum())
+    return p_value, tv, float(counts[0] / counts.sum())
+
+
+def test_appendix_a_causal_scheduler_is_lossless():
+    p_value, tv, p_a = _fit(_first_emitted_token(prefix_schedule))
+    assert p_value > 1e-3 and tv < 0.01, (p_value, tv, p_a)
+
+
+def test_appendix_a_retrospective_scheduler_is_not():
+    p_value, tv, p_a = _fit(_first_emitted_token(_retrospective_schedule))
+    assert p_a == pytest.approx(0.85, abs=0.01)  # the paper's distorted (0.85, 0.15)
+    assert p_value < 1e-3 and tv > 0.1
