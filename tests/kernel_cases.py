@@ -1,11 +1,13 @@
 """Random and fixed inputs for the greedy drafting, verify and confidence kernel families.
 
 Shared by the reference tests (``test_markov.py``, ``test_verify.py``, ``test_confidence.py``) and
-the backend-agreement tests of the Triton kernels. Every builder takes a ``seed`` and a ``device``.
+the backend-agreement tests of the Triton kernels. Every builder takes a ``device``; the random
+ones also a ``seed``.
 
 ``exact=True`` builders draw values on a coarse dyadic grid (multiples of 1/8, 1/64) small enough
 that every product and every partial sum is exactly representable in fp32: then any summation order
 gives bit-identical logits, so backends must agree exactly (token ids *and* floats, ties included).
+The confidence builder uses such a grid too, so only the sigmoid's ``exp`` may differ by an ulp.
 For the Markov builders the exact grid also makes FP8 lossless: every ``markov_w2`` row has absmax
 7/8, so its scale is 7/8 / 448 = 2^-9 and every weight k/8 maps onto an exact E4M3 code 64*k.
 ``exact=False`` gives Gaussian values (compare floats with a tolerance, tokens with a tie margin).
@@ -13,8 +15,7 @@ For the Markov builders the exact grid also makes FP8 lossless: every ``markov_w
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -239,7 +240,6 @@ class ConfidenceCase:
     confidence_with_markov: bool
     hidden_stride: int = 0
     hidden_offset: int = 0
-    extra: dict = field(default_factory=dict)
 
     def args(self) -> tuple:
         return (self.draft_hidden_states, self.markov_w1, self.confidence_weight, self.confidence_bias,
@@ -336,7 +336,3 @@ SPS_VECTORS = (
     ([0.6] * 8, 0.0, 2),
     ([0.95, 0.9, 0.8, 0.5, 0.9, 0.9, 0.9, 0.9], 0.3, 3),
 )
-
-
-def sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x))

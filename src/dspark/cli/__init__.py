@@ -10,6 +10,9 @@ import sys
 SUBCOMMANDS = {
     "demo": "dspark.cli.demo",
     "generate": "dspark.cli.generate",
+    "train": "dspark.cli.train",
+    "calibrate": "dspark.cli.calibrate",
+    "eval": "dspark.cli.eval",
     "bench": "dspark.cli.bench",
 }
 

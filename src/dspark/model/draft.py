@@ -277,7 +277,9 @@ class DSparkDraftModel(nn.Module):
             start = 0 if window is None else max(0, p - window)
             mask = None
             if cfg.layer_is_causal(i) and n > 1:
-                mask = masks.setdefault(p - start, block_mask(p - start, n, rep, self.device))
+                if p - start not in masks:
+                    masks[p - start] = block_mask(p - start, n, rep, self.device)
+                mask = masks[p - start]
             h = layer(h, cos[t_new:], sin[t_new:], cache, i, start, mask)
         return self.norm(h)
 

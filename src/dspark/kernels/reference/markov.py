@@ -48,16 +48,12 @@ def _corrected(backbone_logits, markov_w1, markov_w2, prev_tokens, step, logits_
     return base + _markov_rows(markov_w1, prev_tokens) @ markov_w2.float().t()
 
 
-def _corrected_fp8(backbone_logits, markov_w1, w2_fp8, w2_row_scales, prev_tokens, step, logits_stride, logits_offset):
+def _corrected_fp8(backbone_logits, markov_w1, w2_fp8, w2_row_scales, prev_tokens, step, logits_stride,
+                   logits_offset):
     """fp32 ``[B, V]``: ``backbone[row] + scale_v * (fp8(W2)[v] . W1[prev_b])`` (scale on the fp32 dot)."""
     base = _base_rows(backbone_logits, prev_tokens.shape[0], step, logits_stride, logits_offset)
     codes = w2_fp8.view(torch.float8_e4m3fn).float()
     return base + w2_row_scales.float() * (_markov_rows(markov_w1, prev_tokens) @ codes.t())
-
-
-def _prev_tokens(first_prev_tokens: torch.Tensor, draft_token_ids: torch.Tensor, step: int) -> torch.Tensor:
-    """``first_prev_tokens`` at step 0, else column ``step - 1`` of ``draft_token_ids``."""
-    return first_prev_tokens if step == 0 else draft_token_ids[:, step - 1]
 
 
 # ------------------------------------------------------------------------------ correction logits
@@ -72,7 +68,7 @@ def build_markov_logits(backbone_logits, markov_w1, markov_w2, first_prev_tokens
     previous token for ``step > 0``). Returns f32 ``[B, V]``:
     ``backbone[b*logits_stride + step + logits_offset] + W2 @ W1[prev_b]``.
     """
-    prev = _prev_tokens(first_prev_tokens, draft_token_ids, step)
+    prev = first_prev_tokens if step == 0 else draft_token_ids[:, step - 1]
     return _corrected(backbone_logits, markov_w1, markov_w2, prev, step, logits_stride, logits_offset)
 
 
@@ -161,7 +157,8 @@ def quantize_markov_w2_fp8(markov_w2):
     absmax = w.abs().amax(dim=1)
     scale = torch.where(absmax > 0, absmax / FP8_E4M3_MAX, torch.ones_like(absmax))
     scaled = w * (1.0 / scale)[:, None]
-    codes = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # torch maps >= 480 to NaN
+    # Saturate first: depending on the torch version, the cast maps values >= 480 to NaN.
+    codes = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.view(torch.uint8), scale.to(torch.float16)
 
 

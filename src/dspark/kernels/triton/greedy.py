@@ -113,7 +113,7 @@ def _markov_kernel(
     prev = tl.minimum(tl.maximum(prev.to(tl.int32), 0), V - 1).to(tl.int64)
 
     acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
-    for r0 in tl.static_range(0, R, BLOCK_R):
+    for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         valid_r = offs_r < R
         w1 = tl.load(w1_ptr + prev[None, :] * R + offs_r[:, None], mask=valid_r[:, None] & valid_b[None, :], other=0.0)
