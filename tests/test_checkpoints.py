@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import gpu
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target, write_tiny_draft
 from safetensors.torch import load_file, save_file
 
@@ -44,8 +45,8 @@ def assert_same_model(a, b):
 
 def run_round(model, seed=0):
     g = torch.Generator().manual_seed(seed)
-    context = torch.randn(9, model.config.num_capture_layers * model.config.hidden_size, generator=g).to(model.dtype)
-    hidden = model.forward_block(model.new_cache(), context, 5, 9)
+    context = torch.randn(9, model.config.num_capture_layers * model.config.hidden_size, generator=g)
+    hidden = model.forward_block(model.new_cache(), context.to(model.device, model.dtype), 5, 9)
     return hidden, model.backbone_logits(hidden)
 
 
@@ -106,6 +107,8 @@ def test_published_config_examples_parse():
     assert cfg.checkpoint_format == "speculators" and cfg.capture_layer_ids == [24, 48, 72, 88, 92]
     assert cfg.num_draft_tokens == 8 and not cfg.reduced_vocab
     assert all(cfg.layer_is_causal(i) and cfg.layer_window(i) == 2048 for i in range(5))
+    del kimi["transformer_layer_config"]["sliding_window"]  # Qwen3Config's default applies
+    assert DSparkConfig.from_dict(kimi).sliding_window == 4096
     qwen3_8b = {
         "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
         "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -174,6 +177,18 @@ def test_dtype_and_device_arguments(tmp_path):
     assert half.dtype == torch.float16 and json.loads((tmp_path / "half" / "config.json").read_text())["dtype"] == "float16"
     with pytest.raises(TypeError, match="load_draft: dtype must be"):
         load_draft(path, dtype=torch.int8)
+
+
+@gpu
+def test_load_to_cuda(tmp_path):
+    path = write_tiny_draft(TARGET, tmp_path, format="speculators", draft_vocab_size=50)
+    model = load_draft(path, device="cuda", dtype=torch.bfloat16)
+    assert all(t.device.type == "cuda" for t in model.state_dict().values())
+    assert model.markov_w2_target.device.type == "cuda" and model.markov_w2_target.dtype == torch.bfloat16
+    hidden, logits = run_round(model)
+    reference = run_round(load_draft(path))[1]
+    assert torch.equal(torch.isinf(logits).cpu(), torch.isinf(reference))
+    torch.testing.assert_close(logits.cpu(), reference, atol=0.1, rtol=0.05)
 
 
 def test_sharded_checkpoint(tmp_path):

@@ -260,7 +260,9 @@ def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_toke
 
 def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_ids, proposal_lengths, accept_uniforms,
                          verify_proposal_len):
-    """Speculative-sampling verification (kernels.md 3.23); returns ``(accepted int32 [B, P_v+1], accept_length int32 [B])``.
+    """Speculative-sampling verification (kernels.md 3.23).
+
+    Returns ``(accepted int32 [B, P_v+1], accept_length int32 [B])``.
 
     ``target_probabilities`` f32 ``[B, P_v+1, V]`` (row i: the target's distribution after verify
     token i), ``draft_probabilities`` f32 ``[B, S, V]``, ``draft_token_ids`` int32 ``[B, S]`` (ids in

@@ -87,7 +87,8 @@ class DSparkConfig:
         c.real("rms_norm_eps", self.rms_norm_eps, low=0.0)
         c.real("rope_theta", self.rope_theta, low=1.0)
         if not self.sample_from_anchor and self.block_size < 2:
-            c.fail(f"block_size must be >= 2 when sample_from_anchor is False (slot 0 drafts nothing), got {self.block_size}")
+            c.fail(f"block_size must be >= 2 when sample_from_anchor is False (slot 0 drafts nothing), "
+                   f"got {self.block_size}")
         self._check_capture_ids(c)
         self._check_choices(c)
         self._check_layer_types(c)
@@ -117,7 +118,8 @@ class DSparkConfig:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
         if len(self.layer_types) != self.num_hidden_layers:
-            c.fail(f"layer_types must have num_hidden_layers={self.num_hidden_layers} entries, got {len(self.layer_types)}")
+            c.fail(f"layer_types must have num_hidden_layers={self.num_hidden_layers} entries, "
+                   f"got {len(self.layer_types)}")
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad:
             c.fail(f"layer_types entries must be one of {list(LAYER_TYPES)}, got {bad[0]!r}")
@@ -255,7 +257,8 @@ class DSparkConfig:
             extra = {"num_target_layers": d.get("num_target_layers")}
             heads = {**dflash, **d}
         _check_layer_support(c, layer)
-        window = layer.get("sliding_window") if layer.get("use_sliding_window", False) else None
+        # Qwen3Config defaults: use_sliding_window False, sliding_window 4096
+        window = layer.get("sliding_window", 4096) if layer.get("use_sliding_window", False) else None
         return cls(
             **_layer_fields(c, layer, window),
             capture_layer_ids=list(capture),

@@ -12,8 +12,9 @@ on the CPU it accumulates in float64 and rounds each output to fp32 (checked: it
 sequential fp32 sum at most positions of a 10^5-entry row), on the GPU it is a parallel scan. So the
 walk here is exact in two stages: a float64 prefix sum with a rigorous bound on how far the sequential
 fp32 sums can stray from it settles every row whose threshold is not within that bound of a running
-sum (almost all rows); the remaining rows are walked exactly, one column at a time in fp32
-(``_sequential_prefix``). The result is bit-for-bit the C++ choice for the same uniforms.
+sum (almost all rows); the remaining rows get the exact sequential fp32 sums from a vectorised
+binade-by-binade computation (``_sequential_prefix``). The result is bit-for-bit the C++ choice for
+the same uniforms.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
 
 UNIFORM_MAX = 0.99999994  # 1 - 2^-24 as fp32 (bit pattern 0x3F7FFFFF), clampUniform's upper bound
 TINY = 1e-20  # the C++ "no mass" threshold of normalisers, ratios and residual sums
+_TINY_FP32 = float(torch.tensor(TINY, dtype=torch.float32))  # what fp32 comparisons with TINY compare to
 GREEDY_TEMPERATURE = 1e-3  # below it, invTemp(T) = 1 and the dense path keeps only the argmax
 _FP32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -91,14 +93,71 @@ def _positive(w: torch.Tensor) -> torch.Tensor:
     return torch.where(w > 0, w, torch.zeros((), dtype=w.dtype, device=w.device))
 
 
+def _fp32_grid(running: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(ulp, limit)`` per row: the fp32 spacing in the binade of the (finite, >= 0) fp32
+    ``running`` sum, and the binade's upper end in units of that spacing (0 and subnormals share the
+    subnormal grid 2^-149 up to 2^-126)."""
+    running = running.double()
+    exponent = torch.frexp(running).exponent  # running in [2^(e-1), 2^e)
+    exponent = torch.where(running > 0, exponent, torch.full_like(exponent, -149))
+    ulp_exponent = (exponent - 24).clamp(min=-149)
+    one = torch.ones_like(running)
+    return torch.ldexp(one, ulp_exponent), torch.ldexp(one, exponent.clamp(min=-126) - ulp_exponent)
+
+
 def _sequential_prefix(w: torch.Tensor) -> torch.Tensor:
-    """f32 ``[rows, N]`` running sums ``c_i = fl32(c_{i-1} + w_i)`` in the C++ order (exact, slow)."""
-    out = torch.empty_like(w)
-    running = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
-    for i in range(w.shape[1]):
-        running = running + w[:, i]
-        out[:, i] = running
-    return out
+    """f32 ``[rows, N]`` running sums ``c_i = fl32(c_{i-1} + w_i)`` of f32 ``w >= 0``, exactly as the C++ loop.
+
+    While the running sum stays in one binade every addition rounds to the same grid, so in units of
+    its spacing the sums are integers: ``n_j = n_{j-1} + floor(w_j / ulp) + [frac > 1/2]``, plus at
+    an exact tie (``frac == 1/2``) a round-half-to-even bump. A tie always leaves ``n`` even, so the
+    k-th bump is ``P_k xor P_{k-1}`` with ``P_k`` the parity of the bump-free count at tie k (P_0 = 0):
+    a prefix sum, no sequential dependency. Each pass covers a window of columns up to the first
+    addition that leaves the binade, which is done as a real fp32 addition; windows grow with the
+    position because the running sum of a row doubles ever more slowly. Rows that reach +inf stay there.
+    """
+    rows, n = w.shape
+    out = torch.zeros_like(w)
+    start = torch.zeros(rows, dtype=torch.long, device=w.device)  # first column not computed yet
+    before = torch.zeros(rows, dtype=torch.float32, device=w.device)  # running sum before it
+    while True:
+        infinite = (start < n) & torch.isinf(before)
+        if bool(infinite.any()):
+            rest = infinite[:, None] & (torch.arange(n, device=w.device) >= start[:, None])
+            out = torch.where(rest, before[:, None], out)
+            start = torch.where(infinite, n, start)
+        live = start < n
+        if not bool(live.any()):
+            return out
+        lo = int(start[live].min())
+        hi = min(n, lo + max(1024, lo))
+        offsets = torch.arange(hi - lo, device=w.device)
+        active = offsets >= (start - lo)[:, None]  # rows already past hi have no active column
+        ulp, limit = _fp32_grid(before)
+        scaled = w[:, lo:hi].double() / ulp[:, None]
+        whole = torch.floor(scaled)
+        frac = scaled - whole
+        tie = active & (frac == 0.5)
+        steps = torch.where(active, (whole + (frac > 0.5)).clamp(max=2.0**31), 0.0)  # clamp: keeps float64 exact
+        count = (before.double() / ulp)[:, None] + steps.cumsum(-1)
+        parity = torch.where(tie, torch.remainder(count, 2.0), 0.0)
+        latest = torch.where(tie, offsets, -1).cummax(-1).values
+        previous = torch.nn.functional.pad(latest[:, :-1], (1, 0), value=-1)  # latest tie strictly before
+        previous_parity = torch.where(previous >= 0, parity.gather(1, previous.clamp(min=0)), 0.0)
+        count = count + (tie & (parity != previous_parity)).double().cumsum(-1)
+        leaves = active & (count >= limit[:, None])
+        first = torch.where(leaves.any(-1), leaves.int().argmax(-1), hi - lo)
+        inside = active & (offsets < first[:, None])
+        out[:, lo:hi] = torch.where(inside, (count * ulp[:, None]).float(), out[:, lo:hi])
+        # The addition that leaves the binade, done in fp32.
+        left = live & (first < hi - lo)
+        col = (first + lo).clamp(max=n - 1)[:, None]
+        prior = torch.where(col > start[:, None], out.gather(1, (col - 1).clamp(min=0)), before[:, None])
+        value = prior + w.gather(1, col)
+        out.scatter_(1, col, torch.where(left[:, None], value, out.gather(1, col)))
+        moved = live & (start < hi)
+        before = torch.where(left, value.squeeze(1), torch.where(moved, out[:, hi - 1], before))
+        start = torch.where(left, col.squeeze(1) + 1, torch.where(moved, hi, start))
 
 
 def _prefix_bounds(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,39 +180,28 @@ def _last_positive(w: torch.Tensor) -> torch.Tensor:
     return torch.where(positive.any(-1), last, torch.full_like(last, -1))
 
 
-def _inverse_cdf(w: torch.Tensor, u: torch.Tensor, scale_by_total: bool = False) -> torch.Tensor:
-    """NVIDIA's walk on each row of f32 ``w`` ``[rows, N]`` with threshold ``t`` per row (``u`` f32 ``[rows]``).
+def _walk(w, lower, upper, t_low, t_high, exact_threshold) -> torch.Tensor:
+    """NVIDIA's walk over the rows of ``w`` (f32 ``[rows, N]``, >= 0) with bounds from ``_prefix_bounds``.
 
-    ``t = clamp_uniform(u)``, times the row's sequential fp32 total when ``scale_by_total`` (the
-    residual sampler). Returns int64 ``[rows]``: the first index with ``t < c_i``, else the last
-    positive index, else -1.
+    The row's fp32 threshold ``t`` is known to lie in float64 ``[t_low, t_high]``;
+    ``exact_threshold(running, rows)`` gives it exactly from the exact running sums of the selected
+    rows. Returns int64 ``[rows]``: the first index with ``t < c_i``, else the last positive index,
+    else -1.
     """
-    w = _positive(w)
-    t = clamp_uniform(u)
-    lower, upper = _prefix_bounds(w)
-    t_low = t_high = t.double()
-    if scale_by_total:  # fl32(t * total) for a total inside [lower, upper] of the last column
-        t_low = t_low * lower[:, -1] * (1 - 2 * _FP32_UNIT_ROUNDOFF)
-        t_high = t_high * upper[:, -1] * (1 + 2 * _FP32_UNIT_ROUNDOFF)
     # c is non-decreasing, so the answer is the count of running sums <= t; bound it from both sides.
     index = (upper <= t_low[:, None]).sum(-1)
     unsure = index != (lower <= t_high[:, None]).sum(-1)
     if bool(unsure.any()):
         running = _sequential_prefix(w[unsure])
-        threshold = t[unsure] * running[:, -1] if scale_by_total else t[unsure]
-        index[unsure] = (running <= threshold[:, None]).sum(-1)
+        index[unsure] = (running <= exact_threshold(running, unsure)[:, None]).sum(-1)
     return torch.where(index < w.shape[1], index, _last_positive(w))
 
 
-def _sequential_total_exceeds(w: torch.Tensor, bound: float) -> torch.Tensor:
-    """bool ``[rows]``: the sequential fp32 sum of the positive entries of ``w`` is ``> bound``."""
-    w = _positive(w)
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``_walk`` over the positive entries of f32 ``w [rows, N]`` with ``t = clamp_uniform(u)`` (f32 ``[rows]``)."""
+    w, t = _positive(w), clamp_uniform(u)
     lower, upper = _prefix_bounds(w)
-    above = lower[:, -1] > bound
-    unsure = ~above & (upper[:, -1] > bound)
-    if bool(unsure.any()):
-        above[unsure] = _sequential_prefix(w[unsure])[:, -1] > bound
-    return above
+    return _walk(w, lower, upper, t.double(), t.double(), lambda running, rows: t[rows])
 
 
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -169,11 +217,22 @@ def sample_from_residual(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> t
     """``sampleFromResidual`` (kernels.md 2.3) per row: int64 ``[rows]`` from f32 ``p, q [rows, V]``, ``u [rows]``.
 
     ``r = max(p - q, 0)`` in fp32 and ``S`` its sequential fp32 sum; the walk over ``r`` uses
-    ``t = clamp_uniform(u) * S``. Rows with ``S <= 1e-20`` sample ``p`` instead (``sample_from_probs``).
+    ``t = clamp_uniform(u) * S`` (fp32). Rows with ``S <= 1e-20`` sample ``p`` (``sample_from_probs``).
     """
-    residual = p - q
-    walk = _inverse_cdf(residual, u, scale_by_total=True)
-    return torch.where(_sequential_total_exceeds(residual, TINY), walk, sample_from_probs(p, u))
+    residual = _positive(p - q)
+    lower, upper = _prefix_bounds(residual)
+    total_low, total_high = lower[:, -1], upper[:, -1]
+    has_mass = total_low > _TINY_FP32
+    unsure = ~has_mass & (total_high > _TINY_FP32)
+    if bool(unsure.any()):
+        has_mass[unsure] = _sequential_prefix(residual[unsure])[:, -1] > TINY
+    t = clamp_uniform(u)
+    slack = 2 * _FP32_UNIT_ROUNDOFF  # fl32(t * S) for any S in [total_low, total_high] lies in these bounds
+    index = _walk(residual, lower, upper, t * total_low * (1 - slack), t * total_high * (1 + slack),
+                  lambda running, rows: t[rows] * running[:, -1])
+    no_mass = ~has_mass
+    index[no_mass] = sample_from_probs(p[no_mass], u[no_mass])
+    return index
 
 
 def sample_from_sparse_probs(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -225,7 +284,7 @@ def _top_k_top_p(x: torch.Tensor, weights: torch.Tensor, top_k: int, top_p: floa
     missing = divisor - (ranked.cumsum(-1) - ranked)
     live = missing > TINY
     live[:, 0] = True  # the top entry is always taken: the C++ checks the remaining mass after a take
-    clipped = torch.where(live, torch.minimum(ranked, missing), torch.zeros((), dtype=ranked.dtype, device=ranked.device))
+    clipped = torch.where(live, torch.minimum(ranked, missing), torch.zeros_like(ranked))
     return torch.zeros_like(weights).scatter_(-1, order, clipped), divisor
 
 
@@ -294,7 +353,10 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
 
 def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
                           top_k, top_p, logits_stride, logits_offset):
-    """``markov_sample_step`` for steps 0..P-1 -> ``(draft_token_ids int32 [B, P], draft_probabilities f32 [B, P, V])``."""
+    """``markov_sample_step`` for steps 0..P-1.
+
+    Returns ``(draft_token_ids int32 [B, P], draft_probabilities f32 [B, P, V])``.
+    """
     batch, width = proposal_uniforms.shape
     device = proposal_uniforms.device
     draft_token_ids = torch.zeros(batch, width, dtype=torch.int32, device=device)
@@ -329,13 +391,14 @@ def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_
     ratio = torch.where(q <= TINY, torch.ones_like(p), torch.fmin(p / q, torch.ones_like(p)))  # fminf: NaN -> 1
     accept = (p > 0) & (accept_uniforms[:, :pv] <= ratio) & (positions < row_p[:, None])
     n = accept.long().cumprod(1).sum(1)  # length of the accepted prefix
-    # Row n of the target serves both the residual draw (rejected at n < rowP) and the bonus (n == rowP).
+    # Target row n gives the residual draw after a rejection at n < rowP, else the bonus (n == rowP).
     target_row = target_probabilities[rows, n]
-    rejected_at = n.clamp(max=stride - 1)  # only read when n < rowP <= S
-    residual = sample_from_residual(target_row, draft_probabilities[rows, rejected_at],
-                                    accept_uniforms[rows, stride + rejected_at])
-    bonus = sample_from_probs(target_row, accept_uniforms[:, 2 * stride])
-    last = torch.where(n < row_p, residual, bonus)
+    rejected, bonus = n < row_p, n >= row_p
+    last = torch.empty_like(n)
+    at = n[rejected]
+    last[rejected] = sample_from_residual(target_row[rejected], draft_probabilities[rows[rejected], at],
+                                          accept_uniforms[rows[rejected], stride + at])
+    last[bonus] = sample_from_probs(target_row[bonus], accept_uniforms[bonus, 2 * stride])
     accepted = torch.zeros(batch, pv + 1, dtype=torch.int64, device=draft_token_ids.device)
     accepted[:, :pv] = torch.where(positions < n[:, None], proposed, 0)
     accepted.scatter_(1, n[:, None], last[:, None])

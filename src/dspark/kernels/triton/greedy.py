@@ -61,14 +61,16 @@ def _orderable(x):
 def _best_keys(image, index, valid, AXIS: tl.constexpr):
     """Packed uint64 keys ``(max image) << 32 | ~(lowest index holding it)`` along ``AXIS``.
 
-    ``image`` uint32, ``index`` int32 and ``valid`` int1 share one shape; invalid lanes never win.
-    A slice without any valid lane yields a key with index ``_NO_INDEX`` (callers mask it out).
+    ``image`` uint32, ``index`` int32 and ``valid`` int1 share one shape; invalid lanes never win
+    and a slice without any valid lane yields key 0 (the empty floor).
     """
     image = tl.where(valid, image, 0)
     top = tl.max(image, axis=AXIS)
     holders = valid & (image == tl.expand_dims(top, AXIS))
     lowest = tl.min(tl.where(holders, index, _NO_INDEX), axis=AXIS)
-    return (top.to(tl.uint64) << 32) | (lowest.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
+    key = (top.to(tl.uint64) << 32) | (lowest.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
+    return tl.where(lowest == _NO_INDEX, 0, key)
+
 
 
 @triton.jit
@@ -96,59 +98,78 @@ def _markov_kernel(
     out_ptr, out_batch_stride,  # optional fp32 corrected-row output (WRITE_ROWS)
     key_ptr, key_stride,  # optional packed-key output, merged with atomic max (ARGMAX)
     B, V,
-    R: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
     PREV_IS_KEY: tl.constexpr, FP8: tl.constexpr, WRITE_ROWS: tl.constexpr, ARGMAX: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """``c[b, v] = base[b, v] + sum_r W2[v, r] * W1[prev_b, r]`` for a ``[BLOCK_V, BLOCK_B]`` tile."""
-    offs_v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    """``c[b, v] = base[b, v] + sum_r W2[v, r] * W1[prev_b, r]`` over vocabulary tiles ``pid + i*grid``.
+
+    A program gathers its batch block's W1 rows once, then streams its W2 tiles (software-pipelined
+    ``NUM_STAGES`` deep) through one GEMM each, keeping a running best key per row; one atomic max
+    per row and program merges the programs' keys.
+    """
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    valid_v = offs_v < V
     valid_b = offs_b < B
     rows_b = offs_b.to(tl.int64)
-
     prev = tl.load(prev_ptr + rows_b * prev_stride, mask=valid_b, other=0)
     if PREV_IS_KEY:
         prev = _unpack_key(prev)
     prev = tl.minimum(tl.maximum(prev.to(tl.int32), 0), V - 1).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    valid_r = offs_r < R
+    w1 = tl.load(w1_ptr + prev[None, :] * R + offs_r[:, None], mask=valid_r[:, None] & valid_b[None, :], other=0.0)
 
-    acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        valid_r = offs_r < R
-        w1 = tl.load(w1_ptr + prev[None, :] * R + offs_r[:, None], mask=valid_r[:, None] & valid_b[None, :], other=0.0)
+    best = tl.zeros([BLOCK_B], dtype=tl.uint64)
+    for i in tl.range(0, TILES_PER_PROGRAM, num_stages=NUM_STAGES):
+        offs_v = (tl.program_id(0) + i * tl.num_programs(0)) * BLOCK_V + tl.arange(0, BLOCK_V)
+        valid_v = offs_v < V
+        valid = valid_v[:, None] & valid_b[None, :]
         w2 = tl.load(w2_ptr + offs_v.to(tl.int64)[:, None] * R + offs_r[None, :], mask=valid_v[:, None] & valid_r[None, :], other=0)
+        base = tl.load(base_ptr + rows_b[None, :] * base_batch_stride + offs_v[:, None], mask=valid, other=0.0)
         if FP8:
             w2 = w2.to(tl.float8e4nv, bitcast=True).to(w1.dtype)
-        acc = _dot(w2, w1, acc, INTERPRET)
-    if FP8:
-        acc = acc * tl.load(scales_ptr + offs_v, mask=valid_v, other=0.0).to(tl.float32)[:, None]
-
-    valid = valid_v[:, None] & valid_b[None, :]
-    c = tl.load(base_ptr + rows_b[None, :] * base_batch_stride + offs_v[:, None], mask=valid, other=0.0) + acc
-    if WRITE_ROWS:
-        tl.store(out_ptr + rows_b[None, :] * out_batch_stride + offs_v[:, None], c, mask=valid)
+        acc = _dot(w2, w1, tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32), INTERPRET)
+        if FP8:
+            acc = acc * tl.load(scales_ptr + offs_v, mask=valid_v, other=0.0).to(tl.float32)[:, None]
+        c = base + acc
+        if WRITE_ROWS:
+            tl.store(out_ptr + rows_b[None, :] * out_batch_stride + offs_v[:, None], c, mask=valid)
+        if ARGMAX:
+            best = tl.maximum(best, _best_keys(_orderable(c), offs_v[:, None], valid, 0))
     if ARGMAX:
-        keys = _best_keys(_orderable(c), offs_v[:, None], valid, 0)
         key_out = key_ptr.to(tl.pointer_type(tl.uint64))
-        tl.atomic_max(key_out + rows_b * key_stride, keys, mask=valid_b, sem="relaxed")
+        tl.atomic_max(key_out + rows_b * key_stride, best, mask=valid_b & (best != 0), sem="relaxed")
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def markov_config(batch: int, rank: int, fp8: bool) -> dict:
-    """Tile sizes and launch options of the Markov GEMM kernel for a batch size and rank.
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 under the CPU interpreter, to exercise the loop)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
-    Tuned on an H200 (``python -m dspark.bench.greedy --tune``): the step is a stream over W2, so the
-    slice per program is sized for enough bytes in flight; the batch tile is at most 64 columns.
+
+def markov_smem_bytes(block_v: int, block_b: int, rank: int, fp8: bool, stages: int) -> int:
+    """Shared memory of the Markov kernel: ``stages`` W2 and base-logit tiles plus the W1 block."""
+    return stages * block_v * (rank * (1 if fp8 else 2) + block_b * 4) + rank * block_b * 2
+
+
+def markov_config(batch: int, rank: int, fp8: bool) -> dict:
+    """Launch configuration of the Markov GEMM kernel for a batch size and rank.
+
+    ``PROGRAMS_PER_SM`` persistent programs per multiprocessor (0: one program per tile); the
+    largest tile and pipeline depth that fit in shared memory. Tuned on an H200 with
+    ``python -m dspark.bench.greedy --tune``.
     """
     block_b = min(64, max(16, _next_pow2(batch)))
-    block_r = min(64, max(16, _next_pow2(rank)))
-    block_v = 128
-    num_warps = 8 if block_b >= 64 else 4
-    return dict(BLOCK_V=block_v, BLOCK_B=block_b, BLOCK_R=block_r, num_warps=num_warps, num_stages=3)
+    for block_v, stages in ((128, 3), (64, 3), (64, 2), (32, 2)):
+        if markov_smem_bytes(block_v, block_b, rank, fp8, stages) <= 200_000:
+            break
+    num_warps = 8 if fp8 or block_b >= 64 else 4
+    return dict(BLOCK_V=block_v, BLOCK_B=block_b, NUM_STAGES=stages, PROGRAMS_PER_SM=2, num_warps=num_warps)
 
 
 def _launch_markov(base, logits_stride, w1, w2, scales, prev, prev_is_key, *, rows_out=None, keys_out=None, config=None):
@@ -162,7 +183,10 @@ def _launch_markov(base, logits_stride, w1, w2, scales, prev, prev_is_key, *, ro
     vocab, rank = w2.shape
     fp8 = w2.dtype == torch.uint8
     cfg = dict(config or markov_config(batch, rank, fp8))
-    grid = (triton.cdiv(vocab, cfg["BLOCK_V"]), triton.cdiv(batch, cfg["BLOCK_B"]))
+    tiles = triton.cdiv(vocab, cfg["BLOCK_V"])
+    per_sm = cfg.pop("PROGRAMS_PER_SM")
+    programs = min(tiles, per_sm * _multiprocessors(base.device)) if per_sm else tiles
+    grid = (programs, triton.cdiv(batch, cfg["BLOCK_B"]))
     _markov_kernel[grid](
         base, logits_stride * vocab,
         w1, w2, scales if fp8 else w2,
@@ -170,7 +194,8 @@ def _launch_markov(base, logits_stride, w1, w2, scales, prev, prev_is_key, *, ro
         rows_out if rows_out is not None else base, rows_out.stride(0) if rows_out is not None else 0,
         keys_out if keys_out is not None else prev, keys_out.stride(0) if keys_out is not None else 0,
         batch, vocab,
-        R=rank, PREV_IS_KEY=prev_is_key, FP8=fp8, WRITE_ROWS=rows_out is not None, ARGMAX=keys_out is not None,
+        R=rank, BLOCK_R=max(16, _next_pow2(rank)), TILES_PER_PROGRAM=triton.cdiv(tiles, programs),  # tl.dot: dims >= 16
+        PREV_IS_KEY=prev_is_key, FP8=fp8, WRITE_ROWS=rows_out is not None, ARGMAX=keys_out is not None,
         INTERPRET=_INTERPRET, **cfg,
     )
 
@@ -414,7 +439,7 @@ def _greedy_accept_kernel(
 
 def greedy_accept_config(vocab: int) -> dict:
     """Slice length and warps of the argmax pass (a plain fp32 stream; tuned on an H200)."""
-    return dict(BLOCK=min(4096, _next_pow2(vocab)), num_warps=8)
+    return dict(BLOCK=min(2048, _next_pow2(vocab)), num_warps=4)
 
 
 def greedy_accept(base_logits, draft_token_ids, proposal_lengths, verify_proposal_len):

@@ -1,0 +1,149 @@
+"""Generate text with DSpark speculative decoding (target + draft checkpoint directories).
+
+Streams the text (or the token ids, when the target has no tokenizer) as rounds are accepted, then
+prints the statistics. ``--compare`` also runs plain target decoding and prints the speedup; in
+greedy mode it checks that both outputs are identical (exit status 1 otherwise). ``--json`` prints
+one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="Hugging Face causal LM directory")
+    parser.add_argument("--draft", required=True, help="DSpark draft directory (speculators or DeepSpec format)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off; 1 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling uniforms")
+    parser.add_argument("--scheduler", choices=("off", "threshold", "sps"), default="off")
+    parser.add_argument("--threshold", type=float, default=0.0,
+                        help="threshold scheduler: minimum prefix survival; sps: survival floor")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--compare", action="store_true", help="also run plain target decoding and report the speedup")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.engine import SamplingParams, SpeculativeDecoder, autoregressive_generate
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _dtype(args.dtype, device)
+    tokenizer = _tokenizer(args.target)
+    stream = None if args.json else _Printer(tokenizer)
+    try:
+        prompt_ids = _prompt_ids(args, tokenizer)
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, device=device, dtype=dtype,
+                                                     scheduler=args.scheduler, threshold=args.threshold)
+        result = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                  on_tokens=stream)
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"dspark generate: {exc}", file=sys.stderr)
+        return 2
+    report = {"prompt_ids": prompt_ids, "generated_ids": result.token_ids,
+              "text": _decode(tokenizer, result.token_ids), "stats": result.stats.as_dict()}
+    status = 0
+    if args.compare:
+        baseline = autoregressive_generate(decoder.target, prompt_ids, max_new_tokens=args.max_new_tokens,
+                                           sampling=sampling)
+        report["baseline"] = {"generated_ids": baseline.token_ids, "stats": baseline.stats.as_dict()}
+        report["speedup"] = round(baseline.stats.total_time / max(result.stats.total_time, 1e-12), 3)
+        if sampling.greedy:
+            report["identical"] = baseline.token_ids == result.token_ids
+            status = 0 if report["identical"] else 1
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print()
+        _print_summary(report)
+    return status
+
+
+def _dtype(name: str, device):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer(path: str):
+    """The target directory's tokenizer, or None when it has none (then ids are printed)."""
+    # transformers builds an empty tokenizer for a directory without tokenizer files: look first.
+    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    if tokenizer is None:
+        raise ValueError(f"--prompt needs a tokenizer, but {args.target} has none; pass --prompt-ids instead")
+    return tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+
+
+def _decode(tokenizer, ids: list[int]) -> str | None:
+    return None if tokenizer is None else tokenizer.decode(ids)
+
+
+class _Printer:
+    """Streams accepted tokens: text as it becomes complete (held back while a multi-byte character is
+    cut), or the ids when there is no tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        if self.tokenizer is None:
+            print(" ".join(map(str, tokens)), end=" ", flush=True)
+            return
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
+
+
+def _print_summary(report: dict) -> None:
+    stats = report["stats"]
+    per_position = " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_per_position"])
+    print(f"generated {stats['generated_tokens']} tokens in {stats['rounds']} rounds, "
+          f"tau = {stats['mean_accepted_length']:.2f} (bonus included), "
+          f"mean verified drafts {stats['mean_scheduled_length']:.2f}")
+    print(f"acceptance per position: {per_position}")
+    print(f"time: prefill {stats['prefill_time_s']:.3f} s, draft {stats['draft_time_s']:.3f} s, "
+          f"verify {stats['verify_time_s']:.3f} s, total {stats['total_time_s']:.3f} s, "
+          f"{stats['tokens_per_second']:.1f} tokens/s")
+    if "baseline" in report:
+        base = report["baseline"]["stats"]
+        line = f"plain target decoding: {base['tokens_per_second']:.1f} tokens/s, speedup {report['speedup']:.2f}x"
+        if "identical" in report:
+            line += ", outputs identical" if report["identical"] else ", OUTPUTS DIFFER"
+        print(line)

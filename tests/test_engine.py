@@ -1,0 +1,356 @@
+"""The speculative decoding engine end to end on tiny random models (CPU).
+
+Greedy: the output must equal the target's own greedy decoding token for token, whatever the draft
+(random checkpoints -> many rejections; an oracle proposing the target's continuation -> full
+acceptance; an oracle wrong at a fixed position -> a known partial acceptance every round).
+Sampled: runs are reproducible per seed, and the first generated tokens are distributed as the
+target's (filtered) distribution, computed exactly by enumeration.
+"""
+
+import pytest
+import torch
+from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target, write_tiny_draft
+from scipy import stats as scipy_stats
+
+import dspark.kernels as K
+from dspark.engine import Drafter, Proposal, SamplingParams, SpeculativeDecoder, TargetModel
+from dspark.engine.target import TargetOutput
+from dspark.model import load_draft
+
+PROMPT = [3, 17, 42, 8, 61, 5]
+NEW_TOKENS = 20
+
+
+def _forward(model, ids, capture_ids=None):
+    """Full forward over ``ids`` without any cache: (fp32 logits [T, V], captured hidden [T, m*H])."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    hidden = None if capture_ids is None else torch.cat([out.hidden_states[i][0] for i in capture_ids], -1)
+    return out.logits[0].float(), hidden
+
+
+def _greedy(model, prompt, n):
+    """Plain greedy decoding by full recomputation (independent of dspark)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(_forward(model, ids)[0][-1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3_target()
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    return _greedy(target, PROMPT, NEW_TOKENS + 8)
+
+
+def _decoder(target, tmp_path, *, format="speculators", scheduler="off", threshold=0.0, **draft_options):
+    draft = load_draft(write_tiny_draft(target, tmp_path / "draft", format=format, **draft_options))
+    return SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=threshold)
+
+
+# ---------------------------------------------------------------------------------- target adapter
+
+
+def test_target_adapter_matches_a_full_forward_and_rolls_back(target):
+    capture = [0, 2, 3]
+    adapter = TargetModel(target, capture)
+    sequence = PROMPT + [9, 10, 11, 12]
+    logits, hidden = _forward(target, sequence, capture)
+
+    out = adapter.prefill(torch.tensor(PROMPT))
+    assert out.logits.dtype == torch.float32 and out.logits.shape == (1, target.config.vocab_size)
+    torch.testing.assert_close(out.logits, logits[len(PROMPT) - 1:len(PROMPT)], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.hidden, hidden[:len(PROMPT)], rtol=1e-4, atol=1e-4)
+    assert out.hidden.shape == (len(PROMPT), 3 * target.config.hidden_size)
+
+    out = adapter.verify(torch.tensor([9, 10, 11, 12]))
+    torch.testing.assert_close(out.logits, logits[len(PROMPT):], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.hidden, hidden[len(PROMPT):], rtol=1e-4, atol=1e-4)
+    assert adapter.length == len(sequence)
+
+    # Keep two of the verified tokens, then continue differently: as if the rest never happened.
+    adapter.rollback(len(PROMPT) + 2)
+    assert adapter.length == len(PROMPT) + 2
+    other = PROMPT + [9, 10, 70, 71]
+    logits, hidden = _forward(target, other, capture)
+    out = adapter.verify(torch.tensor([70, 71]))
+    torch.testing.assert_close(out.logits, logits[-2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.hidden, hidden[-2:], rtol=1e-4, atol=1e-4)
+
+
+def test_target_adapter_rejects_bad_arguments(target):
+    with pytest.raises(ValueError, match=r"TargetModel: capture_layer_ids\[\] must be in \[0, 3\], got 4"):
+        TargetModel(target, [1, 4])  # index L = post-final-norm state
+    adapter = TargetModel(target, [1])
+    with pytest.raises(ValueError, match="TargetModel.verify: no sequence"):
+        adapter.verify(torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"TargetModel.prefill: input_ids holds token id 96"):
+        adapter.prefill(torch.tensor([1, 96]))
+    adapter.prefill(torch.tensor(PROMPT))
+    with pytest.raises(ValueError, match=r"TargetModel.rollback: length must be in \[0, 6\], got 7"):
+        adapter.rollback(7)
+
+
+# ---------------------------------------------------------------------------------- greedy, drafts
+
+
+@pytest.mark.parametrize("format, draft_options, scheduler, threshold", [
+    ("speculators", dict(), "off", 0.0),
+    ("deepspec", dict(), "threshold", 0.3),
+    ("speculators", dict(markov_head_type="gated", sample_from_anchor=False), "sps", 0.2),
+    ("deepspec", dict(markov_head_type="rnn", sample_from_anchor=False), "off", 0.0),
+    ("speculators", dict(markov_head_type="rnn", block_size=5), "threshold", 0.6),
+    ("speculators", dict(draft_vocab_size=48), "sps", 0.0),
+    ("speculators", dict(markov_rank=12, layer_types=["sliding_attention"]), "off", 0.0),  # no fused rank
+], ids=["spec-vanilla-off", "deepspec-vanilla-threshold", "spec-gated-noanchor-sps", "deepspec-rnn-noanchor-off",
+        "spec-rnn-threshold", "spec-reducedvocab-sps", "spec-rank12-off"])
+def test_greedy_output_equals_target_greedy(target, greedy, tmp_path, format, draft_options, scheduler, threshold):
+    decoder = _decoder(target, tmp_path, format=format, scheduler=scheduler, threshold=threshold, **draft_options)
+    result = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == greedy[:NEW_TOKENS]
+    stats, p = result.stats, decoder.num_drafts
+    assert p == draft_options.get("block_size", 4) - (0 if draft_options.get("sample_from_anchor", True) else 1)
+    assert min(stats.accept_lengths) < p + 1  # a random draft gets rejected
+    assert all(1 <= s <= p for s in stats.scheduled_lengths)
+    assert all(1 <= a <= s + 1 for a, s in zip(stats.accept_lengths, stats.scheduled_lengths))
+    if scheduler == "off":
+        assert set(stats.scheduled_lengths) == {p}
+
+
+def test_schedulers_trim_the_verified_prefix(target, greedy, tmp_path):
+    decoder = _decoder(target, tmp_path, scheduler="threshold", threshold=0.5)
+    first = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    assert first.token_ids == greedy[:NEW_TOKENS]
+    assert min(first.stats.scheduled_lengths) < decoder.num_drafts  # the random head is far from sure
+    decoder.drafter.threshold = 0.0  # threshold <= 0 verifies everything (kernels.md 3.6)
+    assert set(decoder.generate(PROMPT, max_new_tokens=8).stats.scheduled_lengths) == {decoder.num_drafts}
+
+
+def test_sts_temperatures_scale_the_confidence_logits(target, greedy):
+    config = tiny_draft_config(target.config)
+    draft = random_draft(config, 0, target)
+    plain = Drafter(draft, scheduler="threshold", threshold=0.4)
+    draft.config.sts_temperatures = [1.0]
+    identity = Drafter(draft, scheduler="threshold", threshold=0.4)
+    draft.config.sts_temperatures = [0.5, 2.0]
+    calibrated = Drafter(draft, scheduler="threshold", threshold=0.4)
+    hidden = _forward(target, PROMPT, config.capture_layer_ids)[1]
+    anchor = torch.tensor([greedy[0]], dtype=torch.int32)
+    proposals = []
+    for drafter in (plain, identity, calibrated):
+        drafter.reset()
+        proposals.append(drafter.propose(hidden, anchor, len(PROMPT), SamplingParams(), None))
+    assert torch.equal(proposals[0].token_ids, proposals[2].token_ids)
+    # kernel path (bf16 copies of the fp32 head) vs STS path with T = 1 (fp32)
+    torch.testing.assert_close(proposals[1].confidence, proposals[0].confidence, rtol=0, atol=2e-2)
+    logit = torch.logit(proposals[1].confidence.double())
+    expected = torch.sigmoid(logit / torch.tensor([0.5, 2.0, 2.0, 2.0], dtype=torch.float64))
+    torch.testing.assert_close(proposals[2].confidence.double(), expected, rtol=0, atol=1e-5)
+    decoder = SpeculativeDecoder(TargetModel(target, config.capture_layer_ids), calibrated)
+    assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS).token_ids == greedy[:NEW_TOKENS]
+
+
+# ------------------------------------------------------------------------------------- greedy, oracle
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation (optionally wrong at position ``wrong_at``).
+
+    It also checks what the decoder hands it: the anchor must be the sequence's token at
+    ``anchor_position`` and the context rows exactly the target's hidden states of the positions
+    verified since the last call (so positions, KV rollback and hidden-state bookkeeping are right).
+    """
+
+    def __init__(self, target, sequence, num_draft_tokens, capture_ids, wrong_at=None):
+        self.sequence, self.num_draft_tokens, self.wrong_at = sequence, num_draft_tokens, wrong_at
+        self.vocab_size = target.config.vocab_size
+        self.hidden = _forward(target, sequence, capture_ids)[1]
+        self.length = 0
+
+    def reset(self):
+        self.length = 0
+
+    def propose(self, context_hidden, anchor, anchor_position, sampling, uniforms):
+        assert int(anchor) == self.sequence[anchor_position]
+        assert context_hidden.shape[0] == anchor_position - self.length
+        torch.testing.assert_close(context_hidden, self.hidden[self.length:anchor_position], rtol=1e-4, atol=1e-4)
+        self.length = anchor_position
+        drafts = self.sequence[anchor_position + 1:anchor_position + 1 + self.num_draft_tokens]
+        if self.wrong_at is not None:
+            drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab_size
+        lengths = K.fill_proposal_lengths(1, self.num_draft_tokens)
+        return Proposal(torch.tensor([drafts], dtype=torch.int32), None, lengths, None)
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 2])
+def test_oracle_drafts_give_exact_acceptance_and_rollback(target, greedy, wrong_at):
+    p, capture = 3, [1, 2]
+    oracle = OracleDrafter(target, PROMPT + greedy, p, capture, wrong_at)
+    adapter = TargetModel(target, capture)
+    result = SpeculativeDecoder(adapter, oracle).generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == greedy[:NEW_TOKENS]
+    stats = result.stats
+    expected = p + 1 if wrong_at is None else wrong_at + 1
+    assert stats.accept_lengths == [expected] * stats.rounds
+    assert stats.mean_accepted_length == expected
+    assert stats.acceptance_per_position == [1.0 if k < expected - 1 else 0.0 if k == expected - 1 else None
+                                             for k in range(p)]
+    # statistics add up: the prefill token plus each round's committed tokens
+    assert stats.generated_tokens == len(result.token_ids) == 1 + sum(stats.committed)
+    assert stats.committed[:-1] == stats.accept_lengths[:-1] and stats.committed[-1] <= stats.accept_lengths[-1]
+    # the KV cache holds the prompt and every verified-and-accepted token (the last anchor is pending)
+    assert adapter.length == len(PROMPT) + sum(stats.accept_lengths)
+
+
+# ---------------------------------------------------------------------------- stopping, streaming
+
+
+def test_eos_and_max_new_tokens_stop_generation(target, greedy, tmp_path):
+    decoder = _decoder(target, tmp_path)
+    k = next(i for i in range(5, NEW_TOKENS) if greedy[i] not in greedy[:i])
+    assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=greedy[k]).token_ids == greedy[:k + 1]
+    assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=[999, greedy[k]]).token_ids == greedy[:k + 1]
+    for n in (0, 1, 2, 7):
+        result = decoder.generate(PROMPT, max_new_tokens=n)
+        assert result.token_ids == greedy[:n] and result.stats.generated_tokens == n
+    assert decoder.generate(PROMPT, max_new_tokens=1).stats.rounds == 0
+
+
+def test_streaming_callback_and_sampled_reproducibility(target, tmp_path):
+    decoder = _decoder(target, tmp_path)
+    chunks = []
+    sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    first = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, sampling=sampling, on_tokens=chunks.append)
+    assert [t for chunk in chunks for t in chunk] == first.token_ids and len(first.token_ids) == NEW_TOKENS
+    assert len(chunks) == first.stats.rounds + 1
+    assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, sampling=sampling).token_ids == first.token_ids
+    seeds = {tuple(decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(1.0, seed=s)).token_ids)
+             for s in range(4)}
+    assert len(seeds) > 1
+
+
+def test_bad_requests_raise_clear_errors(target, tmp_path):
+    decoder = _decoder(target, tmp_path)
+    with pytest.raises(ValueError, match=r"generate: prompt_ids holds token id 96, outside \[0, 96\)"):
+        decoder.generate([1, 96])
+    with pytest.raises(ValueError, match="generate: prompt_ids must be a non-empty"):
+        decoder.generate([])
+    with pytest.raises(ValueError, match=r"generate: max_new_tokens must be in \[0, inf\], got -1"):
+        decoder.generate(PROMPT, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="SamplingParams: top_p must be in"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+    no_head = load_draft(write_tiny_draft(target, tmp_path / "nohead", format="speculators", confidence=False))
+    with pytest.raises(ValueError, match="Drafter: scheduler 'sps' needs a confidence head"):
+        SpeculativeDecoder.from_models(target, no_head, scheduler="sps")
+    with pytest.raises(ValueError, match="Drafter: scheduler must be one of"):
+        SpeculativeDecoder.from_models(target, no_head, scheduler="fast")
+    other = tiny_qwen3_target(vocab_size=64)
+    with pytest.raises(ValueError, match="vocab"):
+        SpeculativeDecoder.from_models(other, no_head)
+
+
+# --------------------------------------------------------------------------- sampled distribution
+
+
+class MemoTarget:
+    """``TargetModel`` semantics computed by full forwards of the whole sequence, memoised by the
+    token sequence: exact, and cheap once the few sequences a tiny vocabulary reaches are cached."""
+
+    def __init__(self, model, capture_ids):
+        self.model, self.capture_ids = model, capture_ids
+        self.device, self.vocab_size = torch.device("cpu"), model.config.vocab_size
+        self.memo, self.sequence = {}, ()
+
+    @property
+    def length(self):
+        return len(self.sequence)
+
+    def _run(self, start, tokens):
+        self.sequence = self.sequence[:start] + tuple(tokens.tolist())
+        if self.sequence not in self.memo:
+            self.memo[self.sequence] = _forward(self.model, list(self.sequence), self.capture_ids)
+        logits, hidden = self.memo[self.sequence]
+        return logits, hidden[start:]
+
+    def prefill(self, input_ids, capture=True):
+        logits, hidden = self._run(0, input_ids)
+        return TargetOutput(logits[-1:], hidden)
+
+    def verify(self, token_ids, capture=True):
+        start = len(self.sequence)
+        logits, hidden = self._run(start, token_ids)
+        return TargetOutput(logits[start:], hidden)
+
+    def rollback(self, length):
+        self.sequence = self.sequence[:length]
+
+
+class MemoDraft:
+    """The draft model with ``forward_block`` recomputed from the whole context history (fresh
+    cache), memoised by that history, the anchor and its position."""
+
+    def __init__(self, model):
+        self.model, self.memo, self.last = model, {}, None
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def new_cache(self):
+        return []
+
+    def forward_block(self, cache, context_hidden, anchor, anchor_position):
+        cache.append(context_hidden)
+        context = torch.cat(cache)
+        key = (context.numpy().tobytes(), int(anchor), anchor_position)
+        if key not in self.memo:
+            hidden = self.model.forward_block(self.model.new_cache(), context, anchor, anchor_position)
+            self.memo[key] = (hidden, self.model.backbone_logits(hidden))
+        self.last = self.memo[key]
+        return self.last[0]
+
+    def backbone_logits(self, hidden):
+        return self.last[1] if hidden is self.last[0] else self.model.backbone_logits(hidden)
+
+
+def _fit(samples, probabilities):
+    """(chi-square p-value over bins expecting >= 5, total-variation distance)."""
+    counts = torch.bincount(samples, minlength=probabilities.numel()).double()
+    expected = probabilities.double() * samples.numel()
+    keep = expected >= 5
+    scaled = expected[keep] * counts[keep].sum() / expected[keep].sum()
+    p_value = scipy_stats.chisquare(counts[keep].numpy(), scaled.numpy()).pvalue
+    return p_value, 0.5 * float((counts / samples.numel() - probabilities.double()).abs().sum())
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_target_distribution():
+    """V = 16, temperature 1, top-k 3, P = 2: the empirical distributions of the 2nd and 3rd generated
+    token over 15 000 seeds match the exact ones (enumerated over the first tokens) at chi-square
+    p > 1e-3 and TV < 0.01. An exact sampler's expected TV here is about 0.005. The engine runs in
+    full; only the model forwards are memoised (MemoTarget / MemoDraft)."""
+    runs, vocab, top_k, prompt = 15_000, 16, 3, [1, 5, 7, 3, 2]
+    target = tiny_qwen3_target(vocab_size=vocab)
+    config = tiny_draft_config(target.config, block_size=2)
+    drafter = Drafter(MemoDraft(random_draft(config, 0, target)))
+    decoder = SpeculativeDecoder(MemoTarget(target, config.capture_layer_ids), drafter)
+
+    def probs(sequences):  # the filtered target distribution after each sequence
+        logits = torch.stack([_forward(target, s)[0][-1] for s in sequences])
+        return K.logits_to_probabilities(logits, 1.0, top_k)
+
+    first = probs([prompt])[0]
+    second = probs([prompt + [a] for a in range(vocab)])
+    third = probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
+    joint = first[:, None, None] * second[:, :, None] * third
+
+    out = torch.tensor([
+        decoder.generate(prompt, max_new_tokens=3, eos_token_id=[],
+                         sampling=SamplingParams(temperature=1.0, top_k=top_k, seed=seed)).token_ids
+        for seed in range(runs)])
+    for position, exact in ((0, first), (1, joint.sum((0, 2))), (2, joint.sum((0, 1)))):
+        p_value, tv = _fit(out[:, position], exact)
+        assert p_value > 1e-3 and tv < 0.01, (position, p_value, tv)

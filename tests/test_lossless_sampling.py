@@ -1,0 +1,205 @@
+"""Statistical losslessness of the sampled path (testing.md §5), reference backend.
+
+Every check draws N independent rows in one batched call, with uniforms from ``fill_uniforms`` and
+fixed seeds, and asserts for each emitted position a chi-square goodness-of-fit p-value > 1e-3 (bins
+with expected count >= 5, the rest pooled) and a total-variation distance < 0.01, with N sized so
+that an exact sampler's expected TV, about 0.4*sqrt(V/N), is <= 0.005. A token outside the target's
+support is an immediate failure. A deliberately broken verifier must fail the same checks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+import dspark.kernels as K
+import sampling_cases as cases
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend():
+    with K.use_backend("reference"):
+        yield
+
+
+def draws_for(vocab: int) -> int:
+    """Smallest power of two N with 0.4 * sqrt(vocab / N) <= 0.005."""
+    return 1 << math.ceil(math.log2(vocab * (0.4 / 0.005) ** 2))
+
+
+def uniforms(rows: int, cols: int, offset: int) -> torch.Tensor:
+    return K.fill_uniforms(rows * cols, cases.RUNTIME_SEED, offset).reshape(rows, cols)
+
+
+def fit(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """(chi-square p-value, total-variation distance) of ``counts`` [V] against ``probs`` [V]."""
+    counts, probs = counts.double(), probs.double() / probs.double().sum()
+    total = counts.sum()
+    expected = probs * total
+    big = expected >= 5
+    observed_bins, expected_bins = list(counts[big]), list(expected[big])
+    if float(expected[~big].sum()) >= 5:
+        observed_bins.append(counts[~big].sum())
+        expected_bins.append(expected[~big].sum())
+    observed_bins, expected_bins = torch.stack(observed_bins), torch.stack(expected_bins)
+    statistic = float(((observed_bins - expected_bins) ** 2 / expected_bins).sum())
+    p_value = float(stats.chi2.sf(statistic, len(expected_bins) - 1))
+    return p_value, float(0.5 * (counts / total - probs).abs().sum())
+
+
+def check_distribution(tokens: torch.Tensor, probs: torch.Tensor) -> str | None:
+    """None when ``tokens`` (1-D ids) fit ``probs`` [V] (expected mass per id); else what is wrong."""
+    counts = torch.bincount(tokens.long(), minlength=probs.shape[0])
+    outside = int(counts[probs <= 0].sum())
+    if outside:
+        return f"{outside} draws outside the support"
+    p_value, tv = fit(counts, probs)
+    if p_value <= 1e-3 or tv >= 0.01:
+        return f"chi-square p = {p_value:.2e}, TV = {tv:.4f}"
+    return None
+
+
+def assert_distribution(tokens, probs, what: str) -> None:
+    problem = check_distribution(tokens, probs)
+    assert problem is None, f"{what}: {problem}"
+
+
+def assert_rate(hits: torch.Tensor, rate: float, what: str) -> None:
+    """Binomial frequency within 4.5 standard errors of ``rate``."""
+    observed = float(hits.double().mean())
+    bound = 4.5 * math.sqrt(max(rate * (1 - rate), 1e-12) / hits.numel())
+    assert abs(observed - rate) <= bound, f"{what}: rate {observed:.5f}, closed form {rate:.5f}"
+
+
+# ------------------------------------------------------------------------------ one verification round
+
+
+CHUNK = 1 << 17  # rows per call, bounding memory (V = 64 needs 2^19 draws)
+
+
+def forced_prefix_case(width: int, position: int, vocab: int, seed: int):
+    """One round's distributions in which drafts before ``position`` are always accepted
+    (``q_s = p_s`` and tokens are drawn from q), so every row emits a token at ``position``; the other
+    positions pair random target and draft distributions with zeros in both supports.
+    Returns (target [P+1, V], draft [P, V])."""
+    target = cases.random_distributions((width + 1,), vocab, zero_fraction=0.35, seed=seed)
+    draft = cases.random_distributions((width,), vocab, zero_fraction=0.35, seed=seed + 1)
+    draft[:position] = target[:position]
+    return target, draft
+
+
+def verify_rounds(target, draft, rows: int, seed: int, draft_shift: int = 0):
+    """``rows`` independent rounds (in chunks): drafts drawn from ``draft``, verified against
+    ``target`` with ``draft_probabilities`` rolled by ``draft_shift`` positions (0 = correct).
+    Returns (accepted [rows, P+1], accept_length [rows])."""
+    width = draft.shape[0]
+    results = []
+    for chunk in range(0, rows, CHUNK):
+        n = min(CHUNK, rows - chunk)
+        tokens = torch.multinomial(draft, n, replacement=True, generator=cases.generator(seed + chunk)).t()
+        results.append(K.probabilistic_accept(
+            target.expand(n, -1, -1), draft.roll(-draft_shift, 0).expand(n, -1, -1),
+            tokens.to(torch.int32).contiguous(), torch.full((n,), width, dtype=torch.int32),
+            uniforms(n, 2 * width + 1, offset=(seed + chunk) * (2 * width + 1)), width))
+    return torch.cat([a for a, _ in results]), torch.cat([n for _, n in results])
+
+
+@pytest.mark.parametrize("width, vocab", [(1, 64), (3, 16), (7, 8)])
+def test_every_emitted_position_follows_the_target(width, vocab):
+    rows = draws_for(vocab)
+    for position in range(width + 1):
+        seed = 1000 * width + position
+        target, draft = forced_prefix_case(width, position, vocab, seed)
+        accepted, lengths = verify_rounds(target, draft, rows, seed * rows)
+        assert bool((lengths > position).all()), "an always-acceptable draft was rejected"
+        assert_distribution(accepted[:, position], target[position], f"P={width}, emitted position {position}")
+        if position < width:
+            closed_form = float(torch.minimum(target[position], draft[position]).double().sum())
+            assert_rate(lengths > position + 1, closed_form, f"P={width}, acceptance at {position}")
+
+
+def test_a_verifier_using_the_wrong_draft_row_fails_the_checks():
+    """The checks have teeth: an off-by-one in the draft rows (q of position s+1 used at s) is caught."""
+    target, draft = forced_prefix_case(3, 0, 16, seed=7)
+    accepted, _ = verify_rounds(target, draft, draws_for(16), seed=7, draft_shift=1)
+    assert check_distribution(accepted[:, 0], target[0]) is not None
+
+
+# ------------------------------------------------------------------------------ many rounds of a Markov chain
+
+
+def test_speculative_chain_is_the_target_chain():
+    """Whole decoding: drafts from ``vanilla_markov_sample`` (context-dependent q with top-k zeros),
+    a bigram target filtered by top-k and top-p, ``probabilistic_accept``, accepted tokens appended,
+    the last one the next anchor. Each emitted sequence must be a path of the target chain: the
+    marginal of every absolute position j equals ``pi_0 P^j`` and every transition follows the
+    target's row of the previous token."""
+    vocab, width, rank, horizon = 8, 3, 4, 6
+    rows = draws_for(vocab)
+    g = cases.generator(3)
+    target_table = K.logits_to_probabilities(torch.randn(vocab, vocab, generator=g) * 2, 0.8, top_k=6, top_p=0.9)
+    backbone = (torch.randn(1, width, vocab, generator=g) * 1.5).expand(rows, -1, -1)
+    w1 = (torch.randn(vocab, rank, generator=g) * 0.7).half()
+    w2 = (torch.randn(vocab, rank, generator=g) * 0.7).half()
+
+    sequences = torch.zeros(rows, horizon * (width + 1), dtype=torch.long)
+    length = torch.zeros(rows, dtype=torch.long)
+    anchor = torch.zeros(rows, dtype=torch.int32)  # x0 = token 0
+    for round_index in range(horizon):  # every round emits >= 1 token
+        offset = round_index * rows * (3 * width + 1)  # NVIDIA's per-round uniform budget layout
+        tokens, draft = K.vanilla_markov_sample(backbone, w1, w2, anchor, uniforms(rows, width, offset), 1.0, top_k=5)
+        verify = torch.cat([anchor[:, None], tokens], 1).long()
+        accepted, emitted = K.probabilistic_accept(
+            target_table[verify], draft, tokens, torch.full((rows,), width, dtype=torch.int32),
+            uniforms(rows, 2 * width + 1, offset + rows * width), width)
+        keep = torch.arange(width + 1) < emitted[:, None].long()
+        row_index = torch.arange(rows)[:, None].expand(-1, width + 1)
+        sequences[row_index[keep], (length[:, None] + torch.arange(width + 1))[keep]] = accepted[keep].long()
+        length += emitted.long()
+        anchor = sequences[torch.arange(rows), length - 1].to(torch.int32)
+    assert bool((length >= horizon).all())
+
+    marginal = target_table[0].double()
+    for position in range(horizon):
+        assert_distribution(sequences[:, position], marginal, f"absolute position {position}")
+        marginal = marginal @ target_table.double()
+    previous, following = sequences[:, : horizon - 1].flatten(), sequences[:, 1:horizon].flatten()
+    pairs = torch.bincount(previous * vocab + following, minlength=vocab * vocab).reshape(vocab, vocab).double()
+    assert int(pairs[target_table <= 0].sum()) == 0, "a transition the target forbids was emitted"
+    expected = pairs.sum(1, keepdim=True) * target_table.double()
+    big = expected >= 5
+    statistic = float(((pairs[big] - expected[big]) ** 2 / expected[big]).sum())
+    dof = int(big.sum()) - int((big.sum(1) > 0).sum())
+    assert stats.chi2.sf(statistic, dof) > 1e-3, "transitions do not follow the target rows"
+
+
+# ------------------------------------------------------------------------------ draft-side samplers
+
+
+def test_vanilla_markov_sample_draws_from_its_distributions():
+    vocab, width = 16, 3
+    rows = draws_for(vocab)
+    case = cases.markov_sample_inputs(1, width, vocab, 8, seed=5)
+    case["backbone_logits"] = case["backbone_logits"].expand(rows, -1, -1)
+    case["first_prev_tokens"] = torch.randint(0, vocab, (rows,), generator=cases.generator(6), dtype=torch.int32)
+    case["proposal_uniforms"] = uniforms(rows, width, offset=11)
+    tokens, probs = K.vanilla_markov_sample(**case, temperature=0.9, top_p=0.8)
+    for step in range(width):
+        assert_distribution(tokens[:, step], probs[:, step].double().sum(0), f"draft step {step}")
+        assert bool((probs[:, step].gather(1, tokens[:, step : step + 1].long()) > 0).all())
+
+
+def test_sample_top_k_rows_and_store_draws_from_its_distributions():
+    vocab, k = 16, 6
+    rows = draws_for(vocab)
+    case = cases.top_k_step_inputs(rows, 2, k, vocab, seed=8)
+    case["proposal_uniforms"] = uniforms(rows, 2, offset=0)
+    K.sample_top_k_rows_and_store(**case, step=1, temperature=0.7)
+    mass = torch.zeros(vocab, dtype=torch.float64).index_add_(
+        0, case["top_k_indices"].flatten().long(), case["draft_top_k_probabilities"][:, 1].flatten().double())
+    assert_distribution(case["draft_token_ids"][:, 1], mass, "sparse draft step")
