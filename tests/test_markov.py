@@ -347,6 +347,15 @@ def test_quantize_matches_rederivation(dtype):
     assert scales[5] == 1.0 and (codes[5] == 0).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quantize_reference_same_codes_on_cuda_and_cpu():
+    w2 = (torch.randn(4096, 64, generator=torch.Generator().manual_seed(5)) * 0.3).half()
+    with K.use_backend("reference"):
+        cpu_codes, cpu_scales = K.quantize_markov_w2_fp8(w2)
+        gpu_codes, gpu_scales = K.quantize_markov_w2_fp8(w2.cuda())
+    assert torch.equal(cpu_codes, gpu_codes.cpu()) and torch.equal(cpu_scales, gpu_scales.cpu())
+
+
 def test_quantize_saturates_past_448():
     w2 = torch.zeros(3, 16, dtype=torch.float16)
     big, small = 0.5048828125, 0.0030117034912109375  # absmax * (1 / (absmax/448)) = 448.00003 in fp32

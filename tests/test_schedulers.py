@@ -91,7 +91,7 @@ def _retrospective_schedule(confidences, sps):
     return [max(range(len(goodput)), key=goodput.__getitem__)]
 
 
-def _first_emitted_token(schedule) -> torch.Tensor:
+def _first_emitted_token(schedule, sps=SPS) -> torch.Tensor:
     """Draft x_1, x_2 ~ q, schedule from c = (a_1, c_2(x_1)), verify, return the first emitted token."""
     n = DRAWS
     u = K.fill_uniforms(n * 8, 2026, 0).view(n, 8)
@@ -99,7 +99,7 @@ def _first_emitted_token(schedule) -> torch.Tensor:
     drafts = torch.zeros(n, 2, dtype=torch.int32)
     for step in range(2):
         K.sample_probability_rows(draft_probs[:, step].contiguous(), u[:, :2].contiguous(), drafts, step)
-    length = {x1: schedule(torch.tensor([[A1, C2[x1]]]), SPS)[0] for x1 in (0, 1)}
+    length = {x1: schedule(torch.tensor([[A1, C2[x1]]]), sps)[0] for x1 in (0, 1)}
     lengths = torch.tensor([length[int(x)] for x in (0, 1)])[drafts[:, 0].long()].to(torch.int32)
     first = torch.zeros(n, dtype=torch.int32)
     plain = lengths == 0  # nothing verified: the target samples the token itself
@@ -123,8 +123,13 @@ def _fit(first: torch.Tensor):
     return p_value, tv, float(counts[0] / counts.sum())
 
 
-def test_appendix_a_causal_scheduler_is_lossless():
-    p_value, tv, p_a = _fit(_first_emitted_token(prefix_schedule))
+@pytest.mark.parametrize("sps, lengths", [
+    (SPS, {0: 0, 1: 0}),  # the paper's curve: x_1 is never worth verifying
+    (SPSCostTable((1, 2, 3), (1000.0, 1000.0 / 0.9, 1000.0 / 0.8)), {0: 2, 1: 1}),  # cheap verification
+])
+def test_appendix_a_causal_scheduler_is_lossless(sps, lengths):
+    assert {x1: prefix_schedule(torch.tensor([[A1, C2[x1]]]), sps)[0] for x1 in (0, 1)} == lengths
+    p_value, tv, p_a = _fit(_first_emitted_token(prefix_schedule, sps))
     assert p_value > 1e-3 and tv < 0.01, (p_value, tv, p_a)
 
 

@@ -155,7 +155,9 @@ def quantize_markov_w2_fp8(markov_w2):
     """
     w = markov_w2.float()
     absmax = w.abs().amax(dim=1)
-    scale = torch.where(absmax > 0, absmax / FP8_E4M3_MAX, torch.ones_like(absmax))
+    # Divide by a tensor, not the Python scalar: CUDA turns `x / 448.0` into `x * (1/448)`, which is
+    # not the correctly rounded fp32 division of the spec and changes a few codes.
+    scale = torch.where(absmax > 0, absmax / torch.full_like(absmax, FP8_E4M3_MAX), torch.ones_like(absmax))
     scaled = w * (1.0 / scale)[:, None]
     # Saturate first: depending on the torch version, the cast maps values >= 480 to NaN.
     codes = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)

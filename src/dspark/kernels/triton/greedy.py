@@ -6,13 +6,13 @@ Arguments arrive validated and normalised by the public functions (``dspark.kern
 memory are clamped into ``[0, V)`` before they index anything (on the GPU nobody checked them).
 
 Design (kernels.md section 7): NVIDIA's fused step streams all of ``markov_w2`` once per batch row.
-Here one launch reads it once for the whole batch: every program takes a ``BLOCK_V`` slice of the
-vocabulary, computes the skinny GEMM ``W2[slice] @ W1[prev]^T`` (``tl.dot``, tensor cores; the
-batch is padded to at least 16 columns), adds the base logits, reduces its slice to one packed
-64-bit key per batch row (kernels.md 3.14) and merges it with an unsigned 64-bit ``atomic_max``.
-The key is max(orderable image of the value), then the lowest index among the slice's entries
-holding that image: the same order as the unsigned max over full keys, NaN/+-0 quirks included,
-and padding lanes never take part.
+Here one launch reads it once for the whole batch: programs (persistent, a few per SM) gather
+their batch block's ``W1[prev]`` rows once and stream ``BLOCK_V``-row tiles of W2 through the
+skinny GEMM ``W2[tile] @ W1[prev]^T`` (``tl.dot`` on tensor cores, the batch padded to at least 16
+columns), add the base logits and keep an elementwise running maximum of packed 64-bit keys
+(kernels.md 3.14: orderable value image, then the complemented index, so ties go to the lowest
+index and the NaN/+-0 quirks come for free; padding lanes hold key 0 and never win). At the end
+each program reduces its keys per row and merges them with one unsigned 64-bit ``atomic_max``.
 
 FP8 W2 (uint8 e4m3 codes + fp16 row scales) is decoded to the weights' dtype inside the GEMM and
 the row scale is applied to the fp32 dot, so it moves half the bytes of the fp16 step.
@@ -40,7 +40,6 @@ __all__ = [
 ]
 
 _SIGN32 = tl.constexpr(0x80000000)
-_NO_INDEX = tl.constexpr(0x7FFFFFFF)  # larger than any vocabulary index: loses every lowest-index tie-break
 _ELEMENTWISE_BLOCK = 1024
 # Triton 3.6's CPU interpreter multiplies the raw uint16 bits of bf16 operands in tl.dot, so under
 # the interpreter the GEMM runs on fp32 copies (exact products, same fp32 accumulation).
@@ -58,19 +57,13 @@ def _orderable(x):
 
 
 @triton.jit
-def _best_keys(image, index, valid, AXIS: tl.constexpr):
-    """Packed uint64 keys ``(max image) << 32 | ~(lowest index holding it)`` along ``AXIS``.
+def _key(image, index):
+    """Packed uint64 key (kernels.md 3.14) of a uint32 orderable image and an int32 vocabulary index.
 
-    ``image`` uint32, ``index`` int32 and ``valid`` int1 share one shape; invalid lanes never win
-    and a slice without any valid lane yields key 0 (the empty floor).
+    The unsigned order of keys is the value order, equal values ranking the lower index higher;
+    0 is below every real key, so it is the floor for padding lanes.
     """
-    image = tl.where(valid, image, 0)
-    top = tl.max(image, axis=AXIS)
-    holders = valid & (image == tl.expand_dims(top, AXIS))
-    lowest = tl.min(tl.where(holders, index, _NO_INDEX), axis=AXIS)
-    key = (top.to(tl.uint64) << 32) | (lowest.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
-    return tl.where(lowest == _NO_INDEX, 0, key)
-
+    return (image.to(tl.uint64) << 32) | (index.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
 
 
 @triton.jit
@@ -105,8 +98,9 @@ def _markov_kernel(
     """``c[b, v] = base[b, v] + sum_r W2[v, r] * W1[prev_b, r]`` over vocabulary tiles ``pid + i*grid``.
 
     A program gathers its batch block's W1 rows once, then streams its W2 tiles (software-pipelined
-    ``NUM_STAGES`` deep) through one GEMM each, keeping a running best key per row; one atomic max
-    per row and program merges the programs' keys.
+    ``NUM_STAGES`` deep) through one GEMM each. Keys are kept as an elementwise running max over the
+    tiles (no cross-warp reduction inside the loop); one reduction and one atomic max per row and
+    program at the end merge them.
     """
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     valid_b = offs_b < B
@@ -119,7 +113,7 @@ def _markov_kernel(
     valid_r = offs_r < R
     w1 = tl.load(w1_ptr + prev[None, :] * R + offs_r[:, None], mask=valid_r[:, None] & valid_b[None, :], other=0.0)
 
-    best = tl.zeros([BLOCK_B], dtype=tl.uint64)
+    best = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.uint64)
     for i in tl.range(0, TILES_PER_PROGRAM, num_stages=NUM_STAGES):
         offs_v = (tl.program_id(0) + i * tl.num_programs(0)) * BLOCK_V + tl.arange(0, BLOCK_V)
         valid_v = offs_v < V
@@ -135,10 +129,11 @@ def _markov_kernel(
         if WRITE_ROWS:
             tl.store(out_ptr + rows_b[None, :] * out_batch_stride + offs_v[:, None], c, mask=valid)
         if ARGMAX:
-            best = tl.maximum(best, _best_keys(_orderable(c), offs_v[:, None], valid, 0))
+            best = tl.maximum(best, tl.where(valid, _key(_orderable(c), offs_v[:, None]), 0))
     if ARGMAX:
+        top = tl.max(best, axis=0)
         key_out = key_ptr.to(tl.pointer_type(tl.uint64))
-        tl.atomic_max(key_out + rows_b * key_stride, best, mask=valid_b & (best != 0), sem="relaxed")
+        tl.atomic_max(key_out + rows_b * key_stride, top, mask=valid_b & (top != 0), sem="relaxed")
 
 
 def _next_pow2(n: int) -> int:
@@ -158,17 +153,21 @@ def markov_smem_bytes(block_v: int, block_b: int, rank: int, fp8: bool, stages: 
 
 
 def markov_config(batch: int, rank: int, fp8: bool) -> dict:
-    """Launch configuration of the Markov GEMM kernel for a batch size and rank.
+    """Launch configuration of the Markov GEMM kernel for a batch size and rank (H200 sweep).
 
-    ``PROGRAMS_PER_SM`` persistent programs per multiprocessor (0: one program per tile); the
-    largest tile and pipeline depth that fit in shared memory. Tuned on an H200 with
-    ``python -m dspark.bench.greedy --tune``.
+    ``PROGRAMS_PER_SM`` persistent programs per multiprocessor, or 0 for one program per tile:
+    the FP8 step (whose decoded tiles live in registers) and small-rank large batches measured
+    fastest with many short programs; otherwise two persistent programs per SM with the largest
+    pipelined tile that lets them share the SM (one at B = 64).
     """
     block_b = min(64, max(16, _next_pow2(batch)))
+    num_warps = 4 if block_b < 64 else 8
+    if fp8 or (block_b >= 64 and rank <= 64):
+        return dict(BLOCK_V=64, BLOCK_B=block_b, NUM_STAGES=1, PROGRAMS_PER_SM=0, num_warps=num_warps)
+    budget = 120_000 if block_b < 64 else 150_000
     for block_v, stages in ((128, 3), (64, 3), (64, 2), (32, 2)):
-        if markov_smem_bytes(block_v, block_b, rank, fp8, stages) <= 200_000:
+        if markov_smem_bytes(block_v, block_b, rank, fp8, stages) <= budget:
             break
-    num_warps = 8 if fp8 or block_b >= 64 else 4
     return dict(BLOCK_V=block_v, BLOCK_B=block_b, NUM_STAGES=stages, PROGRAMS_PER_SM=2, num_warps=num_warps)
 
 
@@ -408,7 +407,7 @@ def _row_argmax_partial_kernel(logits_ptr, partial_ptr, V, NUM_SPLITS, BLOCK: tl
     x = tl.load(logits_ptr + row * V + offs, mask=valid, other=0.0)
     x = tl.where(x != x, float("-inf"), x)
     image = tl.where(x == 0.0, _SIGN32, _orderable(x))
-    key = _best_keys(image, offs, valid, 0)
+    key = tl.max(tl.where(valid, _key(image, offs), 0), axis=0)
     tl.store(partial_ptr.to(tl.pointer_type(tl.uint64)) + row * NUM_SPLITS + split, key)
 
 

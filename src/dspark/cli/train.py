@@ -1,0 +1,114 @@
+"""Train a DSpark drafter for a Hugging Face target on a text or JSON Lines corpus.
+
+The target (frozen) provides the hidden states the draft reads and the distributions it learns;
+the draft backbone, Markov head and confidence head train with 0.1 CE + 0.9 TV + 1.0 BCE(confidence,
+1 - TV), position weights exp(-k/gamma); embedding and lm_head are frozen copies of the target's.
+Checkpoints are written in the speculators format (loaded by ``dspark generate`` / ``dspark eval``)
+every --save-every steps and at the end. GPU for real runs; the CPU works for tiny smoke runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="Hugging Face causal LM directory (with its tokenizer)")
+    parser.add_argument("--data", required=True,
+                        help="corpus: stdlib:train|valid|test, a text file, a directory, or a .jsonl file")
+    parser.add_argument("--output", required=True, help="draft checkpoint directory to write")
+    model = parser.add_argument_group("draft model")
+    model.add_argument("--block-size", type=int, default=7)
+    model.add_argument("--layers", type=int, default=1, help="draft decoder layers")
+    model.add_argument("--markov-rank", type=int, default=64, help="0 = DFlash ablation (no Markov head)")
+    model.add_argument("--head-type", choices=("vanilla", "gated", "rnn"), default="vanilla", help="Markov head type")
+    model.add_argument("--no-confidence", action="store_true", help="train no confidence head")
+    model.add_argument("--capture-layers", default=None,
+                       help="target hidden_states indices, comma-separated (default: speculators' [2, L//2, L-3])")
+    model.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token, ...")
+    model.add_argument("--layer-type", choices=("full_attention", "sliding_attention"), default="full_attention")
+    model.add_argument("--sliding-window", type=int, default=2048, help="context window of sliding layers")
+    model.add_argument("--no-sample-from-anchor", action="store_true", help="DFlash convention: slot 0 drafts nothing")
+    train = parser.add_argument_group("training")
+    train.add_argument("--seq-len", type=int, default=512, help="tokens per training row")
+    train.add_argument("--max-docs", type=int, default=0, help="use only the first N documents (0 = all)")
+    train.add_argument("--steps", type=int, default=2000)
+    train.add_argument("--batch-size", type=int, default=16, help="rows per step")
+    train.add_argument("--anchors", type=int, default=64, help="blocks per row")
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the run")
+    train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--gamma", type=float, default=4.0, help="position weight decay exp(-k/gamma)")
+    train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
+    train.add_argument("--save-every", type=int, default=500)
+    train.add_argument("--seed", type=int, default=0)
+    add_runtime_arguments(parser)
+    parser.add_argument("--save-dtype", choices=DTYPES[1:], default="bfloat16", help="dtype of the saved weights")
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="models' dtype; auto: bfloat16 on cuda, float32 on cpu")
+
+
+def runtime(args: argparse.Namespace):
+    """``(device, dtype)`` from ``--device`` / ``--dtype``."""
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, getattr(torch, args.dtype)
+
+
+def load_target(path: str, device, dtype):
+    """``(model, tokenizer)`` of a Hugging Face causal LM directory, the model frozen on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.training.data import pack_sequences, read_corpus, tokenize
+    from dspark.training.trainer import TrainOptions, draft_config, resolve_mask_token_id, train_draft
+
+    try:
+        device, dtype = runtime(args)
+        target, tokenizer = load_target(args.target, device, dtype)
+        texts = read_corpus(args.data)
+        texts = texts[: args.max_docs] if args.max_docs else texts
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {args.target} has no EOS token to separate documents")
+        sequences = pack_sequences(tokenize(tokenizer, texts), args.seq_len, tokenizer.eos_token_id)
+        capture = [int(i) for i in args.capture_layers.split(",")] if args.capture_layers else None
+        config = draft_config(
+            target.config, mask_token_id=resolve_mask_token_id(tokenizer, target.config.vocab_size, args.mask_token_id),
+            block_size=args.block_size, num_layers=args.layers, markov_rank=args.markov_rank,
+            markov_head_type=args.head_type, confidence=not args.no_confidence, capture_layer_ids=capture,
+            layer_type=args.layer_type, sliding_window=args.sliding_window,
+            sample_from_anchor=not args.no_sample_from_anchor,
+            verifier={"name_or_path": args.target, "architectures": list(target.config.architectures or [])})
+        options = TrainOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                               weight_decay=args.weight_decay, time_budget=args.time_budget,
+                               save_every=args.save_every, seed=args.seed)
+        print(f"corpus {args.data}: {len(texts)} documents, {sequences.numel()} tokens in {sequences.shape[0]} rows "
+              f"of {args.seq_len}; draft: {config.num_hidden_layers} layer(s), block {config.block_size}, "
+              f"Markov rank {args.markov_rank} ({config.markov_head_type}), capture {config.capture_layer_ids}, "
+              f"mask token {config.mask_token_id}", flush=True)
+        model, losses = train_draft(target, sequences, config, options, device=device, dflash=args.markov_rank == 0,
+                                    num_anchors=args.anchors, gamma=args.gamma, output=args.output,
+                                    save_dtype=getattr(torch, args.save_dtype))
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"dspark train: {exc}", file=sys.stderr)
+        return 2
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"saved the draft to {args.output}: {trained / 1e6:.2f} M trained parameters, final loss {losses[-1]:.4f}")
+    return 0

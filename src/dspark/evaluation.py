@@ -1,0 +1,115 @@
+"""Evaluation of drafts on a prompt set: τ, per-position acceptance, speedup over plain decoding.
+
+For every prompt, plain target decoding (``engine.autoregressive_generate``) and speculative
+decoding with each draft (``engine.SpeculativeDecoder``) run back to back on the same target, so
+all timings see the same machine state. Per draft, the prompts' ``GenerationStats`` are merged
+(rounds concatenated, times summed) and the engine's own statistics give τ (mean accepted length,
+bonus included) and the conditional acceptance of each draft position; the speedup is the plain
+decoding time over the speculative time, totalled over the prompts. Greedy outputs are compared with
+plain decoding's token for token (they must be identical: verification is lossless).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from .engine import GenerationStats, SamplingParams, SpeculativeDecoder, autoregressive_generate
+from .kernels._validate import Checker
+
+__all__ = ["merge_stats", "evaluate", "format_table"]
+
+_WARMUP_TOKENS = 8
+
+
+def merge_stats(stats: list[GenerationStats]) -> GenerationStats:
+    """One ``GenerationStats`` for several calls: per-round lists concatenated, counts and times summed."""
+    c = Checker("merge_stats")
+    if not stats:
+        c.fail("stats must hold at least one GenerationStats")
+    if len({s.num_drafts for s in stats}) != 1:
+        c.fail(f"stats must share num_drafts, got {sorted({s.num_drafts for s in stats})}")
+    merged = GenerationStats(num_drafts=stats[0].num_drafts)
+    for f in fields(GenerationStats):
+        if f.name != "num_drafts":
+            setattr(merged, f.name, sum((getattr(s, f.name) for s in stats), type(getattr(merged, f.name))()))
+    return merged
+
+
+def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: int = 128,
+             sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0) -> dict:
+    """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
+    on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
+    time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
+    ``tokens``, ``time_s`` (with its draft / verify split), ``tokens_per_second``, ``speedup`` and
+    ``identical`` (prompts whose output equals plain decoding; None when sampling)."""
+    c = Checker("evaluate")
+    if not drafts:
+        c.fail("drafts must name at least one draft model")
+    if not prompts or not all(prompts):
+        c.fail("prompts must be a non-empty list of non-empty token id lists")
+    decoders = {name: SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=threshold)
+                for name, draft in drafts.items()}
+    plain_target = next(iter(decoders.values())).target
+    for decoder in decoders.values():  # first calls pay one-off costs (allocations, kernel selection)
+        decoder.generate(prompts[0], max_new_tokens=_WARMUP_TOKENS, sampling=sampling)
+    autoregressive_generate(plain_target, prompts[0], max_new_tokens=_WARMUP_TOKENS, sampling=sampling)
+
+    plain, runs = [], {name: [] for name in decoders}
+    for ids in prompts:
+        plain.append(autoregressive_generate(plain_target, ids, max_new_tokens=max_new_tokens, sampling=sampling))
+        for name, decoder in decoders.items():
+            runs[name].append(decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling))
+    plain_stats = merge_stats([r.stats for r in plain])
+    report = {
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                     "seed": sampling.seed},
+        "scheduler": scheduler,
+        "plain": _timing(plain_stats),
+        "drafts": [],
+    }
+    for name, results in runs.items():
+        stats = merge_stats([r.stats for r in results])
+        identical = None if not sampling.greedy else sum(r.token_ids == p.token_ids for r, p in zip(results, plain))
+        report["drafts"].append({
+            "name": name,
+            "tau": stats.mean_accepted_length,
+            "acceptance_per_position": stats.acceptance_per_position,
+            "rounds": stats.rounds,
+            "mean_scheduled_length": sum(stats.scheduled_lengths) / max(stats.rounds, 1),
+            **_timing(stats),
+            "draft_time_s": stats.draft_time,
+            "verify_time_s": stats.verify_time,
+            "speedup": plain_stats.total_time / max(stats.total_time, 1e-12),
+            "identical": identical,
+        })
+    return report
+
+
+def _timing(stats: GenerationStats) -> dict:
+    return {"tokens": stats.generated_tokens, "time_s": stats.total_time, "tokens_per_second": stats.tokens_per_second}
+
+
+def format_table(report: dict) -> str:
+    """The report as a text table: one row per draft, then the per-position acceptances."""
+    plain = report["plain"]
+    lines = [f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
+             f"temperature {report['sampling']['temperature']}, scheduler {report['scheduler']}",
+             f"plain decoding: {plain['tokens']} tokens in {plain['time_s']:.2f} s ({plain['tokens_per_second']:.1f} tok/s)",
+             "",
+             f"{'draft':<24} {'tau':>6} {'rounds':>7} {'tok/s':>8} {'speedup':>8} {'identical':>10}"]
+    for d in report["drafts"]:
+        same = "-" if d["identical"] is None else f"{d['identical']}/{report['prompts']}"
+        lines.append(f"{_short(d['name']):<24} {d['tau']:6.2f} {d['rounds']:7d} {d['tokens_per_second']:8.1f} "
+                     f"{d['speedup']:7.2f}x {same:>10}")
+    positions = len(report["drafts"][0]["acceptance_per_position"])
+    lines += ["", f"{'acceptance per position':<24} " + " ".join(f"{k:>5}" for k in range(1, positions + 1))]
+    for d in report["drafts"]:
+        values = " ".join("    -" if a is None else f"{a:5.2f}" for a in d["acceptance_per_position"])
+        lines.append(f"{_short(d['name']):<24} {values}")
+    return "\n".join(lines)
+
+
+def _short(name: str, width: int = 24) -> str:
+    return name if len(name) <= width else "..." + name[-(width - 3):]

@@ -1,0 +1,439 @@
+"""Training a DSpark drafter for a Hugging Face target (runtime.md Part IV §5, §2.5).
+
+One step on a batch of token rows ``[B, S]``:
+
+1. the frozen target runs once (``output_hidden_states``): the captured layers give the draft's
+   context ``[B, S, m*H]``, the final (post-norm) hidden state through the target's ``lm_head``
+   gives the target distributions;
+2. ``num_anchors`` anchor positions p per row are sampled; each block ``[x_p, mask, ...]`` sits at
+   positions ``p .. p+N-1`` (``block_hidden``): one batched pass of the draft layers with the
+   training mask of §2.5 -- context keys ``< p`` (``>= p - W`` on sliding layers), block keys of
+   the same block only, bidirectional or causal per layer type. This is exactly what
+   ``DSparkDraftModel.forward_block`` computes at inference for one anchor (tested);
+3. slot logits = ``lm_head`` + Markov bias with teacher-forced previous tokens (the token at the
+   row whose target logits the slot is trained on), confidence logits from ``[h ; W1[prev]]``;
+4. ``dspark_loss`` (0.1 CE + 0.9 TV + 1.0 BCE, weights exp(-k/γ)); AdamW, linear warm-up then
+   cosine decay; the embedding and ``lm_head`` are frozen copies of the target's.
+
+``markov_rank=0`` trains the DFlash ablation: the draft config cannot express rank 0, so the
+checkpoint carries a rank-1 Markov head whose ``markov_w2`` is zero and frozen (its bias is exactly
+0 in training and in the engine), and no confidence head, like DeepSpec's DFlash baselines.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels._validate import Checker
+from ..model import DSparkConfig, DSparkDraftModel, save_draft
+from ..model.draft import apply_rope, rope_cos_sin
+from .objective import DSparkLoss, dspark_loss, expected_accepted_length, position_weights
+
+__all__ = [
+    "TrainOptions", "optimize", "Progress", "default_capture_layer_ids", "resolve_mask_token_id",
+    "draft_config", "new_draft", "target_states", "target_head_logits", "sample_anchors",
+    "training_mask", "block_hidden", "markov_logits", "draft_loss", "train_draft", "save_checkpoint",
+]
+
+
+# ---- generic optimisation loop (shared with target_lm) -------------------------------------------
+
+
+@dataclass
+class TrainOptions:
+    """Optimisation settings. Training stops after ``steps`` steps or ``time_budget`` seconds,
+    whichever comes first; the learning-rate schedule (linear warm-up over the first ``warmup``
+    fraction, then cosine decay to 0) runs on that same progress fraction, so a time-limited run
+    still ends with a fully decayed rate. ``save_every`` steps (0 = only at the end) the caller's
+    ``save`` runs, so an interrupted run leaves a checkpoint."""
+
+    steps: int = 2000
+    batch_size: int = 16
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    time_budget: float | None = None
+    log_every: int = 20
+    save_every: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        c = Checker("TrainOptions")
+        for name in ("steps", "batch_size", "log_every"):
+            c.integer(name, getattr(self, name), low=1)
+        c.integer("save_every", self.save_every, low=0)
+        c.real("lr", self.lr, low=0.0)
+        c.real("warmup", self.warmup, low=0.0, high=1.0)
+        c.real("weight_decay", self.weight_decay, low=0.0)
+        c.real("grad_clip", self.grad_clip, low=0.0)
+        if self.time_budget is not None:
+            c.real("time_budget", self.time_budget, low=1e-3)
+
+    def lr_factor(self, progress: float) -> float:
+        """Learning-rate multiplier at ``progress`` in [0, 1]."""
+        if progress < self.warmup:
+            return (progress + 1e-9) / self.warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (progress - self.warmup) / max(1e-9, 1.0 - self.warmup)))
+
+
+class Progress:
+    """A one-line progress bar: redrawn in place on a terminal, one line per update otherwise."""
+
+    def __init__(self, name: str, stream=None):
+        self.name = name
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, progress: float, text: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        eta = f"{elapsed * (1.0 - progress) / progress:.0f}s" if progress > 0 else "?"
+        bar = "#" * int(20 * min(progress, 1.0))
+        line = f"{self.name} [{bar:<20}] {100 * min(progress, 1.0):3.0f}% {text} | {elapsed:.0f}s eta {eta}"
+        self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def optimize(parameters, loss_fn: Callable, sequences: torch.Tensor, options: TrainOptions, *, device,
+             name: str = "train", save: Callable[[int], None] | None = None, stream=None) -> list[float]:
+    """Minimise ``loss_fn(batch)`` over shuffled batches of ``sequences`` (int64 ``[N, S]``).
+
+    ``loss_fn(batch [b, S] on device) -> (loss, text)``: the scalar loss and a callable
+    ``text() -> str`` describing the step for the progress bar (called only when logging, so
+    statistics are read from the GPU only then). CUDA steps run under bf16 autocast. Returns the
+    logged losses; raises RuntimeError when the loss stops being finite. ``save(step)`` runs every
+    ``options.save_every`` steps and once at the end.
+    """
+    device = torch.device(device)
+    parameters = [p for p in parameters if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay)
+    generator = torch.Generator().manual_seed(options.seed)
+    progress = Progress(name, stream)
+    losses: list[float] = []
+    step = 0
+    order = torch.empty(0, dtype=torch.int64)
+    while True:
+        fraction = max(step / options.steps, (time.perf_counter() - progress.start) / options.time_budget
+                       if options.time_budget else 0.0)
+        if fraction >= 1.0:
+            break
+        if order.numel() < options.batch_size:  # a new epoch
+            order = torch.randperm(sequences.shape[0], generator=generator)
+        batch, order = sequences[order[:options.batch_size]], order[options.batch_size:]
+        for group in optimizer.param_groups:  # the rate of the step being taken, hence one step ahead
+            group["lr"] = options.lr * options.lr_factor(min(1.0, fraction + 1.0 / options.steps))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, text = loss_fn(batch.to(device, non_blocking=True))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if options.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(parameters, options.grad_clip)
+        optimizer.step()
+        step += 1
+        if step % options.log_every == 0 or step == 1:
+            losses.append(float(loss.detach()))
+            if not math.isfinite(losses[-1]):
+                raise RuntimeError(f"{name}: the loss became {losses[-1]} at step {step}")
+            progress.update(fraction, f"step {step} loss {losses[-1]:.4f} {text()} lr {optimizer.param_groups[0]['lr']:.2e}")
+        if save is not None and options.save_every and step % options.save_every == 0:
+            save(step)
+    progress.close()
+    if save is not None:
+        save(step)
+    return losses
+
+
+# ---- draft configuration and initialisation -------------------------------------------------------
+
+
+def default_capture_layer_ids(num_target_layers: int) -> list[int]:
+    """speculators' default capture ids ``[2, L//2, L-3]`` (HF ``hidden_states`` indices); for
+    targets too shallow for three distinct ids there, ``[1, L//2, L-1]`` without repeats."""
+    c = Checker("default_capture_layer_ids")
+    layers = c.integer("num_target_layers", num_target_layers, low=2)
+    ids = [2, layers // 2, layers - 3]
+    if len(set(ids)) == 3 and ids[0] < ids[1] < ids[2]:
+        return ids
+    return sorted({1, layers // 2, layers - 1})
+
+
+def resolve_mask_token_id(tokenizer, vocab_size: int, explicit: int | None = None) -> int:
+    """The block's mask token, in speculators' order: ``explicit`` -> the tokenizer's mask token ->
+    the first unused embedding row (``len(tokenizer) < vocab_size``) -> pad / eos / unk."""
+    c = Checker("resolve_mask_token_id")
+    if explicit is not None:
+        return c.integer("mask_token_id", explicit, low=0, high=vocab_size - 1)
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
+            return int(tokenizer.mask_token_id)
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+        for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
+            if getattr(tokenizer, name, None) is not None:
+                return int(getattr(tokenizer, name))
+    c.fail("no mask token: pass mask_token_id (the tokenizer has no mask/pad/eos/unk token and no unused row)")
+
+
+def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_layers: int = 1,
+                 markov_rank: int = 64, markov_head_type: str = "vanilla", confidence: bool = True,
+                 capture_layer_ids: list[int] | None = None, layer_type: str = "full_attention",
+                 sliding_window: int | None = None, sample_from_anchor: bool = True,
+                 verifier: dict | None = None) -> DSparkConfig:
+    """A ``DSparkConfig`` whose layers copy the target's (a transformers config): hidden size,
+    heads, head_dim, MLP width, norm eps, RoPE θ; ``num_layers`` draft layers of ``layer_type``.
+    ``markov_rank=0`` is the DFlash ablation (see the module docstring)."""
+    c = Checker("draft_config")
+    c.integer("markov_rank", markov_rank, low=0)
+    target_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers = target_config.num_hidden_layers
+    heads = target_config.num_attention_heads
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    dflash = markov_rank == 0
+    return DSparkConfig(
+        hidden_size=target_config.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        intermediate_size=target_config.intermediate_size,
+        vocab_size=target_config.vocab_size,
+        capture_layer_ids=list(capture_layer_ids or default_capture_layer_ids(layers)),
+        num_target_layers=layers,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        sample_from_anchor=sample_from_anchor,
+        markov_rank=1 if dflash else markov_rank,
+        markov_head_type="vanilla" if dflash else markov_head_type,
+        enable_confidence_head=confidence and not dflash,
+        confidence_head_with_markov=True,
+        layer_types=[layer_type] * num_layers,
+        sliding_window=sliding_window if layer_type == "sliding_attention" else None,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+        dtype="float32",
+        verifier=dict(verifier or {}),
+    )
+
+
+@torch.no_grad()
+def new_draft(target, config: DSparkConfig, *, dflash: bool = False, seed: int = 0) -> DSparkDraftModel:
+    """A freshly initialised fp32 draft for ``target``: projections ~ N(0, 0.02), norms 1, biases 0,
+    ``markov_w1`` ~ N(0, 1) and ``markov_w2`` = 0 (the Markov bias starts at 0); ``embed_tokens``
+    and ``lm_head`` are frozen copies of the target's. ``dflash``: ``markov_w1``/``markov_w2`` frozen
+    too (the bias stays exactly 0)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DSparkDraftModel(config)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+        model.markov_head.markov_w1.weight.normal_(0.0, 1.0)
+        model.markov_head.markov_w2.weight.zero_()
+    model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+    model.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    frozen = [model.embed_tokens, model.lm_head] + ([model.markov_head] if dflash else [])
+    for module in frozen:
+        module.requires_grad_(False)
+    return model
+
+
+# ---- one training step -----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def target_states(target, input_ids: torch.Tensor, capture_layer_ids: list[int]):
+    """Run the target on ``input_ids`` ``[B, S]``: ``(context [B, S, m*H], final [B, S, H])`` --
+    the concatenated captured ``hidden_states`` and the final post-norm hidden state."""
+    out = target(input_ids=input_ids, output_hidden_states=True, logits_to_keep=1)
+    context = torch.cat([out.hidden_states[i] for i in capture_layer_ids], dim=-1)
+    return context, out.hidden_states[-1]
+
+
+@torch.no_grad()
+def target_head_logits(target, final: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 target logits ``[B, ..., V]`` at positions ``rows`` (int64 ``[B, ...]``) of ``final``."""
+    b, s, h = final.shape
+    picked = final.gather(1, rows.reshape(b, -1, 1).expand(-1, -1, h))
+    return target.get_output_embeddings()(picked).float().reshape(*rows.shape, -1)
+
+
+def sample_anchors(batch: int, seq_len: int, num_anchors: int, block_size: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sorted distinct anchor positions int64 ``[batch, A]`` in ``[1, seq_len - block_size]`` (so a
+    block and the target rows it is trained on fit in the row; A = ``min(num_anchors, that many)``)."""
+    c = Checker("sample_anchors")
+    candidates = c.integer("seq_len", seq_len, low=block_size + 1) - block_size
+    count = min(c.integer("num_anchors", num_anchors, low=1), candidates)
+    order = torch.rand(batch, candidates, generator=generator).argsort(dim=-1)[:, :count]
+    return order.sort(dim=-1).values + 1
+
+
+def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool,
+                  window: int | None) -> torch.Tensor:
+    """bool ``[B, A*N, S + A*N]``: which keys (context positions ``0..S-1``, then the A blocks'
+    slots) each block query sees -- runtime.md §2.5 for anchors ``[B, A]``."""
+    b, a = anchors.shape
+    n, device = block_size, anchors.device
+    p = anchors[:, :, None, None]
+    j = torch.arange(seq_len, device=device)
+    context = j < p
+    if window is not None:
+        context &= j >= p - window
+    context = context.expand(b, a, n, seq_len).reshape(b, a * n, seq_len)
+    inside = torch.ones(n, n, dtype=torch.bool, device=device)
+    if causal:
+        inside = inside.tril()
+    block = torch.block_diag(*[inside] * a)
+    return torch.cat([context, block.expand(b, -1, -1)], dim=-1)
+
+
+def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """``[B, T, heads*d]`` -> ``[B, heads, T, d]``."""
+    return x.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)
+
+
+def _key_value(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The layer's own ``key_value`` (k_proj, k_norm, RoPE; v_proj) over ``[B, T, H]`` with tables
+    ``[B*T, d]`` -> keys and values ``[B, n_kv, T, d]``."""
+    b, t, _ = x.shape
+    k, v = attn.key_value(x.reshape(b * t, -1), cos, sin)
+    return (y.view(y.shape[0], b, t, y.shape[2]).transpose(0, 1) for y in (k, v))
+
+
+def _block_attention(attn, x, context, ctx_rope, block_rope, mask) -> torch.Tensor:
+    """One draft attention over context + blocks: queries ``x`` ``[B, Q, H]``, ``context`` ``[B, S, H]``
+    (the projected target states), RoPE tables ``(cos, sin)`` ``[B*S, d]`` / ``[B*Q, d]``."""
+    b, q_len, _ = x.shape
+    d, rep = attn.head_dim, attn.num_heads // attn.num_kv_heads
+    cos, sin = (t.view(b, 1, q_len, d) for t in block_rope)
+    q = apply_rope(attn.q_norm(_heads(attn.q_proj(x), attn.num_heads, d)), cos, sin)
+    k_ctx, v_ctx = _key_value(attn, context, *ctx_rope)
+    k_blk, v_blk = _key_value(attn, x, *block_rope)
+    k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(rep, dim=1)
+    v = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(rep, dim=1)
+    dtype = v.dtype  # under autocast the pieces may differ in precision
+    out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v, attn_mask=mask[:, None])
+    return attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+def block_hidden(model: DSparkDraftModel, context_hidden: torch.Tensor, block_ids: torch.Tensor,
+                 anchors: torch.Tensor) -> torch.Tensor:
+    """Final-norm hidden states ``[B, A, N, H]`` of A blocks per row in one batched pass.
+
+    context_hidden: ``[B, S, m*H]`` captured target states of positions ``0..S-1``;
+    block_ids: int64 ``[B, A, N]`` (anchor token, then mask tokens); anchors: int64 ``[B, A]``,
+    the anchor positions p (slot k at ``p+k``). Block (b, a) equals
+    ``forward_block(cache with positions < p, ...)`` at inference; gradients flow.
+    """
+    cfg = model.config
+    b, s, _ = context_hidden.shape
+    a, n = block_ids.shape[1:]
+    dtype, device = model.dtype, context_hidden.device
+    context = model.hidden_norm(model.fc(context_hidden.to(dtype)))
+    ctx_rope = rope_cos_sin(torch.arange(s, device=device).repeat(b), cfg.head_dim, cfg.rope_theta, dtype)
+    positions = anchors[:, :, None] + torch.arange(n, device=device)
+    block_rope = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta, dtype)
+    h = model.embed_tokens(block_ids).reshape(b, a * n, -1)
+    masks: dict[tuple, torch.Tensor] = {}
+    for i, layer in enumerate(model.layers):
+        kind = (cfg.layer_is_causal(i), cfg.layer_window(i))
+        if kind not in masks:
+            masks[kind] = training_mask(anchors, s, n, *kind)
+        h = h + _block_attention(layer.self_attn, layer.input_layernorm(h), context, ctx_rope, block_rope, masks[kind])
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.norm(h).view(b, a, n, -1)
+
+
+def markov_logits(model: DSparkDraftModel, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """Markov-corrected slot logits fp32 ``[R, N, V]`` from hidden ``[R, N, H]`` and the previous
+    token of every slot ``[R, N]`` (the rnn head carries its state along the slots)."""
+    base = model.lm_head(hidden).float()
+    state, biases = None, []
+    for k in range(hidden.shape[1]):
+        bias, state = model.markov_head(hidden[:, k], prev_tokens[:, k], state)
+        biases.append(bias)
+    return base + torch.stack(biases, dim=1)
+
+
+def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anchors: int,
+               weights: torch.Tensor, generator: torch.Generator | None = None) -> DSparkLoss:
+    """The objective on one batch of rows ``[B, S]`` (steps 1-4 of the module docstring).
+
+    Slot k of the block at p is trained on target row ``r = p + k - offset`` (``offset`` 1 without
+    ``sample_from_anchor``, else 0) and its previous token is ``input_ids[r]``.
+    """
+    cfg = model.config
+    b, s = input_ids.shape
+    n = cfg.block_size
+    context, final = target_states(target, input_ids, cfg.capture_layer_ids)
+    anchors = sample_anchors(b, s, num_anchors, n, generator).to(input_ids.device)
+    block_ids = torch.full((b, anchors.shape[1], n), cfg.mask_token_id, dtype=torch.int64, device=input_ids.device)
+    block_ids[..., 0] = input_ids.gather(1, anchors)
+    hidden = block_hidden(model, context, block_ids, anchors)
+    offset = 0 if cfg.sample_from_anchor else 1
+    rows = (anchors[:, :, None] + torch.arange(n, device=input_ids.device) - offset).clamp(min=0)
+    prev = input_ids.gather(1, rows.reshape(b, -1)).view_as(rows)
+    target_logits = target_head_logits(target, final, rows)
+    flat_hidden, flat_prev = hidden.reshape(-1, n, hidden.shape[-1]), prev.reshape(-1, n)
+    logits = markov_logits(model, flat_hidden, flat_prev)
+    confidence = None
+    if model.confidence_head is not None:
+        confidence = model.confidence_head(flat_hidden, model.markov_head.markov_w1(flat_prev))
+    return dspark_loss(logits, target_logits.reshape(logits.shape), confidence, weights)
+
+
+# ---- the training run ------------------------------------------------------------------------------
+
+
+def save_checkpoint(model: DSparkDraftModel, path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save ``model`` as a speculators checkpoint with weights in ``dtype`` (the model is untouched)."""
+    clone = copy.deepcopy(model).to("cpu", dtype)
+    return save_draft(clone, path, format="speculators")
+
+
+def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: TrainOptions, *,
+                device, dflash: bool = False, num_anchors: int = 64, gamma: float = 4.0, output=None,
+                save_dtype: torch.dtype = torch.bfloat16, stream=None) -> tuple[DSparkDraftModel, list[float]]:
+    """Train a draft for ``target`` (a Hugging Face causal LM, frozen, already on ``device``) on
+    token rows ``sequences`` int64 ``[N, S]``. ``output``: checkpoint directory (speculators format,
+    ``save_dtype`` weights), written every ``options.save_every`` steps and at the end. Returns the
+    fp32 model and the logged losses. The progress bar shows the loss terms, the per-position
+    acceptance estimate ``1 - TV`` (teacher-forced) and the τ it implies."""
+    device = torch.device(device)
+    target.eval().requires_grad_(False)
+    model = new_draft(target, config, dflash=dflash, seed=options.seed).to(device)
+    weights = position_weights(config.block_size, gamma, config.sample_from_anchor, device=device)
+    generator = torch.Generator().manual_seed(options.seed + 1)
+
+    def step(batch: torch.Tensor):
+        result = draft_loss(model, target, batch, num_anchors, weights, generator)
+
+        def text() -> str:
+            accept = " ".join(f"{a:.2f}" for a in result.acceptance.tolist())
+            return (f"ce {float(result.ce):.3f} tv {float(result.tv):.3f} bce {float(result.bce):.3f} | "
+                    f"accept/pos {accept} tau~{expected_accepted_length(result.acceptance):.2f} |")
+        return result.loss, text
+
+    save = None if output is None else (lambda _step: save_checkpoint(model, output, save_dtype))
+    losses = optimize(model.parameters(), step, sequences, options, device=device, name="dspark train",
+                      save=save, stream=stream)
+    return model, losses

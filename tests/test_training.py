@@ -1,0 +1,430 @@
+"""Training: data, the DSpark objective (against hand computation), the batched training block
+(against ``forward_block``), tiny CPU training runs of the drafter and of the demo target, and the
+``dspark train`` command.
+
+``tiny_pair`` (a saved tiny target with its own BPE tokenizer + a briefly trained draft) is shared
+with test_calibration.py and test_eval.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import zlib
+
+import pytest
+import torch
+from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
+
+from dspark.cli import train as train_cli
+from dspark.engine import SpeculativeDecoder, autoregressive_generate
+from dspark.model import load_draft
+from dspark.training import data, target_lm, trainer
+from dspark.training.data import pack_sequences, read_corpus, tokenize, train_tokenizer
+from dspark.training.objective import dspark_loss, expected_accepted_length, position_weights
+from dspark.training.trainer import TrainOptions, block_hidden, draft_config, draft_loss, new_draft, train_draft
+
+TARGET = tiny_qwen3_target()
+V = TARGET.config.vocab_size
+
+CODE = """def add(a, b):
+    return a + b
+
+
+class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def norm(self):
+        return (self.x ** 2 + self.y ** 2) ** 0.5
+
+
+for i in range(10):
+    print(add(i, i + 1))
+"""
+TINY_SHAPE = target_lm.TargetShape(vocab_size=300, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                                   head_dim=8, intermediate_size=64)
+
+
+def tiny_pair(directory, *, draft_steps: int = 20, block_size: int = 4, confidence: bool = True):
+    """Write ``directory/target`` (a random tiny Qwen3 with a BPE tokenizer trained on ``CODE``,
+    float32) and ``directory/draft`` (a draft trained ``draft_steps`` steps on the same text);
+    returns ``(target_dir, draft_dir)``."""
+    tokenizer = train_tokenizer([CODE] * 4, TINY_SHAPE.vocab_size)
+    target = target_lm.new_target(target_lm.target_config(TINY_SHAPE, tokenizer, 256), seed=0).eval()
+    target_dir = target_lm.save_target(target, tokenizer, directory / "target", torch.float32)
+    rows = pack_sequences(tokenize(tokenizer, [CODE] * 8), 48, tokenizer.eos_token_id)
+    config = draft_config(target.config, mask_token_id=tokenizer.mask_token_id, block_size=block_size,
+                          markov_rank=8, confidence=confidence)
+    options = TrainOptions(steps=draft_steps, batch_size=4, log_every=10)
+    train_draft(target, rows, config, options, device="cpu", num_anchors=8, output=directory / "draft",
+                save_dtype=torch.float32)
+    return target_dir, directory / "draft"
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def test_read_corpus_text_directory_and_jsonl(tmp_path):
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text("second")
+    (tmp_path / ".hidden").write_text("skipped")
+    (tmp_path / "blob.bin").write_bytes(b"\xff\xfe\x00")
+    assert read_corpus(str(tmp_path)) == ["first", "second"]
+    assert read_corpus(str(tmp_path / "a.txt")) == ["first"]
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text('{"text": "plain"}\n\n{"turns": ["q1", "q2"]}\n')
+    assert read_corpus(str(jsonl)) == ["plain", "q1\n\nq2"]
+
+
+@pytest.mark.parametrize("content, message", [('{"other": 1}\n', "'text'"), ("not json\n", "not valid JSON")])
+def test_read_corpus_rejects_bad_jsonl(tmp_path, content, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_corpus(str(bad))
+
+
+def test_read_corpus_rejects_unknown_spec(tmp_path):
+    with pytest.raises(ValueError, match="read_corpus: spec"):
+        read_corpus(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="split must be one of"):
+        read_corpus("stdlib:everything")
+
+
+def test_stdlib_split_is_deterministic_and_partitions(tmp_path):
+    root = tmp_path / "lib"
+    names = [f"pkg{i // 10}/mod{i}.py" for i in range(200)] + ["site-packages/x.py"]
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x = 1\n")
+    splits = {s: {p.relative_to(root).as_posix() for p in data.stdlib_files(s, root)} for s in data.STDLIB_SPLITS}
+    assert set().union(*splits.values()) == set(names[:-1])  # site-packages excluded
+    assert sum(len(s) for s in splits.values()) == 200  # disjoint
+    for split, files in splits.items():
+        for name in files:
+            bucket = zlib.crc32(name.encode()) % 50
+            assert split == ("test" if bucket < 2 else "valid" if bucket < 4 else "train")
+
+
+def test_stdlib_corpus_has_held_out_files():
+    counts = {s: len(data.stdlib_files(s)) for s in data.STDLIB_SPLITS}
+    total = sum(counts.values())
+    assert total > 200 and 0.01 < counts["test"] / total < 0.08 and 0.01 < counts["valid"] / total < 0.08
+    prompts = data.heldout_prompts("test", max_chars=300)
+    assert prompts and all(len(p["text"]) <= 300 and p["text"].endswith("\n") for p in prompts)
+    assert all(data.stdlib_split(p["file"]) == "test" for p in prompts)
+
+
+def test_tokenizer_round_trip_and_special_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = train_tokenizer([CODE], 300)
+    assert tokenizer.eos_token_id == 0 and tokenizer.mask_token_id == 1 and len(tokenizer) <= 300
+    text = "def f(x):\n    return x  # ünïcödé ✓\n"
+    assert tokenizer.decode(tokenize(tokenizer, [text])[0]) == text
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenize(loaded, [CODE]) == tokenize(tokenizer, [CODE])
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer([CODE], 100)
+
+
+def test_pack_sequences_layout():
+    rows = pack_sequences([[5, 6, 7], [8], [9, 10]], 4, eos_id=0)
+    assert rows.tolist() == [[5, 6, 7, 0], [8, 0, 9, 10]]  # the trailing EOS does not fill a row
+    with pytest.raises(ValueError, match="fewer than one row"):
+        pack_sequences([[1]], 8, eos_id=0)
+
+
+def test_prompt_records(tmp_path):
+    file = data.write_prompts(tmp_path / "p.jsonl", [{"text": "abc"}, {"turns": ["hello", "again"]}])
+    records = data.read_prompts(str(file))
+    tokenizer = train_tokenizer([CODE, "abc hello"], 300)
+    assert data.prompt_token_ids(tokenizer, records[0]) == tokenize(tokenizer, ["abc"])[0]
+    assert data.prompt_token_ids(tokenizer, records[1]) == tokenize(tokenizer, ["hello"])[0]  # no chat template
+    with pytest.raises(ValueError, match="read_prompts: prompts must be"):
+        data.read_prompts(str(tmp_path / "none.jsonl"))
+
+
+def test_demo_pair_reports_what_is_missing(tmp_path):
+    with pytest.raises(ValueError, match="incomplete.*build_demo_pair"):
+        data.demo_pair(tmp_path)
+
+
+# ---- the objective ------------------------------------------------------------------------------
+
+
+def test_position_weights():
+    assert torch.allclose(position_weights(4, 4.0), torch.tensor([math.exp(-k / 4) for k in range(4)]))
+    assert torch.allclose(position_weights(4, 2.0, sample_from_anchor=False),
+                          torch.tensor([0.0, 1.0, math.exp(-1 / 2), math.exp(-2 / 2)]))
+    with pytest.raises(ValueError, match="position_weights: gamma"):
+        position_weights(4, 0.0)
+
+
+def _hand_loss(draft, target, conf, weights):
+    """The objective written out with explicit loops (float64)."""
+    rows, n, v = draft.shape
+    total = ce_sum = tv_sum = bce_sum = 0.0
+    acceptance, greedy = [0.0] * n, [0.0] * n
+    for r in range(rows):
+        for k in range(n):
+            zq = [math.exp(float(x)) for x in draft[r, k]]
+            zp = [math.exp(float(x)) for x in target[r, k]]
+            q = [x / sum(zq) for x in zq]
+            p = [x / sum(zp) for x in zp]
+            label = max(range(v), key=lambda i: p[i])
+            ce = -math.log(q[label])
+            tv = 0.5 * sum(abs(a - b) for a, b in zip(q, p))
+            c = 1 - tv
+            s = 1 / (1 + math.exp(-float(conf[r, k])))
+            bce = -(c * math.log(s) + (1 - c) * math.log(1 - s))
+            w = float(weights[k])
+            ce_sum, tv_sum, bce_sum = ce_sum + w * ce, tv_sum + w * tv, bce_sum + w * bce
+            total += w * (0.1 * ce + 0.9 * tv + 1.0 * bce)
+            acceptance[k] += c / rows
+            greedy[k] += float(max(range(v), key=lambda i: q[i]) == label) / rows
+    norm = rows * float(weights.sum())
+    return total / norm, ce_sum / norm, tv_sum / norm, bce_sum / norm, acceptance, greedy
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_dspark_loss_matches_hand_computation(sample_from_anchor):
+    g = torch.Generator().manual_seed(3)
+    draft = torch.randn(3, 4, 6, generator=g) * 2
+    target = torch.randn(3, 4, 6, generator=g) * 2
+    draft[0, 1] = target[0, 1]  # an exact match: TV 0, confidence target 1
+    conf = torch.randn(3, 4, generator=g)
+    weights = position_weights(4, 4.0, sample_from_anchor)
+    out = dspark_loss(draft, target, conf, weights)
+    loss, ce, tv, bce, acceptance, greedy = _hand_loss(draft, target, conf, weights)
+    for got, want in ((out.loss, loss), (out.ce, ce), (out.tv, tv), (out.bce, bce)):
+        assert float(got) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    slots = slice(0, 4) if sample_from_anchor else slice(1, 4)  # slot 0 drafts nothing without SFA
+    assert out.acceptance.tolist() == pytest.approx(acceptance[slots], abs=1e-6)
+    assert out.greedy_acceptance.tolist() == pytest.approx(greedy[slots])
+
+
+def test_dspark_loss_gradients_and_no_confidence():
+    draft = torch.randn(2, 3, 5, requires_grad=True)
+    target = torch.randn(2, 3, 5)
+    out = dspark_loss(draft, target, None, position_weights(3))
+    assert float(out.bce) == 0.0
+    out.loss.backward()
+    assert draft.grad is not None and draft.grad.abs().sum() > 0
+
+
+def test_dspark_loss_rejects_bad_input():
+    with pytest.raises(ValueError, match="dspark_loss: target_logits must have shape"):
+        dspark_loss(torch.randn(2, 3, 5), torch.randn(2, 3, 4), None, position_weights(3))
+    with pytest.raises(ValueError, match="dspark_loss: weights must have shape"):
+        dspark_loss(torch.randn(2, 3, 5), torch.randn(2, 3, 5), None, position_weights(4))
+    with pytest.raises(TypeError, match="dspark_loss: draft_logits must have dtype"):
+        dspark_loss(torch.zeros(2, 3, 5, dtype=torch.int64), torch.randn(2, 3, 5), None, position_weights(3))
+
+
+def test_expected_accepted_length():
+    assert expected_accepted_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_accepted_length(torch.ones(7)) == pytest.approx(8.0)
+
+
+# ---- the training block equals inference ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_types", [("full_attention", "sliding_attention"), ("sliding_attention",)])
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_block_hidden_equals_forward_block(layer_types, sample_from_anchor):
+    cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=layer_types, sample_from_anchor=sample_from_anchor)
+    model = random_draft(cfg, target=TARGET)
+    ids = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(1))
+    context, _ = trainer.target_states(TARGET, ids, cfg.capture_layer_ids)
+    anchors = torch.tensor([[1, 7, 12, 25], [3, 9, 10, 20]])  # window 8: the far anchors cut context
+    block_ids = torch.full((2, 4, 5), cfg.mask_token_id)
+    block_ids[..., 0] = ids.gather(1, anchors)
+    batched = block_hidden(model, context, block_ids, anchors)
+    for b in range(2):
+        for a in range(4):
+            p = int(anchors[b, a])
+            cache = model.new_cache()  # two rounds: context appended incrementally
+            model.forward_block(cache, context[b, : p // 2], int(ids[b, p // 2]), p // 2)
+            expected = model.forward_block(cache, context[b, p // 2: p], int(ids[b, p]), p)
+            torch.testing.assert_close(batched[b, a], expected, atol=2e-5, rtol=1e-5)
+
+
+def test_training_mask_small_case():
+    mask = trainer.training_mask(torch.tensor([[2, 4]]), seq_len=5, block_size=2, causal=True, window=1)
+    expected = torch.tensor([
+        # ctx 0..4        block a0   block a1
+        [0, 1, 0, 0, 0, 1, 0, 0, 0],  # anchor 2 slot 0: context [1, 2) (window 1), itself
+        [0, 1, 0, 0, 0, 1, 1, 0, 0],  # anchor 2 slot 1: causal inside the block
+        [0, 0, 0, 1, 0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask[0], expected)
+    full = trainer.training_mask(torch.tensor([[2]]), seq_len=5, block_size=2, causal=False, window=None)
+    assert full[0].tolist() == [[True, True, False, False, False, True, True]] * 2
+
+
+def test_sample_anchors():
+    anchors = trainer.sample_anchors(3, 20, 6, 4, torch.Generator().manual_seed(0))
+    assert anchors.shape == (3, 6)
+    assert bool((anchors[:, 1:] > anchors[:, :-1]).all()) and int(anchors.min()) >= 1 and int(anchors.max()) <= 16
+    assert trainer.sample_anchors(2, 10, 100, 4).shape == (2, 6)  # only 6 anchors fit
+    with pytest.raises(ValueError, match="sample_anchors: seq_len"):
+        trainer.sample_anchors(1, 4, 2, 4)
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_draft_loss_trains_each_slot_on_its_target_row(monkeypatch, sample_from_anchor):
+    """Slot k of the block at p learns the target's row p+k (SFA) or p+k-1, with that row's token as
+    the Markov head's previous token."""
+    cfg = draft_config(TARGET.config, mask_token_id=V - 1, block_size=3, markov_rank=4,
+                       sample_from_anchor=sample_from_anchor)
+    model = new_draft(TARGET, cfg)
+    ids = torch.randint(0, V - 1, (2, 12), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    monkeypatch.setattr(trainer, "dspark_loss", lambda *args: seen.setdefault("args", args))
+
+    def base_logits(m, hidden, prev):
+        seen["prev"] = prev
+        return m.lm_head(hidden).float()
+
+    monkeypatch.setattr(trainer, "markov_logits", base_logits)
+    generator = torch.Generator().manual_seed(5)
+    anchors = trainer.sample_anchors(2, 12, 4, 3, torch.Generator().manual_seed(5))
+    draft_loss(model, TARGET, ids, 4, position_weights(3, 4.0, sample_from_anchor), generator)
+    rows = (anchors[:, :, None] + torch.arange(3) - (0 if sample_from_anchor else 1)).clamp(min=0)
+    full = TARGET(input_ids=ids).logits
+    expected = torch.stack([full[b, rows[b]] for b in range(2)]).reshape(-1, 3, V)
+    torch.testing.assert_close(seen["args"][1], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(seen["prev"], torch.stack([ids[b, rows[b]] for b in range(2)]).reshape(-1, 3))
+
+
+# ---- training runs ------------------------------------------------------------------------------
+
+
+def _rows(n=24, s=32, seed=0):
+    return torch.randint(0, V - 1, (n, s), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
+def test_training_reduces_the_loss(head_type):
+    cfg = draft_config(TARGET.config, mask_token_id=V - 1, block_size=4, markov_rank=8, markov_head_type=head_type)
+    options = TrainOptions(steps=30, batch_size=4, lr=3e-3, log_every=1)
+    held_out = _rows(4, 32, seed=9)
+    weights = position_weights(4)
+
+    def loss_of(model):
+        with torch.no_grad():
+            return float(draft_loss(model, TARGET, held_out, 8, weights, torch.Generator().manual_seed(1)).loss)
+
+    before = loss_of(new_draft(TARGET, cfg, seed=options.seed))
+    model, losses = train_draft(TARGET, _rows(), cfg, options, device="cpu", num_anchors=8)
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
+    assert loss_of(model) < 0.8 * before
+    assert torch.equal(model.embed_tokens.weight, TARGET.get_input_embeddings().weight)  # frozen copies
+    assert torch.equal(model.lm_head.weight, TARGET.get_output_embeddings().weight)
+
+
+def test_dflash_ablation_has_no_markov_bias(tmp_path):
+    cfg = draft_config(TARGET.config, mask_token_id=V - 1, block_size=4, markov_rank=0)
+    assert cfg.markov_rank == 1 and not cfg.enable_confidence_head
+    w1 = new_draft(TARGET, cfg, dflash=True).markov_w1.clone()
+    model, _ = train_draft(TARGET, _rows(), cfg, TrainOptions(steps=5, batch_size=4), device="cpu", dflash=True,
+                           num_anchors=8, output=tmp_path, save_dtype=torch.float32)
+    assert torch.equal(model.markov_w1, w1) and not model.markov_head.markov_w2.weight.any()
+    loaded = load_draft(tmp_path)
+    bias, _ = loaded.markov_bias(torch.randn(3, cfg.hidden_size), torch.tensor([1, 2, 3]))
+    assert not bias.any()
+
+
+def test_trained_checkpoint_runs_losslessly_in_the_engine(tmp_path):
+    cfg = draft_config(TARGET.config, mask_token_id=V - 1, block_size=4, markov_rank=8)
+    train_draft(TARGET, _rows(), cfg, TrainOptions(steps=5, batch_size=4, save_every=2), device="cpu",
+                num_anchors=8, output=tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark" and config["dtype"] == "bfloat16"
+    draft = load_draft(tmp_path, dtype=torch.float32)
+    decoder = SpeculativeDecoder.from_models(TARGET, draft)
+    prompt = [3, 14, 15, 92, 65]
+    assert decoder.generate(prompt, max_new_tokens=20).token_ids == \
+        autoregressive_generate(decoder.target, prompt, max_new_tokens=20).token_ids
+
+
+def test_train_options_and_schedule():
+    options = TrainOptions(steps=100, warmup=0.1)
+    assert options.lr_factor(0.05) == pytest.approx(0.5) and options.lr_factor(0.1) == pytest.approx(1.0)
+    assert options.lr_factor(0.55) == pytest.approx(0.5) and options.lr_factor(1.0) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="TrainOptions: steps"):
+        TrainOptions(steps=0)
+    with pytest.raises(ValueError, match="TrainOptions: warmup"):
+        TrainOptions(warmup=1.5)
+
+
+def test_config_helpers():
+    assert trainer.default_capture_layer_ids(28) == [2, 14, 25]
+    assert trainer.default_capture_layer_ids(4) == [1, 2, 3]
+    tokenizer = train_tokenizer([CODE], 300)
+    assert trainer.resolve_mask_token_id(tokenizer, 300) == tokenizer.mask_token_id
+    assert trainer.resolve_mask_token_id(tokenizer, 300, explicit=7) == 7
+    with pytest.raises(ValueError, match="mask_token_id must be in"):
+        trainer.resolve_mask_token_id(tokenizer, 300, explicit=300)
+    with pytest.raises(ValueError, match="draft_config: markov_rank"):
+        draft_config(TARGET.config, mask_token_id=0, markov_rank=-1)
+
+
+# ---- the demo target ------------------------------------------------------------------------------
+
+
+def test_target_lm_training_reduces_loss_and_saves(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = train_tokenizer([CODE], TINY_SHAPE.vocab_size)
+    rows = pack_sequences(tokenize(tokenizer, [CODE] * 20), 32, tokenizer.eos_token_id)
+    model = target_lm.new_target(target_lm.target_config(TINY_SHAPE, tokenizer, 128))
+    with torch.no_grad():
+        before = float(target_lm.lm_loss(model, rows[:4]))
+    target_lm.train_target(model, rows, TrainOptions(steps=25, batch_size=4, lr=1e-2), device="cpu")
+    with torch.no_grad():
+        assert float(target_lm.lm_loss(model, rows[:4])) < 0.7 * before
+    target_lm.save_target(model, tokenizer, tmp_path, torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(loaded(input_ids=rows[:2]).logits, model(input_ids=rows[:2]).logits)
+    assert loaded.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert AutoTokenizer.from_pretrained(tmp_path).mask_token_id == tokenizer.mask_token_id
+    with pytest.raises(ValueError, match="target_config: the tokenizer has"):
+        target_lm.target_config(target_lm.TargetShape(64, 32, 2, 4, 2, 8, 64), tokenizer, 128)
+
+
+# ---- dspark train ---------------------------------------------------------------------------------
+
+
+def _train_args(**overrides):
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    required = ["--target", "T", "--data", "D", "--output", "O"]
+    args = parser.parse_args(required)
+    vars(args).update(overrides)
+    return args
+
+
+def test_train_command(tmp_path, capsys):
+    target_dir, _ = tiny_pair(tmp_path, draft_steps=1)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CODE * 6)
+    args = _train_args(target=str(target_dir), data=str(corpus), output=str(tmp_path / "cli_draft"), steps=4,
+                       batch_size=2, seq_len=32, anchors=4, block_size=3, markov_rank=4, head_type="gated",
+                       device="cpu")
+    assert train_cli.run(args) == 0
+    draft = load_draft(tmp_path / "cli_draft")
+    assert draft.config.markov_head_type == "gated" and draft.config.block_size == 3
+    assert draft.config.mask_token_id == 1  # the tokenizer's <|MASK|>
+    assert "saved the draft" in capsys.readouterr().out
+    bad = _train_args(target=str(target_dir), data=str(tmp_path / "missing.txt"), output=str(tmp_path / "x"),
+                      device="cpu")
+    assert train_cli.run(bad) == 2
+    assert "dspark train: read_corpus" in capsys.readouterr().err
