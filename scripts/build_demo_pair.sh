@@ -32,16 +32,16 @@ cp "$0" "$OUT/build_demo_pair.sh"
 
 if [ "$TINY" = 1 ]; then
   TARGET_ARGS=(--preset tiny --max-docs 40 --seq-len 128 --batch-size 8 --steps 40 --save-every 0)
-  DRAFT_ARGS=(--layers 1 --markov-rank 16 --max-docs 40 --seq-len 128 --batch-size 4 --anchors 16 --steps 30
-              --save-every 0)
+  DRAFT_ARGS=(--layers 1 --markov-rank 16 --max-docs 40 --seq-len 128 --regenerate 8 --batch-size 4 --anchors 16
+              --steps 30 --save-every 0)
   CALIBRATE_ARGS=(--num-prompts 8 --prompt-tokens 32 --new-tokens 48)
   EVAL_ARGS=(--num-prompts 3 --max-new-tokens 32)
   DEVICE=(--device cpu)
 else
   TARGET_ARGS=(--preset demo --seq-len 512 --batch-size 64 --lr 2e-3 --time-budget "${TARGET_SECONDS:-110}"
                --save-every 1000)
-  DRAFT_ARGS=(--layers 2 --markov-rank 64 --capture-layers 2,6,11 --seq-len 512 --batch-size 32 --anchors 64
-              --lr 6e-4 --time-budget "${DRAFT_SECONDS:-70}" --steps 100000 --save-every 1000)
+  DRAFT_ARGS=(--layers 2 --markov-rank 64 --capture-layers 2,6,11 --seq-len 512 --regenerate 2048 --batch-size 32
+              --anchors 64 --lr 6e-4 --time-budget "${DRAFT_SECONDS:-70}" --steps 100000 --save-every 1000)
   CALIBRATE_ARGS=(--num-prompts 128 --prompt-tokens 64 --new-tokens 192 --batch-size 64)
   EVAL_ARGS=(--num-prompts 16 --max-new-tokens 128)
   DEVICE=()

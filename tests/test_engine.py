@@ -122,6 +122,21 @@ def test_greedy_output_equals_target_greedy(target, greedy, tmp_path, format, dr
         assert set(stats.scheduled_lengths) == {p}
 
 
+def test_llama_style_target(tmp_path):
+    """Any Hugging Face causal LM with a DynamicCache works as the target, e.g. Llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        llama = LlamaForCausalLM(LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})).eval()
+    draft = load_draft(write_tiny_draft(llama, tmp_path / "draft", format="deepspec", markov_head_type="gated"))
+    result = SpeculativeDecoder.from_models(llama, draft).generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == _greedy(llama, PROMPT, NEW_TOKENS)
+
+
 def test_schedulers_trim_the_verified_prefix(target, greedy, tmp_path):
     decoder = _decoder(target, tmp_path, scheduler="threshold", threshold=0.5)
     first = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS)

@@ -48,17 +48,18 @@ TINY_SHAPE = target_lm.TargetShape(vocab_size=300, hidden_size=32, num_layers=4,
                                    head_dim=8, intermediate_size=64)
 
 
-def tiny_pair(directory, *, draft_steps: int = 20, block_size: int = 4, confidence: bool = True):
-    """Write ``directory/target`` (a random tiny Qwen3 with a BPE tokenizer trained on ``CODE``,
-    float32) and ``directory/draft`` (a draft trained ``draft_steps`` steps on the same text);
-    returns ``(target_dir, draft_dir)``."""
+def tiny_pair(directory, *, target_steps: int = 30, draft_steps: int = 20, block_size: int = 4):
+    """Write ``directory/target`` (a tiny Qwen3 with a BPE tokenizer, trained ``target_steps`` steps
+    on ``CODE``, float32) and ``directory/draft`` (a draft trained ``draft_steps`` steps on the same
+    text); returns ``(target_dir, draft_dir)``."""
     tokenizer = train_tokenizer([CODE] * 4, TINY_SHAPE.vocab_size)
-    target = target_lm.new_target(target_lm.target_config(TINY_SHAPE, tokenizer, 256), seed=0).eval()
-    target_dir = target_lm.save_target(target, tokenizer, directory / "target", torch.float32)
     rows = pack_sequences(tokenize(tokenizer, [CODE] * 8), 48, tokenizer.eos_token_id)
-    config = draft_config(target.config, mask_token_id=tokenizer.mask_token_id, block_size=block_size,
-                          markov_rank=8, confidence=confidence)
-    options = TrainOptions(steps=draft_steps, batch_size=4, log_every=10)
+    target = target_lm.new_target(target_lm.target_config(TINY_SHAPE, tokenizer, 256), seed=0)
+    target_lm.train_target(target, rows, TrainOptions(steps=target_steps, batch_size=4, lr=1e-2, log_every=10),
+                           device="cpu")
+    target_dir = target_lm.save_target(target, tokenizer, directory / "target", torch.float32)
+    config = draft_config(target.config, mask_token_id=tokenizer.mask_token_id, block_size=block_size, markov_rank=8)
+    options = TrainOptions(steps=draft_steps, batch_size=4, lr=3e-3, log_every=10)
     train_draft(target, rows, config, options, device="cpu", num_anchors=8, output=directory / "draft",
                 save_dtype=torch.float32)
     return target_dir, directory / "draft"
@@ -304,6 +305,17 @@ def test_draft_loss_trains_each_slot_on_its_target_row(monkeypatch, sample_from_
     assert torch.equal(seen["prev"], torch.stack([ids[b, rows[b]] for b in range(2)]).reshape(-1, 3))
 
 
+def test_regenerate_continues_rows_greedily():
+    rows = torch.randint(0, V, (6, 16), generator=torch.Generator().manual_seed(4))
+    out = trainer.regenerate(TARGET, rows, 3, prompt_tokens=5, batch_size=2)
+    assert out.shape == (3, 16)
+    assert all(any(torch.equal(o[:5], r[:5]) for r in rows) for o in out)
+    with torch.no_grad():
+        assert torch.equal(TARGET(input_ids=out).logits[:, 4:-1].argmax(-1), out[:, 5:])
+    with pytest.raises(ValueError, match="regenerate: prompt_tokens"):
+        trainer.regenerate(TARGET, rows, 3, prompt_tokens=16)
+
+
 # ---- training runs ------------------------------------------------------------------------------
 
 
@@ -413,12 +425,12 @@ def _train_args(**overrides):
 
 
 def test_train_command(tmp_path, capsys):
-    target_dir, _ = tiny_pair(tmp_path, draft_steps=1)
+    target_dir, _ = tiny_pair(tmp_path, target_steps=1, draft_steps=1)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CODE * 6)
     args = _train_args(target=str(target_dir), data=str(corpus), output=str(tmp_path / "cli_draft"), steps=4,
                        batch_size=2, seq_len=32, anchors=4, block_size=3, markov_rank=4, head_type="gated",
-                       device="cpu")
+                       regenerate=2, device="cpu")
     assert train_cli.run(args) == 0
     draft = load_draft(tmp_path / "cli_draft")
     assert draft.config.markov_head_type == "gated" and draft.config.block_size == 3

@@ -8,3 +8,12 @@ Layers (data flows one way, top to bottom):
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # `dspark.generate` without importing the engine (and transformers) on `import dspark.kernels`.
+    if name == "generate":
+        from .engine import generate
+
+        return generate
+    raise AttributeError(f"module 'dspark' has no attribute {name!r}")

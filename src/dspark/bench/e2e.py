@@ -2,8 +2,8 @@
 
 Builds a random-weight target (28 layers, H = 1024, V = 151 936, Qwen3-0.6B's shape) and random DSpark
 drafts (speculators format, block 7, ``--draft-layers``) in a temporary directory, loads them back
-through ``SpeculativeDecoder.from_pretrained`` and times greedy generation against plain target
-decoding (``dspark generate --compare``'s timing: warm-up first, wall clock with CUDA syncs).
+and times greedy generation against plain target decoding (``dspark generate --compare``'s timing:
+wall clock with CUDA syncs; one warm-up run, then the median of ``--reps`` runs).
 
 Random weights make the random draft's proposals almost always wrong, so two drafters are timed:
 ``random`` (the real draft; tau near 1, the engine's overhead) and ``oracle_tokens`` (the real draft
@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -101,10 +102,21 @@ def _row(name: str, layers: int, dtype: str, result: GenerationResult, baseline:
     }
 
 
+def _median(generate, reps: int) -> GenerationResult:
+    """The run of median total time among ``reps`` runs."""
+    results = sorted((generate() for _ in range(reps)), key=lambda r: r.stats.total_time)
+    return results[len(results) // 2]
+
+
 def run(*, quick: bool = False, draft_layers=(1, 3), dtypes=("bfloat16", "float32"), max_new_tokens: int = 128,
-        prompt_len: int = 64, device: str = "cuda") -> dict:
+        prompt_len: int = 64, reps: int = 3, device: str = "cuda") -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from ..model import load_draft
+
     shape = QUICK if quick else QWEN3_0_6B
     prompt = torch.randint(0, shape["vocab_size"] - 1, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    options = dict(max_new_tokens=max_new_tokens, eos_token_id=[])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -112,24 +124,27 @@ def run(*, quick: bool = False, draft_layers=(1, 3), dtypes=("bfloat16", "float3
         for layers in draft_layers:
             build_draft(root / f"draft{layers}", root / "target", shape, layers)
         for dtype in dtypes:
+            target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=getattr(torch, dtype)).to(device)
             for layers in draft_layers:
-                decoder = SpeculativeDecoder.from_pretrained(str(root / "target"), str(root / f"draft{layers}"),
-                                                             device=device, dtype=getattr(torch, dtype))
-                options = dict(max_new_tokens=max_new_tokens, eos_token_id=[])
-                autoregressive_generate(decoder.target, prompt, **dict(options, max_new_tokens=8))  # warm-up
-                baseline = autoregressive_generate(decoder.target, prompt, **options)
-                decoder.generate(prompt, **dict(options, max_new_tokens=16))  # warm-up (Triton compiles)
-                rows.append(_row("random", layers, dtype, decoder.generate(prompt, **options), baseline))
+                draft = load_draft(root / f"draft{layers}", device=device, dtype=getattr(torch, dtype))
+                decoder = SpeculativeDecoder.from_models(target, draft)
+                plain = partial(autoregressive_generate, decoder.target, prompt, **options)
+                speculative = partial(decoder.generate, prompt, **options)
+                plain(), speculative()  # warm-up: CUDA context, cuBLAS heuristics, Triton compilation
+                baseline = _median(plain, reps)
                 oracle = SpeculativeDecoder(decoder.target, OracleTokens(decoder.drafter, prompt + baseline.token_ids))
-                rows.append(_row("oracle_tokens", layers, dtype, oracle.generate(prompt, **options), baseline))
+                rows.append(_row("random", layers, dtype, _median(speculative, reps), baseline))
+                rows.append(_row("oracle_tokens", layers, dtype, _median(partial(oracle.generate, prompt, **options), reps),
+                                 baseline))
                 print(json.dumps(rows[-2]), json.dumps(rows[-1]), sep="\n", file=sys.stderr, flush=True)
-                del decoder, oracle
+            del target
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else device,
         "torch": torch.__version__,
         "target": {k: shape[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
         "draft": {"format": "speculators", "block_size": 7, "markov_rank": 256},
         "prompt_tokens": prompt_len, "max_new_tokens": max_new_tokens, "mode": "greedy",
+        "timing": f"median of {reps} runs after a warm-up run",
         "results": rows,
     }
 
@@ -141,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-layers", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per measurement (median)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.quick:
         print("dspark.bench.e2e: the 0.6B-shaped benchmark needs a CUDA device (or pass --quick)", file=sys.stderr)
         return 2
     report = run(quick=args.quick, draft_layers=args.draft_layers, dtypes=args.dtype,
-                 max_new_tokens=args.max_new_tokens, device=args.device)
+                 max_new_tokens=args.max_new_tokens, reps=args.reps, device=args.device)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from dspark.training.data import prompt_token_ids, read_prompts
 
     try:
+        if len(set(args.draft)) != len(args.draft):
+            raise ValueError(f"--draft names a directory twice: {args.draft}")
         device, dtype = runtime(args)
         target, tokenizer = load_target(args.target, device, dtype)
         drafts = {path: load_draft(path, device=device, dtype=dtype) for path in args.draft}

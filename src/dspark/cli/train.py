@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--seq-len", type=int, default=512, help="tokens per training row")
     train.add_argument("--max-docs", type=int, default=0, help="use only the first N documents (0 = all)")
+    train.add_argument("--regenerate", type=int, default=0,
+                       help="add N rows in the target's own words: a corpus row's first quarter + the target's "
+                            "greedy continuation (the paper trains on target-regenerated text)")
     train.add_argument("--steps", type=int, default=2000)
     train.add_argument("--batch-size", type=int, default=16, help="rows per step")
     train.add_argument("--anchors", type=int, default=64, help="blocks per row")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.training.data import pack_sequences, read_corpus, tokenize
-    from dspark.training.trainer import TrainOptions, draft_config, resolve_mask_token_id, train_draft
+    from dspark.training.trainer import TrainOptions, draft_config, regenerate, resolve_mask_token_id, train_draft
 
     try:
         device, dtype = runtime(args)
@@ -88,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {args.target} has no EOS token to separate documents")
         sequences = pack_sequences(tokenize(tokenizer, texts), args.seq_len, tokenizer.eos_token_id)
+        if args.regenerate:
+            generated = regenerate(target, sequences, args.regenerate, prompt_tokens=args.seq_len // 4, seed=args.seed)
+            sequences = torch.cat([sequences, generated.cpu()])
         capture = [int(i) for i in args.capture_layers.split(",")] if args.capture_layers else None
         config = draft_config(
             target.config, mask_token_id=resolve_mask_token_id(tokenizer, target.config.vocab_size, args.mask_token_id),
@@ -99,14 +105,15 @@ def run(args: argparse.Namespace) -> int:
         options = TrainOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                                weight_decay=args.weight_decay, time_budget=args.time_budget,
                                save_every=args.save_every, seed=args.seed)
-        print(f"corpus {args.data}: {len(texts)} documents, {sequences.numel()} tokens in {sequences.shape[0]} rows "
-              f"of {args.seq_len}; draft: {config.num_hidden_layers} layer(s), block {config.block_size}, "
+        print(f"corpus {args.data}: {len(texts)} documents + {args.regenerate} regenerated rows, "
+              f"{sequences.numel()} tokens in {sequences.shape[0]} rows of {args.seq_len}; "
+              f"draft: {config.num_hidden_layers} layer(s), block {config.block_size}, "
               f"Markov rank {args.markov_rank} ({config.markov_head_type}), capture {config.capture_layer_ids}, "
               f"mask token {config.mask_token_id}", flush=True)
         model, losses = train_draft(target, sequences, config, options, device=device, dflash=args.markov_rank == 0,
                                     num_anchors=args.anchors, gamma=args.gamma, output=args.output,
                                     save_dtype=getattr(torch, args.save_dtype))
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:  # RuntimeError: a diverged loss, out of memory
         print(f"dspark train: {exc}", file=sys.stderr)
         return 2
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -180,10 +180,14 @@ def _accept(logits: torch.Tensor, proposal: Proposal, num_verify: int, sampling:
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:
-    """One token (int32 ``[1]``) from fp32 logits ``[1, V]``; greedy = the one-hot argmax row."""
+    """One token (int32 ``[1]``) from fp32 logits ``[1, V]``.
+
+    Greedy takes the argmax (first index among ties, the kernels' rule) without building the one-hot
+    probability row the sampled path needs.
+    """
+    if sampling.greedy:
+        return logits.argmax(-1).to(torch.int32)
     token = torch.zeros(1, 1, dtype=torch.int32, device=logits.device)
-    if uniforms is None:
-        uniforms = torch.zeros(1, 1, device=logits.device)
     K.sample_probability_rows(sampling.probabilities(logits), uniforms, token, 0)
     return token[0]
 

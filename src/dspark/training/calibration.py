@@ -21,7 +21,6 @@ TensorRT-LLM reads it, with the per-position report) and the ``sts_temperatures`
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -31,10 +30,10 @@ import torch
 
 from ..kernels._validate import Checker
 from ..model import DSparkDraftModel
-from .trainer import block_hidden, target_states
+from .trainer import block_hidden, greedy_continuation, target_states
 
 __all__ = [
-    "CALIBRATION_FILE", "STS_GRID", "Rounds", "greedy_continuation", "greedy_drafts", "collect_rounds",
+    "CALIBRATION_FILE", "STS_GRID", "Rounds", "greedy_drafts", "collect_rounds",
     "expected_calibration_error", "roc_auc", "fit_sts", "calibration_report", "save_calibration",
     "load_calibration",
 ]
@@ -85,24 +84,6 @@ class Rounds:
     def concat(parts: list["Rounds"]) -> "Rounds":
         logits = None if parts[0].confidence_logits is None else torch.cat([p.confidence_logits for p in parts])
         return Rounds(logits, torch.cat([p.accepted for p in parts]))
-
-
-@torch.no_grad()
-def greedy_continuation(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """``prompts`` int64 ``[B, S0]`` followed by ``new_tokens`` greedy tokens of ``target`` (EOS does
-    not stop it): ``[B, S0 + new_tokens]``. Batched, with a KV cache."""
-    from transformers import DynamicCache
-
-    # transformers renamed ``past_key_values`` to ``cache`` (5.2x): pass whichever this version takes
-    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    kwargs = {name: DynamicCache(config=target.config), "use_cache": True}
-    logits = target(input_ids=prompts, logits_to_keep=1, **kwargs).logits[:, -1]
-    tokens = [prompts]
-    for i in range(new_tokens):
-        tokens.append(logits.argmax(-1, keepdim=True))
-        if i + 1 < new_tokens:
-            logits = target(input_ids=tokens[-1], **kwargs).logits[:, -1]
-    return torch.cat(tokens, dim=1)
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ checkpoint carries a rank-1 Markov head whose ``markov_w2`` is zero and frozen (
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 import time
@@ -40,8 +41,8 @@ from .objective import DSparkLoss, dspark_loss, expected_accepted_length, positi
 
 __all__ = [
     "TrainOptions", "optimize", "Progress", "default_capture_layer_ids", "resolve_mask_token_id",
-    "draft_config", "new_draft", "target_states", "target_head_logits", "sample_anchors",
-    "training_mask", "block_hidden", "markov_logits", "draft_loss", "train_draft", "save_checkpoint",
+    "draft_config", "new_draft", "target_states", "greedy_continuation", "regenerate", "target_head_logits",
+    "sample_anchors", "training_mask", "block_hidden", "markov_logits", "draft_loss", "train_draft", "save_checkpoint",
 ]
 
 
@@ -78,6 +79,10 @@ class TrainOptions:
         c.real("grad_clip", self.grad_clip, low=0.0)
         if self.time_budget is not None:
             c.real("time_budget", self.time_budget, low=1e-3)
+
+    def progress(self, step: int, elapsed: float) -> float:
+        """Fraction of the run done after ``step`` steps and ``elapsed`` seconds (>= 1: stop)."""
+        return max(step / self.steps, elapsed / self.time_budget if self.time_budget else 0.0)
 
     def lr_factor(self, progress: float) -> float:
         """Learning-rate multiplier at ``progress`` in [0, 1]."""
@@ -128,8 +133,7 @@ def optimize(parameters, loss_fn: Callable, sequences: torch.Tensor, options: Tr
     step = 0
     order = torch.empty(0, dtype=torch.int64)
     while True:
-        fraction = max(step / options.steps, (time.perf_counter() - progress.start) / options.time_budget
-                       if options.time_budget else 0.0)
+        fraction = options.progress(step, time.perf_counter() - progress.start)
         if fraction >= 1.0:
             break
         if order.numel() < options.batch_size:  # a new epoch
@@ -149,7 +153,9 @@ def optimize(parameters, loss_fn: Callable, sequences: torch.Tensor, options: Tr
             losses.append(float(loss.detach()))
             if not math.isfinite(losses[-1]):
                 raise RuntimeError(f"{name}: the loss became {losses[-1]} at step {step}")
-            progress.update(fraction, f"step {step} loss {losses[-1]:.4f} {text()} lr {optimizer.param_groups[0]['lr']:.2e}")
+            done = options.progress(step, time.perf_counter() - progress.start)
+            lr = optimizer.param_groups[0]["lr"]
+            progress.update(done, f"step {step} loss {losses[-1]:.4f} {text()} lr {lr:.2e}")
         if save is not None and options.save_every and step % options.save_every == 0:
             save(step)
     progress.close()
@@ -266,6 +272,40 @@ def target_states(target, input_ids: torch.Tensor, capture_layer_ids: list[int])
     out = target(input_ids=input_ids, output_hidden_states=True, logits_to_keep=1)
     context = torch.cat([out.hidden_states[i] for i in capture_layer_ids], dim=-1)
     return context, out.hidden_states[-1]
+
+
+@torch.no_grad()
+def greedy_continuation(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``prompts`` int64 ``[B, S0]`` followed by ``new_tokens`` greedy tokens of ``target`` (EOS does
+    not stop it): ``[B, S0 + new_tokens]``. Batched, with a KV cache."""
+    from transformers import DynamicCache
+
+    # transformers renamed ``past_key_values`` to ``cache`` (5.2x): pass whichever this version takes
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    kwargs = {name: DynamicCache(config=target.config), "use_cache": True}
+    logits = target(input_ids=prompts, logits_to_keep=1, **kwargs).logits[:, -1]
+    tokens = [prompts]
+    for i in range(new_tokens):
+        tokens.append(logits.argmax(-1, keepdim=True))
+        if i + 1 < new_tokens:
+            logits = target(input_ids=tokens[-1], **kwargs).logits[:, -1]
+    return torch.cat(tokens, dim=1)
+
+
+def regenerate(target, sequences: torch.Tensor, count: int, *, prompt_tokens: int, batch_size: int = 256,
+               seed: int = 0) -> torch.Tensor:
+    """``count`` rows in the target's own words (the paper trains on target-regenerated responses):
+    the first ``prompt_tokens`` tokens of randomly chosen rows of ``sequences`` (int64 ``[N, S]``)
+    followed by the target's greedy continuation to length S. Returns int64 ``[count, S]`` on the
+    target's device."""
+    c = Checker("regenerate")
+    seq_len = sequences.shape[1]
+    c.integer("prompt_tokens", prompt_tokens, low=1, high=seq_len - 1)
+    pick = torch.randint(0, sequences.shape[0], (c.integer("count", count, low=1),),
+                         generator=torch.Generator().manual_seed(seed))
+    device = target.get_input_embeddings().weight.device
+    prompts = sequences[pick, :prompt_tokens].to(device)
+    return torch.cat([greedy_continuation(target, chunk, seq_len - prompt_tokens) for chunk in prompts.split(batch_size)])
 
 
 @torch.no_grad()

@@ -13,41 +13,43 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import _TINY, _pow2, _workspace, draw_rows
+from .sampling import _TINY, ROW_BLOCK_ENTRIES, _pow2, _workspace, draw_rows
 
 __all__ = ["probabilistic_accept"]
 
 
 @triton.jit
-def _accept_prefix_kernel(target_ptr, draft_probs_ptr, draft_ids_ptr, lengths_ptr, u_ptr, V, S, P_V,
-                          accepted_ptr, desc_ptr, draw_ptr, BLOCK: tl.constexpr):
-    """Per row: the accepted prefix ``n`` (stored, rest of the row zeroed) and the draw still due.
-
-    ``desc[row] = (target row offset, draft row offset or -1)``, ``draw[row] = (uniform bits, n)``: the
-    residual of position ``n`` after a rejection, else the bonus from target row ``rowP``.
+def _accept_prefix_kernel(target_ptr, draft_probs_ptr, draft_ids_ptr, lengths_ptr, u_ptr, B, V, S, P_V,
+                          accepted_ptr, desc_ptr, draw_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per ``ROWS`` batch rows: the accepted prefix ``n`` (stored, rest of the row zeroed) and the draw
+    still due: ``desc[b] = (target row offset, draft row offset or -1)``, ``draw[b] = (uniform bits,
+    n)`` -- the residual of position ``n`` after a rejection, else the bonus from target row ``rowP``.
     """
-    b = tl.program_id(0)
-    row_p = tl.maximum(1, tl.minimum(P_V, tl.load(lengths_ptr + b)))
-    s = tl.arange(0, BLOCK)
-    walked = s < row_p
-    token = tl.load(draft_ids_ptr + b * S + s, mask=walked, other=0)
+    b = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = b < B
+    row_p = tl.maximum(1, tl.minimum(P_V, tl.load(lengths_ptr + b, mask=live, other=1)))[:, None]
+    s = tl.arange(0, BLOCK)[None, :]
+    walked = live[:, None] & (s < row_p)
+    token = tl.load(draft_ids_ptr + b[:, None] * S + s, mask=walked, other=0)
     column = tl.minimum(tl.maximum(token, 0), V - 1).to(tl.int64)  # bad ids never address out of range
-    target_rows = (b * (P_V + 1) + s).to(tl.int64) * V
-    draft_rows = (b * S + s).to(tl.int64) * V
+    target_rows = (b[:, None] * (P_V + 1) + s).to(tl.int64) * V
+    draft_rows = (b[:, None] * S + s).to(tl.int64) * V
     p = tl.load(target_ptr + target_rows + column, mask=walked, other=0.0)
     q = tl.load(draft_probs_ptr + draft_rows + column, mask=walked, other=1.0)
     ratio = p / q
     a = tl.where(q <= _TINY, 1.0, tl.where(ratio < 1.0, ratio, 1.0))  # fminf(p/q, 1): NaN -> 1
-    u_row = u_ptr + b.to(tl.int64) * (2 * S + 1)
-    accept = (p > 0.0) & (tl.load(u_row + s, mask=walked, other=1.0) <= a)
-    n = tl.min(tl.where(walked & ~accept, s, row_p), axis=0)
-    tl.store(accepted_ptr + b * (P_V + 1) + s, tl.where(s < n, token, 0), mask=s < P_V + 1)
-    rejected = n < row_p
-    tl.store(desc_ptr + b * 2, tl.sum(tl.where(s == n, target_rows, 0), axis=0))
-    tl.store(desc_ptr + b * 2 + 1, tl.where(rejected, tl.sum(tl.where(s == n, draft_rows, 0), axis=0), -1))
-    u = tl.load(u_row + tl.where(rejected, S + n, 2 * S))
-    tl.store(draw_ptr + b * 2, u.to(tl.int32, bitcast=True))
-    tl.store(draw_ptr + b * 2 + 1, n)
+    u_rows = u_ptr + b.to(tl.int64) * (2 * S + 1)
+    accept = (p > 0.0) & (tl.load(u_rows[:, None] + s, mask=walked, other=1.0) <= a)
+    n = tl.min(tl.where(walked & ~accept, s, row_p), axis=1)
+    tl.store(accepted_ptr + b[:, None] * (P_V + 1) + s, tl.where(s < n[:, None], token, 0),
+             mask=live[:, None] & (s < P_V + 1))
+    rejected = n < tl.reshape(row_p, [ROWS])
+    at_n = s == n[:, None]
+    tl.store(desc_ptr + b * 2, tl.sum(tl.where(at_n, target_rows, 0), axis=1), mask=live)
+    tl.store(desc_ptr + b * 2 + 1, tl.where(rejected, tl.sum(tl.where(at_n, draft_rows, 0), axis=1), -1), mask=live)
+    u = tl.load(u_rows + tl.where(rejected, S + n, 2 * S), mask=live, other=0.0)
+    tl.store(draw_ptr + b * 2, u.to(tl.int32, bitcast=True), mask=live)
+    tl.store(draw_ptr + b * 2 + 1, n, mask=live)
 
 
 def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_ids, proposal_lengths, accept_uniforms,
@@ -67,9 +69,12 @@ def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_
         return accepted, accept_length
     desc = _workspace("accept_desc", batch * 2, torch.int64, device)
     draw = _workspace("accept_draw", batch * 2, torch.int32, device)
-    _accept_prefix_kernel[(batch,)](target_probabilities, draft_probabilities, draft_token_ids, proposal_lengths,
-                                    accept_uniforms, vocab, stride, verify_proposal_len, accepted, desc, draw,
-                                    BLOCK=_pow2(verify_proposal_len + 1), num_warps=1)
+    block = _pow2(verify_proposal_len + 1)
+    rows = max(1, ROW_BLOCK_ENTRIES // (4 * block))  # batch rows per program: ratio tests are tiny
+    _accept_prefix_kernel[(triton.cdiv(batch, rows),)](
+        target_probabilities, draft_probabilities, draft_token_ids, proposal_lengths, accept_uniforms, batch, vocab,
+        stride, verify_proposal_len, accepted, desc, draw, ROWS=rows, BLOCK=block,
+        num_warps=2)
     draw_rows(target_probabilities, batch, vocab, accepted, verify_proposal_len + 1, q=draft_probabilities,
               desc=desc, draw=draw, lengths=accept_length)
     return accepted, accept_length

@@ -49,8 +49,11 @@ NPROBE = 16  # thresholds tested per pass of the wide-nucleus search
 _SENTINEL = tl.constexpr(-(2**63))  # key below every real entry's key
 _NO_HIT = tl.constexpr(2**31 - 1)  # "no index" for min-reductions
 _MAX_KEY = tl.constexpr(2**63 - 1)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The interpreter's bf16 tl.dot is wrong; there the Markov GEMM runs in fp32 (exact products anyway).
-_UPCAST_DOT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_UPCAST_DOT = _INTERPRETED
+# Entries per program when many small rows share one (the interpreter pays per program, not per entry).
+ROW_BLOCK_ENTRIES = 32768 if _INTERPRETED else 4096
 
 
 # ------------------------------------------------------------------------------ device helpers
@@ -304,7 +307,7 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chun
 
 @triton.jit
 def _probes(olo, ohi, NPROBE_: tl.constexpr):
-    """``NPROBE_`` non-decreasing thresholds in ``[olo, ohi]`` (ord space), the first ``olo``.
+    """``NPROBE_`` non-decreasing thresholds from ``olo`` to ``ohi`` (ord space; both included).
 
     Spread evenly in value where the interval is finite (fast on continuous rows), else in ord space;
     ``olo + d`` guarantees progress down to a single value.
@@ -312,8 +315,8 @@ def _probes(olo, ohi, NPROBE_: tl.constexpr):
     d = tl.arange(0, NPROBE_)
     lo_v = _ord_value(olo)
     width = _ord_value(ohi) - lo_v
-    by_value = _ord(lo_v + width * (d.to(tl.float32) / NPROBE_))
-    by_ord = (olo.to(tl.int64) + ((ohi - olo).to(tl.int64) * d) // NPROBE_).to(tl.int32)
+    by_value = _ord(lo_v + width * (d.to(tl.float32) / (NPROBE_ - 1)))
+    by_ord = (olo.to(tl.int64) + ((ohi.to(tl.int64) - olo) * d) // (NPROBE_ - 1)).to(tl.int32)
     finite = (lo_v > float("-inf")) & (width < float("inf"))
     probes = tl.minimum(tl.maximum(tl.where(finite, by_value, by_ord), olo + d), ohi)
     return tl.where(d == 0, olo, probes)
@@ -522,9 +525,9 @@ def _pow2(n: int) -> int:
 
 
 def _chunk(vocab: int, cap: int = 4096) -> int:
-    """Chunk of a row handled by one program: ``cap`` on real vocabularies, smaller (but >= 128) for
-    small ones so every row still spans several chunks."""
-    return min(cap, max(128, _pow2(triton.cdiv(vocab, 8))))
+    """Entries of a row handled by one program: ``cap`` on real vocabularies, smaller for small ones
+    so that every row still spans several chunks."""
+    return min(cap, max(16, _pow2(triton.cdiv(vocab, 8))))
 
 
 def _bucket(vocab: int) -> int:
@@ -569,8 +572,7 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
     device = out.device
     filtered = k > 0 or p < 1.0
     chunk = _chunk(vocab)
-    dummy_f = out
-    u, u_stride, tok, tok_stride = sample if sample is not None else (dummy_f, 0, dummy_f, 0)
+    u, u_stride, tok, tok_stride = sample if sample is not None else (out, 0, out, 0)
     n_write = triton.cdiv(vocab, chunk)
     if not filtered:
         if stats is None:
@@ -581,11 +583,14 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
                                            GROUP_SIZE=GROUP, CANDIDATES=False, num_warps=4)
             stats = (m, s, n_stats, chunk)
         m, s, n_stats, stats_chunk = stats
-        _write_kernel[(rows, n_write)](x, x_stride, out, out_stride, vocab, inv_temp, m, s, n_stats,
-                                       m, m, m, u, u_stride, tok, tok_stride,
-                                       CHUNK=chunk, SC=stats_chunk, NS_PAD=_pow2(n_stats), FILTERED=False,
+        chunk = max(chunk, stats_chunk)  # a write chunk covers whole stats chunks (both powers of two)
+        _write_kernel[(rows, triton.cdiv(vocab, chunk))](x, x_stride, out, out_stride, vocab, inv_temp, m, s,
+                                                         n_stats, m, m, m, u, u_stride, tok, tok_stride,
+                                                         CHUNK=chunk, SC=stats_chunk, NS_PAD=_pow2(n_stats), FILTERED=False,
                                        SAMPLE=sample is not None, num_warps=4)
         return
+    chunk = max(chunk, GROUP)
+    n_write = triton.cdiv(vocab, chunk)
     big_k = k > MAX_CANDIDATES
     kpad = MAX_CANDIDATES if big_k or k == 0 else max(16, _pow2(k))
     n_chunks = n_write
@@ -632,87 +637,92 @@ def logits_to_probabilities(logits, temperature, top_k, top_p):
 
 @triton.jit
 def _draw_weights(p_ptr, q_ptr, p_off, q_off, index, mask, use_q):
-    """The walk's weights over ``index``: ``max(p - q, 0)`` when ``use_q`` (residual), else ``p``."""
-    p = tl.load(p_ptr + p_off + index, mask=mask, other=0.0)
-    q = tl.load(q_ptr + tl.maximum(q_off, 0) + index, mask=mask & use_q, other=0.0)
-    return tl.where(mask, _positive(tl.where(use_q, p - q, p)), 0.0)
+    """The walk's weights of ``[ROWS, N]`` entries: ``max(p - q, 0)`` where ``use_q`` (residual), else ``p``."""
+    p = tl.load(p_ptr + p_off[:, None] + index, mask=mask, other=0.0)
+    q = tl.load(q_ptr + tl.maximum(q_off, 0)[:, None] + index, mask=mask & use_q[:, None], other=0.0)
+    return tl.where(mask, _positive(tl.where(use_q[:, None], p - q, p)), 0.0)
 
 
 @triton.jit
-def _draw_rows(row, desc_ptr, p_stride, DESC: tl.constexpr):
-    """Row offsets ``(p_off, q_off)`` of a draw: from the accept descriptors, or plain rows of p."""
+def _draw_rows(rows, live, desc_ptr, p_stride, DESC: tl.constexpr):
+    """Row offsets ``(p_off, q_off)`` of ``[ROWS]`` draws: from the accept descriptors, or plain rows."""
     if DESC:
-        p_off = tl.load(desc_ptr + row * 2)
-        q_off = tl.load(desc_ptr + row * 2 + 1)
+        p_off = tl.load(desc_ptr + rows * 2, mask=live, other=0)
+        q_off = tl.load(desc_ptr + rows * 2 + 1, mask=live, other=-1)
     else:
-        p_off = row.to(tl.int64) * p_stride
-        q_off = tl.full([], -1, tl.int64)
+        p_off = rows.to(tl.int64) * p_stride
+        q_off = tl.full(rows.shape, -1, tl.int64)
     return p_off, q_off
 
 
 @triton.jit
-def _mass_kernel(p_ptr, q_ptr, V, p_stride, desc_ptr, mass_ptr, last_ptr, n_chunks,
-                 CHUNK: tl.constexpr, DESC: tl.constexpr):
-    """Per (row, chunk): mass and last positive index of the walk's weights; kind 0 = the row's
-    weights (residual when it has a q row), kind 1 = plain p (the residual's fallback)."""
-    row = tl.program_id(0)
+def _mass_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, mass_ptr, last_ptr, n_chunks,
+                 ROWS: tl.constexpr, CHUNK: tl.constexpr, DESC: tl.constexpr):
+    """Per (``ROWS`` rows, chunk): mass and last positive index of the walk's weights; kind 0 = the
+    row's weights (residual where it has a q row), kind 1 = plain p (the residual's fallback)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
     chunk = tl.program_id(1)
-    p_off, q_off = _draw_rows(row, desc_ptr, p_stride, DESC)
-    index = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = index < V
+    p_off, q_off = _draw_rows(rows, live, desc_ptr, p_stride, DESC)
+    index = (chunk * CHUNK + tl.arange(0, CHUNK))[None, :]
+    mask = live[:, None] & (index < V)
+    slot = rows * 2 * n_chunks + chunk
     w = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, mask, q_off >= 0)
-    slot = (row * 2) * n_chunks + chunk
-    tl.store(mass_ptr + slot, tl.sum(w, axis=0))
-    tl.store(last_ptr + slot, tl.max(tl.where(w > 0.0, index, -1), axis=0))
+    tl.store(mass_ptr + slot, tl.sum(w, axis=1), mask=live)
+    tl.store(last_ptr + slot, tl.max(tl.where(w > 0.0, index, -1), axis=1), mask=live)
     if DESC:
         w = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, mask, q_off < -1)
-        tl.store(mass_ptr + slot + n_chunks, tl.sum(w, axis=0))
-        tl.store(last_ptr + slot + n_chunks, tl.max(tl.where(w > 0.0, index, -1), axis=0))
+        tl.store(mass_ptr + slot + n_chunks, tl.sum(w, axis=1), mask=live)
+        tl.store(last_ptr + slot + n_chunks, tl.max(tl.where(w > 0.0, index, -1), axis=1), mask=live)
 
 
 @triton.jit
-def _walk_kernel(p_ptr, q_ptr, V, p_stride, desc_ptr, draw_ptr, u_ptr, u_stride, mass_ptr, last_ptr, n_chunks,
-                 out_ptr, out_stride, len_ptr, CHUNK: tl.constexpr, NC_PAD: tl.constexpr, DESC: tl.constexpr):
-    """Per row: find the chunk where the threshold falls, scan it with a block cumsum, store the token.
+def _walk_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, draw_ptr, u_ptr, u_stride, mass_ptr, last_ptr,
+                 n_chunks, out_ptr, out_stride, len_ptr,
+                 ROWS: tl.constexpr, CHUNK: tl.constexpr, NC_PAD: tl.constexpr, DESC: tl.constexpr):
+    """Per ``ROWS`` rows: the chunk where each threshold falls, then a block cumsum inside it.
 
-    With ``DESC`` (probabilistic accept) the row's draw is described by ``desc``/``draw``: the token
-    goes to ``out[row, n]`` and ``n + 1`` to ``len[row]``; a residual without mass (``<= 1e-20``)
-    draws from p instead, with the unscaled threshold (kernels.md 2.3).
+    With ``DESC`` (probabilistic accept) ``draw[row] = (uniform bits, n)``: the token goes to
+    ``out[row, n]`` and ``n + 1`` to ``len[row]``; a residual without mass (``<= 1e-20``) draws from p
+    instead, with the unscaled threshold (kernels.md 2.3).
     """
-    row = tl.program_id(0)
-    p_off, q_off = _draw_rows(row, desc_ptr, p_stride, DESC)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
+    p_off, q_off = _draw_rows(rows, live, desc_ptr, p_stride, DESC)
     if DESC:
-        u = tl.load(draw_ptr + row * 2).to(tl.float32, bitcast=True)
-        n = tl.load(draw_ptr + row * 2 + 1)
+        u = tl.load(draw_ptr + rows * 2, mask=live, other=0).to(tl.float32, bitcast=True)
+        n = tl.load(draw_ptr + rows * 2 + 1, mask=live, other=0)
     else:
-        u = tl.load(u_ptr + row.to(tl.int64) * u_stride)
-        n = 0
-    c = tl.arange(0, NC_PAD)
-    live = c < n_chunks
-    slot = (row * 2) * n_chunks + c
-    mass = tl.load(mass_ptr + slot, mask=live, other=0.0)
-    last = tl.load(last_ptr + slot, mask=live, other=-1)
+        u = tl.load(u_ptr + rows.to(tl.int64) * u_stride, mask=live, other=0.0)
+        n = tl.zeros([ROWS], tl.int32)
+    c = tl.arange(0, NC_PAD)[None, :]
+    in_chunks = live[:, None] & (c < n_chunks)
+    slot = rows[:, None] * 2 * n_chunks + c
+    mass = tl.load(mass_ptr + slot, mask=in_chunks, other=0.0)
+    last = tl.load(last_ptr + slot, mask=in_chunks, other=-1)
     t = _clamp_uniform(u)
     use_q = q_off >= 0
     if DESC:
-        residual_mass = tl.sum(mass, axis=0)
-        use_q = use_q & (residual_mass > _TINY)
+        residual_mass = tl.sum(mass, axis=1)
+        plain = use_q & (residual_mass <= _TINY)
+        use_q = use_q & ~plain
         t = tl.where(use_q, t * residual_mass, t)
-        plain = (q_off >= 0) & (residual_mass <= _TINY)
-        mass = tl.where(plain, tl.load(mass_ptr + slot + n_chunks, mask=live, other=0.0), mass)
-        last = tl.where(plain, tl.load(last_ptr + slot + n_chunks, mask=live, other=-1), last)
-    incl = tl.cumsum(mass, axis=0)
-    owner = tl.min(tl.where((mass > 0.0) & (incl > t), c, NC_PAD), axis=0)
-    token = tl.maximum(tl.max(last, axis=0), 0)  # t beyond the total: the last positive index
-    if owner < NC_PAD:
-        carry = tl.sum(tl.where(c == owner - 1, incl, 0.0), axis=0)
-        index = owner * CHUNK + tl.arange(0, CHUNK)
-        w = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, index < V, use_q)
-        token = _first_hit(w, index, carry, t)
-        token = tl.where(token == _NO_HIT, tl.sum(tl.where(c == owner, last, 0), axis=0), token)
-    tl.store(out_ptr + row.to(tl.int64) * out_stride + n, token)
+        mass = tl.where(plain[:, None], tl.load(mass_ptr + slot + n_chunks, mask=in_chunks, other=0.0), mass)
+        last = tl.where(plain[:, None], tl.load(last_ptr + slot + n_chunks, mask=in_chunks, other=-1), last)
+    incl = tl.cumsum(mass, axis=1)
+    owner = tl.min(tl.where((mass > 0.0) & (incl > t[:, None]), c, NC_PAD), axis=1)
+    carry = tl.sum(tl.where(c == owner[:, None] - 1, incl, 0.0), axis=1)
+    index = owner[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    w = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, (owner < NC_PAD)[:, None] & (index < V), use_q)
+    hit = (w > 0.0) & (carry[:, None] + tl.cumsum(w, axis=1) > t[:, None])
+    token = tl.min(tl.where(hit, index, _NO_HIT), axis=1)
+    # No hit: rounding put t past the owner's sum (its last positive), or past the total (the row's).
+    owner_last = tl.sum(tl.where(c == owner[:, None], last, 0), axis=1)
+    fallback = tl.where(owner < NC_PAD, owner_last, tl.maximum(tl.max(last, axis=1), 0))
+    token = tl.where(token == _NO_HIT, fallback, token)
+    tl.store(out_ptr + rows.to(tl.int64) * out_stride + n, token, mask=live)
     if DESC:
-        tl.store(len_ptr + row, n + 1)
+        tl.store(len_ptr + rows, n + 1, mask=live)
 
 
 def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0, q=None, desc=None, draw=None,
@@ -721,11 +731,13 @@ def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0
 
     Plain rows: row ``r`` of ``p`` (row stride ``p_stride``) with uniform ``u[r * u_stride]``, token to
     ``out[r * out_stride]``. Accept mode (``desc``/``draw``/``lengths``, written by the accept kernel):
-    ``desc[r] = (p offset, q offset or -1)``, ``draw[r] = (u bits, n)``.
+    ``desc[r] = (p offset, q offset or -1)``, ``draw[r] = (u bits, n)``. Small vocabularies put
+    several rows in one program.
     """
     device = p.device
     chunk = _chunk(vocab)
     n_chunks = triton.cdiv(vocab, chunk)
+    per_program = max(1, ROW_BLOCK_ENTRIES // (chunk * _pow2(n_chunks)))
     with_desc = desc is not None
     mass = _workspace("draw_mass", rows * 2 * n_chunks, torch.float32, device)
     last = _workspace("draw_last", rows * 2 * n_chunks, torch.int32, device)
@@ -734,10 +746,12 @@ def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0
     draw = mass if draw is None else draw
     u = mass if u is None else u
     lengths = last if lengths is None else lengths
-    _mass_kernel[(rows, n_chunks)](p, q, vocab, p_stride, desc, mass, last, n_chunks, CHUNK=chunk, DESC=with_desc,
-                                   num_warps=4)
-    _walk_kernel[(rows,)](p, q, vocab, p_stride, desc, draw, u, u_stride, mass, last, n_chunks, out, out_stride,
-                          lengths, CHUNK=chunk, NC_PAD=_pow2(n_chunks), DESC=with_desc, num_warps=4)
+    grid = triton.cdiv(rows, per_program)
+    _mass_kernel[(grid, n_chunks)](p, q, rows, vocab, p_stride, desc, mass, last, n_chunks, ROWS=per_program,
+                                   CHUNK=chunk, DESC=with_desc, num_warps=4)
+    _walk_kernel[(grid,)](p, q, rows, vocab, p_stride, desc, draw, u, u_stride, mass, last, n_chunks, out,
+                          out_stride, lengths, ROWS=per_program, CHUNK=chunk, NC_PAD=_pow2(n_chunks),
+                          DESC=with_desc, num_warps=4)
 
 
 def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step):
