@@ -147,6 +147,8 @@ def test_prompt_records(tmp_path):
     tokenizer = train_tokenizer([CODE, "abc hello"], 300)
     assert data.prompt_token_ids(tokenizer, records[0]) == tokenize(tokenizer, ["abc"])[0]
     assert data.prompt_token_ids(tokenizer, records[1]) == tokenize(tokenizer, ["hello"])[0]  # no chat template
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<bot>"
+    assert tokenizer.decode(data.prompt_token_ids(tokenizer, records[1])) == "<user>hello<bot>"
     with pytest.raises(ValueError, match="read_prompts: prompts must be"):
         data.read_prompts(str(tmp_path / "none.jsonl"))
 

@@ -7,12 +7,16 @@ V = 151936 and a CUDA-graph replay of a sampled round.
 
 Tolerances and the boundary rule:
 * uniforms bit for bit; accept lengths and every non-sampled id exactly;
-* probabilities ``atol = 2e-6`` (fp32 normalisers and GEMM order in the kernels, float64 in the
-  reference);
-* sampled tokens identical, EXCEPT where the threshold lies within 1e-6 of a running sum of the
-  drawn row (``sampling_cases.near_cdf_boundary``): the kernels' inverse-CDF walk is a parallel
-  (pairwise) prefix sum, the reference's NVIDIA's sequential fp32 sum, so there either neighbour is
-  accepted -- but it must still be a token with positive mass.
+* probabilities ``atol = 2e-6`` (fp32 normalisers in the kernels, float64 in the reference); the
+  Markov GEMM sums R products in another order, so real-size rows (R = 256, |z| ~ 25) get
+  ``rtol = 1e-4``;
+* sampled tokens: a Triton draw is checked against NVIDIA's walk (the reference's, bit-exact) ON THE
+  SAME probabilities. The kernels' inverse-CDF walk is a parallel (pairwise) prefix sum, NVIDIA's a
+  sequential fp32 sum, so the tokens may differ exactly where the two cannot agree: the threshold lies
+  within ``BOUNDARY`` = 1e-6 of a running sum, or the exact (float64) and the sequential fp32 running
+  sums fall on different sides of it (at V = 151936 the sequential sum strays by ~1e-5). The fused
+  sampler computes its chunk masses from softmax partials (GPU ``exp`` is approximate): 3e-6 there.
+  A differing token must still have positive mass.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from dspark.kernels.reference import sampling as R
 from dspark.kernels.triton import accept as TA
 from dspark.kernels.triton import sampling as TS
 
-pytestmark = requires_triton
+# The interpreter evaluates masked lanes too (-inf - -inf, 0 / 0): numpy warns, the lanes are discarded.
+pytestmark = [requires_triton, pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):RuntimeWarning")]
 
 I32 = torch.int32
 ATOL = 2e-6
@@ -51,15 +56,37 @@ def i32(values):
     return torch.tensor(values, dtype=I32, device=DEVICE)
 
 
-def assert_tokens_agree(expected, actual, probs, thresholds):
-    """Tokens drawn from rows ``probs`` [N, V] at ``thresholds`` [N] (in units of the row's mass):
-    equal, or the threshold is within 1e-6 of a CDF boundary and the token has positive mass."""
+BOUNDARY, FUSED_BOUNDARY = 1e-6, 3e-6
+
+
+def legit_mismatch(weights, u, scaled, window):
+    """bool ``[N]``: rows where an accurate walk may pick another token than NVIDIA's sequential fp32
+    walk over ``weights`` ``[N, V]`` at ``u`` ``[N]`` (``scaled`` ``[N]``: threshold ``u * total``, the
+    residual draw): a running sum within ``window`` (relative to the total when scaled) of the
+    threshold, or exact and sequential running sums on different sides of it."""
+    w = R._positive(weights.float().cpu())
+    sequential = R._sequential_prefix(w).double()
+    exact = w.double().cumsum(-1)
+    u, scaled = R.clamp_uniform(u.float().cpu()), scaled.cpu()
+    t_exact = torch.where(scaled, u.double() * exact[:, -1], u.double())[:, None]
+    t_sequential = torch.where(scaled, u * sequential[:, -1].float(), u).double()[:, None]  # fl32(t * S)
+    unit = torch.where(scaled, exact[:, -1], torch.ones_like(exact[:, -1]))[:, None] * window
+    near = ((exact - t_exact).abs() <= unit) | ((sequential - t_sequential).abs() <= unit)
+    return (near | ((exact > t_exact) != (sequential > t_sequential))).any(-1)
+
+
+def assert_tokens_agree(expected, actual, weights, u, scaled=None, window=BOUNDARY):
+    """Tokens drawn from ``weights`` [N, V] at ``u`` [N]: equal to NVIDIA's walk (``expected``) except on
+    rows where ``legit_mismatch`` allows it, and then still a token with positive weight."""
     differ = (expected != actual).cpu()
-    if bool(differ.any()):
-        near = cases.near_cdf_boundary(probs.cpu(), thresholds.cpu())
-        assert bool(near[differ].all()), f"tokens differ away from a CDF boundary at rows {differ.nonzero().tolist()}"
-        mass = probs.cpu().gather(1, actual.cpu().long().clamp(0, probs.shape[1] - 1)[:, None])
-        assert bool((mass[differ] > 0).all()), "a token without mass was drawn"
+    if not bool(differ.any()):
+        return
+    scaled = torch.zeros_like(differ) if scaled is None else scaled.cpu()
+    rows = weights.cpu()[differ]
+    allowed = legit_mismatch(rows, u.cpu()[differ], scaled[differ], window)
+    assert bool(allowed.all()), f"tokens differ where NVIDIA's walk is unambiguous: rows {differ.nonzero().tolist()}"
+    mass = rows.gather(1, actual.cpu()[differ].long().clamp(0, weights.shape[1] - 1)[:, None])
+    assert bool((mass > 0).all()), "a token without mass was drawn"
 
 
 # ------------------------------------------------------------------------------ fill_uniforms
@@ -209,11 +236,12 @@ def test_top_k_rows_match_reference(k, temperature):
     torch.testing.assert_close(triton["draft_top_k_probabilities"], reference["draft_top_k_probabilities"],
                                atol=ATOL, rtol=0)
     assert torch.equal(triton["draft_top_k_indices"], reference["draft_top_k_indices"])
-    positions = [row.tolist().index(t) for row, t in zip(case["top_k_indices"].cpu(),
-                                                         triton["draft_token_ids"][:, 1].cpu().tolist())]
-    expected = [row.tolist().index(t) for row, t in zip(case["top_k_indices"].cpu(),
-                                                        reference["draft_token_ids"][:, 1].cpu().tolist())]
-    assert_tokens_agree(torch.tensor(expected), torch.tensor(positions), ref_norm, case["proposal_uniforms"][:, 1])
+    probs, ids = triton["draft_top_k_probabilities"][:, 1], case["top_k_indices"]
+    expected = R.sample_from_sparse_probs(probs.cpu(), ids.cpu(), case["proposal_uniforms"][:, 1].cpu())
+    tokens = triton["draft_token_ids"][:, 1].cpu()
+    positions = (ids.cpu() == tokens[:, None]).int().argmax(1)  # ids are distinct
+    expected_positions = (ids.cpu() == expected[:, None]).int().argmax(1)
+    assert_tokens_agree(expected_positions, positions, probs, case["proposal_uniforms"][:, 1])
 
 
 def test_store_draft_step_probabilities_copies_the_row():
@@ -258,9 +286,11 @@ MARKOV_CASES = [  # batch, width, vocab, rank, dtype, temperature, top_k, top_p,
 ]
 
 
-def check_markov_round(batch, width, vocab, rank, dtype, temperature, top_k, top_p, stride, offset, seed=0):
-    """Triton's round vs the reference re-run step by step on Triton's own earlier tokens (so a legal
-    boundary choice at one step does not change what later steps are compared against)."""
+def check_markov_round(batch, width, vocab, rank, dtype, temperature, top_k, top_p, stride, offset, seed=0,
+                       rtol=1e-5):
+    """Triton's round: each step's probabilities vs the reference step re-run on Triton's own earlier
+    tokens (so a legal boundary choice does not change what later steps see), each token vs NVIDIA's
+    walk over the probabilities Triton stored."""
     case = cases.markov_sample_inputs(batch, width, vocab, rank, dtype=dtype, logits_stride=stride,
                                       logits_offset=offset, seed=seed, device=DEVICE)
     filters = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
@@ -272,8 +302,9 @@ def check_markov_round(batch, width, vocab, rank, dtype, temperature, top_k, top
         with K.use_backend("reference"):
             K.markov_sample_step(**case, proposal_uniforms=uniforms_, draft_token_ids=ref_tokens,
                                  draft_probabilities=ref_probs, step=step, **filters)
-        torch.testing.assert_close(probs[:, step], ref_probs[:, step], atol=ATOL, rtol=1e-5)
-        assert_tokens_agree(ref_tokens[:, step], tokens[:, step], ref_probs[:, step], uniforms_[:, step])
+        torch.testing.assert_close(probs[:, step], ref_probs[:, step], atol=ATOL, rtol=rtol)
+        expected = R.sample_from_probs(probs[:, step], uniforms_[:, step])
+        assert_tokens_agree(expected, tokens[:, step], probs[:, step], uniforms_[:, step], window=FUSED_BOUNDARY)
 
 
 @pytest.mark.parametrize("case", MARKOV_CASES, ids=lambda c: "-".join(str(v) for v in c))
@@ -341,26 +372,26 @@ def test_probabilistic_accept_vectors(target, draft, tokens, u, p_v, lengths, ex
     assert (accepted[0].tolist(), int(length[0])) == expected
 
 
-def drawn_rows(case, accepted, lengths):
-    """Per batch row: the distribution of the last emitted token (residual or bonus row, scaled so
-    ``near_cdf_boundary`` sees NVIDIA's threshold ``u * S``) and its uniform."""
-    target, draft = case["target_probabilities"].double(), case["draft_probabilities"].double()
-    u, stride = case["accept_uniforms"], case["draft_token_ids"].shape[1]
-    rows, thresholds = [], []
-    for b, n in enumerate((lengths - 1).tolist()):
+def drawn_rows(case, lengths):
+    """Per batch row, the walk that drew the last emitted token: ``(weights [B, V], u [B], scaled [B])``
+    -- the residual ``max(p - q, 0)`` with threshold ``u * total`` after a rejection (plain p when that
+    has no mass), else the bonus row of the target."""
+    target, draft = case["target_probabilities"].cpu(), case["draft_probabilities"].cpu()
+    u, stride = case["accept_uniforms"].cpu(), case["draft_token_ids"].shape[1]
+    weights, thresholds, scaled = [], [], []
+    for b, n in enumerate((lengths.cpu() - 1).tolist()):
         row_p = max(1, min(case["verify_proposal_len"], int(case["proposal_lengths"][b])))
         if n < row_p:
             residual = (target[b, n] - draft[b, n]).clamp_min(0)
-            if float(residual.sum()) > 1e-20:
-                rows.append(residual / residual.sum())
-                thresholds.append(u[b, stride + n])
-                continue
-            rows.append(target[b, n])
+            has_mass = bool(R._sequential_prefix(R._positive(residual[None]))[0, -1] > 1e-20)
+            weights.append(residual if has_mass else target[b, n])
             thresholds.append(u[b, stride + n])
+            scaled.append(has_mass)
         else:
-            rows.append(target[b, row_p])
+            weights.append(target[b, row_p])
             thresholds.append(u[b, 2 * stride])
-    return torch.stack(rows), torch.stack(thresholds)
+            scaled.append(False)
+    return torch.stack(weights), torch.stack(thresholds), torch.tensor(scaled)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
@@ -372,8 +403,7 @@ def test_probabilistic_accept_matches_reference(batch, stride, p_v, vocab):
     last = (tri_len - 1).long()[:, None]
     keep = torch.arange(p_v + 1, device=DEVICE)[None, :] != last
     assert torch.equal(ref_ids[keep], tri_ids[keep])  # the accepted prefix and the zeroed tail
-    rows, thresholds = drawn_rows(case, tri_ids, tri_len)
-    assert_tokens_agree(ref_ids.gather(1, last)[:, 0], tri_ids.gather(1, last)[:, 0], rows, thresholds)
+    assert_tokens_agree(ref_ids.gather(1, last)[:, 0], tri_ids.gather(1, last)[:, 0], *drawn_rows(case, tri_len))
 
 
 # ------------------------------------------------------------------------------ losslessness (testing.md §5)
@@ -384,11 +414,11 @@ def verify_once(target, draft, rows, seed):
     ``target`` [P+1, V] on the Triton backend; returns (accepted, accept_length)."""
     width = draft.shape[0]
     tokens = torch.multinomial(draft, rows, replacement=True, generator=cases.generator(seed)).t()
+    u = uniforms(rows, 2 * width + 1, offset=seed * (2 * width + 1)).to(DEVICE)  # built on the CPU
     with K.use_backend("triton"):
         return K.probabilistic_accept(
             target.to(DEVICE).expand(rows, -1, -1), draft.to(DEVICE).expand(rows, -1, -1),
-            tokens.to(I32).contiguous().to(DEVICE), torch.full((rows,), width, dtype=I32, device=DEVICE),
-            uniforms(rows, 2 * width + 1, offset=seed * (2 * width + 1)).to(DEVICE), width)
+            tokens.to(I32).contiguous().to(DEVICE), torch.full((rows,), width, dtype=I32, device=DEVICE), u, width)
 
 
 @pytest.mark.slow
@@ -425,7 +455,7 @@ def test_dense_draws_follow_their_rows():
 @gpu
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.8, 0, 1.0), (0.8, 50, 0.9), (1.0, 0, 0.9), (0.0, 0, 1.0)])
 def test_real_size_markov_round_matches_reference(temperature, top_k, top_p):
-    check_markov_round(8, 7, 151936, 256, torch.float16, temperature, top_k, top_p, 8, 1, seed=1)
+    check_markov_round(8, 7, 151936, 256, torch.float16, temperature, top_k, top_p, 8, 1, seed=1, rtol=1e-4)
 
 
 @gpu
@@ -443,8 +473,7 @@ def test_real_size_accept_and_draws_match_reference():
     (ref_ids, ref_len), (tri_ids, tri_len) = on_backends(lambda: K.probabilistic_accept(**case))
     assert torch.equal(ref_len, tri_len)
     last = (tri_len - 1).long()[:, None]
-    rows, thresholds = drawn_rows(case, tri_ids, tri_len)
-    assert_tokens_agree(ref_ids.gather(1, last)[:, 0], tri_ids.gather(1, last)[:, 0], rows, thresholds)
+    assert_tokens_agree(ref_ids.gather(1, last)[:, 0], tri_ids.gather(1, last)[:, 0], *drawn_rows(case, tri_len))
 
 
 @gpu

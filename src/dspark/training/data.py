@@ -222,7 +222,7 @@ def prompt_token_ids(tokenizer, record: dict) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
                                             tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5.2x
     return tokenize(tokenizer, [turn])[0]
 
 

@@ -4,12 +4,12 @@ NVIDIA draws every token with one thread walking the whole vocabulary row and do
 thread in O(V * n). Here every pass over a row is spread over the vocabulary:
 
 * Probabilities are split-row: per-chunk ``(max, sum exp)`` partials, then a write pass that combines
-  them and stores ``exp(x - M) / S``. With top-k/top-p (or T -> 0) a candidate pass keeps, per chunk,
-  the best groups of ``GROUP`` entries by group maximum (the global top k lie in the global top-k
-  groups); one program per row then selects the exact top ``<= 128`` entries and derives the
-  mass-clipped cut from their prefix sum. A nucleus wider than 128 entries, or ``top_k > 128``, is cut
-  by a per-row search in value space (16 probes per pass, then an exact sort of the last bucket), so
-  no path is O(V * n).
+  them and stores ``exp(x - M) / S``. With top-k/top-p (or T -> 0) the stats pass also stores the
+  maximum of every group of ``GROUP`` entries; the global top k lie in the k best groups, so one
+  program per row selects the exact top ``<= 128`` entries from small vectors (a multi-probe key
+  search, no sorting network) and derives the mass-clipped cut from their prefix sums. A nucleus
+  wider than 128 entries, or ``top_k > 128``, is cut by a per-row search in value space (16 probes per
+  pass until a small bucket remains, which is searched exactly), so no path is O(V * n).
 * Draws are inverse-CDF walks as parallel prefix sums: chunk masses, the chunk the threshold falls
   into, then a block ``cumsum`` inside it. The sums are pairwise, not NVIDIA's sequential fp32 sum,
   so a uniform within ~1e-6 of a CDF boundary may get the neighbouring token; otherwise the tokens are
@@ -53,6 +53,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The interpreter's bf16 tl.dot is wrong; there the Markov GEMM runs in fp32 (exact products anyway).
 _UPCAST_DOT = _INTERPRETED
 # Entries per program when many small rows share one (the interpreter pays per program, not per entry).
+# Loops with a runtime trip count are written as while loops: the interpreter (numpy 2) rejects them.
 ROW_BLOCK_ENTRIES = 32768 if _INTERPRETED else 4096
 
 
@@ -501,7 +502,7 @@ def _write_kernel(x_ptr, x_stride, out_ptr, out_stride, V, inv_temp, m_ptr, s_pt
             share = tl.minimum(V - j * SC, SC).to(tl.float32) / V
             mass = tl.where(live, tl.where(degenerate, share, s * tl.exp(m - big) / total), 0.0)
             incl = tl.cumsum(mass, axis=0)
-            per: tl.constexpr = CHUNK // SC
+            per = CHUNK // SC
             lo = tl.sum(tl.where(j == chunk * per - 1, incl, 0.0), axis=0)
             hi = tl.sum(tl.where(j == tl.minimum(chunk * per + per, n_stats) - 1, incl, 0.0), axis=0)
             end = tl.sum(tl.where(j == n_stats - 1, incl, 0.0), axis=0)
@@ -531,7 +532,7 @@ def _chunk(vocab: int, cap: int = 4096) -> int:
 
 
 def _bucket(vocab: int) -> int:
-    """Entries the nucleus search sorts at the end (smaller for small vocabularies, as ``_chunk``)."""
+    """Entries the nucleus search gathers and searches exactly at the end (smaller for small vocabularies)."""
     return min(4096, max(64, _pow2(vocab) // 8))
 
 
@@ -584,10 +585,9 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
             stats = (m, s, n_stats, chunk)
         m, s, n_stats, stats_chunk = stats
         chunk = max(chunk, stats_chunk)  # a write chunk covers whole stats chunks (both powers of two)
-        _write_kernel[(rows, triton.cdiv(vocab, chunk))](x, x_stride, out, out_stride, vocab, inv_temp, m, s,
-                                                         n_stats, m, m, m, u, u_stride, tok, tok_stride,
-                                                         CHUNK=chunk, SC=stats_chunk, NS_PAD=_pow2(n_stats), FILTERED=False,
-                                       SAMPLE=sample is not None, num_warps=4)
+        _write_kernel[(rows, triton.cdiv(vocab, chunk))](
+            x, x_stride, out, out_stride, vocab, inv_temp, m, s, n_stats, m, m, m, u, u_stride, tok, tok_stride,
+            CHUNK=chunk, SC=stats_chunk, NS_PAD=_pow2(n_stats), FILTERED=False, SAMPLE=sample is not None, num_warps=4)
         return
     chunk = max(chunk, GROUP)
     n_write = triton.cdiv(vocab, chunk)
@@ -932,7 +932,8 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
 
 def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
                           top_k, top_p, logits_stride, logits_offset):
-    """``markov_sample_step`` for steps 0..P-1 -> ``(draft_token_ids int32 [B, P], draft_probabilities f32 [B, P, V])``."""
+    """``markov_sample_step`` for steps 0..P-1; returns ``(draft_token_ids int32 [B, P],
+    draft_probabilities f32 [B, P, V])``."""
     batch, width = proposal_uniforms.shape
     device = proposal_uniforms.device
     draft_token_ids = torch.zeros(batch, width, dtype=torch.int32, device=device)
