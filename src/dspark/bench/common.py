@@ -28,6 +28,33 @@ def median_us(fn: Callable[[], object], *, warmup: int = 10, reps: int = 50) -> 
     return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def cold_l2_us(fn: Callable[[], object], *, warmup: int = 10, reps: int = 60) -> float:
+    """Median microseconds of ``fn`` with a cold L2 (``triton.testing.do_bench`` flushes a 256 MB
+    buffer before each repetition and times it with CUDA events)."""
+    import triton.testing
+
+    return 1000.0 * triton.testing.do_bench(fn, warmup=warmup, rep=reps, return_mode="median")
+
+
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph; it runs once first on a side stream so that nothing compiles
+    or sizes a workspace inside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """Median microseconds of ``fn`` replayed as a CUDA graph (cold L2, no Python launch cost)."""
+    return cold_l2_us(capture_graph(fn).replay)
+
+
 def measure_copy_ceiling_gbps(num_bytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")

@@ -18,27 +18,18 @@ import time
 
 import torch
 import triton
-import triton.testing
 
 import dspark.kernels as K
 from dspark.kernels.reference import confidence as ref_confidence
 from dspark.kernels.reference import verify as ref_verify
 from dspark.kernels.triton import greedy as tgreedy
 
+from .common import cold_l2_us as _us
+from .common import graph_us as _device_us
 from .common import row, try_compile
 
 VOCAB, HIDDEN, PROPOSAL_LEN = 151936, 4096, 7
 RANKS, BATCHES, DTYPES = (64, 256), (1, 8, 64), (torch.float16, torch.bfloat16)
-
-
-def _us(fn) -> float:
-    """Median microseconds of ``fn`` with a cold L2 (``do_bench`` zeroes a 256 MB buffer before each run)."""
-    return 1000.0 * triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-
-
-def _device_us(fn) -> float:
-    """Median microseconds of ``fn`` replayed as a CUDA graph (cold L2, no Python launch cost)."""
-    return _us(_graph(fn).replay)
 
 
 def _us_at_ceiling(ceiling_gbps: float, num_bytes: int) -> float:
@@ -89,19 +80,6 @@ class _Step:
         w2, scales = (self.codes, self.scales) if fp8 else (self.w2, None)
         return lambda: K.markov_greedy_round(self.backbone, self.w1, w2, self.first, proposal_len=PROPOSAL_LEN,
                                              w2_row_scales=scales, greedy_slots=self.slots, draft_token_ids=self.tokens)
-
-
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph (run once first so that nothing compiles inside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def _bench_markov(ceiling: float, quick: bool) -> list[dict]:

@@ -13,34 +13,17 @@ draw reads, W2 seven times + the ``[B, 7, V]`` probabilities written for a round
 from __future__ import annotations
 
 import torch
-import triton
-import triton.testing
 
 import dspark.kernels as K
 from dspark.kernels.reference import sampling as ref_sampling
 
+from .common import cold_l2_us as _us
+from .common import graph_us as _graph_us
 from .common import row, try_compile
 
 VOCAB, PROPOSAL_LEN, TEMPERATURE = 151936, 7, 0.8
 BATCHES, RANKS = (1, 8, 64), (64, 256)
 FILTERS = {"none": (0, 1.0), "top-k 50": (50, 1.0), "top-p 0.9": (0, 0.9), "top-k 50 + top-p 0.9": (50, 0.9)}
-
-
-def _us(fn) -> float:
-    return 1000.0 * triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
-
-
-def _graph_us(fn) -> float:
-    """Median microseconds of ``fn`` replayed as a CUDA graph (run once first: compiles, sizes workspaces)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _us(graph.replay)
 
 
 def _compiled_us(fn, *args) -> float | None:
