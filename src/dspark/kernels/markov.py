@@ -60,7 +60,7 @@ def fused_greedy_supported(markov_rank: int) -> bool:
 
 
 @dataclass
-class _Markov:
+class MarkovInputs:
     """Validated Markov inputs: device, sizes, and the normalised ``[rows, V]`` logits."""
 
     device: torch.device
@@ -72,8 +72,8 @@ class _Markov:
     offset: int
 
 
-def _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, *, width, needed,
-                   logits_stride, logits_offset, w2_row_scales=None, w2_name="markov_w2") -> _Markov:
+def markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, *, width, needed,
+                   logits_stride, logits_offset, w2_row_scales=None, w2_name="markov_w2") -> MarkovInputs:
     """Check the inputs every Markov step shares; ``width`` is P (default row stride).
 
     ``needed`` rows per batch entry (from ``logits_offset``) must lie inside the row stride. FP8 mode
@@ -98,7 +98,7 @@ def _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, 
     offset = c.integer("logits_offset", logits_offset, low=0)
     logits = c.rows("backbone_logits", logits, batch, stride, offset, needed)
     c.ids_in_range("first_prev_tokens", first, vocab)
-    return _Markov(device, batch, vocab, rank, logits, stride, offset)
+    return MarkovInputs(device, batch, vocab, rank, logits, stride, offset)
 
 
 def _check_rank(c, rank: int, fp8: bool) -> None:
@@ -109,7 +109,7 @@ def _check_rank(c, rank: int, fp8: bool) -> None:
                f"expected a multiple of 8 in [8, {MAX_FUSED_RANK}]")
 
 
-def _stacked(c, stacked_logits, m: _Markov, width: int):
+def _stacked(c, stacked_logits, m: MarkovInputs, width: int):
     """Optional f32 ``[B, P+1, V]`` contiguous stacked-logits buffer (tree mode)."""
     if stacked_logits is None:
         return None
@@ -117,7 +117,7 @@ def _stacked(c, stacked_logits, m: _Markov, width: int):
                     device=m.device, contiguous=True)
 
 
-def _buffer(c, name, buffer, dtype, m: _Markov, width: int) -> torch.Tensor:
+def _buffer(c, name, buffer, dtype, m: MarkovInputs, width: int) -> torch.Tensor:
     """A caller's ``[B, P]`` buffer, checked (written in place: contiguous), or a new one when None."""
     if buffer is None:
         return torch.empty((m.batch, width), dtype=dtype, device=m.device)
@@ -147,7 +147,7 @@ def build_markov_logits(backbone_logits, markov_w1, markov_w2, first_prev_tokens
     draft = c.tensor("draft_token_ids", draft_token_ids, dtype=torch.int32, ndim=2)
     width = draft.shape[1]
     step = c.integer("step", step, low=0, high=width - 1)
-    m = _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
+    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
                        logits_stride=logits_stride, logits_offset=logits_offset)
     c.tensor("draft_token_ids", draft, shape=[m.batch, width], device=m.device)
     if step > 0:
@@ -163,7 +163,7 @@ def _fused_step(name, backbone_logits, markov_w1, markov_w2, w2_row_scales, firs
     c = Checker(name)
     width = c.tensor("greedy_slots", greedy_slots, dtype=torch.int64, ndim=2).shape[1]
     step = c.integer("step", step, low=0, high=width - 1)
-    m = _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
+    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
                        logits_stride=logits_stride, logits_offset=logits_offset, w2_row_scales=w2_row_scales,
                        w2_name="markov_w2" if w2_row_scales is None else "w2_fp8")
     _check_rank(c, m.rank, fp8=w2_row_scales is not None)
@@ -277,7 +277,7 @@ def markov_greedy_round(backbone_logits, markov_w1, markov_w2, first_prev_tokens
     if not fp8 and w2_row_scales is not None:
         got = getattr(markov_w2, "dtype", type(markov_w2).__name__)
         c.fail(f"w2_row_scales is given, so markov_w2 must hold uint8 FP8 codes, got {got}")
-    m = _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=width,
+    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=width,
                        logits_stride=logits_stride, logits_offset=logits_offset, w2_row_scales=w2_row_scales)
     _check_rank(c, m.rank, fp8)
     slots = _buffer(c, "greedy_slots", greedy_slots, torch.int64, m, width)

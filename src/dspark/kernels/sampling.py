@@ -17,8 +17,8 @@ import torch
 
 from ._backend import implementation
 from ._validate import Checker
-from .markov import _markov_inputs
-from .verify import _drafts
+from .markov import markov_inputs
+from .verify import verify_drafts
 
 __all__ = [
     "fill_uniforms",
@@ -219,7 +219,7 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
     draft = c.tensor("draft_token_ids", draft_token_ids, dtype=torch.int32, ndim=2)
     width = draft.shape[1]
     step = c.integer("step", step, low=0, high=width - 1)
-    m = _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
+    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
                        logits_stride=logits_stride, logits_offset=logits_offset)
     draft = _draft_ids(c, draft, m.batch, m.device)
     uniforms = _step_uniforms(c, proposal_uniforms, m.batch, width, m.device)
@@ -246,7 +246,7 @@ def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_toke
     width = uniforms.shape[1]
     if width < 1:
         c.fail(f"proposal_uniforms must be [B, P] with P >= 1, got shape {list(uniforms.shape)}")
-    m = _markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=width,
+    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=width,
                        logits_stride=logits_stride, logits_offset=logits_offset)
     uniforms = _step_uniforms(c, uniforms, m.batch, width, m.device)
     temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
@@ -275,7 +275,7 @@ def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_
     acceptances a bonus token is drawn from target row ``rowP``. Entries past ``accept_length`` are 0.
     """
     c = Checker("probabilistic_accept")
-    draft, p_v = _drafts(c, draft_token_ids, verify_proposal_len)
+    draft, p_v = verify_drafts(c, draft_token_ids, verify_proposal_len)
     (batch, stride), device = draft.shape, draft.device
     target = c.tensor("target_probabilities", target_probabilities, dtype=torch.float32, ndim=3, device=device)
     vocab = target.shape[2]

@@ -15,7 +15,7 @@ from ._validate import Checker
 __all__ = ["build_verify_tokens", "greedy_accept", "fill_proposal_lengths"]
 
 
-def _drafts(c: Checker, draft_token_ids, verify_proposal_len):
+def verify_drafts(c: Checker, draft_token_ids, verify_proposal_len):
     """int32 ``[B, S]`` drafts and ``P_v`` checked against the draft stride S."""
     draft = c.tensor("draft_token_ids", draft_token_ids, dtype=torch.int32, ndim=2)
     stride = draft.shape[1]
@@ -34,7 +34,7 @@ def build_verify_tokens(last_accepted_tokens, draft_token_ids, verify_proposal_l
     ``last_accepted_tokens`` int32 ``[B]``, ``draft_token_ids`` int32 ``[B, S]``, ``1 <= P_v <= S``.
     """
     c = Checker("build_verify_tokens")
-    draft, p_v = _drafts(c, draft_token_ids, verify_proposal_len)
+    draft, p_v = verify_drafts(c, draft_token_ids, verify_proposal_len)
     last = c.tensor("last_accepted_tokens", last_accepted_tokens, dtype=torch.int32, shape=[draft.shape[0]],
                     device=draft.device)
     return implementation("build_verify_tokens", draft.device)(last.contiguous(), draft.contiguous(), p_v)
@@ -53,7 +53,7 @@ def greedy_accept(base_logits, draft_token_ids, proposal_lengths, verify_proposa
     (NVIDIA leaves them stale).
     """
     c = Checker("greedy_accept")
-    draft, p_v = _drafts(c, draft_token_ids, verify_proposal_len)
+    draft, p_v = verify_drafts(c, draft_token_ids, verify_proposal_len)
     batch, device = draft.shape[0], draft.device
     lengths = c.tensor("proposal_lengths", proposal_lengths, dtype=torch.int32, shape=[batch], device=device)
     logits = c.tensor("base_logits", base_logits, dtype=torch.float32, ndim=(2, 3), device=device)
