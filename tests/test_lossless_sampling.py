@@ -9,11 +9,10 @@ support is an immediate failure. A deliberately broken verifier must fail the sa
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from scipy import stats
+from statistics_cases import assert_distribution, assert_rate, check_distribution, draws_for, forced_prefix_case, uniforms
 
 import dspark.kernels as K
 import sampling_cases as cases
@@ -27,70 +26,10 @@ def _reference_backend():
         yield
 
 
-def draws_for(vocab: int) -> int:
-    """Smallest power of two N with 0.4 * sqrt(vocab / N) <= 0.005."""
-    return 1 << math.ceil(math.log2(vocab * (0.4 / 0.005) ** 2))
-
-
-def uniforms(rows: int, cols: int, offset: int) -> torch.Tensor:
-    return K.fill_uniforms(rows * cols, cases.RUNTIME_SEED, offset).reshape(rows, cols)
-
-
-def fit(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
-    """(chi-square p-value, total-variation distance) of ``counts`` [V] against ``probs`` [V]."""
-    counts, probs = counts.double(), probs.double() / probs.double().sum()
-    total = counts.sum()
-    expected = probs * total
-    big = expected >= 5
-    observed_bins, expected_bins = list(counts[big]), list(expected[big])
-    if float(expected[~big].sum()) >= 5:
-        observed_bins.append(counts[~big].sum())
-        expected_bins.append(expected[~big].sum())
-    observed_bins, expected_bins = torch.stack(observed_bins), torch.stack(expected_bins)
-    statistic = float(((observed_bins - expected_bins) ** 2 / expected_bins).sum())
-    p_value = float(stats.chi2.sf(statistic, len(expected_bins) - 1))
-    return p_value, float(0.5 * (counts / total - probs).abs().sum())
-
-
-def check_distribution(tokens: torch.Tensor, probs: torch.Tensor) -> str | None:
-    """None when ``tokens`` (1-D ids) fit ``probs`` [V] (expected mass per id); else what is wrong."""
-    counts = torch.bincount(tokens.long(), minlength=probs.shape[0])
-    outside = int(counts[probs <= 0].sum())
-    if outside:
-        return f"{outside} draws outside the support"
-    p_value, tv = fit(counts, probs)
-    if p_value <= 1e-3 or tv >= 0.01:
-        return f"chi-square p = {p_value:.2e}, TV = {tv:.4f}"
-    return None
-
-
-def assert_distribution(tokens, probs, what: str) -> None:
-    problem = check_distribution(tokens, probs)
-    assert problem is None, f"{what}: {problem}"
-
-
-def assert_rate(hits: torch.Tensor, rate: float, what: str) -> None:
-    """Binomial frequency within 4.5 standard errors of ``rate``."""
-    observed = float(hits.double().mean())
-    bound = 4.5 * math.sqrt(max(rate * (1 - rate), 1e-12) / hits.numel())
-    assert abs(observed - rate) <= bound, f"{what}: rate {observed:.5f}, closed form {rate:.5f}"
-
-
 # ------------------------------------------------------------------------------ one verification round
 
 
 CHUNK = 1 << 17  # rows per call, bounding memory (V = 64 needs 2^19 draws)
-
-
-def forced_prefix_case(width: int, position: int, vocab: int, seed: int):
-    """One round's distributions in which drafts before ``position`` are always accepted
-    (``q_s = p_s`` and tokens are drawn from q), so every row emits a token at ``position``; the other
-    positions pair random target and draft distributions with zeros in both supports.
-    Returns (target [P+1, V], draft [P, V])."""
-    target = cases.random_distributions((width + 1,), vocab, zero_fraction=0.35, seed=seed)
-    draft = cases.random_distributions((width,), vocab, zero_fraction=0.35, seed=seed + 1)
-    draft[:position] = target[:position]
-    return target, draft
 
 
 def verify_rounds(target, draft, rows: int, seed: int, draft_shift: int = 0):

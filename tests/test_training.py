@@ -318,6 +318,25 @@ def test_regenerate_continues_rows_greedily():
         trainer.regenerate(TARGET, rows, 3, prompt_tokens=16)
 
 
+@pytest.mark.parametrize("backprop", [False, True])
+def test_confidence_loss_reaches_the_backbone_only_with_backprop(backprop):
+    """Two drafts differing only in their confidence heads get the same backbone gradients when the
+    confidence inputs are detached (the default), different ones otherwise."""
+    cfg = draft_config(TARGET.config, mask_token_id=V - 1, block_size=3, markov_rank=4)
+    ids = _rows(2, 16)
+    grads = []
+    for seed in (1, 2):
+        model = new_draft(TARGET, cfg)
+        with torch.no_grad():
+            model.confidence_head.proj.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+        loss = draft_loss(model, TARGET, ids, 4, position_weights(3), torch.Generator().manual_seed(0),
+                          confidence_backprop=backprop).loss
+        loss.backward()
+        assert model.confidence_head.proj.weight.grad.abs().sum() > 0
+        grads.append(torch.cat([model.fc.weight.grad.flatten(), model.markov_head.markov_w1.weight.grad.flatten()]))
+    assert torch.allclose(grads[0], grads[1]) != backprop
+
+
 # ---- training runs ------------------------------------------------------------------------------
 
 

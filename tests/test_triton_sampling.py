@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE, gpu, requires_triton
-from test_lossless_sampling import assert_distribution, assert_rate, draws_for, forced_prefix_case, uniforms
+from statistics_cases import assert_distribution, assert_rate, draws_for, forced_prefix_case, uniforms
 
 import dspark.kernels as K
 import sampling_cases as cases

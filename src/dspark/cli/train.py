@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--markov-rank", type=int, default=64, help="0 = DFlash ablation (no Markov head)")
     model.add_argument("--head-type", choices=("vanilla", "gated", "rnn"), default="vanilla", help="Markov head type")
     model.add_argument("--no-confidence", action="store_true", help="train no confidence head")
+    model.add_argument("--confidence-backprop", action="store_true",
+                       help="let the confidence loss train the backbone and W1 too (the paper; default: head only)")
     model.add_argument("--capture-layers", default=None,
                        help="target hidden_states indices, comma-separated (default: speculators' [2, L//2, L-3])")
     model.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token, ...")
@@ -111,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
               f"Markov rank {args.markov_rank} ({config.markov_head_type}), capture {config.capture_layer_ids}, "
               f"mask token {config.mask_token_id}", flush=True)
         model, losses = train_draft(target, sequences, config, options, device=device, dflash=args.markov_rank == 0,
-                                    num_anchors=args.anchors, gamma=args.gamma, output=args.output,
+                                    num_anchors=args.anchors, gamma=args.gamma,
+                                    confidence_backprop=args.confidence_backprop, output=args.output,
                                     save_dtype=getattr(torch, args.save_dtype))
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # RuntimeError: a diverged loss, out of memory
         print(f"dspark train: {exc}", file=sys.stderr)
