@@ -169,7 +169,7 @@ def test_position_weights():
         position_weights(4, 0.0)
 
 
-def _hand_loss(draft, target, conf, weights):
+def _hand_loss(draft, target, conf, weights, greedy_confidence):
     """The objective written out with explicit loops (float64)."""
     rows, n, v = draft.shape
     total = ce_sum = tv_sum = bce_sum = 0.0
@@ -183,28 +183,29 @@ def _hand_loss(draft, target, conf, weights):
             label = max(range(v), key=lambda i: p[i])
             ce = -math.log(q[label])
             tv = 0.5 * sum(abs(a - b) for a, b in zip(q, p))
-            c = 1 - tv
+            match = float(max(range(v), key=lambda i: q[i]) == label)
+            c = match if greedy_confidence else 1 - tv
             s = 1 / (1 + math.exp(-float(conf[r, k])))
             bce = -(c * math.log(s) + (1 - c) * math.log(1 - s))
             w = float(weights[k])
             ce_sum, tv_sum, bce_sum = ce_sum + w * ce, tv_sum + w * tv, bce_sum + w * bce
             total += w * (0.1 * ce + 0.9 * tv + 1.0 * bce)
-            acceptance[k] += c / rows
-            greedy[k] += float(max(range(v), key=lambda i: q[i]) == label) / rows
+            acceptance[k] += (1 - tv) / rows
+            greedy[k] += match / rows
     norm = rows * float(weights.sum())
     return total / norm, ce_sum / norm, tv_sum / norm, bce_sum / norm, acceptance, greedy
 
 
-@pytest.mark.parametrize("sample_from_anchor", [True, False])
-def test_dspark_loss_matches_hand_computation(sample_from_anchor):
+@pytest.mark.parametrize("sample_from_anchor, greedy_confidence", [(True, False), (False, False), (True, True)])
+def test_dspark_loss_matches_hand_computation(sample_from_anchor, greedy_confidence):
     g = torch.Generator().manual_seed(3)
     draft = torch.randn(3, 4, 6, generator=g) * 2
     target = torch.randn(3, 4, 6, generator=g) * 2
     draft[0, 1] = target[0, 1]  # an exact match: TV 0, confidence target 1
     conf = torch.randn(3, 4, generator=g)
     weights = position_weights(4, 4.0, sample_from_anchor)
-    out = dspark_loss(draft, target, conf, weights)
-    loss, ce, tv, bce, acceptance, greedy = _hand_loss(draft, target, conf, weights)
+    out = dspark_loss(draft, target, conf, weights, greedy_confidence=greedy_confidence)
+    loss, ce, tv, bce, acceptance, greedy = _hand_loss(draft, target, conf, weights, greedy_confidence)
     for got, want in ((out.loss, loss), (out.ce, ce), (out.tv, tv), (out.bce, bce)):
         assert float(got) == pytest.approx(want, rel=1e-5, abs=1e-6)
     slots = slice(0, 4) if sample_from_anchor else slice(1, 4)  # slot 0 drafts nothing without SFA

@@ -1,9 +1,9 @@
 """Fit the confidence head's STS temperatures on held-out text and store them with the draft.
 
 The target greedily continues held-out prompts; every position of the continuation is a drafting
-round whose outcome greedy verification would decide (see ``dspark.training.calibration``). The
-first half of the prompts fits one temperature per draft position (Sequential Temperature Scaling:
-left to right, each minimising the ECE of the prefix survival); the second half reports the expected
+round whose outcome greedy verification would decide (see ``dspark.training.calibration``). Every
+other prompt fits one temperature per draft position (Sequential Temperature Scaling: left to right,
+each minimising the ECE of the prefix survival); the remaining prompts report the expected
 calibration error and AUC per position before and after. The temperatures are written to
 ``dspark_calibration.json`` (key ``sts_temperatures``) and to the draft's ``config.json``, from
 which the engine applies them.
@@ -49,10 +49,10 @@ def run(args: argparse.Namespace) -> int:
         rows = pack_sequences(tokenize(tokenizer, read_corpus(args.data)), args.prompt_tokens, tokenizer.eos_token_id)
         pick = torch.linspace(0, rows.shape[0] - 1, min(args.num_prompts, rows.shape[0])).long().unique()
         prompts = rows[pick].to(device)
-        half = prompts.shape[0] // 2
         gather = dict(new_tokens=args.new_tokens, batch_size=args.batch_size)
-        fit_rounds = collect_rounds(target, draft, prompts[:half], **gather)
-        test_rounds = collect_rounds(target, draft, prompts[half:], **gather)
+        # alternate prompts between the halves: neighbouring rows come from the same files
+        fit_rounds = collect_rounds(target, draft, prompts[0::2], **gather)
+        test_rounds = collect_rounds(target, draft, prompts[1::2], **gather)
         temperatures = fit_sts(fit_rounds, bins=args.bins)
         report = calibration_report(test_rounds, temperatures, args.bins)
         file = save_calibration(args.draft, temperatures, report)

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--markov-rank", type=int, default=64, help="0 = DFlash ablation (no Markov head)")
     model.add_argument("--head-type", choices=("vanilla", "gated", "rnn"), default="vanilla", help="Markov head type")
     model.add_argument("--no-confidence", action="store_true", help="train no confidence head")
+    model.add_argument("--confidence-target", choices=("tv", "greedy"), default="tv",
+                       help="what the confidence head learns: 1 - TV at temperature 1 (the paper) or the greedy "
+                            "acceptance 1[draft argmax = target argmax] (for greedy decoding)")
     model.add_argument("--confidence-backprop", action="store_true",
                        help="let the confidence loss train the backbone and W1 too (the paper; default: head only)")
     model.add_argument("--capture-layers", default=None,
@@ -114,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
               f"mask token {config.mask_token_id}", flush=True)
         model, losses = train_draft(target, sequences, config, options, device=device, dflash=args.markov_rank == 0,
                                     num_anchors=args.anchors, gamma=args.gamma,
-                                    confidence_backprop=args.confidence_backprop, output=args.output,
+                                    confidence_backprop=args.confidence_backprop,
+                                    greedy_confidence=args.confidence_target == "greedy", output=args.output,
                                     save_dtype=getattr(torch, args.save_dtype))
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # RuntimeError: a diverged loss, out of memory
         print(f"dspark train: {exc}", file=sys.stderr)

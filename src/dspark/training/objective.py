@@ -7,6 +7,7 @@ distribution for the same position)::
     CE_k  = -log p_d(argmax p_t)                  # speculators' "ce": against the target's argmax
     TV_k  = 1 - sum_v min(p_d, p_t) = ½‖p_d - p_t‖₁
     BCE_k = BCE-with-logits(confidence_logit_k, 1 - TV_k)     # target detached (analytic acceptance)
+            (for greedy decoding: the 1 - TV of the temperature-0 distributions, 1[argmax p_d = argmax p_t])
     L = Σ_rows Σ_k w_k (0.1·CE_k + 0.9·TV_k + 1.0·BCE_k) / (rows · Σ_k w_k)
 
 with position weights ``w_k = exp(-k/γ)`` (γ = 4) for anchor-sampled blocks (every slot drafts) and,
@@ -57,13 +58,15 @@ class DSparkLoss:
 
 
 def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, confidence_logits: torch.Tensor | None,
-                weights: torch.Tensor) -> DSparkLoss:
+                weights: torch.Tensor, *, greedy_confidence: bool = False) -> DSparkLoss:
     """The objective of the module docstring.
 
     draft_logits, target_logits: float ``[..., N, V]`` (computed in fp32); confidence_logits: float
     ``[..., N]`` pre-sigmoid, or None for a draft without a confidence head (the BCE term is then
     0); weights: ``[N]`` from ``position_weights`` (slots of weight 0 are ignored, also in the
-    per-slot statistics).
+    per-slot statistics). ``greedy_confidence``: the BCE target is ``1 - TV`` of the temperature-0
+    (one-hot argmax) distributions, i.e. 1 where the draft's argmax is the target's -- the
+    acceptance of greedy verification -- instead of the temperature-1 ``1 - TV``.
     """
     c = Checker("dspark_loss")
     c.tensor("draft_logits", draft_logits, dtype=(torch.float32, torch.float16, torch.bfloat16))
@@ -81,10 +84,12 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, confide
     labels = target_logits.argmax(-1)
     ce = -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     tv = 1.0 - torch.minimum(log_q.exp(), p).sum(-1)
+    match = (draft_logits.argmax(-1) == labels).float()
     if confidence_logits is None:
         bce = torch.zeros_like(tv)
     else:
-        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), (1.0 - tv).detach(), reduction="none")
+        accept = match if greedy_confidence else (1.0 - tv).detach()
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
 
     rows = tv.numel() // n
     norm = weights.sum() * rows
@@ -97,7 +102,7 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, confide
     drafting = weights > 0
     with torch.no_grad():
         acceptance = (1.0 - tv).reshape(rows, n).mean(0)[drafting]
-        greedy = (draft_logits.argmax(-1) == labels).float().reshape(rows, n).mean(0)[drafting]
+        greedy = match.reshape(rows, n).mean(0)[drafting]
     return DSparkLoss(loss, *(t.detach() for t in terms.values()), acceptance, greedy)
 
 

@@ -17,10 +17,11 @@ One step on a batch of token rows ``[B, S]``:
 
 Deliberate difference: by default the BCE trains the confidence head only (its inputs ``h`` and
 ``W1[prev]`` are detached, as speculators #848 briefly did). With the gradient flowing into the
-backbone and W1 (the paper, DeepSpec, speculators today) short runs lose drafting accuracy: on a
-6-layer stdlib target, 180 s of CPU training, the teacher-forced slot-0 acceptance fell from 0.69 to
-0.62 and greedy τ on held-out files from 2.46 to 1.59 (DFlash ablation: 1.84).
-``confidence_backprop=True`` (``dspark train --confidence-backprop``) restores the paper's path.
+backbone and W1 (the paper, DeepSpec, speculators today) short runs lose drafting accuracy: a
+1-layer draft of a 6-layer stdlib target, 180 s of CPU training each, reached greedy τ 1.59 on 8
+held-out files with the gradient, 2.28 with detached inputs, 2.46 without a confidence head (DFlash
+ablation: 1.88). ``confidence_backprop=True`` (``dspark train --confidence-backprop``) restores the
+paper's path.
 
 ``markov_rank=0`` trains the DFlash ablation: the draft config cannot express rank 0, so the
 checkpoint carries a rank-1 Markov head whose ``markov_w2`` is zero and frozen (its bias is exactly
@@ -423,12 +424,13 @@ def markov_logits(model: DSparkDraftModel, hidden: torch.Tensor, prev_tokens: to
 
 def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anchors: int,
                weights: torch.Tensor, generator: torch.Generator | None = None, *,
-               confidence_backprop: bool = False) -> DSparkLoss:
+               confidence_backprop: bool = False, greedy_confidence: bool = False) -> DSparkLoss:
     """The objective on one batch of rows ``[B, S]`` (steps 1-4 of the module docstring).
 
     Slot k of the block at p is trained on target row ``r = p + k - offset`` (``offset`` 1 without
     ``sample_from_anchor``, else 0) and its previous token is ``input_ids[r]``. The confidence head
-    reads detached ``[h ; W1[prev]]`` unless ``confidence_backprop`` (see the module docstring).
+    reads detached ``[h ; W1[prev]]`` unless ``confidence_backprop`` (see the module docstring);
+    ``greedy_confidence`` as in ``dspark_loss``.
     """
     cfg = model.config
     b, s = input_ids.shape
@@ -448,7 +450,8 @@ def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anc
     if model.confidence_head is not None:
         features = (flat_hidden, model.markov_head.markov_w1(flat_prev))
         confidence = model.confidence_head(*(features if confidence_backprop else (f.detach() for f in features)))
-    return dspark_loss(logits, target_logits.reshape(logits.shape), confidence, weights)
+    return dspark_loss(logits, target_logits.reshape(logits.shape), confidence, weights,
+                       greedy_confidence=greedy_confidence)
 
 
 # ---- the training run ------------------------------------------------------------------------------
@@ -462,8 +465,8 @@ def save_checkpoint(model: DSparkDraftModel, path, dtype: torch.dtype = torch.bf
 
 def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: TrainOptions, *,
                 device, dflash: bool = False, num_anchors: int = 64, gamma: float = 4.0,
-                confidence_backprop: bool = False, output=None, save_dtype: torch.dtype = torch.bfloat16,
-                stream=None) -> tuple[DSparkDraftModel, list[float]]:
+                confidence_backprop: bool = False, greedy_confidence: bool = False, output=None,
+                save_dtype: torch.dtype = torch.bfloat16, stream=None) -> tuple[DSparkDraftModel, list[float]]:
     """Train a draft for ``target`` (a Hugging Face causal LM, frozen, already on ``device``) on
     token rows ``sequences`` int64 ``[N, S]``. ``output``: checkpoint directory (speculators format,
     ``save_dtype`` weights), written every ``options.save_every`` steps and at the end. Returns the
@@ -477,7 +480,7 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
 
     def step(batch: torch.Tensor):
         result = draft_loss(model, target, batch, num_anchors, weights, generator,
-                            confidence_backprop=confidence_backprop)
+                            confidence_backprop=confidence_backprop, greedy_confidence=greedy_confidence)
 
         def text() -> str:
             accept = " ".join(f"{a:.2f}" for a in result.acceptance.tolist())
