@@ -9,10 +9,10 @@
 # OUT_DIR receives what ships: target/ (Hugging Face model + tokenizer), draft/ (speculators DSpark
 # checkpoint with its STS temperatures), prompts.jsonl (the starts of the held-out stdlib:test files),
 # eval.json / eval_ci.json / calibration.json (measurements), build.log and a copy of this script.
-# The DFlash ablation and other work files go to OUT_DIR.work (not shipped).
+# The DFlash ablation goes to $WORK_DIR (default out/demo_work in the repository, git-ignored).
 # Every stage saves its artifacts before the next starts, so a late failure leaves the earlier ones;
 # the optional stages (ablation, calibration, evaluations) do not stop the others.
-# Training time budgets (seconds) can be overridden: TARGET_SECONDS, DRAFT_SECONDS.
+# Training time budgets (seconds) can be overridden: TARGET_SECONDS, DRAFT_SECONDS; ROWS: regenerated rows.
 set -uo pipefail
 
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
@@ -20,10 +20,10 @@ if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
   exit 2
 fi
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
-WORK="$OUT.work"
 TINY=0
 [ "${2:-}" = "--tiny" ] && TINY=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+WORK="${WORK_DIR:-$REPO/out/demo_work}"
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"
 LOG="$OUT/build.log"
@@ -32,17 +32,19 @@ cp "$0" "$OUT/build_demo_pair.sh"
 
 if [ "$TINY" = 1 ]; then
   TARGET_ARGS=(--preset tiny --max-docs 40 --seq-len 128 --batch-size 8 --steps 40 --save-every 0)
-  DRAFT_ARGS=(--layers 1 --markov-rank 16 --max-docs 40 --seq-len 128 --regenerate 8 --batch-size 4 --anchors 16
-              --steps 30 --save-every 0)
+  DRAFT_ARGS=(--layers 1 --markov-rank 16 --max-docs 40 --seq-len 128 --corpus-rows 64 --regenerate 16
+              --confidence-target greedy --batch-size 4 --anchors 16 --steps 30 --save-every 0)
   CALIBRATE_ARGS=(--num-prompts 8 --prompt-tokens 32 --new-tokens 48)
   EVAL_ARGS=(--num-prompts 3 --max-new-tokens 32)
   DEVICE=(--device cpu)
 else
-  TARGET_ARGS=(--preset demo --seq-len 512 --batch-size 64 --lr 2e-3 --time-budget "${TARGET_SECONDS:-110}"
+  TARGET_ARGS=(--preset demo --seq-len 512 --batch-size 64 --lr 2e-3 --time-budget "${TARGET_SECONDS:-100}"
                --save-every 1000)
-  DRAFT_ARGS=(--layers 2 --markov-rank 64 --capture-layers 2,6,11 --seq-len 512 --regenerate 2048 --batch-size 32
-              --anchors 64 --lr 6e-4 --time-budget "${DRAFT_SECONDS:-70}" --steps 100000 --save-every 1000)
-  CALIBRATE_ARGS=(--num-prompts 128 --prompt-tokens 64 --new-tokens 192 --batch-size 64)
+  # half corpus rows, half the target's own greedy continuations (what greedy decoding drafts for)
+  DRAFT_ARGS=(--layers 2 --markov-rank 64 --capture-layers 2,8,15 --seq-len 512 --corpus-rows "${ROWS:-8192}"
+              --regenerate "${ROWS:-8192}" --regenerate-batch 1024 --confidence-target greedy --batch-size 32
+              --anchors 64 --lr 6e-4 --time-budget "${DRAFT_SECONDS:-60}" --steps 100000 --save-every 1000)
+  CALIBRATE_ARGS=(--num-prompts 512 --prompt-tokens 64 --new-tokens 96 --batch-size 128)
   EVAL_ARGS=(--num-prompts 16 --max-new-tokens 128)
   DEVICE=()
 fi

@@ -51,7 +51,8 @@ def _load(pair):
 
 def test_report_agrees_with_the_engine(pair):
     target, tokenizer, draft = _load(pair)
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("class Point:\n    def", "for i in", "x =")]
+    texts = ("class Point:\n    def", "for i in", "x =")
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in texts]
     report = evaluate(target, {"dspark": draft}, prompts, max_new_tokens=40)
     decoder = SpeculativeDecoder.from_models(target, draft)
     engine = merge_stats([decoder.generate(p, max_new_tokens=40).stats for p in prompts])

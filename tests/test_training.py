@@ -127,7 +127,8 @@ def test_tokenizer_round_trip_and_special_tokens(tmp_path):
     assert tokenizer.eos_token_id == 0 and tokenizer.mask_token_id == 1 and len(tokenizer) <= 300
     text = "def f(x):\n    return x  # ünïcödé ✓\n"
     assert tokenizer.decode(tokenize(tokenizer, [text])[0]) == text
-    tokenizer.save_pretrained(tmp_path)
+    data.save_tokenizer(tokenizer, tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenize(loaded, [CODE]) == tokenize(tokenizer, [CODE])
     with pytest.raises(ValueError, match="vocab_size"):
@@ -172,9 +173,10 @@ def test_position_weights():
 def _hand_loss(draft, target, conf, weights, greedy_confidence):
     """The objective written out with explicit loops (float64)."""
     rows, n, v = draft.shape
-    total = ce_sum = tv_sum = bce_sum = 0.0
+    ce_sum = tv_sum = bce_sum = bce_norm = 0.0
     acceptance, greedy = [0.0] * n, [0.0] * n
     for r in range(rows):
+        passed = 1.0  # earlier drafting slots of this block all matched
         for k in range(n):
             zq = [math.exp(float(x)) for x in draft[r, k]]
             zp = [math.exp(float(x)) for x in target[r, k]]
@@ -188,20 +190,25 @@ def _hand_loss(draft, target, conf, weights, greedy_confidence):
             s = 1 / (1 + math.exp(-float(conf[r, k])))
             bce = -(c * math.log(s) + (1 - c) * math.log(1 - s))
             w = float(weights[k])
-            ce_sum, tv_sum, bce_sum = ce_sum + w * ce, tv_sum + w * tv, bce_sum + w * bce
-            total += w * (0.1 * ce + 0.9 * tv + 1.0 * bce)
+            w_bce = w * passed if greedy_confidence else w
+            ce_sum, tv_sum = ce_sum + w * ce, tv_sum + w * tv
+            bce_sum, bce_norm = bce_sum + w_bce * bce, bce_norm + w_bce
+            if w > 0:
+                passed *= match
             acceptance[k] += (1 - tv) / rows
             greedy[k] += match / rows
     norm = rows * float(weights.sum())
-    return total / norm, ce_sum / norm, tv_sum / norm, bce_sum / norm, acceptance, greedy
+    ce, tv, bce = ce_sum / norm, tv_sum / norm, bce_sum / bce_norm
+    return 0.1 * ce + 0.9 * tv + 1.0 * bce, ce, tv, bce, acceptance, greedy
 
 
-@pytest.mark.parametrize("sample_from_anchor, greedy_confidence", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("sample_from_anchor, greedy_confidence",
+                         [(True, False), (False, False), (True, True), (False, True)])
 def test_dspark_loss_matches_hand_computation(sample_from_anchor, greedy_confidence):
     g = torch.Generator().manual_seed(3)
     draft = torch.randn(3, 4, 6, generator=g) * 2
     target = torch.randn(3, 4, 6, generator=g) * 2
-    draft[0, 1] = target[0, 1]  # an exact match: TV 0, confidence target 1
+    draft[0, :2] = target[0, :2]  # exact matches: TV 0, and a block whose first two slots are accepted
     conf = torch.randn(3, 4, generator=g)
     weights = position_weights(4, 4.0, sample_from_anchor)
     out = dspark_loss(draft, target, conf, weights, greedy_confidence=greedy_confidence)
@@ -242,7 +249,8 @@ def test_expected_accepted_length():
 @pytest.mark.parametrize("layer_types", [("full_attention", "sliding_attention"), ("sliding_attention",)])
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
 def test_block_hidden_equals_forward_block(layer_types, sample_from_anchor):
-    cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=layer_types, sample_from_anchor=sample_from_anchor)
+    cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=layer_types,
+                            sample_from_anchor=sample_from_anchor)
     model = random_draft(cfg, target=TARGET)
     ids = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(1))
     context, _ = trainer.target_states(TARGET, ids, cfg.capture_layer_ids)
@@ -291,7 +299,7 @@ def test_draft_loss_trains_each_slot_on_its_target_row(monkeypatch, sample_from_
     model = new_draft(TARGET, cfg)
     ids = torch.randint(0, V - 1, (2, 12), generator=torch.Generator().manual_seed(2))
     seen = {}
-    monkeypatch.setattr(trainer, "dspark_loss", lambda *args: seen.setdefault("args", args))
+    monkeypatch.setattr(trainer, "dspark_loss", lambda *args, **kwargs: seen.setdefault("args", args))
 
     def base_logits(m, hidden, prev):
         seen["prev"] = prev
@@ -354,12 +362,14 @@ def test_training_reduces_the_loss(head_type):
 
     def loss_of(model):
         with torch.no_grad():
-            return float(draft_loss(model, TARGET, held_out, 8, weights, torch.Generator().manual_seed(1)).loss)
+            return draft_loss(model, TARGET, held_out, 8, weights, torch.Generator().manual_seed(1))
 
     before = loss_of(new_draft(TARGET, cfg, seed=options.seed))
     model, losses = train_draft(TARGET, _rows(), cfg, options, device="cpu", num_anchors=8)
     assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
-    assert loss_of(model) < 0.8 * before
+    after = loss_of(model)
+    assert float(after.loss) < 0.9 * float(before.loss)
+    assert float(after.tv) < float(before.tv) and float(after.bce) < float(before.bce)
     assert torch.equal(model.embed_tokens.weight, TARGET.get_input_embeddings().weight)  # frozen copies
     assert torch.equal(model.lm_head.weight, TARGET.get_output_embeddings().weight)
 
@@ -452,12 +462,13 @@ def test_train_command(tmp_path, capsys):
     corpus.write_text(CODE * 6)
     args = _train_args(target=str(target_dir), data=str(corpus), output=str(tmp_path / "cli_draft"), steps=4,
                        batch_size=2, seq_len=32, anchors=4, block_size=3, markov_rank=4, head_type="gated",
-                       regenerate=2, device="cpu")
+                       corpus_rows=3, regenerate=2, device="cpu")
     assert train_cli.run(args) == 0
     draft = load_draft(tmp_path / "cli_draft")
     assert draft.config.markov_head_type == "gated" and draft.config.block_size == 3
     assert draft.config.mask_token_id == 1  # the tokenizer's <|MASK|>
-    assert "saved the draft" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "in 5 rows of 32" in out and "saved the draft" in out  # 3 corpus rows + 2 regenerated
     bad = _train_args(target=str(target_dir), data=str(tmp_path / "missing.txt"), output=str(tmp_path / "x"),
                       device="cpu")
     assert train_cli.run(bad) == 2

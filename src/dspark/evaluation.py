@@ -96,7 +96,8 @@ def format_table(report: dict) -> str:
     plain = report["plain"]
     lines = [f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
              f"temperature {report['sampling']['temperature']}, scheduler {report['scheduler']}",
-             f"plain decoding: {plain['tokens']} tokens in {plain['time_s']:.2f} s ({plain['tokens_per_second']:.1f} tok/s)",
+             f"plain decoding: {plain['tokens']} tokens in {plain['time_s']:.2f} s "
+             f"({plain['tokens_per_second']:.1f} tok/s)",
              "",
              f"{'draft':<24} {'tau':>6} {'rounds':>7} {'tok/s':>8} {'speedup':>8} {'identical':>10}"]
     for d in report["drafts"]:

@@ -40,9 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--seq-len", type=int, default=512, help="tokens per training row")
     train.add_argument("--max-docs", type=int, default=0, help="use only the first N documents (0 = all)")
+    train.add_argument("--corpus-rows", type=int, default=0,
+                       help="keep a random subset of N corpus rows (0 = all), e.g. to weight --regenerate rows")
     train.add_argument("--regenerate", type=int, default=0,
                        help="add N rows in the target's own words: a corpus row's first quarter + the target's "
                             "greedy continuation (the paper trains on target-regenerated text)")
+    train.add_argument("--regenerate-batch", type=int, default=256, help="rows generated at once")
     train.add_argument("--steps", type=int, default=2000)
     train.add_argument("--batch-size", type=int, default=16, help="rows per step")
     train.add_argument("--anchors", type=int, default=64, help="blocks per row")
@@ -96,8 +99,12 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {args.target} has no EOS token to separate documents")
         sequences = pack_sequences(tokenize(tokenizer, texts), args.seq_len, tokenizer.eos_token_id)
+        if 0 < args.corpus_rows < sequences.shape[0]:
+            keep = torch.randperm(sequences.shape[0], generator=torch.Generator().manual_seed(args.seed))
+            sequences = sequences[keep[: args.corpus_rows]]
         if args.regenerate:
-            generated = regenerate(target, sequences, args.regenerate, prompt_tokens=args.seq_len // 4, seed=args.seed)
+            generated = regenerate(target, sequences, args.regenerate, prompt_tokens=args.seq_len // 4,
+                                   batch_size=args.regenerate_batch, seed=args.seed)
             sequences = torch.cat([sequences, generated.cpu()])
         capture = [int(i) for i in args.capture_layers.split(",")] if args.capture_layers else None
         config = draft_config(
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         options = TrainOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                                weight_decay=args.weight_decay, time_budget=args.time_budget,
                                save_every=args.save_every, seed=args.seed)
-        print(f"corpus {args.data}: {len(texts)} documents + {args.regenerate} regenerated rows, "
+        print(f"corpus {args.data}: {len(texts)} documents; with {args.regenerate} regenerated rows "
               f"{sequences.numel()} tokens in {sequences.shape[0]} rows of {args.seq_len}; "
               f"draft: {config.num_hidden_layers} layer(s), block {config.block_size}, "
               f"Markov rank {args.markov_rank} ({config.markov_head_type}), capture {config.capture_layer_ids}, "

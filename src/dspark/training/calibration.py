@@ -151,7 +151,8 @@ def expected_calibration_error(predicted: torch.Tensor, outcome: torch.Tensor, b
     predicted = predicted.double().flatten()
     outcome = outcome.double().flatten()
     if predicted.numel() == 0 or predicted.numel() != outcome.numel():
-        c.fail(f"predicted and outcome must be non-empty and of equal size, got {predicted.numel()} and {outcome.numel()}")
+        c.fail(f"predicted and outcome must be non-empty and of equal size, "
+               f"got {predicted.numel()} and {outcome.numel()}")
     index = (predicted * bins).long().clamp(0, bins - 1)
     gap = torch.bincount(index, predicted, minlength=bins) - torch.bincount(index, outcome, minlength=bins)
     return float(gap.abs().sum() / predicted.numel())

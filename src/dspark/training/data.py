@@ -29,7 +29,7 @@ from ..kernels._validate import Checker
 
 __all__ = [
     "STDLIB_SPLITS", "EOS_TOKEN", "MASK_TOKEN", "DEMO_DIR", "DemoPair",
-    "stdlib_root", "stdlib_split", "stdlib_files", "read_corpus", "train_tokenizer", "tokenize",
+    "stdlib_root", "stdlib_split", "stdlib_files", "read_corpus", "train_tokenizer", "save_tokenizer", "tokenize",
     "pack_sequences", "heldout_prompts", "write_prompts", "read_prompts", "prompt_token_ids", "demo_pair",
 ]
 
@@ -149,6 +149,18 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tokenizer.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
                                    mask_token=MASK_TOKEN)
+
+
+def save_tokenizer(tokenizer, directory) -> Path:
+    """``save_pretrained`` with ``tokenizer_class`` "PreTrainedTokenizerFast": the name every
+    transformers version resolves (5.x writes its new "TokenizersBackend", unknown to 4.x)."""
+    directory = Path(directory)
+    tokenizer.save_pretrained(directory)
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    return directory
 
 
 def tokenize(tokenizer, texts: list[str]) -> list[list[int]]:

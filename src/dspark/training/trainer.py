@@ -313,7 +313,8 @@ def regenerate(target, sequences: torch.Tensor, count: int, *, prompt_tokens: in
                          generator=torch.Generator().manual_seed(seed))
     device = target.get_input_embeddings().weight.device
     prompts = sequences[pick, :prompt_tokens].to(device)
-    return torch.cat([greedy_continuation(target, chunk, seq_len - prompt_tokens) for chunk in prompts.split(batch_size)])
+    rows = [greedy_continuation(target, chunk, seq_len - prompt_tokens) for chunk in prompts.split(batch_size)]
+    return torch.cat(rows)
 
 
 @torch.no_grad()
@@ -471,7 +472,8 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
     token rows ``sequences`` int64 ``[N, S]``. ``output``: checkpoint directory (speculators format,
     ``save_dtype`` weights), written every ``options.save_every`` steps and at the end. Returns the
     fp32 model and the logged losses. The progress bar shows the loss terms, the per-position
-    acceptance estimate ``1 - TV`` (teacher-forced) and the τ it implies."""
+    acceptance estimate ``1 - TV`` (teacher-forced) and the τ it implies, and the τ implied by the
+    per-position greedy agreement."""
     device = torch.device(device)
     target.eval().requires_grad_(False)
     model = new_draft(target, config, dflash=dflash, seed=options.seed).to(device)
@@ -485,7 +487,8 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
         def text() -> str:
             accept = " ".join(f"{a:.2f}" for a in result.acceptance.tolist())
             return (f"ce {float(result.ce):.3f} tv {float(result.tv):.3f} bce {float(result.bce):.3f} | "
-                    f"accept/pos {accept} tau~{expected_accepted_length(result.acceptance):.2f} |")
+                    f"accept/pos {accept} tau~{expected_accepted_length(result.acceptance):.2f} "
+                    f"(greedy ~{expected_accepted_length(result.greedy_acceptance):.2f}) |")
         return result.loss, text
 
     save = None if output is None else (lambda _step: save_checkpoint(model, output, save_dtype))
