@@ -93,3 +93,29 @@ def test_generate_reports_bad_input(checkpoints, capsys):
     assert status == 2 and "prompt_ids holds token id 500" in err
     status, _, err = _run(capsys, "--target", str(root / "bare"), "--draft", str(root / "nowhere"), "--prompt-ids", "1")
     assert status == 2 and "dspark generate:" in err
+
+
+def test_no_checkpoint_arguments_use_the_demo_pair(checkpoints, capsys, monkeypatch, tmp_path):
+    from dspark.training import data
+
+    root, drafts, _ = checkpoints
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"file": "x.py", "text": "t1 t2 t3"}) + "\n")
+    pair = data.DemoPair(root / "target", drafts["speculators"], tmp_path / "prompts.jsonl")
+    monkeypatch.setattr(data, "demo_pair", lambda: pair)
+    status, out, _ = _run(capsys, "--max-new-tokens", "6", "--json")
+    report = json.loads(out)
+    assert status == 0 and report["prompt_ids"] == [1, 2, 3] and len(report["generated_ids"]) == 6
+
+
+def test_missing_demo_pair_or_half_a_pair_is_a_clear_error(checkpoints, capsys, monkeypatch, tmp_path):
+    from dspark.training import data
+
+    root, drafts, _ = checkpoints
+    real_demo_pair = data.demo_pair
+    monkeypatch.setattr(data, "demo_pair", lambda: real_demo_pair(tmp_path / "empty"))
+    status, _, err = _run(capsys, "--prompt-ids", "1")
+    assert status == 2 and "demo pair" in err and "build_demo_pair.sh" in err
+    status, _, err = _run(capsys, "--target", str(root / "target"), "--prompt-ids", "1")
+    assert status == 2 and "--target and --draft must be given together" in err
+    status, _, err = _run(capsys, "--target", str(root / "target"), "--draft", drafts["speculators"])
+    assert status == 2 and "give a prompt" in err

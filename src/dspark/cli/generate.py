@@ -17,10 +17,12 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="Hugging Face causal LM directory")
-    parser.add_argument("--draft", required=True, help="DSpark draft directory (speculators or DeepSpec format)")
-    prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
+    parser.add_argument("--target", help="Hugging Face causal LM directory (default: the demo pair's target)")
+    parser.add_argument("--draft", help="DSpark draft directory, speculators or DeepSpec format "
+                                        "(default: the demo pair's draft)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer; "
+                                         "default with the demo pair: the start of a held-out file)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -43,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype, device)
+    try:
+        _use_demo_pair_by_default(args)
+    except ValueError as exc:
+        print(f"dspark generate: {exc}", file=sys.stderr)
+        return 2
     tokenizer = _tokenizer(args.target)
     stream = None if args.json else _Printer(tokenizer)
     try:
@@ -72,6 +79,22 @@ def run(args: argparse.Namespace) -> int:
         print()
         _print_summary(report)
     return status
+
+
+def _use_demo_pair_by_default(args: argparse.Namespace) -> None:
+    """Neither --target nor --draft: the demo pair shipped with the package, prompted (unless a
+    prompt is given) with the start of its first held-out file. Both or neither must be given."""
+    if (args.target is None) != (args.draft is None):
+        raise ValueError("--target and --draft must be given together (or neither, for the demo pair)")
+    if args.target is None:
+        from dspark.training.data import demo_pair, read_prompts
+
+        pair = demo_pair()
+        args.target, args.draft = str(pair.target), str(pair.draft)
+        if args.prompt is None and args.prompt_ids is None:
+            args.prompt = read_prompts(str(pair.prompts))[0]["text"]
+    elif args.prompt is None and args.prompt_ids is None:
+        raise ValueError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
 
 
 def _dtype(name: str, device):
