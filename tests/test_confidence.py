@@ -278,3 +278,29 @@ def test_sps_scheduler_bad_input():
     with pytest.raises(ValueError, match="markov_w1"):
         K.compute_confidence_and_sps_proposal_lengths(case.draft_hidden_states, case.markov_w1[0],
                                                       *case.args()[2:], **case.kwargs())
+
+
+# ------------------------------------------------------------------------------ schedulers on given scores
+
+
+@pytest.mark.parametrize("threshold, floor, lo, hi", [(0.5, 0.0, 1, 0), (0.3, 0.4, 2, 5), (0.0, 0.9, 3, 6)])
+def test_public_schedulers_on_scores_agree_with_the_fused_head(threshold, floor, lo, hi):
+    case = confidence_case(6, 7, 32, 8, 50, seed=11)
+    bounds = dict(min_proposal_len=lo, max_proposal_len=hi)
+    scores, lengths = K.compute_confidence_and_proposal_lengths(*case.args(), **case.kwargs(), threshold=threshold, **bounds)
+    assert torch.equal(K.threshold_proposal_lengths(scores, threshold, **bounds), lengths)
+    scores, lengths = K.compute_confidence_and_sps_proposal_lengths(*case.args(), **case.kwargs(), survival_floor=floor,
+                                                                    **bounds)
+    assert torch.equal(K.sps_proposal_lengths(scores, floor, **bounds), lengths)
+
+
+def test_public_schedulers_on_scores_bad_input():
+    scores = torch.full((2, 4), 0.9)
+    with pytest.raises(TypeError, match="confidence_scores must have dtype torch.float32"):
+        K.threshold_proposal_lengths(scores.double(), 0.5)
+    with pytest.raises(ValueError, match="confidence_scores must be 2-D"):
+        K.sps_proposal_lengths(scores[0], 0.0)
+    with pytest.raises(ValueError, match="survival_floor must be in"):
+        K.sps_proposal_lengths(scores, 1.5)
+    with pytest.raises(ValueError, match="min_proposal_len must be in"):
+        K.threshold_proposal_lengths(scores, 0.5, min_proposal_len=-1)

@@ -28,7 +28,6 @@ import torch
 
 from .. import kernels as K
 from ..kernels._validate import HALF_DTYPES, Checker
-from ..kernels.reference.confidence import sps_proposal_lengths, threshold_proposal_lengths
 
 __all__ = ["Drafter", "Proposal", "SamplingParams", "SCHEDULERS"]
 
@@ -184,14 +183,16 @@ class Drafter:
 
     def _schedule_sts(self, hidden, anchor, tokens):
         """Calibrated confidences ``sigmoid(logit_k / T_k)`` (STS, runtime.md §4), then the same
-        threshold / SPS rules as the kernels (their reference implementations, on the scores)."""
+        threshold / SPS rules as the kernels (``K.threshold_proposal_lengths`` / ``K.sps_proposal_lengths``)."""
         rows = hidden[self.slot_offset:self.slot_offset + self.num_draft_tokens].unsqueeze(0)
         prev = torch.cat([anchor, tokens[0, :-1]]).unsqueeze(0)
         confidence = torch.sigmoid(self.model.confidence_logits(rows, prev) / self.sts_temperatures)
         if self.scheduler == "threshold":
-            lengths = threshold_proposal_lengths(confidence, self.threshold, self.min_proposal_len, self.max_proposal_len)
+            lengths = K.threshold_proposal_lengths(confidence, self.threshold, min_proposal_len=self.min_proposal_len,
+                                                   max_proposal_len=self.max_proposal_len)
         else:
-            lengths = sps_proposal_lengths(confidence, self.threshold, self.min_proposal_len, self.max_proposal_len)
+            lengths = K.sps_proposal_lengths(confidence, self.threshold, min_proposal_len=self.min_proposal_len,
+                                             max_proposal_len=self.max_proposal_len)
         return lengths, confidence
 
 

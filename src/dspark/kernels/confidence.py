@@ -20,11 +20,14 @@ import torch
 
 from ._backend import implementation
 from ._validate import HALF_DTYPES, Checker
+from .reference import confidence as reference
 
 __all__ = [
     "compute_confidence_scores",
     "compute_confidence_and_proposal_lengths",
     "compute_confidence_and_sps_proposal_lengths",
+    "threshold_proposal_lengths",
+    "sps_proposal_lengths",
 ]
 
 
@@ -133,3 +136,34 @@ def compute_confidence_and_sps_proposal_lengths(draft_hidden_states, markov_w1, 
     min_len, max_len = _lengths(c, min_proposal_len, max_proposal_len)
     return implementation("compute_confidence_and_sps_proposal_lengths", h.device)(
         *h.args(), floor, min_len, max_len, h.stride, h.offset)
+
+
+# ------------------------------------------------------------------ schedulers on given confidences
+# Beyond the C++ set: the two length rules on confidences computed elsewhere (e.g. calibrated by
+# STS, ``sigmoid(logit_k / T_k)``). They scan a tiny ``[B, P]`` tensor, so they run in PyTorch on any
+# device on every backend.
+
+
+def _scores(c: Checker, confidence_scores) -> torch.Tensor:
+    scores = c.tensor("confidence_scores", confidence_scores, dtype=torch.float32, ndim=2)
+    if scores.shape[1] < 1:
+        c.fail(f"confidence_scores must be [B, P] with P >= 1, got shape {list(scores.shape)}")
+    return scores.contiguous()
+
+
+def threshold_proposal_lengths(confidence_scores, threshold, *, min_proposal_len=1, max_proposal_len=0):
+    """Threshold scheduler of kernels.md 3.6 on given confidences ``f32 [B, P]``; int32 ``[B]``."""
+    c = Checker("threshold_proposal_lengths")
+    scores = _scores(c, confidence_scores)
+    threshold = c.real("threshold", threshold)
+    min_len, max_len = _lengths(c, min_proposal_len, max_proposal_len)
+    return reference.threshold_proposal_lengths(scores, threshold, min_len, max_len)
+
+
+def sps_proposal_lengths(confidence_scores, survival_floor=0.0, *, min_proposal_len=1, max_proposal_len=0):
+    """SPS scheduler of kernels.md 3.7 on given confidences ``f32 [B, P]``; int32 ``[B]``."""
+    c = Checker("sps_proposal_lengths")
+    scores = _scores(c, confidence_scores)
+    floor = c.real("survival_floor", survival_floor, low=0.0, high=1.0)
+    min_len, max_len = _lengths(c, min_proposal_len, max_proposal_len)
+    return reference.sps_proposal_lengths(scores, floor, min_len, max_len)
