@@ -375,6 +375,23 @@ def test_vanilla_markov_sample_materializes_distribution():  # NVIDIA test 5
                                atol=1e-6, rtol=0)
 
 
+def test_per_step_top_k_path_materializes_distribution():  # NVIDIA test 6
+    # The C++ test composes BuildMarkovLogits -> selectAllTopK(2) -> topKLogitsToDenseProbabilities ->
+    # SampleProbabilityRows -> StoreDraftStepProbabilities per step; dspark's dense top-k path
+    # (logits_to_probabilities with top_k=2) stands in for the two generic helpers.
+    case = nvidia_vector_5()
+    tokens, probs = torch.zeros(1, 2, dtype=I32), torch.zeros(1, 2, 4)
+    for step in range(2):
+        corrected = K.build_markov_logits(case["backbone_logits"], case["markov_w1"], case["markov_w2"],
+                                          case["first_prev_tokens"], tokens, step)
+        scratch = K.logits_to_probabilities(corrected, 1.0, top_k=2)
+        K.sample_probability_rows(scratch, case["proposal_uniforms"], tokens, step)
+        K.store_draft_step_probabilities(scratch, probs, step)
+    assert tokens.tolist() == [[1, 3]]
+    torch.testing.assert_close(probs, f32([[[0, 0.7310586, 0.2689414, 0], [0, 0, 0.8807971, 0.1192029]]]),
+                               atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("top_k, top_p, stride, offset",
                          [(0, 1.0, 0, 0), (5, 1.0, 5, 1), (0, 0.8, 6, 2), (3, 0.7, 0, 0)])
