@@ -872,8 +872,9 @@ def _markov_logits_kernel(logits_ptr, w1_ptr, w2_ptr, first_prev_ptr, ids_ptr, i
     pid_v = tl.program_id(0)
     b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     live_b = b < B
-    first = tl.load(first_prev_ptr + b, mask=live_b & (step == 0), other=0)
-    drafted = tl.load(ids_ptr + b.to(tl.int64) * ids_stride + step - 1, mask=live_b & (step > 0), other=0)
+    steps = tl.full([BLOCK_B], step, tl.int32)  # a tensor, so the masks below are tensors too
+    first = tl.load(first_prev_ptr + b, mask=live_b & (steps == 0), other=0)
+    drafted = tl.load(ids_ptr + b.to(tl.int64) * ids_stride + step - 1, mask=live_b & (steps > 0), other=0)
     prev = tl.minimum(tl.maximum(tl.where(step == 0, first, drafted), 0), V - 1).to(tl.int64)
     v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     live_v = v < V
