@@ -15,7 +15,8 @@ import argparse
 import json
 import sys
 
-from .train import add_runtime_arguments, load_target, runtime
+from ._runtime import add_runtime_arguments, runtime
+from .train import load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,8 @@ import json
 import os
 import sys
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+from ._runtime import add_runtime_arguments, runtime
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,19 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", choices=("off", "threshold", "sps"), default="off")
     parser.add_argument("--threshold", type=float, default=0.0,
                         help="threshold scheduler: minimum prefix survival; sps: survival floor")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
+    add_runtime_arguments(parser)
     parser.add_argument("--compare", action="store_true", help="also run plain target decoding and report the speedup")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from dspark.engine import SamplingParams, SpeculativeDecoder, autoregressive_generate
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _dtype(args.dtype, device)
+    device, dtype = runtime(args)
     try:
         _use_demo_pair_by_default(args)
     except ValueError as exc:
@@ -95,14 +92,6 @@ def _use_demo_pair_by_default(args: argparse.Namespace) -> None:
             args.prompt = read_prompts(str(pair.prompts))[0]["text"]
     elif args.prompt is None and args.prompt_ids is None:
         raise ValueError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
-
-
-def _dtype(name: str, device):
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

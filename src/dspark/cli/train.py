@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from ._runtime import DTYPES, add_runtime_arguments, runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,22 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--seed", type=int, default=0)
     add_runtime_arguments(parser)
     parser.add_argument("--save-dtype", choices=DTYPES[1:], default="bfloat16", help="dtype of the saved weights")
-
-
-def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="models' dtype; auto: bfloat16 on cuda, float32 on cpu")
-
-
-def runtime(args: argparse.Namespace):
-    """``(device, dtype)`` from ``--device`` / ``--dtype``."""
-    import torch
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, getattr(torch, args.dtype)
 
 
 def load_target(path: str, device, dtype):
