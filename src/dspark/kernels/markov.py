@@ -101,6 +101,21 @@ def markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, *
     return MarkovInputs(device, batch, vocab, rank, logits, stride, offset)
 
 
+def markov_step_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, draft_token_ids, step,
+                       logits_stride, logits_offset):
+    """Inputs of one Markov step that reads its previous token from ``draft_token_ids`` int32 ``[B, P]``
+    (column ``step - 1``): returns ``(MarkovInputs, draft_token_ids, step)``."""
+    draft = c.tensor("draft_token_ids", draft_token_ids, dtype=torch.int32, ndim=2)
+    width = draft.shape[1]
+    step = c.integer("step", step, low=0, high=width - 1)
+    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
+                      logits_stride=logits_stride, logits_offset=logits_offset)
+    c.tensor("draft_token_ids", draft, shape=[m.batch, width], device=m.device)
+    if step > 0:
+        c.ids_in_range(f"draft_token_ids[:, {step - 1}]", draft[:, step - 1], m.vocab)
+    return m, draft, step
+
+
 def _check_rank(c, rank: int, fp8: bool) -> None:
     if fp8 and rank not in FP8_RANKS:
         c.fail(f"markov rank R = {rank} is not supported by the FP8 fused step; expected one of {FP8_RANKS}")
@@ -144,14 +159,8 @@ def build_markov_logits(backbone_logits, markov_w1, markov_w2, first_prev_tokens
     ``step > 0``; ``0 <= step < P``.
     """
     c = Checker("build_markov_logits")
-    draft = c.tensor("draft_token_ids", draft_token_ids, dtype=torch.int32, ndim=2)
-    width = draft.shape[1]
-    step = c.integer("step", step, low=0, high=width - 1)
-    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
-                       logits_stride=logits_stride, logits_offset=logits_offset)
-    c.tensor("draft_token_ids", draft, shape=[m.batch, width], device=m.device)
-    if step > 0:
-        c.ids_in_range(f"draft_token_ids[:, {step - 1}]", draft[:, step - 1], m.vocab)
+    m, draft, step = markov_step_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, draft_token_ids,
+                                        step, logits_stride, logits_offset)
     return implementation("build_markov_logits", m.device)(
         m.logits, markov_w1.contiguous(), markov_w2.contiguous(), first_prev_tokens.contiguous(), draft.contiguous(),
         step, m.stride, m.offset)

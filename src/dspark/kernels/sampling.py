@@ -17,7 +17,7 @@ import torch
 
 from ._backend import implementation
 from ._validate import Checker
-from .markov import markov_inputs
+from .markov import markov_inputs, markov_step_inputs
 from .verify import verify_drafts
 
 __all__ = [
@@ -216,18 +216,14 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
     ``markov_w2`` fp16 or bf16 ``[V, R]``; ``first_prev_tokens`` int32 ``[B]``.
     """
     c = Checker("markov_sample_step")
-    draft = c.tensor("draft_token_ids", draft_token_ids, dtype=torch.int32, ndim=2)
-    width = draft.shape[1]
-    step = c.integer("step", step, low=0, high=width - 1)
-    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=step + 1,
-                       logits_stride=logits_stride, logits_offset=logits_offset)
+    m, draft, step = markov_step_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, draft_token_ids,
+                                        step, logits_stride, logits_offset)
     draft = _draft_ids(c, draft, m.batch, m.device)
+    width = draft.shape[1]
     uniforms = _step_uniforms(c, proposal_uniforms, m.batch, width, m.device)
     probs = c.tensor("draft_probabilities", draft_probabilities, dtype=torch.float32, shape=[m.batch, width, m.vocab],
                      device=m.device, contiguous=True)
     temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
-    if step > 0:
-        c.ids_in_range(f"draft_token_ids[:, {step - 1}]", draft[:, step - 1], m.vocab)
     implementation("markov_sample_step", m.device)(
         m.logits, markov_w1.contiguous(), markov_w2.contiguous(), first_prev_tokens.contiguous(), uniforms, draft,
         probs, step, temperature, top_k, top_p, m.stride, m.offset)
