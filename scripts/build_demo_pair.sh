@@ -87,7 +87,7 @@ stage calibrate optional dspark calibrate --target "$OUT/target" --draft "$OUT/d
   "${CALIBRATE_ARGS[@]}" --json "$OUT/calibration.json" "${DEVICE[@]}"
 DRAFTS=("$OUT/draft")
 [ -f "$WORK/dflash/config.json" ] && DRAFTS+=("$WORK/dflash")
-stage eval optional dspark eval --target "$OUT/target" --draft "${DRAFTS[@]}" --prompts "$OUT/prompts.jsonl" \
+stage eval optional dspark eval --target "$OUT/target" --draft "${DRAFTS[@]}" --prompts "$OUT/prompts.jsonl" --dtype float32 \
   "${EVAL_ARGS[@]}" --json "$OUT/eval.json" "${DEVICE[@]}"
 # the configuration tests/test_eval.py checks in CI (CPU, float32): its floor comes from this measurement
 stage eval_ci optional dspark eval --target "$OUT/target" --draft "$OUT/draft" --prompts "$OUT/prompts.jsonl" \

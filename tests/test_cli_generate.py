@@ -119,3 +119,12 @@ def test_missing_demo_pair_or_half_a_pair_is_a_clear_error(checkpoints, capsys, 
     assert status == 2 and "--target and --draft must be given together" in err
     status, _, err = _run(capsys, "--target", str(root / "target"), "--draft", drafts["speculators"])
     assert status == 2 and "give a prompt" in err
+
+
+def test_mismatch_status_is_an_error_only_in_full_precision(capsys):
+    from dspark.cli._runtime import mismatch_status
+
+    assert mismatch_status(torch.float32, "d", "eval") == 1
+    assert "differ from plain decoding for d" in capsys.readouterr().err
+    assert mismatch_status(torch.bfloat16, "d", "eval") == 0
+    assert "--dtype float32" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from ._runtime import add_runtime_arguments, runtime
+from ._runtime import add_runtime_arguments, mismatch_status, runtime
 from .train import load_target
 
 
@@ -60,6 +60,4 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     lossy = [d["name"] for d in report["drafts"] if d["identical"] is not None and d["identical"] < report["prompts"]]
-    if lossy:
-        print(f"dspark eval: greedy outputs differ from plain decoding for {lossy}", file=sys.stderr)
-    return 1 if lossy else 0
+    return mismatch_status(dtype, str(lossy), "eval") if lossy else 0

@@ -2,7 +2,8 @@
 
 Streams the text (or the token ids, when the target has no tokenizer) as rounds are accepted, then
 prints the statistics. ``--compare`` also runs plain target decoding and prints the speedup; in
-greedy mode it checks that both outputs are identical (exit status 1 otherwise). ``--json`` prints
+greedy mode it checks that both outputs are identical (exit status 1 otherwise in float32; in
+bfloat16/float16 a difference is reported as rounding). ``--json`` prints
 one JSON object instead.
 """
 
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 
-from ._runtime import add_runtime_arguments, runtime
+from ._runtime import add_runtime_arguments, mismatch_status, runtime
 
 
 
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         report["speedup"] = round(baseline.stats.total_time / max(result.stats.total_time, 1e-12), 3)
         if sampling.greedy:
             report["identical"] = baseline.token_ids == result.token_ids
-            status = 0 if report["identical"] else 1
+            status = 0 if report["identical"] else mismatch_status(dtype, "this prompt", "generate")
     if args.json:
         print(json.dumps(report))
     else:
@@ -78,9 +79,14 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+# The demo pair's default prompt: the held-out file whose τ (2.37) is nearest the whole held-out set's
+# (2.34, docs/demo-pair.md) -- a representative prompt; per-file τ ranges from 1.2 to 7.8.
+DEMO_PROMPT_FILE = "asyncio/subprocess.py"
+
+
 def _use_demo_pair_by_default(args: argparse.Namespace) -> None:
     """Neither --target nor --draft: the demo pair shipped with the package, prompted (unless a
-    prompt is given) with the start of its first held-out file. Both or neither must be given."""
+    prompt is given) with the start of the held-out file ``DEMO_PROMPT_FILE``. Both or neither must be given."""
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft must be given together (or neither, for the demo pair)")
     if args.target is None:
@@ -89,7 +95,8 @@ def _use_demo_pair_by_default(args: argparse.Namespace) -> None:
         pair = demo_pair()
         args.target, args.draft = str(pair.target), str(pair.draft)
         if args.prompt is None and args.prompt_ids is None:
-            args.prompt = read_prompts(str(pair.prompts))[0]["text"]
+            records = read_prompts(str(pair.prompts))
+            args.prompt = next((r for r in records if r.get("file") == DEMO_PROMPT_FILE), records[0])["text"]
     elif args.prompt is None and args.prompt_ids is None:
         raise ValueError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU half of the test suite and the kernel benchmarks, on one CUDA machine (the H200 runs of
+# docs/bench-*.md). Each part has its own time limit and writes into OUT_DIR as it goes.
+#
+#   scripts/gpu_check.sh OUT_DIR [tests] [greedy] [sampling] [tune]    # default: tests greedy
+set -uo pipefail
+OUT=$(mkdir -p "$1" && cd "$1" && pwd)
+shift
+PARTS=("${@:-tests greedy}")
+PARTS=(${PARTS[*]})
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+for part in "${PARTS[@]}"; do
+  start=$SECONDS
+  case $part in
+    tests) timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests > "$OUT/pytest.log" 2>&1 ;;
+    greedy) timeout 180 python -m dspark.bench --family greedy --out "$OUT/greedy.json" > "$OUT/greedy.log" 2>&1 ;;
+    sampling) timeout 300 python -m dspark.bench --family sampling --out "$OUT/sampling.json" > "$OUT/sampling.log" 2>&1 ;;
+    tune) timeout 90 python -m dspark.bench.greedy --tune --budget 70 > "$OUT/tune.log" 2>&1 ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
+  echo "$part: exit $? in $((SECONDS - start)) s" | tee -a "$OUT/parts.txt"
+done
+tail -3 "$OUT/pytest.log" 2>/dev/null

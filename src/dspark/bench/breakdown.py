@@ -1,0 +1,101 @@
+"""Per-kernel device time of the sampled path's multi-launch operations (where a benchmark row's time goes).
+
+``python -m dspark.bench.breakdown`` runs each case a few times under ``torch.profiler`` and prints, for
+every Triton kernel it launched, the mean device time per call of the operation. The benchmark rows
+(``python -m dspark.bench``) give the end-to-end numbers; this says which launch dominates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+
+import dspark.kernels as K
+
+from .sampling import PROPOSAL_LEN, TEMPERATURE, VOCAB, _logits
+
+REPEATS = 20
+
+
+def _accept_case(batch: int):
+    gen = torch.Generator(device="cuda").manual_seed(100 + batch)
+    target = torch.softmax(torch.randn(batch, PROPOSAL_LEN + 1, VOCAB, device="cuda", generator=gen) * 2, -1)
+    draft = torch.softmax(torch.randn(batch, PROPOSAL_LEN, VOCAB, device="cuda", generator=gen) * 2, -1)
+    tokens = torch.multinomial(draft.reshape(-1, VOCAB), 1, generator=gen).reshape(batch, -1).to(torch.int32)
+    lengths = torch.full((batch,), PROPOSAL_LEN, dtype=torch.int32, device="cuda")
+    uniforms = torch.rand(batch, 2 * PROPOSAL_LEN + 1, device="cuda", generator=gen)
+    return lambda: K.probabilistic_accept(target, draft, tokens, lengths, uniforms, PROPOSAL_LEN)
+
+
+def _probabilities_case(rows: int, top_k: int, top_p: float, flat: bool):
+    logits = _logits(rows, flat, seed=rows)
+    return lambda: K.logits_to_probabilities(logits, TEMPERATURE, top_k, top_p)
+
+
+def _draw_case(batch: int):
+    probs = torch.softmax(_logits(batch, False, seed=7 + batch), -1)
+    uniforms = torch.rand(batch, PROPOSAL_LEN, device="cuda")
+    tokens = torch.zeros(batch, PROPOSAL_LEN, dtype=torch.int32, device="cuda")
+    return lambda: K.sample_probability_rows(probs, uniforms, tokens, 3)
+
+
+def _sample_step_case(batch: int, rank: int, top_k: int, top_p: float):
+    gen = torch.Generator(device="cuda").manual_seed(rank + batch)
+    backbone = torch.randn(batch, PROPOSAL_LEN, VOCAB, device="cuda", generator=gen) * 2
+    w1 = (torch.randn(VOCAB, rank, device="cuda", generator=gen) * rank**-0.25).half()
+    w2 = (torch.randn(VOCAB, rank, device="cuda", generator=gen) * rank**-0.25).half()
+    first = torch.randint(0, VOCAB, (batch,), device="cuda", dtype=torch.int32, generator=gen)
+    uniforms = torch.rand(batch, PROPOSAL_LEN, device="cuda", generator=gen)
+    tokens = torch.zeros(batch, PROPOSAL_LEN, dtype=torch.int32, device="cuda")
+    probs = torch.zeros(batch, PROPOSAL_LEN, VOCAB, device="cuda")
+    return lambda: K.markov_sample_step(backbone, w1, w2, first, uniforms, tokens, probs, 0, TEMPERATURE, top_k, top_p)
+
+
+CASES = {
+    "probabilistic_accept B=1": lambda: _accept_case(1),
+    "probabilistic_accept B=64": lambda: _accept_case(64),
+    "sample_probability_rows B=64": lambda: _draw_case(64),
+    "logits_to_probabilities rows=64 none": lambda: _probabilities_case(64, 0, 1.0, False),
+    "logits_to_probabilities rows=64 top-k 50": lambda: _probabilities_case(64, 50, 1.0, False),
+    "logits_to_probabilities rows=64 top-p 0.9 flat": lambda: _probabilities_case(64, 0, 0.9, True),
+    "markov_sample_step B=1 R=64 top-k 50 + top-p 0.9": lambda: _sample_step_case(1, 64, 50, 0.9),
+    "markov_sample_step B=64 R=256 none": lambda: _sample_step_case(64, 256, 0, 1.0),
+}
+
+
+def kernel_times(fn, repeats: int = REPEATS) -> dict[str, float]:
+    """Mean device µs per call of ``fn`` for each kernel it launches (``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.time_range.elapsed_us() / repeats
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.breakdown", description=__doc__)
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    with K.use_backend("triton"):
+        for name in args.case or CASES:
+            times = kernel_times(CASES[name]())
+            print(f"{name}: {sum(times.values()):.1f} us of kernels per call", flush=True)
+            for kernel, us in times.items():
+                print(f"  {us:8.1f} us  {kernel[:90]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
