@@ -62,6 +62,8 @@ def test_report_agrees_with_the_engine(pair):
     assert row["rounds"] == engine.rounds and row["tokens"] == engine.generated_tokens == report["plain"]["tokens"]
     assert row["identical"] == 3
     assert row["speedup"] == pytest.approx(report["plain"]["time_s"] / row["time_s"])
+    assert [r["rounds"] for r in row["per_prompt"]] == [len(s) for s in (decoder.generate(p, max_new_tokens=40).stats.accept_lengths for p in prompts)]
+    assert all(r["identical"] for r in row["per_prompt"])
     assert row["tau"] > 1.5  # the trained draft is accepted beyond the bonus token
     table = format_table(report)
     assert "dspark" in table and f"{row['tau']:.2f}" in table and "3/3" in table
@@ -86,6 +88,10 @@ def test_eval_command(pair, tmp_path, capsys):
                               "--json", str(tmp_path / "eval.json")])
     assert eval_cli.run(args) == 0
     assert "acceptance per position" in capsys.readouterr().out
+    args.per_prompt = True
+    assert eval_cli.run(args) == 0
+    assert "prompt 1" in capsys.readouterr().out
+    args.per_prompt = False
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["prompts"] == 2 and len(report["drafts"]) == 2
     assert report["drafts"][0]["tau"] == report["drafts"][1]["tau"]  # the same weights twice

@@ -83,8 +83,16 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
             "verify_time_s": stats.verify_time,
             "speedup": plain_stats.total_time / max(stats.total_time, 1e-12),
             "identical": identical,
+            "per_prompt": [_prompt_row(r, p, sampling) for r, p in zip(results, plain)],
         })
     return report
+
+
+def _prompt_row(result, plain, sampling: SamplingParams) -> dict:
+    """One prompt's τ, speedup over its own plain decoding, and (greedy) whether the outputs agree."""
+    return {"tau": result.stats.mean_accepted_length, "rounds": result.stats.rounds,
+            "speedup": plain.stats.total_time / max(result.stats.total_time, 1e-12),
+            "identical": None if not sampling.greedy else result.token_ids == plain.token_ids}
 
 
 def _timing(stats: GenerationStats) -> dict:
@@ -109,6 +117,17 @@ def format_table(report: dict) -> str:
     for d in report["drafts"]:
         values = " ".join("    -" if a is None else f"{a:5.2f}" for a in d["acceptance_per_position"])
         lines.append(f"{_short(d['name']):<24} {values}")
+    return "\n".join(lines)
+
+
+def format_per_prompt(report: dict, labels: list[str]) -> str:
+    """Per-prompt τ and speedup of every draft (``labels``: one name per prompt)."""
+    drafts = report["drafts"]
+    lines = [f"{'prompt':<32} " + " ".join(f"{_short(d['name'], 20):>20}" for d in drafts),
+             f"{'':<32} " + " ".join(f"{'tau  speedup':>20}" for _ in drafts)]
+    for i, label in enumerate(labels):
+        cells = (f"{d['per_prompt'][i]['tau']:6.2f} {d['per_prompt'][i]['speedup']:7.2f}x" for d in drafts)
+        lines.append(f"{_short(label, 32):<32} " + " ".join(f"{c:>20}" for c in cells))
     return "\n".join(lines)
 
 

@@ -29,13 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scheduler", choices=("off", "threshold", "sps"), default="off")
     parser.add_argument("--threshold", type=float, default=0.0)
+    parser.add_argument("--per-prompt", action="store_true", help="also print each prompt's tau and speedup")
     parser.add_argument("--json", default=None, help="write the report to this JSON file")
     add_runtime_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from dspark.engine import SamplingParams
-    from dspark.evaluation import evaluate, format_table
+    from dspark.evaluation import evaluate, format_per_prompt, format_table
     from dspark.model import load_draft
     from dspark.training.data import prompt_token_ids, read_prompts
 
@@ -56,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     report.update(target=args.target, prompt_set=args.prompts, device=str(device), dtype=str(dtype))
     print(format_table(report))
+    if args.per_prompt:
+        print()
+        print(format_per_prompt(report, [r.get("file") or f"prompt {i}" for i, r in enumerate(records)]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
