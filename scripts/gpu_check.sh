@@ -2,7 +2,7 @@
 # The GPU half of the test suite and the kernel benchmarks, on one CUDA machine (the H200 runs of
 # docs/bench-*.md). Each part has its own time limit and writes into OUT_DIR as it goes.
 #
-#   scripts/gpu_check.sh OUT_DIR [tests] [greedy] [sampling] [tune]    # default: tests greedy
+#   scripts/gpu_check.sh OUT_DIR [tests|gpu-tests] [greedy] [sampling] [tune]    # default: tests greedy
 set -uo pipefail
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
@@ -15,7 +15,10 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 for part in "${PARTS[@]}"; do
   start=$SECONDS
   case $part in
-    tests) timeout 240 python -m pytest -q -n 8 -p no:cacheprovider tests > "$OUT/pytest.log" 2>&1 ;;
+    tests) timeout 420 python -m pytest -q -n 8 -p no:cacheprovider tests > "$OUT/pytest.log" 2>&1 ;;
+    # only the tests that need CUDA (real sizes, CUDA graphs, models on the GPU): the slow ones
+    gpu-tests) timeout 240 python -m pytest -q -n 6 -p no:cacheprovider --durations=12 tests \
+                 -k "cuda or real_size or real_vocab or replays" > "$OUT/pytest.log" 2>&1 ;;
     greedy) timeout 180 python -m dspark.bench --family greedy --out "$OUT/greedy.json" > "$OUT/greedy.log" 2>&1 ;;
     sampling) timeout 300 python -m dspark.bench --family sampling --out "$OUT/sampling.json" > "$OUT/sampling.log" 2>&1 ;;
     tune) timeout 90 python -m dspark.bench.greedy --tune --budget 70 > "$OUT/tune.log" 2>&1 ;;

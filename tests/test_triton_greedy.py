@@ -115,25 +115,6 @@ def test_fused_steps_match_reference_on_gaussian_inputs(dtype, fp8):
     torch.testing.assert_close(stacked, ref_stacked, atol=1e-5, rtol=1e-5)
 
 
-MARKOV_PATHS = {
-    "tensor-core": dict(BLOCK_V=32, BLOCK_B=16, NUM_STAGES=2, PROGRAMS_PER_SM=2, num_warps=4),
-    "cuda-core": dict(BLOCK_V=32, BLOCK_B=2, NUM_STAGES=2, PROGRAMS_PER_SM=2, num_warps=4),
-    "cuda-core-one-tile-per-program": dict(BLOCK_V=16, BLOCK_B=1, NUM_STAGES=1, PROGRAMS_PER_SM=0, num_warps=4),
-}
-
-
-@pytest.mark.parametrize("path", sorted(MARKOV_PATHS))
-@pytest.mark.parametrize("batch, fp8", [(1, False), (3, False), (3, True)])
-def test_both_gemm_paths_match_reference(monkeypatch, path, batch, fp8):
-    """The tensor-core and CUDA-core GEMM paths (whichever markov_config picks at a size) are both exact."""
-    from dspark.kernels.triton import greedy as tgreedy
-
-    monkeypatch.setattr(tgreedy, "markov_config", lambda *args: MARKOV_PATHS[path])
-    case = markov_case(batch, 4, 1000, 64, torch.bfloat16, device=DEVICE, seed=5)
-    expected, actual = on_backends(lambda: run_round(case, fp8))
-    assert_same(expected, actual)
-
-
 def test_fused_step_merges_with_older_slot_content():
     # NVIDIA's atomicMax contract: the slot keeps the larger of its content and the step's key.
     case = markov_case(3, 2, 131, 16, device=DEVICE, seed=5)

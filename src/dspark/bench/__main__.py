@@ -25,21 +25,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ceiling = measure_copy_ceiling_gbps()
     print(f"device: {torch.cuda.get_device_name()}  copy ceiling: {ceiling:.0f} GB/s (read+write)")
-    rows: list[dict] = []
-    for family in args.family or FAMILIES:
-        module = importlib.import_module(f"dspark.bench.{family}")
-        for result in module.run(ceiling, quick=args.quick):
-            rows.append(result)
-            print(json.dumps(result), flush=True)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "copy_ceiling_gb_per_s": round(ceiling, 1),
-        "results": rows,
+        "results": [],
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {len(rows)} results to {args.out}")
+    for family in args.family or FAMILIES:
+        module = importlib.import_module(f"dspark.bench.{family}")
+        for result in module.run(ceiling, quick=args.quick):
+            report["results"].append(result)
+            print(json.dumps(result), flush=True)
+            with open(args.out, "w") as f:  # rewritten after every row: a run cut short keeps what it measured
+                json.dump(report, f, indent=1)
+    print(f"wrote {len(report['results'])} results to {args.out}")
     return 0
 
 

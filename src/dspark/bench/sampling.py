@@ -170,9 +170,7 @@ def _bench_round(ceiling: float, quick: bool) -> list[dict]:
     return out
 
 
-def run(ceiling_gbps: float, quick: bool = False) -> list[dict]:
-    """All sampled-path benchmarks at V = 151936 (rows built with ``dspark.bench.common.row``)."""
-    results = []
-    for bench in (_bench_draws, _bench_accept, _bench_round, _bench_probabilities):
-        results.extend(bench(ceiling_gbps, quick))
-    return results
+def run(ceiling_gbps: float, quick: bool = False):
+    """All sampled-path benchmark rows at V = 151936 (``dspark.bench.common.row``), yielded group by group."""
+    for bench in (_bench_draws, _bench_accept, _bench_probabilities, _bench_round):
+        yield from bench(ceiling_gbps, quick)

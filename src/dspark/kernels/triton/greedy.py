@@ -94,14 +94,11 @@ def _markov_kernel(
     R: tl.constexpr, BLOCK_R: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
     PREV_IS_KEY: tl.constexpr, FP8: tl.constexpr, WRITE_ROWS: tl.constexpr, ARGMAX: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
-    USE_DOT: tl.constexpr,
 ):
     """``c[b, v] = base[b, v] + sum_r W2[v, r] * W1[prev_b, r]`` over vocabulary tiles ``pid + i*grid``.
 
     A program gathers its batch block's W1 rows once, then streams its W2 tiles (software-pipelined
-    ``NUM_STAGES`` deep) through one GEMM each: on tensor cores (``USE_DOT``, the batch block padded
-    to 16 columns), or for a batch block of 1-4 rows as a CUDA-core multiply-and-sum in fp32, which
-    needs no padded operand and, for FP8, decodes the codes straight to fp32. Keys are kept as an elementwise running max over the
+    ``NUM_STAGES`` deep) through one GEMM each. Keys are kept as an elementwise running max over the
     tiles (no cross-warp reduction inside the loop); one reduction and one atomic max per row and
     program at the end merge them.
     """
@@ -114,11 +111,7 @@ def _markov_kernel(
     prev = tl.minimum(tl.maximum(prev.to(tl.int32), 0), V - 1).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     valid_r = offs_r < R
-    if USE_DOT:  # [BLOCK_R, BLOCK_B] operand of the tensor-core GEMM
-        w1 = tl.load(w1_ptr + prev[None, :] * R + offs_r[:, None], mask=valid_r[:, None] & valid_b[None, :], other=0.0)
-    else:  # [BLOCK_B, BLOCK_R] fp32 rows for the CUDA-core dot
-        w1 = tl.load(w1_ptr + prev[:, None] * R + offs_r[None, :], mask=valid_b[:, None] & valid_r[None, :], other=0.0)
-        w1 = w1.to(tl.float32)
+    w1 = tl.load(w1_ptr + prev[None, :] * R + offs_r[:, None], mask=valid_r[:, None] & valid_b[None, :], other=0.0)
 
     best = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.uint64)
     for i in tl.range(0, TILES_PER_PROGRAM, num_stages=NUM_STAGES):
@@ -129,10 +122,7 @@ def _markov_kernel(
         base = tl.load(base_ptr + rows_b[None, :] * base_batch_stride + offs_v[:, None], mask=valid, other=0.0)
         if FP8:
             w2 = w2.to(tl.float8e4nv, bitcast=True).to(w1.dtype)
-        if USE_DOT:
-            acc = _dot(w2, w1, tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32), INTERPRET)
-        else:
-            acc = tl.sum(w2.to(tl.float32)[:, None, :] * w1[None, :, :], axis=2)
+        acc = _dot(w2, w1, tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32), INTERPRET)
         if FP8:
             acc = acc * tl.load(scales_ptr + offs_v, mask=valid_v, other=0.0).to(tl.float32)[:, None]
         c = base + acc
@@ -165,17 +155,18 @@ def markov_smem_bytes(block_v: int, block_b: int, rank: int, fp8: bool, stages: 
 def markov_config(batch: int, rank: int, fp8: bool) -> dict:
     """Launch configuration of the Markov GEMM kernel for a batch size and rank (H200 sweep).
 
-    ``PROGRAMS_PER_SM`` persistent programs per multiprocessor, or 0 for one program per tile.
-    A single row takes the CUDA-core dot (``BLOCK_B = 1``, tiles of 8192 weights); otherwise the FP8 step (whose decoded tiles live in registers) and small-rank large batches measured
-    fastest with many short programs; otherwise two persistent programs per SM with the largest
-    pipelined tile that lets them share the SM (one at B = 64).
+    ``PROGRAMS_PER_SM`` persistent programs per multiprocessor, or 0 for one program per tile:
+    B = 64 with FP8 W2 (whose decoded tiles live in registers) or a small rank measured fastest with
+    many short programs; otherwise two persistent programs per SM with the largest pipelined tile
+    that lets them share the SM (one at B = 64). A CUDA-core dot for single rows (no 16-column
+    padding) was measured slower than the padded tensor-core GEMM (40.5 vs 30.9 µs at R = 256).
     """
-    if batch == 1:  # CUDA-core dot: no 16-column padding, FP8 decoded straight to fp32
-        return dict(BLOCK_V=max(16, 8192 // _next_pow2(rank)), BLOCK_B=1, NUM_STAGES=3, PROGRAMS_PER_SM=2, num_warps=4)
     block_b = min(64, max(16, _next_pow2(batch)))
     num_warps = 4 if block_b < 64 else 8
-    if fp8 or (block_b >= 64 and rank <= 64):
+    if block_b >= 64 and (fp8 or rank <= 64):
         return dict(BLOCK_V=64, BLOCK_B=block_b, NUM_STAGES=1, PROGRAMS_PER_SM=0, num_warps=num_warps)
+    if fp8:
+        return dict(BLOCK_V=64, BLOCK_B=block_b, NUM_STAGES=3, PROGRAMS_PER_SM=2, num_warps=4)
     budget = 120_000 if block_b < 64 else 150_000
     for block_v, stages in ((128, 3), (64, 3), (64, 2), (32, 2)):
         if markov_smem_bytes(block_v, block_b, rank, fp8, stages) <= budget:
@@ -207,7 +198,7 @@ def _launch_markov(base, logits_stride, w1, w2, scales, prev, prev_is_key, *, ro
         batch, vocab,
         R=rank, BLOCK_R=max(16, _next_pow2(rank)), TILES_PER_PROGRAM=triton.cdiv(tiles, programs),  # tl.dot: dims >= 16
         PREV_IS_KEY=prev_is_key, FP8=fp8, WRITE_ROWS=rows_out is not None, ARGMAX=keys_out is not None,
-        INTERPRET=_INTERPRET, USE_DOT=cfg["BLOCK_B"] >= 16, **cfg,
+        INTERPRET=_INTERPRET, **cfg,
     )
 
 
