@@ -167,7 +167,8 @@ def _bench_round(ceiling: float, quick: bool) -> list[dict]:
                                target="<= 2x reading W2 7 times + writing [B,7,V] fp32 (pct_of_copy_ceiling >= 50)")
 
                 _measure(out, measure)
-    return out
+            yield from out  # row by row as the shapes finish (a long run cut short keeps them)
+            out.clear()
 
 
 def run(ceiling_gbps: float, quick: bool = False):
