@@ -14,19 +14,14 @@ import torch
 
 import dspark.kernels as K
 
-from .sampling import PROPOSAL_LEN, TEMPERATURE, VOCAB, _logits
+from .sampling import PROPOSAL_LEN, TEMPERATURE, _logits, accept_inputs, round_inputs
 
 REPEATS = 20
 
 
 def _accept_case(batch: int):
-    gen = torch.Generator(device="cuda").manual_seed(100 + batch)
-    target = torch.softmax(torch.randn(batch, PROPOSAL_LEN + 1, VOCAB, device="cuda", generator=gen) * 2, -1)
-    draft = torch.softmax(torch.randn(batch, PROPOSAL_LEN, VOCAB, device="cuda", generator=gen) * 2, -1)
-    tokens = torch.multinomial(draft.reshape(-1, VOCAB), 1, generator=gen).reshape(batch, -1).to(torch.int32)
-    lengths = torch.full((batch,), PROPOSAL_LEN, dtype=torch.int32, device="cuda")
-    uniforms = torch.rand(batch, 2 * PROPOSAL_LEN + 1, device="cuda", generator=gen)
-    return lambda: K.probabilistic_accept(target, draft, tokens, lengths, uniforms, PROPOSAL_LEN)
+    args = accept_inputs(batch)
+    return lambda: K.probabilistic_accept(*args)
 
 
 def _probabilities_case(rows: int, top_k: int, top_p: float, flat: bool):
@@ -42,14 +37,7 @@ def _draw_case(batch: int):
 
 
 def _sample_step_case(batch: int, rank: int, top_k: int, top_p: float):
-    gen = torch.Generator(device="cuda").manual_seed(rank + batch)
-    backbone = torch.randn(batch, PROPOSAL_LEN, VOCAB, device="cuda", generator=gen) * 2
-    w1 = (torch.randn(VOCAB, rank, device="cuda", generator=gen) * rank**-0.25).half()
-    w2 = (torch.randn(VOCAB, rank, device="cuda", generator=gen) * rank**-0.25).half()
-    first = torch.randint(0, VOCAB, (batch,), device="cuda", dtype=torch.int32, generator=gen)
-    uniforms = torch.rand(batch, PROPOSAL_LEN, device="cuda", generator=gen)
-    tokens = torch.zeros(batch, PROPOSAL_LEN, dtype=torch.int32, device="cuda")
-    probs = torch.zeros(batch, PROPOSAL_LEN, VOCAB, device="cuda")
+    backbone, w1, w2, first, uniforms, tokens, probs = round_inputs(rank, batch)
     return lambda: K.markov_sample_step(backbone, w1, w2, first, uniforms, tokens, probs, 0, TEMPERATURE, top_k, top_p)
 
 

@@ -57,6 +57,31 @@ def _logits(rows: int, flat: bool, seed: int) -> torch.Tensor:
     return logits
 
 
+def accept_inputs(batch: int) -> tuple:
+    """Arguments of ``probabilistic_accept`` at benchmark size: random target/draft rows, drafts
+    sampled from the draft rows, full proposal lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(100 + batch)
+    target = torch.softmax(torch.randn(batch, PROPOSAL_LEN + 1, VOCAB, device="cuda", generator=gen) * 2, -1)
+    draft = torch.softmax(torch.randn(batch, PROPOSAL_LEN, VOCAB, device="cuda", generator=gen) * 2, -1)
+    tokens = torch.multinomial(draft.reshape(-1, VOCAB), 1, generator=gen).reshape(batch, -1).to(torch.int32)
+    lengths = torch.full((batch,), PROPOSAL_LEN, dtype=torch.int32, device="cuda")
+    uniforms = torch.rand(batch, 2 * PROPOSAL_LEN + 1, device="cuda", generator=gen)
+    return target, draft, tokens, lengths, uniforms, PROPOSAL_LEN
+
+
+def round_inputs(rank: int, batch: int) -> tuple:
+    """``(backbone, w1, w2, first, uniforms, tokens, probs)`` of a sampled round at benchmark size."""
+    gen = torch.Generator(device="cuda").manual_seed(rank + batch)
+    backbone = torch.randn(batch, PROPOSAL_LEN, VOCAB, device="cuda", generator=gen) * 2
+    w1 = (torch.randn(VOCAB, rank, device="cuda", generator=gen) * rank**-0.25).half()
+    w2 = (torch.randn(VOCAB, rank, device="cuda", generator=gen) * rank**-0.25).half()
+    first = torch.randint(0, VOCAB, (batch,), device="cuda", dtype=torch.int32, generator=gen)
+    uniforms = torch.rand(batch, PROPOSAL_LEN, device="cuda", generator=gen)
+    tokens = torch.zeros(batch, PROPOSAL_LEN, dtype=torch.int32, device="cuda")
+    probs = torch.zeros(batch, PROPOSAL_LEN, VOCAB, device="cuda")
+    return backbone, w1, w2, first, uniforms, tokens, probs
+
+
 def _bench_probabilities(ceiling: float, quick: bool) -> list[dict]:
     out = []
     for batch in (8, 64):
@@ -108,13 +133,7 @@ def _bench_draws(ceiling: float, quick: bool) -> list[dict]:
 def _bench_accept(ceiling: float, quick: bool) -> list[dict]:
     out = []
     for batch in BATCHES:
-        gen = torch.Generator(device="cuda").manual_seed(100 + batch)
-        target = torch.softmax(torch.randn(batch, PROPOSAL_LEN + 1, VOCAB, device="cuda", generator=gen) * 2, -1)
-        draft = torch.softmax(torch.randn(batch, PROPOSAL_LEN, VOCAB, device="cuda", generator=gen) * 2, -1)
-        tokens = torch.multinomial(draft.reshape(-1, VOCAB), 1, generator=gen).reshape(batch, -1).to(torch.int32)
-        lengths = torch.full((batch,), PROPOSAL_LEN, dtype=torch.int32, device="cuda")
-        uniforms = torch.rand(batch, 2 * PROPOSAL_LEN + 1, device="cuda", generator=gen)
-        args = (target, draft, tokens, lengths, uniforms, PROPOSAL_LEN)
+        args = accept_inputs(batch)
 
         def accept(backend):
             with K.use_backend(backend):
@@ -139,14 +158,7 @@ def _bench_round(ceiling: float, quick: bool) -> list[dict]:
     out = []
     for rank in RANKS:
         for batch in BATCHES:
-            gen = torch.Generator(device="cuda").manual_seed(rank + batch)
-            backbone = torch.randn(batch, PROPOSAL_LEN, VOCAB, device="cuda", generator=gen) * 2
-            w1 = (torch.randn(VOCAB, rank, device="cuda", generator=gen) * rank**-0.25).half()
-            w2 = (torch.randn(VOCAB, rank, device="cuda", generator=gen) * rank**-0.25).half()
-            first = torch.randint(0, VOCAB, (batch,), device="cuda", dtype=torch.int32, generator=gen)
-            uniforms = torch.rand(batch, PROPOSAL_LEN, device="cuda", generator=gen)
-            tokens = torch.zeros(batch, PROPOSAL_LEN, dtype=torch.int32, device="cuda")
-            probs = torch.zeros(batch, PROPOSAL_LEN, VOCAB, device="cuda")
+            backbone, w1, w2, first, uniforms, tokens, probs = round_inputs(rank, batch)
             ideal_bytes = PROPOSAL_LEN * (VOCAB * rank * 2 + batch * VOCAB * 4)
             for name, (top_k, top_p) in FILTERS.items():
                 if quick and name not in ("none", "top-k 50 + top-p 0.9"):
