@@ -70,13 +70,37 @@ def kernel_times(fn, repeats: int = REPEATS) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def sweep_draws() -> None:
+    """Graph-replayed µs of the draw-based operations for each ``DRAW_LAUNCH`` candidate."""
+    from dspark.kernels.triton import sampling as tsampling
+
+    from .common import graph_us
+
+    cases = {"accept B=1": _accept_case(1), "accept B=64": _accept_case(64),
+             "draw B=1": _draw_case(1), "draw B=64": _draw_case(64)}
+    default = dict(tsampling.DRAW_LAUNCH)
+    print("chunk mass_warps walk_warps  " + "  ".join(f"{name:>12}" for name in cases), flush=True)
+    for chunk in (2048, 4096, 8192):
+        for mass_warps in (4, 8):
+            for walk_warps in (4, 8, 16):
+                tsampling.DRAW_LAUNCH.update(chunk=chunk, mass_warps=mass_warps, walk_warps=walk_warps)
+                times = [graph_us(fn) for fn in cases.values()]
+                print(f"{chunk:5d} {mass_warps:10d} {walk_warps:10d}  " + "  ".join(f"{t:12.2f}" for t in times),
+                      flush=True)
+    tsampling.DRAW_LAUNCH.update(default)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dspark.bench.breakdown", description=__doc__)
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases")
+    parser.add_argument("--sweep-draws", action="store_true", help="time the draw kernels' launch parameters instead")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     with K.use_backend("triton"):
+        if args.sweep_draws:
+            sweep_draws()
+            return 0
         for name in args.case or CASES:
             times = kernel_times(CASES[name]())
             print(f"{name}: {sum(times.values()):.1f} us of kernels per call", flush=True)

@@ -725,6 +725,11 @@ def _walk_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, draw_ptr, u_ptr, u
         tl.store(len_ptr + rows, n + 1, mask=live)
 
 
+# Launch parameters of the two draw kernels: the entries of a row one program covers (a power of two)
+# and the warps of the chunk-mass and walk programs (``python -m dspark.bench.breakdown --sweep-draws``).
+DRAW_LAUNCH = {"chunk": 4096, "mass_warps": 4, "walk_warps": 4}
+
+
 def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0, q=None, desc=None, draw=None,
               lengths=None):
     """Inverse-CDF draws over ``rows`` rows (two launches, no serial O(V) loop).
@@ -735,7 +740,7 @@ def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0
     several rows in one program.
     """
     device = p.device
-    chunk = _chunk(vocab)
+    chunk = _chunk(vocab, DRAW_LAUNCH["chunk"])
     n_chunks = triton.cdiv(vocab, chunk)
     per_program = max(1, ROW_BLOCK_ENTRIES // (chunk * _pow2(n_chunks)))
     with_desc = desc is not None
@@ -748,10 +753,10 @@ def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0
     lengths = last if lengths is None else lengths
     grid = triton.cdiv(rows, per_program)
     _mass_kernel[(grid, n_chunks)](p, q, rows, vocab, p_stride, desc, mass, last, n_chunks, ROWS=per_program,
-                                   CHUNK=chunk, DESC=with_desc, num_warps=4)
+                                   CHUNK=chunk, DESC=with_desc, num_warps=DRAW_LAUNCH["mass_warps"])
     _walk_kernel[(grid,)](p, q, rows, vocab, p_stride, desc, draw, u, u_stride, mass, last, n_chunks, out,
                           out_stride, lengths, ROWS=per_program, CHUNK=chunk, NC_PAD=_pow2(n_chunks),
-                          DESC=with_desc, num_warps=4)
+                          DESC=with_desc, num_warps=DRAW_LAUNCH["walk_warps"])
 
 
 def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step):
