@@ -83,7 +83,8 @@ def sweep_draws() -> None:
     for chunk in (2048, 4096, 8192):
         for mass_warps in (4, 8):
             for walk_warps in (4, 8, 16):
-                tsampling.DRAW_LAUNCH.update(chunk=chunk, mass_warps=mass_warps, walk_warps=walk_warps)
+                tsampling.DRAW_LAUNCH.update(chunk=chunk, mass_warps=mass_warps, walk_warps=walk_warps,
+                                             accept_walk_warps=walk_warps)
                 times = [graph_us(fn) for fn in cases.values()]
                 print(f"{chunk:5d} {mass_warps:10d} {walk_warps:10d}  " + "  ".join(f"{t:12.2f}" for t in times),
                       flush=True)

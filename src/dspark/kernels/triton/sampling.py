@@ -726,8 +726,11 @@ def _walk_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, draw_ptr, u_ptr, u
 
 
 # Launch parameters of the two draw kernels: the entries of a row one program covers (a power of two)
-# and the warps of the chunk-mass and walk programs (``python -m dspark.bench.breakdown --sweep-draws``).
-DRAW_LAUNCH = {"chunk": 4096, "mass_warps": 4, "walk_warps": 4}
+# and the warps of the chunk-mass and walk programs, for plain draws and for accept's residual/bonus
+# draws. H200 sweep (``python -m dspark.bench.breakdown --sweep-draws``, docs/bench-sampling.md):
+# 2048-entry chunks with 8-warp mass programs; 8-warp walks for plain draws (21.6 µs for 64 rows),
+# 4-warp walks for accept (18.9 µs at B = 1; 8 warps: 30.1 µs).
+DRAW_LAUNCH = {"chunk": 2048, "mass_warps": 8, "walk_warps": 8, "accept_walk_warps": 4}
 
 
 def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0, q=None, desc=None, draw=None,
@@ -756,7 +759,7 @@ def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0
                                    CHUNK=chunk, DESC=with_desc, num_warps=DRAW_LAUNCH["mass_warps"])
     _walk_kernel[(grid,)](p, q, rows, vocab, p_stride, desc, draw, u, u_stride, mass, last, n_chunks, out,
                           out_stride, lengths, ROWS=per_program, CHUNK=chunk, NC_PAD=_pow2(n_chunks),
-                          DESC=with_desc, num_warps=DRAW_LAUNCH["walk_warps"])
+                          DESC=with_desc, num_warps=DRAW_LAUNCH["accept_walk_warps" if with_desc else "walk_warps"])
 
 
 def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step):
