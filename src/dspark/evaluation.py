@@ -16,7 +16,7 @@ from dataclasses import fields
 from .engine import GenerationStats, SamplingParams, SpeculativeDecoder, autoregressive_generate
 from .kernels._validate import Checker
 
-__all__ = ["merge_stats", "evaluate", "format_table"]
+__all__ = ["merge_stats", "warm_up", "evaluate", "format_table", "format_per_prompt"]
 
 _WARMUP_TOKENS = 8
 
@@ -35,6 +35,14 @@ def merge_stats(stats: list[GenerationStats]) -> GenerationStats:
     return merged
 
 
+def warm_up(decoders: list[SpeculativeDecoder], prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
+    """Run each decoder, then plain decoding of their target, for a few tokens, before anything is timed:
+    first calls pay one-off costs (thread pools, allocations, kernel compilation and selection)."""
+    for decoder in decoders:
+        decoder.generate(prompt_ids, max_new_tokens=_WARMUP_TOKENS, sampling=sampling)
+    autoregressive_generate(decoders[0].target, prompt_ids, max_new_tokens=_WARMUP_TOKENS, sampling=sampling)
+
+
 def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: int = 128,
              sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0) -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
@@ -50,9 +58,7 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     decoders = {name: SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=threshold)
                 for name, draft in drafts.items()}
     plain_target = next(iter(decoders.values())).target
-    for decoder in decoders.values():  # first calls pay one-off costs (allocations, kernel selection)
-        decoder.generate(prompts[0], max_new_tokens=_WARMUP_TOKENS, sampling=sampling)
-    autoregressive_generate(plain_target, prompts[0], max_new_tokens=_WARMUP_TOKENS, sampling=sampling)
+    warm_up(list(decoders.values()), prompts[0], sampling)
 
     plain, runs = [], {name: [] for name in decoders}
     for ids in prompts:
