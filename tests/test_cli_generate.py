@@ -128,3 +128,20 @@ def test_mismatch_status_is_an_error_only_in_full_precision(capsys):
     assert "differ from plain decoding for d" in capsys.readouterr().err
     assert mismatch_status(torch.bfloat16, "d", "eval") == 0
     assert "--dtype float32" in capsys.readouterr().err
+
+
+def test_readme_main_command_runs_the_shipped_pair(capsys):
+    """``dspark generate --compare`` with no checkpoints: the shipped demo pair, its default held-out
+    prompt, lossless against plain decoding (float32 on the CPU)."""
+    from transformers import AutoTokenizer
+
+    from dspark.cli.generate import DEMO_PROMPT_FILE
+    from dspark.training import data
+
+    pair = data.demo_pair()
+    record = next(r for r in data.read_prompts(str(pair.prompts)) if r["file"] == DEMO_PROMPT_FILE)
+    status, out, _ = _run(capsys, "--compare", "--max-new-tokens", "24", "--device", "cpu", "--json")
+    report = json.loads(out)
+    assert status == 0 and report["identical"] and len(report["generated_ids"]) == 24
+    assert report["prompt_ids"] == AutoTokenizer.from_pretrained(pair.target).encode(record["text"])
+    assert report["stats"]["mean_accepted_length"] > 1.5  # the drafts are accepted beyond the bonus token
