@@ -6,13 +6,12 @@
 set -uo pipefail
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
-PARTS=("${@:-tests greedy}")
-PARTS=(${PARTS[*]})
+[ $# -gt 0 ] || set -- tests greedy
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/parts.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/parts.txt"
-for part in "${PARTS[@]}"; do
+for part in "$@"; do
   start=$SECONDS
   case $part in
     tests) timeout 420 python -m pytest -q -n 8 -p no:cacheprovider tests > "$OUT/pytest.log" 2>&1 ;;

@@ -14,7 +14,7 @@ import torch
 
 import dspark.kernels as K
 
-from .sampling import PROPOSAL_LEN, TEMPERATURE, _logits, accept_inputs, round_inputs
+from .sampling import TEMPERATURE, _logits, accept_inputs, draw_inputs, round_inputs
 
 REPEATS = 20
 
@@ -30,9 +30,7 @@ def _probabilities_case(rows: int, top_k: int, top_p: float, flat: bool):
 
 
 def _draw_case(batch: int):
-    probs = torch.softmax(_logits(batch, False, seed=7 + batch), -1)
-    uniforms = torch.rand(batch, PROPOSAL_LEN, device="cuda")
-    tokens = torch.zeros(batch, PROPOSAL_LEN, dtype=torch.int32, device="cuda")
+    probs, uniforms, tokens = draw_inputs(batch)
     return lambda: K.sample_probability_rows(probs, uniforms, tokens, 3)
 
 

@@ -57,6 +57,15 @@ def _logits(rows: int, flat: bool, seed: int) -> torch.Tensor:
     return logits
 
 
+def draw_inputs(batch: int) -> tuple:
+    """``(probs [B, V], uniforms [B, P], tokens [B, P])`` of ``sample_probability_rows`` at benchmark size."""
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    probs = torch.softmax(torch.randn(batch, VOCAB, device="cuda", generator=gen) * 2, -1)
+    uniforms = torch.rand(batch, PROPOSAL_LEN, device="cuda", generator=gen)
+    tokens = torch.zeros(batch, PROPOSAL_LEN, dtype=torch.int32, device="cuda")
+    return probs, uniforms, tokens
+
+
 def accept_inputs(batch: int) -> tuple:
     """Arguments of ``probabilistic_accept`` at benchmark size: random target/draft rows, drafts
     sampled from the draft rows, full proposal lengths."""
@@ -112,10 +121,7 @@ def _bench_probabilities(ceiling: float, quick: bool) -> list[dict]:
 def _bench_draws(ceiling: float, quick: bool) -> list[dict]:
     out = []
     for batch in BATCHES:
-        gen = torch.Generator(device="cuda").manual_seed(batch)
-        probs = torch.softmax(torch.randn(batch, VOCAB, device="cuda", generator=gen) * 2, -1)
-        uniforms = torch.rand(batch, PROPOSAL_LEN, device="cuda", generator=gen)
-        tokens = torch.zeros(batch, PROPOSAL_LEN, dtype=torch.int32, device="cuda")
+        probs, uniforms, tokens = draw_inputs(batch)
 
         def draw(backend):
             with K.use_backend(backend):
