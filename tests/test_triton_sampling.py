@@ -138,9 +138,12 @@ def test_logits_to_probabilities_matches_reference(vocab, temperature, top_k, to
     torch.testing.assert_close(triton, reference, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("passes", [0, 1, TS.SEARCH_PASSES])
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.3), (300, 0.95), (2000, 1.0)])
-def test_wide_nucleus_and_large_top_k_are_searched_exactly(top_k, top_p):
-    """Flat rows put the cut far beyond the 128 candidates: the value-space search decides it."""
+def test_wide_nucleus_and_large_top_k_are_searched_exactly(top_k, top_p, passes, monkeypatch):
+    """Flat rows put the cut far beyond the 128 candidates: the value-space search decides it, from
+    any point where the multi-program passes hand over to the one-program-per-row finish."""
+    monkeypatch.setattr(TS, "SEARCH_PASSES", passes)
     logits = cases.random_logits(3, 4099, scale=0.3, seed=top_k, device=DEVICE)
     reference, triton = on_backends(lambda: K.logits_to_probabilities(logits, 1.0, top_k, top_p))
     torch.testing.assert_close(triton, reference, atol=ATOL, rtol=0)
@@ -496,7 +499,9 @@ def test_real_vocab_accept_is_lossless():
 
 
 @gpu
-def test_sampled_round_replays_as_a_cuda_graph():
+@pytest.mark.parametrize("top_k, top_p", [(50, 0.9), (0, 0.9)])
+def test_sampled_round_replays_as_a_cuda_graph(top_k, top_p):
+    """Top-k (candidates decide every row) and top-p alone on wide nuclei (the multi-program search)."""
     batch, width, vocab = 8, 7, 151936
     case = cases.markov_sample_inputs(batch, width, vocab, 256, seed=2, device=DEVICE)
     uniforms_ = case.pop("proposal_uniforms")
@@ -506,7 +511,7 @@ def test_sampled_round_replays_as_a_cuda_graph():
     def round_():
         for step in range(width):
             K.markov_sample_step(**case, proposal_uniforms=uniforms_, draft_token_ids=tokens,
-                                 draft_probabilities=probs, step=step, temperature=0.8, top_k=50, top_p=0.9)
+                                 draft_probabilities=probs, step=step, temperature=0.8, top_k=top_k, top_p=top_p)
 
     with K.use_backend("triton"):
         round_()  # compiles and sizes the workspace

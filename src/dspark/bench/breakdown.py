@@ -46,8 +46,12 @@ CASES = {
     "logits_to_probabilities rows=64 none": lambda: _probabilities_case(64, 0, 1.0, False),
     "logits_to_probabilities rows=64 top-k 50": lambda: _probabilities_case(64, 50, 1.0, False),
     "logits_to_probabilities rows=64 top-p 0.9 flat": lambda: _probabilities_case(64, 0, 0.9, True),
+    "logits_to_probabilities rows=512 top-k 50": lambda: _probabilities_case(512, 50, 1.0, False),
+    "logits_to_probabilities rows=512 top-p 0.9 flat": lambda: _probabilities_case(512, 0, 0.9, True),
     "markov_sample_step B=1 R=64 top-k 50 + top-p 0.9": lambda: _sample_step_case(1, 64, 50, 0.9),
+    "markov_sample_step B=1 R=256 top-p 0.9": lambda: _sample_step_case(1, 256, 0, 0.9),
     "markov_sample_step B=64 R=256 none": lambda: _sample_step_case(64, 256, 0, 1.0),
+    "markov_sample_step B=64 R=256 top-k 50": lambda: _sample_step_case(64, 256, 50, 1.0),
 }
 
 

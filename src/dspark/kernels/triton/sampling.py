@@ -6,10 +6,13 @@ thread in O(V * n). Here every pass over a row is spread over the vocabulary:
 * Probabilities are split-row: per-chunk ``(max, sum exp)`` partials, then a write pass that combines
   them and stores ``exp(x - M) / S``. With top-k/top-p (or T -> 0) the stats pass also stores the
   maximum of every group of ``GROUP`` entries; the global top k lie in the k best groups, so one
-  program per row selects the exact top ``<= 128`` entries from small vectors (a multi-probe key
-  search, no sorting network) and derives the mass-clipped cut from their prefix sums. A nucleus
-  wider than 128 entries, or ``top_k > 128``, is cut by a per-row search in value space (16 probes per
-  pass until a small bucket remains, which is searched exactly), so no path is O(V * n).
+  program per row selects the exact top ``<= 128`` entries with two small bitonic top-k selections
+  and derives the mass-clipped cut from their prefix sums. When that decides the row, the write pass
+  only writes (zeros and the listed entries). A nucleus wider than 128 entries, or ``top_k > 128``,
+  is cut by a value-space search: multi-program passes count the weight above 16 probes of an
+  interval that starts at the bound ``x0 + ln((1 - top_p) S / V)``, until at most ``BUCKET`` entries
+  remain, which are gathered and searched exactly (sorted). No path is O(V * n) or one program
+  walking a whole row.
 * Draws are inverse-CDF walks as parallel prefix sums: chunk masses, the chunk the threshold falls
   into, then a block ``cumsum`` inside it. The sums are pairwise, not NVIDIA's sequential fp32 sum,
   so a uniform within ~1e-6 of a CDF boundary may get the neighbouring token; otherwise the tokens are
@@ -46,10 +49,12 @@ NUCLEUS_OFF = 1 - 1e-6  # top_p at or above it disables top-p
 GROUP = 32  # entries per group of the candidate pass
 MAX_CANDIDATES = 128  # top-k up to this is selected exactly from candidates (NVIDIA's parallel limit)
 NPROBE = 16  # thresholds tested per pass of the wide-nucleus search
+SEARCH_PASSES = 3  # multi-program probe passes before one program per row takes over (flat rows need 2)
 _SENTINEL = tl.constexpr(-(2**63))  # key below every real entry's key
 _NO_HIT = tl.constexpr(2**31 - 1)  # "no index" for min-reductions
 _MAX_KEY = tl.constexpr(2**63 - 1)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_BY_EXTRACTION = tl.constexpr(_INTERPRETED)  # see _top_keys
 # The interpreter's bf16 tl.dot is wrong; there the Markov GEMM runs in fp32 (exact products anyway).
 _UPCAST_DOT = _INTERPRETED
 # Entries per program when many small rows share one (the interpreter pays per program, not per entry).
@@ -93,6 +98,25 @@ def _key_value(key):
 @triton.jit
 def _key_index(key):
     return ((key & 0xFFFFFFFF) ^ 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _top_keys(keys, K: tl.constexpr):
+    """The ``K`` largest of the distinct int64 ``keys`` (``_SENTINEL`` padding), in descending order.
+
+    Triton's bitonic ``tl.topk`` on the GPU. The CPU interpreter runs that network's reductions element
+    by element in Python (seconds per row), so there the same result comes from ``K`` max-extractions.
+    """
+    if _BY_EXTRACTION:
+        j = tl.arange(0, K)
+        top = tl.full([K], _SENTINEL, tl.int64)
+        for i in tl.static_range(K):
+            best = tl.max(keys, axis=0)
+            top = tl.where(j == i, best, top)
+            keys = tl.where(keys == best, _SENTINEL, keys)
+        return top
+    else:
+        return tl.topk(keys, K)
 
 
 @triton.jit
@@ -190,58 +214,19 @@ def _stats_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chunk
 
 
 @triton.jit
-def _search_keys(keys, weight, target, NPROBE_: tl.constexpr):
-    """The largest key ``kappa`` of the int64 vector ``keys`` (``_SENTINEL`` = absent) whose weight at
-    or above it reaches ``target``; the smallest present key when none does.
-
-    Each round sums the weight above ``NPROBE_ - 1`` thresholds spread over the remaining key interval
-    and shrinks the interval to the keys actually present, so a round cuts it ~``NPROBE_``-fold.
-    """
-    present = keys != _SENTINEL
-    lo = tl.min(tl.where(present, keys, _MAX_KEY), axis=0)
-    hi = tl.max(keys, axis=0)
-    while lo < hi:
-        width = (hi - lo).to(tl.uint64, bitcast=True)
-        step = width // NPROBE_ + 1
-        low_probe = lo
-        high_probe = hi
-        narrowed = lo > hi  # False, as a tensor
-        for d in tl.static_range(1, NPROBE_):
-            offset = step * d
-            probe = tl.where(offset > width, hi, (lo.to(tl.uint64, bitcast=True) + offset).to(tl.int64, bitcast=True))
-            reach = tl.sum(tl.where(present & (keys >= probe), weight, 0.0), axis=0) >= target
-            low_probe = tl.where(reach, probe, low_probe)
-            high_probe = tl.where(reach | narrowed, high_probe, probe)
-            narrowed = narrowed | ~reach
-        lo = tl.min(tl.where(present & (keys >= low_probe), keys, _MAX_KEY), axis=0)
-        hi = tl.where(narrowed, tl.max(tl.where(present & (keys < high_probe), keys, _SENTINEL), axis=0), hi)
-    return lo
-
-
-@triton.jit
-def _compact(values, keep, scratch, OUT: tl.constexpr):
-    """The kept int64 ``values`` (at most ``OUT``, in their order) as an ``[OUT]`` vector padded with
-    ``_SENTINEL``, through the ``scratch`` row (no register scatter in Triton)."""
-    position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    tl.debug_barrier()  # earlier readers of scratch are done
-    tl.store(scratch + position, values, mask=keep & (position < OUT))
-    tl.debug_barrier()  # every thread's store is visible
-    j = tl.arange(0, OUT)
-    return tl.load(scratch + j, mask=j < tl.sum(keep.to(tl.int32), axis=0), other=_SENTINEL)
-
-
-@triton.jit
-def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chunks, n_groups, take_groups, take,
-                   top_p, par_ptr, kappa_ptr, state_ptr, scratch_ptr, u_ptr, u_stride, tok_ptr, tok_stride,
-                   NC_PAD: tl.constexpr, NG_PAD: tl.constexpr, KPAD: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                   NPROBE_: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, BIG_K: tl.constexpr,
+def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chunks, n_groups, take, top_k, top_p,
+                   par_ptr, kappa_ptr, state_ptr, kept_ptr, kept_p_ptr, bounds_ptr, cut_ptr, fill_ptr,
+                   u_ptr, u_stride, tok_ptr, tok_stride,
+                   NC_PAD: tl.constexpr, NG_PAD: tl.constexpr, KG: tl.constexpr, KT: tl.constexpr,
+                   GROUP_SIZE: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, BIG_K: tl.constexpr,
                    SAMPLE: tl.constexpr):
-    """Per row: the exact best ``take <= KPAD`` entries, the cut (``kappa``, its share ``a``,
-    ``denom``) and, with ``SAMPLE``, the draw among the kept entries.
+    """Per row: the exact best ``take <= KT`` entries, the cut (``kappa``, its share ``a``, ``denom``),
+    the kept entries' ids and probabilities and, with ``SAMPLE``, the draw among them.
 
-    The best ``take`` entries lie in the best ``take`` groups by group maximum, so both stages search
-    small vectors. ``par[row] = (x0, denom, a)``; ``state[row]`` is 0 (cut found), 1 (degenerate row:
-    uniform ``1/V``) or 2 (cut beyond the candidates: ``_search_kernel`` finds it).
+    The best ``take`` entries lie in the best ``take`` groups by group maximum, so both stages are
+    bitonic top-k selections of small vectors. ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
+    (cut found; ``kept`` lists the kept entries), 1 (degenerate row: uniform ``1/V``) or 2 (cut beyond
+    the candidates: the value-space search starts from ``bounds``/``cut``).
     """
     row = tl.program_id(0)
     c = tl.arange(0, NC_PAD)
@@ -251,22 +236,19 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chun
     _, total = _combine_stats(m, s)
     degenerate = _degenerate(total)
 
-    scratch = scratch_ptr + row.to(tl.int64) * KPAD
     g = tl.arange(0, NG_PAD)
     group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=_SENTINEL)
-    cut_g = _search_keys(group_keys, tl.full([NG_PAD], 1.0, tl.float32), take_groups * 1.0, NPROBE_)
-    groups = _compact(group_keys, (group_keys != _SENTINEL) & (group_keys >= cut_g), scratch, KPAD)
+    groups = _top_keys(group_keys, KG)
     index = ((_key_index(groups) // GROUP_SIZE) * GROUP_SIZE)[:, None] + tl.arange(0, GROUP_SIZE)[None, :]
     in_row = (groups != _SENTINEL)[:, None] & (index < V)
     x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=in_row, other=float("-inf")) * inv_temp
-    keys = tl.reshape(tl.where(in_row, _order_key(x, index), _SENTINEL), [KPAD * GROUP_SIZE])
-    cut_k = _search_keys(keys, tl.full([KPAD * GROUP_SIZE], 1.0, tl.float32), take * 1.0, NPROBE_)
-    top = _compact(keys, (keys != _SENTINEL) & (keys >= cut_k), scratch, KPAD)  # the kept entries
-
-    keep = top != _SENTINEL
-    x_top = tl.max(tl.where(keep, _key_value(top), float("-inf")), axis=0)
-    e = tl.where(keep, tl.exp(_key_value(top) - x_top), 0.0)
-    excl = tl.sum(tl.where(top[None, :] > top[:, None], e[None, :], 0.0), axis=1)  # mass ranked above
+    top = _top_keys(tl.reshape(tl.where(in_row, _order_key(x, index), _SENTINEL), [KG * GROUP_SIZE]), KT)
+    rank = tl.arange(0, KT)  # top is in descending key order: rank 0 holds the row's maximum
+    keep = (top != _SENTINEL) & (rank < take)
+    value = _key_value(top)
+    x_top = tl.max(tl.where(keep, value, float("-inf")), axis=0)
+    e = tl.where(keep, tl.exp(value - x_top), 0.0)
+    excl = tl.cumsum(e, axis=0) - e  # mass ranked above
     if USE_K:
         kept = tl.sum(e, axis=0)
     else:
@@ -274,7 +256,7 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chun
     if USE_P:
         denom = tl.maximum(top_p * kept, _TINY)
         missing = denom - excl
-        live = keep & ((missing > _TINY) | (top == tl.max(top, axis=0)))  # the top entry is always taken
+        live = keep & ((missing > _TINY) | (rank == 0))  # the top entry is always taken
         resolved = USE_K | (tl.sum((keep & (missing - e <= _TINY)).to(tl.int32), axis=0) > 0)
         a_share = tl.minimum(e, missing)
     else:
@@ -287,16 +269,31 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chun
     kappa = tl.min(tl.where(live, top, _MAX_KEY), axis=0)  # the last live entry in rank order
     a_cut = tl.sum(tl.where(top == kappa, a_share, 0.0), axis=0)
     state = tl.where(degenerate, 1, tl.where(resolved, 0, 2))
+    p = tl.where(live, _filtered_prob(value, top, x_top, denom, kappa, a_cut), 0.0)
+    ids = _key_index(top)
     tl.store(par_ptr + row * 3, x_top)
     tl.store(par_ptr + row * 3 + 1, denom)
     tl.store(par_ptr + row * 3 + 2, a_cut)
     tl.store(kappa_ptr + row, kappa)
     tl.store(state_ptr + row, state)
+    tl.store(kept_ptr + row * KT + rank, tl.where(live, ids, -1))
+    tl.store(kept_p_ptr + row * KT + rank, p)
+    # Where the value-space search starts: the k-th entry by count, or the nucleus cut by mass, which
+    # lies at or above x0 + ln((1 - top_p) S / V) (the V entries below it hold less than (1 - top_p) S).
+    if BIG_K:
+        target = top_k * 1.0
+        olo = _ord(tl.full([], float("-inf"), tl.float32))
+    else:
+        target = denom
+        floor = tl.log(tl.maximum((1.0 - top_p) * total / V, 1e-30)) - 0.01  # 1 % slack for rounding
+        olo = _ord(x_top + tl.maximum(floor, -88.0))  # exp(-88) ~ 6e-39: the mass below is far under TINY
+    tl.store(bounds_ptr + row * 2, olo)
+    tl.store(bounds_ptr + row * 2 + 1, _ord(x_top))
+    _store_cut_state(cut_ptr + row * 4, 0.0, 0.0, V * 1.0, target)
+    tl.store(fill_ptr + row, 0)
     if SAMPLE:
         t = _clamp_uniform(tl.load(u_ptr + row.to(tl.int64) * u_stride))
         # The kept probabilities walked in vocabulary order: cum_i = sum of kept p at ids <= id_i.
-        p = tl.where(keep, _filtered_prob(_key_value(top), top, x_top, denom, kappa, a_cut), 0.0)
-        ids = _key_index(top)
         cum = tl.sum(tl.where((ids[None, :] <= ids[:, None]) & (p[None, :] > 0.0), p[None, :], 0.0), axis=1)
         token = tl.min(tl.where((p > 0.0) & (cum > t), ids, _NO_HIT), axis=0)
         token = tl.where(token == _NO_HIT, tl.max(tl.where(p > 0.0, ids, -1), axis=0), token)
@@ -304,6 +301,16 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chun
         token = tl.where(degenerate, uniform_token, tl.maximum(token, 0))
         if state != 2:
             tl.store(tok_ptr + row.to(tl.int64) * tok_stride, token)
+
+
+@triton.jit
+def _store_cut_state(cut, above_mass, above_count, count, target):
+    """A row's search state: weight above the interval, entries above it, an upper bound of the
+    entries inside it, and the weight the cut must reach."""
+    tl.store(cut, above_mass)
+    tl.store(cut + 1, above_count)
+    tl.store(cut + 2, count)
+    tl.store(cut + 3, target)
 
 
 @triton.jit
@@ -334,69 +341,97 @@ def _row_entry(x_row, start, V, inv_temp, floor, TILE: tl.constexpr):
 
 
 @triton.jit
-def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, BY_COUNT: tl.constexpr,
-         TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
+def _probe_sums(x_row, start, stop, V, inv_temp, x0, floor, probes, TILE: tl.constexpr, NPROBE_: tl.constexpr):
+    """Weight ``exp(x - x0)`` and count of the entries ``[start, stop)`` of a row at or above each probe."""
+    mass_ge = tl.zeros([TILE, NPROBE_], dtype=tl.float32)
+    count_ge = tl.zeros([TILE, NPROBE_], dtype=tl.float32)
+    while start < stop:
+        _, valid, x, o, _ = _row_entry(x_row, start, V, inv_temp, floor, TILE)
+        ge = valid[:, None] & (o[:, None] >= probes[None, :])
+        count_ge += ge.to(tl.float32)
+        mass_ge += tl.where(ge, tl.exp(x - x0)[:, None], 0.0)
+        start += TILE
+    return tl.sum(mass_ge, axis=0), tl.sum(count_ge, axis=0)
+
+
+@triton.jit
+def _narrow(probes, mass_d, count_d, target, olo, ohi, above_mass, above_count,
+            BY_COUNT: tl.constexpr, NPROBE_: tl.constexpr):
+    """The probe interval holding the cut: new ``(olo, ohi, above_mass, above_count, count)``."""
+    d = tl.arange(0, NPROBE_)
+    weight = count_d if BY_COUNT else mass_d
+    best = tl.max(tl.where((weight >= target) | (d == 0), d, 0), axis=0)
+    has_next = best < NPROBE_ - 1
+    nxt = d == best + 1
+    ohi = tl.where(has_next, tl.sum(tl.where(nxt, probes, 0), axis=0) - 1, ohi)
+    above_mass = tl.where(has_next, tl.sum(tl.where(nxt, mass_d, 0.0), axis=0), above_mass)
+    above_count = tl.where(has_next, tl.sum(tl.where(nxt, count_d, 0.0), axis=0), above_count)
+    olo = tl.sum(tl.where(d == best, probes, 0), axis=0)
+    count = tl.sum(tl.where(d == best, count_d, 0.0), axis=0) - above_count
+    return olo, ohi, above_mass, above_count, count
+
+
+@triton.jit
+def _gather(x_row, start, stop, V, inv_temp, floor, olo, ohi, bucket_row, n, TILE: tl.constexpr):
+    """Append the keys of the entries ``[start, stop)`` whose ord lies in ``[olo, ohi]`` at ``bucket_row + n``."""
+    while start < stop:
+        _, valid, _, o, key = _row_entry(x_row, start, V, inv_temp, floor, TILE)
+        inside = valid & (o >= olo) & (o <= ohi)
+        tl.store(bucket_row + n + tl.cumsum(inside.to(tl.int32), axis=0) - 1, key, mask=inside)
+        n += tl.sum(inside.to(tl.int32), axis=0)
+        start += TILE
+    return n
+
+
+@triton.jit
+def _cut_finish(keys, x0, target, above_mass, BY_COUNT: tl.constexpr, BUCKET: tl.constexpr):
+    """The cut among the gathered ``keys`` (``[BUCKET]``, ``_SENTINEL`` = absent): the largest key whose
+    at-or-above weight reaches ``target`` (the smallest key when none does). Sorted first, so the
+    sums do not depend on the order the keys were gathered in. Returns ``(kappa, mass above, at)``."""
+    keys = _top_keys(keys, BUCKET)
+    valid = keys != _SENTINEL
+    e = tl.where(valid, tl.exp(_key_value(keys) - x0), 0.0)
+    mass = tl.cumsum(e, axis=0)
+    if BY_COUNT:
+        reach = tl.cumsum(valid.to(tl.float32), axis=0)
+    else:
+        reach = mass
+    j = tl.arange(0, BUCKET)
+    first = tl.min(tl.where(valid & (reach >= target), j, BUCKET), axis=0)
+    pick = j == tl.minimum(first, tl.sum(valid.to(tl.int32), axis=0) - 1)
+    kappa = tl.where(tl.sum(pick.to(tl.int32), axis=0) > 0, tl.sum(tl.where(pick, keys, 0), axis=0), _MAX_KEY)
+    return kappa, above_mass + tl.sum(tl.where(pick, mass - e, 0.0), axis=0), tl.sum(tl.where(pick, e, 0.0), axis=0)
+
+
+@triton.jit
+def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, above_mass, above_count, count, gathered,
+         BY_COUNT: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
     """The largest key ``kappa`` of a row whose at-or-above weight reaches ``target`` (weights: 1 per
     entry with ``BY_COUNT``, else ``exp(x - x0)``; only keys >= ``floor`` count).
 
-    Returns ``(kappa, mass of the keys above kappa, exp(x_kappa - x0))``. Passes over the row narrow a
-    value interval ``[olo, ohi]`` holding the cut with ``NPROBE_`` probes each until at most ``BUCKET``
-    entries remain, which are gathered and searched exactly; if more than ``BUCKET`` entries share one
-    value, they rank by index.
+    Starts from the search state ``[olo, ohi]`` (ord interval holding the cut; ``above_*`` = weight
+    above it; ``count`` = an upper bound of the entries inside). This program narrows it with
+    ``NPROBE_`` probes per pass over the row until at most ``BUCKET`` entries remain, gathers them
+    (unless ``gathered``: the multi-program passes already did) and searches them exactly; if more
+    than ``BUCKET`` entries share one value, they rank by index.
+    Returns ``(kappa, mass of the keys above kappa, exp(x_kappa - x0))``.
     """
-    if BY_COUNT:
-        olo = _ord(tl.full([], float("-inf"), tl.float32))
-    else:
-        olo = _ord(x0 - 88.0)  # exp(-88) ~ 6e-39: the mass below is far under TINY
-    olo = tl.maximum(olo, (floor >> 32).to(tl.int32))
-    ohi = _ord(x0)
-    above_mass = tl.zeros([], tl.float32)
-    above_count = tl.zeros([], tl.float32)
-    count = tl.zeros([], tl.float32) + V  # an upper bound of the entries in [olo, ohi] until the first pass
-    d = tl.arange(0, NPROBE_)
     while (count > BUCKET) & (olo < ohi):
         probes = _probes(olo, ohi, NPROBE_)
-        mass_ge = tl.zeros([TILE, NPROBE_], dtype=tl.float32)
-        count_ge = tl.zeros([TILE, NPROBE_], dtype=tl.float32)
-        start = 0
-        while start < V:
-            _, valid, x, o, _ = _row_entry(x_row, start, V, inv_temp, floor, TILE)
-            ge = valid[:, None] & (o[:, None] >= probes[None, :])
-            count_ge += ge.to(tl.float32)
-            mass_ge += tl.where(ge, tl.exp(x - x0)[:, None], 0.0)
-            start += TILE
-        mass_d = tl.sum(mass_ge, axis=0)
-        count_d = tl.sum(count_ge, axis=0)
-        weight = count_d if BY_COUNT else mass_d
-        best = tl.max(tl.where((weight >= target) | (d == 0), d, 0), axis=0)
-        has_next = best < NPROBE_ - 1
-        nxt = d == best + 1
-        ohi = tl.where(has_next, tl.sum(tl.where(nxt, probes, 0), axis=0) - 1, ohi)
-        above_mass = tl.where(has_next, tl.sum(tl.where(nxt, mass_d, 0.0), axis=0), above_mass)
-        above_count = tl.where(has_next, tl.sum(tl.where(nxt, count_d, 0.0), axis=0), above_count)
-        olo = tl.sum(tl.where(d == best, probes, 0), axis=0)
-        count = tl.sum(tl.where(d == best, count_d, 0.0), axis=0) - above_count
+        mass_d, count_d = _probe_sums(x_row, 0, V, V, inv_temp, x0, floor, probes, TILE, NPROBE_)
+        olo, ohi, above_mass, above_count, count = _narrow(probes, mass_d, count_d, target, olo, ohi, above_mass,
+                                                           above_count, BY_COUNT, NPROBE_)
+        gathered = gathered * 0
     above = above_count if BY_COUNT else above_mass
     slack = 0.0 if BY_COUNT else _TINY
     if count <= BUCKET:
-        n = 0
-        tl.debug_barrier()
-        start = 0
-        while start < V:
-            _, valid, _, o, key = _row_entry(x_row, start, V, inv_temp, floor, TILE)
-            inside = valid & (o >= olo) & (o <= ohi)
-            tl.store(bucket_row + n + tl.cumsum(inside.to(tl.int32), axis=0) - 1, key, mask=inside)
-            n += tl.sum(inside.to(tl.int32), axis=0)
-            start += TILE
+        if gathered == 0:
+            tl.debug_barrier()
+            _gather(x_row, 0, V, V, inv_temp, floor, olo, ohi, bucket_row, 0, TILE)
         tl.debug_barrier()
         jb = tl.arange(0, BUCKET)
-        keys = tl.load(bucket_row + jb, mask=jb < n, other=_SENTINEL)
-        valid = keys != _SENTINEL
-        e = tl.where(valid, tl.exp(_key_value(keys) - x0), 0.0)
-        weight = valid.to(tl.float32) if BY_COUNT else e
-        kappa = _search_keys(keys, weight, target - slack - above, NPROBE_)
-        at = tl.sum(tl.where(keys == kappa, e, 0.0), axis=0)
-        mass_above = above_mass + tl.sum(tl.where(valid & (keys > kappa), e, 0.0), axis=0)
+        keys = tl.load(bucket_row + jb, mask=jb < count.to(tl.int32), other=_SENTINEL)
+        kappa, mass_above, at = _cut_finish(keys, x0, target - slack - above, above_mass, BY_COUNT, BUCKET)
     else:
         # More than BUCKET entries share one value: they rank by index, each with the same weight.
         at = tl.exp(_ord_value(olo) - x0)
@@ -418,79 +453,145 @@ def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, BY_COUNT: tl.constex
 
 
 @triton.jit
-def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, par_ptr, kappa_ptr, state_ptr, bucket_ptr,
-                   u_ptr, u_stride, tok_ptr, tok_stride,
-                   TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr,
-                   BIG_K: tl.constexpr, USE_P: tl.constexpr, SAMPLE: tl.constexpr):
-    """Rows left at state 2 by ``_select_kernel``: the k-th key (``BIG_K``) and/or the nucleus cut by
-    search, then (``SAMPLE``) the draw by a tiled walk of the filtered row."""
+def _searching(state_ptr, bounds_ptr, cut_ptr, row, BUCKET: tl.constexpr):
+    """``(searching, olo, ohi)``: whether ``row`` still needs a multi-program probe pass."""
+    olo = tl.load(bounds_ptr + row * 2)
+    ohi = tl.load(bounds_ptr + row * 2 + 1)
+    return (tl.load(state_ptr + row) == 2) & (tl.load(cut_ptr + row * 4 + 2) > BUCKET) & (olo < ohi), olo, ohi
+
+
+@triton.jit
+def _probe_kernel(x_ptr, x_stride, V, inv_temp, par_ptr, state_ptr, bounds_ptr, cut_ptr, part_ptr, n_chunks,
+                  CHUNK: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
+    """Per (row, chunk) of rows still searching: the chunk's weight and count at or above each probe."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    searching, olo, ohi = _searching(state_ptr, bounds_ptr, cut_ptr, row, BUCKET)
+    if searching:
+        start = chunk * CHUNK
+        mass_d, count_d = _probe_sums(x_ptr + row.to(tl.int64) * x_stride, start, start + CHUNK, V, inv_temp,
+                                      tl.load(par_ptr + row * 3), _SENTINEL, _probes(olo, ohi, NPROBE_),
+                                      TILE, NPROBE_)
+        slot = part_ptr + (row * n_chunks + chunk).to(tl.int64) * (2 * NPROBE_) + tl.arange(0, NPROBE_)
+        tl.store(slot, mass_d)
+        tl.store(slot + NPROBE_, count_d)
+
+
+@triton.jit
+def _narrow_kernel(state_ptr, bounds_ptr, cut_ptr, part_ptr, n_chunks, NC_PAD: tl.constexpr, BUCKET: tl.constexpr,
+                   NPROBE_: tl.constexpr, BY_COUNT: tl.constexpr):
+    """Per row still searching: sum the chunks' probe partials and keep the probe interval holding the cut."""
+    row = tl.program_id(0)
+    searching, olo, ohi = _searching(state_ptr, bounds_ptr, cut_ptr, row, BUCKET)
+    if searching:
+        c = tl.arange(0, NC_PAD)[:, None]
+        slot = part_ptr + (row * n_chunks + c).to(tl.int64) * (2 * NPROBE_) + tl.arange(0, NPROBE_)[None, :]
+        mass_d = tl.sum(tl.load(slot, mask=c < n_chunks, other=0.0), axis=0)
+        count_d = tl.sum(tl.load(slot + NPROBE_, mask=c < n_chunks, other=0.0), axis=0)
+        cut = cut_ptr + row * 4
+        olo, ohi, above_mass, above_count, count = _narrow(_probes(olo, ohi, NPROBE_), mass_d, count_d,
+                                                           tl.load(cut + 3), olo, ohi, tl.load(cut),
+                                                           tl.load(cut + 1), BY_COUNT, NPROBE_)
+        tl.store(bounds_ptr + row * 2, olo)
+        tl.store(bounds_ptr + row * 2 + 1, ohi)
+        _store_cut_state(cut, above_mass, above_count, count, tl.load(cut + 3))
+
+
+@triton.jit
+def _gather_kernel(x_ptr, x_stride, V, inv_temp, state_ptr, bounds_ptr, cut_ptr, fill_ptr, bucket_ptr,
+                   CHUNK: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr):
+    """Per (row, chunk) of rows whose interval holds at most ``BUCKET`` entries: append them to the
+    row's bucket (space reserved with one atomic per chunk; ``_cut_finish`` sorts the bucket)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    olo = tl.load(bounds_ptr + row * 2)
+    ohi = tl.load(bounds_ptr + row * 2 + 1)
+    if (tl.load(state_ptr + row) == 2) & (tl.load(cut_ptr + row * 4 + 2) <= BUCKET):
+        x_row = x_ptr + row.to(tl.int64) * x_stride
+        start = chunk * CHUNK
+        n = 0
+        at = start
+        while at < start + CHUNK:
+            _, valid, _, o, _ = _row_entry(x_row, at, V, inv_temp, _SENTINEL, TILE)
+            n += tl.sum((valid & (o >= olo) & (o <= ohi)).to(tl.int32), axis=0)
+            at += TILE
+        if n > 0:
+            base = tl.atomic_add(fill_ptr + row, n)
+            _gather(x_row, start, start + CHUNK, V, inv_temp, _SENTINEL, olo, ohi,
+                    bucket_ptr + row.to(tl.int64) * BUCKET, base, TILE)
+
+
+@triton.jit
+def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, par_ptr, kappa_ptr, state_ptr, bounds_ptr, cut_ptr,
+                   bucket_ptr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr,
+                   BIG_K: tl.constexpr, USE_P: tl.constexpr):
+    """Rows left at state 2 by ``_select_kernel``: finish the k-th key (``BIG_K``) and/or the nucleus cut
+    from the search state the multi-program passes left; state 3 marks them (drawn after the write)."""
     row = tl.program_id(0)
     if tl.load(state_ptr + row) == 2:
         x_row = x_ptr + row.to(tl.int64) * x_stride
         bucket_row = bucket_ptr + row.to(tl.int64) * BUCKET
         x0 = tl.load(par_ptr + row * 3)
-        kappa = tl.full([], _SENTINEL, tl.int64)
+        cut = cut_ptr + row * 4
+        count = tl.load(cut + 2)
+        gathered = (count <= BUCKET).to(tl.int32)
+        kappa, above, at = _cut(x_row, V, inv_temp, x0, tl.load(cut + 3), tl.full([], _SENTINEL, tl.int64), bucket_row,
+                                tl.load(bounds_ptr + row * 2), tl.load(bounds_ptr + row * 2 + 1), tl.load(cut),
+                                tl.load(cut + 1), count, gathered, BIG_K, TILE, BUCKET, NPROBE_)
         if BIG_K:
-            kappa, above, at = _cut(x_row, V, inv_temp, x0, top_k * 1.0, kappa, bucket_row, True,
-                                    TILE, BUCKET, NPROBE_)
             kept = above + at
             a_cut = at
             if USE_P:
                 denom = tl.maximum(top_p * kept, _TINY)
+                olo = tl.maximum(_ord(x0 - 88.0), (kappa >> 32).to(tl.int32))
+                kappa, above, at = _cut(x_row, V, inv_temp, x0, denom, kappa, bucket_row, olo, _ord(x0), 0.0, 0.0,
+                                        V * 1.0, gathered * 0, False, TILE, BUCKET, NPROBE_)
+                a_cut = tl.minimum(at, tl.maximum(denom - above, 0.0))
             else:
                 denom = tl.maximum(kept, _TINY)
         else:
             denom = tl.load(par_ptr + row * 3 + 1)
-            a_cut = 0.0
-        if USE_P:
-            kappa, above, at = _cut(x_row, V, inv_temp, x0, denom, kappa, bucket_row, False, TILE, BUCKET, NPROBE_)
             a_cut = tl.minimum(at, tl.maximum(denom - above, 0.0))
         tl.store(par_ptr + row * 3 + 1, denom)
         tl.store(par_ptr + row * 3 + 2, a_cut)
         tl.store(kappa_ptr + row, kappa)
-        tl.store(state_ptr + row, 0)
-        if SAMPLE:
-            t = _clamp_uniform(tl.load(u_ptr + row.to(tl.int64) * u_stride))
-            carry = tl.zeros([], tl.float32)
-            token = tl.full([], _NO_HIT, tl.int32)
-            last = tl.full([], -1, tl.int32)
-            start = 0
-            while (start < V) & (token == _NO_HIT):
-                index, valid, x, _, key = _row_entry(x_row, start, V, inv_temp, _SENTINEL, TILE)
-                p = tl.where(valid, _positive(_filtered_prob(x, key, x0, denom, kappa, a_cut)), 0.0)
-                token = _first_hit(p, index, carry, t)
-                last = tl.maximum(last, tl.max(tl.where(p > 0.0, index, -1), axis=0))
-                carry += tl.sum(p, axis=0)
-                start += TILE
-            token = tl.where(token == _NO_HIT, tl.maximum(last, 0), token)
-            tl.store(tok_ptr + row.to(tl.int64) * tok_stride, token)
+        tl.store(state_ptr + row, 3)
 
 
 @triton.jit
 def _write_kernel(x_ptr, x_stride, out_ptr, out_stride, V, inv_temp, m_ptr, s_ptr, n_stats,
-                  par_ptr, kappa_ptr, state_ptr, u_ptr, u_stride, tok_ptr, tok_stride,
-                  CHUNK: tl.constexpr, SC: tl.constexpr, NS_PAD: tl.constexpr,
+                  par_ptr, kappa_ptr, state_ptr, kept_ptr, kept_p_ptr, u_ptr, u_stride, tok_ptr, tok_stride,
+                  CHUNK: tl.constexpr, SC: tl.constexpr, NS_PAD: tl.constexpr, KT: tl.constexpr,
                   FILTERED: tl.constexpr, SAMPLE: tl.constexpr):
     """Per (row, chunk): store the probabilities of ``x = logits * inv_temp`` (in place allowed).
 
     Unfiltered rows combine the ``n_stats`` softmax partials (chunks of ``SC`` entries). With ``SAMPLE``
     (unfiltered only) the chunk masses follow from the same partials, so the program whose chunk holds
     the threshold draws the token from its freshly computed probabilities: no second pass over the row.
-    Filtered rows use the cut of ``_select_kernel``/``_search_kernel``.
+    Filtered rows whose kept entries the select kernel listed (state 0) are written without reading the
+    row: zeros, then the listed probabilities; searched rows (state 3) use the cut.
     """
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = index < V
-    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=mask, other=float("-inf")) * inv_temp
+    out_row = out_ptr + row.to(tl.int64) * out_stride
     if FILTERED:
-        x0 = tl.load(par_ptr + row * 3)
-        denom = tl.load(par_ptr + row * 3 + 1)
-        a_cut = tl.load(par_ptr + row * 3 + 2)
-        kappa = tl.load(kappa_ptr + row)
-        p = _filtered_prob(x, _order_key(x, index), x0, denom, kappa, a_cut)
-        p = tl.where(tl.load(state_ptr + row) == 1, 1.0 / V, p)
+        state = tl.load(state_ptr + row)
+        if state == 0:
+            tl.store(out_row + index, tl.zeros([CHUNK], tl.float32), mask=mask)
+            tl.debug_barrier()  # the zeros land before the kept entries overwrite theirs
+            j = row * KT + tl.arange(0, KT)
+            ids = tl.load(kept_ptr + j)
+            mine = (ids >= chunk * CHUNK) & (ids < chunk * CHUNK + CHUNK)
+            tl.store(out_row + ids, tl.load(kept_p_ptr + j), mask=mine)
+        else:
+            x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=mask, other=float("-inf")) * inv_temp
+            p = _filtered_prob(x, _order_key(x, index), tl.load(par_ptr + row * 3), tl.load(par_ptr + row * 3 + 1),
+                               tl.load(kappa_ptr + row), tl.load(par_ptr + row * 3 + 2))
+            tl.store(out_row + index, tl.where(state == 1, 1.0 / V, p), mask=mask)
     else:
+        x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=mask, other=float("-inf")) * inv_temp
         j = tl.arange(0, NS_PAD)
         live = j < n_stats
         m = tl.load(m_ptr + row * n_stats + j, mask=live, other=float("-inf"))
@@ -515,7 +616,7 @@ def _write_kernel(x_ptr, x_stride, out_ptr, out_stride, V, inv_temp, m_ptr, s_pt
                 last = tl.max(tl.where(w > 0.0, index, -1), axis=0)
                 token = tl.where(token == _NO_HIT, tl.maximum(last, 0), token)
                 tl.store(tok_ptr + row.to(tl.int64) * tok_stride, token)
-    tl.store(out_ptr + row.to(tl.int64) * out_stride + index, p, mask=mask)
+        tl.store(out_row + index, p, mask=mask)
 
 
 # ------------------------------------------------------------------------------ probabilities: host side
@@ -564,6 +665,27 @@ def _filters(temperature: float, top_k: int, top_p: float, vocab: int) -> tuple[
     return _inv_temperature(temperature), k, (top_p if top_p < NUCLEUS_OFF else 1.0)
 
 
+def _search(x, x_stride, rows, vocab, inv_temp, k, p, chunk, n_chunks, par, kappa, state, bounds, cut, fill):
+    """The value-space search of the rows the candidates cannot decide (state 2 -> 3): ``SEARCH_PASSES``
+    multi-program probe passes, a multi-program gather of the remaining interval, then one program
+    per row finishes the cut (continuing the passes itself only if the interval is still too wide)."""
+    device = x.device
+    bucket = _bucket(vocab)
+    tile = min(256, chunk)
+    part = _workspace("probe_partials", rows * n_chunks * 2 * NPROBE, torch.float32, device)
+    scratch = _workspace("bucket", rows * bucket, torch.int64, device)
+    by_count = k > MAX_CANDIDATES  # the k-th entry first; a nucleus cut inside top-k is left to the row program
+    for _ in range(SEARCH_PASSES):
+        _probe_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, par, state, bounds, cut, part, n_chunks,
+                                        CHUNK=chunk, TILE=tile, BUCKET=bucket, NPROBE_=NPROBE, num_warps=4)
+        _narrow_kernel[(rows,)](state, bounds, cut, part, n_chunks, NC_PAD=_pow2(n_chunks), BUCKET=bucket,
+                                NPROBE_=NPROBE, BY_COUNT=by_count, num_warps=4)
+    _gather_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, state, bounds, cut, fill, scratch, CHUNK=chunk,
+                                     TILE=tile, BUCKET=bucket, num_warps=4)
+    _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, k, p, par, kappa, state, bounds, cut, scratch, TILE=tile,
+                            BUCKET=bucket, NPROBE_=NPROBE, BIG_K=by_count, USE_P=p < 1.0, num_warps=8)
+
+
 def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *, stats=None, sample=None):
     """Store ``logits_to_probabilities`` of ``rows`` rows of ``x`` into ``out`` (in place allowed).
 
@@ -586,15 +708,17 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
         m, s, n_stats, stats_chunk = stats
         chunk = max(chunk, stats_chunk)  # a write chunk covers whole stats chunks (both powers of two)
         _write_kernel[(rows, triton.cdiv(vocab, chunk))](
-            x, x_stride, out, out_stride, vocab, inv_temp, m, s, n_stats, m, m, m, u, u_stride, tok, tok_stride,
-            CHUNK=chunk, SC=stats_chunk, NS_PAD=_pow2(n_stats), FILTERED=False, SAMPLE=sample is not None, num_warps=4)
+            x, x_stride, out, out_stride, vocab, inv_temp, m, s, n_stats, m, m, m, m, m, u, u_stride, tok, tok_stride,
+            CHUNK=chunk, SC=stats_chunk, NS_PAD=_pow2(n_stats), KT=1, FILTERED=False, SAMPLE=sample is not None,
+            num_warps=4)
         return
     chunk = max(chunk, GROUP)
-    n_write = triton.cdiv(vocab, chunk)
+    n_chunks = triton.cdiv(vocab, chunk)
     big_k = k > MAX_CANDIDATES
     kpad = MAX_CANDIDATES if big_k or k == 0 else max(16, _pow2(k))
-    n_chunks = n_write
     n_groups = triton.cdiv(vocab, GROUP)
+    kg = min(kpad, _pow2(n_groups))  # candidate groups
+    kt = min(kpad, kg * GROUP)  # candidate entries
     m = _workspace("m", rows * n_chunks, torch.float32, device)
     s = _workspace("s", rows * n_chunks, torch.float32, device)
     group_keys = _workspace("groups", rows * n_groups, torch.int64, device)
@@ -603,23 +727,25 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
     par = _workspace("par", rows * 3, torch.float32, device)
     kappa = _workspace("kappa", rows, torch.int64, device)
     state = _workspace("state", rows, torch.int32, device)
-    compact = _workspace("compact", rows * kpad, torch.int64, device)
-    use_p = p < 1.0
+    kept = _workspace("kept", rows * kt, torch.int32, device)
+    kept_p = _workspace("kept_p", rows * kt, torch.float32, device)
+    bounds = _workspace("bounds", rows * 2, torch.int32, device)
+    cut = _workspace("cut", rows * 4, torch.float32, device)
+    fill = _workspace("fill", rows, torch.int32, device)
     take = min(vocab, kpad if big_k or k == 0 else k)
-    _select_kernel[(rows,)](x, x_stride, vocab, inv_temp, m, s, group_keys, n_chunks, n_groups, min(kpad, n_groups),
-                            take, p, par, kappa, state, compact, u, u_stride, tok, tok_stride,
-                            NC_PAD=_pow2(n_chunks), NG_PAD=_pow2(n_groups), KPAD=kpad, GROUP_SIZE=GROUP,
-                            NPROBE_=NPROBE, USE_K=k > 0 and not big_k, USE_P=use_p, BIG_K=big_k,
-                            SAMPLE=sample is not None, num_warps=8)
-    if big_k or (use_p and k == 0):
-        bucket = _bucket(vocab)
-        scratch = _workspace("bucket", rows * bucket, torch.int64, device)
-        _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, k, p, par, kappa, state, scratch,
-                                u, u_stride, tok, tok_stride, TILE=min(256, chunk), BUCKET=bucket, NPROBE_=NPROBE,
-                                BIG_K=big_k, USE_P=use_p, SAMPLE=sample is not None, num_warps=8)
-    _write_kernel[(rows, n_write)](x, x_stride, out, out_stride, vocab, inv_temp, m, m, 0, par, kappa, state,
-                                   u, u_stride, tok, tok_stride, CHUNK=chunk, SC=chunk, NS_PAD=1, FILTERED=True,
-                                   SAMPLE=False, num_warps=4)
+    _select_kernel[(rows,)](x, x_stride, vocab, inv_temp, m, s, group_keys, n_chunks, n_groups, take, k, p, par, kappa,
+                            state, kept, kept_p, bounds, cut, fill, u, u_stride, tok, tok_stride,
+                            NC_PAD=_pow2(n_chunks), NG_PAD=_pow2(n_groups), KG=kg, KT=kt, GROUP_SIZE=GROUP,
+                            USE_K=k > 0 and not big_k, USE_P=p < 1.0, BIG_K=big_k, SAMPLE=sample is not None,
+                            num_warps=8)
+    searched = big_k or (p < 1.0 and k == 0)
+    if searched:
+        _search(x, x_stride, rows, vocab, inv_temp, k, p, chunk, n_chunks, par, kappa, state, bounds, cut, fill)
+    _write_kernel[(rows, n_chunks)](x, x_stride, out, out_stride, vocab, inv_temp, m, m, 0, par, kappa, state, kept,
+                                    kept_p, u, u_stride, tok, tok_stride, CHUNK=chunk, SC=chunk, NS_PAD=1, KT=kt,
+                                    FILTERED=True, SAMPLE=False, num_warps=4)
+    if searched and sample is not None:  # rows the select kernel could not draw from its candidates
+        draw_rows(out, rows, vocab, tok, tok_stride, p_stride=out_stride, u=u, u_stride=u_stride, searched=state)
 
 
 def logits_to_probabilities(logits, temperature, top_k, top_p):
@@ -637,49 +763,52 @@ def logits_to_probabilities(logits, temperature, top_k, top_p):
 
 @triton.jit
 def _draw_weights(p_ptr, q_ptr, p_off, q_off, index, mask, use_q):
-    """The walk's weights of ``[ROWS, N]`` entries: ``max(p - q, 0)`` where ``use_q`` (residual), else ``p``."""
+    """The walk's weights of ``[ROWS, N]`` entries, ``max(p - q, 0)`` where ``use_q`` (residual) else
+    ``p``, and the plain ``p`` weights (a residual's fallback) from the same load."""
     p = tl.load(p_ptr + p_off[:, None] + index, mask=mask, other=0.0)
     q = tl.load(q_ptr + tl.maximum(q_off, 0)[:, None] + index, mask=mask & use_q[:, None], other=0.0)
-    return tl.where(mask, _positive(tl.where(use_q[:, None], p - q, p)), 0.0)
+    return tl.where(mask, _positive(tl.where(use_q[:, None], p - q, p)), 0.0), tl.where(mask, _positive(p), 0.0)
 
 
 @triton.jit
-def _draw_rows(rows, live, desc_ptr, p_stride, DESC: tl.constexpr):
-    """Row offsets ``(p_off, q_off)`` of ``[ROWS]`` draws: from the accept descriptors, or plain rows."""
+def _draw_rows(rows, n_rows, desc_ptr, p_stride, state_ptr, DESC: tl.constexpr, SEARCHED: tl.constexpr):
+    """``(live, p_off, q_off)`` of ``[ROWS]`` draws: offsets from the accept descriptors, or plain rows
+    (with ``SEARCHED``, only the rows at state 3, which the filter's select kernel could not draw)."""
+    live = rows < n_rows
+    if SEARCHED:
+        live = live & (tl.load(state_ptr + rows, mask=live, other=0) == 3)
     if DESC:
         p_off = tl.load(desc_ptr + rows * 2, mask=live, other=0)
         q_off = tl.load(desc_ptr + rows * 2 + 1, mask=live, other=-1)
     else:
         p_off = rows.to(tl.int64) * p_stride
         q_off = tl.full(rows.shape, -1, tl.int64)
-    return p_off, q_off
+    return live, p_off, q_off
 
 
 @triton.jit
-def _mass_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, mass_ptr, last_ptr, n_chunks,
-                 ROWS: tl.constexpr, CHUNK: tl.constexpr, DESC: tl.constexpr):
+def _mass_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, state_ptr, mass_ptr, last_ptr, n_chunks,
+                 ROWS: tl.constexpr, CHUNK: tl.constexpr, DESC: tl.constexpr, SEARCHED: tl.constexpr):
     """Per (``ROWS`` rows, chunk): mass and last positive index of the walk's weights; kind 0 = the
     row's weights (residual where it has a q row), kind 1 = plain p (the residual's fallback)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = rows < n_rows
     chunk = tl.program_id(1)
-    p_off, q_off = _draw_rows(rows, live, desc_ptr, p_stride, DESC)
+    live, p_off, q_off = _draw_rows(rows, n_rows, desc_ptr, p_stride, state_ptr, DESC, SEARCHED)
     index = (chunk * CHUNK + tl.arange(0, CHUNK))[None, :]
     mask = live[:, None] & (index < V)
     slot = rows * 2 * n_chunks + chunk
-    w = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, mask, q_off >= 0)
+    w, plain = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, mask, q_off >= 0)
     tl.store(mass_ptr + slot, tl.sum(w, axis=1), mask=live)
     tl.store(last_ptr + slot, tl.max(tl.where(w > 0.0, index, -1), axis=1), mask=live)
     if DESC:
-        w = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, mask, q_off < -1)
-        tl.store(mass_ptr + slot + n_chunks, tl.sum(w, axis=1), mask=live)
-        tl.store(last_ptr + slot + n_chunks, tl.max(tl.where(w > 0.0, index, -1), axis=1), mask=live)
+        tl.store(mass_ptr + slot + n_chunks, tl.sum(plain, axis=1), mask=live)
+        tl.store(last_ptr + slot + n_chunks, tl.max(tl.where(plain > 0.0, index, -1), axis=1), mask=live)
 
 
 @triton.jit
-def _walk_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, draw_ptr, u_ptr, u_stride, mass_ptr, last_ptr,
-                 n_chunks, out_ptr, out_stride, len_ptr,
-                 ROWS: tl.constexpr, CHUNK: tl.constexpr, NC_PAD: tl.constexpr, DESC: tl.constexpr):
+def _walk_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, state_ptr, draw_ptr, u_ptr, u_stride, mass_ptr,
+                 last_ptr, n_chunks, out_ptr, out_stride, len_ptr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                 NC_PAD: tl.constexpr, DESC: tl.constexpr, SEARCHED: tl.constexpr):
     """Per ``ROWS`` rows: the chunk where each threshold falls, then a block cumsum inside it.
 
     With ``DESC`` (probabilistic accept) ``draw[row] = (uniform bits, n)``: the token goes to
@@ -687,8 +816,7 @@ def _walk_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, draw_ptr, u_ptr, u
     instead, with the unscaled threshold (kernels.md 2.3).
     """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = rows < n_rows
-    p_off, q_off = _draw_rows(rows, live, desc_ptr, p_stride, DESC)
+    live, p_off, q_off = _draw_rows(rows, n_rows, desc_ptr, p_stride, state_ptr, DESC, SEARCHED)
     if DESC:
         u = tl.load(draw_ptr + rows * 2, mask=live, other=0).to(tl.float32, bitcast=True)
         n = tl.load(draw_ptr + rows * 2 + 1, mask=live, other=0)
@@ -713,7 +841,8 @@ def _walk_kernel(p_ptr, q_ptr, n_rows, V, p_stride, desc_ptr, draw_ptr, u_ptr, u
     owner = tl.min(tl.where((mass > 0.0) & (incl > t[:, None]), c, NC_PAD), axis=1)
     carry = tl.sum(tl.where(c == owner[:, None] - 1, incl, 0.0), axis=1)
     index = owner[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    w = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, (owner < NC_PAD)[:, None] & (index < V), use_q)
+    w, _ = _draw_weights(p_ptr, q_ptr, p_off, q_off, index, live[:, None] & (owner < NC_PAD)[:, None] & (index < V),
+                         use_q)
     hit = (w > 0.0) & (carry[:, None] + tl.cumsum(w, axis=1) > t[:, None])
     token = tl.min(tl.where(hit, index, _NO_HIT), axis=1)
     # No hit: rounding put t past the owner's sum (its last positive), or past the total (the row's).
@@ -734,13 +863,13 @@ DRAW_LAUNCH = {"chunk": 2048, "mass_warps": 8, "walk_warps": 8, "accept_walk_war
 
 
 def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0, q=None, desc=None, draw=None,
-              lengths=None):
+              lengths=None, searched=None):
     """Inverse-CDF draws over ``rows`` rows (two launches, no serial O(V) loop).
 
     Plain rows: row ``r`` of ``p`` (row stride ``p_stride``) with uniform ``u[r * u_stride]``, token to
     ``out[r * out_stride]``. Accept mode (``desc``/``draw``/``lengths``, written by the accept kernel):
-    ``desc[r] = (p offset, q offset or -1)``, ``draw[r] = (u bits, n)``. Small vocabularies put
-    several rows in one program.
+    ``desc[r] = (p offset, q offset or -1)``, ``draw[r] = (u bits, n)``. ``searched``: the filter's
+    row states; only rows at state 3 are drawn. Small vocabularies put several rows in one program.
     """
     device = p.device
     chunk = _chunk(vocab, DRAW_LAUNCH["chunk"])
@@ -754,12 +883,15 @@ def draw_rows(p, rows, vocab, out, out_stride, *, p_stride=0, u=None, u_stride=0
     draw = mass if draw is None else draw
     u = mass if u is None else u
     lengths = last if lengths is None else lengths
+    state = last if searched is None else searched
     grid = triton.cdiv(rows, per_program)
-    _mass_kernel[(grid, n_chunks)](p, q, rows, vocab, p_stride, desc, mass, last, n_chunks, ROWS=per_program,
-                                   CHUNK=chunk, DESC=with_desc, num_warps=DRAW_LAUNCH["mass_warps"])
-    _walk_kernel[(grid,)](p, q, rows, vocab, p_stride, desc, draw, u, u_stride, mass, last, n_chunks, out,
+    _mass_kernel[(grid, n_chunks)](p, q, rows, vocab, p_stride, desc, state, mass, last, n_chunks, ROWS=per_program,
+                                   CHUNK=chunk, DESC=with_desc, SEARCHED=searched is not None,
+                                   num_warps=DRAW_LAUNCH["mass_warps"])
+    _walk_kernel[(grid,)](p, q, rows, vocab, p_stride, desc, state, draw, u, u_stride, mass, last, n_chunks, out,
                           out_stride, lengths, ROWS=per_program, CHUNK=chunk, NC_PAD=_pow2(n_chunks),
-                          DESC=with_desc, num_warps=DRAW_LAUNCH["accept_walk_warps" if with_desc else "walk_warps"])
+                          DESC=with_desc, SEARCHED=searched is not None,
+                          num_warps=DRAW_LAUNCH["accept_walk_warps" if with_desc else "walk_warps"])
 
 
 def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step):
