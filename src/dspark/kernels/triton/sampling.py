@@ -686,10 +686,12 @@ def _search(x, x_stride, rows, vocab, inv_temp, k, p, chunk, n_chunks, par, kapp
                             BUCKET=bucket, NPROBE_=NPROBE, BIG_K=by_count, USE_P=p < 1.0, num_warps=8)
 
 
-def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *, stats=None, sample=None):
+def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *, stats=None, groups=None,
+                   sample=None):
     """Store ``logits_to_probabilities`` of ``rows`` rows of ``x`` into ``out`` (in place allowed).
 
-    ``stats = (m, s, n_stats, chunk)`` are softmax partials already computed (unfiltered only).
+    ``stats = (m, s, n_stats, chunk)`` are softmax partials already computed and, filtered, ``groups``
+    the maxima of every ``GROUP`` entries (both or neither, then the stats pass computes them).
     ``sample = (u, u_stride, tokens, token_stride)`` also draws one token per row.
     """
     device = out.device
@@ -719,11 +721,14 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
     n_groups = triton.cdiv(vocab, GROUP)
     kg = min(kpad, _pow2(n_groups))  # candidate groups
     kt = min(kpad, kg * GROUP)  # candidate entries
-    m = _workspace("m", rows * n_chunks, torch.float32, device)
-    s = _workspace("s", rows * n_chunks, torch.float32, device)
-    group_keys = _workspace("groups", rows * n_groups, torch.int64, device)
-    _stats_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, m, s, group_keys, n_chunks, n_groups, CHUNK=chunk,
-                                    GROUP_SIZE=GROUP, CANDIDATES=True, num_warps=4)
+    if groups is None:
+        m = _workspace("m", rows * n_chunks, torch.float32, device)
+        s = _workspace("s", rows * n_chunks, torch.float32, device)
+        groups = _workspace("groups", rows * n_groups, torch.int64, device)
+        _stats_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, m, s, groups, n_chunks, n_groups, CHUNK=chunk,
+                                        GROUP_SIZE=GROUP, CANDIDATES=True, num_warps=4)
+        stats = (m, s, n_chunks, chunk)
+    m, s, n_stats, _ = stats
     par = _workspace("par", rows * 3, torch.float32, device)
     kappa = _workspace("kappa", rows, torch.int64, device)
     state = _workspace("state", rows, torch.int32, device)
@@ -733,9 +738,9 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
     cut = _workspace("cut", rows * 4, torch.float32, device)
     fill = _workspace("fill", rows, torch.int32, device)
     take = min(vocab, kpad if big_k or k == 0 else k)
-    _select_kernel[(rows,)](x, x_stride, vocab, inv_temp, m, s, group_keys, n_chunks, n_groups, take, k, p, par, kappa,
+    _select_kernel[(rows,)](x, x_stride, vocab, inv_temp, m, s, groups, n_stats, n_groups, take, k, p, par, kappa,
                             state, kept, kept_p, bounds, cut, fill, u, u_stride, tok, tok_stride,
-                            NC_PAD=_pow2(n_chunks), NG_PAD=_pow2(n_groups), KG=kg, KT=kt, GROUP_SIZE=GROUP,
+                            NC_PAD=_pow2(n_stats), NG_PAD=_pow2(n_groups), KG=kg, KT=kt, GROUP_SIZE=GROUP,
                             USE_K=k > 0 and not big_k, USE_P=p < 1.0, BIG_K=big_k, SAMPLE=sample is not None,
                             num_warps=8)
     searched = big_k or (p < 1.0 and k == 0)
@@ -1003,12 +1008,14 @@ def sample_top_k_rows_and_store(top_k_values, top_k_indices, proposal_uniforms, 
 
 @triton.jit
 def _markov_logits_kernel(logits_ptr, w1_ptr, w2_ptr, first_prev_ptr, ids_ptr, ids_stride, step, logits_stride,
-                          logits_offset, out_ptr, out_stride, m_ptr, s_ptr, n_stats, B, V, inv_temp, R: tl.constexpr,
-                          BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                          STATS: tl.constexpr, UPCAST: tl.constexpr):
+                          logits_offset, out_ptr, out_stride, m_ptr, s_ptr, n_stats, group_ptr, n_groups, B, V,
+                          inv_temp, R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+                          BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                          UPCAST: tl.constexpr):
     """``x[b, v] = (backbone[b*L + step + offset, v] + W1[prev_b] . W2[v]) * inv_temp`` for a
     ``[BLOCK_B, BLOCK_V]`` tile: one pass over W2 for the whole batch (a skinny GEMM on tensor cores),
-    with the tile's softmax partials (``STATS``) as the epilogue."""
+    with the tile's softmax partials as the epilogue and, with ``GROUPS`` (a filtered step), the
+    candidates' group maxima too, so the filter starts without another pass over the row."""
     pid_v = tl.program_id(0)
     b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     live_b = b < B
@@ -1034,10 +1041,15 @@ def _markov_logits_kernel(logits_ptr, w1_ptr, w2_ptr, first_prev_ptr, ids_ptr, i
     base = tl.load(logits_ptr + rows[:, None] * V + v[None, :], mask=live, other=float("-inf"))
     x = (base + acc) * inv_temp
     tl.store(out_ptr + b.to(tl.int64)[:, None] * out_stride + v[None, :], x, mask=live)
-    if STATS:
-        m, s = _tile_stats(tl.where(live_v[None, :], x, float("-inf")), 1)
-        tl.store(m_ptr + b * n_stats + pid_v, m, mask=live_b)
-        tl.store(s_ptr + b * n_stats + pid_v, s, mask=live_b)
+    m, s = _tile_stats(tl.where(live_v[None, :], x, float("-inf")), 1)
+    tl.store(m_ptr + b * n_stats + pid_v, m, mask=live_b)
+    tl.store(s_ptr + b * n_stats + pid_v, s, mask=live_b)
+    if GROUPS:
+        keys = tl.where(live, _order_key(x, v[None, :]), _SENTINEL)
+        best = tl.max(tl.reshape(keys, [BLOCK_B, BLOCK_V // GROUP_SIZE, GROUP_SIZE]), axis=2)
+        g = pid_v * (BLOCK_V // GROUP_SIZE) + tl.arange(0, BLOCK_V // GROUP_SIZE)
+        tl.store(group_ptr + b.to(tl.int64)[:, None] * n_groups + g[None, :], best,
+                 mask=live_b[:, None] & (g < n_groups)[None, :])
 
 
 def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, draft_token_ids,
@@ -1059,15 +1071,17 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
     block_b = min(64, max(16, _pow2(batch)))
     block_v = 256 if block_b <= 32 else 128
     n_stats = triton.cdiv(vocab, block_v)
+    n_groups = triton.cdiv(vocab, GROUP)
     m = _workspace("markov_m", batch * n_stats, torch.float32, out.device)
     s = _workspace("markov_s", batch * n_stats, torch.float32, out.device)
+    groups = _workspace("markov_groups", batch * n_groups if filtered else 1, torch.int64, out.device)
     _markov_logits_kernel[(n_stats, triton.cdiv(batch, block_b))](
         backbone_logits, markov_w1, markov_w2, first_prev_tokens, draft_token_ids, width, step, logits_stride,
-        logits_offset, out, out_stride, m, s, n_stats, batch, vocab, inv_temp, R=rank,
-        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_R=min(64, max(16, _pow2(rank))), STATS=not filtered,
+        logits_offset, out, out_stride, m, s, n_stats, groups, n_groups, batch, vocab, inv_temp, R=rank,
+        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_R=min(64, max(16, _pow2(rank))), GROUPS=filtered, GROUP_SIZE=GROUP,
         UPCAST=_UPCAST_DOT, num_warps=8 if block_b == 64 else 4, num_stages=3)
-    stats = None if filtered else (m, s, n_stats, block_v)
-    _probabilities(out, out_stride, out, out_stride, batch, vocab, 1.0, k, p, stats=stats,
+    _probabilities(out, out_stride, out, out_stride, batch, vocab, 1.0, k, p, stats=(m, s, n_stats, block_v),
+                   groups=groups if filtered else None,
                    sample=(proposal_uniforms[:, step], width, draft_token_ids[:, step], width))
 
 
