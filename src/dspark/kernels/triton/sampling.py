@@ -47,6 +47,7 @@ _TINY = tl.constexpr(1e-20)  # the C++ "no mass" threshold
 GREEDY_TEMPERATURE = 1e-3
 NUCLEUS_OFF = 1 - 1e-6  # top_p at or above it disables top-p
 GROUP = 32  # entries per group of the candidate pass
+NBINS = tl.constexpr(256)  # histogram bins of the candidate thresholds (1/8 wide)
 MAX_CANDIDATES = 128  # top-k up to this is selected exactly from candidates (NVIDIA's parallel limit)
 NPROBE = 16  # thresholds tested per pass of the wide-nucleus search
 SEARCH_PASSES = 3  # multi-program probe passes before one program per row takes over (flat rows need 2)
@@ -54,7 +55,7 @@ _SENTINEL = tl.constexpr(-(2**63))  # key below every real entry's key
 _NO_HIT = tl.constexpr(2**31 - 1)  # "no index" for min-reductions
 _MAX_KEY = tl.constexpr(2**63 - 1)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_BY_EXTRACTION = tl.constexpr(_INTERPRETED)  # see _top_keys
+_BY_EXTRACTION = tl.constexpr(_INTERPRETED)  # see _sorted_descending
 # The interpreter's bf16 tl.dot is wrong; there the Markov GEMM runs in fp32 (exact products anyway).
 _UPCAST_DOT = _INTERPRETED
 # Entries per program when many small rows share one (the interpreter pays per program, not per entry).
@@ -101,22 +102,22 @@ def _key_index(key):
 
 
 @triton.jit
-def _top_keys(keys, K: tl.constexpr):
-    """The ``K`` largest of the distinct int64 ``keys`` (``_SENTINEL`` padding), in descending order.
+def _sorted_descending(keys, N: tl.constexpr):
+    """The ``N`` distinct int64 ``keys`` (``_SENTINEL`` padding last) in descending order.
 
-    Triton's bitonic ``tl.topk`` on the GPU. The CPU interpreter runs that network's reductions element
-    by element in Python (seconds per row), so there the same result comes from ``K`` max-extractions.
+    Triton's bitonic ``tl.sort`` on the GPU. The CPU interpreter runs that network's reductions element
+    by element in Python (seconds per row), so there the same order comes from ``N`` max-extractions.
     """
     if _BY_EXTRACTION:
-        j = tl.arange(0, K)
-        top = tl.full([K], _SENTINEL, tl.int64)
-        for i in tl.static_range(K):
+        j = tl.arange(0, N)
+        out = tl.full([N], _SENTINEL, tl.int64)
+        for i in tl.static_range(N):
             best = tl.max(keys, axis=0)
-            top = tl.where(j == i, best, top)
+            out = tl.where(j == i, best, out)
             keys = tl.where(keys == best, _SENTINEL, keys)
-        return top
+        return out
     else:
-        return tl.topk(keys, K)
+        return tl.sort(keys, descending=True)
 
 
 @triton.jit
@@ -214,41 +215,106 @@ def _stats_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chunk
 
 
 @triton.jit
-def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chunks, n_groups, take, top_k, top_p,
-                   par_ptr, kappa_ptr, state_ptr, kept_ptr, kept_p_ptr, bounds_ptr, cut_ptr, fill_ptr,
+def _search_keys(keys, weight, target, NPROBE_: tl.constexpr):
+    """The largest key ``kappa`` of the int64 vector ``keys`` (``_SENTINEL`` = absent) whose weight at
+    or above it reaches ``target``; the smallest present key when none does.
+
+    Each round sums the weight above ``NPROBE_ - 1`` thresholds spread over the remaining key interval
+    and shrinks the interval to the keys actually present, so a round cuts it ~``NPROBE_``-fold.
+    """
+    present = keys != _SENTINEL
+    lo = tl.min(tl.where(present, keys, _MAX_KEY), axis=0)
+    hi = tl.max(keys, axis=0)
+    while lo < hi:
+        width = (hi - lo).to(tl.uint64, bitcast=True)
+        step = width // NPROBE_ + 1
+        low_probe = lo
+        high_probe = hi
+        narrowed = lo > hi  # False, as a tensor
+        for d in tl.static_range(1, NPROBE_):
+            offset = step * d
+            probe = tl.where(offset > width, hi, (lo.to(tl.uint64, bitcast=True) + offset).to(tl.int64, bitcast=True))
+            reach = tl.sum(tl.where(present & (keys >= probe), weight, 0.0), axis=0) >= target
+            low_probe = tl.where(reach, probe, low_probe)
+            high_probe = tl.where(reach | narrowed, high_probe, probe)
+            narrowed = narrowed | ~reach
+        lo = tl.min(tl.where(present & (keys >= low_probe), keys, _MAX_KEY), axis=0)
+        hi = tl.where(narrowed, tl.max(tl.where(present & (keys < high_probe), keys, _SENTINEL), axis=0), hi)
+    return lo
+
+
+@triton.jit
+def _compact(values, keep, scratch, OUT: tl.constexpr):
+    """The kept int64 ``values`` (at most ``OUT``, in their order) as an ``[OUT]`` vector padded with
+    ``_SENTINEL``, through the ``scratch`` row (no register scatter in Triton)."""
+    position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.debug_barrier()  # earlier readers of scratch are done
+    tl.store(scratch + position, values, mask=keep & (position < OUT))
+    tl.debug_barrier()  # every thread's store is visible
+    j = tl.arange(0, OUT)
+    return tl.load(scratch + j, mask=j < tl.sum(keep.to(tl.int32), axis=0), other=_SENTINEL)
+
+
+@triton.jit
+def _candidates(keys, x0, take, scratch, OUT: tl.constexpr, NPROBE_: tl.constexpr):
+    """A superset of the ``take`` largest int64 ``keys`` (``_SENTINEL`` = absent; values <= ``x0``): at
+    most ``OUT`` keys, unsorted, ``_SENTINEL``-padded.
+
+    A histogram of ``x0 - value`` in bins of 1/8 (everything beyond 32 in the last bin) gives the bin
+    where the ``take``-th largest falls; the keys down to that bin are kept. When more than ``OUT``
+    share those bins (flat rows, ties), the exact ``take``-th key is searched instead.
+    """
+    present = keys != _SENTINEL
+    depth = (x0 - _key_value(keys)) * 8.0
+    bins = tl.maximum(tl.where(depth < NBINS - 1, depth, NBINS - 1), 0.0).to(tl.int32)
+    reached = tl.cumsum(tl.histogram(bins, NBINS, mask=present), axis=0) >= take
+    last_bin = tl.min(tl.where(reached, tl.arange(0, NBINS), NBINS - 1), axis=0)
+    chosen = present & (bins <= last_bin)
+    if tl.sum(chosen.to(tl.int32), axis=0) > OUT:
+        chosen = present & (keys >= _search_keys(keys, tl.full(keys.shape, 1.0, tl.float32), take * 1.0, NPROBE_))
+    return _compact(keys, chosen, scratch, OUT)
+
+
+@triton.jit
+def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_stats, n_groups, take, top_k, top_p,
+                   par_ptr, kappa_ptr, state_ptr, kept_ptr, kept_p_ptr, bounds_ptr, cut_ptr, fill_ptr, scratch_ptr,
                    u_ptr, u_stride, tok_ptr, tok_stride,
-                   NC_PAD: tl.constexpr, NG_PAD: tl.constexpr, KG: tl.constexpr, KT: tl.constexpr,
-                   GROUP_SIZE: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, BIG_K: tl.constexpr,
+                   NC_PAD: tl.constexpr, NG_PAD: tl.constexpr, KT: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   NPROBE_: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, BIG_K: tl.constexpr,
                    SAMPLE: tl.constexpr):
-    """Per row: the exact best ``take <= KT`` entries, the cut (``kappa``, its share ``a``, ``denom``),
+    """Per row: the exact best ``take <= KT // 2`` entries, the cut (``kappa``, its share ``a``, ``denom``),
     the kept entries' ids and probabilities and, with ``SAMPLE``, the draw among them.
 
-    The best ``take`` entries lie in the best ``take`` groups by group maximum, so both stages are
-    bitonic top-k selections of small vectors. ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
+    The best ``take`` entries lie in the best ``take`` groups by group maximum; histogram thresholds
+    (``_candidates``) narrow both the groups and their entries to ``KT`` candidates, ranked exactly by
+    pairwise comparison. ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
     (cut found; ``kept`` lists the kept entries), 1 (degenerate row: uniform ``1/V``) or 2 (cut beyond
     the candidates: the value-space search starts from ``bounds``/``cut``).
     """
     row = tl.program_id(0)
     c = tl.arange(0, NC_PAD)
-    live_chunk = c < n_chunks
-    m = tl.load(m_ptr + row * n_chunks + c, mask=live_chunk, other=float("-inf"))
-    s = tl.load(s_ptr + row * n_chunks + c, mask=live_chunk, other=0.0)
-    _, total = _combine_stats(m, s)
+    live_chunk = c < n_stats
+    m = tl.load(m_ptr + row * n_stats + c, mask=live_chunk, other=float("-inf"))
+    s = tl.load(s_ptr + row * n_stats + c, mask=live_chunk, other=0.0)
+    big, total = _combine_stats(m, s)
     degenerate = _degenerate(total)
 
+    scratch = scratch_ptr + row.to(tl.int64) * KT
     g = tl.arange(0, NG_PAD)
     group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=_SENTINEL)
-    groups = _top_keys(group_keys, KG)
+    groups = _candidates(group_keys, big, tl.minimum(take, n_groups), scratch, KT, NPROBE_)
     index = ((_key_index(groups) // GROUP_SIZE) * GROUP_SIZE)[:, None] + tl.arange(0, GROUP_SIZE)[None, :]
     in_row = (groups != _SENTINEL)[:, None] & (index < V)
     x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=in_row, other=float("-inf")) * inv_temp
-    top = _top_keys(tl.reshape(tl.where(in_row, _order_key(x, index), _SENTINEL), [KG * GROUP_SIZE]), KT)
-    rank = tl.arange(0, KT)  # top is in descending key order: rank 0 holds the row's maximum
+    keys = tl.reshape(tl.where(in_row, _order_key(x, index), _SENTINEL), [KT * GROUP_SIZE])
+    top = _candidates(keys, big, take, scratch, KT, NPROBE_)
+    above = top[None, :] > top[:, None]  # [i, j]: entry j ranks above entry i
+    rank = tl.sum(above.to(tl.int32), axis=1)
     keep = (top != _SENTINEL) & (rank < take)
     value = _key_value(top)
     x_top = tl.max(tl.where(keep, value, float("-inf")), axis=0)
     e = tl.where(keep, tl.exp(value - x_top), 0.0)
-    excl = tl.cumsum(e, axis=0) - e  # mass ranked above
+    excl = tl.sum(tl.where(above, e[None, :], 0.0), axis=1)  # mass ranked above
     if USE_K:
         kept = tl.sum(e, axis=0)
     else:
@@ -276,8 +342,9 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chun
     tl.store(par_ptr + row * 3 + 2, a_cut)
     tl.store(kappa_ptr + row, kappa)
     tl.store(state_ptr + row, state)
-    tl.store(kept_ptr + row * KT + rank, tl.where(live, ids, -1))
-    tl.store(kept_p_ptr + row * KT + rank, p)
+    slot = row * KT + tl.arange(0, KT)
+    tl.store(kept_ptr + slot, tl.where(live, ids, -1))
+    tl.store(kept_p_ptr + slot, p)
     # Where the value-space search starts: the k-th entry by count, or the nucleus cut by mass, which
     # lies at or above x0 + ln((1 - top_p) S / V) (the V entries below it hold less than (1 - top_p) S).
     if BIG_K:
@@ -388,7 +455,7 @@ def _cut_finish(keys, x0, target, above_mass, BY_COUNT: tl.constexpr, BUCKET: tl
     """The cut among the gathered ``keys`` (``[BUCKET]``, ``_SENTINEL`` = absent): the largest key whose
     at-or-above weight reaches ``target`` (the smallest key when none does). Sorted first, so the
     sums do not depend on the order the keys were gathered in. Returns ``(kappa, mass above, at)``."""
-    keys = _top_keys(keys, BUCKET)
+    keys = _sorted_descending(keys, BUCKET)
     valid = keys != _SENTINEL
     e = tl.where(valid, tl.exp(_key_value(keys) - x0), 0.0)
     mass = tl.cumsum(e, axis=0)
@@ -416,9 +483,10 @@ def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, above_mass
     than ``BUCKET`` entries share one value, they rank by index.
     Returns ``(kappa, mass of the keys above kappa, exp(x_kappa - x0))``.
     """
+    zero = tl.zeros([], tl.int32)  # a tensor: the helpers' loop counters start from it
     while (count > BUCKET) & (olo < ohi):
         probes = _probes(olo, ohi, NPROBE_)
-        mass_d, count_d = _probe_sums(x_row, 0, V, V, inv_temp, x0, floor, probes, TILE, NPROBE_)
+        mass_d, count_d = _probe_sums(x_row, zero, V, V, inv_temp, x0, floor, probes, TILE, NPROBE_)
         olo, ohi, above_mass, above_count, count = _narrow(probes, mass_d, count_d, target, olo, ohi, above_mass,
                                                            above_count, BY_COUNT, NPROBE_)
         gathered = gathered * 0
@@ -427,7 +495,7 @@ def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, above_mass
     if count <= BUCKET:
         if gathered == 0:
             tl.debug_barrier()
-            _gather(x_row, 0, V, V, inv_temp, floor, olo, ohi, bucket_row, 0, TILE)
+            _gather(x_row, zero, V, V, inv_temp, floor, olo, ohi, bucket_row, zero, TILE)
         tl.debug_barrier()
         jb = tl.arange(0, BUCKET)
         keys = tl.load(bucket_row + jb, mask=jb < count.to(tl.int32), other=_SENTINEL)
@@ -509,7 +577,7 @@ def _gather_kernel(x_ptr, x_stride, V, inv_temp, state_ptr, bounds_ptr, cut_ptr,
     if (tl.load(state_ptr + row) == 2) & (tl.load(cut_ptr + row * 4 + 2) <= BUCKET):
         x_row = x_ptr + row.to(tl.int64) * x_stride
         start = chunk * CHUNK
-        n = 0
+        n = tl.zeros([], tl.int32)
         at = start
         while at < start + CHUNK:
             _, valid, _, o, _ = _row_entry(x_row, at, V, inv_temp, _SENTINEL, TILE)
@@ -544,8 +612,9 @@ def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, par_ptr, kappa_pt
             if USE_P:
                 denom = tl.maximum(top_p * kept, _TINY)
                 olo = tl.maximum(_ord(x0 - 88.0), (kappa >> 32).to(tl.int32))
-                kappa, above, at = _cut(x_row, V, inv_temp, x0, denom, kappa, bucket_row, olo, _ord(x0), 0.0, 0.0,
-                                        V * 1.0, gathered * 0, False, TILE, BUCKET, NPROBE_)
+                nothing = tl.zeros([], tl.float32)  # a fresh search state (tensors: loop-carried in _cut)
+                kappa, above, at = _cut(x_row, V, inv_temp, x0, denom, kappa, bucket_row, olo, _ord(x0), nothing,
+                                        nothing, nothing + V, gathered * 0, False, TILE, BUCKET, NPROBE_)
                 a_cut = tl.minimum(at, tl.maximum(denom - above, 0.0))
             else:
                 denom = tl.maximum(kept, _TINY)
@@ -633,8 +702,8 @@ def _chunk(vocab: int, cap: int = 4096) -> int:
 
 
 def _bucket(vocab: int) -> int:
-    """Entries the nucleus search gathers and searches exactly at the end (smaller for small vocabularies)."""
-    return min(4096, max(64, _pow2(vocab) // 8))
+    """Entries the nucleus search gathers and sorts at the end (smaller for small vocabularies)."""
+    return min(1024, max(64, _pow2(vocab) // 8))
 
 
 _WORKSPACE: dict = {}
@@ -719,8 +788,7 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
     big_k = k > MAX_CANDIDATES
     kpad = MAX_CANDIDATES if big_k or k == 0 else max(16, _pow2(k))
     n_groups = triton.cdiv(vocab, GROUP)
-    kg = min(kpad, _pow2(n_groups))  # candidate groups
-    kt = min(kpad, kg * GROUP)  # candidate entries
+    kt = 2 * kpad  # candidates: groups, then entries (the threshold bins hold some beyond the take-th)
     if groups is None:
         m = _workspace("m", rows * n_chunks, torch.float32, device)
         s = _workspace("s", rows * n_chunks, torch.float32, device)
@@ -737,10 +805,11 @@ def _probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, *,
     bounds = _workspace("bounds", rows * 2, torch.int32, device)
     cut = _workspace("cut", rows * 4, torch.float32, device)
     fill = _workspace("fill", rows, torch.int32, device)
+    compact = _workspace("compact", rows * kt, torch.int64, device)
     take = min(vocab, kpad if big_k or k == 0 else k)
     _select_kernel[(rows,)](x, x_stride, vocab, inv_temp, m, s, groups, n_stats, n_groups, take, k, p, par, kappa,
-                            state, kept, kept_p, bounds, cut, fill, u, u_stride, tok, tok_stride,
-                            NC_PAD=_pow2(n_stats), NG_PAD=_pow2(n_groups), KG=kg, KT=kt, GROUP_SIZE=GROUP,
+                            state, kept, kept_p, bounds, cut, fill, compact, u, u_stride, tok, tok_stride,
+                            NC_PAD=_pow2(n_stats), NG_PAD=_pow2(n_groups), KT=kt, GROUP_SIZE=GROUP, NPROBE_=NPROBE,
                             USE_K=k > 0 and not big_k, USE_P=p < 1.0, BIG_K=big_k, SAMPLE=sample is not None,
                             num_warps=8)
     searched = big_k or (p < 1.0 and k == 0)
