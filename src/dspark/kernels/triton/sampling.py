@@ -6,8 +6,9 @@ thread in O(V * n). Here every pass over a row is spread over the vocabulary:
 * Probabilities are split-row: per-chunk ``(max, sum exp)`` partials, then a write pass that combines
   them and stores ``exp(x - M) / S``. With top-k/top-p (or T -> 0) the stats pass also stores the
   maximum of every group of ``GROUP`` entries; the global top k lie in the k best groups, so one
-  program per row selects the exact top ``<= 128`` entries with two small bitonic top-k selections
-  and derives the mass-clipped cut from their prefix sums. When that decides the row, the write pass
+  program per row narrows groups and then entries to a few hundred candidates with histogram
+  thresholds, ranks them exactly by pairwise comparison, and derives the mass-clipped cut from the
+  ranked masses. When that decides the row, the write pass
   only writes (zeros and the listed entries). A nucleus wider than 128 entries, or ``top_k > 128``,
   is cut by a value-space search: multi-program passes count the weight above 16 probes of an
   interval that starts at the bound ``x0 + ln((1 - top_p) S / V)``, until at most ``BUCKET`` entries
