@@ -142,6 +142,16 @@ def _combine_stats(m, s):
 
 
 @triton.jit
+def _row_stats(m_ptr, s_ptr, row, n_stats, NS_PAD: tl.constexpr):
+    """A row's ``n_stats`` softmax partials ``(m, s)`` (padded to ``NS_PAD``) and their ``(M, S)``."""
+    j = tl.arange(0, NS_PAD)
+    m = tl.load(m_ptr + row * n_stats + j, mask=j < n_stats, other=float("-inf"))
+    s = tl.load(s_ptr + row * n_stats + j, mask=j < n_stats, other=0.0)
+    big, total = _combine_stats(m, s)
+    return m, s, big, total
+
+
+@triton.jit
 def _degenerate(total):
     return (total != total) | (total <= 0.0) | (total == float("inf"))
 
@@ -293,11 +303,7 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_stat
     the candidates: the value-space search starts from ``bounds``/``cut``).
     """
     row = tl.program_id(0)
-    c = tl.arange(0, NC_PAD)
-    live_chunk = c < n_stats
-    m = tl.load(m_ptr + row * n_stats + c, mask=live_chunk, other=float("-inf"))
-    s = tl.load(s_ptr + row * n_stats + c, mask=live_chunk, other=0.0)
-    big, total = _combine_stats(m, s)
+    _, _, big, total = _row_stats(m_ptr, s_ptr, row, n_stats, NC_PAD)
     degenerate = _degenerate(total)
 
     scratch = scratch_ptr + row.to(tl.int64) * KT
@@ -662,14 +668,12 @@ def _write_kernel(x_ptr, x_stride, out_ptr, out_stride, V, inv_temp, m_ptr, s_pt
             tl.store(out_row + index, tl.where(state == 1, 1.0 / V, p), mask=mask)
     else:
         x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=mask, other=float("-inf")) * inv_temp
-        j = tl.arange(0, NS_PAD)
-        live = j < n_stats
-        m = tl.load(m_ptr + row * n_stats + j, mask=live, other=float("-inf"))
-        s = tl.load(s_ptr + row * n_stats + j, mask=live, other=0.0)
-        big, total = _combine_stats(m, s)
+        m, s, big, total = _row_stats(m_ptr, s_ptr, row, n_stats, NS_PAD)
         degenerate = _degenerate(total)
         p = tl.where(degenerate, 1.0 / V, tl.exp(x - big) / total)
         if SAMPLE:
+            j = tl.arange(0, NS_PAD)
+            live = j < n_stats
             share = tl.minimum(V - j * SC, SC).to(tl.float32) / V
             mass = tl.where(live, tl.where(degenerate, share, s * tl.exp(m - big) / total), 0.0)
             incl = tl.cumsum(mass, axis=0)
