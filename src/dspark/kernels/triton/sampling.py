@@ -597,7 +597,7 @@ def _gather_kernel(x_ptr, x_stride, V, inv_temp, state_ptr, bounds_ptr, cut_ptr,
 
 
 @triton.jit
-def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, par_ptr, kappa_ptr, state_ptr, bounds_ptr, cut_ptr,
+def _search_kernel(x_ptr, x_stride, V, inv_temp, top_p, par_ptr, kappa_ptr, state_ptr, bounds_ptr, cut_ptr,
                    bucket_ptr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr,
                    BIG_K: tl.constexpr, USE_P: tl.constexpr):
     """Rows left at state 2 by ``_select_kernel``: finish the k-th key (``BIG_K``) and/or the nucleus cut
@@ -756,7 +756,7 @@ def _search(x, x_stride, rows, vocab, inv_temp, k, p, chunk, n_chunks, par, kapp
                                 NPROBE_=NPROBE, BY_COUNT=by_count, num_warps=4)
     _gather_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, state, bounds, cut, fill, scratch, CHUNK=chunk,
                                      TILE=tile, BUCKET=bucket, num_warps=4)
-    _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, k, p, par, kappa, state, bounds, cut, scratch, TILE=tile,
+    _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, p, par, kappa, state, bounds, cut, scratch, TILE=tile,
                             BUCKET=bucket, NPROBE_=NPROBE, BIG_K=by_count, USE_P=p < 1.0, num_warps=8)
 
 
