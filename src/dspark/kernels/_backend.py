@@ -41,12 +41,14 @@ _MODULES = {
         "dspark.kernels.reference.verify",
         "dspark.kernels.reference.sampling",
         "dspark.kernels.reference.confidence",
+        "dspark.kernels.reference.layers",
     ),
     "triton": (
         "dspark.kernels.triton.greedy",
         "dspark.kernels.triton.confidence",
         "dspark.kernels.triton.sampling",
         "dspark.kernels.triton.accept",
+        "dspark.kernels.triton.layers",
     ),
 }
 
