@@ -10,6 +10,7 @@ engine's model runners). Backends: PyTorch reference and Triton, see ``use_backe
 from ._backend import backend_name, forced_backend, use_backend
 from .confidence import *  # noqa: F401,F403
 from .layers import *  # noqa: F401,F403
+from .rng import *  # noqa: F401,F403
 from .markov import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403
 from .verify import *  # noqa: F401,F403

@@ -42,6 +42,7 @@ _MODULES = {
         "dspark.kernels.reference.sampling",
         "dspark.kernels.reference.confidence",
         "dspark.kernels.reference.layers",
+        "dspark.kernels.reference.rng",
     ),
     "triton": (
         "dspark.kernels.triton.greedy",
@@ -49,6 +50,7 @@ _MODULES = {
         "dspark.kernels.triton.sampling",
         "dspark.kernels.triton.accept",
         "dspark.kernels.triton.layers",
+        "dspark.kernels.triton.rng",
     ),
 }
 
