@@ -66,11 +66,11 @@ class SamplingParams:
 
 @dataclass
 class Proposal:
-    """A drafted chain for one row (B = 1).
+    """Drafted chains of B rows (B = 1 in the single-request loop).
 
-    ``token_ids`` int32 ``[1, P]`` (target ids); ``probabilities`` f32 ``[1, P, V]`` the distribution
-    each token was drawn from (``None`` when greedy); ``proposal_lengths`` int32 ``[1]`` drafts to
-    verify (the scheduler's choice, in [1, P]); ``confidence`` f32 ``[1, P]`` (``None`` when the
+    ``token_ids`` int32 ``[B, P]`` (target ids); ``probabilities`` f32 ``[B, P, V]`` the distribution
+    each token was drawn from (``None`` when greedy); ``proposal_lengths`` int32 ``[B]`` drafts to
+    verify (the scheduler's choice, in [1, P]); ``confidence`` f32 ``[B, P]`` (``None`` when the
     scheduler is off).
     """
 
@@ -122,7 +122,7 @@ class Drafter:
 
     def propose(self, context_hidden: torch.Tensor, anchor: torch.Tensor, anchor_position: int,
                 sampling: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
-        """Draft one round.
+        """Draft one round for one sequence (the single-request loop).
 
         ``context_hidden`` ``[T_new, m*H]``: captured target hidden states of the positions verified
         since the last call (``cache.length .. anchor_position-1``); ``anchor`` int32 ``[1]`` the last
@@ -130,48 +130,59 @@ class Drafter:
         when greedy).
         """
         hidden = self.model.forward_block(self.cache, context_hidden, anchor, anchor_position)
-        logits = self.model.backbone_logits(hidden)
+        return self.propose_rows(hidden, self.model.backbone_logits(hidden), anchor, sampling, uniforms)
+
+    def propose_rows(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+                     sampling: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+        """Markov loop, confidence and schedule for B blocks drafted elsewhere.
+
+        ``hidden`` ``[B*N, H]`` final-norm block hidden states and ``logits`` f32 ``[B*N, V]`` their
+        backbone logits (row ``b*N + k`` = slot k of block b); ``anchors`` int32 ``[B]``;
+        ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy). No host synchronisation.
+        """
         if self.model.markov_head_type == "vanilla" and (self.fused_greedy or not sampling.greedy):
-            tokens, probs = self._vanilla(logits, anchor, sampling, uniforms)
+            tokens, probs = self._vanilla(logits, anchors, sampling, uniforms)
         else:
-            tokens, probs = self._stepwise(hidden, logits, anchor, sampling, uniforms)
-        lengths, confidence = self._schedule(hidden, anchor, tokens)
+            tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms)
+        lengths, confidence = self._schedule(hidden, anchors, tokens)
         return Proposal(tokens, probs, lengths, confidence)
 
-    def _vanilla(self, logits, anchor, sampling, uniforms):
+    def _vanilla(self, logits, anchors, sampling, uniforms):
         rows = dict(logits_stride=self.block_size, logits_offset=self.slot_offset)
         if sampling.greedy:
-            tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchor,
+            tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchors,
                                            proposal_len=self.num_draft_tokens, **rows)
             return tokens, None
-        return K.vanilla_markov_sample(logits, self.markov_w1, self.markov_w2, anchor, uniforms,
+        return K.vanilla_markov_sample(logits, self.markov_w1, self.markov_w2, anchors, uniforms,
                                        sampling.temperature, sampling.top_k, sampling.top_p, **rows)
 
-    def _stepwise(self, hidden, logits, anchor, sampling, uniforms):
+    def _stepwise(self, hidden, logits, anchors, sampling, uniforms):
         """Sequential Markov loop in torch (gated / rnn heads, or a vanilla rank without a fused kernel)."""
-        p = self.num_draft_tokens
-        tokens = torch.zeros(1, p, dtype=torch.int32, device=logits.device)
-        probs = None if sampling.greedy else torch.empty(1, p, logits.shape[-1], device=logits.device)
+        p, batch = self.num_draft_tokens, anchors.shape[0]
+        hidden = hidden.view(batch, self.block_size, -1)
+        logits = logits.view(batch, self.block_size, -1)
+        tokens = torch.zeros(batch, p, dtype=torch.int32, device=logits.device)
+        probs = None if sampling.greedy else torch.empty(batch, p, logits.shape[-1], device=logits.device)
         if uniforms is None:  # greedy: the one-hot row is drawn whatever the uniform
-            uniforms = torch.zeros(1, p, device=logits.device)
-        prev, state = anchor, None
+            uniforms = torch.zeros(batch, p, device=logits.device)
+        prev, state = anchors, None
         for step in range(p):
             row = step + self.slot_offset
-            bias, state = self.model.markov_bias(hidden[row:row + 1], prev, state)
-            q = sampling.probabilities(logits[row:row + 1] + bias)
+            bias, state = self.model.markov_bias(hidden[:, row], prev, state)
+            q = sampling.probabilities(logits[:, row] + bias)
             K.sample_probability_rows(q, uniforms, tokens, step)
             if probs is not None:
                 K.store_draft_step_probabilities(q, probs, step)
             prev = tokens[:, step]
         return tokens, probs
 
-    def _schedule(self, hidden, anchor, tokens):
-        p = self.num_draft_tokens
+    def _schedule(self, hidden, anchors, tokens):
+        batch, p = tokens.shape
         if self.scheduler == "off":
-            return K.fill_proposal_lengths(1, p, device=tokens.device), None
+            return K.fill_proposal_lengths(batch, p, device=tokens.device), None
         if self.sts_temperatures is not None:
-            return self._schedule_sts(hidden, anchor, tokens)
-        args = (hidden.to(self.kernel_dtype), self.markov_w1, self.confidence_weight, self.confidence_bias, anchor, tokens)
+            return self._schedule_sts(hidden, anchors, tokens)
+        args = (hidden.to(self.kernel_dtype), self.markov_w1, self.confidence_weight, self.confidence_bias, anchors, tokens)
         kwargs = dict(confidence_with_markov=self.model.confidence_with_markov, min_proposal_len=self.min_proposal_len,
                       max_proposal_len=self.max_proposal_len, hidden_stride=self.block_size,
                       hidden_offset=self.slot_offset)
@@ -181,11 +192,12 @@ class Drafter:
             confidence, lengths = K.compute_confidence_and_sps_proposal_lengths(*args, survival_floor=self.threshold, **kwargs)
         return lengths, confidence
 
-    def _schedule_sts(self, hidden, anchor, tokens):
+    def _schedule_sts(self, hidden, anchors, tokens):
         """Calibrated confidences ``sigmoid(logit_k / T_k)`` (STS, runtime.md §4), then the same
         threshold / SPS rules as the kernels (``K.threshold_proposal_lengths`` / ``K.sps_proposal_lengths``)."""
-        rows = hidden[self.slot_offset:self.slot_offset + self.num_draft_tokens].unsqueeze(0)
-        prev = torch.cat([anchor, tokens[0, :-1]]).unsqueeze(0)
+        batch, p = tokens.shape
+        rows = hidden.view(batch, self.block_size, -1)[:, self.slot_offset:self.slot_offset + p]
+        prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
         confidence = torch.sigmoid(self.model.confidence_logits(rows, prev) / self.sts_temperatures)
         if self.scheduler == "threshold":
             lengths = K.threshold_proposal_lengths(confidence, self.threshold, min_proposal_len=self.min_proposal_len,

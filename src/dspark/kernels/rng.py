@@ -30,20 +30,22 @@ PURPOSE_RESIDUAL = 0x8EBC6AF09C88C6E3
 PURPOSE_BONUS = 0x589965CC75374CC3
 
 
-def request_uniforms(seeds, positions, purpose: int, count: int, *, lane: int = 0, out=None):
-    """f32 ``[B, count]``: ``out[b, j] = u(seeds[b], positions[b] + j, purpose, lane)``.
+def request_uniforms(seeds, positions, purpose: int, count: int, *, first_lane: int = 0, out=None):
+    """f32 ``[B, count]``: ``out[b, j] = u(seeds[b], positions[b], purpose, first_lane + j)``.
 
     ``seeds`` int64 ``[B]`` (the bit pattern of each request's unsigned 64-bit seed), ``positions``
-    int32/int64 ``[B]`` the absolute position of the first token decided; ``purpose`` and ``lane``
-    unsigned 64-bit ints (the ``PURPOSE_*`` constants). ``out``: an optional f32 ``[B, count]``
-    buffer (row stride free) written in place, e.g. a column range of a larger uniform buffer.
+    int32/int64 ``[B]`` each request's absolute position that keys the draws (the engine uses the
+    round's anchor position, so no uniform is ever drawn twice); ``purpose`` an unsigned 64-bit int
+    (the ``PURPOSE_*`` constants); lanes ``first_lane ..`` separate the draws of one purpose at one
+    position (e.g. the draft steps). ``out``: an optional f32 ``[B, count]`` buffer (row stride
+    free, unit column stride) written in place, e.g. columns of a larger uniform buffer.
     """
     c = Checker("request_uniforms")
     seeds = c.tensor("seeds", seeds, dtype=torch.int64, ndim=1)
     batch = seeds.shape[0]
     positions = c.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=[batch], device=seeds.device)
     purpose = c.integer("purpose", purpose, low=0, high=2**64 - 1)
-    lane = c.integer("lane", lane, low=0, high=2**64 - 1)
+    first_lane = c.integer("first_lane", first_lane, low=0, high=2**63 - 1)
     count = c.integer("count", count, low=0)
     if out is None:
         out = torch.empty(batch, count, dtype=torch.float32, device=seeds.device)
@@ -51,5 +53,5 @@ def request_uniforms(seeds, positions, purpose: int, count: int, *, lane: int = 
         c.tensor("out", out, dtype=torch.float32, shape=[batch, count], device=seeds.device)
         if count > 1 and out.stride(1) != 1:
             c.fail(f"out must have unit column stride, got strides {list(out.stride())}")
-    implementation("request_uniforms", seeds.device)(seeds.contiguous(), positions.contiguous(), purpose, lane, out)
+    implementation("request_uniforms", seeds.device)(seeds.contiguous(), positions.contiguous(), purpose, first_lane, out)
     return out
