@@ -1,0 +1,332 @@
+"""``LLMEngine``: continuous batching of DSpark speculative decoding (or plain decoding).
+
+A nano-vllm-style engine a reader takes in at once: ``EngineConfig``; ``Request`` /
+``Sequence`` (request.py); a slot pool (one KV-cache line per running request); the scheduler
+below (admit waiting requests between rounds while rows, slots and context allow, retire finished
+ones at once); and ``ModelRunner`` (runner.py: forwards, drafting, acceptance, CUDA graphs). Each
+``step()`` runs one round for every running request and returns what each produced::
+
+    engine = LLMEngine(target_dir, draft_dir, EngineConfig(max_batch=32))
+    rid = engine.add_request(Request(prompt_ids, max_new_tokens=256))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..kernels._validate import Checker
+from ..model.llama import TargetLM
+from .drafting import SCHEDULERS, Drafter, SamplingParams
+from .request import Request, RequestOutput, Sequence, SequenceStatus
+from .runner import ModelRunner
+
+__all__ = ["EngineConfig", "LLMEngine", "RequestResult"]
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass
+class EngineConfig:
+    """``max_batch`` requests per round; ``max_model_len`` tokens per request, prompt included
+    (default: the target's ``max_position_embeddings``, at most 4096); ``scheduler`` / ``threshold``
+    / ``min_proposal_len`` / ``max_proposal_len`` as ``Drafter``; ``cuda_graphs`` (CUDA only);
+    ``device`` / ``dtype`` for checkpoints loaded from directories; ``oracle_acceptance``
+    (benchmarks only: drafts come from ``Request.oracle_ids``, each kept with this probability)."""
+
+    max_batch: int = 16
+    max_model_len: int | None = None
+    scheduler: str = "off"
+    threshold: float = 0.0
+    min_proposal_len: int = 1
+    max_proposal_len: int = 0
+    cuda_graphs: bool = True
+    device: str | torch.device | None = None
+    dtype: torch.dtype | None = None
+    oracle_acceptance: float | None = None
+
+    def __post_init__(self):
+        c = Checker("EngineConfig")
+        c.integer("max_batch", self.max_batch, low=1)
+        if self.max_model_len is not None:
+            c.integer("max_model_len", self.max_model_len, low=2)
+        if self.scheduler not in SCHEDULERS:
+            c.fail(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}")
+        if self.oracle_acceptance is not None:
+            c.real("oracle_acceptance", self.oracle_acceptance, low=0.0, high=1.0)
+
+
+@dataclass
+class RequestResult:
+    """A finished request: ``token_ids`` (prompt excluded), ``finish_reason``, per-request stats."""
+
+    request_id: int
+    token_ids: list[int]
+    finish_reason: str
+    stats: object
+
+
+class LLMEngine:
+    """Serve many requests with one target (and optionally one DSpark draft) on one device.
+
+    ``target``: a Hugging Face checkpoint directory or a loaded Llama / Qwen2 / Qwen3 causal LM;
+    ``draft``: a DSpark checkpoint directory, a ``DSparkDraftModel`` or None (plain decoding on the
+    same runner -- the baseline).
+    """
+
+    def __init__(self, target, draft=None, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        c = Checker("LLMEngine")
+        self.target, self.draft_model, self.eos_ids = _load_models(c, target, draft, config)
+        limit = min(self.target.shape.max_positions, DEFAULT_MAX_MODEL_LEN)
+        if config.max_model_len is not None:
+            if config.max_model_len > self.target.shape.max_positions:
+                c.fail(f"max_model_len {config.max_model_len} exceeds the target's max_position_embeddings "
+                       f"{self.target.shape.max_positions}")
+            limit = config.max_model_len
+        self.max_model_len = limit
+        drafter = None
+        if self.draft_model is not None:
+            drafter = Drafter(self.draft_model, scheduler=config.scheduler, threshold=config.threshold,
+                              min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len)
+        self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
+                                  cuda_graphs=config.cuda_graphs, oracle_acceptance=config.oracle_acceptance)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # running[i] sits in batch row i
+        self.free_slots = list(range(config.max_batch))
+        self.sequences: dict[int, Sequence] = {}
+        self._next_id = 0
+        self._pending_draft = False  # rows admitted since the last draft replay
+        self.metrics = EngineMetrics(self.runner.num_drafts)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    @property
+    def num_drafts(self) -> int:
+        return self.runner.num_drafts
+
+    def add_request(self, request: Request) -> int:
+        """Queue a request; returns its id. Raises ValueError (naming the problem) for a prompt
+        that does not fit the context or holds ids outside the vocabulary."""
+        c = Checker("add_request")
+        if not isinstance(request, Request):
+            c.fail(f"request must be a Request, got {type(request).__name__}", TypeError)
+        ids, vocab = request.prompt_ids, self.target.vocab_size
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            c.fail(f"prompt_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            c.fail(f"the prompt has {len(ids)} tokens; the context limit (max_model_len) is {self.max_model_len}, "
+                   "which must leave room for at least one new token")
+        if (request.oracle_ids is not None) != (self.config.oracle_acceptance is not None):
+            c.fail("Request.oracle_ids (benchmark drafts) and EngineConfig.oracle_acceptance go together")
+        if request.oracle_ids is not None and not request.sampling.greedy:
+            c.fail("oracle_ids (benchmark drafts) need greedy sampling")
+        stops = request.stop_token_ids
+        stops = (frozenset() if request.ignore_eos else self.eos_ids) | (stops or frozenset())
+        seq = Sequence(self._next_id, request, stops)
+        seq.stats.num_drafts, seq.stats.prompt_tokens = self.num_drafts, len(ids)
+        self._next_id += 1
+        self.sequences[seq.request_id] = seq
+        self.waiting.append(seq)
+        self.metrics.waiting = len(self.waiting)
+        return seq.request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now (waiting or running); its cache line is freed. Unknown ids are ignored."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        else:
+            seq.finish_reason = "abort"
+            self._retire([seq])
+        self.sequences.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests, run one round for every running request, retire finished ones."""
+        outputs: list[RequestOutput] = []
+        start = time.perf_counter()
+        self._admit(outputs)
+        if self.running:
+            rows = len(self.running)
+            if self.runner.drafter is None:
+                readout = self.runner.decode(rows)
+            else:
+                readout = self.runner.round(rows, self._verify_len(), draft_first=self._pending_draft)
+                self._pending_draft = False
+            self._commit(readout, outputs)
+        self.metrics.step_time += time.perf_counter() - start
+        return outputs
+
+    def _verify_len(self) -> int:
+        """Verify rows per request: the longest scheduled proposal + 1 (all P + 1 before it is known)."""
+        p = self.num_drafts
+        if self.config.scheduler == "off" or self._pending_draft:
+            return p + 1
+        return max(seq.next_length for seq in self.running) + 1
+
+    def _admit(self, outputs: list[RequestOutput]) -> None:
+        while self.waiting and self.free_slots and len(self.running) < self.config.max_batch:
+            seq = self.waiting.popleft()
+            seq.slot, seq.row = self.free_slots.pop(0), len(self.running)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            t0 = time.perf_counter()
+            r = seq.request
+            first = self.runner.prefill(seq.row, seq.slot, r.prompt_ids, r.sampling, r.sampling.seed, r.oracle_ids)
+            seq.stats.prefill_time = time.perf_counter() - t0
+            seq.next_length = self.num_drafts
+            kept = seq.commit([first], self.max_model_len)
+            seq.stats.prefill_tokens = len(kept)
+            self._report(seq, kept, outputs)
+            self._pending_draft = True
+        self.metrics.waiting = len(self.waiting)
+        self._retire([s for s in self.running if s.finish_reason is not None])
+
+    def _commit(self, readout: list[list[int]], outputs: list[RequestOutput]) -> None:
+        t = self.runner.verify_len
+        for seq, row in zip(self.running, readout):
+            n, verified = row[t], row[t + 1]
+            kept = seq.commit(row[:n], self.max_model_len)
+            if self.runner.drafter is not None:
+                seq.stats.record_round(verified, n, len(kept))
+                self.metrics.record_round(verified, n)
+                seq.next_length = row[t + 2]
+            else:
+                seq.stats.record_round(0, 1, len(kept))
+            self._report(seq, kept, outputs)
+        self._retire([s for s in self.running if s.finish_reason is not None])
+
+    def _report(self, seq: Sequence, kept: list[int], outputs: list[RequestOutput]) -> None:
+        self.metrics.generated_tokens += len(kept)
+        outputs.append(RequestOutput(seq.request_id, kept, seq.finish_reason is not None, seq.finish_reason))
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        """Free finished requests' slots and keep the running rows dense (the last row moves in)."""
+        for seq in finished:
+            last = self.running[-1]
+            if last is not seq:
+                self.runner.move_row(last.row, seq.row)
+                self.running[seq.row], last.row = last, seq.row
+            else:
+                self.runner.clear_row(seq.row)
+            self.running.pop()
+            self.free_slots.append(seq.slot)
+            self.free_slots.sort()
+            seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
+            self.metrics.finished += 1
+        self.metrics.running = len(self.running)
+
+    # ---- convenience --------------------------------------------------------------------------
+
+    def generate(self, requests: list[Request],
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestResult]:
+        """Run ``requests`` to completion (together with any already queued); results in input order."""
+        ids = [self.add_request(r) for r in requests]
+        wanted = set(ids)
+        seqs = {i: self.sequences[i] for i in ids}
+        start = time.perf_counter()
+        while wanted and self.has_unfinished():
+            for out in self.step():
+                if out.request_id in wanted:
+                    if on_output is not None:
+                        on_output(out)
+                    if out.finished:
+                        wanted.discard(out.request_id)
+                        seqs[out.request_id].stats.total_time = time.perf_counter() - start
+        for i in ids:
+            self.sequences.pop(i, None)
+        return [RequestResult(i, s.output_ids, s.finish_reason, s.stats) for i, s in seqs.items()]
+
+
+class EngineMetrics:
+    """Counters since the engine started (served as Prometheus metrics by ``dspark serve``)."""
+
+    def __init__(self, num_drafts: int):
+        self.num_drafts = num_drafts
+        self.running = self.waiting = self.finished = 0
+        self.generated_tokens = 0
+        self.rounds = 0
+        self.draft_tokens = 0  # drafts verified
+        self.accepted_tokens = 0  # drafts accepted
+        self.position_trials = [0] * num_drafts  # position k verified with 1..k-1 accepted
+        self.position_accepts = [0] * num_drafts
+        self.step_time = 0.0
+
+    def record_round(self, verified: int, accept_length: int) -> None:
+        self.rounds += 1
+        accepted = min(accept_length - 1, verified)
+        self.draft_tokens += verified
+        self.accepted_tokens += accepted
+        for k in range(min(verified, accepted + 1)):
+            self.position_trials[k] += 1
+            self.position_accepts[k] += k < accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+def _load_models(c: Checker, target, draft, config: EngineConfig):
+    """(TargetLM, draft model or None, EOS ids) from directories or loaded models."""
+    from ..model import check_target_compatible, load_draft
+    from .target import eos_token_ids
+
+    device = torch.device(config.device) if config.device is not None else None
+    draft_model = draft
+    if isinstance(draft, (str, Path)):
+        draft_model = load_draft(draft, device=device, dtype=config.dtype)
+    capture = list(draft_model.config.capture_layer_ids) if draft_model is not None else []
+    if isinstance(target, (str, Path)):
+        dev = device or (draft_model.device if draft_model is not None else torch.device("cpu"))
+        lm = TargetLM.from_pretrained(target, capture, device=dev, dtype=config.dtype)
+        eos = frozenset(_directory_eos(Path(target)) or _config_eos(lm.config))
+    elif isinstance(target, torch.nn.Module):
+        lm = TargetLM.from_hf_model(target, capture)
+        eos = frozenset(eos_token_ids(target))
+    else:
+        c.fail(f"target must be a checkpoint directory or a Hugging Face causal LM, got {type(target).__name__}", TypeError)
+    if draft_model is not None:
+        check_target_compatible(draft_model.config, lm.config)
+        if draft_model.device != lm.device:
+            c.fail(f"the draft is on {draft_model.device} but the target on {lm.device}")
+    return lm, draft_model, eos
+
+
+def _config_eos(config) -> list[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _directory_eos(path: Path) -> list[int]:
+    """EOS ids of ``generation_config.json`` (what transformers' generate would stop on)."""
+    import json
+
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return []
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except ValueError:
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

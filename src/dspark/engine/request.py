@@ -1,0 +1,108 @@
+"""Requests, their running state and what each engine step reports."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..kernels._validate import Checker
+from .drafting import SamplingParams
+from .stats import GenerationStats
+
+__all__ = ["Request", "RequestOutput", "Sequence", "SequenceStatus"]
+
+
+@dataclass
+class Request:
+    """One generation request for ``LLMEngine``.
+
+    ``prompt_ids``: the prompt's token ids. ``stop_token_ids``: generation ends after any of them
+    (None: the target's EOS ids; ``ignore_eos`` drops those but keeps explicit ones).
+    ``oracle_ids`` (benchmarks only): a known continuation; the engine then replaces its drafted
+    tokens by it (``EngineConfig.oracle_acceptance``).
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] | None = None
+    ignore_eos: bool = False
+    oracle_ids: list[int] | None = None
+
+    def __post_init__(self):
+        c = Checker("Request")
+        ids = self.prompt_ids
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            c.fail(f"prompt_ids must be a non-empty list of token ids (ints), got {_describe(self.prompt_ids)}", TypeError)
+        self.prompt_ids = list(ids)
+        c.integer("max_new_tokens", self.max_new_tokens, low=0)
+        if not isinstance(self.sampling, SamplingParams):
+            c.fail(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}", TypeError)
+        if self.stop_token_ids is not None:
+            stops = self.stop_token_ids
+            if isinstance(stops, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in stops):
+                c.fail(f"stop_token_ids must be a collection of token ids (ints), got {stops!r}", TypeError)
+            self.stop_token_ids = frozenset(stops)
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one ``LLMEngine.step`` produced for one request: the tokens committed this step and,
+    when the request ended, why (``"stop"``: a stop/EOS token, ``"length"``: ``max_new_tokens`` or
+    the context limit, ``"abort"``)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class Sequence:
+    """A request inside the engine: its output so far, its batch row and cache slot while running."""
+
+    request_id: int
+    request: Request
+    stop_ids: frozenset[int]
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    row: int = -1
+    slot: int = -1
+    finish_reason: str | None = None
+    next_length: int = 0  # drafts the next round verifies (the scheduler's choice, read back each round)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    def commit(self, tokens: list[int], max_len: int) -> list[int]:
+        """Append what fits (``max_new_tokens``, the first stop token, the context limit
+        ``max_len``); returns the tokens kept and sets ``finish_reason`` when the sequence ends."""
+        limit = self.request.max_new_tokens - len(self.output_ids)
+        kept = tokens[:limit]
+        for i, t in enumerate(kept):
+            if t in self.stop_ids:
+                kept, self.finish_reason = kept[: i + 1], "stop"
+                break
+        self.output_ids.extend(kept)
+        if self.finish_reason is None and (len(self.output_ids) >= self.request.max_new_tokens or self.num_tokens >= max_len):
+            self.finish_reason = "length"
+        return kept

@@ -1,0 +1,304 @@
+"""The model runner: target and draft forwards, drafting and acceptance for a batch of rows.
+
+The runner owns everything the GPU touches: both KV caches (one line per slot, ``max_batch`` slots
+plus a dummy line for padding rows), the per-row state (anchor token and position, drafts, their
+probabilities, proposal lengths, the captured hidden states of the last verification, seeds) and
+the CUDA graphs. Rows ``0 .. n-1`` of a batch bucket ``B`` are the running requests, rows ``n .. B-1``
+padding that reads and writes only the dummy line.
+
+One speculative round is two graph replays and one host synchronisation::
+
+    verify(B, T)  target forward over [anchor, d_1 .. d_{T-1}] of every row -> accept -> advance
+    draft(B)      draft context K/V of the verified rows -> draft block -> Markov chain -> confidence
+                  -> proposal lengths of the next round
+    readout       accepted tokens, accept lengths and next proposal lengths to the host   (the sync)
+
+Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. All
+randomness is request-stable (``K.request_uniforms``, keyed by the request's seed and the round's
+anchor position), so a request's tokens do not depend on its batch. A batch whose rows share one
+sampling setting runs its whole round inside the graphs; rows with different settings are grouped
+and run eagerly (the same functions, without graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from .. import kernels as K
+from ..model.draft_runner import DraftRunner
+from ..model.llama import AttentionBatch, TargetLM
+from .drafting import Drafter, SamplingParams
+
+__all__ = ["ModelRunner", "batch_buckets", "PURPOSE_ORACLE"]
+
+PURPOSE_ORACLE = 0x3C6EF372FE94F82B  # benchmarks' controlled acceptance: its own stream
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Graph batch sizes: powers of two up to 32, then steps of 16, capped by ``max_batch``."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch]
+    sizes += list(range(48, max_batch, 16))
+    return sizes + [max_batch]
+
+
+def _mode(sampling: SamplingParams) -> SamplingParams:
+    """A row's sampling setting without its seed (the seed lives in a device tensor)."""
+    return SamplingParams() if sampling.greedy else replace(sampling, seed=0)
+
+
+class ModelRunner:
+    """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, mode)."""
+
+    def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
+                 cuda_graphs: bool = True, oracle_acceptance: float | None = None):
+        self.target, self.drafter = target, drafter
+        self.device = dev = target.device
+        self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.num_drafts = drafter.num_draft_tokens if drafter else 0
+        self.verify_len = self.num_drafts + 1
+        block = drafter.block_size if drafter else 1
+        line = max_model_len + self.verify_len + block  # a round writes past the committed tokens
+        self.dummy_slot = max_batch
+        self.cache = target.new_cache(max_batch + 1, line)
+        self.draft = DraftRunner(drafter.model, max_batch + 1, line) if drafter else None
+        self.buckets = batch_buckets(max_batch)
+        self.use_graphs = cuda_graphs and dev.type == "cuda"
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.oracle_acceptance = oracle_acceptance
+
+        i32 = dict(dtype=torch.int32, device=dev)
+        b, p, t = max_batch, self.num_drafts, self.verify_len
+        self.state = {  # every per-row tensor; rows move together when a request leaves
+            "slot_ids": torch.full((b,), self.dummy_slot, **i32), "active": torch.zeros(b, **i32),
+            "anchor": torch.zeros(b, **i32), "anchor_pos": torch.zeros(b, **i32), "ctx_pos": torch.zeros(b, **i32),
+            "seeds": torch.zeros(b, dtype=torch.int64, device=dev),
+            "draft_tokens": torch.zeros(b, max(p, 1), **i32), "proposal_lengths": torch.full((b,), max(p, 1), **i32),
+            "accepted": torch.zeros(b, t, **i32), "accept_length": torch.ones(b, **i32),
+        }
+        if drafter is not None:
+            width = drafter.config.num_capture_layers * drafter.config.hidden_size
+            self.state["capture"] = torch.zeros(b, t, width, dtype=target.dtype, device=dev)
+        if oracle_acceptance is not None:
+            self.state["oracle"] = torch.zeros(b, line + t, **i32)
+        self.readout = torch.zeros(b, t + 3, **i32)  # accepted | accept length | verified length | next length
+        self.offsets = torch.arange(max(t, block), **i32)
+        self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
+        self.row_modes: list[SamplingParams | None] = [None] * b
+
+    # ---- rows ---------------------------------------------------------------------------------
+
+    def _ensure_probabilities(self) -> None:
+        """The draft-probability rows of sampled drafting, allocated on first need (outside graphs)."""
+        if "draft_probs" not in self.state:
+            v = self.target.vocab_size
+            self.state["draft_probs"] = torch.zeros(self.max_batch, self.num_drafts, v, device=self.device)
+            self.graphs.clear()  # graphs captured before do not write them
+
+    def prefill(self, row: int, slot: int, prompt_ids: list[int], sampling: SamplingParams, seed: int,
+                oracle_ids: list[int] | None = None) -> int:
+        """Run a prompt into ``slot`` (eager), set up ``row`` and return the first token (syncs)."""
+        dev, s = self.device, self.state
+        if self.drafter is not None and not sampling.greedy:
+            self._ensure_probabilities()
+        n = len(prompt_ids)
+        ids = torch.tensor(prompt_ids, dtype=torch.int64, device=dev)
+        positions = torch.arange(n, dtype=torch.int32, device=dev)
+        slots = torch.full((n,), slot, dtype=torch.int32, device=dev)
+        slot_t = torch.tensor([slot], dtype=torch.int32, device=dev)
+        batch = AttentionBatch(slot_t, torch.zeros(1, dtype=torch.int32, device=dev),
+                               torch.tensor([0, n], dtype=torch.int32, device=dev), n)
+        capture = None
+        if self.draft is not None:
+            capture = torch.empty(n, s["capture"].shape[-1], dtype=self.target.dtype, device=dev)
+        logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
+                                     logits_rows=positions[-1:].long())
+        if self.draft is not None:
+            self.draft.context(capture, positions, slots)
+        seeds = torch.tensor([_as_int64(seed)], dtype=torch.int64, device=dev)
+        token = _sample_rows(logits, sampling, seeds, positions[-1:])
+        for name, value in (("slot_ids", slot), ("active", 1), ("anchor_pos", n), ("ctx_pos", n)):
+            s[name][row] = value
+        s["anchor"][row] = token[0]
+        s["seeds"][row] = seeds[0]
+        if oracle_ids is not None:
+            known = torch.tensor(list(prompt_ids) + list(oracle_ids), dtype=torch.int32, device=dev)
+            s["oracle"][row].zero_()
+            s["oracle"][row, : known.numel()] = known[: s["oracle"].shape[1]]
+        self.row_modes[row] = _mode(sampling)
+        return int(token[0])  # sync: the first token is streamed at once
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move a running request's row (its cache slot stays where it is)."""
+        for t in self.state.values():
+            t[dst] = t[src]
+        self.row_modes[dst] = self.row_modes[src]
+        self.clear_row(src)
+
+    def clear_row(self, row: int) -> None:
+        """Turn ``row`` into padding: dummy slot, position 0."""
+        s = self.state
+        s["slot_ids"][row] = self.dummy_slot
+        for name in ("active", "anchor", "anchor_pos", "ctx_pos"):
+            s[name][row] = 0
+        self.row_modes[row] = None
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def round(self, rows: int, verify_len: int, *, draft_first: bool) -> list[list[int]]:
+        """One speculative round for the first ``rows`` rows (``draft_first``: newly admitted rows
+        have no proposal yet); returns each row's readout ``[accepted .., n, verified, next]``."""
+        b = self.bucket(rows)
+        mode = self._batch_mode(rows)
+        if draft_first:
+            self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
+        self._replay(("verify", b, verify_len, mode), lambda: self._verify_rows(b, rows, verify_len, mode))
+        self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
+        return self.readout[:rows].tolist()  # the round's one host synchronisation
+
+    def decode(self, rows: int) -> list[list[int]]:
+        """One plain decoding step for the first ``rows`` rows; readout as ``round``."""
+        b = self.bucket(rows)
+        mode = self._batch_mode(rows)
+        self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode))
+        return self.readout[:rows].tolist()  # the step's one host synchronisation
+
+    def _batch_mode(self, rows: int) -> SamplingParams | None:
+        """The rows' shared sampling setting, or None when they differ (grouped, eager)."""
+        modes = set(self.row_modes[:rows])
+        return modes.pop() if len(modes) == 1 else None
+
+    def _groups(self, b: int, rows: int, mode: SamplingParams | None):
+        """(row index or slice, sampling) pairs covering rows ``0 .. b-1``; padding rows go greedy."""
+        if mode is not None:
+            return [(slice(0, b), mode)]
+        by_mode: dict[SamplingParams, list[int]] = {}
+        for row in range(b):
+            by_mode.setdefault(self.row_modes[row] if row < rows else SamplingParams(), []).append(row)
+        return [(torch.tensor(idx, device=self.device), m) for m, idx in by_mode.items()]
+
+    def _replay(self, key: tuple, fn: Callable[[], None]) -> None:
+        mode = key[-1]
+        if not self.use_graphs or mode is None:
+            fn()
+            return
+        graph = self.graphs.get(key)
+        if graph is None:
+            saved = {k: v.clone() for k, v in self.state.items() if k not in ("capture", "draft_probs")}
+            fn()  # warm-up: compiles kernels and sizes their scratch; its writes are undone below
+            torch.cuda.synchronize(self.device)
+            for k, v in saved.items():
+                self.state[k].copy_(v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                fn()
+            self.pool = graph.pool()
+            self.graphs[key] = graph
+        graph.replay()
+
+    # ---- device work (captured) -----------------------------------------------------------------
+
+    def _attention_batch(self, b: int, query_len: int) -> AttentionBatch:
+        s = self.state
+        return AttentionBatch(s["slot_ids"][:b], s["anchor_pos"][:b], self.cu[query_len][: b + 1], query_len)
+
+    def _decode_rows(self, b: int, rows: int, mode) -> None:
+        s = self.state
+        logits = self.target.forward(s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b],
+                                     self._attention_batch(b, 1), self.cache)
+        for index, sampling in self._groups(b, rows, mode):
+            token = _sample_rows(logits[index], sampling, s["seeds"][index], s["anchor_pos"][index])
+            s["accepted"][index, 0] = token
+        s["accept_length"][:b] = 1
+        self._advance(b, 1)
+
+    def _verify_rows(self, b: int, rows: int, verify_len: int, mode) -> None:
+        s, p_v = self.state, verify_len - 1
+        tokens = K.build_verify_tokens(s["anchor"][:b], s["draft_tokens"][:b], p_v)
+        positions = s["anchor_pos"][:b, None] + self.offsets[:verify_len]
+        token_slots = s["slot_ids"][:b].repeat_interleave(verify_len)
+        logits = self.target.forward(tokens.view(-1).long(), positions.view(-1), token_slots,
+                                     self._attention_batch(b, verify_len), self.cache,
+                                     capture_out=s["capture"][:b, :verify_len]).view(b, verify_len, -1)
+        for index, sampling in self._groups(b, rows, mode):
+            accepted, n = self._accept(logits[index], index, sampling, p_v)
+            s["accepted"][index, :verify_len] = accepted
+            s["accept_length"][index] = n
+        self.readout[:b, self.verify_len + 1] = s["proposal_lengths"][:b].clamp(max=p_v)
+        self._advance(b, verify_len)
+
+    def _accept(self, logits, index, sampling: SamplingParams, p_v: int):
+        s = self.state
+        drafts, lengths = s["draft_tokens"][index], s["proposal_lengths"][index]
+        if sampling.greedy:
+            return K.greedy_accept(logits, drafts, lengths, p_v)
+        p = self.num_drafts
+        seeds, anchor_pos = s["seeds"][index], s["anchor_pos"][index]
+        uniforms = torch.empty(seeds.shape[0], 2 * p + 1, device=self.device)
+        K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
+        K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
+        K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
+        probs = sampling.probabilities(logits.reshape(-1, logits.shape[-1])).view(logits.shape)
+        return K.probabilistic_accept(probs, s["draft_probs"][index], drafts, lengths, uniforms, p_v)
+
+    def _advance(self, b: int, verify_len: int) -> None:
+        """Commit the accepted prefix on the device: the caches' lengths are the anchor positions."""
+        s = self.state
+        n = s["accept_length"][:b]
+        self.readout[:b, :verify_len] = s["accepted"][:b, :verify_len]
+        self.readout[:b, self.verify_len] = n
+        s["ctx_pos"][:b] = s["anchor_pos"][:b]
+        s["anchor"][:b] = s["accepted"][:b].gather(1, (n - 1).long()[:, None]).squeeze(1)
+        s["anchor_pos"][:b] += n * s["active"][:b]  # padding rows stay at position 0
+
+    def _draft_rows(self, b: int, rows: int, mode) -> None:
+        s, t, p = self.state, self.verify_len, self.num_drafts
+        positions = (s["ctx_pos"][:b, None] + self.offsets[:t]).view(-1)
+        self.draft.context(s["capture"][:b].reshape(b * t, -1), positions, s["slot_ids"][:b].repeat_interleave(t))
+        hidden = self.draft.block(s["anchor"][:b], s["anchor_pos"][:b], s["slot_ids"][:b])
+        logits = self.drafter.model.backbone_logits(hidden)
+        n = self.drafter.block_size
+        for index, sampling in self._groups(b, rows, mode):
+            rows_of = (lambda x: x.view(b, n, -1)[index].reshape(-1, x.shape[-1]))
+            uniforms = None
+            if not sampling.greedy:
+                uniforms = K.request_uniforms(s["seeds"][index], s["anchor_pos"][index], K.PURPOSE_PROPOSAL, p)
+            proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s["anchor"][index], sampling, uniforms)
+            s["draft_tokens"][index] = proposal.token_ids
+            s["proposal_lengths"][index] = proposal.proposal_lengths
+            if proposal.probabilities is not None:
+                s["draft_probs"][index] = proposal.probabilities
+        if self.oracle_acceptance is not None:
+            self._oracle_drafts(b)
+        self.readout[:b, t + 2] = s["proposal_lengths"][:b]
+
+    def _oracle_drafts(self, b: int) -> None:
+        """Benchmarks: each draft is the known continuation with probability ``oracle_acceptance``,
+        else a token the greedy target rejects (the continuation's id + 1)."""
+        s, p = self.state, self.num_drafts
+        truth = s["oracle"][:b].gather(1, (s["anchor_pos"][:b, None] + 1 + self.offsets[:p]).long())
+        u = K.request_uniforms(s["seeds"][:b], s["anchor_pos"][:b], PURPOSE_ORACLE, p)
+        wrong = (truth + 1) % self.target.vocab_size
+        s["draft_tokens"][:b] = torch.where(u < self.oracle_acceptance, truth, wrong)
+
+
+def _sample_rows(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, positions: torch.Tensor):
+    """One target token per row (int32 ``[R]``) from f32 logits ``[R, V]``: the argmax when greedy,
+    else an inverse-CDF draw keyed by (seed, position)."""
+    if sampling.greedy:
+        return logits.argmax(-1).to(torch.int32)
+    uniforms = K.request_uniforms(seeds, positions, K.PURPOSE_TARGET_SAMPLE, 1)
+    token = torch.zeros(logits.shape[0], 1, dtype=torch.int32, device=logits.device)
+    K.sample_probability_rows(sampling.probabilities(logits), uniforms, token, 0)
+    return token[:, 0]
+
+
+def _as_int64(value: int) -> int:
+    """The int64 with the bit pattern of the unsigned 64-bit ``value``."""
+    return value - (1 << 64) if value >= 1 << 63 else value
