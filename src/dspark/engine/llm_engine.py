@@ -26,11 +26,12 @@ from ..kernels._validate import Checker
 from ..model.llama import TargetLM
 from .drafting import SCHEDULERS, Drafter, SamplingParams
 from .request import Request, RequestOutput, Sequence, SequenceStatus
-from .runner import ModelRunner
+from .runner import ModelRunner, PrefillEntry
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestResult"]
 
 DEFAULT_MAX_MODEL_LEN = 4096
+PREFILL_TOKENS = 16384  # prompt tokens per prefill forward (bounds its activations)
 
 
 @dataclass
@@ -182,21 +183,33 @@ class LLMEngine:
         return max(seq.next_length for seq in self.running) + 1
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
+        """Prefill waiting requests (one forward, at most ``PREFILL_TOKENS`` prompt tokens unless a
+        single prompt is longer) while rows and slots are free."""
+        admitted, tokens = [], 0
         while self.waiting and self.free_slots and len(self.running) < self.config.max_batch:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if admitted and tokens + seq.prompt_len > PREFILL_TOKENS:
+                break
+            self.waiting.popleft()
             seq.slot, seq.row = self.free_slots.pop(0), len(self.running)
-            seq.status = SequenceStatus.RUNNING
+            seq.status, seq.next_length = SequenceStatus.RUNNING, self.num_drafts
             self.running.append(seq)
-            t0 = time.perf_counter()
-            r = seq.request
-            first = self.runner.prefill(seq.row, seq.slot, r.prompt_ids, r.sampling, r.sampling.seed, r.oracle_ids)
-            seq.stats.prefill_time = time.perf_counter() - t0
-            seq.next_length = self.num_drafts
+            admitted.append(seq)
+            tokens += seq.prompt_len
+        self.metrics.waiting = len(self.waiting)
+        if not admitted:
+            return
+        start = time.perf_counter()
+        entries = [PrefillEntry(q.row, q.slot, q.request.prompt_ids, q.request.sampling, q.request.sampling.seed,
+                                q.request.oracle_ids) for q in admitted]
+        firsts = self.runner.prefill(entries)
+        elapsed = time.perf_counter() - start
+        for seq, first in zip(admitted, firsts):
+            seq.stats.prefill_time = elapsed
             kept = seq.commit([first], self.max_model_len)
             seq.stats.prefill_tokens = len(kept)
             self._report(seq, kept, outputs)
-            self._pending_draft = True
-        self.metrics.waiting = len(self.waiting)
+        self._pending_draft = True
         self._retire([s for s in self.running if s.finish_reason is not None])
 
     def _commit(self, readout: list[list[int]], outputs: list[RequestOutput]) -> None:

@@ -22,7 +22,7 @@ and run eagerly (the same functions, without graphs).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -32,9 +32,21 @@ from ..model.draft_runner import DraftRunner
 from ..model.llama import AttentionBatch, TargetLM
 from .drafting import Drafter, SamplingParams
 
-__all__ = ["ModelRunner", "batch_buckets", "PURPOSE_ORACLE"]
+__all__ = ["ModelRunner", "PrefillEntry", "batch_buckets", "PURPOSE_ORACLE"]
 
 PURPOSE_ORACLE = 0x3C6EF372FE94F82B  # benchmarks' controlled acceptance: its own stream
+
+
+@dataclass
+class PrefillEntry:
+    """A newly admitted request: its batch row, cache slot, prompt and sampling settings."""
+
+    row: int
+    slot: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    oracle_ids: list[int] | None = None
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -98,38 +110,44 @@ class ModelRunner:
             self.state["draft_probs"] = torch.zeros(self.max_batch, self.num_drafts, v, device=self.device)
             self.graphs.clear()  # graphs captured before do not write them
 
-    def prefill(self, row: int, slot: int, prompt_ids: list[int], sampling: SamplingParams, seed: int,
-                oracle_ids: list[int] | None = None) -> int:
-        """Run a prompt into ``slot`` (eager), set up ``row`` and return the first token (syncs)."""
+    def prefill(self, entries: list[PrefillEntry]) -> list[int]:
+        """Run the prompts of newly admitted requests into their slots in one eager forward, set up
+        their rows and return each one's first token (one sync: the first tokens stream at once)."""
         dev, s = self.device, self.state
-        if self.drafter is not None and not sampling.greedy:
+        if self.drafter is not None and any(not e.sampling.greedy for e in entries):
             self._ensure_probabilities()
-        n = len(prompt_ids)
-        ids = torch.tensor(prompt_ids, dtype=torch.int64, device=dev)
-        positions = torch.arange(n, dtype=torch.int32, device=dev)
-        slots = torch.full((n,), slot, dtype=torch.int32, device=dev)
-        slot_t = torch.tensor([slot], dtype=torch.int32, device=dev)
-        batch = AttentionBatch(slot_t, torch.zeros(1, dtype=torch.int32, device=dev),
-                               torch.tensor([0, n], dtype=torch.int32, device=dev), n)
+        lengths = [len(e.prompt_ids) for e in entries]
+        i32 = dict(dtype=torch.int32, device=dev)
+        ids = torch.tensor([t for e in entries for t in e.prompt_ids], dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n, **i32) for n in lengths])
+        slots = torch.tensor([e.slot for e, n in zip(entries, lengths) for _ in range(n)], **i32)
+        cu = torch.tensor([0] + lengths, **i32).cumsum(0, dtype=torch.int32)
+        slot_ids = torch.tensor([e.slot for e in entries], **i32)
+        batch = AttentionBatch(slot_ids, torch.zeros(len(entries), **i32), cu, max(lengths))
         capture = None
         if self.draft is not None:
-            capture = torch.empty(n, s["capture"].shape[-1], dtype=self.target.dtype, device=dev)
+            capture = torch.empty(ids.numel(), s["capture"].shape[-1], dtype=self.target.dtype, device=dev)
         logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
-                                     logits_rows=positions[-1:].long())
+                                     logits_rows=(cu[1:] - 1).long())
         if self.draft is not None:
             self.draft.context(capture, positions, slots)
-        seeds = torch.tensor([_as_int64(seed)], dtype=torch.int64, device=dev)
-        token = _sample_rows(logits, sampling, seeds, positions[-1:])
-        for name, value in (("slot_ids", slot), ("active", 1), ("anchor_pos", n), ("ctx_pos", n)):
-            s[name][row] = value
-        s["anchor"][row] = token[0]
-        s["seeds"][row] = seeds[0]
-        if oracle_ids is not None:
-            known = torch.tensor(list(prompt_ids) + list(oracle_ids), dtype=torch.int32, device=dev)
-            s["oracle"][row].zero_()
-            s["oracle"][row, : known.numel()] = known[: s["oracle"].shape[1]]
-        self.row_modes[row] = _mode(sampling)
-        return int(token[0])  # sync: the first token is streamed at once
+        seeds = torch.tensor([_as_int64(e.seed) for e in entries], dtype=torch.int64, device=dev)
+        last = torch.tensor(lengths, **i32) - 1
+        tokens = torch.empty(len(entries), **i32)
+        for mode in {_mode(e.sampling) for e in entries}:
+            index = torch.tensor([i for i, e in enumerate(entries) if _mode(e.sampling) == mode], device=dev)
+            tokens[index] = _sample_rows(logits[index], mode, seeds[index], last[index])
+        rows = torch.tensor([e.row for e in entries], device=dev)
+        for name, value in (("slot_ids", slot_ids), ("active", 1), ("anchor_pos", last + 1), ("ctx_pos", last + 1),
+                            ("anchor", tokens), ("seeds", seeds)):
+            s[name][rows] = value
+        for e in entries:
+            self.row_modes[e.row] = _mode(e.sampling)
+            if e.oracle_ids is not None:
+                known = torch.tensor(list(e.prompt_ids) + list(e.oracle_ids), **i32)[: s["oracle"].shape[1]]
+                s["oracle"][e.row].zero_()
+                s["oracle"][e.row, : known.numel()] = known
+        return tokens.tolist()
 
     def move_row(self, src: int, dst: int) -> None:
         """Move a running request's row (its cache slot stays where it is)."""

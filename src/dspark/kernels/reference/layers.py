@@ -43,25 +43,32 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len, causal,
                      window_starts, scale):
-    out = torch.zeros_like(q)
-    n_q, n_kv = q.shape[1], k_cache.shape[2]
-    for b in range(slot_ids.shape[0]):
-        lo, hi = int(cu_query_lens[b]), int(cu_query_lens[b + 1])
-        if hi == lo:
-            continue
-        ctx, slot = int(context_lens[b]), int(slot_ids[b])
-        start = 0 if window_starts is None else max(0, int(window_starts[b]))
-        keys = torch.arange(start, ctx + hi - lo, device=q.device)
-        query_pos = ctx + torch.arange(hi - lo, device=q.device)
-        visible = keys[None, :] <= query_pos[:, None] if causal else torch.ones(
-            hi - lo, keys.numel(), dtype=torch.bool, device=q.device)
-        k = k_cache[slot, start:ctx + hi - lo].transpose(0, 1).float()     # [n_kv, keys, d]
-        v = v_cache[slot, start:ctx + hi - lo].transpose(0, 1).float()
-        k = k.repeat_interleave(n_q // n_kv, dim=0)
-        v = v.repeat_interleave(n_q // n_kv, dim=0)
-        attn = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1).float(), k, v, attn_mask=visible, scale=scale)
-        out[lo:hi] = attn.transpose(0, 1).to(q.dtype)
-    return out
+    batch, n_q, n_kv = slot_ids.shape[0], q.shape[1], k_cache.shape[2]
+    counts = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
+    if batch == 0 or q.shape[0] == 0:
+        return torch.zeros_like(q)
+    ctx = context_lens.long()
+    width = int((ctx + counts).max())
+    # queries padded to [B, max_q]: row b, query t sits at flat row cu[b] + t
+    t = torch.arange(max(int(counts.max()), 1), device=q.device)
+    valid_q = t[None, :] < counts[:, None]
+    flat = (cu_query_lens[:-1].long()[:, None] + t[None, :]).clamp(max=q.shape[0] - 1)
+    queries = q[flat].float()                                                # [B, Tq, n_q, d]
+    keys = torch.arange(width, device=q.device)
+    start = torch.zeros_like(ctx) if window_starts is None else window_starts.long().clamp(min=0)
+    query_pos = ctx[:, None] + t[None, :]                                    # [B, Tq]
+    last = query_pos if causal else (ctx + counts)[:, None] - 1
+    visible = (keys[None, None, :] >= start[:, None, None]) & (keys[None, None, :] <= last[:, :, None])
+    visible = visible & valid_q[:, :, None]
+    k = k_cache[slot_ids.long(), :width].float().repeat_interleave(n_q // n_kv, dim=2)   # [B, L, n_q, d]
+    v = v_cache[slot_ids.long(), :width].float().repeat_interleave(n_q // n_kv, dim=2)
+    scores = torch.einsum("bthd,blhd->bhtl", queries, k) * scale
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)                  # padded queries see nothing
+    out = torch.einsum("bhtl,blhd->bthd", weights, v)
+    result = torch.zeros_like(q)
+    result[flat[valid_q]] = out[valid_q].to(q.dtype)
+    return result
 
 
 def silu_and_mul(x):
