@@ -1,0 +1,280 @@
+"""The batched engine (``LLMEngine``: target runner, draft runner, continuous batching) on the CPU.
+
+The runner's logits and captured states are checked against the Hugging Face model; the engine's
+greedy output against plain greedy decoding by full recomputation, per request, whatever the batch;
+sampled output against the same request decoded alone, and against the exact target distribution.
+"""
+
+import pytest
+import torch
+from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target, write_tiny_draft
+from test_engine import _fit, _forward, _greedy
+
+import dspark.kernels as K
+from dspark.engine import SamplingParams
+from dspark.engine.llm_engine import EngineConfig, LLMEngine
+from dspark.engine.request import Request
+from dspark.model import load_draft
+from dspark.model.draft_runner import DraftRunner
+from dspark.model.llama import AttentionBatch, TargetLM
+
+PROMPTS = [[3, 17, 42, 8, 61, 5], [9, 1], [44, 2, 71, 7, 7, 30, 12, 55, 90, 3, 18], [60]]
+NEW = 14
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3_target()
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    return [_greedy(target, p, NEW) for p in PROMPTS]
+
+
+def _tiny_llama(rope):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, initializer_range=0.1, max_position_embeddings=256,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, rope_parameters=rope)).eval()
+
+
+def _tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        return Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+# ---------------------------------------------------------------------------------- target runner
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "qwen2-tied-bias"])
+def test_runner_logits_and_captures_match_hugging_face(target, family):
+    model = {"qwen3": lambda: target, "llama3": lambda: _tiny_llama(LLAMA3_ROPE), "qwen2-tied-bias": _tiny_qwen2}[family]()
+    ids = torch.randint(0, 90, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    lm = TargetLM.from_hf_model(model, [0, 2])
+    cache = lm.new_cache(3, 32)
+    # a ragged prefill of both requests (6 and 4 tokens) into slots 2 and 0, then 5 + 5 verify tokens
+    lens, slots = [6, 4], [2, 0]
+    flat = torch.cat([ids[0, :6], ids[1, :4]])
+    positions = torch.cat([torch.arange(6), torch.arange(4)])
+    token_slots = torch.tensor([2] * 6 + [0] * 4)
+    batch = AttentionBatch(torch.tensor(slots), torch.zeros(2, dtype=torch.int32), torch.tensor([0, 6, 10]), 6)
+    logits = lm.forward(flat, positions, token_slots, batch, cache)
+    torch.testing.assert_close(logits[:6], ref.logits[0, :6], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[6:], ref.logits[1, :4], rtol=1e-4, atol=1e-4)
+    h = model.config.hidden_size
+    capture = torch.zeros(2, 5, 2 * h)
+    verify = torch.cat([ids[0, 6:], ids[1, 4:9]])
+    positions = torch.cat([torch.arange(6, 11), torch.arange(4, 9)])
+    batch = AttentionBatch(torch.tensor(slots), torch.tensor(lens), torch.tensor([0, 5, 10]), 5)
+    logits = lm.forward(verify, positions, torch.tensor([2] * 5 + [0] * 5), batch, cache, capture_out=capture,
+                        logits_rows=torch.tensor([0, 4, 9]))
+    expected = torch.stack([ref.logits[0, 6], ref.logits[0, 10], ref.logits[1, 8]])
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(capture[0, :, :h], ref.hidden_states[0][0, 6:])
+    torch.testing.assert_close(capture[1, :, h:], ref.hidden_states[2][1, 4:9], rtol=1e-5, atol=1e-5)
+
+
+def test_runner_loads_sharded_checkpoints_and_names_bad_tensors(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    lm = TargetLM.from_pretrained(tmp_path / "sharded", [1])
+    ids = torch.tensor([3, 4, 5])
+    batch = AttentionBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([0, 3]), 3)
+    logits = lm.forward(ids, torch.arange(3), torch.zeros(3, dtype=torch.int32), batch, lm.new_cache(1, 8))
+    torch.testing.assert_close(logits, _forward(target, [3, 4, 5])[0], rtol=1e-5, atol=1e-5)
+
+    target.save_pretrained(tmp_path / "one")
+    weights = load_file(tmp_path / "one" / "model.safetensors")
+    bad = {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(bad, tmp_path / "one" / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        TargetLM.from_pretrained(tmp_path / "one")
+    weights["model.norm.weight"] = weights["model.norm.weight"][:5].clone()
+    save_file(weights, tmp_path / "one" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.norm.weight.*shape \[5\]"):
+        TargetLM.from_pretrained(tmp_path / "one")
+    (tmp_path / "one" / "model.safetensors").write_bytes(b"\x10\x00")
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        TargetLM.from_pretrained(tmp_path / "one")
+    (tmp_path / "one" / "model.safetensors").unlink()
+    (tmp_path / "one" / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ValueError, match="only pickle weights"):
+        TargetLM.from_pretrained(tmp_path / "one")
+    with pytest.raises(ValueError, match="no such path"):
+        TargetLM.from_pretrained(tmp_path / "missing")
+
+
+def test_draft_runner_matches_forward_block(target):
+    config = tiny_draft_config(target.config)  # full + sliding (window 8) layers
+    draft = random_draft(config, 0, target)
+    width = config.num_capture_layers * config.hidden_size
+    runner = DraftRunner(draft, 3, 64)
+    contexts = [torch.randn(13, width), torch.randn(20, width)]
+    slots = [2, 0]
+    for context, slot in zip(contexts, slots):
+        runner.context(context, torch.arange(context.shape[0]), torch.full((context.shape[0],), slot))
+    hidden = runner.block(torch.tensor([7, 9], dtype=torch.int32), torch.tensor([13, 20], dtype=torch.int32),
+                          torch.tensor(slots, dtype=torch.int32))
+    for b, (context, anchor) in enumerate(zip(contexts, (7, 9))):
+        cache = draft.new_cache()
+        draft.forward_block(cache, context[:9], torch.tensor([5]), 9)  # an earlier round first
+        expected = draft.forward_block(cache, context[9:], torch.tensor([anchor]), context.shape[0])
+        torch.testing.assert_close(hidden.view(2, config.block_size, -1)[b], expected, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+@pytest.mark.parametrize("format, options, scheduler", [
+    ("speculators", dict(), "off"),
+    ("deepspec", dict(), "threshold"),
+    ("speculators", dict(markov_head_type="gated", sample_from_anchor=False), "sps"),
+    ("deepspec", dict(markov_head_type="rnn", sample_from_anchor=False), "off"),
+    ("speculators", dict(draft_vocab_size=48), "sps"),
+    (None, None, "off"),  # plain decoding on the same runner
+], ids=["spec-vanilla", "deepspec-threshold", "spec-gated-sps", "deepspec-rnn", "spec-reduced-vocab", "plain"])
+def test_batched_greedy_equals_plain_greedy_per_request(target, greedy, tmp_path, format, options, scheduler):
+    draft = None if format is None else load_draft(write_tiny_draft(target, tmp_path / "d", format=format, **options))
+    # 4 requests through 3 rows: the last joins when the first leaves
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler=scheduler, threshold=0.3))
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
+    assert [r.token_ids for r in results] == greedy
+    assert all(r.finish_reason == "length" for r in results)
+    if draft is not None:
+        stats = results[0].stats
+        assert stats.rounds and all(1 <= a <= s + 1 for a, s in zip(stats.accept_lengths, stats.scheduled_lengths))
+        assert stats.generated_tokens == NEW
+    assert not engine.has_unfinished() and sorted(engine.free_slots) == [0, 1, 2]
+
+
+def test_llama_target_through_the_engine(tmp_path):
+    llama = _tiny_llama({"rope_type": "default", "rope_theta": 10000.0})
+    draft = load_draft(write_tiny_draft(llama, tmp_path / "d", format="deepspec", markov_head_type="gated"))
+    engine = LLMEngine(llama, draft, EngineConfig(max_batch=2))
+    results = engine.generate([Request(p, max_new_tokens=10) for p in PROMPTS[:3]])
+    assert [r.token_ids for r in results] == [_greedy(llama, p, 10) for p in PROMPTS[:3]]
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    return LLMEngine(target, draft, EngineConfig(max_batch=4, scheduler="threshold", threshold=0.2))
+
+
+def test_a_request_alone_equals_the_same_request_in_a_batch(engine):
+    hot = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    alone = engine.generate([Request(PROMPTS[2], 12, hot)])[0].token_ids
+    greedy_alone = engine.generate([Request(PROMPTS[0], 12)])[0].token_ids
+    mixed = engine.generate([Request(PROMPTS[1], 12, SamplingParams(temperature=1.0, top_k=5, seed=3)),
+                             Request(PROMPTS[2], 12, hot), Request(PROMPTS[0], 12), Request(PROMPTS[3], 9, hot)])
+    assert mixed[1].token_ids == alone and mixed[2].token_ids == greedy_alone
+    same = engine.generate([Request(PROMPTS[2], 12, hot), Request(PROMPTS[2], 12, hot)])
+    assert same[0].token_ids == same[1].token_ids == alone  # one seed, one output
+    other = engine.generate([Request(PROMPTS[2], 12, SamplingParams(temperature=0.9, top_p=0.9, seed=12))])
+    assert other[0].token_ids != alone
+
+
+def test_requests_join_and_leave_between_steps(engine, greedy):
+    first = engine.add_request(Request(PROMPTS[0], NEW))
+    done: dict[int, list[int]] = {first: []}
+    for _ in range(2):
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    late = engine.add_request(Request(PROMPTS[2], NEW))
+    aborted = engine.add_request(Request(PROMPTS[1], NEW))
+    done[late], done[aborted], reasons = [], [], {}
+    for out in engine.step():
+        done[out.request_id] += out.new_token_ids
+    engine.abort(aborted)
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id != aborted
+            done[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert done[first] == greedy[0] and reasons[first] == "length"
+    assert done[aborted] == greedy[1][: len(done[aborted])] and aborted not in reasons
+    assert done[late] == greedy[2] and sorted(engine.free_slots) == [0, 1, 2, 3]
+
+
+def test_stop_ids_eos_and_max_new_tokens_end_each_request(engine, greedy):
+    stop = greedy[0][4]
+    results = engine.generate([Request(PROMPTS[0], NEW, stop_token_ids=[stop]), Request(PROMPTS[2], 3),
+                               Request(PROMPTS[1], 0), Request(PROMPTS[3], NEW)])
+    cut = greedy[0].index(stop) + 1
+    assert results[0].token_ids == greedy[0][:cut] and results[0].finish_reason == "stop"
+    assert results[1].token_ids == greedy[2][:3] and results[1].finish_reason == "length"
+    assert results[2].token_ids == [] and results[2].finish_reason == "length"
+    assert results[3].token_ids == greedy[3]
+
+
+def test_context_limit_ends_with_length_and_long_prompts_are_refused(target, greedy):
+    engine = LLMEngine(target, None, EngineConfig(max_batch=2, max_model_len=10))
+    result = engine.generate([Request(PROMPTS[0], 50)])[0]
+    assert result.token_ids == greedy[0][:4] and result.finish_reason == "length"
+    with pytest.raises(ValueError, match=r"11 tokens; the context limit \(max_model_len\) is 10"):
+        engine.add_request(Request(PROMPTS[2], 5))
+    with pytest.raises(ValueError, match=r"token id 96, outside the target's vocabulary \[0, 96\)"):
+        engine.add_request(Request([1, 96], 5))
+    with pytest.raises(ValueError, match="max_model_len 4000 exceeds"):
+        LLMEngine(target, None, EngineConfig(max_model_len=4000))
+    with pytest.raises(ValueError, match=r"max_batch must be in \[1, inf\], got 0"):
+        EngineConfig(max_batch=0)
+    with pytest.raises(TypeError, match="prompt_ids must be a non-empty list"):
+        Request("hello")
+    with pytest.raises(ValueError, match=r"max_new_tokens must be in \[0, inf\], got -1"):
+        Request([1], -1)
+
+
+def test_oracle_acceptance_controls_tau(target, greedy):
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    for acceptance, tau in ((1.0, 5.0), (0.0, 1.0)):
+        engine = LLMEngine(target, draft, EngineConfig(max_batch=2, oracle_acceptance=acceptance))
+        results = engine.generate([Request(p, 13, oracle_ids=g + [0] * 8) for p, g in zip(PROMPTS[:2], greedy)])
+        assert [r.token_ids for r in results] == [g[:13] for g in greedy[:2]]
+        assert all(a == tau for r in results for a in r.stats.accept_lengths[:-1])
+
+
+@pytest.mark.slow
+def test_batched_sampled_tokens_follow_the_target_distribution():
+    """V = 4, temperature 1, top-k 2, P = 2, through the batched engine (rows of 512 requests, each
+    its own seed): the first three tokens' empirical distributions over 12 000 requests match the
+    exact ones at chi-square p > 1e-3 and TV < 0.01 (test_engine's sizing)."""
+    runs, vocab, top_k, prompt = 12_000, 4, 2, [1, 3, 2, 0, 2]
+    target = tiny_qwen3_target(vocab_size=vocab)
+    draft = random_draft(tiny_draft_config(target.config, block_size=2), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=512))
+    requests = [Request(prompt, 3, SamplingParams(temperature=1.0, top_k=top_k, seed=s), stop_token_ids=[])
+                for s in range(runs)]
+    out = torch.tensor([r.token_ids for r in engine.generate(requests)])
+
+    def probs(sequences):
+        logits = torch.stack([_forward(target, s)[0][-1] for s in sequences])
+        return K.logits_to_probabilities(logits, 1.0, top_k)
+
+    first = probs([prompt])[0]
+    second = probs([prompt + [a] for a in range(vocab)])
+    third = probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
+    joint = first[:, None, None] * second[:, :, None] * third
+    for position, exact in ((0, first), (1, joint.sum((0, 2))), (2, joint.sum((0, 1)))):
+        p_value, tv = _fit(out[:, position], exact)
+        assert p_value > 1e-3 and tv < 0.01, (position, p_value, tv)
