@@ -1,0 +1,326 @@
+"""End-to-end engine benchmark on a GPU: ``python -m dspark.bench.engine --out DIR``.
+
+Random-weight Qwen3-shaped targets (bf16), prompts of ``--prompt`` tokens, ``--new`` new tokens per
+request, batch sizes ``--batches``. Per shape and batch size, side by side:
+
+* the weight-read floor (parameter bytes / measured copy ceiling);
+* Hugging Face eager + ``DynamicCache`` and Hugging Face ``StaticCache`` + ``torch.compile(mode=
+  "reduce-overhead")``: one decode step (median ms of the steps, CUDA-synchronised);
+* dspark's runner, plain decoding (``LLMEngine`` without a draft, CUDA graphs);
+* DSpark on the same runner with a random DSpark drafter (block 7, Markov rank 256) whose drafts are
+  replaced by the target's own greedy continuation (``oracle_acceptance`` 1: tau = P + 1) or kept
+  per position with probability ``--acceptance`` (else a token the target rejects);
+* at B = 1 and the largest B, a per-round breakdown: each piece of the round captured alone in a CUDA
+  graph (draft context + block forward, Markov chain, confidence + schedule, target verify forward,
+  accept) and the host's share of the step.
+
+Writes ``engine.json``, ``engine.md`` (tables) and ``engine.png`` (tok/s against batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import kernels as K
+from .common import median_us, measure_copy_ceiling_gbps
+
+SHAPES = {  # Qwen3 model shapes (config.json of the public models)
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, capture=[1, 13, 25]),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, capture=[1, 9, 17, 25, 33]),
+}
+VOCAB = 151936
+
+
+def random_target(shape: dict, seed: int = 0):
+    """A random-weight Qwen3ForCausalLM in bf16 on the GPU (std 0.02, as HF initialises)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    settings = {k: v for k, v in shape.items() if k != "capture"}
+    config = Qwen3Config(vocab_size=VOCAB, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, **settings)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+def random_drafter(target, shape: dict, layers: int = 1, rank: int = 256, block: int = 7):
+    """A random DSpark drafter for ``target`` (bf16, GPU): the real draft's cost, meaningless drafts."""
+    from ..model import DSparkConfig, DSparkDraftModel
+
+    t = target.config
+    config = DSparkConfig(
+        hidden_size=t.hidden_size, num_hidden_layers=layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
+        vocab_size=VOCAB, capture_layer_ids=shape["capture"], num_target_layers=t.num_hidden_layers,
+        mask_token_id=VOCAB - 1, block_size=block, sample_from_anchor=True, markov_rank=rank,
+        markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True,
+        layer_types=["full_attention"] * layers, rms_norm_eps=1e-6, rope_theta=1000000.0, dtype="bfloat16")
+    with torch.device("cuda"):
+        model = DSparkDraftModel(config).to(torch.bfloat16)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        model.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    return model.eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------ Hugging Face baselines
+
+
+def hf_step_ms(model, batch: int, prompt: int, steps: int, *, compiled: bool) -> float:
+    """Median ms of one decode step of ``batch`` rows after a ``prompt``-token prefill."""
+    from transformers import DynamicCache, StaticCache
+
+    ids = torch.randint(0, VOCAB - 1, (batch, prompt), device="cuda")
+    with torch.inference_mode():
+        if compiled:
+            cache = StaticCache(config=model.config, max_cache_len=prompt + steps + 8)
+            forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        else:
+            cache, forward = DynamicCache(), model.forward
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(prompt, device="cuda"))
+        token = out.logits[:, -1:].argmax(-1)
+        times = []
+        for i in range(steps):
+            position = torch.tensor([prompt + i], device="cuda")
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = forward(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position)
+            token = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[steps // 2:])  # the first steps compile / warm up
+
+
+# ------------------------------------------------------------------------------ dspark's engine
+
+
+def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
+    """Generate once (warm-up: graphs, kernels), then again timed per step; returns the steady-state
+    step time (steps without a prefill), tokens per step and the outputs."""
+    from ..engine import Request
+
+    def requests():
+        return [Request(p, new_tokens, stop_token_ids=[], ignore_eos=True,
+                        oracle_ids=None if oracle is None else oracle[i]) for i, p in enumerate(prompts)]
+
+    engine.generate(requests())
+    ids = [engine.add_request(r) for r in requests()]
+    outputs = {i: [] for i in ids}
+    step_times, step_tokens = [], []
+    while engine.has_unfinished():
+        prefill = bool(engine.waiting)
+        start = time.perf_counter()
+        outs = engine.step()  # ends with the round's host synchronisation
+        elapsed = time.perf_counter() - start
+        for o in outs:
+            outputs[o.request_id] += o.new_token_ids
+        if not prefill and len(engine.running) == len(prompts):
+            step_times.append(elapsed)
+            step_tokens.append(sum(len(o.new_token_ids) for o in outs))
+    for i in ids:
+        engine.sequences.pop(i, None)
+    ms = 1000 * statistics.median(step_times)
+    tokens = sum(step_tokens) / len(step_tokens)
+    return dict(step_ms=round(ms, 3), tokens_per_step=round(tokens, 3), tok_per_s=round(1000 * tokens / ms, 1),
+                outputs=[outputs[i] for i in ids])
+
+
+def breakdown(engine, prompts, oracle) -> dict:
+    """Device time of each piece of one DSpark round, each captured alone in a CUDA graph."""
+    from ..engine import Request
+
+    runner = engine.runner
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(p, 64, stop_token_ids=[], ignore_eos=True, oracle_ids=oracle[i]))
+    engine.step()  # prefill + first round: rows hold a real state
+    rows = len(engine.running)
+    b, s, t = runner.bucket(rows), runner.state, runner.verify_len
+    drafter, draft = runner.drafter, runner.draft
+    saved = {k: v.clone() for k, v in s.items()}
+    hidden = draft.block(s["anchor"][:b], s["anchor_pos"][:b], s["slot_ids"][:b])
+    logits = drafter.model.backbone_logits(hidden)
+    positions = (s["ctx_pos"][:b, None] + runner.offsets[:t]).view(-1)
+
+    def draft_forward():
+        draft.context(s["capture"][:b].reshape(b * t, -1), positions, s["slot_ids"][:b].repeat_interleave(t))
+        drafter.model.backbone_logits(draft.block(s["anchor"][:b], s["anchor_pos"][:b], s["slot_ids"][:b]))
+
+    from ..engine.drafting import SamplingParams
+
+    greedy = SamplingParams()
+    tokens = drafter._vanilla(logits, s["anchor"][:b], greedy, None)[0]
+    verify_logits = torch.zeros(b * t, VOCAB, device="cuda")
+    parts = {
+        "draft forward": draft_forward,
+        "markov": lambda: drafter._vanilla(logits, s["anchor"][:b], greedy, None),
+        "confidence + schedule": lambda: drafter._schedule(hidden, s["anchor"][:b], tokens),
+        "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, rows, t, greedy),
+        "accept alone": lambda: K.greedy_accept(verify_logits, s["draft_tokens"][:b], s["proposal_lengths"][:b], t - 1),
+    }
+    result = {}
+    for name, fn in parts.items():
+        graph = torch.cuda.CUDAGraph()
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=runner.pool):
+            fn()
+        result[name] = round(median_us(graph.replay, warmup=3, reps=20) / 1000, 4)
+        for k, v in saved.items():
+            s[k].copy_(v)
+    for rid in list(engine.sequences):
+        engine.abort(rid)
+    return result
+
+
+def run_shape(name: str, args, ceiling_gbps: float) -> dict:
+    from ..engine import EngineConfig, LLMEngine
+
+    shape = SHAPES[name]
+    target = random_target(shape)
+    params = sum(p.numel() * p.element_size() for p in target.parameters())
+    report = dict(shape=name, parameter_bytes=params, floor_ms=round(params / (ceiling_gbps * 1e9) * 1e3, 3), rows=[])
+    max_b = max(args.batches)
+    for b in args.batches:
+        row = dict(batch=b)
+        if "eager" in args.hf:
+            row["hf_eager_ms"] = round(hf_step_ms(target, b, args.prompt, 24, compiled=False), 3)
+        if "compiled" in args.hf and b in args.hf_compiled_batches:
+            torch._dynamo.reset()
+            row["hf_compiled_ms"] = round(hf_step_ms(target, b, args.prompt, 48, compiled=True), 3)
+        report["rows"].append(row)
+        print(name, row, flush=True)
+    drafter = random_drafter(target, shape)
+    length = args.prompt + args.new + 16
+    plain = LLMEngine(target, None, EngineConfig(max_batch=max_b, max_model_len=length))
+    report["kv_bytes_per_token"] = plain.target.kv_bytes_per_token
+    engines = {a: LLMEngine(target, drafter, EngineConfig(max_batch=max_b, max_model_len=length, oracle_acceptance=a))
+               for a in (1.0, args.acceptance)}
+    for row in report["rows"]:
+        b = row["batch"]
+        prompts = [torch.randint(0, VOCAB - 1, (args.prompt,)).tolist() for _ in range(b)]
+        base = engine_run(plain, prompts, args.new)
+        oracle = [o + [0] * 16 for o in base.pop("outputs")]
+        row["dspark_plain"] = base
+        for a, engine in engines.items():
+            res = engine_run(engine, prompts, args.new, oracle)
+            outs = res.pop("outputs")
+            res["lossless"] = all(o == ref[: len(o)] for o, ref in zip(outs, oracle))
+            res["speedup_vs_plain"] = round(res["tok_per_s"] / base["tok_per_s"], 3)
+            row[f"dspark_a{a:g}"] = res
+        print(name, row, flush=True)
+        if b in (1, max_b):
+            row["breakdown_ms"] = breakdown(engines[1.0], prompts, oracle)
+            print(name, b, row["breakdown_ms"], flush=True)
+    del plain, engines, target, drafter
+    torch.cuda.empty_cache()
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Device: {report['device']}, copy ceiling {report['copy_ceiling_gbps']:.0f} GB/s; prompt "
+             f"{report['prompt']}, {report['new']} new tokens, bf16, random weights.", ""]
+    for shape in report["shapes"]:
+        lines += [f"### {shape['shape']} (weight-read floor {shape['floor_ms']} ms/step, KV "
+                  f"{shape['kv_bytes_per_token']} bytes/token)", "",
+                  "| B | HF eager ms/step | HF compiled ms/step | dspark plain ms/step | plain tok/s | "
+                  "DSpark a=1 round ms | τ | tok/s | × plain | DSpark a=" + f"{report['acceptance']:g}" +
+                  " round ms | τ | tok/s | × plain | lossless |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in shape["rows"]:
+            full, part = r["dspark_a1"], r[f"dspark_a{report['acceptance']:g}"]
+            lines.append(f"| {r['batch']} | {r.get('hf_eager_ms', '–')} | {r.get('hf_compiled_ms', '–')} | "
+                         f"{r['dspark_plain']['step_ms']} | {r['dspark_plain']['tok_per_s']} | {full['step_ms']} | "
+                         f"{full['tokens_per_step'] / r['batch']:.2f} | {full['tok_per_s']} | {full['speedup_vs_plain']} | "
+                         f"{part['step_ms']} | {part['tokens_per_step'] / r['batch']:.2f} | {part['tok_per_s']} | "
+                         f"{part['speedup_vs_plain']} | {full['lossless'] and part['lossless']} |")
+        lines.append("")
+        for r in shape["rows"]:
+            if "breakdown_ms" in r:
+                parts = r["breakdown_ms"]
+                device = sum(v for k, v in parts.items() if k != "accept alone")
+                text = ", ".join(f"{k} {v}" for k, v in parts.items())
+                lines.append(f"- B = {r['batch']} round breakdown (ms, each piece graphed alone): {text}; whole "
+                             f"step {r['dspark_a1']['step_ms']}, of which host and sync "
+                             f"{r['dspark_a1']['step_ms'] - device:.3f}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(report["shapes"]), figsize=(6 * len(report["shapes"]), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], report["shapes"]):
+        rows = shape["rows"]
+        batches = [r["batch"] for r in rows]
+        series = {"dspark plain": [r["dspark_plain"]["tok_per_s"] for r in rows],
+                  "DSpark τ=P+1": [r["dspark_a1"]["tok_per_s"] for r in rows],
+                  f"DSpark a={report['acceptance']:g}": [r[f"dspark_a{report['acceptance']:g}"]["tok_per_s"] for r in rows]}
+        for key, label in (("hf_eager_ms", "HF eager"), ("hf_compiled_ms", "HF compiled")):
+            pts = [(r["batch"], 1000 * r["batch"] / r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), "--o", label=label)
+        for label, values in series.items():
+            ax.plot(batches, values, "-o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"{shape['shape']} (H200, bf16)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.engine", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", default="engine-bench", help="directory for engine.json / .md / .png")
+    parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--new", type=int, default=256, help="new tokens per request")
+    parser.add_argument("--acceptance", type=float, default=0.8, help="per-position acceptance of the controlled drafter")
+    parser.add_argument("--hf", default="eager,compiled", help="Hugging Face baselines to run (eager, compiled, none)")
+    parser.add_argument("--hf-compiled-batches", default="1,8,32,64", help="batch sizes of the compiled baseline")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m dspark.bench.engine: needs a CUDA device", file=sys.stderr)
+        return 2
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.hf_compiled_batches = [int(b) for b in args.hf_compiled_batches.split(",")]
+    args.hf = args.hf.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceiling = measure_copy_ceiling_gbps()
+    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_gbps=round(ceiling, 1),
+                  prompt=args.prompt, new=args.new, acceptance=args.acceptance, command="python -m dspark.bench.engine "
+                  + " ".join(argv if argv is not None else sys.argv[1:]), shapes=[])
+    for name in args.shapes.split(","):
+        report["shapes"].append(run_shape(name, args, ceiling))
+        (out / "engine.json").write_text(json.dumps(report, indent=1))
+    (out / "engine.md").write_text(markdown(report))
+    plot(report, out / "engine.png")
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
