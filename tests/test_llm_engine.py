@@ -278,3 +278,21 @@ def test_batched_sampled_tokens_follow_the_target_distribution():
     for position, exact in ((0, first), (1, joint.sum((0, 2))), (2, joint.sum((0, 1)))):
         p_value, tv = _fit(out[:, position], exact)
         assert p_value > 1e-3 and tv < 0.01, (position, p_value, tv)
+
+
+def test_cost_scheduler_trims_verification_when_tokens_are_expensive(target, greedy):
+    """Algorithm 1 across the batch: with a cost table where every verify token is expensive the
+    engine verifies fewer drafts than with a flat one; greedy output stays exact either way."""
+    from dspark.engine.schedulers import SPSCostTable
+
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    verified = {}
+    for name, table in (("flat", SPSCostTable((1, 64), (1.0, 1.0))), ("steep", SPSCostTable((1, 64), (1.0, 64.0)))):
+        engine = LLMEngine(target, draft, EngineConfig(max_batch=4, scheduler="cost", cost_table=table))
+        results = engine.generate([Request(p, NEW) for p in PROMPTS])
+        assert [r.token_ids for r in results] == greedy
+        verified[name] = [s for r in results for s in r.stats.scheduled_lengths]
+        assert all(1 <= s <= engine.num_drafts for s in verified[name])
+    assert sum(verified["steep"]) / len(verified["steep"]) < sum(verified["flat"]) / len(verified["flat"])
+    with pytest.raises(ValueError, match="scheduler 'cost' needs cost_table"):
+        EngineConfig(scheduler="cost")

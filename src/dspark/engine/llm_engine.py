@@ -25,12 +25,14 @@ import torch
 from ..kernels._validate import Checker
 from ..model.llama import TargetLM
 from .drafting import SCHEDULERS, Drafter, SamplingParams
+from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
 from .request import Request, RequestOutput, Sequence, SequenceStatus
 from .runner import ModelRunner, PrefillEntry
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestResult"]
 
 DEFAULT_MAX_MODEL_LEN = 4096
+ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
 PREFILL_TOKENS = 16384  # prompt tokens per prefill forward (bounds its activations)
 
 
@@ -38,7 +40,9 @@ PREFILL_TOKENS = 16384  # prompt tokens per prefill forward (bounds its activati
 class EngineConfig:
     """``max_batch`` requests per round; ``max_model_len`` tokens per request, prompt included
     (default: the target's ``max_position_embeddings``, at most 4096); ``scheduler`` / ``threshold``
-    / ``min_proposal_len`` / ``max_proposal_len`` as ``Drafter``; ``cuda_graphs`` (CUDA only);
+    / ``min_proposal_len`` / ``max_proposal_len`` as ``Drafter``, or ``scheduler="cost"``: the paper's
+    Algorithm 1 across the batch with ``cost_table`` (an ``SPSCostTable`` or the JSON path that
+    ``dspark profile`` writes) and ``min_predicted_gain``; ``cuda_graphs`` (CUDA only);
     ``device`` / ``dtype`` for checkpoints loaded from directories; ``oracle_acceptance``
     (benchmarks only: drafts come from ``Request.oracle_ids``, each kept with this probability)."""
 
@@ -52,14 +56,22 @@ class EngineConfig:
     device: str | torch.device | None = None
     dtype: torch.dtype | None = None
     oracle_acceptance: float | None = None
+    cost_table: object = None
+    min_predicted_gain: float = 0.04
 
     def __post_init__(self):
         c = Checker("EngineConfig")
         c.integer("max_batch", self.max_batch, low=1)
         if self.max_model_len is not None:
             c.integer("max_model_len", self.max_model_len, low=2)
-        if self.scheduler not in SCHEDULERS:
-            c.fail(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}")
+        if self.scheduler not in ENGINE_SCHEDULERS:
+            c.fail(f"scheduler must be one of {list(ENGINE_SCHEDULERS)}, got {self.scheduler!r}")
+        if self.scheduler == "cost":
+            if self.cost_table is None:
+                c.fail("scheduler 'cost' needs cost_table: a JSON cost table (written by `dspark profile`) or an SPSCostTable")
+            if not isinstance(self.cost_table, SPSCostTable):
+                self.cost_table = SPSCostTable.from_json(str(self.cost_table))
+        c.real("min_predicted_gain", self.min_predicted_gain, low=0.0)
         if self.oracle_acceptance is not None:
             c.real("oracle_acceptance", self.oracle_acceptance, low=0.0, high=1.0)
 
@@ -95,7 +107,10 @@ class LLMEngine:
         self.max_model_len = limit
         drafter = None
         if self.draft_model is not None:
-            drafter = Drafter(self.draft_model, scheduler=config.scheduler, threshold=config.threshold,
+            # the cost scheduler decides on the host from every position's confidence: the drafter
+            # computes them (threshold 0 schedules every draft)
+            per_row = ("threshold", 0.0) if config.scheduler == "cost" else (config.scheduler, config.threshold)
+            drafter = Drafter(self.draft_model, scheduler=per_row[0], threshold=per_row[1],
                               min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len)
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
                                   cuda_graphs=config.cuda_graphs, oracle_acceptance=config.oracle_acceptance)
@@ -106,6 +121,7 @@ class LLMEngine:
         self._next_id = 0
         self._pending_draft = False  # rows admitted since the last draft replay
         self.metrics = EngineMetrics(self.runner.num_drafts)
+        self.cost_table = config.cost_table
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -169,18 +185,39 @@ class LLMEngine:
             if self.runner.drafter is None:
                 readout = self.runner.decode(rows)
             else:
-                readout = self.runner.round(rows, self._verify_len(), draft_first=self._pending_draft)
+                readout = self.runner.round(rows, self._verify_lens(), draft_first=self._pending_draft)
                 self._pending_draft = False
             self._commit(readout, outputs)
         self.metrics.step_time += time.perf_counter() - start
         return outputs
 
-    def _verify_len(self) -> int:
-        """Verify rows per request: the longest scheduled proposal + 1 (all P + 1 before it is known)."""
+    def _verify_lens(self) -> list[int]:
+        """Verify tokens per running row (drafts + 1): the drafter's scheduled length, or Algorithm 1
+        over the whole batch with the ``cost`` scheduler; every draft for rows whose proposal the
+        host has not seen yet (admitted this step)."""
         p = self.num_drafts
         if self.config.scheduler == "off" or self._pending_draft:
-            return p + 1
-        return max(seq.next_length for seq in self.running) + 1
+            return [p + 1] * len(self.running)
+        if self.config.scheduler == "cost":
+            return [n + 1 for n in self._cost_schedule()]
+        return [seq.next_length + 1 for seq in self.running]
+
+    def _cost_schedule(self) -> list[int]:
+        """The paper's Algorithm 1 across the batch on the rows' (STS-calibrated) confidences and the
+        profiled cost table; at least one draft per row (the accept kernels verify >= 1). A trimmed
+        schedule is kept only when its predicted goodput beats verifying every draft by
+        ``min_predicted_gain`` (TensorRT-LLM's rule)."""
+        p, table = self.num_drafts, self.cost_table
+        confidence = torch.stack([seq.confidence for seq in self.running])
+        lengths = [max(1, n) for n in prefix_schedule(confidence, table)]
+        survival = prefix_survival(confidence)
+
+        def goodput(ls):
+            expected = sum(1 + float(survival[r, :n].sum()) for r, n in enumerate(ls))
+            return expected * table.sps(sum(ls) + len(ls))
+
+        full = [p] * len(lengths)
+        return lengths if goodput(lengths) > (1 + self.config.min_predicted_gain) * goodput(full) else full
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
         """Prefill waiting requests (one forward, at most ``PREFILL_TOKENS`` prompt tokens unless a
@@ -212,15 +249,16 @@ class LLMEngine:
         self._pending_draft = True
         self._retire([s for s in self.running if s.finish_reason is not None])
 
-    def _commit(self, readout: list[list[int]], outputs: list[RequestOutput]) -> None:
+    def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput]) -> None:
         t = self.runner.verify_len
-        for seq, row in zip(self.running, readout):
+        confidence = readout[:, t + 3:].view(torch.float32)
+        for seq, row, conf in zip(self.running, readout.tolist(), confidence):
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], self.max_model_len)
             if self.runner.drafter is not None:
                 seq.stats.record_round(verified, n, len(kept))
                 self.metrics.record_round(verified, n)
-                seq.next_length = row[t + 2]
+                seq.next_length, seq.confidence = row[t + 2], conf
             else:
                 seq.stats.record_round(0, 1, len(kept))
             self._report(seq, kept, outputs)

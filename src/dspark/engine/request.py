@@ -83,6 +83,7 @@ class Sequence:
     slot: int = -1
     finish_reason: str | None = None
     next_length: int = 0  # drafts the next round verifies (the scheduler's choice, read back each round)
+    confidence: object = None  # f32 [P] confidences of the pending proposal (read back each round)
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property

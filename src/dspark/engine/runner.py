@@ -8,10 +8,12 @@ padding that reads and writes only the dummy line.
 
 One speculative round is two graph replays and one host synchronisation::
 
-    verify(B, T)  target forward over [anchor, d_1 .. d_{T-1}] of every row -> accept -> advance
+    verify(B, N)  target forward over each row's [anchor, d_1 .. d_l] (l chosen by the host, ragged:
+                  N flat tokens, a multiple of B) -> accept -> advance
     draft(B)      draft context K/V of the verified rows -> draft block -> Markov chain -> confidence
-                  -> proposal lengths of the next round
-    readout       accepted tokens, accept lengths and next proposal lengths to the host   (the sync)
+                  -> proposal lengths and confidences of the next round
+    readout       accepted tokens, accept lengths, next proposal lengths and confidences to the host
+                  (the sync), from which the host picks the next round's verify lengths
 
 Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. All
 randomness is request-stable (``K.request_uniforms``, keyed by the request's seed and the round's
@@ -72,7 +74,8 @@ class ModelRunner:
         self.num_drafts = drafter.num_draft_tokens if drafter else 0
         self.verify_len = self.num_drafts + 1
         block = drafter.block_size if drafter else 1
-        line = max_model_len + self.verify_len + block  # a round writes past the committed tokens
+        # a round writes past the committed tokens; padding tokens of a ragged verify use the dummy line
+        line = max(max_model_len + self.verify_len + block, max_batch + 1)
         self.dummy_slot = max_batch
         self.cache = target.new_cache(max_batch + 1, line)
         self.draft = DraftRunner(drafter.model, max_batch + 1, line) if drafter else None
@@ -93,11 +96,20 @@ class ModelRunner:
         }
         if drafter is not None:
             width = drafter.config.num_capture_layers * drafter.config.hidden_size
-            self.state["capture"] = torch.zeros(b, t, width, dtype=target.dtype, device=dev)
+            # flat [b*t + 1] rows: row*t + i is verify token i of a row, the last row takes padding tokens
+            self.capture_rows = torch.zeros(b * t + 1, width, dtype=target.dtype, device=dev)
+            self.logit_rows = torch.zeros(b * t + 1, target.vocab_size, device=dev)
+            self.state["capture"] = self.capture_rows[: b * t].view(b, t, width)
+            self.state["verify_lens"] = torch.ones(b, **i32)
+            self.state["confidence"] = torch.zeros(b, p, device=dev)
+            self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
         if oracle_acceptance is not None:
             self.state["oracle"] = torch.zeros(b, line + t, **i32)
-        self.readout = torch.zeros(b, t + 3, **i32)  # accepted | accept length | verified length | next length
+        # accepted | accept length | verified drafts | next proposal length | next confidences (f32 bits)
+        self.readout = torch.zeros(b, t + 3 + p, **i32)
         self.offsets = torch.arange(max(t, block), **i32)
+        self.offsets_rows = torch.arange(b + 1, **i32)
+        self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
         self.row_modes: list[SamplingParams | None] = [None] * b
 
@@ -169,23 +181,29 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def round(self, rows: int, verify_len: int, *, draft_first: bool) -> list[list[int]]:
-        """One speculative round for the first ``rows`` rows (``draft_first``: newly admitted rows
-        have no proposal yet); returns each row's readout ``[accepted .., n, verified, next]``."""
+    def round(self, rows: int, verify_lens: list[int], *, draft_first: bool) -> torch.Tensor:
+        """One speculative round for the first ``rows`` rows: row i verifies ``verify_lens[i] - 1``
+        drafts (1 .. P). ``draft_first``: newly admitted rows have no proposal yet. Returns the
+        readout ``[rows, P + 4 + P]`` on the host (see ``readout``)."""
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
         if draft_first:
             self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
-        self._replay(("verify", b, verify_len, mode), lambda: self._verify_rows(b, rows, verify_len, mode))
+        lens = self.host_lens
+        lens.fill_(1)  # padding rows verify their anchor only
+        lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
+        self.state["verify_lens"].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
+        num_tokens = b * -(-sum(verify_lens[:rows] + [1] * (b - rows)) // b)  # a multiple of b: t graphs per b
+        self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode))
         self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
-        return self.readout[:rows].tolist()  # the round's one host synchronisation
+        return self.readout[:rows].cpu()  # the round's one host synchronisation
 
-    def decode(self, rows: int) -> list[list[int]]:
+    def decode(self, rows: int) -> torch.Tensor:
         """One plain decoding step for the first ``rows`` rows; readout as ``round``."""
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
         self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode))
-        return self.readout[:rows].tolist()  # the step's one host synchronisation
+        return self.readout[:rows].cpu()  # the step's one host synchronisation
 
     def _batch_mode(self, rows: int) -> SamplingParams | None:
         """The rows' shared sampling setting, or None when they differ (grouped, eager)."""
@@ -236,34 +254,54 @@ class ModelRunner:
         s["accept_length"][:b] = 1
         self._advance(b, 1)
 
-    def _verify_rows(self, b: int, rows: int, verify_len: int, mode) -> None:
-        s, p_v = self.state, verify_len - 1
-        tokens = K.build_verify_tokens(s["anchor"][:b], s["draft_tokens"][:b], p_v)
-        positions = s["anchor_pos"][:b, None] + self.offsets[:verify_len]
-        token_slots = s["slot_ids"][:b].repeat_interleave(verify_len)
-        logits = self.target.forward(tokens.view(-1).long(), positions.view(-1), token_slots,
-                                     self._attention_batch(b, verify_len), self.cache,
-                                     capture_out=s["capture"][:b, :verify_len]).view(b, verify_len, -1)
-        for index, sampling in self._groups(b, rows, mode):
-            accepted, n = self._accept(logits[index], index, sampling, p_v)
-            s["accepted"][index, :verify_len] = accepted
-            s["accept_length"][index] = n
-        self.readout[:b, self.verify_len + 1] = s["proposal_lengths"][:b].clamp(max=p_v)
-        self._advance(b, verify_len)
+    def _verify_layout(self, b: int, num_tokens: int):
+        """Flat layout of a ragged verify: row of each token (``b`` = the padding request on the
+        dummy line), its index in the row, and its row in the flat capture / logit buffers."""
+        s, t = self.state, self.verify_len
+        counts = torch.cat([s["verify_lens"][:b], (num_tokens - s["verify_lens"][:b].sum()).view(1)])
+        cu = torch.zeros(b + 2, dtype=torch.int32, device=self.device)
+        cu[1:] = counts.cumsum(0)
+        token_row = torch.repeat_interleave(self.offsets_rows[: b + 1], counts, output_size=num_tokens)
+        index = self.flat_offsets[:num_tokens] - cu[token_row]
+        flat = torch.where(token_row < b, token_row * t + index, self.max_batch * t).long()
+        return token_row, index, flat, cu
 
-    def _accept(self, logits, index, sampling: SamplingParams, p_v: int):
-        s = self.state
-        drafts, lengths = s["draft_tokens"][index], s["proposal_lengths"][index]
+    def _verify_rows(self, b: int, rows: int, num_tokens: int, mode) -> None:
+        s, t, p = self.state, self.verify_len, self.num_drafts
+        token_row, index, flat, cu = self._verify_layout(b, num_tokens)
+        zero = torch.zeros(1, dtype=torch.int32, device=self.device)
+        slots = torch.cat([s["slot_ids"][:b], zero + self.dummy_slot])
+        starts = torch.cat([s["anchor_pos"][:b], zero])
+        tokens = torch.cat([K.build_verify_tokens(s["anchor"][:b], s["draft_tokens"][:b], p), zero.expand(1, t)])
+        ids = tokens[token_row, index.clamp(max=t - 1)]
+        capture = torch.empty(num_tokens, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
+        logits = self.target.forward(ids.long(), starts[token_row] + index, slots[token_row],
+                                     AttentionBatch(slots, starts, cu, max(t, b)), self.cache, capture_out=capture)
+        self.capture_rows.index_copy_(0, flat, capture)
+        self.logit_rows.index_copy_(0, flat, logits)
+        verified = s["verify_lens"][:b] - 1
+        padded = self.logit_rows[: b * t].view(b, t, -1)
+        for rows_of, sampling in self._groups(b, rows, mode):
+            accepted, n = self._accept(padded[rows_of], rows_of, verified[rows_of], sampling)
+            s["accepted"][rows_of] = accepted
+            s["accept_length"][rows_of] = n
+        self.readout[:b, t + 1] = verified
+        self._advance(b, t)
+
+    def _accept(self, logits, index, verified, sampling: SamplingParams):
+        """Accept rows ``index`` from their target logits ``[R, P+1, V]``, verifying ``verified``
+        drafts each (rows past a row's length are never read)."""
+        s, p = self.state, self.num_drafts
+        drafts = s["draft_tokens"][index]
         if sampling.greedy:
-            return K.greedy_accept(logits, drafts, lengths, p_v)
-        p = self.num_drafts
+            return K.greedy_accept(logits, drafts, verified, p)
         seeds, anchor_pos = s["seeds"][index], s["anchor_pos"][index]
         uniforms = torch.empty(seeds.shape[0], 2 * p + 1, device=self.device)
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
         probs = sampling.probabilities(logits.reshape(-1, logits.shape[-1])).view(logits.shape)
-        return K.probabilistic_accept(probs, s["draft_probs"][index], drafts, lengths, uniforms, p_v)
+        return K.probabilistic_accept(probs, s["draft_probs"][index], drafts, verified, uniforms, p)
 
     def _advance(self, b: int, verify_len: int) -> None:
         """Commit the accepted prefix on the device: the caches' lengths are the anchor positions."""
@@ -290,11 +328,14 @@ class ModelRunner:
             proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s["anchor"][index], sampling, uniforms)
             s["draft_tokens"][index] = proposal.token_ids
             s["proposal_lengths"][index] = proposal.proposal_lengths
+            if proposal.confidence is not None:
+                s["confidence"][index] = proposal.confidence
             if proposal.probabilities is not None:
                 s["draft_probs"][index] = proposal.probabilities
         if self.oracle_acceptance is not None:
             self._oracle_drafts(b)
         self.readout[:b, t + 2] = s["proposal_lengths"][:b]
+        self.readout[:b, t + 3:] = s["confidence"][:b].view(torch.int32)
 
     def _oracle_drafts(self, b: int) -> None:
         """Benchmarks: each draft is the known continuation with probability ``oracle_acceptance``,
