@@ -296,3 +296,18 @@ def test_cost_scheduler_trims_verification_when_tokens_are_expensive(target, gre
     assert sum(verified["steep"]) / len(verified["steep"]) < sum(verified["flat"]) / len(verified["flat"])
     with pytest.raises(ValueError, match="scheduler 'cost' needs cost_table"):
         EngineConfig(scheduler="cost")
+
+
+def test_profile_writes_a_cost_table_the_engine_reads(target, greedy, tmp_path):
+    from dspark.engine.profile import default_token_counts, profile_verify
+    from dspark.engine.schedulers import SPSCostTable
+
+    assert default_token_counts(130) == [1, 2, 4, 8, 16, 32, 64, 128, 130]
+    table = profile_verify(TargetLM.from_hf_model(target), [1, 8, 24], context=16, reps=2)
+    assert table.token_counts == (1, 8, 24) and all(t > 0 for t in table.step_time_ms)
+    path = tmp_path / "cost.json"
+    path.write_text('{"token_counts": [1, 64], "step_time_ms": [1.0, 64.0]}')
+    engine = LLMEngine(target, random_draft(tiny_draft_config(target.config), 0, target),
+                       EngineConfig(max_batch=2, scheduler="cost", cost_table=str(path)))
+    assert isinstance(engine.cost_table, SPSCostTable)
+    assert engine.generate([Request(PROMPTS[0], NEW)])[0].token_ids == greedy[0]

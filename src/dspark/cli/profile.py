@@ -1,0 +1,52 @@
+"""Profile the target's verify forward on this device and write the cost table of ``--scheduler cost``.
+
+Times one target forward per total verify token count (blocks of --tokens-per-row tokens over
+--context cached positions; CUDA graphs on a GPU) and writes TensorRT-LLM's cost-table JSON
+(``token_counts``, ``step_time_ms``), which ``dspark generate/serve --scheduler cost --cost-table``
+read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ._runtime import add_runtime_arguments, runtime
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="Hugging Face causal LM directory (default: the demo pair's target)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="largest total verify token count")
+    parser.add_argument("--context", type=int, default=512, help="cached positions per request")
+    parser.add_argument("--tokens-per-row", type=int, default=8, help="verify tokens per request (P + 1)")
+    parser.add_argument("--out", default="cost_table.json", help="JSON file to write")
+    add_runtime_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dspark.engine.profile import default_token_counts, profile_verify
+    from dspark.model.llama import TargetLM
+    from dspark.training.data import demo_pair
+
+    for name in ("max_tokens", "context", "tokens_per_row"):
+        if getattr(args, name) < 1:
+            print(f"dspark profile: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    device, dtype = runtime(args)
+    target_dir = args.target or demo_pair().target
+    try:
+        target = TargetLM.from_pretrained(target_dir, device=device, dtype=dtype)
+    except ValueError as exc:
+        print(f"dspark profile: {exc}", file=sys.stderr)
+        return 2
+    table = profile_verify(target, default_token_counts(args.max_tokens), context=args.context,
+                           tokens_per_row=args.tokens_per_row)
+    data = {"token_counts": list(table.token_counts), "step_time_ms": list(table.step_time_ms),
+            "device": str(device), "target": str(target_dir), "context": args.context}
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    for n, t in zip(table.token_counts, table.step_time_ms):
+        print(f"{n:6d} tokens  {t:8.3f} ms")
+    print(f"wrote {args.out}")
+    return 0

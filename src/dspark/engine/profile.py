@@ -1,0 +1,77 @@
+"""Profile the target's verify forward per total token count: the cost table of the ``cost``
+scheduler (paper Algorithm 1, runtime.md "Cost tables").
+
+Each point times one forward of ``N`` flat tokens spread over requests of at most ``tokens_per_row``
+tokens (a verify block), each with ``context`` cached positions, on the engine's own target runner:
+replayed as a CUDA graph on a GPU (median of CUDA-event timings), eagerly on the CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..model.llama import AttentionBatch, TargetLM
+from .schedulers import SPSCostTable
+
+__all__ = ["default_token_counts", "profile_verify"]
+
+
+def default_token_counts(max_tokens: int) -> list[int]:
+    """1, 2, 4, ... and every multiple of 64 up to ``max_tokens`` (strictly increasing)."""
+    counts = {1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens}
+    counts |= set(range(64, max_tokens + 1, 64)) | {max_tokens}
+    return sorted(counts)
+
+
+@torch.inference_mode()
+def profile_verify(target: TargetLM, token_counts: list[int], *, context: int = 512, tokens_per_row: int = 8,
+                   reps: int = 20) -> SPSCostTable:
+    """Median milliseconds of a verify forward for each total token count -> ``SPSCostTable``."""
+    dev = target.device
+    rows_max = -(-max(token_counts) // tokens_per_row)
+    cache = target.new_cache(rows_max, context + tokens_per_row)
+    times = []
+    for n in token_counts:
+        rows = -(-n // tokens_per_row)
+        counts = [tokens_per_row] * (n // tokens_per_row) + ([n % tokens_per_row] if n % tokens_per_row else [])
+        i32 = dict(dtype=torch.int32, device=dev)
+        cu = torch.tensor([0] + counts, **i32).cumsum(0, dtype=torch.int32)
+        slots = torch.arange(rows, **i32)
+        starts = torch.full((rows,), context, **i32)
+        token_slots = torch.repeat_interleave(slots, torch.tensor(counts, device=dev))
+        positions = context + torch.cat([torch.arange(c, **i32) for c in counts])
+        ids = torch.randint(0, target.vocab_size, (n,), device=dev)
+        batch = AttentionBatch(slots, starts, cu, tokens_per_row)
+
+        def forward():
+            target.forward(ids, positions, token_slots, batch, cache)
+
+        times.append(_median_ms(forward, reps, dev))
+    return SPSCostTable(tuple(token_counts), tuple(round(t, 4) for t in times))
+
+
+def _median_ms(fn, reps: int, device: torch.device) -> float:
+    if device.type != "cuda":
+        fn()
+        samples = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            samples.append(1000 * (time.perf_counter() - start))
+        return statistics.median(samples)
+    fn()  # compile kernels outside the capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    graph.replay()
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in events)
