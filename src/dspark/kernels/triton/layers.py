@@ -96,8 +96,8 @@ def rms_norm(x, weight, eps, residual):
 
 
 def _warps(elements: int) -> int:
-    """Warps for a one-row program over ``elements`` values (about 8 values per thread)."""
-    return max(1, min(16, elements // 256))
+    """Warps for a program over ``elements`` values held in registers (Liger-Kernel's rule)."""
+    return 16 if elements >= 8192 else 8 if elements >= 2048 else 4
 
 
 # ------------------------------------------------------------------------ q/k norm + RoPE + store
@@ -289,7 +289,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr
     else:
         part = row_head * SPLITS + split
         tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], out, mask=mask)
-        tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf")), mask=valid_m)
+        lse = m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0))
+        tl.store(part_lse_ptr + part, tl.where(l_i > 0, lse, float("-inf")), mask=valid_m)
 
 
 @triton.jit
