@@ -200,18 +200,22 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
 
 @triton.jit
 def _dot(a, b, INTERPRET: tl.constexpr):
-    """``a @ b`` accumulated in f32 (f32 operands exactly: ``ieee``)."""
+    """``a @ b`` accumulated in f32: tensor cores for f16/bf16, exact products for f32 (not tf32)."""
     if INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
 def _dot_probabilities(p, v, INTERPRET: tl.constexpr):
-    """``p @ v`` with the f32 probabilities ``p`` rounded to ``v``'s dtype (tensor cores on bf16)."""
+    """``p @ v`` with the f32 probabilities ``p`` rounded to ``v``'s dtype first."""
     if INTERPRET:
-        return tl.dot(_rounded(p, v.dtype), v.to(tl.float32), input_precision="ieee")
-    return tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        return _dot(_rounded(p, v.dtype), v, INTERPRET)
+    else:
+        return _dot(p.to(v.dtype), v, INTERPRET)
 
 
 @triton.jit
@@ -329,9 +333,9 @@ def _attention_config(device, batch: int, n_kv: int, rep: int, d: int, max_len: 
     block_t = min(triton.next_power_of_2(max_query_len), max(1, rows_cap // triton.next_power_of_2(rep)))
     block_m = max(16, triton.next_power_of_2(block_t * rep))  # tl.dot needs >= 16 rows
     q_blocks = triton.cdiv(max_query_len, block_t)
-    programs = batch * q_blocks * n_kv
-    wanted = 2 * _sm_count(device)
-    splits = 1 if programs >= wanted else min(_MAX_SPLITS, triton.cdiv(wanted, programs), triton.cdiv(max_len, block_n))
+    programs, sms = batch * q_blocks * n_kv, _sm_count(device)
+    # split the keys only when the batch leaves SMs idle; then aim at two programs per SM
+    splits = 1 if programs >= sms else min(_MAX_SPLITS, triton.cdiv(2 * sms, programs), triton.cdiv(max_len, block_n))
     return dict(BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
                 SPLITS=max(1, splits), q_blocks=q_blocks, num_warps=8 if block_m >= 128 else 4)
 
@@ -360,7 +364,7 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         CAUSAL=causal, HAS_WINDOW=window_starts is not None, INTERPRET=_INTERPRET, num_warps=num_warps, **cfg)
     if splits > 1:
         _combine_kernel[(n * n_q,)](part_out, part_lse, out, D=d, BLOCK_D=cfg["BLOCK_D"], SPLITS=splits,
-                                    BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+                                    BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out
 
 
