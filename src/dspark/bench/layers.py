@@ -155,7 +155,7 @@ class _Attention:
         return kv + 2 * self.q.numel() * 2
 
     def splits(self) -> int:
-        return _attention_config(torch.device("cuda"), self.batch, self.n_kv, self.n_q // self.n_kv, self.d, MAX_LEN,
+        return _attention_config(self.q.device, DTYPE, self.batch, self.n_kv, self.n_q // self.n_kv, self.d, MAX_LEN,
                                  self.queries)["SPLITS"]
 
 

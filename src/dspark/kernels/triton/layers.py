@@ -325,10 +325,11 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the CPU interpreter: small, so that small test shapes exercise both split paths
 
 
-def _attention_config(device, batch: int, n_kv: int, rep: int, d: int, max_len: int, max_query_len: int) -> dict:
+def _attention_config(device, dtype, batch: int, n_kv: int, rep: int, d: int, max_len: int,
+                      max_query_len: int) -> dict:
     """Tile sizes and split count, from shapes only (a CUDA graph replays them for any lengths)."""
-    on_gpu = device.type == "cuda"
-    block_n = (64 if d <= 128 else 32) if on_gpu else 16
+    key_bytes = d * torch.empty((), dtype=dtype).element_size()
+    block_n = (64 if key_bytes <= 256 else 32) if device.type == "cuda" else 16  # K/V tiles of 16 KB
     rows_cap = 128 if max_query_len * rep > 64 else 64  # prefill: taller tiles
     block_t = min(triton.next_power_of_2(max_query_len), max(1, rows_cap // triton.next_power_of_2(rep)))
     block_m = max(16, triton.next_power_of_2(block_t * rep))  # tl.dot needs >= 16 rows
@@ -349,7 +350,7 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     if n == 0 or batch == 0 or max_query_len == 0:
         return out
     rep = n_q // n_kv
-    cfg = _attention_config(q.device, batch, n_kv, rep, d, max_len, max_query_len)
+    cfg = _attention_config(q.device, q.dtype, batch, n_kv, rep, d, max_len, max_query_len)
     splits, q_blocks = cfg.pop("SPLITS"), cfg.pop("q_blocks")
     num_warps = cfg.pop("num_warps")
     if splits > 1:  # partials of the split-K pass: [N, n_q, splits, d] and their log2-sum-exp
