@@ -22,7 +22,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import DEVICE, gpu, requires_triton
 from transformers import Qwen3Config
 from transformers.activations import ACT2FN
@@ -202,7 +201,8 @@ def test_reference_qk_norm_rope_store_matches_hf(dtype):
         q_out = K.qk_norm_rope_store(q, k, v, positions, slots, table, k_cache, v_cache,
                                      q_norm_weight=q_norm.weight.detach(), k_norm_weight=k_norm.weight.detach(), eps=EPS)
     torch.testing.assert_close(q_out, q_hf[0].transpose(0, 1), **tolerance(dtype, "rope"))
-    torch.testing.assert_close(k_cache[slots, positions], k_hf[0].transpose(0, 1), **tolerance(dtype, "rope"))
+    k_stored = k_cache[slots, positions]
+    torch.testing.assert_close(k_stored, k_hf[0].transpose(0, 1), **tolerance(dtype, "rope"))
     assert torch.equal(v_cache[slots, positions], v)
     untouched = torch.ones(3, max_len, dtype=torch.bool)
     untouched[slots, positions] = False

@@ -41,7 +41,7 @@ _MAX_SPLITS = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# ---------------------------------------------------------------------------------------- RMSNorm
+# --------------------------------------------------------------------------------------- rounding
 
 
 @triton.jit
@@ -63,6 +63,9 @@ def _rounded(x, dtype: tl.constexpr):
 def _weighted_norm(x, w, inv_rms, dtype: tl.constexpr):
     """Hugging Face's ``weight * (x * inv_rms).to(dtype)`` (f32 in, f32 values exact in ``dtype`` out)."""
     return _rounded(w.to(tl.float32) * _rounded(x * inv_rms, dtype), dtype)
+
+
+# ---------------------------------------------------------------------------------------- RMSNorm
 
 
 @triton.jit
@@ -328,7 +331,7 @@ def _sm_count(device: torch.device) -> int:
 def _attention_config(device, dtype, batch: int, n_kv: int, rep: int, d: int, max_len: int,
                       max_query_len: int) -> dict:
     """Tile sizes and split count, from shapes only (a CUDA graph replays them for any lengths)."""
-    key_bytes = d * torch.empty((), dtype=dtype).element_size()
+    key_bytes = d * dtype.itemsize
     block_n = (64 if key_bytes <= 256 else 32) if device.type == "cuda" else 16  # K/V tiles of 16 KB
     rows_cap = 128 if max_query_len * rep > 64 else 64  # prefill: taller tiles
     block_t = min(triton.next_power_of_2(max_query_len), max(1, rows_cap // triton.next_power_of_2(rep)))
