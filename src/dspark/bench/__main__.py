@@ -11,15 +11,19 @@ import torch
 
 from .common import measure_copy_ceiling_gbps
 
-FAMILIES = ("greedy", "sampling")
+FAMILIES = ("greedy", "sampling", "layers")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dspark.bench", description=__doc__)
+    p.add_argument("--out", default="bench_results.json", help="JSON file to write")
+    p.add_argument("--family", choices=FAMILIES, action="append", help="benchmark only these families")
+    p.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dspark.bench", description=__doc__)
-    parser.add_argument("--out", default="bench_results.json", help="JSON file to write")
-    parser.add_argument("--family", choices=FAMILIES, action="append", help="benchmark only these families")
-    parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("dspark bench: needs a CUDA device", file=sys.stderr)
         return 2
