@@ -232,7 +232,7 @@ def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_
         block_size=block_size,
         sample_from_anchor=sample_from_anchor,
         markov_rank=markov_rank,
-        markov_head_type=markov_head_type,
+        markov_head_type=markov_head_type if markov_rank else "vanilla",  # rank 0: no head, as the peers write it
         enable_confidence_head=confidence and markov_rank > 0,
         confidence_head_with_markov=True,
         layer_types=[layer_type] * num_layers,
@@ -431,9 +431,8 @@ def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anc
 
     Slot k of the block at p is trained on target row ``r = p + k - offset`` (``offset`` 1 without
     ``sample_from_anchor``, else 0) and its previous token is ``input_ids[max(r, p)]`` (slot 0: the
-    anchor). The confidence head
-    reads detached ``[h ; W1[prev]]`` unless ``confidence_backprop`` (see the module docstring);
-    ``greedy_confidence`` as in ``dspark_loss``.
+    anchor). The confidence head reads detached ``[h ; W1[prev]]`` unless ``confidence_backprop``
+    (see the module docstring); ``greedy_confidence`` as in ``dspark_loss``.
     """
     cfg = model.config
     b, s = input_ids.shape
@@ -451,10 +450,10 @@ def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anc
     logits = markov_logits(model, flat_hidden, flat_prev)
     confidence = None
     if model.confidence_head is not None:
-        embedding = model.markov_head.markov_w1(flat_prev) if model.confidence_with_markov else None
+        inputs = [flat_hidden, model.markov_head.markov_w1(flat_prev) if model.confidence_with_markov else None]
         if not confidence_backprop:
-            flat_hidden, embedding = flat_hidden.detach(), None if embedding is None else embedding.detach()
-        confidence = model.confidence_head(flat_hidden, embedding)
+            inputs = [None if x is None else x.detach() for x in inputs]
+        confidence = model.confidence_head(*inputs)
     return dspark_loss(logits, target_logits.reshape(logits.shape), confidence, weights,
                        greedy_confidence=greedy_confidence)
 
