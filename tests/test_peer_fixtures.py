@@ -22,7 +22,9 @@ import torch
 from model_cases import tiny_qwen3_target
 from safetensors.torch import load_file
 
+import dspark
 import dspark.kernels as K
+from dspark.cli import main
 from dspark.engine import Drafter, SamplingParams, SpeculativeDecoder, TargetModel, autoregressive_generate
 from dspark.model import load_draft, save_draft
 from dspark.training import trainer
@@ -360,3 +362,14 @@ def test_dspark_output_carries_every_key_the_peers_write(fmt, peer_case, target,
         assert not missing, f"{directory.name}: dspark's {fmt} config lacks {sorted(missing)}"
         assert load_draft(directory).config.to_dict() == load_draft(save_draft(load_draft(directory), tmp_path / "again",
                                                                                format=fmt)).config.to_dict()
+
+
+def test_entry_points_give_the_draft_its_target(target, capsys):
+    """``dspark.generate`` and ``dspark generate`` load a speculators 0.9 draft with their target."""
+    draft, prompt = PEERS / "speculators-gated" / "draft", [5, 17, 42, 8, 61]
+    plain = autoregressive_generate(TargetModel(target, [1]), prompt, max_new_tokens=12).token_ids
+    assert dspark.generate(str(PEERS / "target"), str(draft), prompt, max_new_tokens=12).token_ids == plain
+    assert dspark.generate(target, str(draft), prompt, max_new_tokens=12).token_ids == plain
+    status = main(["generate", "--target", str(PEERS / "target"), "--draft", str(draft), "--prompt-ids",
+                   ",".join(map(str, prompt)), "--max-new-tokens", "12", "--device", "cpu", "--json"])
+    assert status == 0 and json.loads(capsys.readouterr().out)["generated_ids"] == plain
