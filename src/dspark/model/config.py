@@ -44,9 +44,10 @@ class DSparkConfig:
     Target link: ``capture_layer_ids`` (HF ``hidden_states`` indices, each ``< num_target_layers``;
     the latter is ``None`` when the checkpoint does not record it), ``mask_token_id`` (a target id).
     Heads: ``markov_rank`` r (0: no Markov head, a DFlash drafter), ``markov_head_type``,
-    ``enable_confidence_head``, ``confidence_head_with_markov`` (no effect at rank 0); ``sts_temperatures`` T_k per draft position (key
-    ``sts_temperatures`` in ``config.json``; None = uncalibrated). Bookkeeping: ``checkpoint_format``
-    read from, ``dtype`` of the stored weights, ``verifier`` (speculators' verifier record).
+    ``enable_confidence_head``, ``confidence_head_with_markov`` (no effect at rank 0);
+    ``sts_temperatures`` T_k per draft position (key ``sts_temperatures`` in ``config.json``; None =
+    uncalibrated). Bookkeeping: ``checkpoint_format`` read from, ``dtype`` of the stored weights,
+    ``verifier`` (speculators' verifier record).
     """
 
     hidden_size: int
