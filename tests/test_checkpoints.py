@@ -146,6 +146,7 @@ CASES = [
     dict(markov_head_type="gated", confidence=False),
     dict(markov_head_type="rnn", draft_vocab_size=40, sample_from_anchor=False, block_size=5),
     dict(layer_types=["sliding_attention"] * 3, sliding_window_non_causal=True, sts_temperatures=[1.0, 0.8, 1.3]),
+    dict(markov_rank=0),  # no Markov head (DFlash-style); the confidence head reads h alone
 ]
 
 
@@ -231,6 +232,8 @@ def test_heads_sidecar_without_confidence_and_refusals(tmp_path):
         save_heads_sidecar(random_draft(tiny_draft_config(TARGET.config, draft_vocab_size=50)), tmp_path)
     with pytest.raises(ValueError, match="save_heads_sidecar: the heads sidecar holds a vanilla Markov head only"):
         save_heads_sidecar(random_draft(tiny_draft_config(TARGET.config, markov_head_type="gated")), tmp_path)
+    with pytest.raises(ValueError, match=r"save_heads_sidecar: the heads sidecar holds a Markov head, but this draft has none"):
+        save_heads_sidecar(random_draft(tiny_draft_config(TARGET.config, markov_rank=0)), tmp_path)
 
 
 @pytest.mark.parametrize("edit,error,message", [
@@ -319,6 +322,28 @@ def test_bad_config(saved, edit, message):
     rewrite(saved, config=edit)
     with pytest.raises(ValueError, match=message):
         load_draft(saved)
+
+
+def _sliding_without_window(d):
+    layer = d.get("transformer_layer_config", d)
+    layer.update(layer_types=["sliding_attention"] * 2, use_sliding_window=False, sliding_window=None)
+
+
+def test_sliding_layers_without_a_window(tmp_path):
+    """speculators runs sliding layers without a window as full attention, so dspark reads them so;
+    what DeepSpec does is not pinned down, so its format refuses them, naming the keys."""
+    model = random_draft(tiny_draft_config(TARGET.config, layer_types=["full_attention"] * 2), 0, TARGET)
+    spec = save_draft(model, tmp_path / "spec", format="speculators")
+    rewrite(spec, config=_sliding_without_window)
+    loaded = load_draft(spec)
+    assert loaded.config.layer_types == ["full_attention"] * 2 and loaded.config.sliding_window is None
+    for a, b in zip(run_round(model), run_round(loaded)):
+        assert torch.equal(a, b)
+    deep = save_draft(model, tmp_path / "deep", format="deepspec")
+    rewrite(deep, config=_sliding_without_window)
+    with pytest.raises(ValueError, match=r"DSparkConfig.from_dict: layer_types holds 'sliding_attention' but there is "
+                                         r"no window \(use_sliding_window=False, sliding_window=None\)"):
+        load_draft(deep)
 
 
 def test_missing_files_and_pickles(tmp_path, saved):

@@ -161,8 +161,7 @@ def test_sts_temperatures_scale_the_confidence_logits(target, greedy):
         drafter.reset()
         proposals.append(drafter.propose(hidden, anchor, len(PROMPT), SamplingParams(), None))
     assert torch.equal(proposals[0].token_ids, proposals[2].token_ids)
-    # kernel path (bf16 copies of the fp32 head) vs STS path with T = 1 (fp32)
-    torch.testing.assert_close(proposals[1].confidence, proposals[0].confidence, rtol=0, atol=2e-2)
+    assert torch.equal(proposals[1].confidence, proposals[0].confidence)  # T = 1 changes nothing
     logit = torch.logit(proposals[1].confidence.double())
     expected = torch.sigmoid(logit / torch.tensor([0.5, 2.0, 2.0, 2.0], dtype=torch.float64))
     torch.testing.assert_close(proposals[2].confidence.double(), expected, rtol=0, atol=1e-5)
@@ -234,6 +233,49 @@ def test_greedy_on_cuda_equals_target_greedy(target, greedy, head, scheduler):
     sampling = SamplingParams(temperature=0.9, top_k=50, seed=5)
     first = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, sampling=sampling)
     assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, sampling=sampling).token_ids == first.token_ids
+
+
+def test_fp32_drafts_run_their_heads_in_fp32(target):
+    """The head kernels take half-precision weights; an fp32 draft drafts with its own fp32 math
+    (no bf16 copies of W1/W2 or the confidence head that could flip near-ties)."""
+    config = tiny_draft_config(target.config, markov_rank=16)  # a rank the fused greedy kernel takes
+    draft = random_draft(config, 0, target)
+    drafter = Drafter(draft, scheduler="threshold", threshold=0.0)
+    assert not drafter.kernel_markov and not drafter.kernel_confidence
+    context = _forward(target, PROMPT, config.capture_layer_ids)[1]
+    anchor = torch.tensor([7], dtype=torch.int32)
+    proposal = drafter.propose(context, anchor, len(PROMPT), SamplingParams(), None)
+    hidden = draft.forward_block(draft.new_cache(), context, 7, len(PROMPT))
+    logits, prev, state, chain = draft.backbone_logits(hidden), anchor, None, []
+    for k in range(config.num_draft_tokens):
+        bias, state = draft.markov_bias(hidden[k:k + 1], prev, state)
+        prev = (logits[k:k + 1] + bias).argmax(-1)
+        chain.append(int(prev))
+    assert proposal.token_ids[0].tolist() == chain
+    previous = torch.tensor([[7] + chain[:-1]])
+    assert torch.equal(proposal.confidence, torch.sigmoid(draft.confidence_logits(hidden[None], previous)))
+
+
+@pytest.mark.parametrize("head, scheduler", [("vanilla", "off"), ("vanilla", "sps"), ("rnn", "threshold")])
+def test_bfloat16_drafts_draft_through_the_kernels(target, greedy, head, scheduler):
+    config = tiny_draft_config(target.config, markov_head_type=head, markov_rank=16)
+    draft = random_draft(config, 0, target).to(torch.bfloat16)
+    decoder = SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=0.3)
+    assert decoder.drafter.kernel_markov == (head == "vanilla")
+    assert decoder.drafter.kernel_confidence == (scheduler != "off")
+    assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS).token_ids == greedy[:NEW_TOKENS]
+    sampling = SamplingParams(temperature=0.9, top_k=50, seed=5)
+    first = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, sampling=sampling)
+    assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, sampling=sampling).token_ids == first.token_ids
+
+
+def test_negative_top_k_means_no_filter(target, tmp_path):
+    """vLLM's ``top_k=-1``: no top-k filter, as ``top_k=0``."""
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(temperature=1.0, top_k=-5).top_k == 0
+    decoder = _decoder(target, tmp_path)
+    runs = [decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(1.0, top_k=k, seed=2)).token_ids
+            for k in (0, -1)]
+    assert runs[0] == runs[1]
 
 
 # ---------------------------------------------------------------------------- stopping, streaming

@@ -89,7 +89,7 @@ ATTENTION_CASES = [
     pytest.param(["sliding_attention", "sliding_attention"], 5, False, id="causal-sliding"),
     pytest.param(["full_attention", "sliding_attention"], 4, False, id="mixed"),
     pytest.param(["sliding_attention", "full_attention"], 3, True, id="sliding-non-causal"),
-    pytest.param(["sliding_attention"], None, False, id="causal-no-window"),
+    pytest.param(["sliding_attention", "sliding_attention"], 64, False, id="causal-window-past-the-context"),
 ]
 
 
@@ -110,8 +110,20 @@ def test_causal_and_window_change_the_result():
     context = context_states(make_draft(), 11)
     outs = [reference_block(make_draft(layer_types=["sliding_attention"] * 2, sliding_window=w,
                                        sliding_window_non_causal=nc), context, 3, 11)
-            for w, nc in ((None, True), (None, False), (4, True))]
+            for w, nc in ((64, True), (64, False), (4, True))]
     assert (outs[0] - outs[1]).abs().max() > 1e-3 and (outs[0] - outs[2]).abs().max() > 1e-3
+
+
+def test_sliding_layers_without_a_window_are_full_attention():
+    """speculators runs a sliding layer without a window (use_sliding_window false) as full attention
+    (bidirectional block, all context); the config stores it so and the model computes it so."""
+    cfg = tiny_draft_config(TARGET.config, layer_types=["sliding_attention"] * 2, sliding_window=None)
+    assert cfg.layer_types == ["full_attention"] * 2 and not any(cfg.layer_is_causal(i) for i in range(2))
+    full = make_draft(layer_types=["full_attention"] * 2)
+    sliding = make_draft(layer_types=["sliding_attention"] * 2, sliding_window=None)
+    context = context_states(full, 11)
+    torch.testing.assert_close(sliding.forward_block(sliding.new_cache(), context, 3, 11),
+                               full.forward_block(full.new_cache(), context, 3, 11), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("layer_types,window,non_causal", ATTENTION_CASES[:3])

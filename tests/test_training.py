@@ -16,6 +16,7 @@ import zlib
 import pytest
 import torch
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
+from safetensors.torch import load_file
 
 from dspark.cli import train as train_cli
 from dspark.engine import SpeculativeDecoder, autoregressive_generate
@@ -293,7 +294,8 @@ def test_sample_anchors():
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
 def test_draft_loss_trains_each_slot_on_its_target_row(monkeypatch, sample_from_anchor):
     """Slot k of the block at p learns the target's row p+k (SFA) or p+k-1, with that row's token as
-    the Markov head's previous token."""
+    the Markov head's previous token; without SFA slot 0 (which drafts nothing) gets the anchor, as
+    speculators' trainer gives it."""
     cfg = draft_config(TARGET.config, mask_token_id=V - 1, block_size=3, markov_rank=4,
                        sample_from_anchor=sample_from_anchor)
     model = new_draft(TARGET, cfg)
@@ -313,7 +315,9 @@ def test_draft_loss_trains_each_slot_on_its_target_row(monkeypatch, sample_from_
     full = TARGET(input_ids=ids).logits
     expected = torch.stack([full[b, rows[b]] for b in range(2)]).reshape(-1, 3, V)
     torch.testing.assert_close(seen["args"][1], expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(seen["prev"], torch.stack([ids[b, rows[b]] for b in range(2)]).reshape(-1, 3))
+    prev_rows = torch.maximum(rows, anchors[:, :, None])
+    assert torch.equal(seen["prev"], torch.stack([ids[b, prev_rows[b]] for b in range(2)]).reshape(-1, 3))
+    assert torch.equal(seen["prev"][:, 0], ids.gather(1, anchors).reshape(-1))
 
 
 def test_regenerate_continues_rows_greedily():
@@ -374,16 +378,24 @@ def test_training_reduces_the_loss(head_type):
     assert torch.equal(model.lm_head.weight, TARGET.get_output_embeddings().weight)
 
 
-def test_dflash_ablation_has_no_markov_bias(tmp_path):
+def test_dflash_ablation_is_saved_at_rank_0(tmp_path):
+    """``markov_rank=0``: no Markov head and no confidence head, saved as rank 0 (as the peers write
+    DFlash-style drafters); it trains, loads and decodes losslessly."""
     cfg = draft_config(TARGET.config, mask_token_id=V - 1, block_size=4, markov_rank=0)
-    assert cfg.markov_rank == 1 and not cfg.enable_confidence_head
-    w1 = new_draft(TARGET, cfg, dflash=True).markov_w1.clone()
-    model, _ = train_draft(TARGET, _rows(), cfg, TrainOptions(steps=5, batch_size=4), device="cpu", dflash=True,
+    assert cfg.markov_rank == 0 and not cfg.enable_confidence_head
+    model, _ = train_draft(TARGET, _rows(), cfg, TrainOptions(steps=5, batch_size=4), device="cpu",
                            num_anchors=8, output=tmp_path, save_dtype=torch.float32)
-    assert torch.equal(model.markov_w1, w1) and not model.markov_head.markov_w2.weight.any()
+    assert model.markov_head is None and not torch.equal(model.fc.weight, new_draft(TARGET, cfg).fc.weight)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["markov_rank"] == 0 and not config["enable_confidence_head"]
+    assert not any(name.startswith("markov_head.") for name in load_file(str(tmp_path / "model.safetensors")))
     loaded = load_draft(tmp_path)
     bias, _ = loaded.markov_bias(torch.randn(3, cfg.hidden_size), torch.tensor([1, 2, 3]))
-    assert not bias.any()
+    assert bias.shape == (3, V) and not bias.any()
+    decoder = SpeculativeDecoder.from_models(TARGET, loaded)
+    prompt = [3, 14, 15, 92, 65]
+    assert decoder.generate(prompt, max_new_tokens=20).token_ids == \
+        autoregressive_generate(decoder.target, prompt, max_new_tokens=20).token_ids
 
 
 def test_trained_checkpoint_runs_losslessly_in_the_engine(tmp_path):

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--num-prompts must be >= 2 (half fit, half report), got {args.num_prompts}")
         device, dtype = runtime(args)
         target, tokenizer = load_target(args.target, device, dtype)
-        draft = load_draft(args.draft, device=device, dtype=dtype)
+        draft = load_draft(args.draft, target=target, device=device, dtype=dtype)
         if draft.confidence_head is None:
             raise ValueError(f"the draft in {args.draft} has no confidence head to calibrate")
         rows = pack_sequences(tokenize(tokenizer, read_corpus(args.data)), args.prompt_tokens, tokenizer.eos_token_id)

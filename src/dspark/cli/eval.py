@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--draft names a directory twice: {args.draft}")
         device, dtype = runtime(args)
         target, tokenizer = load_target(args.target, device, dtype)
-        drafts = {path: load_draft(path, device=device, dtype=dtype) for path in args.draft}
+        drafts = {path: load_draft(path, target=target, device=device, dtype=dtype) for path in args.draft}
         records = read_prompts(args.prompts)
         records = records[: args.num_prompts] if args.num_prompts else records
         prompts = [prompt_token_ids(tokenizer, r) for r in records]

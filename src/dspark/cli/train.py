@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
               f"draft: {config.num_hidden_layers} layer(s), block {config.block_size}, "
               f"Markov rank {args.markov_rank} ({config.markov_head_type}), capture {config.capture_layer_ids}, "
               f"mask token {config.mask_token_id}", flush=True)
-        model, losses = train_draft(target, sequences, config, options, device=device, dflash=args.markov_rank == 0,
+        model, losses = train_draft(target, sequences, config, options, device=device,
                                     num_anchors=args.anchors, gamma=args.gamma,
                                     confidence_backprop=args.confidence_backprop,
                                     greedy_confidence=args.confidence_target == "greedy", output=args.output,

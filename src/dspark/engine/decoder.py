@@ -61,13 +61,14 @@ class SpeculativeDecoder:
     @classmethod
     def from_pretrained(cls, target_path: str, draft_path: str, *, device=None, dtype=None,
                         **drafter_options) -> "SpeculativeDecoder":
-        """Load the target (Hugging Face directory) and the draft (speculators or DeepSpec directory)."""
+        """Load the target (Hugging Face directory) and the draft (speculators or DeepSpec directory;
+        weights it leaves out come from the target, see ``load_draft``)."""
         from transformers import AutoModelForCausalLM
 
         from ..model import load_draft
 
-        draft = load_draft(draft_path, device=device, dtype=dtype)
         target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype)
+        draft = load_draft(draft_path, target=target, device=device, dtype=dtype)
         return cls.from_models(target.to(draft.device), draft, **drafter_options)
 
     def generate(self, prompt_ids, *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
@@ -145,17 +146,18 @@ def generate(target, draft, prompt_ids, *, max_new_tokens: int = 128, temperatur
     """One-call speculative generation (``dspark.engine.generate``).
 
     ``target``: a Hugging Face causal-LM directory or model; ``draft``: a DSpark checkpoint directory
-    (speculators or DeepSpec format) or a ``DSparkDraftModel``. Other arguments as
+    (speculators or DeepSpec format; weights it leaves out come from ``target``) or a ``DSparkDraftModel``. Other arguments as
     ``SpeculativeDecoder.generate``, ``SamplingParams`` and ``Drafter``.
     """
     options = dict(scheduler=scheduler, threshold=threshold)
     if isinstance(target, str) and isinstance(draft, str):
         decoder = SpeculativeDecoder.from_pretrained(target, draft, device=device, dtype=dtype, **options)
-    else:
-        if isinstance(draft, str):
-            from ..model import load_draft
+    elif isinstance(draft, str):
+        from ..model import load_draft
 
-            draft = load_draft(draft, device=device, dtype=dtype)
+        decoder = SpeculativeDecoder.from_models(target, load_draft(draft, target=target, device=device, dtype=dtype),
+                                                 **options)
+    else:
         if isinstance(target, str):
             from transformers import AutoModelForCausalLM
 

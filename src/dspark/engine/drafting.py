@@ -5,10 +5,16 @@ The draft block (``DSparkDraftModel.forward_block``) gives final-norm hidden sta
 ``slot_offset`` is 0 with ``sample_from_anchor`` and 1 without (runtime.md §1). The Markov loop then
 drafts the P tokens left to right:
 
-* vanilla head: ``dspark.kernels`` -- ``markov_greedy_round`` (greedy) or ``vanilla_markov_sample``
-  (sampled, which also returns the exact q each token was drawn from);
-* gated / rnn heads (and a vanilla rank the fused greedy kernel does not take): torch, one step at a
-  time through ``model.markov_bias``, then ``K.logits_to_probabilities`` + ``K.sample_probability_rows``.
+* vanilla head of a half-precision draft: ``dspark.kernels`` -- ``markov_greedy_round`` (greedy)
+  or ``vanilla_markov_sample`` (sampled, which also returns the exact q each token was drawn from);
+* otherwise (gated / rnn heads, no Markov head at rank 0, a vanilla rank the fused greedy kernel
+  does not take, or an fp32 draft): torch, one step at a time through ``model.markov_bias``, then
+  ``K.logits_to_probabilities`` + ``K.sample_probability_rows``. Without ``sample_from_anchor`` an
+  rnn head's state first steps through slot 0 (``model.markov_start_state``).
+
+The head kernels take fp16/bf16 weights only. An fp32 draft runs its heads in torch in fp32 rather
+than through bf16 copies of W1/W2 and the confidence weights, which would flip greedy near-ties
+against the model's own math.
 
 Drafts are sampled with the same temperature / top-k / top-p function as the target's probabilities
 (``K.logits_to_probabilities``), so q is exactly the distribution each token came from and
@@ -17,7 +23,8 @@ verification stays lossless (runtime.md §3.9 note). Scheduling (chain mode, one
 ``K.compute_confidence_and_proposal_lengths`` / ``K.compute_confidence_and_sps_proposal_lengths``,
 except for a draft with STS temperatures (``config.sts_temperatures``): the fused kernels have no
 per-position temperature, so its calibrated confidences ``sigmoid(logit_k / T_k)`` come from
-``model.confidence_logits`` and the same length rules run on them.
+``model.confidence_logits`` and the same length rules run on them; so do an fp32 draft's and a
+rank-0 draft's (the kernels need a half-precision W1).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ SCHEDULERS = ("off", "threshold", "sps")
 class SamplingParams:
     """Temperature / top-k / top-p of ``K.logits_to_probabilities`` and the uniforms' seed.
 
-    Greedy when ``temperature < 1e-3`` or ``top_k == 1`` (the kernels' one-hot case).
+    ``top_k`` 0 or negative (vLLM's -1) means no top-k filter (stored as 0). Greedy when
+    ``temperature < 1e-3`` or ``top_k == 1`` (the kernels' one-hot case).
     """
 
     temperature: float = 0.0
@@ -49,7 +57,8 @@ class SamplingParams:
     def __post_init__(self):
         c = Checker("SamplingParams")
         c.real("temperature", self.temperature, low=0.0)
-        c.integer("top_k", self.top_k, low=0)
+        if c.integer("top_k", self.top_k) < 0:
+            object.__setattr__(self, "top_k", 0)
         c.real("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p <= 0.0:
             c.fail(f"top_p must be in (0, 1], got {self.top_p}")
@@ -105,15 +114,16 @@ class Drafter:
         self.num_draft_tokens = self.config.num_draft_tokens
         self.block_size = self.config.block_size
         self.slot_offset = 0 if self.config.sample_from_anchor else 1
-        # The kernels take fp16/bf16 weights and hidden states; an fp32 draft (CPU) uses bf16 copies.
-        self.kernel_dtype = model.dtype if model.dtype in HALF_DTYPES else torch.bfloat16
-        self.markov_w1 = model.markov_w1.detach().to(self.kernel_dtype)
-        self.markov_w2 = model.markov_w2_target.detach().to(self.kernel_dtype)
-        self.fused_greedy = model.markov_head_type == "vanilla" and K.fused_greedy_supported(self.markov_w1.shape[1])
-        if scheduler != "off":
-            self.confidence_weight = model.confidence_weight.detach().to(self.kernel_dtype)
-            self.confidence_bias = model.confidence_bias.detach().to(self.kernel_dtype)
+        # The head kernels take fp16/bf16 weights only: other drafts run their heads in torch (module docstring).
+        kernel_heads = model.dtype in HALF_DTYPES and self.config.markov_rank > 0
+        self.kernel_markov = kernel_heads and model.markov_head_type == "vanilla"
+        self.fused_greedy = self.kernel_markov and K.fused_greedy_supported(self.config.markov_rank)
         self.sts_temperatures = _sts_temperatures(self.config.sts_temperatures, self.num_draft_tokens, model.device)
+        self.kernel_confidence = kernel_heads and scheduler != "off" and self.sts_temperatures is None
+        if kernel_heads:
+            self.markov_w1, self.markov_w2 = model.markov_w1.detach(), model.markov_w2_target.detach()
+        if self.kernel_confidence:
+            self.confidence_weight, self.confidence_bias = model.confidence_weight.detach(), model.confidence_bias.detach()
         self.cache = model.new_cache()
 
     def reset(self) -> None:
@@ -140,7 +150,7 @@ class Drafter:
         backbone logits (row ``b*N + k`` = slot k of block b); ``anchors`` int32 ``[B]``;
         ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy). No host synchronisation.
         """
-        if self.model.markov_head_type == "vanilla" and (self.fused_greedy or not sampling.greedy):
+        if self.kernel_markov and (self.fused_greedy or not sampling.greedy):
             tokens, probs = self._vanilla(logits, anchors, sampling, uniforms)
         else:
             tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms)
@@ -157,7 +167,7 @@ class Drafter:
                                        sampling.temperature, sampling.top_k, sampling.top_p, **rows)
 
     def _stepwise(self, hidden, logits, anchors, sampling, uniforms):
-        """Sequential Markov loop in torch (gated / rnn heads, or a vanilla rank without a fused kernel)."""
+        """Sequential Markov loop in torch in the draft's precision (see the module docstring)."""
         p, batch = self.num_draft_tokens, anchors.shape[0]
         hidden = hidden.view(batch, self.block_size, -1)
         logits = logits.view(batch, self.block_size, -1)
@@ -165,7 +175,7 @@ class Drafter:
         probs = None if sampling.greedy else torch.empty(batch, p, logits.shape[-1], device=logits.device)
         if uniforms is None:  # greedy: the one-hot row is drawn whatever the uniform
             uniforms = torch.zeros(batch, p, device=logits.device)
-        prev, state = anchors, None
+        prev, state = anchors, self.model.markov_start_state(hidden[:, 0], anchors)
         for step in range(p):
             row = step + self.slot_offset
             bias, state = self.model.markov_bias(hidden[:, row], prev, state)
@@ -180,9 +190,9 @@ class Drafter:
         batch, p = tokens.shape
         if self.scheduler == "off":
             return K.fill_proposal_lengths(batch, p, device=tokens.device), None
-        if self.sts_temperatures is not None:
-            return self._schedule_sts(hidden, anchors, tokens)
-        args = (hidden.to(self.kernel_dtype), self.markov_w1, self.confidence_weight, self.confidence_bias, anchors, tokens)
+        if not self.kernel_confidence:
+            return self._schedule_torch(hidden, anchors, tokens)
+        args = (hidden, self.markov_w1, self.confidence_weight, self.confidence_bias, anchors, tokens)
         kwargs = dict(confidence_with_markov=self.model.confidence_with_markov, min_proposal_len=self.min_proposal_len,
                       max_proposal_len=self.max_proposal_len, hidden_stride=self.block_size,
                       hidden_offset=self.slot_offset)
@@ -192,13 +202,15 @@ class Drafter:
             confidence, lengths = K.compute_confidence_and_sps_proposal_lengths(*args, survival_floor=self.threshold, **kwargs)
         return lengths, confidence
 
-    def _schedule_sts(self, hidden, anchors, tokens):
-        """Calibrated confidences ``sigmoid(logit_k / T_k)`` (STS, runtime.md §4), then the same
-        threshold / SPS rules as the kernels (``K.threshold_proposal_lengths`` / ``K.sps_proposal_lengths``)."""
+    def _schedule_torch(self, hidden, anchors, tokens):
+        """Confidences ``sigmoid(logit_k)``, calibrated ``sigmoid(logit_k / T_k)`` with STS
+        temperatures (runtime.md §4), from ``model.confidence_logits``, then the same threshold / SPS
+        rules as the kernels (``K.threshold_proposal_lengths`` / ``K.sps_proposal_lengths``)."""
         batch, p = tokens.shape
         rows = hidden.view(batch, self.block_size, -1)[:, self.slot_offset:self.slot_offset + p]
         prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
-        confidence = torch.sigmoid(self.model.confidence_logits(rows, prev) / self.sts_temperatures)
+        logits = self.model.confidence_logits(rows, prev)
+        confidence = torch.sigmoid(logits if self.sts_temperatures is None else logits / self.sts_temperatures)
         if self.scheduler == "threshold":
             lengths = K.threshold_proposal_lengths(confidence, self.threshold, min_proposal_len=self.min_proposal_len,
                                                    max_proposal_len=self.max_proposal_len)

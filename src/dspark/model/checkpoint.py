@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -29,24 +30,40 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 HEADS_SIDECAR_NAME = "dspark_heads.safetensors"
 _INTEGER_TENSORS = {"d2t": torch.int64, "t2d": torch.bool}
+TARGET_OWNED = ("embed_tokens.weight", "lm_head.weight")
 _SIDECAR_MARKOV = ("markov_w1", "markov_w2")
 _SIDECAR_CONFIDENCE = ("confidence_weight", "confidence_bias")
 
 
-def load_draft(path, *, device=None, dtype: torch.dtype | None = None) -> DSparkDraftModel:
-    """Load a speculators or DeepSpec draft directory (format detected from ``config.json``).
+def load_draft(path, *, target=None, device=None, dtype: torch.dtype | None = None) -> DSparkDraftModel:
+    """Load a speculators (``dspark`` or ``dflash``) or DeepSpec draft directory (format detected
+    from ``config.json``).
 
-    device: where the weights go (default CPU). dtype: floating dtype of the model (default: the
-    checkpoint's). Raises ValueError naming a missing, unexpected or mis-shaped tensor, an unknown
-    format, or an inconsistent ``d2t``/``t2d`` pair. Returns the model in eval mode, no grads.
+    target: the target ("verifier") as a Hugging Face model or its directory. speculators 0.9 does
+    not save the weights a draft shares with its target: a checkpoint without ``embed_tokens.weight``
+    takes the target's input embedding, one without ``lm_head.weight`` the target's output head
+    (for a reduced vocabulary its rows at the draft's target ids). Needed only then; a directory is
+    loaded with transformers only then. Rows taken from a model on the same device in the same dtype
+    are shared with it, not copied. device: where the weights go (default CPU). dtype: floating
+    dtype of the model (default: the checkpoint's). Raises ValueError naming a missing, unexpected
+    or mis-shaped tensor, an unknown format, an inconsistent ``d2t``/``t2d`` pair, or a target that
+    is needed but not given or does not fit. Returns the model in eval mode, no grads.
     """
     c = Checker("load_draft")
     directory = _directory(c, path)
+    if target is not None and not isinstance(target, (str, os.PathLike)) and not hasattr(target, "get_input_embeddings"):
+        c.fail(f"target must be a Hugging Face model or its directory, got {type(target).__name__}", TypeError)
     config = DSparkConfig.from_dict(_read_json(c, directory / CONFIG_NAME))
     tensors = _read_weights(c, directory)
     with torch.device("meta"):
         model = DSparkDraftModel(config)
-    _check_names_and_shapes(c, model.state_dict(), tensors)
+    expected = model.state_dict()
+    omitted = [name for name in TARGET_OWNED if name not in tensors]
+    _check_names_and_shapes(c, {k: v for k, v in expected.items() if k not in omitted}, tensors)
+    if config.reduced_vocab:
+        check_vocab_mapping("load_draft", tensors["d2t"], tensors["t2d"], config.vocab_size)
+    if omitted:
+        tensors.update(_target_owned_tensors(c, directory, config, expected, tensors, omitted, target))
     if dtype is None:
         dtype = tensors["fc.weight"].dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -54,10 +71,40 @@ def load_draft(path, *, device=None, dtype: torch.dtype | None = None) -> DSpark
     device = torch.device("cpu") if device is None else torch.device(device)
     state = {name: t.to(device, _INTEGER_TENSORS.get(name, dtype)) for name, t in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    if config.reduced_vocab:
-        check_vocab_mapping("load_draft", model.d2t, model.t2d, config.vocab_size)
     config.dtype = str(dtype).removeprefix("torch.")
     return model.eval().requires_grad_(False)
+
+
+def _target_owned_tensors(c: Checker, directory: Path, config: DSparkConfig, expected: dict, tensors: dict,
+                          omitted: list[str], target) -> dict[str, torch.Tensor]:
+    """The target's rows for the ``omitted`` ones of ``embed_tokens.weight`` / ``lm_head.weight``
+    (speculators 0.9: "verifier-owned weights are reconstructed on load")."""
+    if target is None:
+        verifier = config.verifier.get("name_or_path")
+        recorded = f" (its config names the verifier {verifier!r})" if verifier else ""
+        c.fail(f"checkpoint {str(directory)!r} omits {omitted}, the weights a draft shares with its target, as "
+               f"speculators 0.9 saves drafts: pass target= (the target model or its directory){recorded} "
+               f"to take them from it")
+    if isinstance(target, (str, os.PathLike)):
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(target, dtype="auto")
+    check_target_compatible(config, target.config)
+    modules = {"embed_tokens.weight": ("input embedding", target.get_input_embeddings()),
+               "lm_head.weight": ("output head", target.get_output_embeddings())}
+    out = {}
+    for name in omitted:
+        what, module = modules[name]
+        if module is None:
+            c.fail(f"target {type(target).__name__} has no {what} to take {name!r} from")
+        rows = module.weight.detach()
+        if name == "lm_head.weight" and config.reduced_vocab:  # the draft vocabulary's rows
+            rows = rows[(torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()).to(rows.device)]
+        if rows.shape != expected[name].shape:
+            c.fail(f"the target's {what} has shape {list(rows.shape)}, the draft's {name!r} needs "
+                   f"{list(expected[name].shape)}")
+        out[name] = rows
+    return out
 
 
 def save_draft(model: DSparkDraftModel, path, *, format: str = "speculators") -> Path:
@@ -91,6 +138,8 @@ def save_heads_sidecar(model: DSparkDraftModel, path) -> Path:
     if cfg.reduced_vocab:
         c.fail(f"the heads sidecar needs a full-vocabulary draft, got draft_vocab_size={cfg.draft_vocab_size} "
                f"< vocab_size={cfg.vocab_size}")
+    if cfg.markov_rank == 0:
+        c.fail("the heads sidecar holds a Markov head, but this draft has none (markov_rank 0)")
     if cfg.markov_head_type != "vanilla":
         c.fail(f"the heads sidecar holds a vanilla Markov head only, got markov_head_type={cfg.markov_head_type!r}")
     tensors = {"markov_w1": model.markov_w1, "markov_w2": model.markov_w2_target}

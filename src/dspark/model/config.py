@@ -18,6 +18,11 @@ __all__ = ["DSparkConfig", "LAYER_TYPES", "MARKOV_HEAD_TYPES", "CHECKPOINT_FORMA
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 CHECKPOINT_FORMATS = ("speculators", "deepspec")
+SPECULATORS_MODEL_TYPES = ("dspark", "dflash")
+# Keys the peers' loaders require that inference does not use: the speculators release whose
+# format dspark writes, and DeepSpec's anchors per training sequence (its default).
+SPECULATORS_VERSION = "0.9.0"
+DEEPSPEC_NUM_ANCHORS = 64
 
 
 @dataclass
@@ -32,15 +37,17 @@ class DSparkConfig:
     Block: ``block_size`` query slots ``[anchor, mask, ...]``; ``sample_from_anchor`` decides
     whether slot 0 also drafts (``num_draft_tokens``). ``layer_types[i]`` is ``"full_attention"``
     (bidirectional block, all context) or ``"sliding_attention"`` (causal block unless
-    ``sliding_window_non_causal``; context limited to ``sliding_window`` positions before the anchor
-    when ``sliding_window`` is not ``None``). Only the default RoPE (``rope_theta``) is supported.
+    ``sliding_window_non_causal``; context limited to ``sliding_window`` positions before the
+    anchor). A sliding layer without a window (``sliding_window`` None) is a full-attention layer,
+    as speculators runs it, and is stored as one. Only the default RoPE (``rope_theta``) is supported.
 
     Target link: ``capture_layer_ids`` (HF ``hidden_states`` indices, each ``< num_target_layers``;
     the latter is ``None`` when the checkpoint does not record it), ``mask_token_id`` (a target id).
-    Heads: ``markov_rank`` r, ``markov_head_type``, ``enable_confidence_head``,
-    ``confidence_head_with_markov``; ``sts_temperatures`` T_k per draft position (key
-    ``sts_temperatures`` in ``config.json``; None = uncalibrated). Bookkeeping: ``checkpoint_format``
-    read from, ``dtype`` of the stored weights, ``verifier`` (speculators' verifier record).
+    Heads: ``markov_rank`` r (0: no Markov head, a DFlash drafter), ``markov_head_type``,
+    ``enable_confidence_head``, ``confidence_head_with_markov`` (no effect at rank 0);
+    ``sts_temperatures`` T_k per draft position (key ``sts_temperatures`` in ``config.json``; None =
+    uncalibrated). Bookkeeping: ``checkpoint_format`` read from, ``dtype`` of the stored weights,
+    ``verifier`` (speculators' verifier record).
     """
 
     hidden_size: int
@@ -73,8 +80,9 @@ class DSparkConfig:
     def __post_init__(self):
         c = Checker("DSparkConfig")
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size", "block_size", "markov_rank"):
+                     "head_dim", "intermediate_size", "vocab_size", "block_size"):
             c.integer(name, getattr(self, name), low=1)
+        c.integer("markov_rank", self.markov_rank, low=0)
         if self.num_attention_heads % self.num_key_value_heads:
             c.fail(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                    f"num_key_value_heads ({self.num_key_value_heads})")
@@ -123,7 +131,9 @@ class DSparkConfig:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad:
             c.fail(f"layer_types entries must be one of {list(LAYER_TYPES)}, got {bad[0]!r}")
-        if self.sliding_window is not None:
+        if self.sliding_window is None:  # no window: speculators runs these layers as full attention
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        else:
             c.integer("sliding_window", self.sliding_window, low=1)
 
     # ---- derived quantities -------------------------------------------------------------------
@@ -141,6 +151,11 @@ class DSparkConfig:
     @property
     def reduced_vocab(self) -> bool:
         return self.draft_vocab_size < self.vocab_size
+
+    @property
+    def confidence_uses_markov(self) -> bool:
+        """The confidence head reads ``[h ; W1[prev]]``, not ``h`` alone (never at rank 0: no W1)."""
+        return self.confidence_head_with_markov and self.markov_rank > 0
 
     def layer_is_causal(self, i: int) -> bool:
         """Causal block attention in draft layer ``i`` (sliding layers, unless overridden)."""
@@ -195,6 +210,7 @@ class DSparkConfig:
             "architectures": ["DSparkDraftModel"],
             "auto_map": {"": "config.DSparkSpeculatorConfig"},
             "speculators_model_type": "dspark",
+            "speculators_version": SPECULATORS_VERSION,
             "aux_hidden_state_layer_ids": list(self.capture_layer_ids),
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": None,
@@ -225,6 +241,7 @@ class DSparkConfig:
             **self._head_config(),
             "num_target_layers": self.num_target_layers,
             "target_layer_ids": [i - 1 for i in self.capture_layer_ids],
+            "num_anchors": DEEPSPEC_NUM_ANCHORS,
         }
 
     def to_dict(self) -> dict:
@@ -238,6 +255,7 @@ class DSparkConfig:
     @classmethod
     def _from_hf_dict(cls, d: dict, fmt: str) -> "DSparkConfig":
         c = Checker("DSparkConfig.from_dict")
+        dflash = d.get("speculators_model_type") == "dflash"
         if fmt == "speculators":
             layer = d.get("transformer_layer_config")
             if not isinstance(layer, dict):
@@ -249,27 +267,37 @@ class DSparkConfig:
             heads = d
         else:
             layer = d
-            dflash = d.get("dflash_config") or {}  # legacy exports nest these two keys
-            ids = d.get("target_layer_ids", dflash.get("target_layer_ids"))
+            legacy = d.get("dflash_config") or {}  # legacy exports nest these two keys
+            ids = d.get("target_layer_ids", legacy.get("target_layer_ids"))
             if ids is None:
                 c.fail("DeepSpec config has no target_layer_ids")
             capture = [c.integer("target_layer_ids[]", j, low=-1) + 1 for j in ids]
             extra = {"num_target_layers": d.get("num_target_layers")}
-            heads = {**dflash, **d}
+            heads = {**legacy, **d}
         _check_layer_support(c, layer)
         # Qwen3Config defaults: use_sliding_window False, sliding_window 4096
         window = layer.get("sliding_window", 4096) if layer.get("use_sliding_window", False) else None
+        fields = _layer_fields(c, layer, window)
+        if fmt == "deepspec" and window is None and "sliding_attention" in fields["layer_types"]:
+            # speculators runs such layers as full attention; what DeepSpec does is not pinned down
+            c.fail(f"layer_types holds 'sliding_attention' but there is no window (use_sliding_window="
+                   f"{layer.get('use_sliding_window')!r}, sliding_window={layer.get('sliding_window')!r}); "
+                   f"set use_sliding_window and sliding_window, or make those layers 'full_attention'")
+        if dflash:  # speculators' DFlash drafter: the DSpark backbone without Markov / confidence heads
+            head_fields = dict(markov_rank=0, sample_from_anchor=bool(heads.get("sample_from_anchor", False)),
+                               enable_confidence_head=False, confidence_head_with_markov=False)
+        else:  # defaults of speculators' DSpark config (DeepSpec is always anchor-sampled, runtime.md §6.4)
+            head_fields = dict(markov_rank=_required(c, heads, "markov_rank"),
+                               sample_from_anchor=bool(heads.get("sample_from_anchor", True)),
+                               markov_head_type=heads.get("markov_head_type") or "vanilla",
+                               enable_confidence_head=bool(heads.get("enable_confidence_head", True)),
+                               confidence_head_with_markov=bool(heads.get("confidence_head_with_markov", True)))
         return cls(
-            **_layer_fields(c, layer, window),
+            **fields,
+            **head_fields,
             capture_layer_ids=list(capture),
             mask_token_id=_required(c, heads, "mask_token_id"),
             block_size=_required(c, heads, "block_size"),
-            markov_rank=_required(c, heads, "markov_rank"),
-            # speculators' DSpark default is True; DeepSpec is always anchor-sampled (runtime.md §6.4)
-            sample_from_anchor=bool(heads.get("sample_from_anchor", True)),
-            markov_head_type=heads.get("markov_head_type") or "vanilla",
-            enable_confidence_head=bool(heads.get("enable_confidence_head", False)),
-            confidence_head_with_markov=bool(heads.get("confidence_head_with_markov", False)),
             sliding_window_non_causal=bool(heads.get("sliding_window_non_causal", False)),
             checkpoint_format=fmt,
             sts_temperatures=heads.get("sts_temperatures"),
@@ -279,19 +307,21 @@ class DSparkConfig:
 
 
 def detect_format(d: dict) -> str:
-    """``"speculators"`` or ``"deepspec"`` for a DSpark ``config.json``; ValueError otherwise."""
+    """``"speculators"`` (model type ``dspark`` or ``dflash``) or ``"deepspec"`` for a draft
+    ``config.json``; ValueError otherwise."""
     c = Checker("load_draft")
     kind = d.get("speculators_model_type")
     if kind is not None:
-        if kind != "dspark":
-            c.fail(f"unknown checkpoint format: speculators_model_type is {kind!r}, expected 'dspark'")
+        if kind not in SPECULATORS_MODEL_TYPES:
+            c.fail(f"unknown checkpoint format: speculators_model_type is {kind!r}, expected one of "
+                   f"{list(SPECULATORS_MODEL_TYPES)}")
         return "speculators"
     archs = d.get("architectures") or []
     if "Qwen3DSparkModel" in archs:
         return "deepspec"
     if any(str(a).endswith("DSparkModel") for a in archs):
         c.fail(f"unsupported DeepSpec architecture {archs}: only Qwen3-style drafts (Qwen3DSparkModel) are supported")
-    c.fail(f"unknown checkpoint format: config.json has neither speculators_model_type 'dspark' nor "
+    c.fail(f"unknown checkpoint format: config.json has neither speculators_model_type 'dspark' / 'dflash' nor "
            f"architectures ['Qwen3DSparkModel'] (architectures={archs}, model_type={d.get('model_type')!r})")
 
 

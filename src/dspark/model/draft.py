@@ -185,9 +185,9 @@ class DSparkDraftModel(nn.Module):
     """The DSpark draft model (backbone + Markov head + optional confidence head).
 
     Parameters follow the checkpoint names: ``embed_tokens [V_t, H]``, ``layers.{i}.*``, ``norm``,
-    ``fc [H, m*H]``, ``hidden_norm``, ``lm_head [V_d, H]``, ``markov_head.*``,
-    ``confidence_head.proj.*``; buffers ``d2t [V_d]`` int64 and ``t2d [V_t]`` bool only for a
-    reduced vocabulary. Everything the engine consumes is in the target vocabulary V_t.
+    ``fc [H, m*H]``, ``hidden_norm``, ``lm_head [V_d, H]``, ``markov_head.*`` (none at
+    ``markov_rank`` 0), ``confidence_head.proj.*``; buffers ``d2t [V_d]`` int64 and ``t2d [V_t]``
+    bool only for a reduced vocabulary. Everything the engine consumes is in the target vocabulary V_t.
     """
 
     def __init__(self, config: DSparkConfig):
@@ -200,8 +200,8 @@ class DSparkDraftModel(nn.Module):
         self.fc = nn.Linear(config.num_capture_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, v_d, bias=False)
-        self.markov_head = MarkovHead(h, v_t, v_d, r, config.markov_head_type)
-        self.confidence_head = (ConfidenceHead(h, r, config.confidence_head_with_markov)
+        self.markov_head = MarkovHead(h, v_t, v_d, r, config.markov_head_type) if r > 0 else None
+        self.confidence_head = (ConfidenceHead(h, r, config.confidence_uses_markov)
                                 if config.enable_confidence_head else None)
         if config.reduced_vocab:
             self.register_buffer("d2t", torch.zeros(v_d, dtype=torch.int64))
@@ -224,7 +224,7 @@ class DSparkDraftModel(nn.Module):
 
     @property
     def confidence_with_markov(self) -> bool:
-        return self.config.confidence_head_with_markov
+        return self.config.confidence_uses_markov
 
     @property
     def draft_to_target_ids(self) -> torch.Tensor | None:
@@ -309,16 +309,21 @@ class DSparkDraftModel(nn.Module):
 
     # ---- Markov head --------------------------------------------------------------------------
 
+    def _markov(self) -> MarkovHead:
+        if self.markov_head is None:
+            Checker("DSparkDraftModel").fail("this draft has no Markov head (markov_rank is 0)")
+        return self.markov_head
+
     @property
     def markov_w1(self) -> torch.Tensor:
         """``[V_t, R]`` Markov embedding of the previous (target) token, model dtype."""
-        return self.markov_head.markov_w1.weight
+        return self._markov().markov_w1.weight
 
     @property
     def markov_w2_target(self) -> torch.Tensor:
         """``[V_t, R]`` Markov output weights in target ids (rows outside a reduced draft vocabulary
         are zero), model dtype. Cached until the weight changes."""
-        w2 = self.markov_head.markov_w2.weight
+        w2 = self._markov().markov_w2.weight
         if not self.config.reduced_vocab:
             return w2
         key = (w2.data_ptr(), w2._version, w2.device, w2.dtype)
@@ -334,7 +339,8 @@ class DSparkDraftModel(nn.Module):
 
         hidden_k ``[B, H]`` final-norm hidden of slot k; prev_tokens int ``[B]`` target ids
         ``y_{k-1}``; state: rnn recurrent state fp32 ``[B, R]`` (None before slot 0; passed through
-        unchanged for vanilla/gated). Corrected logits = ``backbone_logits + bias``.
+        unchanged for vanilla/gated). Corrected logits = ``backbone_logits + bias``; the bias is 0
+        without a Markov head (``markov_rank`` 0).
         """
         c = Checker("markov_bias")
         cfg = self.config
@@ -342,12 +348,23 @@ class DSparkDraftModel(nn.Module):
         b = hidden_k.shape[0]
         c.tensor("hidden_k", hidden_k, shape=[b, cfg.hidden_size])
         prev = self._token_ids(c, "prev_tokens", prev_tokens, [b])
+        if self.markov_head is None:
+            return torch.zeros(b, cfg.vocab_size, device=self.device), state
         if state is not None and cfg.markov_head_type == "rnn":
             c.tensor("state", state, dtype=torch.float32, shape=[b, cfg.markov_rank], device=self.device)
         bias, state = self.markov_head(hidden_k, prev, state)
         if cfg.reduced_vocab:
             bias = scatter_vocab(bias, self.draft_to_target_ids, cfg.vocab_size, -1, 0.0)
         return bias, state
+
+    @torch.no_grad()
+    def markov_start_state(self, hidden_0: torch.Tensor, anchor_tokens: torch.Tensor) -> torch.Tensor | None:
+        """The Markov state the first drafting slot starts from, for ``B`` blocks: None, except for
+        an rnn head without ``sample_from_anchor``, whose state first steps through slot 0 (hidden
+        ``hidden_0`` ``[B, H]``, previous token the anchor ``[B]``), as speculators trains it."""
+        if self.config.sample_from_anchor or self.markov_head is None or self.config.markov_head_type != "rnn":
+            return None
+        return self.markov_bias(hidden_0, anchor_tokens)[1]
 
     # ---- confidence head ----------------------------------------------------------------------
 

@@ -95,7 +95,7 @@ def greedy_drafts(model: DSparkDraftModel, hidden: torch.Tensor, anchor_tokens: 
     offset, p = (0 if cfg.sample_from_anchor else 1), cfg.num_draft_tokens
     rows = hidden[:, offset:offset + p]
     logits = model.backbone_logits(rows)
-    prev, state, tokens = anchor_tokens, None, []
+    prev, state, tokens = anchor_tokens, model.markov_start_state(hidden[:, 0], anchor_tokens), []
     for j in range(p):
         bias, state = model.markov_bias(rows[:, j], prev, state)
         prev = (logits[:, j] + bias).argmax(-1)

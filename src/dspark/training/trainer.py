@@ -11,7 +11,9 @@ One step on a batch of token rows ``[B, S]``:
    the same block only, bidirectional or causal per layer type. This is exactly what
    ``DSparkDraftModel.forward_block`` computes at inference for one anchor (tested);
 3. slot logits = ``lm_head`` + Markov bias with teacher-forced previous tokens (the token at the
-   row whose target logits the slot is trained on), confidence logits from ``[h ; W1[prev]]``;
+   row whose target logits the slot is trained on; without ``sample_from_anchor`` slot 0, which
+   drafts nothing, gets the anchor, so an rnn head's state steps through it as speculators'
+   does), confidence logits from ``[h ; W1[prev]]``;
 4. ``dspark_loss`` (0.1 CE + 0.9 TV + 1.0 BCE, weights exp(-k/γ)); AdamW, linear warm-up then
    cosine decay; the embedding and ``lm_head`` are frozen copies of the target's.
 
@@ -23,9 +25,8 @@ held-out files with the gradient, 2.28 with detached inputs, 2.46 without a conf
 ablation: 1.88). ``confidence_backprop=True`` (``dspark train --confidence-backprop``) restores the
 paper's path.
 
-``markov_rank=0`` trains the DFlash ablation: the draft config cannot express rank 0, so the
-checkpoint carries a rank-1 Markov head whose ``markov_w2`` is zero and frozen (its bias is exactly
-0 in training and in the engine), and no confidence head, like DeepSpec's DFlash baselines.
+``markov_rank=0`` trains the DFlash ablation: no Markov head (``markov_rank`` 0 in the checkpoint,
+as speculators and DeepSpec write it) and no confidence head, like DeepSpec's DFlash baselines.
 """
 
 from __future__ import annotations
@@ -217,7 +218,6 @@ def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_
     layers = target_config.num_hidden_layers
     heads = target_config.num_attention_heads
     rope = getattr(target_config, "rope_parameters", None) or {}
-    dflash = markov_rank == 0
     return DSparkConfig(
         hidden_size=target_config.hidden_size,
         num_hidden_layers=num_layers,
@@ -231,9 +231,9 @@ def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_
         mask_token_id=mask_token_id,
         block_size=block_size,
         sample_from_anchor=sample_from_anchor,
-        markov_rank=1 if dflash else markov_rank,
-        markov_head_type="vanilla" if dflash else markov_head_type,
-        enable_confidence_head=confidence and not dflash,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type if markov_rank else "vanilla",  # rank 0: no head, as the peers write it
+        enable_confidence_head=confidence and markov_rank > 0,
         confidence_head_with_markov=True,
         layer_types=[layer_type] * num_layers,
         sliding_window=sliding_window if layer_type == "sliding_attention" else None,
@@ -245,11 +245,10 @@ def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_
 
 
 @torch.no_grad()
-def new_draft(target, config: DSparkConfig, *, dflash: bool = False, seed: int = 0) -> DSparkDraftModel:
+def new_draft(target, config: DSparkConfig, *, seed: int = 0) -> DSparkDraftModel:
     """A freshly initialised fp32 draft for ``target``: projections ~ N(0, 0.02), norms 1, biases 0,
     ``markov_w1`` ~ N(0, 1) and ``markov_w2`` = 0 (the Markov bias starts at 0); ``embed_tokens``
-    and ``lm_head`` are frozen copies of the target's. ``dflash``: ``markov_w1``/``markov_w2`` frozen
-    too (the bias stays exactly 0)."""
+    and ``lm_head`` are frozen copies of the target's."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = DSparkDraftModel(config)
@@ -260,12 +259,12 @@ def new_draft(target, config: DSparkConfig, *, dflash: bool = False, seed: int =
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02)
-        model.markov_head.markov_w1.weight.normal_(0.0, 1.0)
-        model.markov_head.markov_w2.weight.zero_()
+        if model.markov_head is not None:
+            model.markov_head.markov_w1.weight.normal_(0.0, 1.0)
+            model.markov_head.markov_w2.weight.zero_()
     model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
     model.lm_head.weight.copy_(target.get_output_embeddings().weight)
-    frozen = [model.embed_tokens, model.lm_head] + ([model.markov_head] if dflash else [])
-    for module in frozen:
+    for module in (model.embed_tokens, model.lm_head):
         module.requires_grad_(False)
     return model
 
@@ -416,6 +415,8 @@ def markov_logits(model: DSparkDraftModel, hidden: torch.Tensor, prev_tokens: to
     """Markov-corrected slot logits fp32 ``[R, N, V]`` from hidden ``[R, N, H]`` and the previous
     token of every slot ``[R, N]`` (the rnn head carries its state along the slots)."""
     base = model.lm_head(hidden).float()
+    if model.markov_head is None:
+        return base
     state, biases = None, []
     for k in range(hidden.shape[1]):
         bias, state = model.markov_head(hidden[:, k], prev_tokens[:, k], state)
@@ -429,9 +430,9 @@ def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anc
     """The objective on one batch of rows ``[B, S]`` (steps 1-4 of the module docstring).
 
     Slot k of the block at p is trained on target row ``r = p + k - offset`` (``offset`` 1 without
-    ``sample_from_anchor``, else 0) and its previous token is ``input_ids[r]``. The confidence head
-    reads detached ``[h ; W1[prev]]`` unless ``confidence_backprop`` (see the module docstring);
-    ``greedy_confidence`` as in ``dspark_loss``.
+    ``sample_from_anchor``, else 0) and its previous token is ``input_ids[max(r, p)]`` (slot 0: the
+    anchor). The confidence head reads detached ``[h ; W1[prev]]`` unless ``confidence_backprop``
+    (see the module docstring); ``greedy_confidence`` as in ``dspark_loss``.
     """
     cfg = model.config
     b, s = input_ids.shape
@@ -443,14 +444,16 @@ def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anc
     hidden = block_hidden(model, context, block_ids, anchors)
     offset = 0 if cfg.sample_from_anchor else 1
     rows = (anchors[:, :, None] + torch.arange(n, device=input_ids.device) - offset).clamp(min=0)
-    prev = input_ids.gather(1, rows.reshape(b, -1)).view_as(rows)
+    prev = input_ids.gather(1, torch.maximum(rows, anchors[:, :, None]).reshape(b, -1)).view_as(rows)
     target_logits = target_head_logits(target, final, rows)
     flat_hidden, flat_prev = hidden.reshape(-1, n, hidden.shape[-1]), prev.reshape(-1, n)
     logits = markov_logits(model, flat_hidden, flat_prev)
     confidence = None
     if model.confidence_head is not None:
-        features = (flat_hidden, model.markov_head.markov_w1(flat_prev))
-        confidence = model.confidence_head(*(features if confidence_backprop else (f.detach() for f in features)))
+        inputs = [flat_hidden, model.markov_head.markov_w1(flat_prev) if model.confidence_with_markov else None]
+        if not confidence_backprop:
+            inputs = [None if x is None else x.detach() for x in inputs]
+        confidence = model.confidence_head(*inputs)
     return dspark_loss(logits, target_logits.reshape(logits.shape), confidence, weights,
                        greedy_confidence=greedy_confidence)
 
@@ -465,7 +468,7 @@ def save_checkpoint(model: DSparkDraftModel, path, dtype: torch.dtype = torch.bf
 
 
 def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: TrainOptions, *,
-                device, dflash: bool = False, num_anchors: int = 64, gamma: float = 4.0,
+                device, num_anchors: int = 64, gamma: float = 4.0,
                 confidence_backprop: bool = False, greedy_confidence: bool = False, output=None,
                 save_dtype: torch.dtype = torch.bfloat16, stream=None) -> tuple[DSparkDraftModel, list[float]]:
     """Train a draft for ``target`` (a Hugging Face causal LM, frozen, already on ``device``) on
@@ -476,7 +479,7 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
     per-position greedy agreement."""
     device = torch.device(device)
     target.eval().requires_grad_(False)
-    model = new_draft(target, config, dflash=dflash, seed=options.seed).to(device)
+    model = new_draft(target, config, seed=options.seed).to(device)
     weights = position_weights(config.block_size, gamma, config.sample_from_anchor, device=device)
     generator = torch.Generator().manual_seed(options.seed + 1)
 
