@@ -30,7 +30,7 @@ from dspark.training.distributed import SINGLE, World
 TRAIN = ["--seq-len", "32", "--batch-size", "4", "--anchors", "4", "--block-size", "3", "--markov-rank", "4",
          "--lr", "3e-3", "--save-dtype", "float32", "--device", "cpu"]
 STEPS = ["--steps", "6", "--save-every", "3"]
-LONG = ["--steps", "100000", "--save-every", "4"]  # runs until the test stops it
+LONG = ["--steps", "100000", "--save-every", "2"]  # runs until the test stops it
 
 
 @pytest.fixture(scope="module")
@@ -96,48 +96,55 @@ def test_two_ranks_train_the_one_process_weights(run_dir, mode):
     assert [e["loss"] for e in log["log"]] == pytest.approx([e["loss"] for e in one_log["log"]], rel=1e-5)
 
 
-def _rank_pid(agent: int, rank: int) -> int:
-    """The pid of torchrun ``agent``'s worker of ``rank`` (Linux: read from /proc)."""
+def _workers(agent: int) -> dict[int, int]:
+    """``{rank: pid}`` of torchrun ``agent``'s workers (Linux: read from /proc)."""
+    workers = {}
     for entry in Path("/proc").iterdir():
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == agent and f"\0RANK={rank}\0".encode() in b"\0" + (entry / "environ").read_bytes():
-                return int(entry.name)
-        except (OSError, ValueError, IndexError):
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            rank = next(int(v[5:]) for v in environ if v.startswith(b"RANK="))
+            workers[rank] = int(entry.name)
+        except (OSError, ValueError, IndexError, StopIteration):
             continue
-    raise AssertionError(f"no worker of rank {rank} under torchrun pid {agent}")
+    return workers
 
 
-def _wait_for_checkpoint(proc: subprocess.Popen, log: Path, output: Path) -> None:
-    deadline = time.monotonic() + 120
-    while not (output / "training_state" / "state.json").is_file():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"no checkpoint appeared: {_read(log, 'err')[-3000:]}")
-        time.sleep(0.1)
+def _stop(proc: subprocess.Popen, workers: dict[int, int]) -> None:
+    """End a torchrun job that is still running: its workers (own sessions) and the agent."""
+    for pid in list(workers.values()) + ([proc.pid] if proc.poll() is None else []):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="finds the rank's process through /proc")
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the ranks' processes through /proc")
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
 def test_a_failing_rank_ends_the_job_with_a_clear_error(run_dir, failure):
     """A killed rank: torchrun stops the others at once and names it. A stalled one (stopped, as by
     a hung GPU): the survivors' collective times out after --dist-timeout and they say why."""
     output = run_dir / failure
-    proc, log = _torchrun(run_dir, failure, *LONG, "--dist-timeout", "4")
+    proc, log = _torchrun(run_dir, failure, *LONG, "--dist-timeout", "3")
+    workers: dict[int, int] = {}
     try:
-        _wait_for_checkpoint(proc, log, output)
-        victim = _rank_pid(proc.pid, 1)
+        deadline = time.monotonic() + 120
+        while not (output / "training_state" / "state.json").is_file():  # a checkpoint: mid-run
+            assert proc.poll() is None and time.monotonic() < deadline, _read(log, "err")[-3000:]
+            time.sleep(0.1)
+        workers = _workers(proc.pid)
         started = time.monotonic()
-        os.kill(victim, signal.SIGKILL if failure == "killed" else signal.SIGSTOP)
+        os.kill(workers[1], signal.SIGKILL if failure == "killed" else signal.SIGSTOP)
         if failure == "stalled":  # let the stopped rank take torchrun's SIGTERM once rank 0 has failed
             while proc.poll() is None and "dspark train: rank 0/2" not in _read(log, "err"):
                 time.sleep(0.1)
-            os.kill(victim, signal.SIGCONT)
+            os.kill(workers[1], signal.SIGCONT)
         proc.wait(timeout=60)
+        elapsed, err = time.monotonic() - started, _read(log, "err")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    elapsed, err = time.monotonic() - started, _read(log, "err")
+        _stop(proc, workers)
     assert proc.returncode != 0
     assert elapsed < (15 if failure == "killed" else 25), elapsed
     if failure == "killed":
@@ -173,7 +180,7 @@ def test_resume_and_fsdp_errors(run_dir, capsys):
     assert dspark_main(_train(run_dir, "nothing-here", *STEPS, "--resume")) == 2
     assert "dspark train: resume: no training state in" in capsys.readouterr().err
     assert dspark_main(_train(run_dir, "x", *STEPS, "--fsdp")) == 2
-    assert "fsdp needs a process group: launch with torchrun" in capsys.readouterr().err
+    assert "--fsdp shards the draft over the processes of a torchrun launch" in capsys.readouterr().err
 
 
 def test_world_shard_and_single_process_collectives():

@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         device, dtype = runtime(args)
         world, device = init_world(device, args.dist_timeout)
+        if args.fsdp and not world.distributed:
+            raise ValueError("--fsdp shards the draft over the processes of a torchrun launch: "
+                             "torchrun --nproc-per-node N -m dspark train ... --fsdp")
         if args.batch_size % world.world_size:
             raise ValueError(f"--batch-size (the global batch) must be a multiple of the {world.world_size} "
                              f"processes, got {args.batch_size}")

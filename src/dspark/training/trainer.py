@@ -26,6 +26,10 @@ paper's path.
 ``markov_rank=0`` trains the DFlash ablation: the draft config cannot express rank 0, so the
 checkpoint carries a rank-1 Markov head whose ``markov_w2`` is zero and frozen (its bias is exactly
 0 in training and in the engine), and no confidence head, like DeepSpec's DFlash baselines.
+
+Data parallel (``distributed``): under torchrun every rank runs the frozen target on its shard of
+each global batch; the draft's side of a step is ``DraftStep.forward``, which DDP or FSDP2 wraps.
+Checkpoints and the resumable state (``state``) are gathered to rank 0 and written by it alone.
 """
 
 from __future__ import annotations
@@ -632,13 +636,15 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
 
 
 def _write_log(path: Path, log: list[dict], world: World, fsdp: bool, device, tokens_per_step: int) -> None:
-    """``training_log.json``: this session's logged steps and its throughput in target tokens per
+    """``training_log.json``: this session's logged steps, its throughput in target tokens per
     second (global batch x row length per step), timed from the first logged step to the last,
-    so start-up and the first step's warm-up are left out."""
+    so start-up and the first step's warm-up are left out, and rank 0's peak GPU memory."""
     first, last = log[0], log[-1]
     seconds = last["seconds"] - first["seconds"]
     throughput = (last["step"] - first["step"]) * tokens_per_step / seconds if seconds > 0 else None
+    device = torch.device(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     summary = {"world_size": world.world_size, "parallel": "fsdp" if fsdp else "ddp" if world.distributed else None,
-               "device": str(torch.device(device).type), "tokens_per_step": tokens_per_step, "steps": last["step"],
-               "tokens_per_second": throughput, "log": log}
+               "device": device.type, "tokens_per_step": tokens_per_step, "steps": last["step"],
+               "tokens_per_second": throughput, "peak_gpu_memory_bytes": peak, "log": log}
     path.write_text(json.dumps(summary, indent=1) + "\n")
