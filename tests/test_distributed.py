@@ -177,6 +177,8 @@ def test_resume_and_fsdp_errors(run_dir, capsys):
     assert dspark_main(_train(run_dir, "one", *STEPS, "--resume", "--lr", "1e-3")) == 2
     err = capsys.readouterr().err
     assert "dspark train: resume: the training state in" in err and "'lr': 0.003" in err
+    assert dspark_main(_train(run_dir, "one", *STEPS, "--resume")) == 2
+    assert "is complete (6 steps" in capsys.readouterr().err
     assert dspark_main(_train(run_dir, "nothing-here", *STEPS, "--resume")) == 2
     assert "dspark train: resume: no training state in" in capsys.readouterr().err
     assert dspark_main(_train(run_dir, "x", *STEPS, "--fsdp")) == 2

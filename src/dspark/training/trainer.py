@@ -573,8 +573,8 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
     ``save_dtype`` weights, plus the resumable ``training_state/``), written by rank 0 every
     ``options.save_every`` steps and at the end, and ``training_log.json`` (``_write_log``);
     ``resume``: continue the run saved there (weights, optimizer, data position, generators; the
-    same options and data). Returns the fp32 model
-    (under ``fsdp`` its parameters are this rank's DTensor shards) and the logged losses.
+    same options and data). Returns the fp32 model (under ``fsdp`` its parameters are this rank's
+    DTensor shards) and the logged losses.
 
     Data parallel over ``world`` (every rank holds the target and all of ``sequences``): each step's
     global batch of ``options.batch_size`` rows and its anchors are drawn on every rank alike and
@@ -594,6 +594,9 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
         if output is None:
             Checker("train_draft").fail("resume needs output, the directory of the run to continue")
         resumed = read_training_state(output, fingerprint)
+        if options.progress(resumed.loop.step, resumed.loop.elapsed) >= 1.0:
+            Checker("resume").fail(f"the run in {str(output)!r} is complete ({resumed.loop.step} steps, "
+                                   f"{resumed.loop.elapsed:.0f} s): nothing to resume")
         model.load_state_dict(resumed.model)
         state = resumed.loop
     model.to(device)
@@ -637,8 +640,9 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
 
 def _write_log(path: Path, log: list[dict], world: World, fsdp: bool, device, tokens_per_step: int) -> None:
     """``training_log.json``: this session's logged steps, its throughput in target tokens per
-    second (global batch x row length per step), timed from the first logged step to the last,
-    so start-up and the first step's warm-up are left out, and rank 0's peak GPU memory."""
+    second (global batch x row length per step), timed from the first logged step to the last
+    (start-up and the first step's warm-up left out, checkpoint writes in between counted), and
+    rank 0's peak GPU memory."""
     first, last = log[0], log[-1]
     seconds = last["seconds"] - first["seconds"]
     throughput = (last["step"] - first["step"]) * tokens_per_step / seconds if seconds > 0 else None
