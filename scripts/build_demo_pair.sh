@@ -83,6 +83,9 @@ DFLASH_PID=$!
 stage draft required dspark train --target "$OUT/target" --data stdlib:train --output "$OUT/draft" --block-size 7 \
   "${DRAFT_ARGS[@]}" "${DEVICE[@]}"
 wait "$DFLASH_PID" || FAILED+=(dflash)
+# what ships is the checkpoint alone: the resumable training state and the log stay in $WORK
+rm -rf "$WORK/draft_training" && mkdir -p "$WORK/draft_training" \
+  && mv "$OUT/draft/training_state" "$OUT/draft/training_log.json" "$WORK/draft_training/" 2>/dev/null
 stage calibrate optional dspark calibrate --target "$OUT/target" --draft "$OUT/draft" --data stdlib:valid \
   "${CALIBRATE_ARGS[@]}" --json "$OUT/calibration.json" "${DEVICE[@]}"
 DRAFTS=("$OUT/draft")

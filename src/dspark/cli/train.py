@@ -4,7 +4,10 @@ The target (frozen) provides the hidden states the draft reads and the distribut
 the draft backbone, Markov head and confidence head train with 0.1 CE + 0.9 TV + 1.0 BCE(confidence,
 1 - TV), position weights exp(-k/gamma); embedding and lm_head are frozen copies of the target's.
 Checkpoints are written in the speculators format (loaded by ``dspark generate`` / ``dspark eval``)
-every --save-every steps and at the end. GPU for real runs; the CPU works for tiny smoke runs.
+every --save-every steps and at the end, with the state that --resume continues from. GPU for
+real runs; the CPU works for tiny smoke runs. Data parallel on N GPUs (or nodes) through torchrun:
+``torchrun --nproc-per-node N -m dspark train ...`` (--batch-size is the global batch; --fsdp
+shards the draft with FSDP2).
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     train.add_argument("--save-every", type=int, default=500)
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run saved in --output (weights, optimizer, data position; same options)")
+    parallel = parser.add_argument_group("data parallel (under torchrun)")
+    parallel.add_argument("--fsdp", action="store_true",
+                          help="shard the draft's parameters, gradients and optimizer state with FSDP2 (default: DDP)")
+    parallel.add_argument("--dist-timeout", type=float, default=600.0,
+                          help="seconds a rank waits for the others in a collective before the job fails")
     add_runtime_arguments(parser)
     parser.add_argument("--save-dtype", choices=DTYPES[1:], default="bfloat16", help="dtype of the saved weights")
 
@@ -73,10 +83,19 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.training.data import pack_sequences, read_corpus, tokenize
+    from dspark.training.distributed import SINGLE, close_world, describe_failure, init_world
     from dspark.training.trainer import TrainOptions, draft_config, regenerate, resolve_mask_token_id, train_draft
 
+    world = SINGLE
     try:
         device, dtype = runtime(args)
+        world, device = init_world(device, args.dist_timeout)
+        if args.fsdp and not world.distributed:
+            raise ValueError("--fsdp shards the draft over the processes of a torchrun launch: "
+                             "torchrun --nproc-per-node N -m dspark train ... --fsdp")
+        if args.batch_size % world.world_size:
+            raise ValueError(f"--batch-size (the global batch) must be a multiple of the {world.world_size} "
+                             f"processes, got {args.batch_size}")
         target, tokenizer = load_target(args.target, device, dtype)
         texts = read_corpus(args.data)
         texts = texts[: args.max_docs] if args.max_docs else texts
@@ -88,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             sequences = sequences[keep[: args.corpus_rows]]
         if args.regenerate:
             generated = regenerate(target, sequences, args.regenerate, prompt_tokens=args.seq_len // 4,
-                                   batch_size=args.regenerate_batch, seed=args.seed)
+                                   batch_size=args.regenerate_batch, seed=args.seed, world=world)
             sequences = torch.cat([sequences, generated.cpu()])
         capture = [int(i) for i in args.capture_layers.split(",")] if args.capture_layers else None
         config = draft_config(
@@ -101,19 +120,26 @@ def run(args: argparse.Namespace) -> int:
         options = TrainOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                                weight_decay=args.weight_decay, time_budget=args.time_budget,
                                save_every=args.save_every, seed=args.seed)
-        print(f"corpus {args.data}: {len(texts)} documents; with {args.regenerate} regenerated rows "
-              f"{sequences.numel()} tokens in {sequences.shape[0]} rows of {args.seq_len}; "
-              f"draft: {config.num_hidden_layers} layer(s), block {config.block_size}, "
-              f"Markov rank {args.markov_rank} ({config.markov_head_type}), capture {config.capture_layer_ids}, "
-              f"mask token {config.mask_token_id}", flush=True)
+        if world.is_main:
+            parallel = (f"; {world.world_size} processes ({'FSDP2' if args.fsdp else 'DDP'}), "
+                        f"{args.batch_size // world.world_size} rows each per step" if world.distributed else "")
+            print(f"corpus {args.data}: {len(texts)} documents; with {args.regenerate} regenerated rows "
+                  f"{sequences.numel()} tokens in {sequences.shape[0]} rows of {args.seq_len}; "
+                  f"draft: {config.num_hidden_layers} layer(s), block {config.block_size}, "
+                  f"Markov rank {args.markov_rank} ({config.markov_head_type}), capture {config.capture_layer_ids}, "
+                  f"mask token {config.mask_token_id}{parallel}", flush=True)
         model, losses = train_draft(target, sequences, config, options, device=device,
                                     num_anchors=args.anchors, gamma=args.gamma,
                                     confidence_backprop=args.confidence_backprop,
                                     greedy_confidence=args.confidence_target == "greedy", output=args.output,
-                                    save_dtype=getattr(torch, args.save_dtype))
-    except (ValueError, TypeError, OSError, RuntimeError) as exc:  # RuntimeError: a diverged loss, out of memory
-        print(f"dspark train: {exc}", file=sys.stderr)
+                                    save_dtype=getattr(torch, args.save_dtype), world=world, fsdp=args.fsdp,
+                                    resume=args.resume)
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:  # RuntimeError: a diverged loss, out of memory,
+        print(f"dspark train: {describe_failure(exc, world)}", file=sys.stderr)  # a failed collective
         return 2
+    close_world(world)
+    if not world.is_main:
+        return 0
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"saved the draft to {args.output}: {trained / 1e6:.2f} M trained parameters, final loss {losses[-1]:.4f}")
     return 0

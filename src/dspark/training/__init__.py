@@ -4,6 +4,8 @@
                   train-valid-test split), BPE tokenizers, packing, held-out prompts, the demo pair;
 * ``objective``   the DSpark loss: 0.1 CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV), weights exp(-k/γ);
 * ``trainer``     the drafter's training loop (batched blocks with the inference attention mask);
+* ``distributed`` data parallelism under torchrun: process group, DDP / FSDP2, exact sharding;
+* ``state``       the resumable training state (weights, optimizer, data position, generators);
 * ``target_lm``   training a small Qwen3 target from scratch (``python -m dspark.training.target_lm``);
 * ``calibration`` greedy rounds on held-out text, ECE / AUC per position, STS temperatures.
 

@@ -24,6 +24,7 @@ ones); a head trained on every block misses that, and per-position temperatures 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,8 @@ class DSparkLoss:
 
 
 def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, confidence_logits: torch.Tensor | None,
-                weights: torch.Tensor, *, greedy_confidence: bool = False) -> DSparkLoss:
+                weights: torch.Tensor, *, greedy_confidence: bool = False,
+                mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DSparkLoss:
     """The objective of the module docstring.
 
     draft_logits, target_logits: float ``[..., N, V]`` (computed in fp32); confidence_logits: float
@@ -74,6 +76,9 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, confide
     §4) at temperature 0: the BCE target is ``1 - TV`` of the one-hot argmax distributions, i.e.
     1 where the draft's argmax is the target's, and slot k's BCE counts only in blocks whose earlier
     drafting slots all matched (the rounds in which the engine reaches slot k).
+    ``mean_over_ranks``: data-parallel training's average over the ranks (``World.mean``); the
+    weighted means then divide by the global batch's total weight (the greedy BCE's differs from
+    rank to rank), so the ranks' averaged gradients are the global batch's.
     """
     c = Checker("dspark_loss")
     c.tensor("draft_logits", draft_logits, dtype=(torch.float32, torch.float16, torch.bfloat16))
@@ -106,7 +111,8 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, confide
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
 
     def weighted(term: torch.Tensor, w: torch.Tensor = weight) -> torch.Tensor:
-        return (term * w).sum() / w.sum().clamp_min(1e-12)
+        total = w.sum() if mean_over_ranks is None else mean_over_ranks(w.sum())
+        return (term * w).sum() / total.clamp_min(1e-12)
 
     terms = {"ce": weighted(ce), "tv": weighted(tv), "bce": weighted(bce, bce_weight)}
     loss = sum(LOSS_WEIGHTS[name] * value for name, value in terms.items())

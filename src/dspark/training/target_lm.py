@@ -20,7 +20,7 @@ import torch
 
 from ..kernels._validate import Checker
 from .data import pack_sequences, read_corpus, save_tokenizer, tokenize, train_tokenizer
-from .trainer import TrainOptions, optimize
+from .trainer import TrainOptions, adamw, optimize
 
 __all__ = ["TargetShape", "PRESETS", "target_config", "new_target", "lm_loss", "train_target", "save_target", "main"]
 
@@ -92,11 +92,10 @@ def train_target(model, sequences: torch.Tensor, options: TrainOptions, *, devic
     model.to(device).train()
 
     def step(batch: torch.Tensor):
-        loss = lm_loss(model, batch)
-        return loss, lambda: f"ppl {float(loss.detach().exp()):.2f} |"
+        return lm_loss(model, batch), {}
 
-    losses = optimize(model.parameters(), step, sequences, options, device=device, name="target train",
-                      save=save, stream=stream)
+    losses = optimize(adamw(model.parameters(), options), step, sequences, options, device=device, name="target train",
+                      describe=lambda stats: f"ppl {float(stats['loss'].exp()):.2f} |", save=save, stream=stream)
     model.eval()
     return losses
 

@@ -27,12 +27,17 @@ paper's path.
 
 ``markov_rank=0`` trains the DFlash ablation: no Markov head (``markov_rank`` 0 in the checkpoint,
 as speculators and DeepSpec write it) and no confidence head, like DeepSpec's DFlash baselines.
+
+Data parallel (``distributed``): under torchrun every rank runs the frozen target on its shard of
+each global batch; the draft's side of a step is ``DraftStep.forward``, which DDP or FSDP2 wraps.
+Checkpoints and the resumable state (``state``) are gathered to rank 0 and written by it alone.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 import sys
 import time
@@ -46,12 +51,15 @@ import torch.nn.functional as F
 from ..kernels._validate import Checker
 from ..model import DSparkConfig, DSparkDraftModel, save_draft
 from ..model.draft import apply_rope, rope_cos_sin
+from .distributed import SINGLE, World, wrap
 from .objective import DSparkLoss, dspark_loss, expected_accepted_length, position_weights
+from .state import LoopState, gather_state, load_optimizer_state, read_training_state, write_training_state
 
 __all__ = [
     "TrainOptions", "optimize", "Progress", "default_capture_layer_ids", "resolve_mask_token_id",
     "draft_config", "new_draft", "target_states", "greedy_continuation", "regenerate", "target_head_logits",
-    "sample_anchors", "training_mask", "block_hidden", "markov_logits", "draft_loss", "train_draft", "save_checkpoint",
+    "sample_anchors", "training_mask", "block_hidden", "markov_logits", "target_batch", "draft_objective", "draft_loss",
+    "DraftStep", "adamw", "train_draft", "save_checkpoint",
 ]
 
 
@@ -101,13 +109,14 @@ class TrainOptions:
 
 
 class Progress:
-    """A one-line progress bar: redrawn in place on a terminal, one line per update otherwise."""
+    """A one-line progress bar: redrawn in place on a terminal, one line per update otherwise.
+    ``elapsed``: seconds already trained (a resumed run), counted in the time and the ETA."""
 
-    def __init__(self, name: str, stream=None):
+    def __init__(self, name: str, stream=None, elapsed: float = 0.0):
         self.name = name
         self.stream = sys.stderr if stream is None else stream
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() - elapsed
 
     def update(self, progress: float, text: str) -> None:
         elapsed = time.perf_counter() - self.start
@@ -123,53 +132,88 @@ class Progress:
             self.stream.flush()
 
 
-def optimize(parameters, loss_fn: Callable, sequences: torch.Tensor, options: TrainOptions, *, device,
-             name: str = "train", save: Callable[[int], None] | None = None, stream=None) -> list[float]:
-    """Minimise ``loss_fn(batch)`` over shuffled batches of ``sequences`` (int64 ``[N, S]``).
+def adamw(parameters, options: TrainOptions) -> torch.optim.AdamW:
+    """AdamW (betas 0.9 / 0.95) over the trainable ones of ``parameters``."""
+    return torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=options.lr, betas=(0.9, 0.95),
+                             weight_decay=options.weight_decay)
 
-    ``loss_fn(batch [b, S] on device) -> (loss, text)``: the scalar loss and a callable
-    ``text() -> str`` describing the step for the progress bar (called only when logging, so
-    statistics are read from the GPU only then). CUDA steps run under bf16 autocast. Returns the
-    logged losses; raises RuntimeError when the loss stops being finite. ``save(step)`` runs every
-    ``options.save_every`` steps and once at the end.
+
+def optimize(optimizer: torch.optim.Optimizer, loss_fn: Callable, sequences: torch.Tensor, options: TrainOptions, *,
+             device, name: str = "train", describe: Callable[[dict], str] | None = None,
+             save: Callable[[LoopState], None] | None = None, stream=None, world: World = SINGLE,
+             state: LoopState | None = None, log: list[dict] | None = None) -> list[float]:
+    """Minimise ``loss_fn(batch)`` with ``optimizer`` over shuffled batches of ``sequences`` (int64 ``[N, S]``).
+
+    ``loss_fn(batch [b, S] on device) -> (loss, stats)``: the scalar loss and a dict of detached
+    statistics tensors; at logging steps ``describe(stats)`` (``stats["loss"]`` included, all
+    averaged over the ranks) is the progress bar's text. CUDA steps run under bf16 autocast.
+    Returns the losses logged (every ``options.log_every`` steps, the first and the last step);
+    raises RuntimeError when the loss stops being finite.
+
+    Data parallel (``world``): every step draws a global batch of ``options.batch_size`` rows,
+    the same on every rank, and passes this rank's shard to ``loss_fn``; rank 0's clock decides
+    the progress (learning rate, stop) for all; rank 0 alone shows progress. ``state``: where to
+    start (default: a fresh run seeded with ``options.seed``), advanced in place, so that
+    ``save(state)`` -- every ``options.save_every`` steps and at the end -- can record it.
+    ``log``: gets ``{"step", "loss", "seconds"}`` (seconds since this call began) at every logging step.
     """
     device = torch.device(device)
-    parameters = [p for p in parameters if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay)
-    generator = torch.Generator().manual_seed(options.seed)
-    progress = Progress(name, stream)
+    state = LoopState.fresh(options.seed) if state is None else state
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    progress = Progress(name, stream, state.elapsed) if world.is_main else None
+    session = time.perf_counter()
+    start = session - state.elapsed
+    sync_clock = world.distributed and options.time_budget is not None
     losses: list[float] = []
-    step = 0
-    order = torch.empty(0, dtype=torch.int64)
+
+    def report(loss: torch.Tensor, stats: dict) -> None:
+        stats = world.mean_all({"loss": loss, **stats})
+        losses.append(float(stats["loss"]))  # reading it waits for the GPU: the time below is exact
+        if not math.isfinite(losses[-1]):
+            raise RuntimeError(f"{name}: the loss became {losses[-1]} at step {state.step}")
+        if log is not None:
+            log.append({"step": state.step, "loss": losses[-1], "seconds": time.perf_counter() - session})
+        if progress is not None:
+            lr = optimizer.param_groups[0]["lr"]
+            text = f" {describe(stats)}" if describe is not None else ""
+            progress.update(options.progress(state.step, state.elapsed),
+                            f"step {state.step} loss {losses[-1]:.4f}{text} lr {lr:.2e}")
+
+    first, logged, saved, last = state.step + 1, -1, -1, None  # a session logs its first and last steps
     while True:
-        fraction = options.progress(step, time.perf_counter() - progress.start)
+        fraction = options.progress(state.step, time.perf_counter() - start)
+        if sync_clock:
+            fraction = float(world.broadcast(torch.tensor([fraction], dtype=torch.float64, device=device)))
         if fraction >= 1.0:
             break
-        if order.numel() < options.batch_size:  # a new epoch
-            order = torch.randperm(sequences.shape[0], generator=generator)
-        batch, order = sequences[order[:options.batch_size]], order[options.batch_size:]
+        if state.order.numel() < options.batch_size:  # a new epoch
+            state.order = torch.randperm(sequences.shape[0], generator=state.generators["data"])
+        rows, state.order = state.order[:options.batch_size], state.order[options.batch_size:]
+        batch = world.shard(sequences[rows])
         for group in optimizer.param_groups:  # the rate of the step being taken, hence one step ahead
             group["lr"] = options.lr * options.lr_factor(min(1.0, fraction + 1.0 / options.steps))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, text = loss_fn(batch.to(device, non_blocking=True))
+            loss, stats = loss_fn(batch.to(device, non_blocking=True))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if options.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(parameters, options.grad_clip)
         optimizer.step()
-        step += 1
-        if step % options.log_every == 0 or step == 1:
-            losses.append(float(loss.detach()))
-            if not math.isfinite(losses[-1]):
-                raise RuntimeError(f"{name}: the loss became {losses[-1]} at step {step}")
-            done = options.progress(step, time.perf_counter() - progress.start)
-            lr = optimizer.param_groups[0]["lr"]
-            progress.update(done, f"step {step} loss {losses[-1]:.4f} {text()} lr {lr:.2e}")
-        if save is not None and options.save_every and step % options.save_every == 0:
-            save(step)
-    progress.close()
-    if save is not None:
-        save(step)
+        state.step += 1
+        state.elapsed = time.perf_counter() - start
+        last = (loss.detach(), stats)
+        if state.step % options.log_every == 0 or state.step == first:
+            report(*last)
+            logged = state.step
+        if save is not None and options.save_every and state.step % options.save_every == 0:
+            save(state)
+            saved = state.step
+    if last is not None and logged != state.step:
+        report(*last)
+    if progress is not None:
+        progress.close()
+    if save is not None and saved != state.step:
+        save(state)
     return losses
 
 
@@ -300,20 +344,23 @@ def greedy_continuation(target, prompts: torch.Tensor, new_tokens: int) -> torch
 
 
 def regenerate(target, sequences: torch.Tensor, count: int, *, prompt_tokens: int, batch_size: int = 256,
-               seed: int = 0) -> torch.Tensor:
+               seed: int = 0, world: World = SINGLE) -> torch.Tensor:
     """``count`` rows in the target's own words (the paper trains on target-regenerated responses):
     the first ``prompt_tokens`` tokens of randomly chosen rows of ``sequences`` (int64 ``[N, S]``)
     followed by the target's greedy continuation to length S. Returns int64 ``[count, S]`` on the
-    target's device."""
+    target's device. Data parallel: the ranks generate every ``world_size``-th chunk of
+    ``batch_size`` rows and broadcast them, so every rank gets all rows, the same as one process."""
     c = Checker("regenerate")
     seq_len = sequences.shape[1]
     c.integer("prompt_tokens", prompt_tokens, low=1, high=seq_len - 1)
     pick = torch.randint(0, sequences.shape[0], (c.integer("count", count, low=1),),
                          generator=torch.Generator().manual_seed(seed))
     device = target.get_input_embeddings().weight.device
-    prompts = sequences[pick, :prompt_tokens].to(device)
-    rows = [greedy_continuation(target, chunk, seq_len - prompt_tokens) for chunk in prompts.split(batch_size)]
-    return torch.cat(rows)
+    chunks = sequences[pick, :prompt_tokens].to(device).split(batch_size)
+    mine = {i: greedy_continuation(target, chunk, seq_len - prompt_tokens)
+            for i, chunk in enumerate(chunks) if i % world.world_size == world.rank}
+    rows = [mine.get(i, chunk.new_empty(chunk.shape[0], seq_len)) for i, chunk in enumerate(chunks)]
+    return torch.cat([world.broadcast(row, src=i % world.world_size) for i, row in enumerate(rows)])
 
 
 @torch.no_grad()
@@ -424,41 +471,80 @@ def markov_logits(model: DSparkDraftModel, hidden: torch.Tensor, prev_tokens: to
     return base + torch.stack(biases, dim=1)
 
 
-def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anchors: int,
-               weights: torch.Tensor, generator: torch.Generator | None = None, *,
-               confidence_backprop: bool = False, greedy_confidence: bool = False) -> DSparkLoss:
-    """The objective on one batch of rows ``[B, S]`` (steps 1-4 of the module docstring).
+def target_batch(target, config: DSparkConfig, input_ids: torch.Tensor, anchors: torch.Tensor) -> tuple:
+    """What the frozen target gives one step on rows ``[B, S]`` with anchors int64 ``[B, A]``
+    (steps 1-2 of the module docstring): ``(context [B, S, m*H], block_ids [B, A, N], anchors,
+    prev [B*A, N], target_logits fp32 [B*A, N, V])``, the inputs of ``draft_objective``.
 
     Slot k of the block at p is trained on target row ``r = p + k - offset`` (``offset`` 1 without
     ``sample_from_anchor``, else 0) and its previous token is ``input_ids[max(r, p)]`` (slot 0: the
-    anchor). The confidence head reads detached ``[h ; W1[prev]]`` unless ``confidence_backprop``
-    (see the module docstring); ``greedy_confidence`` as in ``dspark_loss``.
+    anchor).
     """
-    cfg = model.config
-    b, s = input_ids.shape
-    n = cfg.block_size
-    context, final = target_states(target, input_ids, cfg.capture_layer_ids)
-    anchors = sample_anchors(b, s, num_anchors, n, generator).to(input_ids.device)
-    block_ids = torch.full((b, anchors.shape[1], n), cfg.mask_token_id, dtype=torch.int64, device=input_ids.device)
+    b, n = input_ids.shape[0], config.block_size
+    context, final = target_states(target, input_ids, config.capture_layer_ids)
+    block_ids = torch.full((b, anchors.shape[1], n), config.mask_token_id, dtype=torch.int64, device=input_ids.device)
     block_ids[..., 0] = input_ids.gather(1, anchors)
-    hidden = block_hidden(model, context, block_ids, anchors)
-    offset = 0 if cfg.sample_from_anchor else 1
+    offset = 0 if config.sample_from_anchor else 1
     rows = (anchors[:, :, None] + torch.arange(n, device=input_ids.device) - offset).clamp(min=0)
-    prev = input_ids.gather(1, torch.maximum(rows, anchors[:, :, None]).reshape(b, -1)).view_as(rows)
+    prev = input_ids.gather(1, torch.maximum(rows, anchors[:, :, None]).reshape(b, -1)).view(-1, n)
     target_logits = target_head_logits(target, final, rows)
-    flat_hidden, flat_prev = hidden.reshape(-1, n, hidden.shape[-1]), prev.reshape(-1, n)
-    logits = markov_logits(model, flat_hidden, flat_prev)
+    return context, block_ids, anchors, prev, target_logits.reshape(prev.shape[0], n, -1)
+
+
+def draft_objective(model: DSparkDraftModel, context: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor,
+                    prev: torch.Tensor, target_logits: torch.Tensor, weights: torch.Tensor, *,
+                    confidence_backprop: bool = False, greedy_confidence: bool = False,
+                    mean_over_ranks: Callable | None = None) -> DSparkLoss:
+    """The draft's side of the objective on ``target_batch``'s tensors (steps 2-4 of the module
+    docstring). The confidence head reads detached ``[h ; W1[prev]]`` unless
+    ``confidence_backprop`` (see the module docstring); ``greedy_confidence`` and
+    ``mean_over_ranks`` as in ``dspark_loss``."""
+    n = model.config.block_size
+    hidden = block_hidden(model, context, block_ids, anchors)
+    flat_hidden = hidden.reshape(-1, n, hidden.shape[-1])
+    logits = markov_logits(model, flat_hidden, prev)
     confidence = None
     if model.confidence_head is not None:
-        inputs = [flat_hidden, model.markov_head.markov_w1(flat_prev) if model.confidence_with_markov else None]
+        inputs = [flat_hidden, model.markov_head.markov_w1(prev) if model.confidence_with_markov else None]
         if not confidence_backprop:
             inputs = [None if x is None else x.detach() for x in inputs]
         confidence = model.confidence_head(*inputs)
-    return dspark_loss(logits, target_logits.reshape(logits.shape), confidence, weights,
-                       greedy_confidence=greedy_confidence)
+    return dspark_loss(logits, target_logits, confidence, weights, greedy_confidence=greedy_confidence,
+                       mean_over_ranks=mean_over_ranks)
+
+
+def draft_loss(model: DSparkDraftModel, target, input_ids: torch.Tensor, num_anchors: int,
+               weights: torch.Tensor, generator: torch.Generator | None = None, *,
+               confidence_backprop: bool = False, greedy_confidence: bool = False) -> DSparkLoss:
+    """The objective on one batch of rows ``[B, S]``: ``num_anchors`` anchors per row drawn with
+    ``generator``, then ``target_batch`` and ``draft_objective``."""
+    b, s = input_ids.shape
+    anchors = sample_anchors(b, s, num_anchors, model.config.block_size, generator).to(input_ids.device)
+    return draft_objective(model, *target_batch(target, model.config, input_ids, anchors), weights,
+                           confidence_backprop=confidence_backprop, greedy_confidence=greedy_confidence)
+
+
+class DraftStep(torch.nn.Module):
+    """``draft_objective`` as a module's ``forward``, so that DDP and FSDP2 can wrap the draft (its
+    only submodule, hence state-dict names ``draft.<checkpoint name>``). Under data parallelism
+    the loss is normalised over the global batch (``World.mean``)."""
+
+    def __init__(self, draft: DSparkDraftModel, weights: torch.Tensor, *, confidence_backprop: bool = False,
+                 greedy_confidence: bool = False, world: World = SINGLE):
+        super().__init__()
+        self.draft = draft
+        self.weights = weights  # a plain attribute: DDP would broadcast a buffer every step
+        self.options = dict(confidence_backprop=confidence_backprop, greedy_confidence=greedy_confidence,
+                            mean_over_ranks=world.mean if world.distributed else None)
+
+    def forward(self, context, block_ids, anchors, prev, target_logits) -> DSparkLoss:
+        return draft_objective(self.draft, context, block_ids, anchors, prev, target_logits, self.weights,
+                               **self.options)
 
 
 # ---- the training run ------------------------------------------------------------------------------
+
+TRAINING_LOG = "training_log.json"
 
 
 def save_checkpoint(model: DSparkDraftModel, path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -467,34 +553,106 @@ def save_checkpoint(model: DSparkDraftModel, path, dtype: torch.dtype = torch.bf
     return save_draft(clone, path, format="speculators")
 
 
+def _write_checkpoint(config: DSparkConfig, state: dict[str, torch.Tensor], path, dtype: torch.dtype) -> None:
+    """``save_checkpoint`` of the draft whose full state is ``state``, written into a temporary
+    directory first and moved file by file, so readers never see a half-written file."""
+    with torch.device("meta"):
+        model = DSparkDraftModel(config)
+    model.load_state_dict(state, assign=True)
+    path = Path(path)
+    partial = path / ".checkpoint.tmp"
+    save_checkpoint(model, partial, dtype)
+    for name in sorted(p.name for p in partial.iterdir()):
+        (partial / name).replace(path / name)
+    partial.rmdir()
+
+
 def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: TrainOptions, *,
                 device, num_anchors: int = 64, gamma: float = 4.0,
                 confidence_backprop: bool = False, greedy_confidence: bool = False, output=None,
-                save_dtype: torch.dtype = torch.bfloat16, stream=None) -> tuple[DSparkDraftModel, list[float]]:
+                save_dtype: torch.dtype = torch.bfloat16, stream=None, world: World = SINGLE, fsdp: bool = False,
+                resume: bool = False) -> tuple[DSparkDraftModel, list[float]]:
     """Train a draft for ``target`` (a Hugging Face causal LM, frozen, already on ``device``) on
     token rows ``sequences`` int64 ``[N, S]``. ``output``: checkpoint directory (speculators format,
-    ``save_dtype`` weights), written every ``options.save_every`` steps and at the end. Returns the
-    fp32 model and the logged losses. The progress bar shows the loss terms, the per-position
-    acceptance estimate ``1 - TV`` (teacher-forced) and the τ it implies, and the τ implied by the
-    per-position greedy agreement."""
+    ``save_dtype`` weights, plus the resumable ``training_state/``), written by rank 0 every
+    ``options.save_every`` steps and at the end, and ``training_log.json`` (``_write_log``);
+    ``resume``: continue the run saved there (weights, optimizer, data position, generators; the
+    same options and data). Returns the fp32 model (under ``fsdp`` its parameters are this rank's
+    DTensor shards) and the logged losses.
+
+    Data parallel over ``world`` (every rank holds the target and all of ``sequences``): each step's
+    global batch of ``options.batch_size`` rows and its anchors are drawn on every rank alike and
+    split across the ranks; DDP (or FSDP2 with ``fsdp``) averages the gradients, so the run equals
+    the one-process run up to float rounding. The progress bar shows the loss terms, the
+    per-position acceptance estimate ``1 - TV`` (teacher-forced) and the τ it implies, and the τ
+    implied by the per-position greedy agreement."""
     device = torch.device(device)
     target.eval().requires_grad_(False)
-    model = new_draft(target, config, seed=options.seed).to(device)
+    model = new_draft(target, config, seed=options.seed)
+    fingerprint = {"options": {k: v for k, v in vars(options).items() if k not in ("log_every", "save_every")},
+                   "rows": list(sequences.shape), "num_anchors": num_anchors, "gamma": gamma,
+                   "confidence_backprop": confidence_backprop, "greedy_confidence": greedy_confidence,
+                   "draft": {k: v for k, v in config.to_speculators_dict().items() if k not in ("verifier", "dtype")}}
+    state = LoopState.fresh(options.seed, ("data", "anchors"))
+    if resume:
+        if output is None:
+            Checker("train_draft").fail("resume needs output, the directory of the run to continue")
+        resumed = read_training_state(output, fingerprint)
+        if options.progress(resumed.loop.step, resumed.loop.elapsed) >= 1.0:
+            Checker("resume").fail(f"the run in {str(output)!r} is complete ({resumed.loop.step} steps, "
+                                   f"{resumed.loop.elapsed:.0f} s): nothing to resume")
+        model.load_state_dict(resumed.model)
+        state = resumed.loop
+    model.to(device)
     weights = position_weights(config.block_size, gamma, config.sample_from_anchor, device=device)
-    generator = torch.Generator().manual_seed(options.seed + 1)
+    step_module = DraftStep(model, weights, confidence_backprop=confidence_backprop,
+                            greedy_confidence=greedy_confidence, world=world)
+    # FSDP units: the big modules the step calls through their forward (the rest is the root unit)
+    units = [model.embed_tokens, model.lm_head, *(layer.mlp for layer in model.layers)]
+    module = wrap(step_module, world, fsdp=fsdp, shard_units=units)
+    optimizer = adamw(module.parameters(), options)
+    if resume:
+        load_optimizer_state(module, optimizer, resumed.optimizer)
 
     def step(batch: torch.Tensor):
-        result = draft_loss(model, target, batch, num_anchors, weights, generator,
-                            confidence_backprop=confidence_backprop, greedy_confidence=greedy_confidence)
+        anchors = sample_anchors(options.batch_size, batch.shape[1], num_anchors, config.block_size,
+                                 state.generators["anchors"])
+        result = module(*target_batch(target, config, batch, world.shard(anchors).to(device)))
+        return result.loss, {"ce": result.ce, "tv": result.tv, "bce": result.bce, "accept": result.acceptance,
+                             "greedy": result.greedy_acceptance}
 
-        def text() -> str:
-            accept = " ".join(f"{a:.2f}" for a in result.acceptance.tolist())
-            return (f"ce {float(result.ce):.3f} tv {float(result.tv):.3f} bce {float(result.bce):.3f} | "
-                    f"accept/pos {accept} tau~{expected_accepted_length(result.acceptance):.2f} "
-                    f"(greedy ~{expected_accepted_length(result.greedy_acceptance):.2f}) |")
-        return result.loss, text
+    def describe(stats) -> str:
+        accept = " ".join(f"{a:.2f}" for a in stats["accept"].tolist())
+        return (f"ce {float(stats['ce']):.3f} tv {float(stats['tv']):.3f} bce {float(stats['bce']):.3f} | "
+                f"accept/pos {accept} tau~{expected_accepted_length(stats['accept']):.2f} "
+                f"(greedy ~{expected_accepted_length(stats['greedy']):.2f}) |")
 
-    save = None if output is None else (lambda _step: save_checkpoint(model, output, save_dtype))
-    losses = optimize(model.parameters(), step, sequences, options, device=device, name="dspark train",
-                      save=save, stream=stream)
+    def save(loop: LoopState) -> None:
+        model_state, optimizer_state = gather_state(module, optimizer)  # a collective: every rank
+        if world.is_main:
+            draft_state = {name.removeprefix("draft."): t for name, t in model_state.items()}
+            _write_checkpoint(config, draft_state, output, save_dtype)
+            write_training_state(output, draft_state, optimizer_state, loop, fingerprint)
+
+    log: list[dict] = []
+    losses = optimize(optimizer, step, sequences, options, device=device, name="dspark train", describe=describe,
+                      save=None if output is None else save, stream=stream, world=world, state=state, log=log)
+    if output is not None and world.is_main and log:
+        _write_log(Path(output) / TRAINING_LOG, log, world, fsdp, device, options.batch_size * sequences.shape[1])
     return model, losses
+
+
+def _write_log(path: Path, log: list[dict], world: World, fsdp: bool, device, tokens_per_step: int) -> None:
+    """``training_log.json``: this session's logged steps, its throughput in target tokens per
+    second (global batch x row length per step), timed from the first logged step to the last
+    (start-up and the first step's warm-up left out, checkpoint writes in between counted), and
+    rank 0's peak GPU memory."""
+    first, last = log[0], log[-1]
+    seconds = last["seconds"] - first["seconds"]
+    throughput = (last["step"] - first["step"]) * tokens_per_step / seconds if seconds > 0 else None
+    device = torch.device(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    summary = {"world_size": world.world_size, "parallel": "fsdp" if fsdp else "ddp" if world.distributed else None,
+               "device": device.type, "tokens_per_step": tokens_per_step, "steps": last["step"],
+               "tokens_per_second": throughput, "peak_gpu_memory_bytes": peak, "log": log}
+    path.write_text(json.dumps(summary, indent=1) + "\n")
