@@ -54,6 +54,7 @@ def random_target(shape: dict, seed: int = 0):
     return model.eval().requires_grad_(False)
 
 
+@torch.no_grad()
 def random_drafter(target, shape: dict, layers: int = 1, rank: int = 256, block: int = 7):
     """A random DSpark drafter for ``target`` (bf16, GPU): the real draft's cost, meaningless drafts."""
     from ..model import DSparkConfig, DSparkDraftModel

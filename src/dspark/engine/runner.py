@@ -121,6 +121,7 @@ class ModelRunner:
             v = self.target.vocab_size
             self.state["draft_probs"] = torch.zeros(self.max_batch, self.num_drafts, v, device=self.device)
             self.graphs.clear()  # graphs captured before do not write them
+            self.pool = None  # their memory pool went with them
 
     def prefill(self, entries: list[PrefillEntry]) -> list[int]:
         """Run the prompts of newly admitted requests into their slots in one eager forward, set up

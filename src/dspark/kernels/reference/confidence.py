@@ -77,14 +77,14 @@ def threshold_proposal_lengths(confidence_scores, threshold, min_proposal_len, m
     return selected.clamp(c_min, c_max).to(torch.int32)
 
 
-def sps_costs(max_len: int) -> torch.Tensor:
+def sps_costs(max_len: int, device=None) -> torch.Tensor:
     """f32 ``[max_len]``: the SPS cost of proposing L = 1..max_len tokens (kernels.md 3.7).
 
     ``cost(L) = fma(0.02f, L, fma(0.45f, L + 1, 0.5f + 1.0f))`` with fp32 rounding after each fused
     multiply-add. Each ``a*b + c`` of these fp32 constants and an integer L < 2^20 is exact in float64
     (at most 53 significant bits), so one rounding to fp32 reproduces the fma exactly.
     """
-    length = torch.arange(1, max_len + 1, dtype=torch.float64)
+    length = torch.arange(1, max_len + 1, dtype=torch.float64, device=device)  # on the device: graph-safe
     token_cost, accept_cost = (_f32(x).double() for x in (SPS_VERIFY_TOKEN_COST, SPS_ACCEPT_COST))
     base = (_f32(SPS_DRAFT_COST) + _f32(SPS_VERIFY_BASE_COST)).double()
     inner = (token_cost * (length + 1) + base).float()
@@ -103,7 +103,7 @@ def sps_proposal_lengths(confidence_scores, survival_floor, min_proposal_len, ma
     c_min, c_max = length_bounds(width, min_proposal_len, max_proposal_len)
     device = confidence_scores.device
     floor = float(_f32(min(max(survival_floor, 0.0), 1.0)))
-    costs = sps_costs(c_max).clamp(min=1e-6).to(device)
+    costs = sps_costs(c_max, device).clamp(min=1e-6)
     survival = torch.ones(batch, dtype=torch.float32, device=device)
     expected = torch.ones(batch, dtype=torch.float32, device=device)
     best = torch.full((batch,), -_FLT_MAX, dtype=torch.float32, device=device)
