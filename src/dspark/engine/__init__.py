@@ -13,7 +13,8 @@ from .decoder import (FINISH_REASONS, GenerationInterrupted, GenerationResult, R
 from .drafting import SCHEDULERS, Drafter, Proposal, SamplingParams
 from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
 from .stats import GenerationStats
-from .target import TargetModel, TargetOutput, eos_token_ids, load_target_model, resolve_device
+from .target import (TargetModel, TargetOutput, check_target_directory, eos_token_ids, load_target_model,
+                     resolve_device)
 
 __all__ = [
     "TextStream", "encode_prompts", "generate", "generate_texts", "load_tokenizer",
@@ -22,5 +23,5 @@ __all__ = [
     "SCHEDULERS", "Drafter", "Proposal", "SamplingParams",
     "SPSCostTable", "prefix_schedule", "prefix_survival",
     "GenerationStats",
-    "TargetModel", "TargetOutput", "eos_token_ids", "load_target_model", "resolve_device",
+    "TargetModel", "TargetOutput", "check_target_directory", "eos_token_ids", "load_target_model", "resolve_device",
 ]

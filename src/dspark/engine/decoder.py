@@ -92,6 +92,10 @@ class Request:
         if not isinstance(self.ignore_eos, bool):
             c.fail(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}", TypeError)
 
+    def end_ids(self, target: TargetModel) -> list[int]:
+        """The token ids that end this request's output: ``stop_ids``, and the target's EOS unless ``ignore_eos``."""
+        return list(self.stop_ids) + ([] if self.ignore_eos else eos_token_ids(target.model))
+
 
 class SpeculativeDecoder:
     """Speculative decoding of a ``TargetModel`` with a ``Drafter`` (or any object with
@@ -230,14 +234,13 @@ def generate_requests(decoder: SpeculativeDecoder, requests: Sequence[Request], 
     for request in requests:
         check_prompt(decoder.target, request.prompt_ids)
         _token_ids(c, "stop_ids", request.stop_ids, decoder.target.vocab_size)
-    target_eos = eos_token_ids(decoder.target.model)
     results: list[GenerationResult] = []
     for i, request in enumerate(requests):
-        eos = list(request.stop_ids) + ([] if request.ignore_eos else target_eos)
         stream = None if on_tokens is None else (lambda tokens, i=i: on_tokens(i, tokens))
         try:
             results.append(decoder.generate(request.prompt_ids, max_new_tokens=request.max_new_tokens,
-                                            sampling=request.sampling, eos_token_id=eos, on_tokens=stream))
+                                            sampling=request.sampling, eos_token_id=request.end_ids(decoder.target),
+                                            on_tokens=stream))
         except GenerationInterrupted as exc:
             raise GenerationInterrupted(results + exc.results) from None
     return results

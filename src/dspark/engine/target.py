@@ -26,7 +26,8 @@ import torch
 
 from ..kernels._validate import Checker
 
-__all__ = ["TargetModel", "TargetOutput", "eos_token_ids", "load_target_model", "resolve_device"]
+__all__ = ["TargetModel", "TargetOutput", "eos_token_ids", "load_target_model", "check_target_directory",
+           "resolve_device"]
 
 PICKLE_HINT = ("; convert them to safetensors, or, only for a checkpoint you trust (unpickling can run code), "
                "pass allow_pickle=True (dspark: --allow-pickle)")
@@ -157,7 +158,7 @@ def load_target_model(path, *, device=None, dtype=None, allow_pickle: bool = Fal
     from ..model.safetensors_io import checkpoint_shapes, pickle_files
 
     c = Checker("load_target")
-    directory = _checkpoint_directory(c, path)
+    directory = check_target_directory(path)
     pickled = not any(directory.glob("*.safetensors")) and bool(pickle_files(directory))
     if not (pickled and allow_pickle):
         # refuses pickle-only weights, truncated files and broken indexes before transformers reads them
@@ -204,7 +205,10 @@ def resolve_device(device, *, name: str = "device") -> torch.device:
     return device
 
 
-def _checkpoint_directory(c: Checker, path) -> Path:
+def check_target_directory(path) -> Path:
+    """``path`` as a ``Path`` if it is a directory with a ``config.json``; ValueError saying what it is
+    instead (missing, a file, not a checkpoint)."""
+    c = Checker("load_target")
     if not isinstance(path, (str, os.PathLike)):
         c.fail(f"path must be a checkpoint directory (str or os.PathLike), got {type(path).__name__}", TypeError)
     directory = Path(path)

@@ -1,0 +1,7 @@
+"""``python -m dspark``: the ``dspark`` command."""
+
+import sys
+
+from dspark.cli import main
+
+sys.exit(main())
