@@ -7,7 +7,6 @@ import argparse
 import sys
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULERS = ("off", "threshold", "sps")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,6 +66,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    from dspark.engine.drafting import SCHEDULERS
+
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="off",
                         help="how many drafts to verify per round: off = all, threshold / sps = by the confidence head")
     parser.add_argument("--threshold", type=float, default=0.0,

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
     prompt.add_argument("--prompt-file", metavar="FILE",
                         help="a text file (one prompt; - reads stdin) or a .jsonl file of requests")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per request")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context limit, prompt + output (default: the target's max_position_embeddings)")
     parser.add_argument("--stop", action="append", metavar="TEXT",
@@ -63,12 +63,13 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.target)
         if args.stop and tokenizer is None:
             raise ValueError(f"--stop needs the target's tokenizer, but {args.target} has none")
-        requests = [_request(args, tokenizer, sampling, where, record) for where, record in _prompt_records(args)]
+        records = _prompt_records(args)
+        requests = [_request(args, tokenizer, sampling, where, record) for where, record in records]
         decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, device=device, dtype=dtype,
                                                      max_model_len=args.max_model_len, allow_pickle=args.allow_pickle,
                                                      scheduler=args.scheduler, threshold=args.threshold)
-        for request in requests:  # refuse an over-long prompt before anything is printed
-            check_prompt(decoder.target, request.prompt_ids)
+        for (where, _), request in zip(records, requests):  # an over-long prompt: refused before anything runs
+            _named(where, check_prompt, decoder.target, request.prompt_ids)
         printer = None if args.json or len(requests) > 1 else _Printer(tokenizer, requests[0].prompt_ids)
         if args.compare:  # time both paths warm, or the first one pays the process's one-off costs
             warm_up([decoder], requests[0].prompt_ids, requests[0].sampling)
@@ -149,11 +150,17 @@ def _request(args: argparse.Namespace, tokenizer, sampling, where: str, record: 
     if "prompt" in record and tokenizer is None:
         raise ValueError(f"{where}: a text prompt needs the target's tokenizer, but {args.target} has none; "
                          f"give token ids instead (--prompt-ids, or prompt_ids in a .jsonl file)")
+    ids = _named(where, encode_prompts, record["prompt"], tokenizer, name=where)[0][0] if "prompt" in record else \
+        record["prompt_ids"]
+    overrides = {k: record[k] for k in ("temperature", "top_k", "top_p", "seed") if k in record}
+    return _named(where, lambda: Request(ids, record.get("max_new_tokens", args.max_new_tokens),
+                                         replace(sampling, **overrides), ignore_eos=args.ignore_eos))
+
+
+def _named(where: str, function, *args, **kwargs):
+    """``function(*args, **kwargs)``, its ValueError / TypeError prefixed with ``where`` (a file and line)."""
     try:
-        ids = encode_prompts(record["prompt"], tokenizer, name=where)[0][0] if "prompt" in record else record["prompt_ids"]
-        overrides = {k: record[k] for k in ("temperature", "top_k", "top_p", "seed") if k in record}
-        return Request(ids, record.get("max_new_tokens", args.max_new_tokens), replace(sampling, **overrides),
-                       ignore_eos=args.ignore_eos)
+        return function(*args, **kwargs)
     except (ValueError, TypeError) as exc:
         message = str(exc)
         raise type(exc)(message if message.startswith(where) else f"{where}: {message}") from None

@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..kernels._validate import Checker
-from .decoder import GenerationInterrupted, GenerationResult, Request, SpeculativeDecoder, generate_requests
+from .decoder import (GenerationInterrupted, GenerationResult, Request, SpeculativeDecoder, check_token_ids,
+                      generate_requests)
 from .drafting import SamplingParams
 
 __all__ = ["generate", "generate_texts", "load_tokenizer", "encode_prompts", "TextStream", "TOKENIZER_FILES"]
@@ -210,11 +211,12 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
     batch, single = encode_prompts(prompts, tokenizer)
     if on_tokens is not None and not single:
         c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
-    stop_ids = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id
+    stop_ids = () if eos_token_id is None else check_token_ids(c, "eos_token_id", eos_token_id)
     requests = [Request(ids, max_new_tokens, sampling, stop_ids, ignore_eos or eos_token_id is not None)
                 for ids in batch]
     decoder = SpeculativeDecoder.from_pretrained(target, draft, device=device, dtype=dtype, max_model_len=max_model_len,
                                                  allow_pickle=allow_pickle, scheduler=scheduler, threshold=threshold)
+    check_token_ids(c, "eos_token_id", stop_ids, decoder.target.vocab_size)
     stream = None if on_tokens is None else (lambda _i, tokens: on_tokens(tokens))
     results = generate_texts(decoder, requests, tokenizer, stop=stop, on_tokens=stream)
     return results[0] if single else results

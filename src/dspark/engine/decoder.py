@@ -37,7 +37,7 @@ from .stats import GenerationStats
 from .target import TargetModel, eos_token_ids, load_target_model, resolve_device
 
 __all__ = ["GenerationResult", "GenerationInterrupted", "Request", "SpeculativeDecoder", "autoregressive_generate",
-           "generate_requests", "FINISH_REASONS"]
+           "generate_requests", "check_prompt", "check_token_ids", "FINISH_REASONS"]
 
 # Receives each round's committed tokens; returning True ends the output there (finish reason "stop").
 TokenCallback = Callable[[list[int]], "bool | None"]
@@ -88,7 +88,7 @@ class Request:
         c.integer("max_new_tokens", self.max_new_tokens, low=0)
         if not isinstance(self.sampling, SamplingParams):
             c.fail(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}", TypeError)
-        object.__setattr__(self, "stop_ids", tuple(_token_ids(c, "stop_ids", self.stop_ids)))
+        object.__setattr__(self, "stop_ids", tuple(check_token_ids(c, "stop_ids", self.stop_ids)))
         if not isinstance(self.ignore_eos, bool):
             c.fail(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}", TypeError)
 
@@ -233,7 +233,7 @@ def generate_requests(decoder: SpeculativeDecoder, requests: Sequence[Request], 
         c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
     for request in requests:
         check_prompt(decoder.target, request.prompt_ids)
-        _token_ids(c, "stop_ids", request.stop_ids, decoder.target.vocab_size)
+        check_token_ids(c, "stop_ids", request.stop_ids, decoder.target.vocab_size)
     results: list[GenerationResult] = []
     for i, request in enumerate(requests):
         stream = None if on_tokens is None else (lambda tokens, i=i: on_tokens(i, tokens))
@@ -307,8 +307,8 @@ def check_prompt(target: TargetModel, prompt_ids) -> torch.Tensor:
     return ids.to(target.device, torch.int64)
 
 
-def _token_ids(c: Checker, name: str, ids, vocab_size: int | None = None) -> list[int]:
-    """One token id or a sequence of them, each in ``[0, vocab_size)``."""
+def check_token_ids(c: Checker, name: str, ids, vocab_size: int | None = None) -> list[int]:
+    """``ids`` (one token id or a sequence of them) as a list, each checked in ``[0, vocab_size)``."""
     if isinstance(ids, torch.Tensor):
         ids = ids.reshape(-1).tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (int, Sequence, set, frozenset)):
@@ -321,7 +321,7 @@ def _token_ids(c: Checker, name: str, ids, vocab_size: int | None = None) -> lis
 def _eos(eos_token_id, target: TargetModel) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset(eos_token_ids(target.model))
-    return frozenset(_token_ids(Checker("generate"), "eos_token_id", eos_token_id, target.vocab_size))
+    return frozenset(check_token_ids(Checker("generate"), "eos_token_id", eos_token_id, target.vocab_size))
 
 
 class _Sink:

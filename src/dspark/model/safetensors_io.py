@@ -76,9 +76,8 @@ def checkpoint_files(c: Checker, directory, *, pickle_hint: str = "") -> list[Pa
     if (directory / WEIGHTS_NAME).is_file():
         return [directory / WEIGHTS_NAME]
     pickled = pickle_files(directory)
-    found = f"; it holds only pickled weights {pickled}, which are not loaded{pickle_hint}" if pickled else ""
-    c.fail(f"no {WEIGHTS_NAME} (or {INDEX_NAME}) in {str(directory)!r}: weights are read from safetensors "
-           f"only{found}")
+    found = f"; refusing to unpickle {pickled}{pickle_hint}" if pickled else ""
+    c.fail(f"no {WEIGHTS_NAME} (or {INDEX_NAME}) in {str(directory)!r}: safetensors only{found}")
 
 
 def checkpoint_shapes(c: Checker, directory, *, pickle_hint: str = "") -> dict[str, tuple[int, ...]]:

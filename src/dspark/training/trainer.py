@@ -166,6 +166,9 @@ def optimize(parameters, loss_fn: Callable, sequences: torch.Tensor, options: Tr
             progress.update(done, f"step {step} loss {losses[-1]:.4f} {text()} lr {lr:.2e}")
         if save is not None and options.save_every and step % options.save_every == 0:
             save(step)
+    if step % options.log_every and step != 1:  # log the last step too: the final loss, a full progress bar
+        losses.append(float(loss.detach()))
+        progress.update(1.0, f"step {step} loss {losses[-1]:.4f}")
     progress.close()
     if save is not None:
         save(step)
