@@ -47,7 +47,8 @@ def _words(ids):
 
 
 def _run(capsys, *args):
-    status = main(["generate", *args])
+    """``dspark generate ARGS`` (on the CPU unless ``--device`` is given): (status, stdout, stderr)."""
+    status = main(["generate", *args, *([] if "--device" in args else ["--device", "cpu"])])
     out = capsys.readouterr()
     assert "Traceback" not in out.err
     return status, out.out, out.err
@@ -62,8 +63,7 @@ def _pair(checkpoints, fmt="speculators", target="target"):
 def test_generate_json_compare_is_identical_to_plain_greedy(checkpoints, greedy, capsys, fmt, scheduler):
     threshold = ["--threshold", "0.1"] if scheduler != "off" else []
     status, out, _ = _run(capsys, *_pair(checkpoints, fmt), "--prompt-ids", ",".join(map(str, PROMPT)),
-                          "--max-new-tokens", "12", "--scheduler", scheduler, *threshold, "--compare", "--json",
-                          "--device", "cpu")
+                          "--max-new-tokens", "12", "--scheduler", scheduler, *threshold, "--compare", "--json")
     assert status == 0
     report = json.loads(out)
     assert report["prompt_ids"] == PROMPT and report["generated_ids"] == greedy[:12]
@@ -305,7 +305,7 @@ def test_readme_main_command_runs_the_shipped_pair(capsys):
 
     pair = data.demo_pair()
     record = next(r for r in data.read_prompts(str(pair.prompts)) if r["file"] == DEMO_PROMPT_FILE)
-    status, out, _ = _run(capsys, "--compare", "--max-new-tokens", "24", "--device", "cpu", "--json")
+    status, out, _ = _run(capsys, "--compare", "--max-new-tokens", "24", "--json")
     report = json.loads(out)
     assert status == 0 and report["identical"] and len(report["generated_ids"]) == 24
     assert report["prompt_ids"] == AutoTokenizer.from_pretrained(pair.target).encode(record["text"])
