@@ -24,6 +24,7 @@ decides how requests execute (today: one after another through ``SpeculativeDeco
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -344,7 +345,7 @@ class _Sink:
 
     def room(self, anchor_position: int) -> int:
         """Drafts a round may verify after the anchor at ``anchor_position`` within the context."""
-        return self.context - anchor_position - 1 if self.context is not None else 1 << 62
+        return self.context - anchor_position - 1 if self.context is not None else sys.maxsize
 
     def add(self, tokens: list[int]) -> int:
         """Append what fits; returns how many tokens were kept."""
