@@ -374,6 +374,7 @@ class MemoTarget:
     def __init__(self, model, capture_ids):
         self.model, self.capture_ids = model, capture_ids
         self.device, self.vocab_size = torch.device("cpu"), model.config.vocab_size
+        self.max_model_len = None  # no context limit
         self.memo, self.sequence = {}, ()
 
     @property

@@ -150,8 +150,10 @@ def test_prompt_records(tmp_path):
     assert data.prompt_token_ids(tokenizer, records[1]) == tokenize(tokenizer, ["hello"])[0]  # no chat template
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<bot>"
     assert tokenizer.decode(data.prompt_token_ids(tokenizer, records[1])) == "<user>hello<bot>"
-    with pytest.raises(ValueError, match="read_prompts: prompts must be"):
+    with pytest.raises(ValueError, match="read_prompts: prompt file '.*none.jsonl' not found"):
         data.read_prompts(str(tmp_path / "none.jsonl"))
+    with pytest.raises(ValueError, match="read_prompts: prompts must be stdlib:<split> or a .jsonl file"):
+        data.read_prompts(str(tmp_path))
 
 
 def test_demo_pair_reports_what_is_missing(tmp_path):
