@@ -50,41 +50,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark.engine import GenerationInterrupted, SpeculativeDecoder, check_target_directory, generate_texts, load_tokenizer
-    from dspark.engine.decoder import check_prompt
+    from dspark.engine import GenerationInterrupted, generate_texts
     from dspark.evaluation import warm_up
 
     try:
-        check_scheduler_arguments(args)
-        sampling = sampling_params(args, "generate")
-        device, dtype = runtime(args)
-        _use_demo_pair_by_default(args)
-        check_target_directory(args.target)
-        tokenizer = load_tokenizer(args.target)
-        if args.stop and tokenizer is None:
-            raise ValueError(f"--stop needs the target's tokenizer, but {args.target} has none")
-        records = _prompt_records(args)
-        requests = [_request(args, tokenizer, sampling, where, record) for where, record in records]
-        decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, device=device, dtype=dtype,
-                                                     max_model_len=args.max_model_len, allow_pickle=args.allow_pickle,
-                                                     scheduler=args.scheduler, threshold=args.threshold)
-        for (where, _), request in zip(records, requests):  # an over-long prompt: refused before anything runs
-            _named(where, check_prompt, decoder.target, request.prompt_ids)
+        decoder, tokenizer, requests, dtype = _prepare(args)
         printer = None if args.json or len(requests) > 1 else _Printer(tokenizer, requests[0].prompt_ids)
         if args.compare:  # time both paths warm, or the first one pays the process's one-off costs
             warm_up([decoder], requests[0].prompt_ids, requests[0].sampling)
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark generate: {exc}", file=sys.stderr)
         return 2
-    stream = {} if printer is None else ({"on_text": printer.text} if tokenizer is not None else
-                                         {"on_tokens": printer.ids})
+    stream = {} if printer is None else {"on_text": printer.text} if tokenizer is not None else {"on_tokens": printer.ids}
     try:
         results = generate_texts(decoder, requests, tokenizer, stop=args.stop or (), **stream)
     except GenerationInterrupted as exc:
         return _interrupted(exc.results)
-    except (ValueError, TypeError) as exc:
-        print(f"\ndspark generate: {exc}", file=sys.stderr)
-        return 2
     try:
         baselines = [_baseline(decoder, r, tokenizer, args.stop) for r in requests] if args.compare else None
     except GenerationInterrupted:
@@ -104,6 +85,30 @@ def run(args: argparse.Namespace) -> int:
     if not differ:
         return 0
     return mismatch_status(dtype, "this prompt" if len(reports) == 1 else f"request(s) {differ}", "generate")
+
+
+def _prepare(args: argparse.Namespace):
+    """``(decoder, tokenizer, requests, dtype)``: options checked, models loaded, every request
+    built and checked against the target (an over-long prompt is refused before anything runs)."""
+    from dspark.engine import SpeculativeDecoder, check_target_directory, load_tokenizer
+    from dspark.engine.decoder import check_prompt
+
+    check_scheduler_arguments(args)
+    sampling = sampling_params(args, "generate")
+    device, dtype = runtime(args)
+    _use_demo_pair_by_default(args)
+    check_target_directory(args.target)
+    tokenizer = load_tokenizer(args.target)
+    if args.stop and tokenizer is None:
+        raise ValueError(f"--stop needs the target's tokenizer, but {args.target} has none")
+    records = _prompt_records(args)
+    requests = [_request(args, tokenizer, sampling, where, record) for where, record in records]
+    decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, device=device, dtype=dtype,
+                                                 max_model_len=args.max_model_len, allow_pickle=args.allow_pickle,
+                                                 scheduler=args.scheduler, threshold=args.threshold)
+    for (where, _), request in zip(records, requests):
+        _named(where, check_prompt, decoder.target, request.prompt_ids)
+    return decoder, tokenizer, requests, dtype
 
 
 # The demo pair's default prompt: the held-out file whose τ (2.37) is nearest the whole held-out set's
