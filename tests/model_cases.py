@@ -108,3 +108,20 @@ def write_tiny_draft(target: Qwen3ForCausalLM, directory, *, format: str, markov
                                draft_vocab_size=draft_vocab_size, confidence=confidence,
                                layer_types=layer_types, checkpoint_format=format)
     return save_draft(random_draft(config, seed, target), directory, format=format)
+
+
+def write_tiny_checkpoints(root):
+    """``root/target`` (``tiny_qwen3_target()`` with a word-level tokenizer: token i is "t<i>"),
+    ``root/bare`` (the same weights, no tokenizer) and a draft for it in each format
+    (``root/speculators``, ``root/deepspec``). Returns ``(target model, {format: draft directory})``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target = tiny_qwen3_target()
+    target.save_pretrained(root / "target")
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(target.config.vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(root / "target")
+    target.save_pretrained(root / "bare")
+    drafts = {fmt: str(write_tiny_draft(target, root / fmt, format=fmt)) for fmt in ("speculators", "deepspec")}
+    return target, drafts

@@ -146,8 +146,9 @@ def test_calibrate_command(pair, tmp_path, capsys):
                               "--num-prompts", "6", "--prompt-tokens", "8", "--new-tokens", "16", "--device", "cpu",
                               "--json", str(tmp_path / "report.json")])
     assert calibrate_cli.run(args) == 0
-    out = capsys.readouterr().out
-    assert "ECE before" in out and "mean ECE" in out
+    out = capsys.readouterr()
+    assert "ECE before" in out.out and "mean ECE" in out.out
+    assert "dspark calibrate [####################] 100% batch 2/2" in out.err  # 3 + 3 prompts, batches of 16
     temperatures = load_draft(draft_dir).config.sts_temperatures
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["sts_temperatures"] == temperatures and len(temperatures) == 4

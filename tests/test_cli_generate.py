@@ -1,31 +1,37 @@
-"""``dspark generate`` end to end on the CPU with tiny checkpoints in both draft formats."""
+"""``dspark generate`` end to end on the CPU with tiny checkpoints in both draft formats, every bad
+input a one-line error (exit status 2, no traceback), and the ``dspark`` command itself."""
 
+import io
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from model_cases import tiny_qwen3_target, write_tiny_draft
+from model_cases import tiny_qwen3_target, write_tiny_checkpoints, write_tiny_draft
 
+import dspark
 from dspark.cli import main
 
 PROMPT = [3, 17, 42, 8]
+SRC = str(Path(dspark.__file__).parent.parent)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """(target directory with a word-level tokenizer "t0".."t95", {format: draft directory}, target)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+    """(root holding target / bare / speculators / deepspec, {format: draft directory}, target)."""
     root = tmp_path_factory.mktemp("checkpoints")
-    target = tiny_qwen3_target()
-    target.save_pretrained(root / "target")
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(target.config.vocab_size)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(root / "target")
-    target.save_pretrained(root / "bare")  # no tokenizer
-    drafts = {fmt: str(write_tiny_draft(target, root / fmt, format=fmt)) for fmt in ("speculators", "deepspec")}
+    target, drafts = write_tiny_checkpoints(root)
     return root, drafts, target
+
+
+@pytest.fixture(scope="module")
+def greedy(checkpoints):
+    return _greedy(checkpoints[2], PROMPT, 24)
 
 
 def _greedy(model, prompt, n):
@@ -36,63 +42,231 @@ def _greedy(model, prompt, n):
     return ids[len(prompt):]
 
 
+def _words(ids):
+    return " ".join(f"t{i}" for i in ids)
+
+
 def _run(capsys, *args):
-    status = main(["generate", *args])
+    """``dspark generate ARGS`` (on the CPU unless ``--device`` is given): (status, stdout, stderr)."""
+    status = main(["generate", *args, *([] if "--device" in args else ["--device", "cpu"])])
     out = capsys.readouterr()
+    assert "Traceback" not in out.err
     return status, out.out, out.err
 
 
+def _pair(checkpoints, fmt="speculators", target="target"):
+    root, drafts, _ = checkpoints
+    return "--target", str(root / target), "--draft", drafts[fmt]
+
+
 @pytest.mark.parametrize("fmt, scheduler", [("speculators", "off"), ("deepspec", "sps")])
-def test_generate_json_compare_is_identical_to_plain_greedy(checkpoints, capsys, fmt, scheduler):
-    root, drafts, target = checkpoints
-    status, out, _ = _run(capsys, "--target", str(root / "target"), "--draft", drafts[fmt], "--prompt-ids",
-                          ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--scheduler", scheduler,
-                          "--threshold", "0.1", "--compare", "--json", "--device", "cpu")
+def test_generate_json_compare_is_identical_to_plain_greedy(checkpoints, greedy, capsys, fmt, scheduler):
+    threshold = ["--threshold", "0.1"] if scheduler != "off" else []
+    status, out, _ = _run(capsys, *_pair(checkpoints, fmt), "--prompt-ids", ",".join(map(str, PROMPT)),
+                          "--max-new-tokens", "12", "--scheduler", scheduler, *threshold, "--compare", "--json")
     assert status == 0
     report = json.loads(out)
-    assert report["prompt_ids"] == PROMPT
-    assert report["generated_ids"] == _greedy(target, PROMPT, 12)
+    assert report["prompt_ids"] == PROMPT and report["generated_ids"] == greedy[:12]
     assert report["identical"] is True and report["baseline"]["generated_ids"] == report["generated_ids"]
-    assert report["text"] == " ".join(f"t{i}" for i in report["generated_ids"])
+    assert report["text"] == " " + _words(greedy[:12])  # decoded after the prompt: spaced as it continues it
+    assert report["finish_reason"] == "length"
     stats = report["stats"]
     assert stats["generated_tokens"] == 12 and stats["rounds"] == len(stats["accept_lengths"]) >= 1
-    assert report["speedup"] > 0
+    rates = stats["tokens_per_second"] / report["baseline"]["stats"]["tokens_per_second"]
+    assert report["speedup"] == pytest.approx(rates, rel=0.02)  # a ratio of rates, not of times
 
 
-def test_generate_streams_text_and_prints_statistics(checkpoints, capsys):
-    root, drafts, target = checkpoints
-    prompt = " ".join(f"t{i}" for i in PROMPT)
-    status, out, _ = _run(capsys, "--target", str(root / "target"), "--draft", drafts["deepspec"], "--prompt", prompt,
-                          "--max-new-tokens", "10", "--scheduler", "threshold", "--threshold", "0.3", "--compare")
+def test_generate_prints_the_prompt_then_streams_text_and_statistics(checkpoints, greedy, capsys):
+    status, out, _ = _run(capsys, *_pair(checkpoints, "deepspec"), "--prompt", _words(PROMPT), "--max-new-tokens", "10",
+                          "--scheduler", "threshold", "--threshold", "0.3", "--compare")
     assert status == 0
-    text = " ".join(f"t{i}" for i in _greedy(target, PROMPT, 10))
-    assert out.startswith(text + "\n")
+    assert out.startswith(_words(PROMPT + greedy[:10]) + "\n")
     assert "tau = " in out and "acceptance per position" in out and "tokens/s" in out
-    assert "outputs identical" in out
+    assert "outputs identical" in out and "(ratio of tokens/s)" in out
 
 
 def test_sampled_generation_is_reproducible_per_seed(checkpoints, capsys):
-    root, drafts, _ = checkpoints
-    args = ["--target", str(root / "bare"), "--draft", drafts["speculators"], "--prompt-ids", "5,6,7",
-            "--max-new-tokens", "9", "--temperature", "0.8", "--top-k", "30", "--top-p", "0.95", "--json"]
+    args = [*_pair(checkpoints, target="bare"), "--prompt-ids", "5,6,7", "--max-new-tokens", "9", "--temperature", "0.8",
+            "--top-k", "30", "--top-p", "0.95", "--json"]
     first = json.loads(_run(capsys, *args, "--seed", "11")[1])
     again = json.loads(_run(capsys, *args, "--seed", "11")[1])
     assert first["generated_ids"] == again["generated_ids"] and len(first["generated_ids"]) == 9
     assert first["text"] is None and "identical" not in first
     status, out, _ = _run(capsys, *args[:-1], "--seed", "11")  # streaming ids without a tokenizer
-    assert status == 0 and out.split("\n")[0].split() == [str(t) for t in first["generated_ids"]]
+    assert status == 0 and out.split("\n")[0].split() == ["[5", "6", "7]"] + [str(t) for t in first["generated_ids"]]
 
 
-def test_generate_reports_bad_input(checkpoints, capsys):
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "t1 t2"], "--prompt: a text prompt needs the target's tokenizer, but"),
+    (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+    (["--prompt-ids", "1,500"], "prompt_ids holds token id 500"),
+    (["--prompt-ids", "1", "--threshold", "0.5"], "--threshold 0.5 does nothing with --scheduler off"),
+    (["--prompt-ids", "1", "--scheduler", "sps", "--threshold", "2"], "--threshold must be in [0, 1]"),
+    (["--prompt-ids", "1", "--device", "bogus"], "--device: 'bogus' is not a device: use cpu, cuda or cuda:N"),
+    (["--prompt-ids", "1", "--max-new-tokens", "-1"], "max_new_tokens must be in [0, inf], got -1"),
+    (["--prompt-ids", "1", "--stop", "x"], "--stop needs the target's tokenizer"),
+    (["--prompt-ids", "1,2,3,4,5", "--max-model-len", "5"],
+     "the prompt has 5 tokens, but the target's context is 5 tokens (prompt + output): at most 4 prompt tokens"),
+    (["--prompt-ids", "1", "--max-model-len", "5000"], "max_model_len=5000 exceeds the target's context of 1024 tokens"),
+])
+def test_bad_options_are_one_line_errors(checkpoints, capsys, args, message):
+    status, out, err = _run(capsys, *_pair(checkpoints, target="bare"), *args)
+    errors = [line for line in err.splitlines() if line.startswith("dspark generate:")]
+    assert status == 2 and len(errors) == 1 and message in errors[0] and out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_cuda_without_cuda(checkpoints, capsys):
+    status, _, err = _run(capsys, *_pair(checkpoints), "--prompt-ids", "1", "--device", "cuda")
+    assert status == 2 and "--device: 'cuda' asked for, but CUDA is not available on this machine" in err
+
+
+def test_greedy_with_sampling_filters_warns(checkpoints, capsys):
+    status, _, err = _run(capsys, *_pair(checkpoints), "--prompt-ids", "1", "--max-new-tokens", "2", "--top-k", "5")
+    assert status == 0 and "warning: --top-k / --top-p do nothing with greedy decoding" in err
+
+
+def test_broken_target_checkpoints_are_named(checkpoints, capsys, tmp_path):
+    """A missing path, a file, a truncated file, a missing tensor, a pickle-only target."""
+    from safetensors.torch import load_file, save_file
+
     root, drafts, _ = checkpoints
-    status, _, err = _run(capsys, "--target", str(root / "bare"), "--draft", drafts["speculators"], "--prompt", "t1 t2")
-    assert status == 2 and "--prompt needs a tokenizer" in err
-    status, _, err = _run(capsys, "--target", str(root / "bare"), "--draft", drafts["speculators"], "--prompt-ids", "1,x")
-    assert status == 2 and "--prompt-ids must be comma-separated integers" in err
-    status, _, err = _run(capsys, "--target", str(root / "bare"), "--draft", drafts["speculators"], "--prompt-ids", "1,500")
-    assert status == 2 and "prompt_ids holds token id 500" in err
-    status, _, err = _run(capsys, "--target", str(root / "bare"), "--draft", str(root / "nowhere"), "--prompt-ids", "1")
-    assert status == 2 and "dspark generate:" in err
+    draft = ["--draft", drafts["speculators"], "--prompt-ids", "1", "--max-new-tokens", "2"]
+    status, _, err = _run(capsys, "--target", str(tmp_path / "nowhere"), *draft)
+    assert status == 2 and "target directory" in err and "nowhere' does not exist" in err
+    status, _, err = _run(capsys, "--target", str(root / "target" / "config.json"), *draft)
+    assert status == 2 and "is a file; give its checkpoint directory" in err
+
+    broken = shutil.copytree(root / "target", tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    tensors = load_file(str(weights))
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])
+    status, _, err = _run(capsys, "--target", str(broken), *draft)
+    assert status == 2 and "model.safetensors' is truncated" in err
+
+    del tensors["model.layers.2.self_attn.q_proj.weight"]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    status, _, err = _run(capsys, "--target", str(broken), *draft)
+    assert status == 2 and "lacks tensor 'model.layers.2.self_attn.q_proj.weight'" in err
+
+    weights.unlink()
+    torch.save(load_file(str(root / "target" / "model.safetensors")), broken / "pytorch_model.bin")
+    status, _, err = _run(capsys, "--target", str(broken), *draft)
+    assert status == 2 and "refusing to unpickle ['pytorch_model.bin']" in err and "--allow-pickle" in err
+    status, out, _ = _run(capsys, "--target", str(broken), *draft, "--allow-pickle", "--json")
+    assert status == 0 and len(json.loads(out)["generated_ids"]) == 2
+
+    draft_copy = shutil.copytree(drafts["speculators"], tmp_path / "draft")
+    (draft_copy / "model.safetensors").write_bytes((draft_copy / "model.safetensors").read_bytes()[:-64])
+    status, _, err = _run(capsys, "--target", str(root / "target"), "--draft", str(draft_copy), "--prompt-ids", "1")
+    assert status == 2 and "load_draft:" in err and "is truncated" in err
+
+
+def test_context_limit_ends_the_output(checkpoints, greedy, capsys):
+    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",
+                          "20", "--max-model-len", "10", "--json")
+    report = json.loads(out)
+    assert status == 0 and report["generated_ids"] == greedy[:6] and report["finish_reason"] == "length"
+
+
+def test_prompt_file_text_stdin_and_jsonl(checkpoints, greedy, capsys, monkeypatch, tmp_path):
+    pair = _pair(checkpoints)
+    text = tmp_path / "prompt.txt"
+    text.write_text(_words(PROMPT))
+    status, out, _ = _run(capsys, *pair, "--prompt-file", str(text), "--max-new-tokens", "5", "--json")
+    assert status == 0 and json.loads(out)["generated_ids"] == greedy[:5]
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(_words(PROMPT).encode())))
+    status, out, _ = _run(capsys, *pair, "--prompt-file", "-", "--max-new-tokens", "4")
+    assert status == 0 and out.startswith(_words(PROMPT + greedy[:4]) + "\n")
+
+    requests = tmp_path / "requests.jsonl"
+    lines = [{"prompt": _words(PROMPT)}, {"prompt_ids": PROMPT[:2], "max_new_tokens": 3}, {},
+             {"prompt_ids": PROMPT, "temperature": 0.9, "top_k": 20, "seed": 4}]
+    requests.write_text("\n".join("" if not r else json.dumps(r) for r in lines) + "\n")
+    status, out, _ = _run(capsys, *pair, "--prompt-file", str(requests), "--max-new-tokens", "6", "--json")
+    reports = [json.loads(line) for line in out.splitlines()]
+    assert status == 0 and len(reports) == 3  # the blank line is skipped; one object per request, in order
+    assert reports[0]["generated_ids"] == greedy[:6] and reports[0]["prompt_ids"] == PROMPT
+    assert reports[1]["generated_ids"] == _greedy(checkpoints[2], PROMPT[:2], 3)
+    assert len(reports[2]["generated_ids"]) == 6 and "identical" not in reports[2]
+    status, out, _ = _run(capsys, *pair, "--prompt-file", str(requests), "--max-new-tokens", "6")
+    assert status == 0 and out.count("--- request ") == 3 and "finish reason length" in out
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt_ids": [1]}\n{"prompt_ids": [1]\n', "requests.jsonl:2 is not valid JSON"),
+    (b'{"prompt_ids": [1], "temprature": 1}\n', "requests.jsonl:1: unknown key(s) ['temprature']"),
+    (b'{"prompt": "t1", "prompt_ids": [1]}\n', "requests.jsonl:1: a request needs exactly one of 'prompt'"),
+    (b'\n{"prompt_ids": [1], "top_k": "5"}\n', "requests.jsonl:2: 'top_k' must be an integer, got '5'"),
+    (b'{"prompt_ids": [1]}\n{"prompt_ids": [1], "top_p": 2.0}\n', "requests.jsonl:2: SamplingParams: top_p must be in"),
+    (b'{"prompt_ids": [1]}\n\n{"prompt": "t1 \xff"}\n', "requests.jsonl:3 is not UTF-8 text (byte 0xff)"),
+    (b'{"prompt_ids": [1, 99]}\n', "requests.jsonl:1: generate: prompt_ids holds token id 99"),
+    (b'["t1"]\n', "requests.jsonl:1: a request must be a JSON object, got list"),
+    (b"\n\n", "requests.jsonl holds no request"),
+])
+def test_bad_prompt_file_lines_name_the_file_and_line(checkpoints, capsys, tmp_path, content, message):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(content)
+    status, _, err = _run(capsys, *_pair(checkpoints), "--prompt-file", str(requests))
+    assert status == 2 and message in err
+
+
+def test_missing_or_undecodable_prompt_files(checkpoints, capsys, tmp_path):
+    status, _, err = _run(capsys, *_pair(checkpoints), "--prompt-file", str(tmp_path / "missing.txt"))
+    assert status == 2 and "--prompt-file" in err and "missing.txt not found" in err
+    (tmp_path / "latin1.txt").write_bytes(b"t1\nt2 caf\xe9\n")
+    status, _, err = _run(capsys, *_pair(checkpoints), "--prompt-file", str(tmp_path / "latin1.txt"))
+    assert status == 2 and "latin1.txt:2 is not UTF-8 text" in err
+    (tmp_path / "text.txt").write_text("t1 t2")
+    status, _, err = _run(capsys, *_pair(checkpoints, target="bare"), "--prompt-file", str(tmp_path / "text.txt"))
+    assert status == 2 and "text.txt: a text prompt needs the target's tokenizer" in err
+
+
+def test_stop_strings_and_ignore_eos(checkpoints, greedy, capsys, tmp_path):
+    from transformers import GenerationConfig
+
+    root, drafts, _ = checkpoints
+    stop = f"t{greedy[5]} t"
+    continuation = " " + _words(greedy)
+    shortest = next(k for k in range(1, len(greedy) + 1) if stop in " " + _words(greedy[:k]))
+    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-ids", ",".join(map(str, PROMPT)), "--stop", stop,
+                          "--stop", "never", "--max-new-tokens", "20", "--compare", "--json")
+    report = json.loads(out)
+    assert status == 0 and report["finish_reason"] == "stop" and report["identical"]
+    assert report["text"] == continuation[:continuation.find(stop)] and report["generated_ids"] == greedy[:shortest]
+
+    k = next(i for i in range(2, 20) if greedy[i] not in greedy[:i])
+    with_eos = shutil.copytree(root / "target", tmp_path / "eos")
+    GenerationConfig(eos_token_id=greedy[k]).save_pretrained(with_eos)
+    args = ["--target", str(with_eos), "--draft", drafts["speculators"], "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--max-new-tokens", "20", "--json"]
+    report = json.loads(_run(capsys, *args)[1])
+    assert report["generated_ids"] == greedy[:k + 1] and report["finish_reason"] == "stop"
+    report = json.loads(_run(capsys, *args, "--ignore-eos")[1])
+    assert report["generated_ids"] == greedy[:20] and report["finish_reason"] == "length"
+
+
+def test_zero_drafting_rounds_print_no_tau_or_speedup(checkpoints, capsys):
+    args = [*_pair(checkpoints), "--prompt-ids", "1,2", "--max-new-tokens", "1", "--compare"]
+    report = json.loads(_run(capsys, *args, "--json")[1])
+    assert report["stats"]["rounds"] == 0 and report["stats"]["mean_accepted_length"] is None
+    assert report["speedup"] is None
+    status, out, _ = _run(capsys, *args)
+    assert status == 0 and "no drafting round, so no tau" in out and "speedup -" in out and "tau =" not in out
+
+
+def test_quiet_silences_the_loading_bars(checkpoints, capsys):
+    from transformers.utils import logging
+
+    args = [*_pair(checkpoints), "--prompt-ids", "1", "--max-new-tokens", "2"]
+    try:
+        assert "Loading weights" in _run(capsys, *args)[2]
+        assert "Loading weights" not in _run(capsys, *args, "--quiet")[2]
+    finally:
+        logging.enable_progress_bar()
+        logging.set_verbosity_warning()
 
 
 def test_no_checkpoint_arguments_use_the_demo_pair(checkpoints, capsys, monkeypatch, tmp_path):
@@ -121,15 +295,6 @@ def test_missing_demo_pair_or_half_a_pair_is_a_clear_error(checkpoints, capsys, 
     assert status == 2 and "give a prompt" in err
 
 
-def test_mismatch_status_is_an_error_only_in_full_precision(capsys):
-    from dspark.cli._runtime import mismatch_status
-
-    assert mismatch_status(torch.float32, "d", "eval") == 1
-    assert "differ from plain decoding for d" in capsys.readouterr().err
-    assert mismatch_status(torch.bfloat16, "d", "eval") == 0
-    assert "--dtype float32" in capsys.readouterr().err
-
-
 def test_readme_main_command_runs_the_shipped_pair(capsys):
     """``dspark generate --compare`` with no checkpoints: the shipped demo pair, its default held-out
     prompt, lossless against plain decoding (float32 on the CPU)."""
@@ -140,8 +305,65 @@ def test_readme_main_command_runs_the_shipped_pair(capsys):
 
     pair = data.demo_pair()
     record = next(r for r in data.read_prompts(str(pair.prompts)) if r["file"] == DEMO_PROMPT_FILE)
-    status, out, _ = _run(capsys, "--compare", "--max-new-tokens", "24", "--device", "cpu", "--json")
+    status, out, _ = _run(capsys, "--compare", "--max-new-tokens", "24", "--json")
     report = json.loads(out)
     assert status == 0 and report["identical"] and len(report["generated_ids"]) == 24
     assert report["prompt_ids"] == AutoTokenizer.from_pretrained(pair.target).encode(record["text"])
     assert report["stats"]["mean_accepted_length"] > 1.5  # the drafts are accepted beyond the bonus token
+
+
+def test_mismatch_status_is_an_error_only_in_full_precision(capsys):
+    from dspark.cli._runtime import mismatch_status
+
+    assert mismatch_status(torch.float32, "d", "eval") == 1
+    assert "differ from plain decoding for d" in capsys.readouterr().err
+    assert mismatch_status(torch.bfloat16, "d", "eval") == 0
+    assert "--dtype float32" in capsys.readouterr().err
+
+
+def test_version_help_and_bench_passthrough(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"dspark {dspark.__version__}"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert "(default: 128)" in help_text and "(default: off)" in help_text and "--prompt-file FILE" in help_text
+    import dspark.bench.__main__ as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
+    assert main(["bench", "--out", "x.json", "--family", "greedy", "--quick"]) == 0
+    assert seen == [["--out", "x.json", "--family", "greedy", "--quick"]]
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--target", "t", "--draft", "d", "--bogus"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_python_m_dspark_version():
+    done = subprocess.run([sys.executable, "-m", "dspark", "--version"], capture_output=True, text=True, env=_env(),
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"dspark {dspark.__version__}"
+
+
+def test_ctrl_c_prints_partial_statistics_and_exits_130(tmp_path):
+    """SIGINT mid-generation (a long context, no EOS): the statistics so far, exit status 130, no traceback."""
+    target = tiny_qwen3_target(max_position_embeddings=1 << 20)
+    target.save_pretrained(tmp_path / "target")
+    draft = write_tiny_draft(target, tmp_path / "draft", format="speculators")
+    command = [sys.executable, "-m", "dspark", "generate", "--target", str(tmp_path / "target"), "--draft", str(draft),
+               "--prompt-ids", "1,2,3", "--max-new-tokens", "1000000", "--ignore-eos", "--device", "cpu", "--quiet"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    try:
+        assert process.stdout.read(12)  # "[1 2 3] " and the first generated ids: generation is running
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    err = err.decode()
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "interrupted; statistics so far" in err and "tokens/s" in err

@@ -14,7 +14,8 @@ from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target, writ
 from scipy import stats as scipy_stats
 
 import dspark.kernels as K
-from dspark.engine import Drafter, Proposal, SamplingParams, SpeculativeDecoder, TargetModel
+from dspark.engine import (Drafter, GenerationInterrupted, Proposal, Request, SamplingParams, SpeculativeDecoder,
+                           TargetModel, autoregressive_generate, generate_requests)
 from dspark.engine.target import TargetOutput
 from dspark.model import load_draft
 
@@ -221,6 +222,70 @@ def test_oracle_drafts_give_exact_acceptance_and_rollback(target, greedy, wrong_
     assert adapter.length == len(PROMPT) + sum(stats.accept_lengths)
 
 
+def test_context_limit_ends_the_output_and_bounds_every_verify(target, greedy):
+    """Full acceptance drafts 3 tokens a round; the context (max_model_len) ends the output at
+    "length", and no verify forward writes a position past it."""
+    limit = len(PROMPT) + 10
+    oracle = OracleDrafter(target, PROMPT + greedy, 3, [1, 2])
+    adapter = TargetModel(target, [1, 2], max_model_len=limit)
+    verify = adapter.verify
+
+    def bounded_verify(tokens, **kwargs):
+        assert adapter.length + tokens.numel() <= limit
+        return verify(tokens, **kwargs)
+
+    adapter.verify = bounded_verify
+    decoder = SpeculativeDecoder(adapter, oracle)
+    result = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == greedy[:10] and result.finish_reason == "length"
+    plain = autoregressive_generate(adapter, PROMPT, max_new_tokens=NEW_TOKENS)
+    assert plain.token_ids == greedy[:10] and plain.finish_reason == "length"
+    with pytest.raises(ValueError, match=r"generate: the prompt has 16 tokens, but the target's context is 16 tokens"):
+        decoder.generate(PROMPT + greedy[:10])
+    with pytest.raises(ValueError, match="max_model_len=2048 exceeds the target's context of 1024 tokens"):
+        TargetModel(target, [1, 2], max_model_len=2048)
+
+
+def test_generate_requests_runs_each_request_in_order(target, greedy, tmp_path):
+    decoder = _decoder(target, tmp_path)
+    requests = [Request(PROMPT, max_new_tokens=5), Request(torch.tensor(PROMPT), max_new_tokens=9, stop_ids=(greedy[3],)),
+                Request(PROMPT, 4, SamplingParams(temperature=0.8, seed=3))]
+    seen = []
+    results = generate_requests(decoder, requests, on_tokens=lambda i, tokens: seen.append(i))
+    assert [r.token_ids for r in results[:2]] == [greedy[:5], greedy[:greedy.index(greedy[3]) + 1]]
+    assert [r.finish_reason for r in results] == ["length", "stop", "length"]
+    sampled = decoder.generate(PROMPT, max_new_tokens=4, sampling=SamplingParams(temperature=0.8, seed=3))
+    assert results[2].token_ids == sampled.token_ids
+    assert seen == sorted(seen) and set(seen) == {0, 1, 2}
+    # every request is checked before any runs
+    calls = []
+    with pytest.raises(ValueError, match=r"generate: prompt_ids holds token id 96"):
+        generate_requests(decoder, [Request(PROMPT), Request([96])], on_tokens=lambda i, t: calls.append(i))
+    assert calls == []
+    with pytest.raises(ValueError, match="generate_requests: stop_ids\\[\\] must be in \\[0, 95\\], got 500"):
+        generate_requests(decoder, [Request(PROMPT, stop_ids=(500,))])
+    with pytest.raises(ValueError, match="Request: prompt_ids\\[\\] must be in \\[0, inf\\], got -1"):
+        Request([1, -1])
+    with pytest.raises(TypeError, match="Request: prompt_ids\\[\\] must be an int, got list"):
+        Request([[1, 2], [3]])
+
+
+def test_ctrl_c_keeps_the_partial_results(target, greedy, tmp_path):
+    decoder = _decoder(target, tmp_path)
+
+    def interrupt(i, tokens):
+        if i == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(GenerationInterrupted) as info:
+        generate_requests(decoder, [Request(PROMPT, max_new_tokens=6), Request(PROMPT, max_new_tokens=6)],
+                          on_tokens=interrupt)
+    done, partial = info.value.results
+    assert done.token_ids == greedy[:6] and done.finish_reason == "length"
+    assert partial.token_ids == greedy[:1] and partial.finish_reason == "interrupted"
+    assert isinstance(info.value, KeyboardInterrupt)
+
+
 @gpu
 @pytest.mark.parametrize("head, scheduler", [("vanilla", "off"), ("vanilla", "sps"), ("rnn", "threshold")])
 def test_greedy_on_cuda_equals_target_greedy(target, greedy, head, scheduler):
@@ -285,11 +350,19 @@ def test_eos_and_max_new_tokens_stop_generation(target, greedy, tmp_path):
     decoder = _decoder(target, tmp_path)
     k = next(i for i in range(5, NEW_TOKENS) if greedy[i] not in greedy[:i])
     assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=greedy[k]).token_ids == greedy[:k + 1]
-    assert decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=[999, greedy[k]]).token_ids == greedy[:k + 1]
+    unused = next(t for t in range(target.config.vocab_size) if t not in greedy[:k + 1])
+    result = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=[unused, greedy[k]])
+    assert result.token_ids == greedy[:k + 1] and result.finish_reason == "stop"
     for n in (0, 1, 2, 7):
         result = decoder.generate(PROMPT, max_new_tokens=n)
         assert result.token_ids == greedy[:n] and result.stats.generated_tokens == n
+        assert result.finish_reason == "length"
     assert decoder.generate(PROMPT, max_new_tokens=1).stats.rounds == 0
+    # a callback returning True ends the output after the tokens it was given
+    chunks = []
+    result = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, on_tokens=lambda t: chunks.append(t) or len(chunks) == 2)
+    assert result.token_ids == chunks[0] + chunks[1] == greedy[:len(result.token_ids)]
+    assert result.finish_reason == "stop"
 
 
 def test_streaming_callback_and_sampled_reproducibility(target, tmp_path):
@@ -313,6 +386,14 @@ def test_bad_requests_raise_clear_errors(target, tmp_path):
         decoder.generate([])
     with pytest.raises(ValueError, match=r"generate: max_new_tokens must be in \[0, inf\], got -1"):
         decoder.generate(PROMPT, max_new_tokens=-1)
+    with pytest.raises(ValueError, match=r"generate: eos_token_id must be in \[0, 95\], got 96"):
+        decoder.generate(PROMPT, eos_token_id=96)
+    with pytest.raises(TypeError, match="generate: eos_token_id\\[\\] must be an int, got str"):
+        decoder.generate(PROMPT, eos_token_id=["2"])
+    with pytest.raises(TypeError, match="generate: on_tokens must be callable, got list"):
+        decoder.generate(PROMPT, on_tokens=[])
+    with pytest.raises(TypeError, match="generate: prompt_ids must be token ids, got str"):
+        decoder.generate("hello")
     with pytest.raises(ValueError, match="SamplingParams: top_p must be in"):
         SamplingParams(temperature=1.0, top_p=0.0)
     no_head = load_draft(write_tiny_draft(target, tmp_path / "nohead", format="speculators", confidence=False))
@@ -335,6 +416,7 @@ class MemoTarget:
     def __init__(self, model, capture_ids):
         self.model, self.capture_ids = model, capture_ids
         self.device, self.vocab_size = torch.device("cpu"), model.config.vocab_size
+        self.max_model_len = None  # no context limit
         self.memo, self.sequence = {}, ()
 
     @property

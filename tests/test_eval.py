@@ -61,12 +61,27 @@ def test_report_agrees_with_the_engine(pair):
     assert row["acceptance_per_position"] == engine.acceptance_per_position
     assert row["rounds"] == engine.rounds and row["tokens"] == engine.generated_tokens == report["plain"]["tokens"]
     assert row["identical"] == 3
-    assert row["speedup"] == pytest.approx(report["plain"]["time_s"] / row["time_s"])
+    assert row["speedup"] == pytest.approx(row["tokens_per_second"] / report["plain"]["tokens_per_second"])
     assert [r["rounds"] for r in row["per_prompt"]] == [len(s) for s in (decoder.generate(p, max_new_tokens=40).stats.accept_lengths for p in prompts)]
     assert all(r["identical"] for r in row["per_prompt"])
     assert row["tau"] > 1.5  # the trained draft is accepted beyond the bonus token
     table = format_table(report)
     assert "dspark" in table and f"{row['tau']:.2f}" in table and "3/3" in table
+
+
+def test_sampled_speedup_is_a_ratio_of_rates_and_zero_rounds_have_none(pair):
+    from dspark.engine import SamplingParams
+
+    target, tokenizer, draft = _load(pair)
+    prompts = [tokenizer("for i in", add_special_tokens=False)["input_ids"]]
+    report = evaluate(target, {"d": draft}, prompts, max_new_tokens=12, sampling=SamplingParams(1.0, seed=3))
+    row = report["drafts"][0]
+    assert row["speedup"] == pytest.approx(row["tokens_per_second"] / report["plain"]["tokens_per_second"])
+    assert row["per_prompt"][0]["speedup"] == pytest.approx(row["speedup"])
+    report = evaluate(target, {"d": draft}, prompts, max_new_tokens=1)
+    row = report["drafts"][0]
+    assert row["rounds"] == 0 and row["tau"] is None and row["speedup"] is None
+    assert format_table(report).splitlines()[4].split()[1:5] == ["-", "0", f"{row['tokens_per_second']:.1f}", "-"]
 
 
 def test_evaluate_rejects_bad_input(pair):
@@ -87,7 +102,11 @@ def test_eval_command(pair, tmp_path, capsys):
                               "--prompts", str(prompts), "--max-new-tokens", "16", "--device", "cpu",
                               "--json", str(tmp_path / "eval.json")])
     assert eval_cli.run(args) == 0
-    assert "acceptance per position" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "acceptance per position" in out.out and "dspark eval [" in out.err and "prompt 2/2" in out.err
+    args.quiet = True
+    assert eval_cli.run(args) == 0
+    assert "dspark eval [" not in capsys.readouterr().err
     args.per_prompt = True
     assert eval_cli.run(args) == 0
     assert "prompt 1" in capsys.readouterr().out
@@ -101,7 +120,15 @@ def test_eval_command(pair, tmp_path, capsys):
     args.draft = [str(draft_dir)]
     args.prompts = str(tmp_path / "missing.jsonl")
     assert eval_cli.run(args) == 2
-    assert "dspark eval: read_prompts" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "dspark eval: read_prompts: prompt file" in err and "missing.jsonl' not found" in err
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
+    args.prompts = str(tmp_path / "latin1.jsonl")
+    assert eval_cli.run(args) == 2
+    assert "latin1.jsonl:2 is not UTF-8 text" in capsys.readouterr().err
+    args.prompts, args.num_prompts = str(prompts), -1
+    assert eval_cli.run(args) == 2
+    assert "--num-prompts must be >= 0 (0 = all), got -1" in capsys.readouterr().err
 
 
 def _shipped_pair():

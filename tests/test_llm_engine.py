@@ -218,7 +218,7 @@ def test_requests_join_and_leave_between_steps(engine, greedy):
 
 def test_stop_ids_eos_and_max_new_tokens_end_each_request(engine, greedy):
     stop = greedy[0][4]
-    results = engine.generate([Request(PROMPTS[0], NEW, stop_token_ids=[stop]), Request(PROMPTS[2], 3),
+    results = engine.generate([Request(PROMPTS[0], NEW, stop_ids=[stop]), Request(PROMPTS[2], 3),
                                Request(PROMPTS[1], 0), Request(PROMPTS[3], NEW)])
     cut = greedy[0].index(stop) + 1
     assert results[0].token_ids == greedy[0][:cut] and results[0].finish_reason == "stop"
@@ -239,7 +239,7 @@ def test_context_limit_ends_with_length_and_long_prompts_are_refused(target, gre
         LLMEngine(target, None, EngineConfig(max_model_len=4000))
     with pytest.raises(ValueError, match=r"max_batch must be in \[1, inf\], got 0"):
         EngineConfig(max_batch=0)
-    with pytest.raises(TypeError, match="prompt_ids must be a non-empty list"):
+    with pytest.raises(TypeError, match="prompt_ids must be a non-empty sequence"):
         Request("hello")
     with pytest.raises(ValueError, match=r"max_new_tokens must be in \[0, inf\], got -1"):
         Request([1], -1)
@@ -263,7 +263,7 @@ def test_batched_sampled_tokens_follow_the_target_distribution():
     target = tiny_qwen3_target(vocab_size=vocab)
     draft = random_draft(tiny_draft_config(target.config, block_size=2), 0, target)
     engine = LLMEngine(target, draft, EngineConfig(max_batch=512))
-    requests = [Request(prompt, 3, SamplingParams(temperature=1.0, top_k=top_k, seed=s), stop_token_ids=[])
+    requests = [Request(prompt, 3, SamplingParams(temperature=1.0, top_k=top_k, seed=s), stop_ids=[])
                 for s in range(runs)]
     out = torch.tensor([r.token_ids for r in engine.generate(requests)])
 

@@ -151,8 +151,10 @@ def test_prompt_records(tmp_path):
     assert data.prompt_token_ids(tokenizer, records[1]) == tokenize(tokenizer, ["hello"])[0]  # no chat template
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<bot>"
     assert tokenizer.decode(data.prompt_token_ids(tokenizer, records[1])) == "<user>hello<bot>"
-    with pytest.raises(ValueError, match="read_prompts: prompts must be"):
+    with pytest.raises(ValueError, match="read_prompts: prompt file '.*none.jsonl' not found"):
         data.read_prompts(str(tmp_path / "none.jsonl"))
+    with pytest.raises(ValueError, match="read_prompts: prompts must be stdlib:<split> or a .jsonl file"):
+        data.read_prompts(str(tmp_path))
 
 
 def test_demo_pair_reports_what_is_missing(tmp_path):
@@ -485,3 +487,26 @@ def test_train_command(tmp_path, capsys):
                       device="cpu")
     assert train_cli.run(bad) == 2
     assert "dspark train: read_corpus" in capsys.readouterr().err
+
+
+def test_train_refuses_a_non_empty_output_unless_overwrite(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    assert train_cli.run(_train_args(output=str(tmp_path / "out"), device="cpu")) == 2
+    assert "exists and is not empty: pass --overwrite" in capsys.readouterr().err
+    status = train_cli.run(_train_args(output=str(tmp_path / "out" / "config.json"), device="cpu"))
+    assert status == 2 and "is a file, not a directory" in capsys.readouterr().err
+    # with --overwrite the output check passes and the next problem (the target "T") is reported
+    assert train_cli.run(_train_args(output=str(tmp_path / "out"), overwrite=True, device="cpu")) == 2
+    assert "load_target: target directory 'T' does not exist" in capsys.readouterr().err
+
+
+def test_optimize_logs_the_last_step_and_ends_the_bar_at_100_percent():
+    import io
+
+    weight = torch.nn.Parameter(torch.ones(()))
+    stream = io.StringIO()
+    losses = trainer.optimize([weight], lambda batch: ((weight - 3.0) ** 2, lambda: ""), torch.zeros(4, 2, dtype=torch.long),
+                              TrainOptions(steps=5, batch_size=2, log_every=2), device="cpu", stream=stream)
+    assert len(losses) == 4  # steps 1, 2, 4 and the last, 5
+    assert stream.getvalue().splitlines()[-1].startswith("train [####################] 100% step 5 loss")

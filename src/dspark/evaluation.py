@@ -4,19 +4,22 @@ For every prompt, plain target decoding (``engine.autoregressive_generate``) and
 decoding with each draft (``engine.SpeculativeDecoder``) run back to back on the same target, so
 all timings see the same machine state. Per draft, the prompts' ``GenerationStats`` are merged
 (rounds concatenated, times summed) and the engine's own statistics give τ (mean accepted length,
-bonus included) and the conditional acceptance of each draft position; the speedup is the plain
-decoding time over the speculative time, totalled over the prompts. Greedy outputs are compared with
+bonus included) and the conditional acceptance of each draft position; the speedup is the ratio of
+the rates, speculative tokens per second over plain decoding's, totalled over the prompts (a ratio
+of times would be wrong when sampled outputs differ in length). Without a drafting round (one
+generated token or none) τ and the speedup are undefined: None. Greedy outputs are compared with
 plain decoding's token for token (they must be identical: verification is lossless).
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Callable
 
 from .engine import GenerationStats, SamplingParams, SpeculativeDecoder, autoregressive_generate
 from .kernels._validate import Checker
 
-__all__ = ["merge_stats", "warm_up", "evaluate", "format_table", "format_per_prompt"]
+__all__ = ["merge_stats", "speedup", "warm_up", "evaluate", "format_table", "format_per_prompt"]
 
 _WARMUP_TOKENS = 8
 
@@ -35,6 +38,13 @@ def merge_stats(stats: list[GenerationStats]) -> GenerationStats:
     return merged
 
 
+def speedup(stats: GenerationStats, plain: GenerationStats) -> float | None:
+    """Speculative over plain tokens per second; None without a drafting round or a measured rate."""
+    if stats.rounds == 0 or stats.tokens_per_second == 0 or plain.tokens_per_second == 0:
+        return None
+    return stats.tokens_per_second / plain.tokens_per_second
+
+
 def warm_up(decoders: list[SpeculativeDecoder], prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
     """Run each decoder, then plain decoding of their target, for a few tokens, before anything is timed:
     first calls pay one-off costs (thread pools, allocations, kernel compilation and selection)."""
@@ -44,12 +54,14 @@ def warm_up(decoders: list[SpeculativeDecoder], prompt_ids, sampling: SamplingPa
 
 
 def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: int = 128,
-             sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0) -> dict:
+             sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0,
+             progress: Callable[[int, int], None] | None = None) -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
     ``tokens``, ``time_s`` (with its draft / verify split), ``tokens_per_second``, ``speedup`` and
-    ``identical`` (prompts whose output equals plain decoding; None when sampling)."""
+    ``identical`` (prompts whose output equals plain decoding; None when sampling).
+    ``progress(done, total)`` is called after each prompt."""
     c = Checker("evaluate")
     if not drafts:
         c.fail("drafts must name at least one draft model")
@@ -61,10 +73,12 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     warm_up(list(decoders.values()), prompts[0], sampling)
 
     plain, runs = [], {name: [] for name in decoders}
-    for ids in prompts:
+    for done, ids in enumerate(prompts, start=1):
         plain.append(autoregressive_generate(plain_target, ids, max_new_tokens=max_new_tokens, sampling=sampling))
         for name, decoder in decoders.items():
             runs[name].append(decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling))
+        if progress is not None:
+            progress(done, len(prompts))
     plain_stats = merge_stats([r.stats for r in plain])
     report = {
         "prompts": len(prompts),
@@ -80,14 +94,14 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
         identical = None if not sampling.greedy else sum(r.token_ids == p.token_ids for r, p in zip(results, plain))
         report["drafts"].append({
             "name": name,
-            "tau": stats.mean_accepted_length,
+            "tau": stats.mean_accepted_length if stats.rounds else None,
             "acceptance_per_position": stats.acceptance_per_position,
             "rounds": stats.rounds,
-            "mean_scheduled_length": sum(stats.scheduled_lengths) / max(stats.rounds, 1),
+            "mean_scheduled_length": sum(stats.scheduled_lengths) / stats.rounds if stats.rounds else None,
             **_timing(stats),
             "draft_time_s": stats.draft_time,
             "verify_time_s": stats.verify_time,
-            "speedup": plain_stats.total_time / max(stats.total_time, 1e-12),
+            "speedup": speedup(stats, plain_stats),
             "identical": identical,
             "per_prompt": [_prompt_row(r, p, sampling) for r, p in zip(results, plain)],
         })
@@ -96,8 +110,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
 
 def _prompt_row(result, plain, sampling: SamplingParams) -> dict:
     """One prompt's τ, speedup over its own plain decoding, and (greedy) whether the outputs agree."""
-    return {"tau": result.stats.mean_accepted_length, "rounds": result.stats.rounds,
-            "speedup": plain.stats.total_time / max(result.stats.total_time, 1e-12),
+    return {"tau": result.stats.mean_accepted_length if result.stats.rounds else None, "rounds": result.stats.rounds,
+            "speedup": speedup(result.stats, plain.stats),
             "identical": None if not sampling.greedy else result.token_ids == plain.token_ids}
 
 
@@ -116,8 +130,8 @@ def format_table(report: dict) -> str:
              f"{'draft':<24} {'tau':>6} {'rounds':>7} {'tok/s':>8} {'speedup':>8} {'identical':>10}"]
     for d in report["drafts"]:
         same = "-" if d["identical"] is None else f"{d['identical']}/{report['prompts']}"
-        lines.append(f"{_short(d['name']):<24} {d['tau']:6.2f} {d['rounds']:7d} {d['tokens_per_second']:8.1f} "
-                     f"{d['speedup']:7.2f}x {same:>10}")
+        lines.append(f"{_short(d['name']):<24} {_cell(d['tau'], 6)} {d['rounds']:7d} {d['tokens_per_second']:8.1f} "
+                     f"{_cell(d['speedup'], 7, 'x')} {same:>10}")
     positions = len(report["drafts"][0]["acceptance_per_position"])
     lines += ["", f"{'acceptance per position':<24} " + " ".join(f"{k:>5}" for k in range(1, positions + 1))]
     for d in report["drafts"]:
@@ -132,9 +146,15 @@ def format_per_prompt(report: dict, labels: list[str]) -> str:
     lines = [f"{'prompt':<32} " + " ".join(f"{_short(d['name'], 20):>20}" for d in drafts),
              f"{'':<32} " + " ".join(f"{'tau  speedup':>20}" for _ in drafts)]
     for i, label in enumerate(labels):
-        cells = (f"{d['per_prompt'][i]['tau']:6.2f} {d['per_prompt'][i]['speedup']:7.2f}x" for d in drafts)
+        cells = (f"{_cell(d['per_prompt'][i]['tau'], 6)} {_cell(d['per_prompt'][i]['speedup'], 7, 'x')}"
+                 for d in drafts)
         lines.append(f"{_short(label, 32):<32} " + " ".join(f"{c:>20}" for c in cells))
     return "\n".join(lines)
+
+
+def _cell(value: float | None, width: int, unit: str = "") -> str:
+    """``value`` to 2 decimals in ``width`` characters plus ``unit``; ``-`` when undefined."""
+    return "-".rjust(width) + " " * len(unit) if value is None else f"{value:{width}.2f}{unit}"
 
 
 def _short(name: str, width: int = 24) -> str:

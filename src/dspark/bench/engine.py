@@ -114,7 +114,7 @@ def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
     from ..engine import Request
 
     def requests():
-        return [Request(p, new_tokens, stop_token_ids=[], ignore_eos=True,
+        return [Request(p, new_tokens, stop_ids=[], ignore_eos=True,
                         oracle_ids=None if oracle is None else oracle[i]) for i, p in enumerate(prompts)]
 
     engine.generate(requests())
@@ -145,7 +145,7 @@ def breakdown(engine, prompts, oracle) -> dict:
 
     runner = engine.runner
     for i, p in enumerate(prompts):
-        engine.add_request(Request(p, 64, stop_token_ids=[], ignore_eos=True, oracle_ids=oracle[i]))
+        engine.add_request(Request(p, 64, stop_ids=[], ignore_eos=True, oracle_ids=oracle[i]))
     engine.step()  # prefill + first round: rows hold a real state
     rows = len(engine.running)
     b, s, t = runner.bucket(rows), runner.state, runner.verify_len

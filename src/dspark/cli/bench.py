@@ -1,15 +1,20 @@
-"""Run the H200 kernel benchmarks and write JSON (same as ``python -m dspark.bench``)."""
+"""Run the H200 kernel benchmarks and write JSON (same as ``python -m dspark.bench``; its options pass through).
+
+``dspark bench --help`` shows them: --out FILE, --family greedy|sampling, --quick.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+PASSTHROUGH = True  # every argument goes to python -m dspark.bench unparsed
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of python -m dspark.bench")
+    pass
 
 
 def run(args: argparse.Namespace) -> int:
     from dspark.bench.__main__ import main
 
-    return main(args.bench_args)
+    return main(args.passthrough)

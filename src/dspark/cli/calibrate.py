@@ -12,11 +12,11 @@ which the engine applies them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
-from ._runtime import add_runtime_arguments, runtime
-from .train import load_target
+from ._runtime import add_runtime_arguments, load_target, progress_bar, runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,17 +43,25 @@ def run(args: argparse.Namespace) -> int:
         if args.num_prompts < 2:
             raise ValueError(f"--num-prompts must be >= 2 (half fit, half report), got {args.num_prompts}")
         device, dtype = runtime(args)
-        target, tokenizer = load_target(args.target, device, dtype)
+        target, tokenizer = load_target(args, device, dtype)
         draft = load_draft(args.draft, target=target, device=device, dtype=dtype)
         if draft.confidence_head is None:
             raise ValueError(f"the draft in {args.draft} has no confidence head to calibrate")
         rows = pack_sequences(tokenize(tokenizer, read_corpus(args.data)), args.prompt_tokens, tokenizer.eos_token_id)
         pick = torch.linspace(0, rows.shape[0] - 1, min(args.num_prompts, rows.shape[0])).long().unique()
         prompts = rows[pick].to(device)
-        gather = dict(new_tokens=args.new_tokens, batch_size=args.batch_size)
-        # alternate prompts between the halves: neighbouring rows come from the same files
-        fit_rounds = collect_rounds(target, draft, prompts[0::2], **gather)
-        test_rounds = collect_rounds(target, draft, prompts[1::2], **gather)
+        bar = progress_bar(args, "dspark calibrate")
+        halves = (prompts[0::2], prompts[1::2])  # alternate prompts: neighbouring rows come from the same files
+        total, batches = sum(-(-h.shape[0] // args.batch_size) for h in halves), itertools.count(1)
+
+        def advance():
+            done = next(batches)
+            bar.update(done / total, f"batch {done}/{total}")
+
+        gather = dict(new_tokens=args.new_tokens, batch_size=args.batch_size, progress=None if bar is None else advance)
+        fit_rounds, test_rounds = (collect_rounds(target, draft, half, **gather) for half in halves)
+        if bar is not None:
+            bar.close()
         temperatures = fit_sts(fit_rounds, bins=args.bins)
         report = calibration_report(test_rounds, temperatures, args.bins)
         file = save_calibration(args.draft, temperatures, report)

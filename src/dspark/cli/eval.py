@@ -1,10 +1,13 @@
 """Evaluate DSpark drafts: tau, per-position acceptance and speedup over plain decoding.
 
 Runs plain target decoding and speculative decoding with each --draft on every prompt (back to back,
-same target), prints a table and optionally writes the report as JSON. Prompts: held-out standard
-library files (stdlib:test), the demo pair's prompts.jsonl, or an evaluation JSON Lines file such as
-../shared/data/eval/*.jsonl ({"turns": [...]}: the first turn, through the chat template).
-Greedy runs check that every output equals plain decoding (exit status 1 otherwise).
+same target), prints a table and optionally writes the report as JSON. tau is the mean number of
+tokens a verification round produces (accepted drafts + the target's own bonus token); the speedup
+is speculative tokens/s over plain tokens/s. Prompts: held-out standard library files
+(stdlib:test), the demo pair's held-out prompts (src/dspark/data/demo/prompts.jsonl, next to its
+target/ and draft/ directories), or any JSON Lines file of {"text": ...} or {"turns": [...]} records
+(the first turn, through the chat template). Greedy runs check that every output equals plain
+decoding (exit status 1 otherwise).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import argparse
 import json
 import sys
 
-from ._runtime import add_runtime_arguments, mismatch_status, runtime
-from .train import load_target
+from ._runtime import (add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
+                       load_target, mismatch_status, progress_bar, runtime, sampling_params)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,20 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", required=True, nargs="+", help="one or more DSpark draft directories")
     parser.add_argument("--prompts", default="stdlib:test", help="stdlib:<split> or a JSON Lines prompt file")
     parser.add_argument("--num-prompts", type=int, default=16, help="use the first N prompts (0 = all)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--scheduler", choices=("off", "threshold", "sps"), default="off")
-    parser.add_argument("--threshold", type=float, default=0.0)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
+    add_sampling_arguments(parser)
+    add_scheduler_arguments(parser)
     parser.add_argument("--per-prompt", action="store_true", help="also print each prompt's tau and speedup")
     parser.add_argument("--json", default=None, help="write the report to this JSON file")
     add_runtime_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark.engine import SamplingParams
     from dspark.evaluation import evaluate, format_per_prompt, format_table
     from dspark.model import load_draft
     from dspark.training.data import prompt_token_ids, read_prompts
@@ -43,15 +41,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         if len(set(args.draft)) != len(args.draft):
             raise ValueError(f"--draft names a directory twice: {args.draft}")
-        device, dtype = runtime(args)
-        target, tokenizer = load_target(args.target, device, dtype)
-        drafts = {path: load_draft(path, target=target, device=device, dtype=dtype) for path in args.draft}
+        if args.num_prompts < 0:
+            raise ValueError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
+        check_scheduler_arguments(args)
+        sampling = sampling_params(args, "eval")
         records = read_prompts(args.prompts)
         records = records[: args.num_prompts] if args.num_prompts else records
+        device, dtype = runtime(args)
+        target, tokenizer = load_target(args, device, dtype)
+        drafts = {path: load_draft(path, target=target, device=device, dtype=dtype) for path in args.draft}
         prompts = [prompt_token_ids(tokenizer, r) for r in records]
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        bar = progress_bar(args, "dspark eval")
         report = evaluate(target, drafts, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          scheduler=args.scheduler, threshold=args.threshold)
+                          scheduler=args.scheduler, threshold=args.threshold,
+                          progress=None if bar is None else lambda done, total: bar.update(
+                              done / total, f"prompt {done}/{total}"))
+        if bar is not None:
+            bar.close()
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark eval: {exc}", file=sys.stderr)
         return 2

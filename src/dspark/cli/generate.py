@@ -1,21 +1,29 @@
 """Generate text with DSpark speculative decoding (target + draft checkpoint directories).
 
-Streams the text (or the token ids, when the target has no tokenizer) as rounds are accepted, then
-prints the statistics. ``--compare`` also runs plain target decoding and prints the speedup; in
-greedy mode it checks that both outputs are identical (exit status 1 otherwise in float32; in
-bfloat16/float16 a difference is reported as rounding). ``--json`` prints
-one JSON object instead.
+Prints the prompt and streams the continuation as rounds are accepted (token ids when the target
+has no tokenizer; the prompt's ids in brackets), then the statistics: tau = tokens produced per
+verification round (accepted drafts + the target's own bonus token), mean verified drafts = drafts
+the scheduler sent to verification per round. Without --target/--draft the demo pair shipped with
+the package runs. Prompts: --prompt, --prompt-ids or --prompt-file (a text file is one prompt, - reads
+stdin, a .jsonl file holds one request per line: {"prompt": TEXT} or {"prompt_ids": [...]}, optionally
+with max_new_tokens, temperature, top_k, top_p, seed). The output ends after the target's EOS
+(unless --ignore-eos), before a --stop string, at --max-new-tokens or at the context limit
+(--max-model-len; an over-long prompt is refused). --compare also runs plain target decoding and
+prints the speedup (ratio of tokens/s); in greedy mode it checks that both outputs are identical
+(exit status 1 otherwise in float32; in bfloat16/float16 a difference is reported as rounding).
+--json prints one JSON object per request per line, in input order. Ctrl-C prints the statistics so
+far and exits with status 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from ._runtime import add_runtime_arguments, mismatch_status, runtime
-
+from ._prompts import read_prompt_file
+from ._runtime import (add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
+                       mismatch_status, runtime, sampling_params)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,60 +34,117 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer; "
                                          "default with the demo pair: the start of a held-out file)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off; 1 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling uniforms")
-    parser.add_argument("--scheduler", choices=("off", "threshold", "sps"), default="off")
-    parser.add_argument("--threshold", type=float, default=0.0,
-                        help="threshold scheduler: minimum prefix survival; sps: survival floor")
+    prompt.add_argument("--prompt-file", metavar="FILE",
+                        help="a text file (one prompt; - reads stdin) or a .jsonl file of requests")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per request")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit, prompt + output (default: the target's max_position_embeddings)")
+    parser.add_argument("--stop", action="append", metavar="TEXT",
+                        help="end the output before this text (repeatable; needs the tokenizer)")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence token")
+    add_sampling_arguments(parser)
+    add_scheduler_arguments(parser)
     add_runtime_arguments(parser)
+    parser.add_argument("--engine", choices=("auto", "batched", "reference"), default="auto",
+                        help="batched: the LLMEngine (all requests together; CUDA graphs on a GPU); reference: the "
+                             "single-request loop over the Hugging Face model; auto: batched on CUDA, else reference")
+    parser.add_argument("--max-batch", type=int, default=64, help="batched engine: requests decoded together")
     parser.add_argument("--compare", action="store_true", help="also run plain target decoding and report the speedup")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark.engine import SamplingParams, SpeculativeDecoder, autoregressive_generate
+    from dspark.engine import GenerationInterrupted, generate_texts
     from dspark.evaluation import warm_up
 
-    device, dtype = runtime(args)
     try:
-        _use_demo_pair_by_default(args)
-    except ValueError as exc:
-        print(f"dspark generate: {exc}", file=sys.stderr)
-        return 2
-    tokenizer = _tokenizer(args.target)
-    stream = None if args.json else _Printer(tokenizer)
-    try:
-        prompt_ids = _prompt_ids(args, tokenizer)
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-        decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, device=device, dtype=dtype,
-                                                     scheduler=args.scheduler, threshold=args.threshold)
+        decoder, tokenizer, requests, dtype = _prepare(args)
+        printer = None if args.json or len(requests) > 1 else _Printer(tokenizer, requests[0].prompt_ids)
         if args.compare:  # time both paths warm, or the first one pays the process's one-off costs
-            warm_up([decoder], prompt_ids, sampling)
-        result = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                  on_tokens=stream)
+            _warm_up(decoder, requests[0], warm_up)
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark generate: {exc}", file=sys.stderr)
         return 2
-    report = {"prompt_ids": prompt_ids, "generated_ids": result.token_ids,
-              "text": _decode(tokenizer, result.token_ids), "stats": result.stats.as_dict()}
-    status = 0
-    if args.compare:
-        baseline = autoregressive_generate(decoder.target, prompt_ids, max_new_tokens=args.max_new_tokens,
-                                           sampling=sampling)
-        report["baseline"] = {"generated_ids": baseline.token_ids, "stats": baseline.stats.as_dict()}
-        report["speedup"] = round(baseline.stats.total_time / max(result.stats.total_time, 1e-12), 3)
-        if sampling.greedy:
-            report["identical"] = baseline.token_ids == result.token_ids
-            status = 0 if report["identical"] else mismatch_status(dtype, "this prompt", "generate")
+    stream = {} if printer is None else {"on_text": printer.text} if tokenizer is not None else {"on_tokens": printer.ids}
+    try:
+        results = generate_texts(decoder, requests, tokenizer, stop=args.stop or (), **stream)
+    except GenerationInterrupted as exc:
+        return _interrupted(exc.results)
+    try:
+        baselines = [_baseline(decoder, r, tokenizer, args.stop) for r in requests] if args.compare else None
+    except GenerationInterrupted:
+        return _interrupted(results)
+    reports = [_report(r, result, None if baselines is None else baselines[i]) for i, (r, result) in
+               enumerate(zip(requests, results))]
     if args.json:
-        print(json.dumps(report))
+        for report in reports:
+            print(json.dumps(report))
     else:
+        if printer is None:
+            for i, (request, result) in enumerate(zip(requests, results)):
+                _print_result(i, tokenizer, request, result)
         print()
-        _print_summary(report)
-    return status
+        _print_summary(_summary(results, baselines, [r.sampling.greedy for r in requests]))
+    differ = [i for i, report in enumerate(reports) if report.get("identical") is False]
+    if not differ:
+        return 0
+    return mismatch_status(dtype, "this prompt" if len(reports) == 1 else f"request(s) {differ}", "generate")
+
+
+def _prepare(args: argparse.Namespace):
+    """``(decoder, tokenizer, requests, dtype)``: options checked, models loaded, every request
+    built and checked against the target (an over-long prompt is refused before anything runs)."""
+    from dspark.engine import SpeculativeDecoder, check_target_directory, load_tokenizer
+    from dspark.engine.decoder import check_prompt
+
+    check_scheduler_arguments(args)
+    sampling = sampling_params(args, "generate")
+    device, dtype = runtime(args)
+    _use_demo_pair_by_default(args)
+    check_target_directory(args.target)
+    tokenizer = load_tokenizer(args.target)
+    if args.stop and tokenizer is None:
+        raise ValueError(f"--stop needs the target's tokenizer, but {args.target} has none")
+    records = _prompt_records(args)
+    requests = [_request(args, tokenizer, sampling, where, record) for where, record in records]
+    if _batched(args, device):
+        from dspark.engine import EngineConfig, LLMEngine
+
+        if args.allow_pickle:
+            raise ValueError("--allow-pickle needs --engine reference (the batched engine reads safetensors only)")
+        if args.max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+        config = EngineConfig(max_batch=min(args.max_batch, len(requests)), max_model_len=args.max_model_len,
+                              scheduler=args.scheduler, threshold=args.threshold, device=device, dtype=dtype)
+        decoder = LLMEngine(args.target, args.draft, config)
+        for (where, _), request in zip(records, requests):
+            _named(where, decoder.check_request, request)
+        return decoder, tokenizer, requests, dtype
+    decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, device=device, dtype=dtype,
+                                                 max_model_len=args.max_model_len, allow_pickle=args.allow_pickle,
+                                                 scheduler=args.scheduler, threshold=args.threshold)
+    for (where, _), request in zip(records, requests):
+        _named(where, check_prompt, decoder.target, request.prompt_ids)
+    return decoder, tokenizer, requests, dtype
+
+
+def _batched(args: argparse.Namespace, device) -> bool:
+    """Which engine runs: ``--engine``, or for ``auto`` the batched one on CUDA."""
+    return args.engine == "batched" or args.engine == "auto" and device.type == "cuda"
+
+
+def _warm_up(decoder, request, warm_up) -> None:
+    """A few tokens through both paths before anything is timed (one-off costs: kernels, graphs)."""
+    from dataclasses import replace
+
+    from dspark.engine import SpeculativeDecoder
+
+    if isinstance(decoder, SpeculativeDecoder):
+        warm_up([decoder], request.prompt_ids, request.sampling)
+        return
+    short = replace(request, max_new_tokens=8)
+    decoder.generate_requests([short])
+    decoder.plain().generate_requests([short])
 
 
 # The demo pair's default prompt: the held-out file whose τ (2.37) is nearest the whole held-out set's
@@ -92,80 +157,162 @@ def _use_demo_pair_by_default(args: argparse.Namespace) -> None:
     prompt is given) with the start of the held-out file ``DEMO_PROMPT_FILE``. Both or neither must be given."""
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft must be given together (or neither, for the demo pair)")
+    no_prompt = args.prompt is None and args.prompt_ids is None and args.prompt_file is None
     if args.target is None:
         from dspark.training.data import demo_pair, read_prompts
 
         pair = demo_pair()
         args.target, args.draft = str(pair.target), str(pair.draft)
-        if args.prompt is None and args.prompt_ids is None:
+        if no_prompt:
             records = read_prompts(str(pair.prompts))
             args.prompt = next((r for r in records if r.get("file") == DEMO_PROMPT_FILE), records[0])["text"]
-    elif args.prompt is None and args.prompt_ids is None:
-        raise ValueError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
+    elif no_prompt:
+        raise ValueError("give a prompt: --prompt TEXT, --prompt-ids 1,2,3 or --prompt-file FILE")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _tokenizer(path: str):
-    """The target directory's tokenizer, or None when it has none (then ids are printed)."""
-    # transformers builds an empty tokenizer for a directory without tokenizer files: look first.
-    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-
-
-def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
+def _prompt_records(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """``(where, record)`` per request (see ``_prompts.read_prompt_file``)."""
+    if args.prompt_file is not None:
+        return read_prompt_file(args.prompt_file)
     if args.prompt_ids is not None:
         try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            return [("--prompt-ids", {"prompt_ids": [int(t) for t in args.prompt_ids.split(",") if t.strip()]})]
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    if tokenizer is None:
-        raise ValueError(f"--prompt needs a tokenizer, but {args.target} has none; pass --prompt-ids instead")
-    return tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    return [("--prompt", {"prompt": args.prompt})]
 
 
-def _decode(tokenizer, ids: list[int]) -> str | None:
-    return None if tokenizer is None else tokenizer.decode(ids)
+def _request(args: argparse.Namespace, tokenizer, sampling, where: str, record: dict):
+    """The ``Request`` of one prompt record, its overrides applied; errors name ``where``."""
+    from dataclasses import replace
+
+    from dspark.engine import Request, encode_prompts
+
+    if "prompt" in record and tokenizer is None:
+        raise ValueError(f"{where}: a text prompt needs the target's tokenizer, but {args.target} has none; "
+                         f"give token ids instead (--prompt-ids, or prompt_ids in a .jsonl file)")
+    ids = _named(where, encode_prompts, record["prompt"], tokenizer, name=where)[0][0] if "prompt" in record else \
+        record["prompt_ids"]
+    overrides = {k: record[k] for k in ("temperature", "top_k", "top_p", "seed") if k in record}
+    return _named(where, lambda: Request(ids, record.get("max_new_tokens", args.max_new_tokens),
+                                         replace(sampling, **overrides), ignore_eos=args.ignore_eos))
+
+
+def _named(where: str, function, *args, **kwargs):
+    """``function(*args, **kwargs)``, its ValueError / TypeError prefixed with ``where`` (a file and line)."""
+    try:
+        return function(*args, **kwargs)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        raise type(exc)(message if message.startswith(where) else f"{where}: {message}") from None
+
+
+def _baseline(decoder, request, tokenizer, stop):
+    """Plain target decoding of ``request`` under the same stopping rules (stop strings included)."""
+    from dspark.engine import TextStream, autoregressive_generate
+
+    from dspark.engine import SpeculativeDecoder
+    from dspark.engine.decoder import end_ids
+
+    text = None if tokenizer is None or not stop else TextStream(tokenizer, request.prompt_ids, stop)
+    if not isinstance(decoder, SpeculativeDecoder):  # the batched engine: plain decoding on its own runner
+        stream = None if text is None else (lambda _i, tokens: text.add(tokens))
+        result = decoder.plain().generate_requests([request], on_tokens=stream)[0]
+    else:
+        result = autoregressive_generate(decoder.target, request.prompt_ids, max_new_tokens=request.max_new_tokens,
+                                         sampling=request.sampling, eos_token_id=end_ids(request, decoder.target),
+                                         on_tokens=None if text is None else text.add)
+    if text is not None:
+        text.finish(result)
+    return result
+
+
+def _report(request, result, baseline) -> dict:
+    """One request's JSON object."""
+    from dspark.evaluation import speedup
+
+    report = {"prompt_ids": list(request.prompt_ids), "generated_ids": result.token_ids, "text": result.text,
+              "finish_reason": result.finish_reason, "stats": result.stats.as_dict()}
+    if baseline is not None:
+        report["baseline"] = {"generated_ids": baseline.token_ids, "finish_reason": baseline.finish_reason,
+                              "stats": baseline.stats.as_dict()}
+        report["speedup"] = _rounded(speedup(result.stats, baseline.stats))
+        if request.sampling.greedy:
+            report["identical"] = baseline.token_ids == result.token_ids
+    return report
+
+
+def _summary(results, baselines, greedy: list[bool]) -> dict:
+    """The statistics of all requests together, with their speedup over plain decoding."""
+    from dspark.evaluation import merge_stats, speedup
+
+    stats = merge_stats([r.stats for r in results])
+    summary = {"requests": len(results), "stats": stats.as_dict()}
+    if baselines is not None:
+        plain = merge_stats([b.stats for b in baselines])
+        summary.update(baseline={"stats": plain.as_dict()}, speedup=_rounded(speedup(stats, plain)))
+        if all(greedy):
+            summary["identical"] = all(r.token_ids == b.token_ids for r, b in zip(results, baselines))
+    return summary
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _interrupted(results) -> int:
+    """Ctrl-C: the statistics of what was generated, on stderr; exit status 130."""
+    print(f"\ndspark generate: interrupted; statistics so far ({len(results)} request(s)):", file=sys.stderr)
+    _print_summary(_summary(results, None, []), file=sys.stderr)
+    return 130
 
 
 class _Printer:
-    """Streams accepted tokens: text as it becomes complete (held back while a multi-byte character is
-    cut), or the ids when there is no tokenizer."""
+    """Prints the prompt, then streams the continuation: text as it becomes final, or the ids
+    (the prompt's in brackets) when there is no tokenizer."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
-
-    def __call__(self, tokens: list[int]) -> None:
-        self.ids.extend(tokens)
-        if self.tokenizer is None:
-            print(" ".join(map(str, tokens)), end=" ", flush=True)
+    def __init__(self, tokenizer, prompt_ids):
+        if tokenizer is None:
+            print(f"[{' '.join(map(str, prompt_ids))}]", end=" ", flush=True)
             return
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):
-            print(text[len(self.printed):], end="", flush=True)
-            self.printed = text
+        prompt = tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+        dim = sys.stdout.isatty()  # the prompt dimmed on a terminal, so the continuation stands out
+        print(f"\x1b[2m{prompt}\x1b[0m" if dim else prompt, end="", flush=True)
+
+    def text(self, _index: int, text: str) -> None:
+        print(text, end="", flush=True)
+
+    def ids(self, _index: int, tokens: list[int]) -> None:
+        print(" ".join(map(str, tokens)), end=" ", flush=True)
 
 
-def _print_summary(report: dict) -> None:
-    stats = report["stats"]
-    per_position = " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_per_position"])
-    print(f"generated {stats['generated_tokens']} tokens in {stats['rounds']} rounds, "
-          f"tau = {stats['mean_accepted_length']:.2f} (bonus included), "
-          f"mean verified drafts {stats['mean_scheduled_length']:.2f}")
-    print(f"acceptance per position: {per_position}")
+def _print_result(index: int, tokenizer, request, result) -> None:
+    print(f"--- request {index}: {len(result.token_ids)} tokens, finish reason {result.finish_reason}")
+    if tokenizer is None:
+        print(f"[{' '.join(map(str, request.prompt_ids))}] {' '.join(map(str, result.token_ids))}")
+    else:
+        print(tokenizer.decode(list(request.prompt_ids), skip_special_tokens=True) + result.text)
+
+
+def _print_summary(summary: dict, file=None) -> None:
+    file = sys.stdout if file is None else file
+    stats = summary["stats"]
+    if stats["rounds"]:
+        per_position = " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_per_position"])
+        print(f"generated {stats['generated_tokens']} tokens in {stats['rounds']} rounds, "
+              f"tau = {stats['mean_accepted_length']:.2f} tokens per round (accepted drafts + 1 bonus token), "
+              f"mean verified drafts {stats['mean_scheduled_length']:.2f}", file=file)
+        print(f"acceptance per position: {per_position}", file=file)
+    else:
+        print(f"generated {stats['generated_tokens']} tokens, all from the prefill: no drafting round, "
+              f"so no tau or acceptance", file=file)
     print(f"time: prefill {stats['prefill_time_s']:.3f} s, draft {stats['draft_time_s']:.3f} s, "
           f"verify {stats['verify_time_s']:.3f} s, total {stats['total_time_s']:.3f} s, "
-          f"{stats['tokens_per_second']:.1f} tokens/s")
-    if "baseline" in report:
-        base = report["baseline"]["stats"]
-        line = f"plain target decoding: {base['tokens_per_second']:.1f} tokens/s, speedup {report['speedup']:.2f}x"
-        if "identical" in report:
-            line += ", outputs identical" if report["identical"] else ", OUTPUTS DIFFER"
-        print(line)
+          f"{stats['tokens_per_second']:.1f} tokens/s", file=file)
+    if "baseline" in summary:
+        base = summary["baseline"]["stats"]
+        ratio = "-" if summary["speedup"] is None else f"{summary['speedup']:.2f}x"
+        line = f"plain target decoding: {base['tokens_per_second']:.1f} tokens/s, speedup {ratio} (ratio of tokens/s)"
+        if "identical" in summary:
+            line += ", outputs identical" if summary["identical"] else ", OUTPUTS DIFFER"
+        print(line, file=file)

@@ -13,9 +13,11 @@ shards the draft with FSDP2).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
-from ._runtime import DTYPES, add_runtime_arguments, runtime
+from ._runtime import DTYPES, add_runtime_arguments, load_target, runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True,
                         help="corpus: stdlib:train|valid|test, a text file, a directory, or a .jsonl file")
     parser.add_argument("--output", required=True, help="draft checkpoint directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="write into --output even if it is not empty")
     model = parser.add_argument_group("draft model")
-    model.add_argument("--block-size", type=int, default=7)
+    model.add_argument("--block-size", type=int, default=7, help="tokens per draft block (the anchor + block-1 drafts)")
     model.add_argument("--layers", type=int, default=1, help="draft decoder layers")
     model.add_argument("--markov-rank", type=int, default=64, help="0 = DFlash ablation (no Markov head)")
     model.add_argument("--head-type", choices=("vanilla", "gated", "rnn"), default="vanilla", help="Markov head type")
@@ -37,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--capture-layers", default=None,
                        help="target hidden_states indices, comma-separated (default: speculators' [2, L//2, L-3])")
     model.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token, ...")
-    model.add_argument("--layer-type", choices=("full_attention", "sliding_attention"), default="full_attention")
+    model.add_argument("--layer-type", choices=("full_attention", "sliding_attention"), default="full_attention", help="attention of the draft layers")
     model.add_argument("--sliding-window", type=int, default=2048, help="context window of sliding layers")
     model.add_argument("--no-sample-from-anchor", action="store_true", help="DFlash convention: slot 0 drafts nothing")
     train = parser.add_argument_group("training")
@@ -49,16 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="add N rows in the target's own words: a corpus row's first quarter + the target's "
                             "greedy continuation (the paper trains on target-regenerated text)")
     train.add_argument("--regenerate-batch", type=int, default=256, help="rows generated at once")
-    train.add_argument("--steps", type=int, default=2000)
+    train.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     train.add_argument("--batch-size", type=int, default=16, help="rows per step")
     train.add_argument("--anchors", type=int, default=64, help="blocks per row")
-    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     train.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the run")
-    train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     train.add_argument("--gamma", type=float, default=4.0, help="position weight decay exp(-k/gamma)")
     train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
-    train.add_argument("--save-every", type=int, default=500)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--save-every", type=int, default=500, help="write a checkpoint every N steps (0 = only at the end)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the data order, anchors and initialisation")
     train.add_argument("--resume", action="store_true",
                        help="continue the run saved in --output (weights, optimizer, data position; same options)")
     parallel = parser.add_argument_group("data parallel (under torchrun)")
@@ -70,15 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-dtype", choices=DTYPES[1:], default="bfloat16", help="dtype of the saved weights")
 
 
-def load_target(path: str, device, dtype):
-    """``(model, tokenizer)`` of a Hugging Face causal LM directory, the model frozen on ``device``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
-    return model, tokenizer
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -88,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     world = SINGLE
     try:
+        _check_output(args)
         device, dtype = runtime(args)
         world, device = init_world(device, args.dist_timeout)
         if args.fsdp and not world.distributed:
@@ -96,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         if args.batch_size % world.world_size:
             raise ValueError(f"--batch-size (the global batch) must be a multiple of the {world.world_size} "
                              f"processes, got {args.batch_size}")
-        target, tokenizer = load_target(args.target, device, dtype)
+        target, tokenizer = load_target(args, device, dtype)
         texts = read_corpus(args.data)
         texts = texts[: args.max_docs] if args.max_docs else texts
         if tokenizer.eos_token_id is None:
@@ -133,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                                     confidence_backprop=args.confidence_backprop,
                                     greedy_confidence=args.confidence_target == "greedy", output=args.output,
                                     save_dtype=getattr(torch, args.save_dtype), world=world, fsdp=args.fsdp,
-                                    resume=args.resume)
+                                    resume=args.resume,
+                                    stream=open(os.devnull, "w") if args.quiet and world.is_main else None)
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # RuntimeError: a diverged loss, out of memory,
         print(f"dspark train: {describe_failure(exc, world)}", file=sys.stderr)  # a failed collective
         return 2
@@ -141,5 +137,15 @@ def run(args: argparse.Namespace) -> int:
     if not world.is_main:
         return 0
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"saved the draft to {args.output}: {trained / 1e6:.2f} M trained parameters, final loss {losses[-1]:.4f}")
+    print(f"saved the draft to {args.output}: {trained / 1e6:.2f} M trained parameters, "
+          f"loss of the last step {losses[-1]:.4f}")
     return 0
+
+
+def _check_output(args: argparse.Namespace) -> None:
+    """Refuse to write a checkpoint into a file or a non-empty directory unless ``--overwrite``."""
+    output = Path(args.output)
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"--output {args.output} is a file, not a directory")
+    if output.is_dir() and any(output.iterdir()) and not args.overwrite:
+        raise ValueError(f"--output {args.output} exists and is not empty: pass --overwrite to write the draft into it")

@@ -4,23 +4,29 @@
 ``model.llama.TargetLM`` and the batched draft ``model.draft_runner.DraftRunner`` with CUDA graphs;
 the fast path), ``target`` (the Hugging Face adapter: prefill / verify with captured hidden states, KV rollback),
 ``drafting`` (one drafting round: draft block, Markov loop, confidence scheduling), ``decoder`` (the
-lossless decoding loop, ``SpeculativeDecoder`` and ``generate``), ``schedulers`` (the paper's batch
-prefix scheduler and SPS cost tables), ``stats`` (per-call statistics).
+lossless decoding loop, ``SpeculativeDecoder``, ``Request`` and ``generate_requests``), ``api`` (the
+user-facing ``generate``: text or token-id prompts, one or many, decoded text, stop strings),
+``schedulers`` (the paper's batch prefix scheduler and SPS cost tables), ``stats`` (per-call statistics).
 """
 
-from .decoder import GenerationResult, SpeculativeDecoder, autoregressive_generate, generate
+from .api import TextStream, encode_prompts, generate, generate_texts, load_tokenizer
+from .decoder import (FINISH_REASONS, GenerationInterrupted, GenerationResult, Request, SpeculativeDecoder,
+                      autoregressive_generate, generate_requests)
 from .drafting import SCHEDULERS, Drafter, Proposal, SamplingParams
 from .llm_engine import EngineConfig, LLMEngine, RequestResult
 from .request import Request, RequestOutput
 from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
 from .stats import GenerationStats
-from .target import TargetModel, TargetOutput, eos_token_ids
+from .target import (TargetModel, TargetOutput, check_target_directory, eos_token_ids, load_target_model,
+                     resolve_device)
 
 __all__ = [
-    "GenerationResult", "SpeculativeDecoder", "autoregressive_generate", "generate",
+    "TextStream", "encode_prompts", "generate", "generate_texts", "load_tokenizer",
+    "FINISH_REASONS", "GenerationInterrupted", "GenerationResult", "Request", "SpeculativeDecoder",
+    "autoregressive_generate", "generate_requests",
     "SCHEDULERS", "Drafter", "Proposal", "SamplingParams",
     "EngineConfig", "LLMEngine", "RequestResult", "Request", "RequestOutput",
     "SPSCostTable", "prefix_schedule", "prefix_survival",
     "GenerationStats",
-    "TargetModel", "TargetOutput", "eos_token_ids",
+    "TargetModel", "TargetOutput", "check_target_directory", "eos_token_ids", "load_target_model", "resolve_device",
 ]

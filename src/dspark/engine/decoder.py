@@ -12,10 +12,19 @@ Prefill samples the first token (the first anchor) from the prompt's last logits
 its uniforms with ``K.fill_uniforms(seed, offset)`` per round r >= 1: P draft uniforms at offset
 ``r*(3P+1)`` and 2P+1 accept uniforms at ``r*(3P+1) + P``; the prefill token uses offset 0. A run is
 therefore reproducible for a given seed.
+
+The output ends after an end-of-sequence / stop id (finish reason ``"stop"``, also when the
+``on_tokens`` callback returns True), or at ``max_new_tokens`` or the target's context
+``max_model_len`` (prompt + output; reason ``"length"``): near that limit a round verifies only the
+drafts that still fit. Ctrl-C raises ``GenerationInterrupted`` (a ``KeyboardInterrupt``) carrying
+the partial results. ``generate_requests`` runs a list of ``Request`` s; it is the one place that
+decides how requests execute (today: one after another through ``SpeculativeDecoder.generate``).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -25,20 +34,43 @@ import torch
 from .. import kernels as K
 from ..kernels._validate import Checker
 from .drafting import Drafter, Proposal, SamplingParams
+from .request import Request
 from .stats import GenerationStats
-from .target import TargetModel, eos_token_ids
+from .target import TargetModel, eos_token_ids, load_target_model, resolve_device
 
-__all__ = ["GenerationResult", "SpeculativeDecoder", "autoregressive_generate", "generate"]
+__all__ = ["GenerationResult", "GenerationInterrupted", "Request", "SpeculativeDecoder", "autoregressive_generate",
+           "generate_requests", "check_prompt", "check_token_ids", "FINISH_REASONS"]
 
-TokenCallback = Callable[[list[int]], None]
+# Receives each round's committed tokens; returning True ends the output there (finish reason "stop").
+TokenCallback = Callable[[list[int]], "bool | None"]
+FINISH_REASONS = ("stop", "length", "interrupted")
 
 
 @dataclass
 class GenerationResult:
-    """Generated token ids (prompt excluded; EOS included when it ended the output) and statistics."""
+    """Generated token ids (prompt excluded; the EOS / stop id included when it ended the output),
+    statistics, why the output ended (``FINISH_REASONS``: ``"stop"`` an EOS / stop id / stop
+    string, ``"length"`` ``max_new_tokens`` or the context limit, ``"interrupted"`` Ctrl-C) and,
+    when a tokenizer is known, the decoded continuation ``text``."""
 
     token_ids: list[int]
     stats: GenerationStats
+    finish_reason: str = "length"
+    text: str | None = None
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during generation: ``results`` holds the requests finished so far and the partial one
+    (finish reason ``"interrupted"``), in request order."""
+
+    def __init__(self, results: list[GenerationResult]):
+        super().__init__(f"generation interrupted after {len(results)} request(s)")
+        self.results = results
+
+
+def end_ids(request: Request, target: TargetModel) -> list[int]:
+    """The token ids that end ``request``'s output: its ``stop_ids``, and the target's EOS unless ``ignore_eos``."""
+    return list(request.stop_ids) + ([] if request.ignore_eos else eos_token_ids(target.model))
 
 
 class SpeculativeDecoder:
@@ -51,68 +83,85 @@ class SpeculativeDecoder:
         self.num_drafts = drafter.num_draft_tokens
 
     @classmethod
-    def from_models(cls, target_model: torch.nn.Module, draft_model, **drafter_options) -> "SpeculativeDecoder":
+    def from_models(cls, target_model: torch.nn.Module, draft_model, *, max_model_len: int | None = None,
+                    **drafter_options) -> "SpeculativeDecoder":
         """Pair a Hugging Face causal LM with a ``DSparkDraftModel`` (checked compatible)."""
         from ..model import check_target_compatible
 
         check_target_compatible(draft_model.config, target_model.config)
-        return cls(TargetModel(target_model, draft_model.config.capture_layer_ids), Drafter(draft_model, **drafter_options))
+        target = TargetModel(target_model, draft_model.config.capture_layer_ids, max_model_len=max_model_len)
+        return cls(target, Drafter(draft_model, **drafter_options))
 
     @classmethod
-    def from_pretrained(cls, target_path: str, draft_path: str, *, device=None, dtype=None,
-                        **drafter_options) -> "SpeculativeDecoder":
-        """Load the target (Hugging Face directory) and the draft (speculators or DeepSpec directory;
-        weights it leaves out come from the target, see ``load_draft``)."""
-        from transformers import AutoModelForCausalLM
-
+    def from_pretrained(cls, target, draft, *, device=None, dtype=None, max_model_len: int | None = None,
+                        allow_pickle: bool = False, **drafter_options) -> "SpeculativeDecoder":
+        """Load what is not loaded yet and pair them: ``target`` a Hugging Face causal-LM directory
+        (``load_target_model``; ``allow_pickle`` as there) or model, ``draft`` a DSpark directory
+        (speculators or DeepSpec format) or ``DSparkDraftModel``. What is loaded goes to ``device``
+        (default: the device of the model passed in, else transformers' default)."""
         from ..model import load_draft
 
-        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype)
-        draft = load_draft(draft_path, target=target, device=device, dtype=dtype)
-        return cls.from_models(target.to(draft.device), draft, **drafter_options)
+        paths = [isinstance(m, (str, os.PathLike)) for m in (target, draft)]
+        if device is not None:
+            device = resolve_device(device)
+        elif not paths[1]:
+            device = draft.device
+        elif not paths[0]:
+            device = next(target.parameters()).device
+        if paths[0]:
+            target = load_target_model(target, device=device, dtype=dtype, allow_pickle=allow_pickle)
+        if paths[1]:
+            draft = load_draft(draft, target=target, device=next(target.parameters()).device, dtype=dtype)
+        return cls.from_models(target, draft, max_model_len=max_model_len, **drafter_options)
 
     def generate(self, prompt_ids, *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                  eos_token_id: int | Sequence[int] | None = None, on_tokens: TokenCallback | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (ints or int tensor ``[T]``).
 
-        Stops after an ``eos_token_id`` (default: the target's). ``on_tokens`` receives each round's
-        committed tokens as they are accepted. Greedy output equals the target's greedy decoding;
-        sampled output is distributed as the target's (temperature / top-k / top-p filtered).
+        Stops after an ``eos_token_id`` (default: the target's; ``[]``: none) or at the target's
+        ``max_model_len``. ``on_tokens`` receives each round's committed tokens as they are
+        accepted (returning True ends the output). Greedy output equals the target's greedy
+        decoding; sampled output is distributed as the target's (temperature / top-k / top-p filtered).
         """
         target, drafter, p = self.target, self.drafter, self.num_drafts
-        prompt = _prompt_tensor(prompt_ids, target)
-        sink = _Sink(max_new_tokens, _eos(eos_token_id, target), on_tokens)
+        prompt = check_prompt(target, prompt_ids)
+        sink = _Sink(max_new_tokens, prompt.numel(), target, _eos(eos_token_id, target), on_tokens)
         stats = GenerationStats(num_drafts=p, prompt_tokens=prompt.numel())
         start = clock = _now(target.device)
-        if not sink.done:
-            drafter.reset()
-            prefill = target.prefill(prompt)
-            anchor = _sample(prefill.logits, sampling, _uniforms(sampling, 1, 0, target.device))
-            context, position = prefill.hidden, prompt.numel()
-            stats.prefill_tokens = sink.add(anchor.tolist())
-            clock = _now(target.device)
-            stats.prefill_time = clock - start
-        round_index = 1
-        while not sink.done:
-            base = round_index * (3 * p + 1)
-            proposal = drafter.propose(context, anchor, position, sampling,
-                                       _uniforms(sampling, p, base, target.device))
-            num_verify = int(proposal.proposal_lengths.max().clamp(1, p))
-            drafted = _now(target.device)
-            stats.draft_time += drafted - clock
+        try:
+            if not sink.done:
+                drafter.reset()
+                prefill = target.prefill(prompt)
+                anchor = _sample(prefill.logits, sampling, _uniforms(sampling, 1, 0, target.device))
+                context, position = prefill.hidden, prompt.numel()
+                stats.prefill_tokens = sink.add(anchor.tolist())
+                clock = _now(target.device)
+                stats.prefill_time = clock - start
+            round_index = 1
+            while not sink.done:
+                base = round_index * (3 * p + 1)
+                proposal = drafter.propose(context, anchor, position, sampling,
+                                           _uniforms(sampling, p, base, target.device))
+                # verify only drafts whose positions fit the context (the kernels clamp each row to it)
+                num_verify = min(int(proposal.proposal_lengths.max().clamp(1, p)), sink.room(position))
+                drafted = _now(target.device)
+                stats.draft_time += drafted - clock
 
-            verified = target.verify(K.build_verify_tokens(anchor, proposal.token_ids, num_verify)[0])
-            accepted, accept_length = _accept(verified.logits, proposal, num_verify, sampling,
-                                              _uniforms(sampling, 2 * p + 1, base + p, target.device))
-            n = int(accept_length[0])
-            target.rollback(position + n)  # keep [.. anchor, accepted drafts]; the bonus is the next anchor
-            context, position, anchor = verified.hidden[:n], position + n, accepted[0, n - 1:n]
-            stats.record_round(num_verify, n, sink.add(accepted[0, :n].tolist()))
-            clock = _now(target.device)
-            stats.verify_time += clock - drafted
-            round_index += 1
+                verified = target.verify(K.build_verify_tokens(anchor, proposal.token_ids, num_verify)[0])
+                accepted, accept_length = _accept(verified.logits, proposal, num_verify, sampling,
+                                                  _uniforms(sampling, 2 * p + 1, base + p, target.device))
+                n = int(accept_length[0])
+                target.rollback(position + n)  # keep [.. anchor, accepted drafts]; the bonus is the next anchor
+                context, position, anchor = verified.hidden[:n], position + n, accepted[0, n - 1:n]
+                stats.record_round(num_verify, n, sink.add(accepted[0, :n].tolist()))
+                clock = _now(target.device)
+                stats.verify_time += clock - drafted
+                round_index += 1
+        except KeyboardInterrupt:
+            stats.total_time = time.perf_counter() - start
+            raise GenerationInterrupted([GenerationResult(sink.ids, stats, "interrupted")]) from None
         stats.total_time = _now(target.device) - start
-        return GenerationResult(sink.ids, stats)
+        return GenerationResult(sink.ids, stats, sink.finish_reason)
 
 
 def autoregressive_generate(target: TargetModel, prompt_ids, *, max_new_tokens: int = 128,
@@ -120,52 +169,59 @@ def autoregressive_generate(target: TargetModel, prompt_ids, *, max_new_tokens: 
                             on_tokens: TokenCallback | None = None) -> GenerationResult:
     """Plain decoding of the target alone, one token per forward (the baseline of ``--compare``).
 
-    Same token rule as the speculative path; token i uses the uniform at offset i. Each token is
-    recorded as a round with no drafts.
+    Same token rule and stopping rules as the speculative path; token i uses the uniform at offset
+    i. Each token is recorded as a round with no drafts.
     """
-    prompt = _prompt_tensor(prompt_ids, target)
-    sink = _Sink(max_new_tokens, _eos(eos_token_id, target), on_tokens)
+    prompt = check_prompt(target, prompt_ids)
+    sink = _Sink(max_new_tokens, prompt.numel(), target, _eos(eos_token_id, target), on_tokens)
     stats = GenerationStats(prompt_tokens=prompt.numel())
     start = _now(target.device)
-    if not sink.done:
-        logits = target.prefill(prompt, capture=False).logits
-        while True:
-            token = _sample(logits, sampling, _uniforms(sampling, 1, len(sink.ids), target.device))
-            stats.record_round(0, 1, sink.add(token.tolist()))
-            if sink.done:
-                break
-            logits = target.verify(token, capture=False).logits
+    try:
+        if not sink.done:
+            logits = target.prefill(prompt, capture=False).logits
+            while True:
+                token = _sample(logits, sampling, _uniforms(sampling, 1, len(sink.ids), target.device))
+                stats.record_round(0, 1, sink.add(token.tolist()))
+                if sink.done:
+                    break
+                logits = target.verify(token, capture=False).logits
+    except KeyboardInterrupt:
+        stats.total_time = time.perf_counter() - start
+        raise GenerationInterrupted([GenerationResult(sink.ids, stats, "interrupted")]) from None
     stats.total_time = _now(target.device) - start
-    return GenerationResult(sink.ids, stats)
+    return GenerationResult(sink.ids, stats, sink.finish_reason)
 
 
-def generate(target, draft, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, scheduler: str = "off", threshold: float = 0.0,
-             eos_token_id: int | Sequence[int] | None = None, on_tokens: TokenCallback | None = None,
-             device=None, dtype=None) -> GenerationResult:
-    """One-call speculative generation (``dspark.engine.generate``).
+def generate_requests(decoder: SpeculativeDecoder, requests: Sequence[Request], *,
+                      on_tokens: Callable[[int, list[int]], "bool | None"] | None = None) -> list[GenerationResult]:
+    """Run ``requests`` to completion; one ``GenerationResult`` per request, in order.
 
-    ``target``: a Hugging Face causal-LM directory or model; ``draft``: a DSpark checkpoint directory
-    (speculators or DeepSpec format; weights it leaves out come from ``target``) or a ``DSparkDraftModel``. Other arguments as
-    ``SpeculativeDecoder.generate``, ``SamplingParams`` and ``Drafter``.
+    Every request is checked against the target (vocabulary, context length) before any runs.
+    ``on_tokens(i, tokens)`` receives request i's tokens as they are committed; returning True ends
+    request i there (finish reason ``"stop"``). Ctrl-C raises ``GenerationInterrupted`` with the
+    results so far. ``decoder``: a ``SpeculativeDecoder`` (the single-request loop, one request after
+    another) or an ``LLMEngine`` (all requests batched, its ``generate_requests``).
     """
-    options = dict(scheduler=scheduler, threshold=threshold)
-    if isinstance(target, str) and isinstance(draft, str):
-        decoder = SpeculativeDecoder.from_pretrained(target, draft, device=device, dtype=dtype, **options)
-    elif isinstance(draft, str):
-        from ..model import load_draft
-
-        decoder = SpeculativeDecoder.from_models(target, load_draft(draft, target=target, device=device, dtype=dtype),
-                                                 **options)
-    else:
-        if isinstance(target, str):
-            from transformers import AutoModelForCausalLM
-
-            target = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(draft.device)
-        decoder = SpeculativeDecoder.from_models(target, draft, **options)
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    return decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                            eos_token_id=eos_token_id, on_tokens=on_tokens)
+    c = Checker("generate_requests")
+    if not isinstance(decoder, SpeculativeDecoder):  # the batched LLMEngine: all requests decoded together
+        return decoder.generate_requests(requests, on_tokens=on_tokens)
+    if not all(isinstance(r, Request) for r in requests):
+        c.fail(f"requests must be Request objects, got {sorted({type(r).__name__ for r in requests})}", TypeError)
+    if on_tokens is not None and not callable(on_tokens):
+        c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
+    for request in requests:
+        check_prompt(decoder.target, request.prompt_ids)
+        check_token_ids(c, "stop_ids", request.stop_ids, decoder.target.vocab_size)
+    results: list[GenerationResult] = []
+    for i, request in enumerate(requests):
+        stream = None if on_tokens is None else (lambda tokens, i=i: on_tokens(i, tokens))
+        try:
+            results.append(decoder.generate(request.prompt_ids, max_new_tokens=request.max_new_tokens,
+                                            sampling=request.sampling, eos_token_id=end_ids(request, decoder.target),
+                                            on_tokens=stream))
+        except GenerationInterrupted as exc:
+            raise GenerationInterrupted(results + exc.results) from None
+    return results
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -207,41 +263,76 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _prompt_tensor(prompt_ids, target: TargetModel) -> torch.Tensor:
+def check_prompt(target: TargetModel, prompt_ids) -> torch.Tensor:
+    """``prompt_ids`` (ints or an int tensor) as int64 ``[T]`` on the target's device; ValueError for
+    an empty prompt, an id outside the vocabulary, or a prompt that leaves no room in the context."""
     c = Checker("generate")
-    ids = torch.as_tensor(prompt_ids).reshape(-1) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids.reshape(-1)
+    if isinstance(prompt_ids, (str, bytes)):
+        c.fail(f"prompt_ids must be token ids, got {type(prompt_ids).__name__} (text prompts: dspark.generate)",
+               TypeError)
+    try:
+        ids = prompt_ids.reshape(-1) if isinstance(prompt_ids, torch.Tensor) else torch.as_tensor(prompt_ids).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        c.fail(f"prompt_ids must be a flat sequence of token ids, got {type(prompt_ids).__name__}", TypeError)
     if ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         c.fail(f"prompt_ids must be a non-empty sequence of token ids, got {ids.numel()} values of {ids.dtype}")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= target.vocab_size:
         c.fail(f"prompt_ids holds token id {lo if lo < 0 else hi}, outside [0, {target.vocab_size})")
+    if target.max_model_len is not None and ids.numel() >= target.max_model_len:
+        c.fail(f"the prompt has {ids.numel()} tokens, but the target's context is {target.max_model_len} tokens "
+               f"(prompt + output): at most {target.max_model_len - 1} prompt tokens")
     return ids.to(target.device, torch.int64)
+
+
+def check_token_ids(c: Checker, name: str, ids, vocab_size: int | None = None) -> list[int]:
+    """``ids`` (one token id or a sequence of them) as a list, each checked in ``[0, vocab_size)``."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.reshape(-1).tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (int, Sequence, set, frozenset)):
+        c.fail(f"{name} must be a token id or a sequence of token ids, got {type(ids).__name__}", TypeError)
+    high = None if vocab_size is None else vocab_size - 1
+    return [c.integer(f"{name}[]" if not isinstance(ids, int) else name, i, low=0, high=high)
+            for i in ([ids] if isinstance(ids, int) else ids)]
 
 
 def _eos(eos_token_id, target: TargetModel) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset(eos_token_ids(target.model))
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    return frozenset(check_token_ids(Checker("generate"), "eos_token_id", eos_token_id, target.vocab_size))
 
 
 class _Sink:
-    """Collects output tokens: cuts at ``max_new_tokens`` and after the first EOS, streams to the callback."""
+    """Collects output tokens: cuts at ``max_new_tokens``, at the context limit and after the first
+    EOS, streams to the callback (which may end the output)."""
 
-    def __init__(self, max_new_tokens: int, eos: frozenset[int], on_tokens: TokenCallback | None):
-        self.limit = Checker("generate").integer("max_new_tokens", max_new_tokens, low=0)
+    def __init__(self, max_new_tokens: int, prompt_tokens: int, target: TargetModel, eos: frozenset[int],
+                 on_tokens: TokenCallback | None):
+        c = Checker("generate")
+        self.limit = c.integer("max_new_tokens", max_new_tokens, low=0)
+        if on_tokens is not None and not callable(on_tokens):
+            c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
+        self.context = target.max_model_len
+        if self.context is not None:  # check_prompt left room for at least one token
+            self.limit = min(self.limit, self.context - prompt_tokens)
         self.eos, self.on_tokens = eos, on_tokens
         self.ids: list[int] = []
+        self.finish_reason = "length"
         self.done = self.limit == 0
+
+    def room(self, anchor_position: int) -> int:
+        """Drafts a round may verify after the anchor at ``anchor_position`` within the context."""
+        return self.context - anchor_position - 1 if self.context is not None else sys.maxsize
 
     def add(self, tokens: list[int]) -> int:
         """Append what fits; returns how many tokens were kept."""
         tokens = tokens[: self.limit - len(self.ids)]
         for i, t in enumerate(tokens):
             if t in self.eos:
-                tokens, self.done = tokens[: i + 1], True
+                tokens, self.done, self.finish_reason = tokens[: i + 1], True, "stop"
                 break
         self.ids.extend(tokens)
         self.done = self.done or len(self.ids) >= self.limit
-        if tokens and self.on_tokens is not None:
-            self.on_tokens(tokens)
+        if tokens and self.on_tokens is not None and self.on_tokens(tokens):
+            self.done, self.finish_reason = True, "stop"
         return len(tokens)

@@ -107,8 +107,8 @@ class Drafter:
         self.model = model
         self.config = model.config
         self.scheduler = scheduler
-        # In SPS mode the threshold is a survival floor, a probability.
-        self.threshold = c.real("threshold", threshold, **(dict(low=0.0, high=1.0) if scheduler == "sps" else {}))
+        # a minimum prefix survival (threshold) or a survival floor (sps): a probability either way
+        self.threshold = c.real("threshold", threshold, low=0.0, high=1.0)
         self.min_proposal_len = c.integer("min_proposal_len", min_proposal_len, low=0)
         self.max_proposal_len = c.integer("max_proposal_len", max_proposal_len, low=0)
         self.num_draft_tokens = self.config.num_draft_tokens

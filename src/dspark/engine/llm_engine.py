@@ -122,6 +122,7 @@ class LLMEngine:
         self._pending_draft = False  # rows admitted since the last draft replay
         self.metrics = EngineMetrics(self.runner.num_drafts)
         self.cost_table = config.cost_table
+        self._plain: LLMEngine | None = None
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -132,6 +133,18 @@ class LLMEngine:
     def add_request(self, request: Request) -> int:
         """Queue a request; returns its id. Raises ValueError (naming the problem) for a prompt
         that does not fit the context or holds ids outside the vocabulary."""
+        stops = self.check_request(request)
+        seq = Sequence(self._next_id, request, stops)
+        seq.stats.num_drafts, seq.stats.prompt_tokens = self.num_drafts, len(request.prompt_ids)
+        self._next_id += 1
+        self.sequences[seq.request_id] = seq
+        self.waiting.append(seq)
+        self.metrics.waiting = len(self.waiting)
+        return seq.request_id
+
+    def check_request(self, request: Request) -> frozenset[int]:
+        """Validate ``request`` against this engine (ValueError / TypeError naming the problem);
+        returns the token ids that end its output."""
         c = Checker("add_request")
         if not isinstance(request, Request):
             c.fail(f"request must be a Request, got {type(request).__name__}", TypeError)
@@ -146,26 +159,22 @@ class LLMEngine:
             c.fail("Request.oracle_ids (benchmark drafts) and EngineConfig.oracle_acceptance go together")
         if request.oracle_ids is not None and not request.sampling.greedy:
             c.fail("oracle_ids (benchmark drafts) need greedy sampling")
-        stops = request.stop_token_ids
-        stops = (frozenset() if request.ignore_eos else self.eos_ids) | (stops or frozenset())
-        seq = Sequence(self._next_id, request, stops)
-        seq.stats.num_drafts, seq.stats.prompt_tokens = self.num_drafts, len(ids)
-        self._next_id += 1
-        self.sequences[seq.request_id] = seq
-        self.waiting.append(seq)
-        self.metrics.waiting = len(self.waiting)
-        return seq.request_id
+        bad = next((i for i in request.stop_ids if i >= vocab), None)
+        if bad is not None:
+            c.fail(f"stop_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")
+        return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request now (waiting or running); its cache line is freed. Unknown ids are ignored."""
+    def abort(self, request_id: int, reason: str = "abort") -> None:
+        """Stop a request now (waiting or running) with finish reason ``reason``; its cache line is
+        freed and it is forgotten. Unknown ids are ignored."""
         seq = self.sequences.get(request_id)
         if seq is None or seq.status is SequenceStatus.FINISHED:
             return
+        seq.finish_reason = reason
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            seq.status = SequenceStatus.FINISHED
         else:
-            seq.finish_reason = "abort"
             self._retire([seq])
         self.sequences.pop(request_id, None)
 
@@ -290,20 +299,63 @@ class LLMEngine:
                  on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestResult]:
         """Run ``requests`` to completion (together with any already queued); results in input order."""
         ids = [self.add_request(r) for r in requests]
-        wanted = set(ids)
         seqs = {i: self.sequences[i] for i in ids}
+        self._drive(set(ids), on_output)
+        return [RequestResult(i, s.output_ids, s.finish_reason, s.stats) for i, s in seqs.items()]
+
+    def generate_requests(self, requests: list[Request], *,
+                          on_tokens: Callable[[int, list[int]], "bool | None"] | None = None) -> list:
+        """``decoder.generate_requests``'s contract on this engine: every request checked before any
+        runs, all decoded together; ``on_tokens(i, tokens)`` streams request i's tokens (returning True
+        ends it with finish reason ``"stop"``); Ctrl-C raises ``GenerationInterrupted`` with every
+        request's output so far. Returns ``GenerationResult`` s in request order."""
+        from .decoder import GenerationInterrupted, GenerationResult
+
+        for request in requests:
+            self.check_request(request)
+        ids = [self.add_request(r) for r in requests]
+        index = {rid: i for i, rid in enumerate(ids)}
+        seqs = [self.sequences[i] for i in ids]
+
+        def forward(out: RequestOutput) -> None:
+            if on_tokens is not None and out.new_token_ids and on_tokens(index[out.request_id], out.new_token_ids):
+                if not out.finished:
+                    self.abort(out.request_id, "stop")
+
+        def results(interrupted: bool = False):
+            return [GenerationResult(s.output_ids, s.stats, s.finish_reason or ("interrupted" if interrupted else "length"))
+                    for s in seqs]
+
+        try:
+            self._drive(set(ids), forward)
+        except KeyboardInterrupt:
+            for rid in ids:
+                self.abort(rid, "interrupted")
+            raise GenerationInterrupted(results(True)) from None
+        return results()
+
+    def _drive(self, wanted: set[int], on_output: Callable[[RequestOutput], None] | None) -> None:
+        """Step until every request in ``wanted`` has finished (aborted ones included)."""
+        seqs = {i: self.sequences[i] for i in wanted}
         start = time.perf_counter()
-        while wanted and self.has_unfinished():
+        while any(s.status is not SequenceStatus.FINISHED for s in seqs.values()):
             for out in self.step():
                 if out.request_id in wanted:
                     if on_output is not None:
                         on_output(out)
                     if out.finished:
-                        wanted.discard(out.request_id)
                         seqs[out.request_id].stats.total_time = time.perf_counter() - start
-        for i in ids:
+        for i in wanted:
             self.sequences.pop(i, None)
-        return [RequestResult(i, s.output_ids, s.finish_reason, s.stats) for i, s in seqs.items()]
+
+    def plain(self) -> "LLMEngine":
+        """Plain decoding on this engine's target runner (the baseline of ``--compare``), built once."""
+        if self._plain is None:
+            from dataclasses import replace
+
+            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", oracle_acceptance=None))
+            self._plain.eos_ids = self.eos_ids
+        return self._plain
 
 
 class EngineMetrics:
@@ -341,8 +393,9 @@ def _load_models(c: Checker, target, draft, config: EngineConfig):
 
     device = torch.device(config.device) if config.device is not None else None
     draft_model = draft
-    if isinstance(draft, (str, Path)):
-        draft_model = load_draft(draft, device=device, dtype=config.dtype)
+    if isinstance(draft, (str, Path)):  # weights a speculators 0.9 draft leaves out come from the target
+        draft_model = load_draft(draft, target=target if isinstance(target, (str, Path, torch.nn.Module)) else None,
+                                 device=device, dtype=config.dtype)
     capture = list(draft_model.config.capture_layer_ids) if draft_model is not None else []
     if isinstance(target, (str, Path)):
         dev = device or (draft_model.device if draft_model is not None else torch.device("cpu"))
@@ -351,6 +404,10 @@ def _load_models(c: Checker, target, draft, config: EngineConfig):
     elif isinstance(target, torch.nn.Module):
         lm = TargetLM.from_hf_model(target, capture)
         eos = frozenset(eos_token_ids(target))
+    elif isinstance(target, TargetLM):  # another engine's runner (same weights); EOS ids set by the caller
+        lm = TargetLM(target.config, dict(embed=target.embed, layers=target.layers, norm=target.norm,
+                                          lm_head=target.lm_head), capture)
+        eos = frozenset(_config_eos(target.config))
     else:
         c.fail(f"target must be a checkpoint directory or a Hugging Face causal LM, got {type(target).__name__}", TypeError)
     if draft_model is not None:

@@ -1,9 +1,12 @@
-"""Requests, their running state and what each engine step reports."""
+"""Requests, their running state in the engine and what each engine step reports."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from collections.abc import Sequence as _IdSequence
+
+import torch
 
 from ..kernels._validate import Checker
 from .drafting import SamplingParams
@@ -14,10 +17,10 @@ __all__ = ["Request", "RequestOutput", "Sequence", "SequenceStatus"]
 
 @dataclass
 class Request:
-    """One generation request for ``LLMEngine``.
+    """One generation request (``LLMEngine`` and ``generate_requests``).
 
-    ``prompt_ids``: the prompt's token ids. ``stop_token_ids``: generation ends after any of them
-    (None: the target's EOS ids; ``ignore_eos`` drops those but keeps explicit ones).
+    ``prompt_ids``: the prompt's token ids (a sequence or a 1-D tensor); the output ends after the
+    target's EOS (unless ``ignore_eos``) or any of ``stop_ids``, or after ``max_new_tokens``.
     ``oracle_ids`` (benchmarks only): a known continuation; the engine then replaces its drafted
     tokens by it (``EngineConfig.oracle_acceptance``).
     """
@@ -25,26 +28,28 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: frozenset[int] | None = None
+    stop_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     oracle_ids: list[int] | None = None
 
     def __post_init__(self):
         c = Checker("Request")
-        ids = self.prompt_ids
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            c.fail(f"prompt_ids must be a non-empty list of token ids (ints), got {_describe(self.prompt_ids)}", TypeError)
-        self.prompt_ids = list(ids)
+        ids = self.prompt_ids.reshape(-1).tolist() if isinstance(self.prompt_ids, torch.Tensor) else self.prompt_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, _IdSequence) or not ids:
+            c.fail(f"prompt_ids must be a non-empty sequence of token ids (ints), got {_describe(self.prompt_ids)}",
+                   TypeError)
+        self.prompt_ids = [c.integer("prompt_ids[]", i, low=0) for i in ids]
         c.integer("max_new_tokens", self.max_new_tokens, low=0)
         if not isinstance(self.sampling, SamplingParams):
             c.fail(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}", TypeError)
-        if self.stop_token_ids is not None:
-            stops = self.stop_token_ids
-            if isinstance(stops, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in stops):
-                c.fail(f"stop_token_ids must be a collection of token ids (ints), got {stops!r}", TypeError)
-            self.stop_token_ids = frozenset(stops)
+        stops = self.stop_ids
+        if isinstance(stops, torch.Tensor):
+            stops = stops.reshape(-1).tolist()
+        if isinstance(stops, (str, bytes, int)) or not isinstance(stops, (_IdSequence, set, frozenset)):
+            c.fail(f"stop_ids must be a sequence of token ids, got {_describe(self.stop_ids)}", TypeError)
+        self.stop_ids = tuple(c.integer("stop_ids[]", i, low=0) for i in stops)
+        if not isinstance(self.ignore_eos, bool):
+            c.fail(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}", TypeError)
 
 
 def _describe(value) -> str:

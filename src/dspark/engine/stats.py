@@ -60,15 +60,16 @@ class GenerationStats:
         return self.generated_tokens / self.total_time if self.total_time > 0 else 0.0
 
     def as_dict(self) -> dict:
+        """The figures as JSON-ready values; τ and the mean verified drafts are None without a round."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "rounds": self.rounds,
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4) if self.rounds else None,
             "acceptance_per_position": [None if a is None else round(a, 4) for a in self.acceptance_per_position],
             "scheduled_lengths": list(self.scheduled_lengths),
             "accept_lengths": list(self.accept_lengths),
-            "mean_scheduled_length": round(sum(self.scheduled_lengths) / self.rounds, 4) if self.rounds else 0.0,
+            "mean_scheduled_length": round(sum(self.scheduled_lengths) / self.rounds, 4) if self.rounds else None,
             "prefill_time_s": round(self.prefill_time, 6),
             "draft_time_s": round(self.draft_time, 6),
             "verify_time_s": round(self.verify_time, 6),

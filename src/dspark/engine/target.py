@@ -5,19 +5,32 @@ logits plus the captured hidden states at the draft's ``capture_layer_ids`` (Hug
 ``output_hidden_states`` indices: 0 = embedding output, ``a`` = input of decoder layer ``a``),
 concatenated along the feature axis; ``rollback`` crops the KV cache back to the accepted prefix.
 Works with Qwen3 and other Llama-style models whose cache is a ``DynamicCache`` (full attention).
+
+``load_target_model`` loads a local checkpoint directory and refuses what would otherwise run as
+silent garbage or fail deep inside transformers: a missing path or a file, a truncated safetensors
+file, a tensor the checkpoint lacks (transformers would initialise it at random) or has with the
+wrong shape, and pickle-only weights (``pytorch_model.bin``: unpickling can run arbitrary code, so it
+needs ``allow_pickle=True``, the CLI's ``--allow-pickle``). ``TargetModel.max_model_len`` is the
+context the engine may fill: the config's ``max_position_embeddings``, optionally lowered.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from ..kernels._validate import Checker
 
-__all__ = ["TargetModel", "TargetOutput", "eos_token_ids"]
+__all__ = ["TargetModel", "TargetOutput", "eos_token_ids", "load_target_model", "check_target_directory",
+           "resolve_device"]
+
+PICKLE_HINT = ("; convert them to safetensors, or, only for a checkpoint you trust (unpickling can run code), "
+               "pass allow_pickle=True (dspark: --allow-pickle)")
 
 
 @dataclass
@@ -35,9 +48,11 @@ class TargetModel:
     ``capture_layer_ids``: the ``output_hidden_states`` indices whose rows are concatenated into
     ``TargetOutput.hidden`` (the draft model's ``config.capture_layer_ids``). The index of the last
     entry (post final norm) is refused: drafts are trained on raw residual states.
+    ``max_model_len``: lowers the context (prompt + generated tokens) below the config's
+    ``max_position_embeddings``; ``self.max_model_len`` is the result (None: no known limit).
     """
 
-    def __init__(self, model: torch.nn.Module, capture_layer_ids: Sequence[int]):
+    def __init__(self, model: torch.nn.Module, capture_layer_ids: Sequence[int], *, max_model_len: int | None = None):
         c = Checker("TargetModel")
         self.model = model.eval()
         self.config = model.config
@@ -45,18 +60,18 @@ class TargetModel:
         self.capture_layer_ids = [c.integer("capture_layer_ids[]", i, low=0, high=num_layers - 1) for i in capture_layer_ids]
         if not self.capture_layer_ids:
             c.fail("capture_layer_ids must name at least one hidden_states index, got []")
+        self.max_model_len = _context_length(c, self.config, max_model_len)
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever this version takes.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.cache = None
 
     @classmethod
-    def from_pretrained(cls, path: str, capture_layer_ids: Sequence[int], *, device=None, dtype=None) -> "TargetModel":
-        """Load a causal LM from a local directory (``transformers.AutoModelForCausalLM``)."""
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        return cls(model.to(device) if device is not None else model, capture_layer_ids)
+    def from_pretrained(cls, path, capture_layer_ids: Sequence[int], *, device=None, dtype=None,
+                        max_model_len: int | None = None, allow_pickle: bool = False) -> "TargetModel":
+        """Load a causal LM from a local directory (``load_target_model``)."""
+        model = load_target_model(path, device=device, dtype=dtype, allow_pickle=allow_pickle)
+        return cls(model, capture_layer_ids, max_model_len=max_model_len)
 
     @property
     def device(self) -> torch.device:
@@ -126,3 +141,94 @@ def eos_token_ids(model: torch.nn.Module) -> list[int]:
         if eos is not None:
             return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
     return []
+
+
+def load_target_model(path, *, device=None, dtype=None, allow_pickle: bool = False) -> torch.nn.Module:
+    """A Hugging Face causal LM from the local checkpoint directory ``path`` (``config.json`` +
+    ``model.safetensors`` or its shards), in eval mode, on ``device`` (default: where transformers
+    puts it), in ``dtype`` (default: transformers' choice).
+
+    ValueError naming the problem for a path that does not exist or is a file, a truncated or
+    corrupt safetensors file, a tensor the model needs that the checkpoint lacks or holds with
+    another shape, and pickle-only weights unless ``allow_pickle`` (unpickling runs code from the
+    file: allow it only for a checkpoint you trust).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from ..model.safetensors_io import checkpoint_shapes, pickle_files
+
+    c = Checker("load_target")
+    directory = check_target_directory(path)
+    pickled = not any(directory.glob("*.safetensors")) and bool(pickle_files(directory))
+    if not (pickled and allow_pickle):
+        # refuses pickle-only weights, truncated files and broken indexes before transformers reads them
+        checkpoint_shapes(c, directory, pickle_hint=PICKLE_HINT)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=dtype, use_safetensors=not pickled, output_loading_info=True,
+            ignore_mismatched_sizes=True)  # mismatches are reported below, naming the tensor
+    except (OSError, ValueError, KeyError) as exc:
+        c.fail(f"cannot load the target from {str(directory)!r}: {exc}")
+    if info["mismatched_keys"]:
+        name, found, wanted = sorted(info["mismatched_keys"])[0]
+        c.fail(f"tensor {name!r} has shape {list(found)} in {str(directory)!r}, the config needs {list(wanted)}")
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        c.fail(f"the checkpoint in {str(directory)!r} lacks tensor {missing[0]!r}{more}: refusing to run with "
+               f"randomly initialised weights")
+    model = model.eval()
+    return model.to(device) if device is not None else model
+
+
+def resolve_device(device, *, name: str = "device") -> torch.device:
+    """``device`` (a string or ``torch.device``; None: cuda when available, else cpu) as a
+    ``torch.device`` that exists on this machine; ValueError naming ``name`` otherwise."""
+    c = Checker(name)
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        c.fail(f"{device!r} is not a device: use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            c.fail(f"{str(device)!r} asked for, but CUDA is not available on this machine "
+                   f"(torch {torch.__version__}); use cpu")
+        if device.index is not None and device.index >= count:
+            c.fail(f"{str(device)!r} asked for, but this machine has {count} CUDA device(s)")
+    elif device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        if not getattr(backend, "is_available", lambda: False)():
+            c.fail(f"{str(device)!r} is not available on this machine: use cpu or cuda")
+    return device
+
+
+def check_target_directory(path) -> Path:
+    """``path`` as a ``Path`` if it is a directory with a ``config.json``; ValueError saying what it is
+    instead (missing, a file, not a checkpoint)."""
+    c = Checker("load_target")
+    if not isinstance(path, (str, os.PathLike)):
+        c.fail(f"path must be a checkpoint directory (str or os.PathLike), got {type(path).__name__}", TypeError)
+    directory = Path(path)
+    if not directory.exists():
+        c.fail(f"target directory {str(path)!r} does not exist (a local Hugging Face checkpoint directory: "
+               f"config.json + model.safetensors)")
+    if not directory.is_dir():
+        c.fail(f"target path {str(path)!r} is a file; give its checkpoint directory (config.json + model.safetensors)")
+    if not (directory / "config.json").is_file():
+        c.fail(f"no config.json in {str(path)!r}: not a Hugging Face checkpoint directory")
+    return directory
+
+
+def _context_length(c: Checker, config, max_model_len: int | None) -> int | None:
+    """The config's ``max_position_embeddings``, lowered to ``max_model_len`` when given."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if max_model_len is None:
+        return limit
+    max_model_len = c.integer("max_model_len", max_model_len, low=2)
+    if limit is not None and max_model_len > limit:
+        c.fail(f"max_model_len={max_model_len} exceeds the target's context of {limit} tokens (max_position_embeddings)")
+    return max_model_len

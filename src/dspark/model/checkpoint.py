@@ -21,6 +21,7 @@ from ..kernels._validate import Checker
 from .config import CHECKPOINT_FORMATS, DSparkConfig
 from .draft import DSparkDraftModel
 from .heads import check_vocab_mapping
+from .safetensors_io import load_tensors
 
 __all__ = ["load_draft", "save_draft", "save_heads_sidecar", "load_heads_sidecar", "check_target_compatible",
            "CONFIG_NAME", "WEIGHTS_NAME", "HEADS_SIDECAR_NAME"]
@@ -219,19 +220,9 @@ def _read_json(c: Checker, file: Path) -> dict:
 
 
 def _read_weights(c: Checker, directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards listed in the index."""
-    if (directory / INDEX_NAME).is_file():
-        shards = sorted(set(_read_json(c, directory / INDEX_NAME)["weight_map"].values()))
-    elif (directory / WEIGHTS_NAME).is_file():
-        shards = [WEIGHTS_NAME]
-    else:
-        pickled = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = f"; refusing to unpickle {pickled}" if pickled else ""
-        c.fail(f"no {WEIGHTS_NAME} (or {INDEX_NAME}) in {str(directory)!r}: safetensors only{hint}")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        tensors.update(load_file(str(directory / shard)))
-    return tensors
+    """All tensors of ``model.safetensors`` or of the shards listed in the index (checked: a missing
+    shard, a truncated or corrupt file is a ValueError naming it)."""
+    return load_tensors(c, directory)
 
 
 def _check_names_and_shapes(c: Checker, expected: dict, found: dict) -> None:

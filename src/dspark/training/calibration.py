@@ -109,10 +109,11 @@ def greedy_drafts(model: DSparkDraftModel, hidden: torch.Tensor, anchor_tokens: 
 
 @torch.no_grad()
 def collect_rounds(target, model: DSparkDraftModel, prompts: torch.Tensor, new_tokens: int, *,
-                   batch_size: int = 16, anchor_chunk: int = 64) -> Rounds:
+                   batch_size: int = 16, anchor_chunk: int = 64, progress=None) -> Rounds:
     """Greedy rounds at every anchor of the target's greedy continuation of ``prompts`` (int64
     ``[B, S0]`` on the models' device). Anchors p run over ``[S0, S0 + new_tokens - P]``, so each
-    of the P drafts has its greedy outcome inside the sequence. Returns CPU ``Rounds``."""
+    of the P drafts has its greedy outcome inside the sequence. Returns CPU ``Rounds``.
+    ``progress()`` is called after each batch of ``batch_size`` prompts."""
     c = Checker("collect_rounds")
     cfg = model.config
     c.tensor("prompts", prompts, dtype=torch.int64, ndim=2)
@@ -125,6 +126,8 @@ def collect_rounds(target, model: DSparkDraftModel, prompts: torch.Tensor, new_t
         first, last = chunk.shape[1], sequences.shape[1] - cfg.num_draft_tokens
         for anchors in torch.arange(first, last + 1, device=prompts.device).split(anchor_chunk):
             parts.append(_rounds_at(model, sequences, context, truth, anchors.expand(chunk.shape[0], -1)))
+        if progress is not None:
+            progress()
     return Rounds.concat(parts)
 
 

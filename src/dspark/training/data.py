@@ -108,10 +108,12 @@ def _read_text(path: Path) -> str | None:
 
 def _jsonl(c: Checker, path: Path) -> list[dict]:
     records = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+    for i, line in enumerate(path.read_bytes().split(b"\n")):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                records.append(json.loads(line.decode("utf-8")))
+            except UnicodeDecodeError:
+                c.fail(f"{path}:{i + 1} is not UTF-8 text")
             except json.JSONDecodeError as exc:
                 c.fail(f"{path}:{i + 1} is not valid JSON ({exc.msg})")
     return records
@@ -215,6 +217,8 @@ def read_prompts(spec: str) -> list[dict]:
     if spec.startswith("stdlib:"):
         return heldout_prompts(spec.split(":", 1)[1])
     path = Path(spec)
+    if not path.exists():
+        c.fail(f"prompt file {spec!r} not found (prompts: stdlib:<split> or a .jsonl file)")
     if not path.is_file():
         c.fail(f"prompts must be stdlib:<split> or a .jsonl file, got {spec!r}")
     records = _jsonl(c, path)

@@ -1,0 +1,273 @@
+"""The user-facing generation API: prompts as text or token ids, one or many; results with text.
+
+``generate(target, draft, prompts, ...)`` turns each prompt into a ``Request`` (a string is
+tokenized with the target's tokenizer), runs them through ``generate_requests`` and decodes each
+continuation into ``GenerationResult.text``. Stop strings end a request once its decoded text
+contains one: the text is cut before it, the token ids end with the token that completed it, and
+the finish reason is ``"stop"`` (statistics count every token the engine committed). Nothing here
+depends on how ``generate_requests`` executes the requests.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..kernels._validate import Checker
+from .decoder import (GenerationInterrupted, GenerationResult, Request, SpeculativeDecoder, check_token_ids,
+                      generate_requests)
+from .llm_engine import EngineConfig, LLMEngine
+from .target import resolve_device
+from .drafting import SamplingParams
+
+__all__ = ["generate", "generate_texts", "load_tokenizer", "encode_prompts", "TextStream", "TOKENIZER_FILES"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Prompt tokens decoded ahead of a continuation, so that its first word is spaced as it is after the
+# prompt (SentencePiece and word-level tokenizers drop a leading space when decoding ids alone).
+_CONTEXT_TOKENS = 4
+
+
+def load_tokenizer(path):
+    """The tokenizer of the checkpoint directory ``path`` (``AutoTokenizer``), or None when it has none."""
+    # transformers builds an empty tokenizer for a directory without tokenizer files: look first.
+    if path is None or not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def encode_prompts(prompts, tokenizer, *, name: str = "generate") -> tuple[list[list[int]], bool]:
+    """``(token id lists, single)`` of ``prompts``: one prompt (a string, a sequence of token ids or
+    a 1-D int tensor; ``single`` True) or a list of prompts (a nested list of ids is a batch, never
+    concatenated; a 2-D tensor is a batch of rows). Strings are tokenized with ``tokenizer`` (no
+    special tokens added)."""
+    c = Checker(name)
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() not in (1, 2):
+            c.fail(f"a prompt tensor must be 1-D (one prompt) or 2-D (a batch), got shape {list(prompts.shape)}")
+        return (([prompts.tolist()], True) if prompts.dim() == 1 else (prompts.tolist(), False))
+    if isinstance(prompts, str):
+        return [_encode(c, prompts, tokenizer, 0)], True
+    if not isinstance(prompts, Sequence):
+        c.fail(f"prompts must be a string, a list of token ids or a list of prompts, got {type(prompts).__name__}",
+               TypeError)
+    if not prompts:
+        c.fail("prompts must hold at least one prompt (or token id), got an empty list")
+    ids = [isinstance(p, int) and not isinstance(p, bool) for p in prompts]
+    if all(ids):
+        return [list(prompts)], True
+    if any(ids):
+        c.fail("prompts mixes token ids and prompts: give one list of ids, or a list whose every item is a prompt",
+               TypeError)
+    batch = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            batch.append(_encode(c, prompt, tokenizer, i))
+        elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+            batch.append(prompt.tolist())
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            batch.append(list(prompt))
+        else:
+            c.fail(f"prompt {i} must be a string or a flat list of token ids, got {type(prompt).__name__}", TypeError)
+    return batch, False
+
+
+class TextStream:
+    """Incremental decoding of one request's continuation: stop-string detection and the text that
+    is final so far (for streaming; held back while a multi-byte character or a possible stop string
+    is incomplete)."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix = self._decode([])
+        self.ids: list[int] = []
+        self.text, self.emitted = "", 0
+        self.stop_tokens: int | None = None  # output tokens up to the one that completed a stop string
+
+    def add(self, tokens: list[int]) -> bool:
+        """Append a round's tokens; True once the text contains a stop string (the request should end)."""
+        if self.stop_tokens is not None:
+            return True
+        first_new = len(self.ids)
+        self.ids.extend(tokens)
+        self.text = self.decode(self.ids)
+        cut = self._stop_position(self.text)
+        if cut is None:
+            return False
+        # the shortest output that contains it (the text before this round held none)
+        self.stop_tokens = next(k for k in range(first_new + 1, len(self.ids) + 1)
+                                if self._stop_position(self.decode(self.ids[:k])) is not None)
+        self.text = self.text[:cut]
+        return True
+
+    def take(self, *, final: bool = False) -> str:
+        """The text that became final since the last call (all that is left when ``final``)."""
+        end = len(self.text) if final or self.stop_tokens is not None else self._safe_end()
+        new, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
+        return new
+
+    def finish(self, result: GenerationResult) -> None:
+        """Set ``result.text``; after a stop string also cut ``result.token_ids`` and mark it ``"stop"``."""
+        if self.ids != result.token_ids:  # nothing was streamed: decode once
+            self.ids, self.stop_tokens = [], None
+            self.add(result.token_ids)
+        if self.stop_tokens is not None:
+            result.token_ids = result.token_ids[:self.stop_tokens]
+            result.finish_reason = "stop"
+        result.text = self.text
+
+    def decode(self, ids: list[int]) -> str:
+        """The continuation ``ids`` as text, decoded after the prompt's last tokens."""
+        text = self._decode(ids)
+        return text[len(self.prefix):] if text.startswith(self.prefix) else self.tokenizer.decode(
+            ids, skip_special_tokens=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(self.context + ids, skip_special_tokens=True)
+
+    def _stop_position(self, text: str) -> int | None:
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _safe_end(self) -> int:
+        end = len(self.text.rstrip("\ufffd"))  # a cut multi-byte character decodes as U+FFFD
+        for s in self.stop:  # hold back a suffix that may grow into a stop string
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if self.text[end - k:end] == s[:k]:
+                    end -= k
+                    break
+        return end
+
+
+def generate_texts(decoder: SpeculativeDecoder, requests: Sequence[Request], tokenizer, *, stop: Sequence[str] = (),
+                   on_tokens: Callable[[int, list[int]], "bool | None"] | None = None,
+                   on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
+    """``generate_requests`` with text: with a ``tokenizer`` every result carries ``.text`` and the
+    ``stop`` strings end requests (see the module docstring). ``on_tokens(i, tokens)`` streams
+    request i's tokens (returning True ends it); ``on_text(i, text)`` its newly final text.
+    ``GenerationInterrupted`` carries partial results with their text."""
+    c = Checker("generate")
+    stop = _stop_strings(c, stop)
+    for name, value in (("on_tokens", on_tokens), ("on_text", on_text)):
+        if value is not None and not callable(value):
+            c.fail(f"{name} must be callable, got {type(value).__name__}", TypeError)
+    if tokenizer is None and (stop or on_text is not None):
+        c.fail("stop strings and text streaming need the target's tokenizer, and it has none")
+    streams = None if tokenizer is None else [TextStream(tokenizer, r.prompt_ids, stop) for r in requests]
+
+    def callback(i: int, tokens: list[int]) -> bool:
+        stopped = bool(on_tokens(i, tokens)) if on_tokens is not None else False
+        if streams is not None:
+            stopped = streams[i].add(tokens) or stopped
+            if on_text is not None and (text := streams[i].take()):
+                on_text(i, text)
+        return stopped
+
+    live = on_tokens is not None or on_text is not None or bool(stop)
+    try:
+        results = generate_requests(decoder, requests, on_tokens=callback if live else None)
+    except GenerationInterrupted as exc:
+        _finish(streams, exc.results, None)
+        raise
+    _finish(streams, results, on_text)
+    return results
+
+
+def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, scheduler: str = "off", threshold: float = 0.0,
+             eos_token_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
+             stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
+             tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
+             dtype=None, engine: str = "auto", max_batch: int = 64) -> GenerationResult | list[GenerationResult]:
+    """One-call speculative generation (``dspark.generate``).
+
+    ``target``: a Hugging Face causal-LM directory (str or path) or model; ``draft``: a DSpark
+    checkpoint directory (speculators or DeepSpec format) or a ``DSparkDraftModel``. ``prompts``:
+    one prompt -- a string (tokenized with the target's tokenizer), a list of token ids or a 1-D
+    tensor -- or a list of prompts; returns one ``GenerationResult`` or a list of them in order.
+    Results carry ``.text`` (the decoded continuation) when a tokenizer is known: ``tokenizer``, or
+    the target directory's own. The output ends after ``eos_token_id`` (default: the target's EOS;
+    ``ignore_eos`` drops that default), a ``stop`` string, ``max_new_tokens`` tokens, or the context
+    (``max_model_len``, default the target's ``max_position_embeddings``). ``on_tokens(tokens)``
+    streams a single prompt's tokens as they are accepted. ``allow_pickle`` lets a target with only
+    pickled weights load (only for a trusted checkpoint). Sampling: ``temperature`` (0 = greedy),
+    ``top_k``, ``top_p``, ``seed``; scheduling: ``scheduler`` / ``threshold`` as ``Drafter``.
+    ``engine``: ``"batched"`` decodes all prompts together in an ``LLMEngine`` (up to ``max_batch``
+    at once; CUDA graphs on a GPU), ``"reference"`` one after another in the single-request loop over
+    the Hugging Face model, ``"auto"`` (default) batched on CUDA, reference elsewhere.
+    """
+    c = Checker("generate")
+    target, draft = (os.fspath(m) if isinstance(m, os.PathLike) else m for m in (target, draft))
+    if on_tokens is not None and not callable(on_tokens):
+        c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
+    stop = _stop_strings(c, stop)
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(target if isinstance(target, str) else getattr(target, "name_or_path", None))
+    batch, single = encode_prompts(prompts, tokenizer)
+    if on_tokens is not None and not single:
+        c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
+    stop_ids = () if eos_token_id is None else check_token_ids(c, "eos_token_id", eos_token_id)
+    requests = [Request(ids, max_new_tokens, sampling, stop_ids, ignore_eos or eos_token_id is not None)
+                for ids in batch]
+    if engine not in ("auto", "batched", "reference"):
+        c.fail(f"engine must be 'auto', 'batched' or 'reference', got {engine!r}")
+    on_cuda = resolve_device(device).type == "cuda" if device is not None else _model_device(target, draft) == "cuda"
+    if engine == "batched" or engine == "auto" and on_cuda:
+        if allow_pickle:
+            c.fail("allow_pickle needs engine='reference' (the batched engine reads safetensors only)")
+        config = EngineConfig(max_batch=min(c.integer("max_batch", max_batch, low=1), len(requests)),
+                              max_model_len=max_model_len, scheduler=scheduler, threshold=threshold,
+                              device=device, dtype=dtype)
+        decoder = LLMEngine(target, draft, config)
+    else:
+        decoder = SpeculativeDecoder.from_pretrained(target, draft, device=device, dtype=dtype,
+                                                     max_model_len=max_model_len, allow_pickle=allow_pickle,
+                                                     scheduler=scheduler, threshold=threshold)
+        check_token_ids(c, "eos_token_id", stop_ids, decoder.target.vocab_size)
+    stream = None if on_tokens is None else (lambda _i, tokens: on_tokens(tokens))
+    results = generate_texts(decoder, requests, tokenizer, stop=stop, on_tokens=stream)
+    return results[0] if single else results
+
+
+def _model_device(target, draft) -> str | None:
+    """The device type of whichever of ``target`` / ``draft`` is a loaded model (None for paths)."""
+    for model in (target, draft):
+        if isinstance(model, torch.nn.Module):
+            return next(model.parameters()).device.type
+    return None
+
+
+def _encode(c: Checker, text: str, tokenizer, index: int) -> list[int]:
+    if tokenizer is None:
+        c.fail("a text prompt needs the target's tokenizer, and the target has none: pass token ids, or tokenizer=")
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        c.fail(f"prompt {index} is empty: it has no tokens")
+    return ids
+
+
+def _stop_strings(c: Checker, stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+        c.fail(f"stop must be a non-empty string or a list of them, got {stop!r}", TypeError)
+    return tuple(stop)
+
+
+def _finish(streams, results: list[GenerationResult], on_text) -> None:
+    for i, result in enumerate(results):
+        if streams is not None:
+            streams[i].finish(result)
+            if on_text is not None and (text := streams[i].take(final=True)):
+                on_text(i, text)

@@ -1,0 +1,120 @@
+"""``dspark.generate`` from Python: text or token-id prompts, one or many, results with text, stop
+strings, and the argument errors (raised before anything runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_cases import write_tiny_checkpoints
+
+import dspark
+from dspark.engine import TextStream, encode_prompts
+
+PROMPT = [3, 17, 42, 8]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(target directory with a word-level tokenizer, bare target directory, draft directory, greedy
+    continuations of PROMPT and of PROMPT[:2])."""
+    root = tmp_path_factory.mktemp("pair")
+    target, drafts = write_tiny_checkpoints(root)
+    return (root / "target", root / "bare", Path(drafts["speculators"]), _greedy(target, PROMPT, 16),
+            _greedy(target, PROMPT[:2], 5))
+
+
+def _greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _words(ids):
+    return " ".join(f"t{i}" for i in ids)
+
+
+def test_text_and_token_id_prompts_one_or_many(pair):
+    target, _, draft, greedy, short = pair
+    one = dspark.generate(target, draft, _words(PROMPT), max_new_tokens=8)  # pathlib.Path arguments
+    assert one.token_ids == greedy[:8] and one.text == " " + _words(greedy[:8]) and one.finish_reason == "length"
+    # a list of prompts; its lists of ids are prompts of a batch, never one concatenated prompt
+    many = dspark.generate(str(target), str(draft), [_words(PROMPT), PROMPT, torch.tensor(PROMPT), PROMPT[:2]],
+                           max_new_tokens=5)
+    assert [r.token_ids for r in many] == [greedy[:5]] * 3 + [short[:5]]
+    assert [r.text for r in many] == [" " + _words(greedy[:5])] * 3 + [" " + _words(short[:5])]
+
+
+def test_stop_strings_eos_and_ignore_eos(pair):
+    target, _, draft, greedy, _ = pair
+    stop = f"t{greedy[6]}"
+    text = " " + _words(greedy)
+    shortest = next(k for k in range(1, 17) if stop in " " + _words(greedy[:k]))
+    result = dspark.generate(target, draft, PROMPT, max_new_tokens=16, stop=[stop, "never"])
+    assert result.finish_reason == "stop" and result.token_ids == greedy[:shortest]
+    assert result.text == text[:text.find(stop)]
+    k = next(i for i in range(2, 16) if greedy[i] not in greedy[:i])
+    result = dspark.generate(target, draft, PROMPT, max_new_tokens=16, eos_token_id=greedy[k])
+    assert result.token_ids == greedy[:k + 1] and result.finish_reason == "stop"
+    chunks = []
+    result = dspark.generate(target, draft, PROMPT, max_new_tokens=6, ignore_eos=True, on_tokens=chunks.append)
+    assert [t for c in chunks for t in c] == result.token_ids == greedy[:6]
+
+
+def test_results_without_a_tokenizer_have_no_text(pair):
+    _, bare, draft, greedy, _ = pair
+    result = dspark.generate(bare, draft, PROMPT, max_new_tokens=4)
+    assert result.token_ids == greedy[:4] and result.text is None
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(eos_token_id=96), ValueError, r"generate: eos_token_id\[\] must be in \[0, 95\], got 96"),  # checked against the vocab
+    (dict(eos_token_id="2"), TypeError, "generate: eos_token_id must be a token id or a sequence of token ids, got str"),
+    (dict(eos_token_id=[True]), TypeError, r"generate: eos_token_id\[\] must be an int, got bool"),
+    (dict(on_tokens=5), TypeError, "generate: on_tokens must be callable, got int"),
+    (dict(prompts=[PROMPT, PROMPT], on_tokens=print), ValueError, "on_tokens streams a single prompt; got a list of 2"),
+    (dict(prompts=[]), ValueError, "prompts must hold at least one prompt"),
+    (dict(prompts=[1, [2, 3]]), TypeError, "prompts mixes token ids and prompts"),
+    (dict(prompts=[[1, [2]]]), TypeError, "prompt 0 must be a string or a flat list of token ids"),
+    (dict(prompts=""), ValueError, "prompt 0 is empty"),
+    (dict(prompts=3), TypeError, "prompts must be a string, a list of token ids or a list of prompts, got int"),
+    (dict(stop=[""]), TypeError, "stop must be a non-empty string or a list of them"),
+    (dict(max_new_tokens=-2), ValueError, r"max_new_tokens must be in \[0, inf\], got -2"),
+    (dict(device="bogus"), ValueError, "device: 'bogus' is not a device"),
+    (dict(max_model_len=4), ValueError, "the prompt has 4 tokens, but the target's context is 4 tokens"),
+])
+def test_bad_arguments_are_clear_errors(pair, kwargs, error, message):
+    target, _, draft, _, _ = pair
+    kwargs = {"prompts": PROMPT, **kwargs}
+    with pytest.raises(error, match=message):
+        dspark.generate(target, draft, kwargs.pop("prompts"), **kwargs)
+
+
+def test_text_prompts_need_a_tokenizer_and_paths_must_exist(pair, tmp_path):
+    target, bare, draft, _, _ = pair
+    with pytest.raises(ValueError, match="a text prompt needs the target's tokenizer, and the target has none"):
+        dspark.generate(bare, draft, "t1 t2")
+    with pytest.raises(ValueError, match="load_target: target directory .* does not exist"):
+        dspark.generate(tmp_path / "nowhere", draft, PROMPT)
+
+
+def test_encode_prompts_shapes():
+    assert encode_prompts(torch.tensor([[1, 2], [3, 4]]), None) == ([[1, 2], [3, 4]], False)
+    assert encode_prompts((5, 6), None) == ([[5, 6]], True)
+    with pytest.raises(ValueError, match=r"a prompt tensor must be 1-D \(one prompt\) or 2-D \(a batch\)"):
+        encode_prompts(torch.zeros(1, 1, 1, dtype=torch.long), None)
+
+
+def test_text_stream_holds_back_a_possible_stop_string(pair):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pair[0])
+    stream = TextStream(tokenizer, [3], stop=["t5 t6"])
+    assert stream.add([4, 5]) is False
+    assert stream.take() == " t4 "  # "t5" may start the stop string: held back
+    assert stream.add([7]) is False and stream.take() == "t5 t7"
+    assert stream.add([5, 6, 9]) is True and stream.stop_tokens == 5
+    assert stream.take() == " " and stream.text == " t4 t5 t7 "
