@@ -168,7 +168,7 @@ def breakdown(engine, prompts, oracle) -> dict:
         "draft forward": draft_forward,
         "markov": lambda: drafter._vanilla(logits, s["anchor"][:b], greedy, None),
         "confidence + schedule": lambda: drafter._schedule(hidden, s["anchor"][:b], tokens),
-        "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, rows, t, greedy),
+        "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, rows, b * t, greedy),
         "accept alone": lambda: K.greedy_accept(verify_logits, s["draft_tokens"][:b], s["proposal_lengths"][:b], t - 1),
     }
     result = {}
@@ -209,16 +209,31 @@ def run_shape(name: str, args, ceiling_gbps: float) -> dict:
     report["kv_bytes_per_token"] = plain.target.kv_bytes_per_token
     engines = {a: LLMEngine(target, drafter, EngineConfig(max_batch=max_b, max_model_len=length, oracle_acceptance=a))
                for a in (1.0, args.acceptance)}
+    # what fits beside the weights of one target and one drafter (this benchmark holds the HF copy too),
+    # keeping 10 % of the device for activations, logits and graphs
+    _, total = torch.cuda.mem_get_info()
+    draft_bytes = sum(p.numel() * p.element_size() for p in drafter.parameters())
+    per_token = plain.target.kv_bytes_per_token + 2 * 2 * drafter.config.num_hidden_layers * \
+        drafter.config.num_key_value_heads * drafter.config.head_dim
+    room = int(0.9 * total) - params - draft_bytes
+    report["kv_fit"] = dict(free_bytes_after_models=room, target_plus_draft_kv_bytes_per_token=per_token,
+                            tokens_that_fit=room // per_token)
     for row in report["rows"]:
         b = row["batch"]
         prompts = [torch.randint(0, VOCAB - 1, (args.prompt,)).tolist() for _ in range(b)]
         base = engine_run(plain, prompts, args.new)
-        oracle = [o + [0] * 16 for o in base.pop("outputs")]
+        plain_outputs = base.pop("outputs")
         row["dspark_plain"] = base
+        # The oracle is the DSpark runner's own greedy continuation: in bf16 a verify over 8 tokens
+        # and a one-token step round differently, so plain decoding's tokens can part from it at a
+        # near-tie (greedy equality is proven in fp32 by the tests).
+        first = engine_run(engines[1.0], prompts, args.new, [o + [0] * 16 for o in plain_outputs])["outputs"]
+        oracle = [o + [0] * 16 for o in first]
         for a, engine in engines.items():
             res = engine_run(engine, prompts, args.new, oracle)
             outs = res.pop("outputs")
-            res["lossless"] = all(o == ref[: len(o)] for o, ref in zip(outs, oracle))
+            res["self_consistent"] = all(o == ref[: len(o)] for o, ref in zip(outs, oracle))
+            res["identical_to_plain_bf16"] = sum(o == p for o, p in zip(outs, plain_outputs))
             res["speedup_vs_plain"] = round(res["tok_per_s"] / base["tok_per_s"], 3)
             row[f"dspark_a{a:g}"] = res
         print(name, row, flush=True)
@@ -238,7 +253,7 @@ def markdown(report: dict) -> str:
                   f"{shape['kv_bytes_per_token']} bytes/token)", "",
                   "| B | HF eager ms/step | HF compiled ms/step | dspark plain ms/step | plain tok/s | "
                   "DSpark a=1 round ms | τ | tok/s | × plain | DSpark a=" + f"{report['acceptance']:g}" +
-                  " round ms | τ | tok/s | × plain | lossless |",
+                  " round ms | τ | tok/s | × plain | same as plain (bf16) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in shape["rows"]:
             full, part = r["dspark_a1"], r[f"dspark_a{report['acceptance']:g}"]
@@ -246,8 +261,12 @@ def markdown(report: dict) -> str:
                          f"{r['dspark_plain']['step_ms']} | {r['dspark_plain']['tok_per_s']} | {full['step_ms']} | "
                          f"{full['tokens_per_step'] / r['batch']:.2f} | {full['tok_per_s']} | {full['speedup_vs_plain']} | "
                          f"{part['step_ms']} | {part['tokens_per_step'] / r['batch']:.2f} | {part['tok_per_s']} | "
-                         f"{part['speedup_vs_plain']} | {full['lossless'] and part['lossless']} |")
-        lines.append("")
+                         f"{part['speedup_vs_plain']} | {full['identical_to_plain_bf16']}/{r['batch']} |")
+        fit = shape["kv_fit"]
+        lines += ["", f"KV cache: target {shape['kv_bytes_per_token']} + draft bytes per token = "
+                  f"{fit['target_plus_draft_kv_bytes_per_token']}; the {fit['free_bytes_after_models'] / 2**30:.1f} GiB left "
+                  f"beside the weights (90 % of the device) hold {fit['tokens_that_fit']} tokens (batch x context), e.g. "
+                  f"{fit['tokens_that_fit'] // 4096} requests of 4096 tokens.", ""]
         for r in shape["rows"]:
             if "breakdown_ms" in r:
                 parts = r["breakdown_ms"]
