@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "calibrate": "dspark.cli.calibrate",
     "eval": "dspark.cli.eval",
     "bench": "dspark.cli.bench",
+    "serve": "dspark.cli.serve",
 }
 
 
