@@ -18,6 +18,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine.drafting import SamplingParams
@@ -294,8 +295,6 @@ class _Server:
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
                      else "".join(part.text for part in m.content), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
-        from jinja2 import TemplateError
-
         try:
             text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                       add_generation_prompt=body.add_generation_prompt)
