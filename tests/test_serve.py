@@ -130,12 +130,17 @@ def test_text_output_holds_split_characters_and_stop_prefixes(tokenizer):
     ids = tokenizer(text)["input_ids"]
     assert len(ids) > len(text.split()), "the test needs characters split across tokens"
     out = TextOutput(tokenizer, [], [])
-    pieces = [out.add(i) for i in ids] + [out.flush()]
+    pieces = [out.add([i])[0] for i in ids] + [out.flush()]
     assert "".join(pieces) == tokenizer.decode(ids) and not any("\ufffd" in p for p in pieces)
+    assert out.add([])[0] == "" and TextOutput(tokenizer, [], []).add(ids) == (tokenizer.decode(ids), len(ids))
     out = TextOutput(tokenizer, [], ["STOP"])
-    pieces = [out.add(i) for i in ids]
+    pieces = [out.add([i])[0] for i in ids]
     assert out.stopped == "STOP" and "".join(pieces) + out.flush() == text[:text.index("STOP")]
     assert all("S" not in p for p in pieces)  # "S", "ST", ... were held back, then dropped with the stop
+    out = TextOutput(tokenizer, [], ["STOP"])  # a whole step at once: the tokens after the stop are not used
+    released, used = out.add(ids)
+    assert released == text[:text.index("STOP")] and tokenizer.decode(ids[:used]).endswith("STOP")
+    assert "STOP" not in tokenizer.decode(ids[:used - 1])
 
 
 # ---- completions and chat -------------------------------------------------------------------------

@@ -144,13 +144,10 @@ class Generation:
             self.finished = True
             raise APIError(500, f"generation failed: {item}")
         out: RequestOutput = item
-        kept, text = [], ""
-        for token in out.new_token_ids:
-            kept.append(token)
-            if self.text is not None:
-                text += self.text.add(token)
-                if self.text.stopped is not None:
-                    break
+        kept, text = out.new_token_ids, ""
+        if self.text is not None:
+            text, used = self.text.add(kept)
+            kept = kept[:used]
         self.completion_tokens += len(kept)
         if self.text is not None and self.text.stopped is not None:
             self.close()  # the engine would go on generating
