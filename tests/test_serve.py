@@ -336,28 +336,52 @@ def test_health_and_models(http):
     assert models["data"][0]["max_model_len"] == MAX_LEN
 
 
-def test_metrics(served, client, http, prompts):
-    _, engine, _ = served
-    _complete(client, prompts[9])
+def test_metrics(served, client, http, tokenizer, prompts):
+    _, engine, reference = served
+
+    def scrape():
+        families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+        return lambda name, **labels: sum(s.value for s in families[name].samples
+                                          if all(s.labels.get(k) == v for k, v in labels.items()))
+
     _wait_idle(engine)
-    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
-
-    def value(name, **labels):
-        samples = [s for s in families[name].samples if all(s.labels.get(k) == v for k, v in labels.items())]
-        assert len(samples) == 1, (name, labels)
-        return samples[0].value
-
-    m = engine.metrics
+    before = scrape()
+    response = _complete(client, prompts[9])
+    _wait_idle(engine)
+    value, m = scrape(), engine.metrics
     assert value("dspark:num_requests_running") == 0 and value("dspark:num_requests_waiting") == 0
-    assert value("dspark:generation_tokens") == m.generated_tokens > 0
+    assert value("dspark:generation_tokens") - before("dspark:generation_tokens") == len(reference[9])
+    assert value("dspark:prompt_tokens") - before("dspark:prompt_tokens") == response.usage.prompt_tokens
+    reason = response.choices[0].finish_reason
+    assert value("dspark:request_success", finished_reason=reason) - before("dspark:request_success",
+                                                                            finished_reason=reason) == 1
+    assert value("dspark:generation_tokens") == m.generated_tokens
+    assert value("dspark:spec_decode_num_drafts") == m.rounds > 0
     assert value("dspark:spec_decode_num_draft_tokens") == m.draft_tokens > 0
     assert value("dspark:spec_decode_num_accepted_tokens") == m.accepted_tokens > 0
     per_pos = [value("dspark:spec_decode_num_accepted_tokens_per_pos", position=str(k)) for k in range(m.num_drafts)]
     assert sum(per_pos) == m.accepted_tokens and per_pos == sorted(per_pos, reverse=True)
     assert value("dspark:spec_decode_mean_accepted_length") == pytest.approx(m.mean_accepted_length)
     assert m.mean_accepted_length > 1
-    assert value("dspark:request_success", finished_reason="abort") >= 1  # the dropped stream (or the 429 test's)
-    assert value("dspark:request_success", finished_reason="length") >= 1
+
+
+def test_serve_benchmark_load_generator(served, prompts, tmp_path):
+    import argparse
+    import asyncio
+
+    from dspark.bench.serve import benchmark, plot
+
+    args = argparse.Namespace(concurrency=[1, 3], requests_per_client=2, max_tokens=6, warmup_tokens=2,
+                              temperature=0.0, model=None, request_timeout=TIMEOUT)
+    levels = asyncio.run(benchmark(args, served[0].url, prompts[:4]))
+    assert [(lv["concurrency"], lv["requests"], lv["failed"], lv["mismatched"]) for lv in levels] == [(1, 2, 0, 0),
+                                                                                                       (3, 6, 0, 0)]
+    assert [lv["output_tokens"] for lv in levels] == [12, 36]
+    for lv in levels:
+        assert lv["total_tokens_per_s"] > 0 and lv["ttft_s"]["p50"] <= lv["ttft_s"]["p99"]
+        assert lv["itl_s"]["p50"] > 0 and lv["tokens_per_chunk"] >= 1 and lv["tau"] >= 1
+    (tmp_path / "run.json").write_text(json.dumps({"label": "run", "levels": levels}))
+    assert plot(tmp_path).stat().st_size > 0
 
 
 def test_full_queue_answers_429_and_sigterm_drains():

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Jinja chat template (a file or the template itself) replacing the tokenizer's")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let chat requests bring their own chat_template")
+    parser.add_argument("--engine-factory", metavar="MODULE:FUNCTION", default=None,
+                        help="build the engine in Python (benchmarks, e.g. a random-weight target): FUNCTION(config) "
+                             "gets the EngineConfig of these flags and returns an LLMEngine; --target then only "
+                             "names the tokenizer (none without it)")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="on SIGTERM, seconds the requests in flight may take before they are aborted")
 
@@ -77,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.chat_template is not None and Path(args.chat_template).is_file():
+        args.chat_template = Path(args.chat_template).read_text()
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:
@@ -87,12 +93,14 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.no_draft and args.draft is not None:
         raise ValueError("--no-draft and --draft exclude each other")
+    if args.engine_factory is not None:
+        if args.draft is not None or args.no_draft:
+            raise ValueError("--engine-factory builds the engine: give neither --draft nor --no-draft")
+        return
     if args.target is None and args.draft is not None:
         raise ValueError("--draft needs --target (or neither, for the demo pair)")
     if args.target is not None and args.draft is None and not args.no_draft:
         raise ValueError("--target needs --draft (or --no-draft for plain decoding)")
-    if args.chat_template is not None and Path(args.chat_template).is_file():
-        args.chat_template = Path(args.chat_template).read_text()
 
 
 def _load(args: argparse.Namespace):
@@ -101,17 +109,38 @@ def _load(args: argparse.Namespace):
 
     from .generate import _tokenizer
 
+    device, dtype = runtime(args)
+    config = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, scheduler=args.scheduler,
+                          threshold=args.threshold, device=device, dtype=dtype)
+    if args.engine_factory is not None:
+        engine = _factory(args.engine_factory)(config)
+        if not isinstance(engine, LLMEngine):
+            raise TypeError(f"--engine-factory {args.engine_factory} must return an LLMEngine, "
+                            f"got {type(engine).__name__}")
+        tokenizer = _tokenizer(args.target) if args.target is not None else None
+        return engine, tokenizer, args.served_model_name or args.engine_factory
     name = args.served_model_name or args.target or DEMO_MODEL_NAME
     if args.target is None:
         from dspark.training.data import demo_pair
 
         pair = demo_pair()
         args.target, args.draft = str(pair.target), None if args.no_draft else str(pair.draft)
-    device, dtype = runtime(args)
-    config = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, scheduler=args.scheduler,
-                          threshold=args.threshold, device=device, dtype=dtype)
-    engine = LLMEngine(args.target, args.draft, config)
-    return engine, _tokenizer(args.target), name
+    return LLMEngine(args.target, args.draft, config), _tokenizer(args.target), name
+
+
+def _factory(spec: str):
+    import importlib
+
+    module, _, function = spec.partition(":")
+    if not module or not function:
+        raise ValueError(f"--engine-factory must be MODULE:FUNCTION, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--engine-factory {spec}: {exc}") from None
+    if not callable(factory):
+        raise TypeError(f"--engine-factory {spec} is not a function")
+    return factory
 
 
 def _listen(host: str, port: int) -> socket.socket:
