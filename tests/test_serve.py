@@ -329,6 +329,17 @@ def test_dropped_stream_is_aborted(served, http, prompts):
 # ---- operations ----------------------------------------------------------------------------------
 
 
+def test_dropped_request_is_aborted(served, http):
+    _, engine, _ = served
+    _wait_idle(engine)
+    before = engine.metrics.generated_tokens
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up on a long request that is not streamed
+        http.post("/v1/completions", json={"prompt": [1], "max_tokens": MAX_LEN - 1, "ignore_eos": True}, timeout=0.3)
+    _wait_idle(engine)
+    assert engine.metrics.generated_tokens - before < MAX_LEN - 1
+    assert not engine.sequences and sorted(engine.free_slots) == list(range(MAX_BATCH))
+
+
 def test_health_and_models(http):
     assert http.get("/health").status_code == 200
     models = http.get("/v1/models").json()

@@ -164,8 +164,12 @@ class ServerProcess:
     """``python -m dspark.cli serve --port 0 ARGS`` as a child; its stderr is passed through."""
 
     def __init__(self, args: list[str], startup_timeout: float):
+        import os
+
+        src = str(Path(__file__).resolve().parents[2])  # this dspark, installed or not
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--port", "0", *args],
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, env=env)
         found = threading.Event()
         self.url: str | None = None
 

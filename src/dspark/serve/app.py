@@ -77,6 +77,9 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, *, max_waiting: in
     app.state.server = server
     app.add_exception_handler(APIError, lambda _, exc: exc.response())
     app.add_exception_handler(RequestValidationError, lambda _, exc: _validation_error(exc).response())
+    # a bug still answers in OpenAI's shape (Starlette logs the traceback on the server side)
+    app.add_exception_handler(Exception, lambda _, exc: APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+                              .response())
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat)
     app.get("/v1/models")(server.models)
