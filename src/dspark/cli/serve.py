@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         _check(args)
+        listener = _listen(args.host, args.port)  # before loading: a taken port fails at once
         engine, tokenizer, name = _load(args)
-        listener = _listen(args.host, args.port)
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark serve: {exc}", file=sys.stderr)
         return 2
