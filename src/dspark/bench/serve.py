@@ -244,7 +244,8 @@ async def benchmark(args, url: str, prompts: list) -> list[dict]:
 
     levels = []
     first_output: dict[int, list[int]] = {}  # prompt index -> its tokens the first time
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 8, max_keepalive_connections=max(args.concurrency) + 8)
+    connections = max(args.concurrency) + 8
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     timeout = httpx.Timeout(args.request_timeout)
     with httpx.Client(timeout=30) as sync:
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
@@ -254,7 +255,8 @@ async def benchmark(args, url: str, prompts: list) -> list[dict]:
                 n = c * args.requests_per_client
                 which = [i % len(prompts) for i in range(n)]
                 before = scrape(sync, url)
-                records, wall = await run_level(client, [request_body(prompts[i], args, args.max_tokens) for i in which], c)
+                bodies = [request_body(prompts[i], args, args.max_tokens) for i in which]
+                records, wall = await run_level(client, bodies, c)
                 after = scrape(sync, url)
                 level = summarize(records, wall, c)
                 mismatched = 0
@@ -262,9 +264,9 @@ async def benchmark(args, url: str, prompts: list) -> list[dict]:
                     if r.error is None and r.token_ids is not None:
                         mismatched += first_output.setdefault(i, r.token_ids) != r.token_ids
                 level["mismatched"] = mismatched
-                rounds = after.get("dspark:spec_decode_num_drafts_total", 0) - before.get("dspark:spec_decode_num_drafts_total", 0)
-                accepted = (after.get("dspark:spec_decode_num_accepted_tokens_total", 0)
-                            - before.get("dspark:spec_decode_num_accepted_tokens_total", 0))
+                rounds, accepted = (after.get(f"dspark:spec_decode_num_{k}_total", 0)
+                                    - before.get(f"dspark:spec_decode_num_{k}_total", 0)
+                                    for k in ("drafts", "accepted_tokens"))
                 level["tau"] = 1 + accepted / rounds if rounds else None
                 levels.append(level)
                 print(_line(level), flush=True)
@@ -295,8 +297,8 @@ def plot(out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 5))
     for path in sorted(out.glob("*.json")):
         run = json.loads(path.read_text())
-        points = [(lv["per_request_tokens_per_s"]["mean"], lv["total_tokens_per_s"], lv["concurrency"])
-                  for lv in run.get("levels", []) if lv["per_request_tokens_per_s"]["mean"] and lv["total_tokens_per_s"]]
+        points = [(x, lv["total_tokens_per_s"], lv["concurrency"]) for lv in run.get("levels", [])
+                  if (x := lv["per_request_tokens_per_s"]["mean"]) and lv["total_tokens_per_s"]]
         if not points:
             continue
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=run["label"])

@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, tokenizer, name, max_waiting=args.max_waiting, chat_template=args.chat_template,
                      trust_request_chat_template=args.trust_request_chat_template, model_root=args.target)
     port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, timeout_graceful_shutdown=args.drain_timeout))
+    config = uvicorn.Config(app, host=args.host, port=port, timeout_graceful_shutdown=args.drain_timeout)
+    server = uvicorn.Server(config)
     mode = "plain decoding" if engine.runner.drafter is None else f"DSpark, scheduler {args.scheduler}"
     print(f"dspark serve: {name!r} ({mode}, max batch {args.max_batch}, max model len {engine.max_model_len}) "
           f"on http://{args.host}:{port}", file=sys.stderr, flush=True)

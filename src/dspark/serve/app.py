@@ -399,7 +399,7 @@ class _Server:
                 yield "data: [DONE]\n\n"
             except APIError as exc:  # the stream has begun: report in-band, as vLLM does
                 info = ErrorInfo(message=exc.message, type=ERROR_TYPES[exc.status])
-                yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
+                yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\ndata: [DONE]\n\n"
             finally:
                 counters.finished[reason] += 1
                 gen.close()

@@ -87,9 +87,9 @@ class EngineLoop:
             if self._closing:
                 raise ServerClosing("the server is shutting down")
             if self.capacity is not None and self._in_flight >= self.capacity:
-                raise QueueFull(f"the server is at capacity: {self._in_flight} requests in flight "
-                                f"({self.engine.config.max_batch} running, {self.capacity - self.engine.config.max_batch} "
-                                "waiting at most); retry later")
+                running = self.engine.config.max_batch
+                raise QueueFull(f"the server is at capacity: {self._in_flight} requests in flight ({running} running, "
+                                f"{self.capacity - running} waiting at most); retry later")
             handle = Handle(request, sink)
             self._in_flight += 1
             self._inbox.append(("add", handle))
