@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
 from dspark.serve import create_app  # noqa: E402
+from dspark.serve.engine_loop import ACCEPTED, EngineDead, EngineLoop, QueueFull, ServerClosing  # noqa: E402
 from dspark.serve.text import TextOutput  # noqa: E402
 from dspark.training.data import demo_pair, read_prompts  # noqa: E402
 
@@ -141,6 +142,73 @@ def test_text_output_holds_split_characters_and_stop_prefixes(tokenizer):
     released, used = out.add(ids)
     assert released == text[:text.index("STOP")] and tokenizer.decode(ids[:used]).endswith("STOP")
     assert "STOP" not in tokenizer.decode(ids[:used - 1])
+
+
+# ---- the engine loop -------------------------------------------------------------------------------
+
+
+def _tiny_loop(max_waiting=None):
+    from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
+
+    target = tiny_qwen3_target()
+    engine = LLMEngine(target, random_draft(tiny_draft_config(target.config), 0, target),
+                       EngineConfig(max_batch=1, max_model_len=1024))
+    return EngineLoop(engine, max_waiting)
+
+
+class Sink(list):
+    """Collects what the engine thread delivers; ``wait(n)`` until n items arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.event = threading.Condition()
+
+    def __call__(self, item):
+        with self.event:
+            self.append(item)
+            self.event.notify_all()
+
+    def wait(self, n=1):
+        with self.event:
+            assert self.event.wait_for(lambda: len(self) >= n, TIMEOUT)
+        return self
+
+
+def test_engine_loop_queue_errors_and_stop():
+    loop = _tiny_loop(max_waiting=1)
+    loop.start()
+    try:
+        bad = loop.submit(Request([1] * 1024, 4), Sink()).sink  # past the context: the engine's refusal, via the sink
+        assert isinstance(bad.wait()[0], ValueError) and "context limit" in str(bad[0])
+        long = Request([1, 2, 3], 1000, SamplingParams(), ignore_eos=True)
+        running, waiting = loop.submit(long, Sink()).sink, loop.submit(long, Sink()).sink
+        with pytest.raises(QueueFull, match="capacity"):  # 1 running + 1 waiting; the refused one freed its place
+            loop.submit(long, Sink())
+        assert running.wait(2)[:1] == [ACCEPTED] and waiting.wait()[:1] == [ACCEPTED]
+    finally:
+        loop.stop(TIMEOUT)  # orphans (the HTTP side drained first) are aborted
+    assert not loop.alive and not loop.engine.has_unfinished() and not loop.engine.sequences
+    for sink in (running, waiting):
+        assert sink[-1].finished and sink[-1].finish_reason == "abort"
+    assert sum(len(out.new_token_ids) for out in running[1:]) < 1000
+    with pytest.raises(ServerClosing):
+        loop.submit(long, Sink())
+
+
+def test_engine_loop_reports_a_failed_step():
+    loop = _tiny_loop()
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    loop.engine.step = broken
+    loop.start()
+    sink = loop.submit(Request([1, 2], 4), Sink()).sink
+    assert sink.wait(2)[0] == ACCEPTED and isinstance(sink[1], EngineDead) and "device lost" in str(sink[1])
+    loop.stop(TIMEOUT)
+    assert not loop.alive and loop.error is not None
+    with pytest.raises(EngineDead):
+        loop.submit(Request([1, 2], 4), Sink())
 
 
 # ---- completions and chat -------------------------------------------------------------------------

@@ -107,8 +107,6 @@ class EngineLoop:
         """Take no new requests, abort those still in flight, and join the thread."""
         with self._cond:
             self._closing = True
-            for handle in list(self._live.values()) + [h for kind, h in self._inbox if kind == "add"]:
-                self._inbox.append(("abort", handle))
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -122,11 +120,13 @@ class EngineLoop:
                 with self._cond:
                     while not self._inbox and not engine.has_unfinished() and not self._closing:
                         self._cond.wait()
-                    commands, self._inbox = self._inbox, []
-                    if self._closing and not commands and not engine.has_unfinished():
-                        return
+                    commands, self._inbox, closing = self._inbox, [], self._closing
                 for kind, handle in commands:
-                    self._add(handle) if kind == "add" else self._abort(handle)
+                    self._add(handle) if kind == "add" and not closing else self._abort(handle)
+                if closing:  # what is left has no client (the server drained first): abort it all
+                    for handle in list(self._live.values()):
+                        self._abort(handle)
+                    return
                 if engine.has_unfinished():
                     for out in engine.step():
                         self._deliver(self._live[out.request_id], out)
