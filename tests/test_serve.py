@@ -90,7 +90,7 @@ def served(pair, tokenizer, prompts):
     engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=MAX_BATCH, max_model_len=MAX_LEN))
     requests = [Request(tokenizer(p)["input_ids"], NEW, SamplingParams()) for p in prompts]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the server's engine thread runs: a busy 2-core CI box is 5-20x slower with 2
+    torch.set_num_threads(1)  # on a busy 2-core box, 2 intra-op threads ran this 5-25x slower here
     try:
         reference = [r.token_ids for r in engine.generate(requests)]
     finally:
