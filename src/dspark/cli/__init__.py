@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "eval": "dspark.cli.eval",
     "bench": "dspark.cli.bench",
     "profile": "dspark.cli.profile",
+    "serve": "dspark.cli.serve",
 }
 
 

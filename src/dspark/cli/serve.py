@@ -1,0 +1,164 @@
+"""Serve a target (+ DSpark draft) over an OpenAI-compatible HTTP API with continuous batching.
+
+The endpoints and JSON of vLLM's OpenAI server: POST /v1/completions, POST /v1/chat/completions
+(streaming as server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus). Without
+--target/--draft it serves the demo pair shipped with the package. SIGTERM (or Ctrl-C) stops taking
+connections, lets the requests in flight finish (at most --drain-timeout seconds) and exits 0.
+Needs the serve extra: pip install "dspark[serve]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from ._runtime import add_runtime_arguments, runtime
+
+DEMO_MODEL_NAME = "dspark-demo"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="Hugging Face causal LM directory (default: the demo pair's target)")
+    parser.add_argument("--draft", help="DSpark draft directory (default: the demo pair's draft)")
+    parser.add_argument("--no-draft", action="store_true", help="serve the target alone (plain decoding, the baseline)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=16, help="requests per engine round")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="tokens per request, prompt included (default: the target's, at most 4096)")
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="requests that may wait for a batch row; past that the server answers 429")
+    parser.add_argument("--scheduler", choices=("off", "threshold", "sps", "cost"), default="off",
+                        help="per request: threshold / sps (the kernels' rules); across the batch: cost (the paper's "
+                             "Algorithm 1 with the --cost-table of dspark profile)")
+    parser.add_argument("--threshold", type=float, default=0.0,
+                        help="threshold scheduler: minimum prefix survival; sps: survival floor")
+    parser.add_argument("--cost-table", default=None, help="cost scheduler: the JSON that dspark profile writes")
+    parser.add_argument("--min-predicted-gain", type=float, default=0.04,
+                        help="cost scheduler: trim verification only when predicted goodput beats the full block by this")
+    add_runtime_arguments(parser)
+    parser.add_argument("--served-model-name", default=None,
+                        help=f"the name clients pass as model (default: --target, or {DEMO_MODEL_NAME!r})")
+    parser.add_argument("--chat-template", default=None,
+                        help="Jinja chat template (a file or the template itself) replacing the tokenizer's")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let chat requests bring their own chat_template")
+    parser.add_argument("--engine-factory", metavar="MODULE:FUNCTION", default=None,
+                        help="build the engine in Python (benchmarks, e.g. a random-weight target): FUNCTION(config) "
+                             "gets the EngineConfig of these flags and returns an LLMEngine; --target then only "
+                             "names the tokenizer (none without it)")
+    parser.add_argument("--drain-timeout", type=float, default=60.0,
+                        help="on SIGTERM, seconds the requests in flight may take before they are aborted")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from dspark.serve import create_app
+    except ImportError as exc:
+        print(f'dspark serve: {exc.name} is not installed; install the serve extra: pip install "dspark[serve]"',
+              file=sys.stderr)
+        return 2
+    try:
+        _check(args)
+        listener = _listen(args.host, args.port)  # before loading: a taken port fails at once
+        engine, tokenizer, name = _load(args)
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"dspark serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(engine, tokenizer, name, max_waiting=args.max_waiting, chat_template=args.chat_template,
+                     trust_request_chat_template=args.trust_request_chat_template, model_root=args.target)
+    port = listener.getsockname()[1]
+    config = uvicorn.Config(app, host=args.host, port=port, timeout_graceful_shutdown=args.drain_timeout)
+    server = uvicorn.Server(config)
+    mode = "plain decoding" if engine.runner.drafter is None else f"DSpark, scheduler {args.scheduler}"
+    print(f"dspark serve: {name!r} ({mode}, max batch {args.max_batch}, max model len {engine.max_model_len}) "
+          f"on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal it shut down on once it is done; with the default action that
+    # would kill the process after a clean drain, so the restored handler ignores it and we exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[listener])
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.chat_template is not None and Path(args.chat_template).is_file():
+        args.chat_template = Path(args.chat_template).read_text()
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.no_draft and args.draft is not None:
+        raise ValueError("--no-draft and --draft exclude each other")
+    if args.engine_factory is not None:
+        if args.draft is not None or args.no_draft:
+            raise ValueError("--engine-factory builds the engine: give neither --draft nor --no-draft")
+        return
+    if args.target is None and args.draft is not None:
+        raise ValueError("--draft needs --target (or neither, for the demo pair)")
+    if args.target is not None and args.draft is None and not args.no_draft:
+        raise ValueError("--target needs --draft (or --no-draft for plain decoding)")
+
+
+def _load(args: argparse.Namespace):
+    """(engine, tokenizer or None, served model name)."""
+    from dspark.engine import EngineConfig, LLMEngine
+
+    from dspark.engine import load_tokenizer as _tokenizer
+
+    device, dtype = runtime(args)
+    config = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, scheduler=args.scheduler,
+                          threshold=args.threshold, device=device, dtype=dtype, cost_table=args.cost_table,
+                          min_predicted_gain=args.min_predicted_gain)
+    if args.engine_factory is not None:
+        engine = _factory(args.engine_factory)(config)
+        if not isinstance(engine, LLMEngine):
+            raise TypeError(f"--engine-factory {args.engine_factory} must return an LLMEngine, "
+                            f"got {type(engine).__name__}")
+        tokenizer = _tokenizer(args.target) if args.target is not None else None
+        return engine, tokenizer, args.served_model_name or args.engine_factory
+    name = args.served_model_name or args.target or DEMO_MODEL_NAME
+    if args.target is None:
+        from dspark.training.data import demo_pair
+
+        pair = demo_pair()
+        args.target, args.draft = str(pair.target), None if args.no_draft else str(pair.draft)
+    return LLMEngine(args.target, args.draft, config), _tokenizer(args.target), name
+
+
+def _factory(spec: str):
+    import importlib
+
+    module, _, function = spec.partition(":")
+    if not module or not function:
+        raise ValueError(f"--engine-factory must be MODULE:FUNCTION, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--engine-factory {spec}: {exc}") from None
+    if not callable(factory):
+        raise TypeError(f"--engine-factory {spec} is not a function")
+    return factory
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so a taken port is a one-line error (uvicorn serves on it)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    return sock

@@ -1,0 +1,178 @@
+"""The engine loop: one background thread owns the (not thread-safe) ``LLMEngine``.
+
+Between two engine steps the thread takes the requests submitted and aborted since the last step
+(a lock-protected inbox, so the HTTP side never touches the engine), then runs one step for every
+running request and hands each request's outputs to its sink. A sink is called on the engine
+thread; the server's sinks forward to an asyncio queue with ``loop.call_soon_threadsafe``.
+
+What a sink receives, in order: ``ACCEPTED`` (the engine queued the request) or the exception
+``add_request`` raised; then ``RequestOutput`` s, the last one with ``finished`` set
+(``finish_reason`` ``"abort"`` after ``abort``); or an ``EngineDead`` error if a step fails.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import Request, RequestOutput
+
+__all__ = ["ACCEPTED", "EngineDead", "EngineLoop", "Handle", "QueueFull", "ServerClosing"]
+
+ACCEPTED = "accepted"
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full (the server answers 429)."""
+
+
+class ServerClosing(RuntimeError):
+    """The loop is shutting down and takes no new requests (503)."""
+
+
+class EngineDead(RuntimeError):
+    """An engine step raised; the loop stopped (500 for requests in flight, 503 afterwards)."""
+
+
+@dataclass(eq=False)
+class Handle:
+    """A submitted request: the HTTP side's reference for ``abort`` (the engine id is known only on
+    the engine thread)."""
+
+    request: Request
+    sink: Callable[[object], None]
+    request_id: int | None = None
+    done: bool = field(default=False)
+
+
+class EngineLoop:
+    """Drive ``engine`` from one daemon thread.
+
+    ``max_waiting``: how many requests may wait for a batch row beyond the ``max_batch`` running
+    ones; ``submit`` raises ``QueueFull`` past that (None: unbounded).
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
+        self.engine = engine
+        self.capacity = None if max_waiting is None else engine.config.max_batch + max_waiting
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, Handle]] = []
+        self._live: dict[int, Handle] = {}  # engine request id -> handle (engine thread only)
+        self._in_flight = 0  # submitted and not finished (guarded by _cond)
+        self._closing = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+
+    # ---- the HTTP side (any thread) -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted but not yet handed to the engine."""
+        with self._cond:
+            return sum(kind == "add" for kind, _ in self._inbox)
+
+    def submit(self, request: Request, sink: Callable[[object], None]) -> Handle:
+        with self._cond:
+            if self.error is not None:
+                raise EngineDead(f"the engine stopped after an error: {self.error}")
+            if self._closing:
+                raise ServerClosing("the server is shutting down")
+            if self.capacity is not None and self._in_flight >= self.capacity:
+                running = self.engine.config.max_batch
+                raise QueueFull(f"the server is at capacity: {self._in_flight} requests in flight ({running} running, "
+                                f"{self.capacity - running} waiting at most); retry later")
+            handle = Handle(request, sink)
+            self._in_flight += 1
+            self._inbox.append(("add", handle))
+            self._cond.notify()
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        """Stop a request (no-op once it finished); its sink gets a final ``"abort"`` output."""
+        with self._cond:
+            if not handle.done:
+                self._inbox.append(("abort", handle))
+                self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Take no new requests, abort those still in flight, and join the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not engine.has_unfinished() and not self._closing:
+                        self._cond.wait()
+                    commands, self._inbox, closing = self._inbox, [], self._closing
+                for kind, handle in commands:
+                    self._add(handle) if kind == "add" and not closing else self._abort(handle)
+                if closing:  # what is left has no client (the server drained first): abort it all
+                    for handle in list(self._live.values()):
+                        self._abort(handle)
+                    return
+                if engine.has_unfinished():
+                    for out in engine.step():
+                        self._deliver(self._live[out.request_id], out)
+        except BaseException as exc:  # noqa: BLE001 -- every client must hear about it, then the loop ends
+            self._fail(exc)
+
+    def _add(self, handle: Handle) -> None:
+        if handle.done:
+            return
+        try:
+            handle.request_id = self.engine.add_request(handle.request)
+        except (ValueError, TypeError) as exc:
+            self._finish(handle)
+            handle.sink(exc)
+            return
+        self._live[handle.request_id] = handle
+        handle.sink(ACCEPTED)
+
+    def _abort(self, handle: Handle) -> None:
+        if handle.done:
+            return
+        if handle.request_id is not None:
+            self.engine.abort(handle.request_id)
+        self._deliver(handle, RequestOutput(handle.request_id, [], True, "abort"))
+
+    def _deliver(self, handle: Handle, out: RequestOutput) -> None:
+        if out.finished:
+            self._finish(handle)
+        handle.sink(out)
+
+    def _finish(self, handle: Handle) -> None:
+        self._live.pop(handle.request_id, None)
+        # LLMEngine keeps a finished request's Sequence until generate() collects it; a server has
+        # no generate() call, so drop it here or a long-running server would keep every output.
+        self.engine.sequences.pop(handle.request_id, None)
+        with self._cond:
+            handle.done = True
+            self._in_flight -= 1
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self.error = exc
+            handles = list(self._live.values()) + [h for kind, h in self._inbox if kind == "add"]
+            self._inbox = []
+        error = EngineDead(f"the engine stopped after an error: {type(exc).__name__}: {exc}")
+        for handle in dict.fromkeys(handles):
+            if not handle.done:
+                handle.done = True
+                handle.sink(error)

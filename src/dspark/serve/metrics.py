@@ -1,0 +1,83 @@
+"""Prometheus metrics of ``dspark serve``, named in the style of vLLM's (``vllm:`` -> ``dspark:``).
+
+A custom collector reads ``LLMEngine.metrics`` (and the loop's queue) at every scrape, so the values
+are always current and the engine keeps plain counters. Reading them from the HTTP thread while the
+engine thread writes is safe under the GIL (ints and list copies); a scrape may see one round's
+counters half-updated, which the next scrape corrects.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .engine_loop import EngineLoop
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerCounters:
+    """What only the HTTP side knows: finished requests by reason (as the client saw it, e.g. a stop
+    string is ``"stop"``; ``"abort"``: the client went away), prompt tokens, refused requests."""
+
+    def __init__(self):
+        self.finished: Counter[str] = Counter()
+        self.prompt_tokens = 0
+        self.rejected = 0
+
+
+class DSparkCollector:
+    def __init__(self, loop: EngineLoop, counters: ServerCounters, model_name: str):
+        self.loop, self.counters, self.model_name = loop, counters, model_name
+
+    def collect(self):
+        m, labels = self.loop.engine.metrics, [self.model_name]
+
+        def gauge(name, doc, value):
+            family = GaugeMetricFamily(f"dspark:{name}", doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name, doc, value):
+            family = CounterMetricFamily(f"dspark:{name}", doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", m.running)
+        yield gauge("num_requests_waiting", "Requests waiting for a batch row.", m.waiting + self.loop.pending)
+        yield counter("generation_tokens", "Tokens generated.", m.generated_tokens)
+        yield counter("prompt_tokens", "Prompt tokens of the requests accepted.", self.counters.prompt_tokens)
+        yield counter("request_rejected", "Requests refused because the waiting queue was full.",
+                      self.counters.rejected)
+        success = CounterMetricFamily("dspark:request_success", "Finished requests by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason in FINISH_REASONS:
+            success.add_metric(labels + [reason], self.counters.finished[reason])
+        yield success
+        yield counter("spec_decode_num_drafts", "Speculative rounds (one per request per step).", m.rounds)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", m.draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", m.accepted_tokens)
+        per_pos = [("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position.",
+                    list(m.position_accepts)),
+                   ("spec_decode_num_draft_tokens_per_pos",
+                    "Draft tokens verified at each position with all earlier drafts accepted.",
+                    list(m.position_trials))]
+        for name, doc, values in per_pos:
+            family = CounterMetricFamily(f"dspark:{name}", doc, labels=["model_name", "position"])
+            for position, value in enumerate(values):
+                family.add_metric(labels + [str(position)], value)
+            yield family
+        yield gauge("spec_decode_mean_accepted_length",
+                    "Tokens committed per round (accepted drafts + the bonus token); 0 before the first round.",
+                    m.mean_accepted_length)
+        yield gauge("spec_decode_num_speculative_tokens", "Draft tokens proposed per round (block size - 1).",
+                    m.num_drafts)
+
+
+def registry(loop: EngineLoop, counters: ServerCounters, model_name: str) -> CollectorRegistry:
+    """A registry of this server's metrics alone (not the process-global one: one per app)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(DSparkCollector(loop, counters, model_name))
+    return reg
