@@ -359,3 +359,14 @@ def test_generate_api_and_cli_run_the_batched_engine(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["generated_ids"] for r in rows] == [r.token_ids for r in reference[:2]]
+
+
+def test_evaluate_runs_on_the_batched_engine(target):
+    from dspark.evaluation import evaluate
+
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    report = evaluate(target, {"d": draft}, PROMPTS[:2], max_new_tokens=8, engine="batched")
+    row = report["drafts"][0]
+    assert row["identical"] == 2 and row["rounds"] > 0 and report["plain"]["tokens"] == 16
+    with pytest.raises(ValueError, match="engine must be 'reference' or 'batched'"):
+        evaluate(target, {"d": draft}, PROMPTS[:1], engine="fast")

@@ -55,28 +55,31 @@ def warm_up(decoders: list[SpeculativeDecoder], prompt_ids, sampling: SamplingPa
 
 def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: int = 128,
              sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0,
-             progress: Callable[[int, int], None] | None = None) -> dict:
+             progress: Callable[[int, int], None] | None = None, engine: str = "reference") -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
     ``tokens``, ``time_s`` (with its draft / verify split), ``tokens_per_second``, ``speedup`` and
     ``identical`` (prompts whose output equals plain decoding; None when sampling).
-    ``progress(done, total)`` is called after each prompt."""
+    ``progress(done, total)`` is called after each prompt. ``engine``: ``"reference"`` (the
+    single-request loop over the Hugging Face model) or ``"batched"`` (an ``LLMEngine`` per draft and
+    its plain-decoding twin, one prompt at a time so that per-prompt speedups stay comparable)."""
     c = Checker("evaluate")
     if not drafts:
         c.fail("drafts must name at least one draft model")
     if not prompts or not all(prompts):
         c.fail("prompts must be a non-empty list of non-empty token id lists")
-    decoders = {name: SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=threshold)
-                for name, draft in drafts.items()}
-    plain_target = next(iter(decoders.values())).target
-    warm_up(list(decoders.values()), prompts[0], sampling)
+    if engine not in ("reference", "batched"):
+        c.fail(f"engine must be 'reference' or 'batched', got {engine!r}")
+    speculative, baseline = _runners(engine, target, drafts, scheduler, threshold, sampling)
+    for run in [*speculative.values(), baseline]:  # first calls pay one-off costs: not timed
+        run(prompts[0], _WARMUP_TOKENS)
 
-    plain, runs = [], {name: [] for name in decoders}
+    plain, runs = [], {name: [] for name in speculative}
     for done, ids in enumerate(prompts, start=1):
-        plain.append(autoregressive_generate(plain_target, ids, max_new_tokens=max_new_tokens, sampling=sampling))
-        for name, decoder in decoders.items():
-            runs[name].append(decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling))
+        plain.append(baseline(ids, max_new_tokens))
+        for name, run in speculative.items():
+            runs[name].append(run(ids, max_new_tokens))
         if progress is not None:
             progress(done, len(prompts))
     plain_stats = merge_stats([r.stats for r in plain])
@@ -106,6 +109,29 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
             "per_prompt": [_prompt_row(r, p, sampling) for r, p in zip(results, plain)],
         })
     return report
+
+
+def _runners(engine: str, target, drafts: dict, scheduler: str, threshold: float, sampling: SamplingParams):
+    """``({name: run}, plain run)``: ``run(prompt_ids, max_new_tokens) -> GenerationResult``."""
+    if engine == "reference":
+        decoders = {name: SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=threshold)
+                    for name, draft in drafts.items()}
+        plain_target = next(iter(decoders.values())).target
+
+        def reference(decoder):
+            return lambda ids, n: decoder.generate(ids, max_new_tokens=n, sampling=sampling)
+
+        return ({name: reference(d) for name, d in decoders.items()},
+                lambda ids, n: autoregressive_generate(plain_target, ids, max_new_tokens=n, sampling=sampling))
+    from .engine import EngineConfig, LLMEngine, Request
+
+    engines = {name: LLMEngine(target, draft, EngineConfig(max_batch=1, scheduler=scheduler, threshold=threshold))
+               for name, draft in drafts.items()}
+
+    def batched(e):
+        return lambda ids, n: e.generate_requests([Request(ids, n, sampling)])[0]
+
+    return {name: batched(e) for name, e in engines.items()}, batched(next(iter(engines.values())).plain())
 
 
 def _prompt_row(result, plain, sampling: SamplingParams) -> dict:

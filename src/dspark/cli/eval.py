@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
     add_scheduler_arguments(parser)
     parser.add_argument("--per-prompt", action="store_true", help="also print each prompt's tau and speedup")
+    parser.add_argument("--engine", choices=("auto", "batched", "reference"), default="auto",
+                        help="batched: the LLMEngine (CUDA graphs on a GPU) and its plain twin; reference: the "
+                             "single-request loop; auto: batched on CUDA, else reference")
     parser.add_argument("--json", default=None, help="write the report to this JSON file")
     add_runtime_arguments(parser)
 
@@ -54,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         bar = progress_bar(args, "dspark eval")
         report = evaluate(target, drafts, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                           scheduler=args.scheduler, threshold=args.threshold,
+                          engine="batched" if args.engine == "batched" or args.engine == "auto" and device.type == "cuda"
+                          else "reference",
                           progress=None if bar is None else lambda done, total: bar.update(
                               done / total, f"prompt {done}/{total}"))
         if bar is not None:
