@@ -64,54 +64,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DraftCache:
-    """Per-layer context keys (after ``k_norm`` and RoPE) and values of one sequence.
+    """The draft's context K/V of one sequence: one cache line of a ``DraftRunner`` (the batched
+    draft forward), grown by doubling, so appending a round costs amortised O(new tokens).
 
     Holds positions ``0 .. length-1``: only verified context. A block's K/V are written past
-    ``length`` for the duration of one layer's attention and overwritten by the next context (as
-    vLLM does), never counted in ``length``. Storage grows by doubling, so appending a round costs
-    amortised O(new tokens).
+    ``length`` and overwritten by the next context (as vLLM does), never counted in ``length``.
     """
 
     def __init__(self, num_layers: int):
-        self._keys: list[torch.Tensor | None] = [None] * num_layers
-        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self.num_layers = num_layers
+        self.runner = None  # the DraftRunner, made on first use (it needs the model)
         self.length = 0
 
-    @property
-    def num_layers(self) -> int:
-        return len(self._keys)
+    def reserve(self, model, positions: int):
+        """The runner, its line holding at least ``positions`` positions."""
+        from .draft_runner import DraftRunner
 
-    def extend(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Append ``T`` positions: one ``[n_kv, T, d]`` key and value tensor per layer."""
-        for i, (k, v) in enumerate(zip(keys, values)):
-            self._keys[i] = _write_at(self._keys[i], self.length, k)
-            self._values[i] = _write_at(self._values[i], self.length, v)
-        self.length += keys[0].shape[1]
-
-    def with_block(self, layer: int, start: int, block_k: torch.Tensor, block_v: torch.Tensor):
-        """Keys and values ``[n_kv, length - start + N, d]``: context positions ``start .. length-1``
-        followed by the block's ``[n_kv, N, d]`` (stored past ``length``, so not kept)."""
-        end = self.length + block_k.shape[1]
-        self._keys[layer] = _write_at(self._keys[layer], self.length, block_k)
-        self._values[layer] = _write_at(self._values[layer], self.length, block_v)
-        return self._keys[layer][:, start:end], self._values[layer][:, start:end]
+        if self.runner is None:
+            self.runner = DraftRunner(model, 1, max(positions, 64))
+        elif self.runner.max_len < positions:
+            self.runner.grow(max(positions, 2 * self.runner.max_len))
+        return self.runner
 
     def crop(self, n: int) -> None:
         """Keep positions ``< n`` (roll back to a shorter verified context)."""
         self.length = Checker("DraftCache.crop").integer("n", n, low=0, high=self.length)
-
-
-def _write_at(buffer: torch.Tensor | None, start: int, new: torch.Tensor) -> torch.Tensor:
-    """Write ``new`` ``[h, T, d]`` at ``buffer[:, start:start+T]``, reallocating (doubling) if full."""
-    end = start + new.shape[1]
-    if buffer is None or end > buffer.shape[1]:
-        capacity = max(end, 16) if buffer is None else max(end, 2 * buffer.shape[1])
-        grown = new.new_empty(new.shape[0], capacity, new.shape[2])
-        if buffer is not None:
-            grown[:, :start] = buffer[:, :start]
-        buffer = grown
-    buffer[:, start:end] = new
-    return buffer
 
 
 class DraftAttention(nn.Module):
@@ -137,25 +114,6 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
         return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(self, x, cos, sin, cache: DraftCache, layer: int, start: int, mask) -> torch.Tensor:
-        """Block queries ``x`` ``[N, H]`` over the keys of context positions ``start ..`` and of the
-        block -> ``[N, H]``. ``mask``: bool ``[rep*N, keys]`` (see ``block_mask``) or None (all visible)."""
-        n = x.shape[0]
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
-        k, v = cache.with_block(layer, start, *self.key_value(x, cos, sin))
-        # GQA without copying K/V: the rep query heads of one KV head become rep*N query rows
-        q = q.reshape(self.num_kv_heads, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1))
-
-
-def block_mask(context_len: int, n: int, rep: int, device) -> torch.Tensor:
-    """Causal-block mask bool ``[rep*N, context_len + N]``: context all visible, block
-    lower-triangular, tiled for the ``rep`` query heads that share a KV head."""
-    block = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    mask = torch.cat([torch.ones(n, context_len, dtype=torch.bool, device=device), block], dim=1)
-    return mask.repeat(rep, 1)
-
 
 class DraftMLP(nn.Module):
     def __init__(self, config: DSparkConfig):
@@ -175,10 +133,6 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
-
-    def forward(self, h, cos, sin, cache: DraftCache, layer: int, start: int, mask) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DSparkDraftModel(nn.Module):
@@ -260,28 +214,13 @@ class DSparkDraftModel(nn.Module):
                  shape=[p - cache.length, cfg.num_capture_layers * cfg.hidden_size])
         anchor = self._anchor_tensor(c, anchor_token)
 
-        n, t_new = cfg.block_size, context_hidden.shape[0]
-        positions = torch.arange(cache.length, p + n, device=self.device)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
-        context = self.hidden_norm(self.fc(context_hidden.to(self.dtype)))
-        kv = [layer.self_attn.key_value(context, cos[:t_new], sin[:t_new]) for layer in self.layers]
-        cache.extend([k for k, _ in kv], [v for _, v in kv])
-
-        ids = torch.full((n,), cfg.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[0] = anchor
-        h = self.embed_tokens(ids)
-        masks: dict[int, torch.Tensor] = {}  # one causal mask per distinct context length
-        rep = cfg.num_attention_heads // cfg.num_key_value_heads
-        for i, layer in enumerate(self.layers):
-            window = cfg.layer_window(i)
-            start = 0 if window is None else max(0, p - window)
-            mask = None
-            if cfg.layer_is_causal(i) and n > 1:
-                if p - start not in masks:
-                    masks[p - start] = block_mask(p - start, n, rep, self.device)
-                mask = masks[p - start]
-            h = layer(h, cos[t_new:], sin[t_new:], cache, i, start, mask)
-        return self.norm(h)
+        # the batched draft forward (``DraftRunner``) on this sequence's single cache line
+        runner = cache.reserve(self, p + cfg.block_size)
+        zeros = torch.zeros(context_hidden.shape[0], dtype=torch.int32, device=self.device)
+        runner.context(context_hidden, torch.arange(cache.length, p, dtype=torch.int32, device=self.device), zeros)
+        cache.length = p
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return runner.block(anchor.to(torch.int32), torch.tensor([p], **i32), torch.zeros(1, **i32))
 
     def _anchor_tensor(self, c: Checker, anchor_token) -> torch.Tensor:
         """The anchor as a 1-element int64 tensor on the model device (no host sync for tensors)."""

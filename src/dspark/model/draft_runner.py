@@ -1,7 +1,8 @@
 """The draft model's forward for many requests at once, over a per-slot KV cache.
 
-The same computation as ``DSparkDraftModel.forward_block`` (runtime.md §2.4-2.6), batched and
-flat, through the ``dspark.kernels.layers`` ops with merged QKV / gate-up projections:
+The draft's one inference forward (runtime.md §2.4-2.6), batched and flat, through the
+``dspark.kernels.layers`` ops with merged QKV / gate-up projections; ``DSparkDraftModel.forward_block``
+(the single-request loop) runs it on one cache line:
 
 * ``context(hidden, positions, token_slots)`` projects captured target hidden states
   (``c = hidden_norm(fc(concat h))``) and writes every layer's context K/V (``RoPE(k_norm(k_proj c))``,
@@ -50,8 +51,24 @@ class DraftRunner:
                 gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), down=mlp.down_proj.weight.detach()))
         head_dim = cfg.head_dim
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=model.device).float() / head_dim
-        self.cos_sin = K.rope_cos_sin_table(1.0 / (cfg.rope_theta ** exponent), max_len)
+        self.inv_freq = 1.0 / (cfg.rope_theta ** exponent)
+        self.cos_sin = K.rope_cos_sin_table(self.inv_freq, max_len)
         self.block_offsets = torch.arange(self.block_size, dtype=torch.int32, device=model.device)
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def grow(self, max_len: int) -> None:
+        """Reallocate the cache lines to ``max_len`` positions, keeping what they hold (eager use only:
+        a captured graph keeps the old buffers)."""
+        cfg, old = self.config, self.cache
+        self.cache = KVCache(cfg.num_hidden_layers, old.num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                             old.k.dtype, old.k.device)
+        keep = min(old.max_len, max_len)
+        self.cache.k[:, :, :keep] = old.k[:, :, :keep]
+        self.cache.v[:, :, :keep] = old.v[:, :, :keep]
+        self.cos_sin = K.rope_cos_sin_table(self.inv_freq, max_len)
 
     @torch.inference_mode()
     def context(self, hidden: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor) -> None:
