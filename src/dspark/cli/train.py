@@ -143,9 +143,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_output(args: argparse.Namespace) -> None:
-    """Refuse to write a checkpoint into a file or a non-empty directory unless ``--overwrite``."""
+    """Refuse to write a checkpoint into a file or a non-empty directory unless ``--overwrite`` (or
+    ``--resume``, which continues the run saved there)."""
     output = Path(args.output)
     if output.exists() and not output.is_dir():
         raise ValueError(f"--output {args.output} is a file, not a directory")
-    if output.is_dir() and any(output.iterdir()) and not args.overwrite:
+    if output.is_dir() and any(output.iterdir()) and not (args.overwrite or args.resume):
         raise ValueError(f"--output {args.output} exists and is not empty: pass --overwrite to write the draft into it")
