@@ -473,6 +473,26 @@ def test_greedy_round_bad_input():
         K.markov_greedy_round(*args, case.markov_w2, torch.tensor([0, 64], dtype=torch.int32), proposal_len=3)
 
 
+def test_greedy_functions_reject_nan_in_the_rows_they_read():
+    case = markov_case(2, 3, 64, 16, logits_stride=5, logits_offset=1)
+    args = [case.backbone_logits, case.markov_w1, case.markov_w2, case.first_prev_tokens]
+    case.backbone_logits[:, 0] = float("nan")  # before the offset: never read
+    case.backbone_logits[:, 4] = float("nan")  # after the P rows: never read
+    expected = K.markov_greedy_round(*args, proposal_len=3, **case.kwargs())
+    case.backbone_logits[1, 3, 7] = float("nan")  # step 2's row of entry 1
+    with pytest.raises(ValueError, match="markov_greedy_round: backbone_logits rows 1..3 .*NaN"):
+        K.markov_greedy_round(*args, proposal_len=3, **case.kwargs())
+    slots = case.greedy_slots()
+    K.markov_greedy_fused_step(*args, slots, 0, **case.kwargs())  # reads row 1 only
+    K.markov_greedy_fused_step(*args, slots, 1, **case.kwargs())
+    assert torch.equal(K.finalize_greedy_draft_tokens(slots)[:, :2], expected[:, :2])
+    with pytest.raises(ValueError, match="markov_greedy_fused_step: backbone_logits rows 3..3 .*NaN"):
+        K.markov_greedy_fused_step(*args, slots, 2, **case.kwargs())
+    codes, scales = K.quantize_markov_w2_fp8(case.markov_w2)
+    with pytest.raises(ValueError, match="markov_greedy_fused_step_fp8: backbone_logits .*NaN"):
+        K.markov_greedy_fused_step_fp8(*args[:2], codes, scales, args[3], slots, 2, **case.kwargs())
+
+
 # ------------------------------------------------------------------------------ Triton backend: Markov steps
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import BACKEND_PARAMS, DEVICE, INTERPRETER_WARNINGS, gpu, on_backends, requires_triton
+from kernel_cases import markov_case
 
 import dspark.kernels as K
 import sampling_cases as cases
@@ -451,6 +452,50 @@ def test_vanilla_markov_sample_rejects_bad_input():
         K.vanilla_markov_sample(**case, temperature=float("nan"))
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_negative_top_k_means_no_top_k(backend):
+    """kernels.md 3.9: ``K < 0`` is ``K = V`` (vLLM's -1), in every function that takes ``top_k``."""
+    logits = cases.random_logits(3, 300, seed=8, device=DEVICE)
+    case = cases.markov_sample_inputs(2, 2, 300, 16, seed=9, device=DEVICE)
+    with K.use_backend(backend):
+        for top_k, top_p in ((-1, 1.0), (-7, 0.9)):
+            assert torch.equal(K.logits_to_probabilities(logits, 0.8, top_k, top_p),
+                               K.logits_to_probabilities(logits, 0.8, 0, top_p))
+            sampled = K.vanilla_markov_sample(**case, temperature=0.8, top_k=top_k, top_p=top_p)
+            unfiltered = K.vanilla_markov_sample(**case, temperature=0.8, top_k=0, top_p=top_p)
+            assert all(torch.equal(a, b) for a, b in zip(sampled, unfiltered))
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_sampled_steps_take_fp8_w2(backend):
+    """On the exact grid E4M3 codes times the row scales are W2 exactly, so FP8 changes nothing."""
+    case = markov_case(3, 4, 1000, 64, device=DEVICE)
+    with K.use_backend("reference"):
+        codes, scales = K.quantize_markov_w2_fp8(case.markov_w2)
+    uniforms = torch.rand(3, 4, generator=cases.generator(3)).to(DEVICE)
+    args = (case.backbone_logits, case.markov_w1)
+    with K.use_backend(backend):
+        fp16 = K.vanilla_markov_sample(*args, case.markov_w2, case.first_prev_tokens, uniforms, 0.8, 50, 0.9)
+        fp8 = K.vanilla_markov_sample(*args, codes, case.first_prev_tokens, uniforms, 0.8, 50, 0.9,
+                                      w2_row_scales=scales)
+        logits16 = K.build_markov_logits(*args, case.markov_w2, case.first_prev_tokens, fp16[0], 2)
+        logits8 = K.build_markov_logits(*args, codes, case.first_prev_tokens, fp16[0], 2, w2_row_scales=scales)
+    assert all(torch.equal(a, b) for a, b in zip(fp16, fp8)) and torch.equal(logits16, logits8)
+
+
+def test_sampled_fp8_bad_input():
+    case = cases.markov_sample_inputs(2, 2, 64, 16, seed=1)
+    codes, scales = K.quantize_markov_w2_fp8(case["markov_w2"])
+    with raises(ValueError, "vanilla_markov_sample", "uint8 FP8 codes", "w2_row_scales"):
+        K.vanilla_markov_sample(**{**case, "markov_w2": codes}, temperature=1.0)
+    with raises(ValueError, "vanilla_markov_sample", "w2_row_scales is given", "float16"):
+        K.vanilla_markov_sample(**case, temperature=1.0, w2_row_scales=scales)
+    with raises(ValueError, "markov_sample_step", "w2_row_scales", r"\[64\]"):
+        K.markov_sample_step(**{**case, "markov_w2": codes}, draft_token_ids=torch.zeros(2, 2, dtype=I32),
+                             draft_probabilities=torch.zeros(2, 2, 64), step=0, temperature=1.0,
+                             w2_row_scales=scales[:10])
+
+
 def f32_dev(values):
     return f32(values, DEVICE)
 
@@ -627,12 +672,15 @@ MARKOV_CASES = [  # batch, width, vocab, rank, dtype, temperature, top_k, top_p,
 
 
 def check_markov_round(batch, width, vocab, rank, dtype, temperature, top_k, top_p, stride, offset, seed=0,
-                       rtol=1e-5):
+                       rtol=1e-5, fp8=False):
     """Triton's round: each step's probabilities vs the reference step re-run on Triton's own earlier
     tokens (so a legal boundary choice does not change what later steps see), each token vs NVIDIA's
-    walk over the probabilities Triton stored."""
+    walk over the probabilities Triton stored. ``fp8``: W2 as the reference's E4M3 codes + row scales."""
     case = cases.markov_sample_inputs(batch, width, vocab, rank, dtype=dtype, logits_stride=stride,
                                       logits_offset=offset, seed=seed, device=DEVICE)
+    if fp8:
+        with K.use_backend("reference"):
+            case["markov_w2"], case["w2_row_scales"] = K.quantize_markov_w2_fp8(case["markov_w2"])
     filters = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     with K.use_backend("triton"):
         tokens, probs = K.vanilla_markov_sample(**case, **filters)
@@ -651,6 +699,11 @@ def check_markov_round(batch, width, vocab, rank, dtype, temperature, top_k, top
 @pytest.mark.parametrize("case", MARKOV_CASES, ids=lambda c: "-".join(str(v) for v in c))
 def test_markov_sampler_matches_reference(case):
     check_markov_round(*case)
+
+
+@requires_triton
+def test_markov_sampler_with_fp8_w2_matches_reference():
+    check_markov_round(3, 4, 1000, 64, torch.bfloat16, 0.8, 50, 0.9, 5, 1, fp8=True)
 
 
 @requires_triton

@@ -250,6 +250,58 @@ def test_probabilistic_accept_rejects_bad_input():
         run(draft_probabilities=torch.rand(2, 3, 7))
 
 
+# ------------------------------------------------------------------------------ value checks
+
+
+def test_greedy_accept_rejects_nan_logits():
+    logits = torch.zeros(1, 2, 10)
+    logits[0, 1, 3] = float("nan")
+    with raises(ValueError, "greedy_accept", "base_logits", "NaN", r"\[1, 3\]"):
+        K.greedy_accept(logits, ids([1]), ids(1), 1)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda t, d: t.__setitem__((0, 1, 2), float("nan")), ("target_probabilities", "finite")),
+    (lambda t, d: t.__setitem__((1, 0, 0), -0.25), ("target_probabilities", "-0.25")),
+    (lambda t, d: t.mul_(2.0), ("target_probabilities", "sum to 1", "sums to 2")),
+    (lambda t, d: d.__setitem__((0, 1, 4), float("inf")), (r"draft_probabilities\[:, :2\]", "finite")),
+    (lambda t, d: d[1, 0, :1].add_(0.01), (r"draft_probabilities\[:, :2\]", r"row \[1, 0\] sums to 1.01")),
+])
+def test_probabilistic_accept_rejects_rows_that_are_not_probabilities(change, words):
+    case = cases.accept_inputs(2, 3, 2, 6)
+    change(case["target_probabilities"], case["draft_probabilities"])
+    with raises(ValueError, "probabilistic_accept", *words):
+        K.probabilistic_accept(**case)
+
+
+def test_probabilistic_accept_checks_only_the_rows_it_reads():
+    case = cases.accept_inputs(2, 3, 2, 6)
+    case["draft_probabilities"][:, 2] = float("nan")  # draft row 2 >= P_v: never read
+    expected = K.probabilistic_accept(**{**case, "draft_probabilities": case["draft_probabilities"].nan_to_num()})
+    assert all(torch.equal(a, b) for a, b in zip(K.probabilistic_accept(**case), expected))
+
+
+def test_value_checks_can_be_switched_off_and_must_be_0_or_1(monkeypatch):
+    case = cases.accept_inputs(2, 3, 2, 6)
+    case["target_probabilities"].mul_(3.0)
+    monkeypatch.setenv("DSPARK_CHECK_VALUES", "0")
+    K.probabilistic_accept(**case)  # the kernel's own behaviour: no check
+    monkeypatch.setenv("DSPARK_CHECK_VALUES", "yes")
+    with pytest.raises(ValueError, match="DSPARK_CHECK_VALUES must be 0 or 1"):
+        K.probabilistic_accept(**case)
+
+
+def test_value_checks_on_other_devices_are_opt_in(monkeypatch):
+    """A CUDA check would sync the host: off unless DSPARK_CHECK_VALUES=1 (meta tensors stand in here)."""
+    from dspark.kernels._validate import check_values
+
+    off_cpu = torch.empty(3, device="meta")
+    monkeypatch.delenv("DSPARK_CHECK_VALUES", raising=False)
+    assert check_values(torch.zeros(3)) and not check_values(off_cpu)
+    monkeypatch.setenv("DSPARK_CHECK_VALUES", "1")
+    assert check_values(off_cpu) and not check_values(torch.zeros(0))
+
+
 # ------------------------------------------------------------------------------ Triton backend
 
 

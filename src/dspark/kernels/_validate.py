@@ -165,8 +165,8 @@ class Checker:
         total = float(sums.reshape(-1)[worst])
         if abs(total - 1) > PROBABILITY_SUM_TOLERANCE:
             row = [int(i) for i in torch.unravel_index(torch.tensor(worst), sums.shape)]
-            self.fail(f"{name} rows must sum to 1 (within {PROBABILITY_SUM_TOLERANCE:g}): row {row} sums to {total:.6g} "
-                      f"(pass probabilities, not logits or unnormalised weights)")
+            self.fail(f"{name} rows must sum to 1 (within {PROBABILITY_SUM_TOLERANCE:g}): row {row} sums to "
+                      f"{total:.6g} (pass probabilities, not logits or unnormalised weights)")
 
     def rows(self, name: str, t: torch.Tensor, batch: int, stride: int, offset: int, needed: int) -> torch.Tensor:
         """Row-addressed ``[B, L, X]`` or ``[B*L, X]`` input -> contiguous ``[B*L, X]``.

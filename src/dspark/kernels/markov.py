@@ -86,8 +86,9 @@ def markov_inputs(c, backbone_logits, markov_w1, markov_w2, w2_row_scales, first
     """Check the inputs every Markov function shares; ``width`` is P (the default row stride).
 
     ``needed`` rows per batch entry (from ``logits_offset``) must lie inside the row stride. FP8 when
-    ``markov_w2`` (``w2_name`` in messages) holds uint8 codes, which needs ``w2_row_scales``. ``greedy_rows = (first, count)``:
-    the rows ``first .. first+count-1`` (after the offset) a greedy decision is taken on, checked for NaN.
+    ``markov_w2`` (``w2_name`` in messages) holds uint8 codes, which needs ``w2_row_scales``.
+    ``greedy_rows = (first, count)``: the rows ``first .. first+count-1`` (after the offset) a greedy
+    decision is taken on, checked for NaN.
     """
     first = c.tensor("first_prev_tokens", first_prev_tokens, dtype=torch.int32, ndim=1)
     device, batch = first.device, first.shape[0]

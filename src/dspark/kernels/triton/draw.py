@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from .._shared import inv_temperature, next_pow2
-from ._shared import NO_HIT, ROW_BLOCK_ENTRIES, TINY, clamp_uniform, is_degenerate, first_hit, positive, row_chunk, claim
-from ._shared import tile_stats
+from ._shared import NO_HIT, ROW_BLOCK_ENTRIES, TINY, claim, clamp_uniform, first_hit, is_degenerate, positive
+from ._shared import row_chunk, tile_stats
 
 __all__ = [
     "fill_uniforms",
@@ -215,7 +215,7 @@ def _copy_rows_kernel(src_ptr, dst_ptr, V, dst_stride, BLOCK: tl.constexpr):
 
 
 def store_draft_step_probabilities(probability_scratch, draft_probabilities, step):
-    """``draft_probabilities[:, step] = probability_scratch`` (f32 ``[B, V]`` into ``[B, P, V]``)."""
+    """``dspark.kernels.store_draft_step_probabilities``: a row copy."""
     rows, vocab = probability_scratch.shape
     if rows:
         block = 4096
@@ -282,7 +282,7 @@ def _top_k_rows(values, temperature, probs, probs_stride, sample=None):
 
 
 def normalize_top_k_rows(top_k_values, temperature):
-    """f32 ``[rows, K]`` softmax of ``top_k_values * invTemp(T)`` (kernels.md 3.20; T < 1e-3: invTemp 1)."""
+    """``dspark.kernels.normalize_top_k_rows``: one program per row."""
     probs = torch.empty_like(top_k_values)
     _top_k_rows(top_k_values, temperature, probs, top_k_values.shape[1])
     return probs
@@ -290,7 +290,7 @@ def normalize_top_k_rows(top_k_values, temperature):
 
 def sample_top_k_rows_and_store(top_k_values, top_k_indices, proposal_uniforms, draft_token_ids,
                                 draft_top_k_probabilities, draft_top_k_indices, step, temperature):
-    """Normalise ``[B, K]`` top-k values, store probabilities and ids at ``step``, draw the token (3.22)."""
+    """``dspark.kernels.sample_top_k_rows_and_store``: normalise, store and draw in one program per row."""
     width, k = draft_top_k_probabilities.shape[1:]
     _top_k_rows(top_k_values, temperature, draft_top_k_probabilities[:, step], width * k,
                 sample=(top_k_indices, draft_top_k_indices[:, step], proposal_uniforms[:, step], width,

@@ -24,8 +24,8 @@ import triton.language as tl
 from .._shared import filter_settings, next_pow2
 from . import draw as tdraw
 from . import search as tsearch
-from ._shared import MAX_KEY, NO_HIT, SENTINEL, TINY, clamp_uniform, is_degenerate, first_hit, key_index, key_value
-from ._shared import merge, ord_image, order_key, positive, row_chunk, claim, tile_stats
+from ._shared import MAX_KEY, NO_HIT, SENTINEL, TINY, claim, clamp_uniform, first_hit, is_degenerate, key_index
+from ._shared import key_value, merge, ord_image, order_key, positive, row_chunk, tile_stats
 from .search import NPROBE, store_cut_state
 
 __all__ = ["logits_to_probabilities"]

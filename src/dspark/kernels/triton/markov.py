@@ -30,8 +30,8 @@ import triton.language as tl
 
 from .._shared import filter_settings, next_pow2
 from . import filter as tfilter
-from ._shared import ELEMENTWISE_BLOCK, INTERPRET, SENTINEL, dot, greedy_key, multiprocessors, order_key, orderable
-from ._shared import merge, claim, tile_stats, unpack_key
+from ._shared import ELEMENTWISE_BLOCK, INTERPRET, SENTINEL, claim, dot, greedy_key, merge, multiprocessors, order_key
+from ._shared import orderable, tile_stats, unpack_key
 
 __all__ = [
     "build_markov_logits",

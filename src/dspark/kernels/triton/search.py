@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._shared import next_pow2
-from ._shared import INTERPRET, MAX_KEY, SENTINEL, TINY, ord_image, ord_value, key_value, order_key
+from ._shared import INTERPRET, MAX_KEY, SENTINEL, TINY, key_value, ord_image, ord_value, order_key
 
 NPROBE = 16  # thresholds tested per pass of the search
 SEARCH_PASSES = 3  # multi-program probe passes before one program per row takes over (flat rows need 2)

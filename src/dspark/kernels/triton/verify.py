@@ -17,7 +17,8 @@ import triton.language as tl
 
 from .._shared import next_pow2
 from . import draw as tdraw
-from ._shared import ELEMENTWISE_BLOCK, ROW_BLOCK_ENTRIES, SIGN32, TINY, greedy_key, merge, orderable, claim, unpack_key
+from ._shared import ELEMENTWISE_BLOCK, ROW_BLOCK_ENTRIES, SIGN32, TINY, claim, greedy_key, merge, orderable
+from ._shared import unpack_key
 
 __all__ = ["build_verify_tokens", "fill_proposal_lengths", "greedy_accept", "probabilistic_accept"]
 
@@ -37,12 +38,13 @@ def _build_verify_kernel(last_ptr, draft_ptr, draft_stride, out_ptr, N, VERIFY_L
 
 
 def build_verify_tokens(last_accepted_tokens, draft_token_ids, verify_proposal_len):
-    """``[last, draft[:, :P_v]]`` (kernels.md 3.2): int32 ``[B]`` + ``[B, S]`` -> int32 ``[B, P_v + 1]``."""
+    """``dspark.kernels.build_verify_tokens``."""
     batch, draft_stride = draft_token_ids.shape
     verify_len = verify_proposal_len + 1
     out = torch.empty(batch, verify_len, dtype=torch.int32, device=draft_token_ids.device)
     n = batch * verify_len
-    _build_verify_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](last_accepted_tokens, draft_token_ids, draft_stride, out, n, verify_len, BLOCK=ELEMENTWISE_BLOCK)
+    _build_verify_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](last_accepted_tokens, draft_token_ids, draft_stride, out,
+                                                               n, verify_len, BLOCK=ELEMENTWISE_BLOCK)
     return out
 
 
@@ -53,10 +55,11 @@ def _fill_kernel(out_ptr, value, N, BLOCK: tl.constexpr):
 
 
 def fill_proposal_lengths(batch_size, proposal_len, device):
-    """int32 ``[B]`` filled with ``proposal_len`` (kernels.md 3.4)."""
+    """``dspark.kernels.fill_proposal_lengths``."""
     out = torch.empty(batch_size, dtype=torch.int32, device=device)
     if batch_size:
-        _fill_kernel[(triton.cdiv(batch_size, ELEMENTWISE_BLOCK),)](out, proposal_len, batch_size, BLOCK=ELEMENTWISE_BLOCK)
+        _fill_kernel[(triton.cdiv(batch_size, ELEMENTWISE_BLOCK),)](out, proposal_len, batch_size,
+                                                                     BLOCK=ELEMENTWISE_BLOCK)
     return out
 
 
