@@ -452,27 +452,30 @@ def test_vanilla_markov_sample_rejects_bad_input():
         K.vanilla_markov_sample(**case, temperature=float("nan"))
 
 
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
-def test_negative_top_k_means_no_top_k(backend):
-    """kernels.md 3.9: ``K < 0`` is ``K = V`` (vLLM's -1), in every function that takes ``top_k``."""
-    logits = cases.random_logits(3, 300, seed=8, device=DEVICE)
-    case = cases.markov_sample_inputs(2, 2, 300, 16, seed=9, device=DEVICE)
-    with K.use_backend(backend):
-        for top_k, top_p in ((-1, 1.0), (-7, 0.9)):
-            assert torch.equal(K.logits_to_probabilities(logits, 0.8, top_k, top_p),
-                               K.logits_to_probabilities(logits, 0.8, 0, top_p))
-            sampled = K.vanilla_markov_sample(**case, temperature=0.8, top_k=top_k, top_p=top_p)
-            unfiltered = K.vanilla_markov_sample(**case, temperature=0.8, top_k=0, top_p=top_p)
-            assert all(torch.equal(a, b) for a, b in zip(sampled, unfiltered))
+def test_negative_top_k_means_no_top_k():
+    """kernels.md 3.9: ``K < 0`` is ``K = V`` (vLLM's -1), in every function that takes ``top_k``; the
+    public functions pass it on as 0, so every backend sees the unfiltered setting."""
+    logits = cases.random_logits(3, 300, seed=8)
+    case = cases.markov_sample_inputs(2, 2, 300, 16, seed=9)
+    for top_k, top_p in ((-1, 1.0), (-7, 0.9)):
+        assert torch.equal(K.logits_to_probabilities(logits, 0.8, top_k, top_p),
+                           K.logits_to_probabilities(logits, 0.8, 0, top_p))
+        sampled = K.vanilla_markov_sample(**case, temperature=0.8, top_k=top_k, top_p=top_p)
+        unfiltered = K.vanilla_markov_sample(**case, temperature=0.8, top_k=0, top_p=top_p)
+        assert all(torch.equal(a, b) for a, b in zip(sampled, unfiltered))
+    plain_tokens, plain_probs = K.vanilla_markov_sample(**case, temperature=0.8)
+    tokens, probs = torch.zeros(2, 2, dtype=I32), torch.zeros(2, 2, 300)
+    K.markov_sample_step(**case, draft_token_ids=tokens, draft_probabilities=probs, step=0, temperature=0.8, top_k=-1)
+    assert torch.equal(probs[:, 0], plain_probs[:, 0]) and torch.equal(tokens[:, 0], plain_tokens[:, 0])
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_sampled_steps_take_fp8_w2(backend):
     """On the exact grid E4M3 codes times the row scales are W2 exactly, so FP8 changes nothing."""
-    case = markov_case(3, 4, 1000, 64, device=DEVICE)
+    case = markov_case(2, 3, 300, 64, device=DEVICE)
     with K.use_backend("reference"):
         codes, scales = K.quantize_markov_w2_fp8(case.markov_w2)
-    uniforms = torch.rand(3, 4, generator=cases.generator(3)).to(DEVICE)
+    uniforms = torch.rand(2, 3, generator=cases.generator(3)).to(DEVICE)
     args = (case.backbone_logits, case.markov_w1)
     with K.use_backend(backend):
         fp16 = K.vanilla_markov_sample(*args, case.markov_w2, case.first_prev_tokens, uniforms, 0.8, 50, 0.9)
@@ -529,13 +532,17 @@ def test_logits_to_probabilities_matches_reference(vocab, temperature, top_k, to
 
 
 @requires_triton
-@pytest.mark.parametrize("passes", [0, 1, 3])
-@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.3), (300, 0.95), (2000, 1.0)])
+@pytest.mark.parametrize("top_k, top_p, passes", [
+    *[(top_k, top_p, passes) for top_k, top_p in ((0, 0.9), (0, 0.3), (2000, 1.0)) for passes in (0, 1, 3)],
+    (300, 0.95, 3),  # the nucleus inside a large top-k is cut by the row program whatever the passes
+])
 def test_wide_nucleus_and_large_top_k_are_searched_exactly(top_k, top_p, passes, monkeypatch):
     """Flat rows put the cut far beyond the 128 candidates: the value-space search decides it, from
-    any point where the multi-program passes hand over to the one-program-per-row finish."""
+    any point where the multi-program passes hand over to the one-program-per-row finish (by mass
+    for top-p, by count for ``top_k > 128``)."""
     from dspark.kernels.triton import search
 
+    assert search.SEARCH_PASSES == 3  # the default is among the cases
     monkeypatch.setattr(search, "SEARCH_PASSES", passes)
     logits = cases.random_logits(3, 4099, scale=0.3, seed=top_k, device=DEVICE)
     reference, triton = on_backends(lambda: K.logits_to_probabilities(logits, 1.0, top_k, top_p))
@@ -661,13 +668,13 @@ def test_store_draft_step_probabilities_matches_reference():
 # ------------------------------------------------------------------------------ Triton backend: the fused Markov sampler
 
 
-MARKOV_CASES = [  # batch, width, vocab, rank, dtype, temperature, top_k, top_p, stride, offset
-    (3, 4, 1000, 16, torch.float16, 0.8, 0, 1.0, 0, 0),
-    (1, 7, 4099, 64, torch.bfloat16, 1.0, 0, 0.9, 8, 1),
-    (8, 1, 1000, 8, torch.float16, 0.0, 0, 1.0, 0, 0),
-    (3, 4, 4099, 256, torch.float16, 0.8, 50, 0.9, 5, 1),
-    (8, 4, 1000, 16, torch.bfloat16, 1.0, 5, 1.0, 0, 0),
-    (3, 7, 1000, 8, torch.float16, 1.0, 200, 1.0, 0, 0),
+MARKOV_CASES = [  # batch, width, vocab, rank, dtype, temperature, top_k, top_p, stride, offset, FP8 W2
+    (3, 4, 1000, 16, torch.float16, 0.8, 0, 1.0, 0, 0, False),
+    (1, 4, 4099, 64, torch.bfloat16, 1.0, 0, 0.9, 8, 1, False),
+    (8, 1, 1000, 8, torch.float16, 0.0, 0, 1.0, 0, 0, False),
+    (3, 4, 4099, 256, torch.float16, 0.8, 50, 0.9, 5, 1, False),
+    (8, 4, 1000, 16, torch.bfloat16, 1.0, 5, 1.0, 0, 0, True),
+    (3, 4, 1000, 8, torch.float16, 1.0, 200, 1.0, 0, 0, False),
 ]
 
 
@@ -698,12 +705,8 @@ def check_markov_round(batch, width, vocab, rank, dtype, temperature, top_k, top
 @requires_triton
 @pytest.mark.parametrize("case", MARKOV_CASES, ids=lambda c: "-".join(str(v) for v in c))
 def test_markov_sampler_matches_reference(case):
-    check_markov_round(*case)
-
-
-@requires_triton
-def test_markov_sampler_with_fp8_w2_matches_reference():
-    check_markov_round(3, 4, 1000, 64, torch.bfloat16, 0.8, 50, 0.9, 5, 1, fp8=True)
+    *shape, fp8 = case
+    check_markov_round(*shape, fp8=fp8)
 
 
 @requires_triton
