@@ -4,7 +4,7 @@ on the CPU (the interpreter runs the Triton ops there)."""
 
 import pytest
 import torch
-from conftest import DEVICE, INTERPRETER_WARNINGS, requires_triton
+from conftest import DEVICE, INTERPRETER_WARNINGS, gpu, requires_triton
 
 import dspark.kernels as K
 import sampling_cases as cases
@@ -93,3 +93,59 @@ def test_workspace_bad_input():
         K.Workspace().reserve("cpu", batch=0, proposal_len=7, vocab=100, rank=16)
     with pytest.raises(TypeError, match="Workspace.reserve: device"):
         K.Workspace().reserve(3.5, batch=1, proposal_len=7, vocab=100, rank=16)
+
+
+# ------------------------------------------------------------------------------ GPU: real capture
+
+
+def real_round(batch, ws):
+    """A sampled round at V = 151936 (top-k + top-p) on preallocated outputs, as an engine runs it."""
+    case = cases.markov_sample_inputs(batch, 7, 151936, 256, seed=batch, device=DEVICE)
+    uniforms = case.pop("proposal_uniforms")
+    tokens = torch.zeros(batch, 7, dtype=torch.int32, device=DEVICE)
+    probs = torch.zeros(batch, 7, 151936, device=DEVICE)
+
+    def run():
+        for step in range(7):
+            K.markov_sample_step(**case, proposal_uniforms=uniforms, draft_token_ids=tokens, draft_probabilities=probs,
+                                 step=step, temperature=0.8, top_k=50, top_p=0.9, workspace=ws)
+    return run, tokens, probs
+
+
+@gpu
+def test_reserved_workspace_round_replays_as_a_cuda_graph():
+    ws = K.Workspace()
+    ws.reserve(DEVICE, batch=8, proposal_len=7, vocab=151936, rank=256)
+    held = storage(ws)
+    with K.use_backend("triton"):
+        warm, _, _ = real_round(8, None)
+        warm()  # compiles outside the capture (on the default workspace)
+        run, tokens, probs = real_round(8, ws)
+        run()
+        eager = tokens.clone(), probs.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    tokens.zero_()
+    probs.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(tokens, eager[0]) and torch.equal(probs, eager[1])
+    assert storage(ws) == held  # sized once by reserve: nothing grew
+
+
+@gpu
+def test_workspace_growth_during_cuda_capture_raises():
+    small = K.Workspace()
+    with K.use_backend("triton"):
+        real_round(8, None)[0]()  # compiles outside the capture
+        real_round(1, small)[0]()
+        run = real_round(8, small)[0]
+        error = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            try:
+                run()
+            except RuntimeError as exc:
+                error = exc
+    assert error is not None and "CUDA graph" in str(error) and "reserve" in str(error)

@@ -512,7 +512,7 @@ def i32_dev(values):
 
 @requires_triton
 @pytest.mark.parametrize("seed, offset", [(1234, 56), (cases.RUNTIME_SEED, 0), ((1 << 64) - 1, (1 << 64) - 1),
-                                          (1 << 63, 12345), (7, 1 << 62)])
+                                          (1 << 63, 12345), (7, 1 << 62), (1, 1)])  # compiled, 1 is special
 def test_fill_uniforms_bit_exact(seed, offset):
     reference, triton = on_backends(lambda: K.fill_uniforms(3001, seed, offset, device=DEVICE))
     assert torch.equal(reference, triton)

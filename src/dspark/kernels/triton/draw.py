@@ -29,7 +29,7 @@ __all__ = [
 # ------------------------------------------------------------------------------ uniforms
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])  # a seed or offset of 1 would become a constexpr int
 def _fill_uniforms_kernel(out_ptr, total, seed, offset, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     counter = (i + 1).to(tl.uint64)
