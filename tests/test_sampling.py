@@ -748,9 +748,11 @@ def test_bad_token_ids_are_clamped_not_read_out_of_range():
 
 @requires_triton
 @gpu
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.8, 0, 1.0), (0.8, 50, 0.9), (1.0, 0, 0.9), (0.0, 0, 1.0)])
-def test_real_size_markov_round_matches_reference(temperature, top_k, top_p):
-    check_markov_round(8, 7, 151936, 256, torch.float16, temperature, top_k, top_p, 8, 1, seed=1, rtol=1e-4)
+@pytest.mark.parametrize("temperature, top_k, top_p, fp8", [(0.8, 0, 1.0, False), (0.8, 50, 0.9, False),
+                                                            (1.0, 0, 0.9, False), (0.0, 0, 1.0, False),
+                                                            (0.8, 50, 0.9, True), (0.8, 0, 1.0, True)])
+def test_real_size_markov_round_matches_reference(temperature, top_k, top_p, fp8):
+    check_markov_round(8, 7, 151936, 256, torch.float16, temperature, top_k, top_p, 8, 1, seed=1, rtol=1e-4, fp8=fp8)
 
 
 @requires_triton

@@ -154,17 +154,18 @@ def markov_smem_bytes(block_v: int, block_b: int, rank: int, fp8: bool, stages: 
 
 
 def markov_config(batch: int, rank: int, fp8: bool, sampled: bool) -> dict:
-    """Launch configuration of the Markov GEMM for a batch size, rank and W2 format (H200 sweeps,
-    ``python -m dspark.bench.greedy --tune``); ``sampled`` for the softmax-statistics epilogue.
+    """Launch configuration of the Markov GEMM for a batch size, rank and W2 format; ``sampled`` for
+    the softmax-statistics epilogue. Sweep on a GPU: ``python -m dspark.bench.greedy --tune``.
 
     ``PROGRAMS_PER_SM`` persistent programs per multiprocessor, or 0 for one program per tile. Greedy
-    epilogues: B = 64 with FP8 W2 (whose decoded tiles live in registers) or a small rank measured
-    fastest with many short programs; otherwise two persistent programs per SM with the largest
-    pipelined tile that lets them share the SM (one at B = 64). A CUDA-core dot for single rows (no
-    16-column padding) was measured slower than the padded tensor-core GEMM (40.5 vs 30.9 µs at R = 256).
-    The sampled step keeps wide tiles (fewer softmax partials for the filter to combine), one program
-    per tile, R in chunks of 64 and 8 warps: the statistics epilogue's registers (an sm_90 compile of
-    the 4-warp variant spills at R = 256; not yet timed on the H200).
+    epilogues (H200 sweep): B = 64 with FP8 W2 (whose decoded tiles live in registers) or a small
+    rank measured fastest with many short programs; otherwise two persistent programs per SM with the
+    largest pipelined tile that lets them share the SM (one at B = 64). A CUDA-core dot for single
+    rows (no 16-column padding) was measured slower than the padded tensor-core GEMM (40.5 vs 30.9 µs
+    at R = 256). Open: the FP8 step at B = 1, R = 64 is not yet faster than NVIDIA's (issue 15).
+    The sampled step keeps the tiles of its former kernel -- wide (fewer softmax partials for the
+    filter to combine), one program per tile, R in chunks of 64 -- with 8 warps: with 4, an sm_90
+    compile (Triton 3.9) of the statistics epilogue spills at R = 256. Not yet timed on the H200.
     """
     block_b = min(64, max(16, next_pow2(batch)))
     block_r = max(16, next_pow2(rank))  # tl.dot needs dims >= 16
