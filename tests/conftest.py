@@ -1,4 +1,4 @@
-"""Test setup: Triton runs under its CPU interpreter when no GPU is present.
+"""Test setup: Triton runs under its CPU interpreter when no GPU is present; shared backend helpers.
 
 TRITON_INTERPRET must be set before triton is first imported, hence at conftest import time.
 """
@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import dspark.kernels as K  # noqa: E402
+
 
 def _triton_available() -> bool:
     try:
@@ -23,6 +25,7 @@ def _triton_available() -> bool:
 
 TRITON = _triton_available()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ("reference", "triton")
 
 requires_triton = pytest.mark.skipif(not TRITON, reason="triton is not installed")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -31,3 +34,42 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def reference_backend():
+    """Every kernel call of the test on the PyTorch reference (``pytestmark = usefixtures(...)``)."""
+    with K.use_backend("reference"):
+        yield
+
+
+@pytest.fixture
+def unchecked_values(monkeypatch):
+    """Value checks off (``DSPARK_CHECK_VALUES=0``): the kernels' raw behaviour on NaN inputs, on the CPU too."""
+    monkeypatch.setenv("DSPARK_CHECK_VALUES", "0")
+
+
+def on_backends(run):
+    """``run()`` under the reference and then the Triton backend: ``(reference, triton)`` results."""
+    results = []
+    for name in BACKENDS:
+        with K.use_backend(name):
+            results.append(run())
+    return results
+
+
+def assert_same(expected, actual):
+    """Bit-identical tensors (NaN equal to NaN), or tuples of them."""
+    if isinstance(expected, tuple):
+        for e, a in zip(expected, actual, strict=True):
+            assert_same(e, a)
+        return
+    assert expected.dtype == actual.dtype and expected.shape == actual.shape
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+# The interpreter evaluates masked lanes too (-inf - -inf, 0 / 0): numpy warns, the lanes are discarded.
+INTERPRETER_WARNINGS = pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):RuntimeWarning")
+
+# ``@pytest.mark.parametrize("backend", BACKEND_PARAMS)``: the same test and vectors on both backends.
+BACKEND_PARAMS = [pytest.param("reference"), pytest.param("triton", marks=requires_triton)]

@@ -1,4 +1,10 @@
-"""Reference tests of the confidence family: confidence head, threshold and SPS schedulers."""
+"""Confidence family: confidence head, threshold and SPS schedulers.
+
+Reference tests against plain loops (float64 scores, fp32 scheduler arithmetic) and NVIDIA's vectors,
+then the Triton backend against the reference. Confidences go through ``exp``, whose last bits
+differ between libraries: ``atol = 1e-6``; lengths are compared exactly (the grid inputs keep the
+scores away from the scheduler's boundaries).
+"""
 
 import math
 from fractions import Fraction
@@ -6,19 +12,16 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICE, assert_same, on_backends, requires_triton
 from kernel_cases import (SPS_VECTORS, confidence_case, confidence_case_from_scores, nvidia_confidence_sps_case,
                           nvidia_confidence_threshold_case)
 
 import dspark.kernels as K
 from dspark.kernels.reference.confidence import sps_costs, sps_proposal_lengths, threshold_proposal_lengths
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 f32 = np.float32
-
-
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with K.use_backend("reference"):
-        yield
 
 
 # ------------------------------------------------------------------------------ plain oracles
@@ -304,3 +307,63 @@ def test_public_schedulers_on_scores_bad_input():
         K.sps_proposal_lengths(scores, 1.5)
     with pytest.raises(ValueError, match="min_proposal_len must be in"):
         K.threshold_proposal_lengths(scores, 0.5, min_proposal_len=-1)
+
+
+# ------------------------------------------------------------------------------ Triton backend
+
+
+CONFIDENCE_SHAPES = [
+    # B, P, H, R, dtype, with_markov, hidden_stride, hidden_offset
+    (1, 1, 64, 8, torch.float16, True, 0, 0),
+    (3, 4, 300, 16, torch.bfloat16, True, 6, 2),
+    (8, 7, 64, 64, torch.float16, False, 0, 0),
+    (3, 7, 100, 256, torch.float16, True, 8, 1),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("batch, width, hidden, rank, dtype, with_markov, stride, offset", CONFIDENCE_SHAPES)
+def test_confidence_and_schedulers_match_reference(batch, width, hidden, rank, dtype, with_markov, stride, offset):
+    case = confidence_case(batch, width, hidden, rank, 97, dtype, with_markov=with_markov, hidden_stride=stride,
+                           hidden_offset=offset, device=DEVICE, seed=batch + width)
+
+    def heads():
+        scores = K.compute_confidence_scores(*case.args(), **case.kwargs())
+        threshold = [K.compute_confidence_and_proposal_lengths(*case.args(), threshold=t, min_proposal_len=lo,
+                                                               max_proposal_len=hi, **case.kwargs())
+                     for t, lo, hi in ((0.3, 1, 0), (0.0, 2, 5), (0.7, 3, 2))]
+        sps = [K.compute_confidence_and_sps_proposal_lengths(*case.args(), survival_floor=f, min_proposal_len=lo,
+                                                             max_proposal_len=hi, **case.kwargs())
+               for f, lo, hi in ((0.0, 1, 0), (0.4, 2, 6), (1.0, 1, 3))]
+        return scores, threshold, sps
+
+    (ref_scores, ref_thr, ref_sps), (scores, thr, sps) = on_backends(heads)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-6, rtol=0)
+    for (ref_conf, ref_len), (conf, length) in zip(ref_thr + ref_sps, thr + sps, strict=True):
+        torch.testing.assert_close(conf, ref_conf, atol=1e-6, rtol=0)
+        assert_same(ref_len, length)
+
+
+@requires_triton
+def test_confidence_nvidia_vectors_10_and_11():
+    with K.use_backend("triton"):
+        case = nvidia_confidence_threshold_case(device=DEVICE)
+        conf, length = K.compute_confidence_and_proposal_lengths(*case.args(), threshold=0.5, min_proposal_len=1,
+                                                                 max_proposal_len=3, **case.kwargs())
+        torch.testing.assert_close(conf.cpu(), torch.tensor([[0.8807971, 0.7310586, 0.1192029]]), atol=1e-5, rtol=0)
+        assert length.tolist() == [2]
+        case = nvidia_confidence_sps_case(device=DEVICE)
+        conf, length = K.compute_confidence_and_sps_proposal_lengths(*case.args(), survival_floor=0.0,
+                                                                     min_proposal_len=1, max_proposal_len=4,
+                                                                     **case.kwargs())
+        torch.testing.assert_close(conf.cpu(), torch.tensor([[0.9525741, 0.5, 0.5, 0.5]]), atol=1e-5, rtol=0)
+        assert length.tolist() == [2]
+
+
+@requires_triton
+@pytest.mark.parametrize("scores, floor, want", SPS_VECTORS)
+def test_sps_spec_vectors(scores, floor, want):
+    case = confidence_case_from_scores([scores], device=DEVICE)
+    with K.use_backend("triton"):
+        _, length = K.compute_confidence_and_sps_proposal_lengths(*case.args(), survival_floor=floor, **case.kwargs())
+    assert length.tolist() == [want]

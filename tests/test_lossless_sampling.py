@@ -1,4 +1,4 @@
-"""Statistical losslessness of the sampled path (testing.md §5), reference backend.
+"""Statistical losslessness of the sampled path (testing.md §5), on the reference and the Triton backend.
 
 Every check draws N independent rows in one batched call, with uniforms from ``fill_uniforms`` and
 fixed seeds, and asserts for each emitted position a chi-square goodness-of-fit p-value > 1e-3 (bins
@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE, INTERPRETER_WARNINGS, gpu, requires_triton
 from scipy import stats
 from statistics_cases import assert_distribution, assert_rate, check_distribution, draws_for, forced_prefix_case, uniforms
 
 import dspark.kernels as K
 import sampling_cases as cases
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with K.use_backend("reference"):
-        yield
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reference_backend"), INTERPRETER_WARNINGS]
+I32 = torch.int32
 
 
 # ------------------------------------------------------------------------------ one verification round
@@ -142,3 +138,66 @@ def test_sample_top_k_rows_and_store_draws_from_its_distributions():
     mass = torch.zeros(vocab, dtype=torch.float64).index_add_(
         0, case["top_k_indices"].flatten().long(), case["draft_top_k_probabilities"][:, 1].flatten().double())
     assert_distribution(case["draft_token_ids"][:, 1], mass, "sparse draft step")
+
+
+# ------------------------------------------------------------------------------ Triton backend
+
+
+def triton_verify_once(target, draft, rows, seed):
+    """``rows`` independent rounds in ONE call: drafts drawn from ``draft`` [P, V], verified against
+    ``target`` [P+1, V] on the Triton backend; returns (accepted, accept_length)."""
+    width = draft.shape[0]
+    tokens = torch.multinomial(draft, rows, replacement=True, generator=cases.generator(seed)).t()
+    u = uniforms(rows, 2 * width + 1, offset=seed * (2 * width + 1)).to(DEVICE)  # built on the CPU
+    with K.use_backend("triton"):
+        return K.probabilistic_accept(
+            target.to(DEVICE).expand(rows, -1, -1), draft.to(DEVICE).expand(rows, -1, -1),
+            tokens.to(I32).contiguous().to(DEVICE), torch.full((rows,), width, dtype=I32, device=DEVICE), u, width)
+
+
+@requires_triton
+@pytest.mark.parametrize("width", [1, 3])
+def test_triton_every_emitted_position_follows_the_target(width):
+    vocab = 16
+    rows = draws_for(vocab)  # 2^17 >= 1e5 draws, one call per position
+    for position in range(width + 1):
+        seed = 100 * width + position
+        target, draft = forced_prefix_case(width, position, vocab, seed)
+        accepted, lengths = triton_verify_once(target, draft, rows, seed)
+        assert bool((lengths > position).all()), "an always-acceptable draft was rejected"
+        assert_distribution(accepted[:, position].cpu(), target[position], f"P={width}, position {position}")
+        if position < width:
+            closed_form = float(torch.minimum(target[position], draft[position]).double().sum())
+            assert_rate((lengths > position + 1).cpu(), closed_form, f"P={width}, acceptance at {position}")
+
+
+@requires_triton
+def test_triton_dense_draws_follow_their_rows():
+    vocab = 16
+    rows = draws_for(vocab)
+    probs = cases.random_distributions((1,), vocab, zero_fraction=0.35, seed=9)
+    u = uniforms(rows, 1, offset=77).to(DEVICE)
+    tokens = torch.zeros(rows, 1, dtype=I32, device=DEVICE)
+    with K.use_backend("triton"):
+        K.sample_probability_rows(probs.to(DEVICE).expand(rows, -1), u, tokens, 0)
+    assert_distribution(tokens[:, 0].cpu(), probs[0], "sample_probability_rows")
+
+
+@requires_triton
+@gpu
+def test_real_vocab_accept_is_lossless():
+    """1e5 verification rounds at V = 151936 (support scattered over the vocabulary, tail tile included)."""
+    vocab, rows, calls = 151936, 10_000, 10
+    support = torch.tensor([0, 17, 4095, 4096, 70_001, 99_999, 123_456, 151_000, 151_935])
+    g = cases.generator(12)
+    target, draft = torch.zeros(2, vocab), torch.zeros(1, vocab)
+    target[:, support] = torch.rand(2, len(support), generator=g) + 0.1
+    target[0, support[1]] = 0.0
+    draft[0, support[:-1]] = torch.rand(len(support) - 1, generator=g) + 0.1
+    draft[0, 5] = 0.3  # draft mass outside the target's support
+    target, draft = target / target.sum(-1, keepdim=True), draft / draft.sum(-1, keepdim=True)
+    results = [triton_verify_once(target, draft, rows, seed=50 + i) for i in range(calls)]
+    accepted = torch.cat([a for a, _ in results]).cpu()
+    lengths = torch.cat([n for _, n in results]).cpu()
+    assert_distribution(accepted[:, 0], target[0], "first emitted token")
+    assert_rate(lengths > 1, float(torch.minimum(target[0], draft[0]).double().sum()), "acceptance")

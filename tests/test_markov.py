@@ -1,22 +1,30 @@
-"""Reference tests of the Markov family: correction logits, packed keys, fused greedy steps, FP8 W2."""
+"""Markov family: correction logits, packed keys, fused greedy steps, FP8 W2, the greedy round.
+
+The first part tests the reference (the spec) against float64 oracles and NVIDIA's vectors; the
+second runs the Triton backend against the reference. On the CPU Triton runs under
+``TRITON_INTERPRET=1`` with small shapes (V not a multiple of any tile); on a GPU the same tests run
+compiled, plus the ``gpu`` tests at real sizes and a CUDA-graph replay.
+
+Tolerances: the ``exact`` builders of ``kernel_cases`` put every value on a dyadic grid where all
+products and partial sums are exact in fp32, so there both backends must agree bit for bit
+(token ids, packed keys, stacked rows, ties included). Gaussian inputs compare floats to
+``atol = rtol = 1e-5`` (fp32 summation order) and token ids exactly (the seeds give no near-ties).
+"""
 
 import math
 
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICE, INTERPRETER_WARNINGS, assert_same, gpu, on_backends, requires_triton
 from kernel_cases import markov_case, nvidia_fp8_step_case, nvidia_fused_step_case
 
 import dspark.kernels as K
 from dspark.kernels.reference.markov import max_greedy_keys, pack_greedy_keys, unpack_greedy_keys
 
+pytestmark = [pytest.mark.usefixtures("reference_backend"), INTERPRETER_WARNINGS]
+
 U64 = (1 << 64) - 1
-
-
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with K.use_backend("reference"):
-        yield
 
 
 def u64(keys: torch.Tensor) -> list[int]:
@@ -188,7 +196,7 @@ def test_fused_step_ties_go_to_the_lowest_index():
     assert (tokens == 17).all()
 
 
-def test_fused_step_special_values():
+def test_fused_step_special_values(unchecked_values):
     case = markov_case(3, 1, 64, 8)
     case.markov_w2.zero_()  # corrected logits = backbone exactly
     logits = case.backbone_logits
@@ -463,3 +471,283 @@ def test_greedy_round_bad_input():
         K.markov_greedy_round(*args, case.markov_w2, first, proposal_len=3, stacked_logits=torch.zeros(2, 3, 64))
     with pytest.raises(ValueError, match="first_prev_tokens"):
         K.markov_greedy_round(*args, case.markov_w2, torch.tensor([0, 64], dtype=torch.int32), proposal_len=3)
+
+
+def test_greedy_functions_reject_nan_in_the_rows_they_read():
+    case = markov_case(2, 3, 64, 16, logits_stride=5, logits_offset=1)
+    args = [case.backbone_logits, case.markov_w1, case.markov_w2, case.first_prev_tokens]
+    case.backbone_logits[:, 0] = float("nan")  # before the offset: never read
+    case.backbone_logits[:, 4] = float("nan")  # after the P rows: never read
+    expected = K.markov_greedy_round(*args, proposal_len=3, **case.kwargs())
+    case.backbone_logits[1, 3, 7] = float("nan")  # step 2's row of entry 1
+    with pytest.raises(ValueError, match="markov_greedy_round: backbone_logits rows 1..3 .*NaN"):
+        K.markov_greedy_round(*args, proposal_len=3, **case.kwargs())
+    slots = case.greedy_slots()
+    K.markov_greedy_fused_step(*args, slots, 0, **case.kwargs())  # reads row 1 only
+    K.markov_greedy_fused_step(*args, slots, 1, **case.kwargs())
+    assert torch.equal(K.finalize_greedy_draft_tokens(slots)[:, :2], expected[:, :2])
+    with pytest.raises(ValueError, match="markov_greedy_fused_step: backbone_logits rows 3..3 .*NaN"):
+        K.markov_greedy_fused_step(*args, slots, 2, **case.kwargs())
+    codes, scales = K.quantize_markov_w2_fp8(case.markov_w2)
+    with pytest.raises(ValueError, match="markov_greedy_fused_step_fp8: backbone_logits .*NaN"):
+        K.markov_greedy_fused_step_fp8(*args[:2], codes, scales, args[3], slots, 2, **case.kwargs())
+
+
+# ------------------------------------------------------------------------------ Triton backend: Markov steps
+
+
+def fp8_weights(case):
+    """The case's W2 quantised by the reference (both backends then read the same codes)."""
+    with K.use_backend("reference"):
+        return K.quantize_markov_w2_fp8(case.markov_w2)
+
+
+def run_round(case, fp8: bool):
+    """A whole round with preallocated buffers; returns (tokens, slots, stacked rows)."""
+    slots, tokens, stacked = case.greedy_slots(), torch.empty_like(case.draft_token_ids), case.stacked_logits(-7.0)
+    w2, scales = fp8_weights(case) if fp8 else (case.markov_w2, None)
+    K.markov_greedy_round(case.backbone_logits, case.markov_w1, w2, case.first_prev_tokens, proposal_len=case.proposal_len,
+                          w2_row_scales=scales, greedy_slots=slots, draft_token_ids=tokens, stacked_logits=stacked,
+                          **case.kwargs())
+    return tokens, slots, stacked
+
+
+ROUND_SHAPES = [
+    # B, P, V, R, dtype, logits_stride, logits_offset, fp8
+    (1, 1, 131, 8, torch.float16, 0, 0, False),
+    (3, 4, 1000, 64, torch.bfloat16, 6, 1, False),
+    (8, 7, 1000, 16, torch.float16, 0, 0, False),
+    (3, 7, 131, 256, torch.bfloat16, 0, 0, False),
+    (3, 4, 1000, 64, torch.float16, 0, 0, True),
+    (8, 1, 131, 16, torch.bfloat16, 3, 2, True),
+    (1, 7, 1000, 256, torch.float16, 0, 0, True),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("batch, width, vocab, rank, dtype, stride, offset, fp8", ROUND_SHAPES)
+def test_round_matches_reference_exactly(batch, width, vocab, rank, dtype, stride, offset, fp8):
+    case = markov_case(batch, width, vocab, rank, dtype, logits_stride=stride, logits_offset=offset, device=DEVICE)
+    expected, actual = on_backends(lambda: run_round(case, fp8))
+    assert_same(expected, actual)
+    assert (actual[2][:, 0] == -7.0).all()  # depth row 0 is the caller's
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype, fp8", [(torch.float16, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_fused_steps_match_reference_on_gaussian_inputs(dtype, fp8):
+    case = markov_case(3, 4, 1000, 64, dtype, exact=False, flat=True, device=DEVICE, seed=3)
+    w2, scales = fp8_weights(case) if fp8 else (case.markov_w2, None)
+
+    def steps():
+        slots, stacked = case.greedy_slots(), case.stacked_logits()
+        for step in range(case.proposal_len):
+            if fp8:
+                K.markov_greedy_fused_step_fp8(case.backbone_logits, case.markov_w1, w2, scales, case.first_prev_tokens,
+                                               slots, step, stacked_logits=stacked, stacked_depth_row=step + 1)
+            else:
+                K.markov_greedy_fused_step(case.backbone_logits, case.markov_w1, w2, case.first_prev_tokens, slots, step,
+                                           stacked_logits=stacked, stacked_depth_row=step + 1)
+        return unpack_greedy_keys(slots), stacked
+
+    (ref_tokens, ref_stacked), (tokens, stacked) = on_backends(steps)
+    assert_same(ref_tokens, tokens)
+    torch.testing.assert_close(stacked, ref_stacked, atol=1e-5, rtol=1e-5)
+
+
+@requires_triton
+def test_fused_step_merges_with_older_slot_content():
+    # NVIDIA's atomicMax contract: the slot keeps the larger of its content and the step's key.
+    case = markov_case(3, 2, 131, 16, device=DEVICE, seed=5)
+    high = pack_greedy_keys(torch.tensor([1e9]), torch.tensor([17]))  # beats every real value
+    low = pack_greedy_keys(torch.tensor([-1e9]), torch.tensor([99]))
+
+    def step():
+        slots = case.greedy_slots()
+        slots[0, 0], slots[1, 0] = high.to(DEVICE)[0], low.to(DEVICE)[0]
+        K.markov_greedy_fused_step(case.backbone_logits, case.markov_w1, case.markov_w2, case.first_prev_tokens, slots, 0)
+        return slots
+
+    expected, actual = on_backends(step)
+    assert_same(expected, actual)
+    assert int(unpack_greedy_keys(actual)[0, 0]) == 17
+
+
+@requires_triton
+def test_packed_keys_are_bit_exact_on_special_values(unchecked_values):
+    """W1 = 0, so the keys are those of the backbone rows (+ a zero dot): ties across tiles, NaN, -inf."""
+    vocab, batch = 131, 8
+    case = markov_case(batch, 1, vocab, 16, device=DEVICE)
+    case.markov_w1.zero_()
+    rows = torch.full((batch, vocab), -3.0)
+    rows[0, 5] = rows[0, 129] = 2.5  # tie across the 128-wide tile boundary: index 5
+    rows[1, 130] = 4.0  # winner in the tail tile
+    rows[2] = float("-inf")
+    rows[2, 7], rows[2, 3] = 0.0, -0.0  # -0 + (zero dot) is +0: a tie, index 3
+    rows[3, 40] = float("nan")  # NaN outranks everything
+    rows[4, 60] = -torch.tensor(float("nan"))  # -NaN ranks lowest (CPU; a GPU add makes it +NaN)
+    rows[5] = float("-inf")  # all -inf: index 0
+    rows[6] = -1e30  # all negative: the padding lanes of the tail tile (value 0) must not win
+    case.backbone_logits.copy_(rows.view(batch, 1, vocab))
+
+    def step():
+        slots = case.greedy_slots()
+        K.markov_greedy_fused_step(case.backbone_logits, case.markov_w1, case.markov_w2, case.first_prev_tokens, slots, 0)
+        return slots
+
+    expected, actual = on_backends(step)
+    assert_same(expected, actual)
+    tokens = unpack_greedy_keys(actual[:, 0]).tolist()
+    assert [tokens[b] for b in (0, 1, 2, 3, 5, 6, 7)] == [5, 130, 3, 40, 0, 0, 0]
+    finite = [0, 1, 5, 6, 7]  # rows whose keys do not depend on how the device adds to NaN or -0
+    want = max_greedy_keys(pack_greedy_keys(rows[finite], torch.arange(vocab)))
+    assert_same(want, actual.cpu()[finite, 0])
+
+
+@requires_triton
+@pytest.mark.parametrize("exact", [True, False])
+def test_build_markov_logits_matches_reference(exact):
+    case = markov_case(3, 4, 1000, 64, torch.bfloat16, logits_stride=5, logits_offset=1, exact=exact, device=DEVICE)
+    for step in (0, 3):
+        expected, actual = on_backends(lambda: K.build_markov_logits(
+            case.backbone_logits, case.markov_w1, case.markov_w2, case.first_prev_tokens, case.draft_token_ids, step,
+            **case.kwargs()))
+        tol = 0 if exact else 1e-5
+        torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+@requires_triton
+def test_bad_token_ids_are_clamped_not_read_out_of_range():
+    # On the GPU nobody validates ids (that would sync the host): the kernel clamps them into [0, V).
+    from dspark.kernels.triton import markov as tmarkov
+
+    case = markov_case(2, 2, 131, 16, device=DEVICE)
+    logits = case.backbone_logits.reshape(-1, case.vocab)
+
+    def corrected(ids):
+        draft = torch.stack([ids, ids], dim=1)
+        return tuple(tmarkov.build_markov_logits(logits, case.markov_w1, case.markov_w2, None, ids, draft, step, 2, 0)
+                     for step in (0, 1))
+
+    bad = torch.tensor([-5, 1000], dtype=torch.int32, device=DEVICE)
+    good = torch.tensor([0, case.vocab - 1], dtype=torch.int32, device=DEVICE)
+    assert_same(corrected(good), corrected(bad))
+    # an unwritten (zero) previous slot unpacks to -1 and reads row 0
+    slots, slots_row0 = case.greedy_slots(), case.greedy_slots()
+    slots_row0[:, 0] = pack_greedy_keys(torch.zeros(2), torch.zeros(2, dtype=torch.long)).to(DEVICE)
+    for s in (slots, slots_row0):
+        tmarkov.markov_greedy_fused_step(logits, case.markov_w1, case.markov_w2, None, good, s, 1, None, 0, 2, 0)
+    assert_same(slots[:, 1], slots_row0[:, 1])
+
+
+# ------------------------------------------------------------------------------ Triton backend: FP8, finalize, store
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantize_fp8_matches_reference_codes_and_scales(dtype):
+    gen = torch.Generator().manual_seed(11)
+    w2 = torch.randn(131, 64, generator=gen) * torch.logspace(-7, 3, 131)[:, None]  # tiny rows: subnormal scales
+    w2[3] = 0.0  # zero row: scale 1, codes 0
+    # absmax 448 gives scale 1: these entries sit exactly halfway between E4M3 neighbours (ties to even)
+    w2[4, :8] = torch.tensor([448.0, 1.0625, 1.1875, -2.0 ** -10, 3 * 2.0 ** -10, 11 * 2.0 ** -10, 15 * 2.0 ** -7, 232.0])
+    w2 = w2.to(dtype)
+    # The reference runs on the CPU: on CUDA, PyTorch divides by the scalar 448 as a * (1/448),
+    # which is not the correctly rounded fp32 division of kernels.md 3.15.
+    with K.use_backend("reference"):
+        expected = K.quantize_markov_w2_fp8(w2)
+    with K.use_backend("triton"):
+        actual = tuple(t.cpu() for t in K.quantize_markov_w2_fp8(w2.to(DEVICE)))
+    assert_same(expected, actual)
+    assert (actual[0][3] == 0).all() and float(actual[1][3]) == 1.0
+
+
+@requires_triton
+def test_fp8_step_matches_fp16_on_nvidia_vector_15():
+    case, spikes = nvidia_fp8_step_case(device=DEVICE)
+    with K.use_backend("triton"):
+        fp16 = run_round(case, fp8=False)
+        fp8 = run_round(case, fp8=True)
+    assert_same(spikes, fp16[0])
+    assert_same(spikes, fp8[0])
+    bound = case.rank * float(case.markov_w2.float().abs().max()) * 0.125
+    assert float((fp8[2] - fp16[2])[:, 1:].abs().max()) <= bound
+
+
+@requires_triton
+def test_fused_step_nvidia_vector_14():
+    case = nvidia_fused_step_case(device=DEVICE)
+    with K.use_backend("triton"):
+        tokens, _, stacked = run_round(case, fp8=False)
+    w1, w2 = case.markov_w1.double().cpu(), case.markov_w2.double().cpu()
+    prev = case.first_prev_tokens.long().cpu()
+    for step in range(case.proposal_len):
+        corrected = case.base_rows(step).double().cpu() + w1[prev] @ w2.T  # CPU reference along the chain
+        torch.testing.assert_close(stacked[:, step + 1].double().cpu(), corrected, atol=2e-3, rtol=0)
+        won = corrected.gather(1, tokens[:, step].long().cpu()[:, None])[:, 0]
+        assert (won >= corrected.max(dim=1).values - 2e-3).all()
+        prev = tokens[:, step].long().cpu()
+
+
+@requires_triton
+def test_finalize_and_store_top1_match_reference():
+    keys = pack_greedy_keys(torch.randn(4, 5), torch.randint(0, 1 << 31, (4, 5))).to(DEVICE)
+    keys[1, 2] = 0  # never written: unpacks to -1
+    expected, actual = on_backends(lambda: K.finalize_greedy_draft_tokens(keys))
+    assert_same(expected, actual)
+    assert int(actual[1, 2]) == -1
+
+    top1 = torch.tensor([[3], [9], [0], [151935]], dtype=torch.int32, device=DEVICE)
+
+    def store():
+        draft = torch.full((4, 3), -1, dtype=torch.int32, device=DEVICE)
+        K.store_draft_step_top1(top1, draft, 2)
+        return draft
+
+    assert_same(*on_backends(store))
+
+
+# ------------------------------------------------------------------------------ GPU: real sizes, CUDA graphs
+
+
+@requires_triton
+@gpu
+@pytest.mark.parametrize("rank, dtype, fp8", [(256, torch.float16, False), (64, torch.bfloat16, False), (256, torch.float16, True)])
+def test_real_size_round_matches_reference(rank, dtype, fp8):
+    case = markov_case(64, 7, 151936, rank, dtype, logits_stride=8, logits_offset=1, device=DEVICE)
+    expected, actual = on_backends(lambda: run_round(case, fp8))
+    assert_same(expected, actual)
+
+
+@requires_triton
+@gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_round_replays_as_a_cuda_graph(fp8):
+    case = markov_case(8, 7, 151936, 256, device=DEVICE)
+    w2, scales = fp8_weights(case) if fp8 else (case.markov_w2, None)
+    slots, tokens = case.greedy_slots(), torch.empty_like(case.draft_token_ids)
+    first = case.first_prev_tokens.clone()
+
+    def round_():
+        K.markov_greedy_round(case.backbone_logits, case.markov_w1, w2, first, proposal_len=case.proposal_len,
+                              w2_row_scales=scales, greedy_slots=slots, draft_token_ids=tokens)
+
+    with K.use_backend("triton"):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            round_()  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            round_()
+        for seed in range(3):
+            first.copy_(torch.randint(0, case.vocab, first.shape, generator=torch.Generator().manual_seed(seed),
+                                      dtype=torch.int32))
+            case.backbone_logits.add_(0.5)  # new inputs in the captured buffers
+            graph.replay()
+            replayed = tokens.clone()
+            with K.use_backend("reference"):
+                expected = K.markov_greedy_round(case.backbone_logits, case.markov_w1, w2, first,
+                                                 proposal_len=case.proposal_len, w2_row_scales=scales)
+            assert_same(expected, replayed)

@@ -1,31 +1,40 @@
-"""Sampling family, reference backend: NVIDIA vectors (kernels.md §6), spec-derived values, literal
-oracles (tests/sampling_cases.py), edge cases and argument validation."""
+"""Sampling family: uniforms, probabilities (temperature, top-k, top-p), inverse-CDF draws, stores,
+sparse top-k rows and the sampled Markov steps (fp16/bf16 and FP8 W2).
+
+Reference tests against NVIDIA's vectors (kernels.md §6), spec-derived values and literal oracles
+(``sampling_cases``), edge cases and argument validation; then the Triton backend against the
+reference (on the CPU under ``TRITON_INTERPRET=1`` with V = 1000 and 4099, multiples of no tile; on a
+GPU compiled, plus ``gpu`` tests at V = 151936 and a CUDA-graph replay of a sampled round).
+
+Tolerances: uniforms bit for bit; probabilities ``atol = 2e-6`` (fp32 normalisers in the kernels,
+float64 in the reference), real-size Markov rows (R = 256, |z| ~ 25) ``rtol = 1e-4``; sampled tokens
+by the boundary rule of ``sampling_cases.assert_tokens_agree``.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from conftest import BACKEND_PARAMS, DEVICE, INTERPRETER_WARNINGS, gpu, on_backends, requires_triton
+from kernel_cases import markov_case
 
 import dspark.kernels as K
 import sampling_cases as cases
 from dspark.kernels.reference import sampling as R
 
+pytestmark = [pytest.mark.usefixtures("reference_backend"), INTERPRETER_WARNINGS]
+
 I32 = torch.int32
+ATOL = 2e-6
 
 
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with K.use_backend("reference"):
-        yield
+def i32(values, device="cpu"):
+    return torch.tensor(values, dtype=I32, device=device)
 
 
-def i32(values):
-    return torch.tensor(values, dtype=I32)
-
-
-def f32(values):
-    return torch.tensor(values, dtype=torch.float32)
+def f32(values, device="cpu"):
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def raises(exc, *words):
@@ -55,21 +64,28 @@ def assert_eight_decimals(u, expected):
     torch.testing.assert_close(u.double(), torch.tensor(expected, dtype=torch.float64), atol=5e-9, rtol=0)
 
 
-def test_fill_uniforms_spec_values():
-    u = K.fill_uniforms(16, 1234, 56)
-    assert u.dtype == torch.float32 and u.shape == (16,)
-    assert ((u[:4] * 2**24).long().tolist()) == [0xB347FF, 0x6F9C3F, 0x4778E0, 0xDD968C]
-    assert_eight_decimals(u, SPEC_OFFSET_56)
-    assert_eight_decimals(K.fill_uniforms(4, 1234, 57), [0.91321242, 0.95574981, 0.03124821, 0.47345066])
-    assert_eight_decimals(K.fill_uniforms(4, cases.RUNTIME_SEED, 0), [0.28777933, 0.12491786, 0.29045409, 0.52624941])
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fill_uniforms_spec_values(backend):  # kernels.md 3.10
+    with K.use_backend(backend):
+        u = K.fill_uniforms(16, 1234, 56, DEVICE)
+        assert u.dtype == torch.float32 and u.shape == (16,)
+        assert ((u[:4] * 2**24).long().tolist()) == [0xB347FF, 0x6F9C3F, 0x4778E0, 0xDD968C]
+        assert_eight_decimals(u.cpu(), SPEC_OFFSET_56)
+        assert_eight_decimals(K.fill_uniforms(4, 1234, 57, DEVICE).cpu(),
+                              [0.91321242, 0.95574981, 0.03124821, 0.47345066])
+        assert_eight_decimals(K.fill_uniforms(4, cases.RUNTIME_SEED, 0, DEVICE).cpu(),
+                              [0.28777933, 0.12491786, 0.29045409, 0.52624941])
 
 
-def test_fill_uniforms_is_deterministic_and_bounded():  # NVIDIA test 4
-    first, again, other = K.fill_uniforms(16, 1234, 56), K.fill_uniforms(16, 1234, 56), K.fill_uniforms(16, 1234, 57)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fill_uniforms_is_deterministic_and_bounded(backend):  # NVIDIA test 4
+    with K.use_backend(backend):
+        first, again = K.fill_uniforms(16, 1234, 56, DEVICE), K.fill_uniforms(16, 1234, 56, DEVICE)
+        other = K.fill_uniforms(16, 1234, 57, DEVICE)
+        assert K.fill_uniforms(0, 1, 2, DEVICE).shape == (0,)
     assert torch.equal(first, again)
     assert bool(((first >= 0) & (first < 1)).all())
     assert not torch.equal(first, other)
-    assert K.fill_uniforms(0, 1, 2).shape == (0,)
 
 
 @pytest.mark.parametrize("seed, offset", [(0, 0), (1234, 56), ((1 << 64) - 1, (1 << 64) - 1), (1 << 63, 12345),
@@ -94,25 +110,19 @@ def test_fill_uniforms_rejects_bad_input():
 # ------------------------------------------------------------------------------ logits_to_probabilities
 
 
-def test_logits_to_probabilities_applies_top_k():  # NVIDIA test 1
-    probs = K.logits_to_probabilities(f32([[3, 2, 1, 0]]), 1.0, top_k=2, top_p=1.0)
-    torch.testing.assert_close(probs, f32([[0.7310586, 0.2689414, 0, 0]]), atol=1e-5, rtol=0)
-    assert abs(float(probs.sum()) - 1) < 1e-6
-
-
-def test_logits_to_probabilities_temperature_zero_is_greedy():  # NVIDIA test 3
-    probs = K.logits_to_probabilities(f32([[-1, 0.5, 4, 3]]), 0.0, top_k=0, top_p=0.5)
-    assert probs.tolist() == [[0, 0, 1, 0]]
-
-
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("logits, temperature, top_k, top_p, expected", [
+    ([3, 2, 1, 0], 1.0, 2, 1.0, [0.7310586, 0.2689414, 0, 0]),  # NVIDIA test 1
+    ([-1, 0.5, 4, 3], 0.0, 0, 0.5, [0, 0, 1, 0]),  # NVIDIA test 3
     ([3, 2, 1, 0, -1], 1.0, 3, 0.9, [0.7391566, 0.2608434, 0, 0, 0]),
     (np.log([0.5, 0.3, 0.15, 0.05]).tolist(), 1.0, 0, 0.75, [0.6666667, 0.3333333, 0, 0]),  # mass-clipped
     ([3, 2, 1, 0, -1], 0.5, 0, 1.0, [0.864704, 0.117025, 0.015838, 0.002143, 0.000290]),
 ])
-def test_logits_to_probabilities_spec_vectors(logits, temperature, top_k, top_p, expected):
-    probs = K.logits_to_probabilities(f32([logits]), temperature, top_k=top_k, top_p=top_p)
-    torch.testing.assert_close(probs, f32([expected]), atol=1e-5, rtol=0)
+def test_logits_to_probabilities_spec_vectors(backend, logits, temperature, top_k, top_p, expected):
+    with K.use_backend(backend):
+        probs = K.logits_to_probabilities(f32([logits], DEVICE), temperature, top_k=top_k, top_p=top_p)
+    torch.testing.assert_close(probs, f32([expected], DEVICE), atol=1e-5, rtol=0)
+    assert abs(float(probs.sum()) - 1) < 1e-6
 
 
 @pytest.mark.parametrize("vocab", [8, 300])
@@ -179,8 +189,6 @@ def test_logits_to_probabilities_rejects_bad_input():
         K.logits_to_probabilities(logits, 1.0, top_p=0.0)
     with raises(ValueError, "logits_to_probabilities", "top_p"):
         K.logits_to_probabilities(logits, 1.0, top_p=1.5)
-    with raises(ValueError, "logits_to_probabilities", "top_k"):
-        K.logits_to_probabilities(logits, 1.0, top_k=-1)
     with raises(TypeError, "logits_to_probabilities", "top_k"):
         K.logits_to_probabilities(logits, 1.0, top_k=2.0)
 
@@ -319,19 +327,6 @@ def test_normalize_top_k_rows_rejects_bad_input():
         K.normalize_top_k_rows(torch.zeros(2, 0), 1.0)
 
 
-def test_sparse_top_k_sample_stores_distribution():  # NVIDIA test 9
-    buffers = {"draft_token_ids": torch.zeros(1, 2, dtype=I32), "draft_top_k_probabilities": torch.zeros(1, 2, 2),
-               "draft_top_k_indices": torch.zeros(1, 2, 2, dtype=I32)}
-    uniforms = f32([[0.0, 0.99]])
-    for step, (values, ids) in enumerate([([2.0, 1.0], [1, 2]), ([3.0, 1.0], [2, 3])]):
-        K.sample_top_k_rows_and_store(f32([values]), i32([ids]), uniforms, buffers["draft_token_ids"],
-                                      buffers["draft_top_k_probabilities"], buffers["draft_top_k_indices"], step, 1.0)
-    assert buffers["draft_token_ids"].tolist() == [[1, 3]]
-    assert buffers["draft_top_k_indices"].flatten().tolist() == [1, 2, 2, 3]
-    torch.testing.assert_close(buffers["draft_top_k_probabilities"].flatten(),
-                               f32([0.7310586, 0.2689414, 0.8807971, 0.1192029]), atol=1e-6, rtol=0)
-
-
 def test_sample_top_k_rows_and_store_matches_sequential_walk():
     case = cases.top_k_step_inputs(200, 3, 6, 50, seed=51)
     K.sample_top_k_rows_and_store(**case, step=2, temperature=0.6)
@@ -368,11 +363,19 @@ def nvidia_vector_5():
             "proposal_uniforms": f32([[0.0, 0.99]])}
 
 
-def test_vanilla_markov_sample_materializes_distribution():  # NVIDIA test 5
-    tokens, probs = K.vanilla_markov_sample(**nvidia_vector_5(), temperature=1.0, top_k=2, top_p=1.0)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_vanilla_markov_sample_materializes_distribution(backend):  # NVIDIA test 5
+    case = {name: t.to(DEVICE) for name, t in nvidia_vector_5().items()}
+    with K.use_backend(backend):
+        tokens, probs = K.vanilla_markov_sample(**case, temperature=1.0, top_k=2, top_p=1.0)
+        plain_tokens, plain_probs = K.vanilla_markov_sample(**case, temperature=1.0)  # the unfiltered path
     assert tokens.dtype == I32 and tokens.tolist() == [[1, 3]]
-    torch.testing.assert_close(probs, f32([[[0, 0.7310586, 0.2689414, 0], [0, 0, 0.8807971, 0.1192029]]]),
+    torch.testing.assert_close(probs, f32([[[0, 0.7310586, 0.2689414, 0], [0, 0, 0.8807971, 0.1192029]]], DEVICE),
                                atol=1e-6, rtol=0)
+    with K.use_backend("reference"):
+        expected_tokens, expected_probs = K.vanilla_markov_sample(**case, temperature=1.0)
+    assert torch.equal(plain_tokens, expected_tokens)
+    torch.testing.assert_close(plain_probs, expected_probs, atol=1e-6, rtol=0)
 
 
 def test_per_step_top_k_path_materializes_distribution():  # NVIDIA test 6
@@ -449,80 +452,343 @@ def test_vanilla_markov_sample_rejects_bad_input():
         K.vanilla_markov_sample(**case, temperature=float("nan"))
 
 
-# ------------------------------------------------------------------------------ probabilistic_accept
+def test_negative_top_k_means_no_top_k():
+    """kernels.md 3.9: ``K < 0`` is ``K = V`` (vLLM's -1), in every function that takes ``top_k``; the
+    public functions pass it on as 0, so every backend sees the unfiltered setting."""
+    logits = cases.random_logits(3, 300, seed=8)
+    case = cases.markov_sample_inputs(2, 2, 300, 16, seed=9)
+    for top_k, top_p in ((-1, 1.0), (-7, 0.9)):
+        assert torch.equal(K.logits_to_probabilities(logits, 0.8, top_k, top_p),
+                           K.logits_to_probabilities(logits, 0.8, 0, top_p))
+        sampled = K.vanilla_markov_sample(**case, temperature=0.8, top_k=top_k, top_p=top_p)
+        unfiltered = K.vanilla_markov_sample(**case, temperature=0.8, top_k=0, top_p=top_p)
+        assert all(torch.equal(a, b) for a, b in zip(sampled, unfiltered))
+    plain_tokens, plain_probs = K.vanilla_markov_sample(**case, temperature=0.8)
+    tokens, probs = torch.zeros(2, 2, dtype=I32), torch.zeros(2, 2, 300)
+    K.markov_sample_step(**case, draft_token_ids=tokens, draft_probabilities=probs, step=0, temperature=0.8, top_k=-1)
+    assert torch.equal(probs[:, 0], plain_probs[:, 0]) and torch.equal(tokens[:, 0], plain_tokens[:, 0])
 
 
-def accept(target, draft, tokens, uniforms, verify_proposal_len, lengths=None):
-    lengths = i32([len(tokens)] if lengths is None else lengths)
-    accepted, length = K.probabilistic_accept(f32([target]), f32([draft]), i32([tokens]), lengths, f32([uniforms]),
-                                              verify_proposal_len)
-    return accepted[0].tolist(), int(length[0])
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_sampled_steps_take_fp8_w2(backend):
+    """On the exact grid E4M3 codes times the row scales are W2 exactly, so FP8 changes nothing."""
+    case = markov_case(2, 3, 300, 64, device=DEVICE)
+    with K.use_backend("reference"):
+        codes, scales = K.quantize_markov_w2_fp8(case.markov_w2)
+    uniforms = torch.rand(2, 3, generator=cases.generator(3)).to(DEVICE)
+    args = (case.backbone_logits, case.markov_w1)
+    with K.use_backend(backend):
+        fp16 = K.vanilla_markov_sample(*args, case.markov_w2, case.first_prev_tokens, uniforms, 0.8, 50, 0.9)
+        fp8 = K.vanilla_markov_sample(*args, codes, case.first_prev_tokens, uniforms, 0.8, 50, 0.9,
+                                      w2_row_scales=scales)
+        logits16 = K.build_markov_logits(*args, case.markov_w2, case.first_prev_tokens, fp16[0], 2)
+        logits8 = K.build_markov_logits(*args, codes, case.first_prev_tokens, fp16[0], 2, w2_row_scales=scales)
+    assert all(torch.equal(a, b) for a, b in zip(fp16, fp8)) and torch.equal(logits16, logits8)
 
 
-def test_probabilistic_accept_samples_residual_on_reject():  # NVIDIA test 7
-    result = accept([[.1, .8, .05, .05], [.5, .2, .1, .2], [.25] * 4], [[.2, .4, .2, .2], [.2, .3, .5, 0]], [1, 2],
-                    [0.5, 0.9, 0.0, 0.7, 0.0], 2)
-    assert result == ([1, 3, 0], 2)
+def test_sampled_fp8_bad_input():
+    case = cases.markov_sample_inputs(2, 2, 64, 16, seed=1)
+    codes, scales = K.quantize_markov_w2_fp8(case["markov_w2"])
+    with raises(ValueError, "vanilla_markov_sample", "uint8 FP8 codes", "w2_row_scales"):
+        K.vanilla_markov_sample(**{**case, "markov_w2": codes}, temperature=1.0)
+    with raises(ValueError, "vanilla_markov_sample", "w2_row_scales is given", "float16"):
+        K.vanilla_markov_sample(**case, temperature=1.0, w2_row_scales=scales)
+    with raises(ValueError, "markov_sample_step", "w2_row_scales", r"\[64\]"):
+        K.markov_sample_step(**{**case, "markov_w2": codes}, draft_token_ids=torch.zeros(2, 2, dtype=I32),
+                             draft_probabilities=torch.zeros(2, 2, 64), step=0, temperature=1.0,
+                             w2_row_scales=scales[:10])
 
 
-def test_probabilistic_accept_samples_bonus_when_all_accepted():  # NVIDIA test 8
-    result = accept([[.1, .8, .05, .05], [.1, .2, .6, .1], [.1, .2, .3, .4]], [[.1, .4, .4, .1], [.2, .2, .2, .4]],
-                    [1, 2], [.9, .9, 0, 0, .75], 2)
-    assert result == ([1, 2, 3], 3)
+def f32_dev(values):
+    return f32(values, DEVICE)
 
 
-def test_probabilistic_accept_supports_dynamic_verify_length():  # NVIDIA test 13
-    result = accept([[.1, .8, .05, .05], [.1, .2, .3, .4]], [[.1, .4, .4, .1], [.25] * 4], [1, 2], [0.9, 0, 0, 0, 0.75],
-                    1, lengths=[1])
-    assert result == ([1, 3], 2)
+def i32_dev(values):
+    return i32(values, DEVICE)
 
 
-def test_probabilistic_accept_rejects_token_the_target_gives_no_mass():  # NVIDIA test 16
-    result = accept([[.7, .3, 0, 0], [.6, .4, 0, 0]], [[.2, .8, 0, 0]], [2], [0.0, 0.5, 0.5], 1)
-    assert result == ([0, 0], 1)
+# ------------------------------------------------------------------------------ Triton backend: uniforms and probabilities
 
 
-def test_probabilistic_accept_edge_cases():
-    # q = 0 at the drafted token but p > 0: a = 1, accepted even with u close to 1.
-    assert accept([[.5, .5, 0], [0, 0, 1]], [[1, 0, 0]], [1], [0.99999994, 0, 0.3], 1) == ([1, 2], 2)
-    # p == q with p = q = 0 at the token: rejected, zero residual mass -> draw from p.
-    assert accept([[.5, .5, 0], [1, 0, 0]], [[.5, .5, 0]], [2], [0.0, 0.6, 0.0], 1) == ([1, 0], 1)
-    # all mass in one token: always accepted, bonus from the one-hot row.
-    assert accept([[0, 1, 0], [0, 0, 1]], [[0, 1, 0]], [1], [0.99999994, 0.5, 0.5], 1) == ([1, 2], 2)
-    # proposal length 0 walks one draft (rowP >= 1); a length beyond P_v walks P_v.
-    target, draft = [[0, 1, 0], [0, 0, 1], [1, 0, 0]], [[0, 1, 0], [0, 0, 1]]
-    assert accept(target, draft, [1, 2], [0.5, 0.5, 0, 0, 0.5], 2, lengths=[0]) == ([1, 2, 0], 2)
-    assert accept(target, draft, [1, 2], [0.5, 0.5, 0, 0, 0.5], 2, lengths=[9]) == ([1, 2, 0], 3)
-    assert accept(target[:2], draft, [1, 2], [0.5, 0.5, 0, 0, 0.5], 1, lengths=[9]) == ([1, 2], 2)
+@requires_triton
+@pytest.mark.parametrize("seed, offset", [(1234, 56), (cases.RUNTIME_SEED, 0), ((1 << 64) - 1, (1 << 64) - 1),
+                                          (1 << 63, 12345), (7, 1 << 62), (1, 1)])  # compiled, 1 is special
+def test_fill_uniforms_bit_exact(seed, offset):
+    reference, triton = on_backends(lambda: K.fill_uniforms(3001, seed, offset, device=DEVICE))
+    assert torch.equal(reference, triton)
 
 
-@pytest.mark.parametrize("stride, verify_proposal_len, vocab", [(1, 1, 8), (4, 4, 16), (4, 2, 16), (3, 3, 1000)])
-def test_probabilistic_accept_matches_spec_pseudocode(stride, verify_proposal_len, vocab):
-    case = cases.accept_inputs(64, stride, verify_proposal_len, vocab, seed=stride * 10 + verify_proposal_len)
-    accepted, lengths = K.probabilistic_accept(**case)
-    expected, expected_lengths = cases.probabilistic_accept(
-        case["target_probabilities"].numpy(), case["draft_probabilities"].numpy(), case["draft_token_ids"].numpy(),
-        case["proposal_lengths"].numpy(), case["accept_uniforms"].numpy(), verify_proposal_len)
-    assert accepted.dtype == I32 and lengths.dtype == I32
-    assert accepted.tolist() == expected.tolist() and lengths.tolist() == expected_lengths.tolist()
-    assert len(set(lengths.tolist())) > 1  # both accepts and rejections happened
+FILTERS = [(1.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 5, 1.0), (0.8, 50, 0.9), (1.0, 0, 0.9), (0.0, 0, 1.0),
+           (1.0, 200, 1.0), (0.8, 200, 0.9)]
 
 
-def test_probabilistic_accept_rejects_bad_input():
-    case = cases.accept_inputs(2, 3, 2, 6)
+@requires_triton
+@pytest.mark.parametrize("vocab", [1000, 4099])
+@pytest.mark.parametrize("temperature, top_k, top_p", FILTERS)
+def test_logits_to_probabilities_matches_reference(vocab, temperature, top_k, top_p):
+    logits = cases.random_logits(3, vocab, neg_inf_fraction=0.05, seed=vocab + top_k, device=DEVICE)
+    reference, triton = on_backends(lambda: K.logits_to_probabilities(logits, temperature, top_k, top_p))
+    torch.testing.assert_close(triton, reference, atol=ATOL, rtol=0)
 
-    def run(**changes):
-        K.probabilistic_accept(**{**case, **changes})
 
-    with raises(ValueError, "probabilistic_accept", "verify_proposal_len"):
-        run(verify_proposal_len=4)
-    with raises(ValueError, "probabilistic_accept", "accept_uniforms", r"\[2, 7\]"):
-        run(accept_uniforms=torch.rand(2, 6))
-    with raises(ValueError, "probabilistic_accept", "target_probabilities"):
-        run(target_probabilities=torch.rand(2, 4, 6))
-    with raises(ValueError, "probabilistic_accept", "draft_token_ids", "6"):
-        run(draft_token_ids=i32([[6, 0, 0], [0, 0, 0]]))
-    with raises(TypeError, "probabilistic_accept", "proposal_lengths"):
-        run(proposal_lengths=case["proposal_lengths"].long())
-    with raises(ValueError, "probabilistic_accept", "draft_probabilities"):
-        run(draft_probabilities=torch.rand(2, 3, 7))
+@requires_triton
+@pytest.mark.parametrize("top_k, top_p, passes", [
+    *[(top_k, top_p, passes) for top_k, top_p in ((0, 0.9), (0, 0.3), (2000, 1.0)) for passes in (0, 1, 3)],
+    (300, 0.95, 3),  # the nucleus inside a large top-k is cut by the row program whatever the passes
+])
+def test_wide_nucleus_and_large_top_k_are_searched_exactly(top_k, top_p, passes, monkeypatch):
+    """Flat rows put the cut far beyond the 128 candidates: the value-space search decides it, from
+    any point where the multi-program passes hand over to the one-program-per-row finish (by mass
+    for top-p, by count for ``top_k > 128``)."""
+    from dspark.kernels.triton import search
+
+    assert search.SEARCH_PASSES == 3  # the default is among the cases
+    monkeypatch.setattr(search, "SEARCH_PASSES", passes)
+    logits = cases.random_logits(3, 4099, scale=0.3, seed=top_k, device=DEVICE)
+    reference, triton = on_backends(lambda: K.logits_to_probabilities(logits, 1.0, top_k, top_p))
+    torch.testing.assert_close(triton, reference, atol=ATOL, rtol=0)
+
+
+@requires_triton
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (1.0, 5, 1.0), (1.0, 300, 0.9), (0.0, 0, 1.0),
+                                                       (1.0, 0, 0.3), (1.0, 0, 1.0)])
+def test_ties_and_degenerate_rows_match_reference(temperature, top_k, top_p):
+    """Ties rank by index (more tied entries than the search's bucket: all-equal rows); rows without a
+    finite normaliser (all -inf, a NaN, +inf) are uniform; -inf entries get no mass."""
+    vocab = 4099
+    logits = torch.zeros(6, vocab)
+    logits[1, ::2] = 1.0
+    logits[2] = float("-inf")
+    logits[3, 7] = float("nan")
+    logits[4, 5] = float("inf")
+    logits[5, 100:] = float("-inf")
+    logits = logits.to(DEVICE)
+    reference, triton = on_backends(lambda: K.logits_to_probabilities(logits, temperature, top_k, top_p))
+    torch.testing.assert_close(triton, reference, atol=ATOL, rtol=0)
+    assert float(triton[5, 100:].abs().sum()) == 0.0
+
+
+# ------------------------------------------------------------------------------ Triton backend: draws, sparse rows, stores
+
+
+@requires_triton
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("vocab", [1000, 4099])
+def test_sample_probability_rows_matches_reference(batch, vocab):
+    probs = cases.random_distributions((batch,), vocab, seed=batch * vocab, device=DEVICE)
+    u = torch.rand(batch, 4, generator=cases.generator(batch)).to(DEVICE)
+    u[0, 3] = 0.99999994  # beyond the fp32 total of some rows: the last positive index
+
+    def run():
+        ids = torch.full((batch, 4), -1, dtype=I32, device=DEVICE)
+        for step in range(4):
+            K.sample_probability_rows(probs, u, ids, step)
+        return ids
+
+    reference, triton = on_backends(run)
+    for step in range(4):
+        cases.assert_tokens_agree(reference[:, step], triton[:, step], probs, u[:, step])
+
+
+@requires_triton
+def test_sample_probability_rows_edge_rows():
+    """One-hot at the last entry (tail of the last tile), an all-zero row, NaN and negative entries
+    (skipped), mass below one with a uniform beyond it, NaN and out-of-range uniforms."""
+    vocab = 1000
+    probs = torch.zeros(6, vocab)
+    probs[0, vocab - 1] = 1.0
+    probs[2, :4] = torch.tensor([float("nan"), -0.5, 0.25, 0.75])
+    probs[3, [10, 500, 900]] = 0.3  # total 0.9
+    probs[4, 3] = probs[5, 4] = 1.0
+    probs = probs.to(DEVICE)
+    u = f32_dev([[0.99999994], [0.5], [0.2], [0.95], [float("nan")], [-3.0]])
+
+    def run():
+        ids = torch.full((6, 1), -1, dtype=I32, device=DEVICE)
+        K.sample_probability_rows(probs, u, ids, 0)
+        return ids[:, 0]
+
+    reference, triton = on_backends(run)
+    assert triton.tolist() == reference.tolist() == [vocab - 1, 0, 2, 900, 3, 4]
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_sparse_top_k_sample_stores_distribution(backend):  # NVIDIA test 9
+    width = 2
+    tokens, probs, ids = torch.zeros(1, width, dtype=I32), torch.zeros(1, width, 2), torch.zeros(1, width, 2, dtype=I32)
+    tokens, probs, ids = tokens.to(DEVICE), probs.to(DEVICE), ids.to(DEVICE)
+    u = f32_dev([[0.0, 0.99]])
+    with K.use_backend(backend):
+        for step, (values, indices) in enumerate([([2, 1], [1, 2]), ([3, 1], [2, 3])]):
+            K.sample_top_k_rows_and_store(f32_dev([values]), i32_dev([indices]), u, tokens, probs, ids, step, 1.0)
+    assert tokens.tolist() == [[1, 3]] and ids.flatten().tolist() == [1, 2, 2, 3]
+    torch.testing.assert_close(probs.flatten(), f32_dev([0.7310586, 0.2689414, 0.8807971, 0.1192029]), atol=1e-6, rtol=0)
+
+
+@requires_triton
+@pytest.mark.parametrize("k", [5, 50, 200, 1500])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_top_k_rows_match_reference(k, temperature):
+    case = cases.top_k_step_inputs(8, 3, k, 4099, seed=k, device=DEVICE)
+    case["top_k_values"][1] = float("-inf")  # degenerate: 1/K
+
+    def run():
+        buffers = {name: case[name].clone() for name in ("draft_token_ids", "draft_top_k_probabilities",
+                                                         "draft_top_k_indices")}
+        K.sample_top_k_rows_and_store(case["top_k_values"], case["top_k_indices"], case["proposal_uniforms"],
+                                      step=1, temperature=temperature, **buffers)
+        return K.normalize_top_k_rows(case["top_k_values"], temperature), buffers
+
+    (ref_norm, reference), (tri_norm, triton) = on_backends(run)
+    torch.testing.assert_close(tri_norm, ref_norm, atol=ATOL, rtol=0)
+    torch.testing.assert_close(triton["draft_top_k_probabilities"], reference["draft_top_k_probabilities"],
+                               atol=ATOL, rtol=0)
+    assert torch.equal(triton["draft_top_k_indices"], reference["draft_top_k_indices"])
+    probs, ids = triton["draft_top_k_probabilities"][:, 1], case["top_k_indices"]
+    expected = R.sample_from_sparse_probs(probs.cpu(), ids.cpu(), case["proposal_uniforms"][:, 1].cpu())
+    tokens = triton["draft_token_ids"][:, 1].cpu()
+    positions = (ids.cpu() == tokens[:, None]).int().argmax(1)  # ids are distinct
+    expected_positions = (ids.cpu() == expected[:, None]).int().argmax(1)
+    cases.assert_tokens_agree(expected_positions, positions, probs, case["proposal_uniforms"][:, 1])
+
+
+@requires_triton
+def test_store_draft_step_probabilities_matches_reference():
+    scratch = torch.rand(3, 4099, generator=cases.generator(1)).to(DEVICE)
+
+    def run():
+        probs = torch.zeros(3, 4, 4099, device=DEVICE)
+        K.store_draft_step_probabilities(scratch, probs, 2)
+        return probs
+
+    reference, triton = on_backends(run)
+    assert torch.equal(reference, triton)
+
+
+# ------------------------------------------------------------------------------ Triton backend: the fused Markov sampler
+
+
+MARKOV_CASES = [  # batch, width, vocab, rank, dtype, temperature, top_k, top_p, stride, offset, FP8 W2
+    (3, 4, 1000, 16, torch.float16, 0.8, 0, 1.0, 0, 0, False),
+    (1, 4, 4099, 64, torch.bfloat16, 1.0, 0, 0.9, 8, 1, False),
+    (8, 1, 1000, 8, torch.float16, 0.0, 0, 1.0, 0, 0, False),
+    (3, 4, 4099, 256, torch.float16, 0.8, 50, 0.9, 5, 1, False),
+    (8, 4, 1000, 16, torch.bfloat16, 1.0, 5, 1.0, 0, 0, True),
+    (3, 4, 1000, 8, torch.float16, 1.0, 200, 1.0, 0, 0, False),
+]
+
+
+def check_markov_round(batch, width, vocab, rank, dtype, temperature, top_k, top_p, stride, offset, seed=0,
+                       rtol=1e-5, fp8=False):
+    """Triton's round: each step's probabilities vs the reference step re-run on Triton's own earlier
+    tokens (so a legal boundary choice does not change what later steps see), each token vs NVIDIA's
+    walk over the probabilities Triton stored. ``fp8``: W2 as the reference's E4M3 codes + row scales."""
+    case = cases.markov_sample_inputs(batch, width, vocab, rank, dtype=dtype, logits_stride=stride,
+                                      logits_offset=offset, seed=seed, device=DEVICE)
+    if fp8:
+        with K.use_backend("reference"):
+            case["markov_w2"], case["w2_row_scales"] = K.quantize_markov_w2_fp8(case["markov_w2"])
+    filters = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    with K.use_backend("triton"):
+        tokens, probs = K.vanilla_markov_sample(**case, **filters)
+    uniforms_ = case.pop("proposal_uniforms")
+    for step in range(width):
+        ref_tokens, ref_probs = tokens.clone(), torch.zeros_like(probs)
+        with K.use_backend("reference"):
+            K.markov_sample_step(**case, proposal_uniforms=uniforms_, draft_token_ids=ref_tokens,
+                                 draft_probabilities=ref_probs, step=step, **filters)
+        torch.testing.assert_close(probs[:, step], ref_probs[:, step], atol=ATOL, rtol=rtol)
+        expected = R.sample_from_probs(probs[:, step], uniforms_[:, step])
+        cases.assert_tokens_agree(expected, tokens[:, step], probs[:, step], uniforms_[:, step], window=cases.FUSED_BOUNDARY)
+
+
+@requires_triton
+@pytest.mark.parametrize("case", MARKOV_CASES, ids=lambda c: "-".join(str(v) for v in c))
+def test_markov_sampler_matches_reference(case):
+    *shape, fp8 = case
+    check_markov_round(*shape, fp8=fp8)
+
+
+@requires_triton
+def test_markov_sample_step_fills_only_its_step():
+    case = cases.markov_sample_inputs(3, 4, 1000, 16, seed=3, device=DEVICE)
+    uniforms_ = case.pop("proposal_uniforms")
+    tokens = torch.full((3, 4), -5, dtype=I32, device=DEVICE)
+    tokens[:, 0] = i32_dev([1, 2, 3])
+    probs = torch.full((3, 4, 1000), -1.0, device=DEVICE)
+    with K.use_backend("triton"):
+        K.markov_sample_step(**case, proposal_uniforms=uniforms_, draft_token_ids=tokens, draft_probabilities=probs,
+                             step=1, temperature=0.8, top_k=50, top_p=0.9)
+    assert bool((tokens[:, 2:] == -5).all()) and tokens[:, 0].tolist() == [1, 2, 3]
+    assert bool((probs[:, [0, 2, 3]] == -1).all()) and bool((tokens[:, 1] >= 0).all())
+    torch.testing.assert_close(probs[:, 1].sum(-1), torch.ones(3, device=DEVICE), atol=1e-5, rtol=0)
+
+
+@requires_triton
+def test_bad_token_ids_are_clamped_not_read_out_of_range():
+    """On the GPU ids are not validated (no host sync): the backends clamp them before addressing."""
+    from dspark.kernels.triton import markov as tmarkov
+
+    vocab = 1000
+    case = cases.markov_sample_inputs(2, 2, vocab, 16, seed=4, device=DEVICE)
+    bad, clamped = i32_dev([vocab + 7, -2]), i32_dev([vocab - 1, 0])
+    runs = []
+    for first in (bad, clamped):
+        tokens = torch.zeros(2, 2, dtype=I32, device=DEVICE)
+        probs = torch.zeros(2, 2, vocab, device=DEVICE)
+        tmarkov.markov_sample_step(case["backbone_logits"].reshape(-1, vocab), case["markov_w1"], case["markov_w2"],
+                                   None, first, case["proposal_uniforms"], tokens, probs, 0, 1.0, 0, 1.0, 2, 0,
+                                   K.Workspace())
+        runs.append((tokens, probs))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+# ------------------------------------------------------------------------------ GPU: real sizes, CUDA graphs
+
+
+@requires_triton
+@gpu
+@pytest.mark.parametrize("temperature, top_k, top_p, fp8", [(0.8, 0, 1.0, False), (0.8, 50, 0.9, False),
+                                                            (1.0, 0, 0.9, False), (0.0, 0, 1.0, False),
+                                                            (0.8, 50, 0.9, True), (0.8, 0, 1.0, True)])
+def test_real_size_markov_round_matches_reference(temperature, top_k, top_p, fp8):
+    check_markov_round(8, 7, 151936, 256, torch.float16, temperature, top_k, top_p, 8, 1, seed=1, rtol=1e-4, fp8=fp8)
+
+
+@requires_triton
+@gpu
+@pytest.mark.parametrize("temperature, top_k, top_p", FILTERS)
+def test_real_size_probabilities_match_reference(temperature, top_k, top_p):
+    logits = cases.random_logits(16, 151936, scale=2.0, seed=top_k, device=DEVICE)
+    logits[8:] *= 0.1  # flat rows: wide nucleus
+    reference, triton = on_backends(lambda: K.logits_to_probabilities(logits, temperature, top_k, top_p))
+    torch.testing.assert_close(triton, reference, atol=ATOL, rtol=0)
+
+
+@requires_triton
+@gpu
+@pytest.mark.parametrize("top_k, top_p", [(50, 0.9), (0, 0.9)])
+def test_sampled_round_replays_as_a_cuda_graph(top_k, top_p):
+    """Top-k (candidates decide every row) and top-p alone on wide nuclei (the multi-program search)."""
+    batch, width, vocab = 8, 7, 151936
+    case = cases.markov_sample_inputs(batch, width, vocab, 256, seed=2, device=DEVICE)
+    uniforms_ = case.pop("proposal_uniforms")
+    tokens = torch.zeros(batch, width, dtype=I32, device=DEVICE)
+    probs = torch.zeros(batch, width, vocab, device=DEVICE)
+
+    def round_():
+        for step in range(width):
+            K.markov_sample_step(**case, proposal_uniforms=uniforms_, draft_token_ids=tokens,
+                                 draft_probabilities=probs, step=step, temperature=0.8, top_k=top_k, top_p=top_p)
+
+    with K.use_backend("triton"):
+        round_()  # compiles and sizes the workspace
+        eager_tokens, eager_probs = tokens.clone(), probs.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            round_()
+    tokens.zero_()
+    probs.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(tokens, eager_tokens) and torch.equal(probs, eager_probs)

@@ -74,23 +74,23 @@ def kernel_times(fn, repeats: int = REPEATS) -> dict[str, float]:
 
 def sweep_draws() -> None:
     """Graph-replayed µs of the draw-based operations for each ``DRAW_LAUNCH`` candidate."""
-    from dspark.kernels.triton import sampling as tsampling
+    from dspark.kernels.triton import draw as tdraw
 
     from .common import graph_us
 
     cases = {"accept B=1": _accept_case(1), "accept B=64": _accept_case(64),
              "draw B=1": _draw_case(1), "draw B=64": _draw_case(64)}
-    default = dict(tsampling.DRAW_LAUNCH)
+    default = dict(tdraw.DRAW_LAUNCH)
     print("chunk mass_warps walk_warps  " + "  ".join(f"{name:>12}" for name in cases), flush=True)
     for chunk in (2048, 4096, 8192):
         for mass_warps in (4, 8):
             for walk_warps in (4, 8, 16):
-                tsampling.DRAW_LAUNCH.update(chunk=chunk, mass_warps=mass_warps, walk_warps=walk_warps,
+                tdraw.DRAW_LAUNCH.update(chunk=chunk, mass_warps=mass_warps, walk_warps=walk_warps,
                                              accept_walk_warps=walk_warps)
                 times = [graph_us(fn) for fn in cases.values()]
                 print(f"{chunk:5d} {mass_warps:10d} {walk_warps:10d}  " + "  ".join(f"{t:12.2f}" for t in times),
                       flush=True)
-    tsampling.DRAW_LAUNCH.update(default)
+    tdraw.DRAW_LAUNCH.update(default)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 a CUDA graph, greedy accept, confidence + schedulers.
 
 ``python -m dspark.bench --family greedy --out greedy.json`` runs ``run``; ``python -m
-dspark.bench.greedy --tune`` sweeps the tile sizes of the Markov GEMM and the argmax pass.
+dspark.bench.greedy --tune`` sweeps the tile sizes of the Markov GEMM (greedy and sampled epilogues)
+and of the argmax pass.
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events, warm-up first, the L2 cache flushed
 before every repetition, so weights are read from HBM as in a real round). dspark's Triton calls are
@@ -22,7 +23,9 @@ import triton
 import dspark.kernels as K
 from dspark.kernels.reference import confidence as ref_confidence
 from dspark.kernels.reference import verify as ref_verify
-from dspark.kernels.triton import greedy as tgreedy
+from dspark.kernels.triton import filter as tfilter
+from dspark.kernels.triton import markov as tmarkov
+from dspark.kernels.triton import verify as tverify
 
 from .common import cold_l2_us as _us
 from .common import graph_us as _device_us
@@ -133,9 +136,9 @@ def _bench_greedy_accept(ceiling: float, quick: bool) -> list[dict]:
                 torch.full((batch,), PROPOSAL_LEN, device="cuda", dtype=torch.int32), PROPOSAL_LEN)
         with K.use_backend("triton"):
             us = _device_us(lambda: K.greedy_accept(*case))
-        reference_us = _us(lambda: ref_verify.greedy_accept(*case))
+        reference_us = _us(lambda: ref_verify.greedy_accept(*case, None))
         compiled = None if quick or batch != BATCHES[-1] else try_compile(ref_verify.greedy_accept)
-        compiled_us = _us(lambda: compiled(*case)) if compiled is not None else None
+        compiled_us = _us(lambda: compiled(*case, None)) if compiled is not None else None
         rows.append(row("greedy_accept", "triton", dict(B=batch, P_v=PROPOSAL_LEN, V=VOCAB), us, case[0].numel() * 4,
                         ceiling, reference_us=reference_us, compiled_us=compiled_us,
                         target=">= 60% of the copy ceiling at B=64; <= 15 us at B=1"))
@@ -183,43 +186,70 @@ def run(ceiling_gbps: float, quick: bool = False):
 # ----------------------------------------------------------------------------- tile sweeps
 
 
-def _markov_configs(batch_block: int, rank: int, fp8: bool):
-    """Candidate launch configurations that fit in shared memory (227 KB per block on an H200)."""
+def _markov_configs(batch_block: int, rank: int, fp8: bool, sampled: bool):
+    """Candidate launch configurations of the Markov GEMM that fit in shared memory (227 KB per block
+    on an H200): persistent ones with R in one chunk for the greedy epilogue, one program per tile
+    (R whole or in chunks of 64) for the sampled one."""
+    full_r = max(16, 1 << (rank - 1).bit_length())
+    if sampled:
+        for block_v in (128, 256):
+            for block_r in sorted({min(64, full_r), full_r}):
+                for warps in (4, 8):
+                    yield dict(BLOCK_V=block_v, BLOCK_B=batch_block, BLOCK_R=block_r, NUM_STAGES=3, PROGRAMS_PER_SM=0,
+                               num_warps=warps)
+        return
     for block_v in (64, 128):
         for per_sm, stages in ((0, 1), (1, 3), (2, 2), (2, 3)):
             for warps in (4, 8) if fp8 else (4,) if batch_block == 16 else (8,):
-                if tgreedy.markov_smem_bytes(block_v, batch_block, rank, fp8, stages) <= 200_000:
-                    yield dict(BLOCK_V=block_v, BLOCK_B=batch_block, NUM_STAGES=stages, PROGRAMS_PER_SM=per_sm,
-                               num_warps=warps)
+                if tmarkov.markov_smem_bytes(block_v, batch_block, rank, fp8, stages) <= 200_000:
+                    yield dict(BLOCK_V=block_v, BLOCK_B=batch_block, BLOCK_R=full_r, NUM_STAGES=stages,
+                               PROGRAMS_PER_SM=per_sm, num_warps=warps)
+
+
+def _launch(s: _Step, fp8: bool, sampled: bool, cfg: dict):
+    """One Markov GEMM launch of step 0 with ``cfg``: the greedy step's keys, or the sampled step's
+    rows, softmax partials and group maxima."""
+    w2, scales = (s.codes, s.scales) if fp8 else (s.w2, None)
+    base = s.backbone[:, 0]
+    if not sampled:
+        return lambda: tmarkov.launch_markov(base, PROPOSAL_LEN, s.w1, w2, scales, s.first, keys_out=s.slots[:, 0],
+                                             config=cfg)
+    partials = s.batch * tmarkov.markov_tiles(VOCAB, cfg)
+    m, sums = (torch.empty(partials, device="cuda") for _ in range(2))
+    groups = torch.empty(s.batch * triton.cdiv(VOCAB, tfilter.GROUP), dtype=torch.int64, device="cuda")
+    rows = torch.empty(s.batch, VOCAB, device="cuda")
+    return lambda: tmarkov.launch_markov(base, PROPOSAL_LEN, s.w1, w2, scales, s.first, rows_out=rows, stats=(m, sums),
+                                         groups=groups, inv_temp=1.25, config=cfg)
 
 
 def _tune_markov(budget_s: float) -> None:
     start = time.time()
-    groups = ((256, (1, 8), torch.float16, False), (256, (1, 8), torch.float16, True), (256, (64,), torch.float16, False),
-              (64, (1, 8), torch.float16, False), (64, (64,), torch.float16, False), (256, (8,), torch.bfloat16, True),
-              (64, (1, 8), torch.float16, True))
-    for rank, batches, dtype, fp8 in groups:
+    groups = ((256, (1, 8), torch.float16, False, False), (256, (1, 8), torch.float16, True, False),
+              (256, (64,), torch.float16, False, False), (64, (1, 8), torch.float16, False, False),
+              (64, (64,), torch.float16, False, False), (256, (8,), torch.bfloat16, True, False),
+              (64, (1, 8), torch.float16, True, False), (256, (1, 8), torch.float16, False, True),
+              (256, (64,), torch.float16, False, True), (64, (1, 8), torch.float16, False, True))
+    for rank, batches, dtype, fp8, sampled in groups:
         steps = [_Step(batch, rank, dtype) for batch in batches]
         results = {batch: [] for batch in batches}
-        for cfg in _markov_configs(min(64, max(16, 1 << (batches[0] - 1).bit_length())), rank, fp8):
+        batch_block = min(64, max(16, 1 << (batches[0] - 1).bit_length()))
+        for cfg in _markov_configs(batch_block, rank, fp8, sampled):
             if time.time() - start > budget_s:
                 break
             for s in steps:
-                w2, scales = (s.codes, s.scales) if fp8 else (s.w2, None)
                 try:
-                    us = _device_us(lambda: tgreedy._launch_markov(s.backbone[:, 0], PROPOSAL_LEN, s.w1, w2, scales,
-                                                                   s.first, False, keys_out=s.slots[:, 0], config=cfg))
+                    us = _device_us(_launch(s, fp8, sampled, cfg))
                 except Exception as exc:  # noqa: BLE001 - a configuration the GPU cannot run
                     print(f"  {cfg}: {type(exc).__name__}", flush=True)
                     break
                 results[s.batch].append((us, cfg))
         for s in steps:
             ranked = sorted(results[s.batch], key=lambda x: x[0])
-            print(f"markov R={rank} B={s.batch} {_dtype_name(dtype)} fp8={fp8} "
+            print(f"markov R={rank} B={s.batch} {_dtype_name(dtype)} fp8={fp8} sampled={sampled} "
                   f"(W2 + U rows at 4.26 TB/s: {s.step_bytes(fp8) / 4.26e6:.1f} us)", flush=True)
             for us, cfg in ranked[:6]:
                 print(f"  {us:7.2f} us  {cfg}", flush=True)
-            default = tgreedy.markov_config(s.batch, rank, fp8)
+            default = tmarkov.markov_config(s.batch, rank, fp8, sampled)
             print(f"  default {default}: {[round(u, 2) for u, c in ranked if c == default]}", flush=True)
         del steps
 
@@ -235,7 +265,7 @@ def _tune_argmax(budget_s: float) -> None:
                     return
                 splits = triton.cdiv(VOCAB, block)
                 partial = torch.empty(logits.shape[0], splits, dtype=torch.int64, device="cuda")
-                us = _device_us(lambda: tgreedy._row_argmax_partial_kernel[(logits.shape[0], splits)](
+                us = _device_us(lambda: tverify._row_argmax_partial_kernel[(logits.shape[0], splits)](
                     logits, partial, VOCAB, splits, BLOCK=block, num_warps=warps))
                 print(f"  {us:7.2f} us  {logits.numel() * 4 / us / 1e3:6.0f} GB/s  BLOCK={block} warps={warps}")
 

@@ -16,6 +16,7 @@ import torch
 
 import dspark.kernels as K
 from dspark.kernels.reference import sampling as ref_sampling
+from dspark.kernels.reference import verify as ref_verify
 
 from .common import cold_l2_us as _us
 from .common import graph_us as _graph_us
@@ -110,7 +111,8 @@ def _bench_probabilities(ceiling: float, quick: bool) -> list[dict]:
                     shape = dict(rows=rows, V=VOCAB, T=TEMPERATURE, filter=name, logits="flat" if flat else "peaked")
                     return row("logits_to_probabilities", "triton", shape, _graph_us(lambda: call("triton")), nbytes,
                                ceiling, reference_us=_us(lambda: call("reference")),
-                               compiled_us=_compiled_us(ref_sampling.logits_to_probabilities, logits, TEMPERATURE, k, p)
+                               compiled_us=_compiled_us(ref_sampling.logits_to_probabilities, logits, TEMPERATURE, k, p,
+                                                        None)
                                if compiled else None,
                                target=">= 50% of copy bandwidth unfiltered and top-k <= 128; top-p <= 5x unfiltered")
 
@@ -152,8 +154,8 @@ def _bench_accept(ceiling: float, quick: bool) -> list[dict]:
                                                               residual_rows=residual_rows),
                        _graph_us(lambda: accept("triton")), (batch + residual_rows) * VOCAB * 4, ceiling,
                        reference_us=_us(lambda: accept("reference")),
-                       compiled_us=None if quick or batch != 64 else _compiled_us(ref_sampling.probabilistic_accept,
-                                                                                  *args),
+                       compiled_us=None if quick or batch != 64 else _compiled_us(ref_verify.probabilistic_accept,
+                                                                                  *args, None),
                        target=">= 40% of copy bandwidth at B=64, <= 20 us at B=1")
 
         _measure(out, measure)

@@ -46,7 +46,7 @@ class SamplingParams:
     """Temperature / top-k / top-p of ``K.logits_to_probabilities`` and the uniforms' seed.
 
     ``top_k`` 0 or negative (vLLM's -1) means no top-k filter (stored as 0). Greedy when
-    ``temperature < 1e-3`` or ``top_k == 1`` (the kernels' one-hot case).
+    ``temperature < K.GREEDY_TEMPERATURE`` or ``top_k == 1`` (the kernels' one-hot case).
     """
 
     temperature: float = 0.0
@@ -66,11 +66,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-3 or self.top_k == 1
+        return self.temperature < K.GREEDY_TEMPERATURE or self.top_k == 1
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+    def probabilities(self, logits: torch.Tensor, workspace=None) -> torch.Tensor:
         """f32 ``[rows, V]`` probabilities of fp32 logits ``[rows, V]`` under these settings."""
-        return K.logits_to_probabilities(logits, self.temperature, self.top_k, self.top_p)
+        return K.logits_to_probabilities(logits, self.temperature, self.top_k, self.top_p, workspace=workspace)
 
 
 @dataclass
@@ -125,6 +125,7 @@ class Drafter:
         if self.kernel_confidence:
             self.confidence_weight, self.confidence_bias = model.confidence_weight.detach(), model.confidence_bias.detach()
         self.cache = model.new_cache()
+        self.workspace = None  # a K.Workspace owned by the caller (the engine's runner), else the kernels' default
 
     def reset(self) -> None:
         """Forget the context (start of a new sequence)."""
@@ -164,7 +165,8 @@ class Drafter:
                                            proposal_len=self.num_draft_tokens, **rows)
             return tokens, None
         return K.vanilla_markov_sample(logits, self.markov_w1, self.markov_w2, anchors, uniforms,
-                                       sampling.temperature, sampling.top_k, sampling.top_p, **rows)
+                                       sampling.temperature, sampling.top_k, sampling.top_p, **rows,
+                                       workspace=self.workspace)
 
     def _stepwise(self, hidden, logits, anchors, sampling, uniforms):
         """Sequential Markov loop in torch in the draft's precision (see the module docstring)."""
@@ -179,8 +181,8 @@ class Drafter:
         for step in range(p):
             row = step + self.slot_offset
             bias, state = self.model.markov_bias(hidden[:, row], prev, state)
-            q = sampling.probabilities(logits[:, row] + bias)
-            K.sample_probability_rows(q, uniforms, tokens, step)
+            q = sampling.probabilities(logits[:, row] + bias, self.workspace)
+            K.sample_probability_rows(q, uniforms, tokens, step, workspace=self.workspace)
             if probs is not None:
                 K.store_draft_step_probabilities(q, probs, step)
             prev = tokens[:, step]

@@ -112,6 +112,13 @@ class ModelRunner:
         self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
         self.row_modes: list[SamplingParams | None] = [None] * b
+        # the kernels' scratch, owned here and sized once, so a captured graph's buffers never move
+        self.workspace = K.Workspace()
+        if dev.type == "cuda":  # the reference backend (CPU) needs no scratch
+            self.workspace.reserve(dev, batch=b, proposal_len=max(p, 1), vocab=target.vocab_size,
+                                   rank=max(1, drafter.config.markov_rank if drafter is not None else 1), rows=b * t)
+        if drafter is not None:
+            drafter.workspace = self.workspace
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -250,7 +257,7 @@ class ModelRunner:
         logits = self.target.forward(s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b],
                                      self._attention_batch(b, 1), self.cache)
         for index, sampling in self._groups(b, rows, mode):
-            token = _sample_rows(logits[index], sampling, s["seeds"][index], s["anchor_pos"][index])
+            token = _sample_rows(logits[index], sampling, s["seeds"][index], s["anchor_pos"][index], self.workspace)
             s["accepted"][index, 0] = token
         s["accept_length"][:b] = 1
         self._advance(b, 1)
@@ -295,14 +302,15 @@ class ModelRunner:
         s, p = self.state, self.num_drafts
         drafts = s["draft_tokens"][index]
         if sampling.greedy:
-            return K.greedy_accept(logits, drafts, verified, p)
+            return K.greedy_accept(logits, drafts, verified, p, workspace=self.workspace)
         seeds, anchor_pos = s["seeds"][index], s["anchor_pos"][index]
         uniforms = torch.empty(seeds.shape[0], 2 * p + 1, device=self.device)
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
-        probs = sampling.probabilities(logits.reshape(-1, logits.shape[-1])).view(logits.shape)
-        return K.probabilistic_accept(probs, s["draft_probs"][index], drafts, verified, uniforms, p)
+        probs = sampling.probabilities(logits.reshape(-1, logits.shape[-1]), self.workspace).view(logits.shape)
+        return K.probabilistic_accept(probs, s["draft_probs"][index], drafts, verified, uniforms, p,
+                                      workspace=self.workspace)
 
     def _advance(self, b: int, verify_len: int) -> None:
         """Commit the accepted prefix on the device: the caches' lengths are the anchor positions."""
@@ -348,14 +356,15 @@ class ModelRunner:
         s["draft_tokens"][:b] = torch.where(u < self.oracle_acceptance, truth, wrong)
 
 
-def _sample_rows(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, positions: torch.Tensor):
+def _sample_rows(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, positions: torch.Tensor,
+                 workspace=None):
     """One target token per row (int32 ``[R]``) from f32 logits ``[R, V]``: the argmax when greedy,
     else an inverse-CDF draw keyed by (seed, position)."""
     if sampling.greedy:
         return logits.argmax(-1).to(torch.int32)
     uniforms = K.request_uniforms(seeds, positions, K.PURPOSE_TARGET_SAMPLE, 1)
     token = torch.zeros(logits.shape[0], 1, dtype=torch.int32, device=logits.device)
-    K.sample_probability_rows(sampling.probabilities(logits), uniforms, token, 0)
+    K.sample_probability_rows(sampling.probabilities(logits, workspace), uniforms, token, 0, workspace=workspace)
     return token[:, 0]
 
 

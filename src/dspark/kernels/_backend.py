@@ -11,15 +11,20 @@ manager) or the environment variable ``DSPARK_BACKEND`` force one backend. When 
 default and has no implementation of a function (or Triton is not installed), the reference runs
 instead; when Triton is *forced*, a missing implementation is an error.
 
-Backend functions receive the public function's parameters after validation, normalised so that
-each backend does not repeat the work:
+Each backend is a package (``dspark.kernels.reference``, ``dspark.kernels.triton``); every module of
+it whose name does not start with ``_`` is imported, and the names in its ``__all__`` are the
+backend's implementations (a name exported twice is an error). Backend functions receive the public
+function's parameters after validation, normalised so that each backend does not repeat the work:
 
 * row-addressed inputs (``backbone_logits``, ``draft_hidden_states``, ``greedy_accept``'s
   ``base_logits``) arrive as contiguous 2-D ``[rows, V]`` / ``[rows, H]`` tensors and
   ``logits_stride`` / ``hidden_stride`` arrive resolved (the real row stride, never 0);
 * other input tensors arrive contiguous; output buffers written in place are checked contiguous;
 * ``top1_indices`` arrives as a 1-D ``[B]`` tensor; scalars arrive as Python ``int``/``float``;
-  ``device`` arguments arrive as ``torch.device``.
+  ``device`` arguments arrive as ``torch.device``; ``workspace`` arrives as a ``Workspace`` (the
+  caller's or the default one; the reference ignores it).
+
+The full contract of each function is on the public function; backends document how they do it.
 """
 
 from __future__ import annotations
@@ -27,32 +32,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import pkgutil
 import threading
 from typing import Callable, Iterator
 
 import torch
 
 BACKENDS = ("reference", "triton")
-
-# Modules of each backend that hold implementations (looked up by function name via ``__all__``).
-_MODULES = {
-    "reference": (
-        "dspark.kernels.reference.markov",
-        "dspark.kernels.reference.verify",
-        "dspark.kernels.reference.sampling",
-        "dspark.kernels.reference.confidence",
-        "dspark.kernels.reference.layers",
-        "dspark.kernels.reference.rng",
-    ),
-    "triton": (
-        "dspark.kernels.triton.greedy",
-        "dspark.kernels.triton.confidence",
-        "dspark.kernels.triton.sampling",
-        "dspark.kernels.triton.accept",
-        "dspark.kernels.triton.layers",
-        "dspark.kernels.triton.rng",
-    ),
-}
 
 _forced = threading.local()
 _tables: dict[str, dict[str, Callable]] = {}
@@ -89,12 +75,19 @@ def forced_backend() -> str | None:
 
 
 def _table(backend: str) -> dict[str, Callable]:
+    """Name -> implementation of every public module of the backend package (see the module docstring)."""
     table = _tables.get(backend)
     if table is None:
+        package = importlib.import_module(f"dspark.kernels.{backend}")
         table = {}
-        for module_name in _MODULES[backend]:
-            module = importlib.import_module(module_name)
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+            if info.name.startswith("_"):
+                continue
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
             for fn_name in getattr(module, "__all__", ()):
+                if fn_name in table:
+                    raise RuntimeError(f"dspark.kernels.{backend}: {fn_name} is exported by two modules "
+                                       f"({table[fn_name].__module__} and {module.__name__})")
                 table[fn_name] = getattr(module, fn_name)
         _tables[backend] = table
     return table

@@ -3,20 +3,41 @@
 Each failure raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong rank, shape, device
 or value) with a message naming the function, the argument, what was expected and what was given.
 
-Value checks that need to read tensor contents (token ids in range, ...) run only for CPU tensors:
-on the GPU they would force a host synchronisation (and break CUDA-graph capture), so there the
-kernels instead guard every data-dependent index so that bad ids can never touch memory out of range.
+Value checks read tensor contents (token ids in range, no NaN in the logits a greedy decision is
+taken on, probabilities that are distributions, finite weights). They run for CPU tensors; on the GPU
+each would cost a host synchronisation (and cannot run inside CUDA-graph capture), so there they are
+skipped unless asked for, and the kernels instead guard every data-dependent index so that bad ids
+never touch memory out of range. ``DSPARK_CHECK_VALUES`` chooses:
+
+* unset -- check CPU tensors only (the default);
+* ``1`` -- check on every device (one host synchronisation per check; skipped during graph capture);
+* ``0`` -- never check (the kernels' raw behaviour, e.g. NVIDIA's ordering of NaN keys, on the CPU too).
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import os
 from typing import Iterable, Sequence
 
 import torch
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+CHECK_VALUES_ENV = "DSPARK_CHECK_VALUES"
+PROBABILITY_SUM_TOLERANCE = 1e-3  # |row sum - 1| a probability row may show (fp32 rounding, filters)
+
+
+def check_values(t: torch.Tensor) -> bool:
+    """Whether the value checks run for tensor ``t`` (see the module docstring)."""
+    mode = os.environ.get(CHECK_VALUES_ENV, "").strip()
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"{CHECK_VALUES_ENV} must be 0 or 1 (or unset), got {mode!r}")
+    if mode == "0" or t.numel() == 0:
+        return False
+    if t.device.type == "cpu":
+        return True
+    return mode == "1" and not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _fmt_dtypes(dtype) -> str:
@@ -108,13 +129,44 @@ class Checker:
         return value
 
     def ids_in_range(self, name: str, t: torch.Tensor, high: int) -> None:
-        """Token ids in ``[0, high)``; checked only for CPU tensors (see module docstring)."""
-        if t.device.type != "cpu" or t.numel() == 0:
+        """Token ids in ``[0, high)`` (a value check, see the module docstring)."""
+        if not check_values(t):
             return
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= high:
             bad = lo if lo < 0 else hi
             self.fail(f"{name} holds token id {bad}, outside [0, {high})")
+
+    def no_nan(self, name: str, t: torch.Tensor) -> None:
+        """No NaN in ``t`` (a value check): a greedy decision on NaN logits would be silent garbage."""
+        if not check_values(t):
+            return
+        nan = torch.isnan(t)
+        if bool(nan.any()):
+            where = [int(i) for i in nan.nonzero()[0]]
+            self.fail(f"{name} holds NaN (first at index {where}); the logits of a greedy decision must not be NaN")
+
+    def finite(self, name: str, t: torch.Tensor) -> None:
+        """Only finite entries in ``t`` (a value check)."""
+        if check_values(t) and not bool(torch.isfinite(t).all()):
+            self.fail(f"{name} must be finite, got inf or NaN entries")
+
+    def probabilities(self, name: str, t: torch.Tensor) -> None:
+        """Rows (last dimension) of ``t`` are distributions (a value check): finite, ``>= 0``, summing to 1
+        within ``PROBABILITY_SUM_TOLERANCE``."""
+        if not check_values(t):
+            return
+        bad = ~torch.isfinite(t) | (t < 0)
+        if bool(bad.any()):
+            where = [int(i) for i in bad.nonzero()[0]]
+            self.fail(f"{name} must hold probabilities (finite, >= 0), got {float(t[tuple(where)])} at index {where}")
+        sums = t.double().sum(-1)
+        worst = int((sums - 1).abs().argmax())  # flat index of the row furthest from 1
+        total = float(sums.reshape(-1)[worst])
+        if abs(total - 1) > PROBABILITY_SUM_TOLERANCE:
+            row = [int(i) for i in torch.unravel_index(torch.tensor(worst), sums.shape)]
+            self.fail(f"{name} rows must sum to 1 (within {PROBABILITY_SUM_TOLERANCE:g}): row {row} sums to "
+                      f"{total:.6g} (pass probabilities, not logits or unnormalised weights)")
 
     def rows(self, name: str, t: torch.Tensor, batch: int, stride: int, offset: int, needed: int) -> torch.Tensor:
         """Row-addressed ``[B, L, X]`` or ``[B*L, X]`` input -> contiguous ``[B*L, X]``.

@@ -1,5 +1,6 @@
 """Sampling family: uniforms, probabilities, samplers and stores of the sampled draft path, and the
-probabilistic (speculative-sampling) accept (kernels.md 2.1-2.4, 3.9, 3.10, 3.12, 3.18-3.20, 3.22, 3.23).
+sampled Markov steps (kernels.md 2.1-2.4, 3.9, 3.10, 3.12, 3.18-3.20, 3.22). The probabilistic
+(speculative-sampling) accept is in ``dspark.kernels.verify``.
 
 Terms: B batch rows, V vocabulary, P the draft width (``draft_token_ids [B, P]``), S the draft stride
 (the same width, seen from the verify side), ``P_v`` the drafts verified this round. Token ids and
@@ -9,6 +10,10 @@ Sampling follows NVIDIA's inverse-CDF walk exactly: with ``t = clampUniform(u)``
 the first one whose sequential fp32 sum of the positive entries exceeds ``t`` (strict), else the last
 positive index, else 0 -- the reference reproduces the C++ choice bit for bit for the same uniforms
 (``dspark.kernels.reference.sampling``). Uniforms come from ``fill_uniforms`` (SplitMix64, exact).
+
+Filters (kernels.md 3.9): ``top_k`` 0, negative or ``>= V`` keeps every entry (vLLM's -1 works);
+``top_p`` in ``(0, 1]``, ``>= 1 - 1e-6`` keeps every entry. Ops that need scratch on the Triton
+backend take ``workspace=`` (a ``dspark.kernels.Workspace``; a private default without one).
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from ._backend import implementation
+from ._shared import MAX_TOKEN_ID
 from ._validate import Checker
 from .markov import markov_inputs, markov_step_inputs
-from .verify import verify_drafts
+from .workspace import resolve
 
 __all__ = [
     "fill_uniforms",
@@ -29,20 +35,18 @@ __all__ = [
     "store_draft_step_probabilities",
     "normalize_top_k_rows",
     "sample_top_k_rows_and_store",
-    "probabilistic_accept",
 ]
 
 _UINT64_MAX = (1 << 64) - 1
-_MAX_TOKEN_ID = 2**31 - 1
 
 
 # ------------------------------------------------------------------------------ shared validation
 
 
 def _filters(c: Checker, temperature, top_k, top_p) -> tuple[float, int, float]:
-    """``temperature >= 0``, ``top_k >= 0`` (0 = off), ``top_p`` in ``(0, 1]``."""
+    """``temperature >= 0``, ``top_k`` any int (``<= 0`` = off, passed on as 0), ``top_p`` in ``(0, 1]``."""
     temperature = c.real("temperature", temperature, low=0.0)
-    top_k = c.integer("top_k", top_k, low=0)
+    top_k = max(0, c.integer("top_k", top_k))
     top_p = c.real("top_p", top_p)
     if not 0 < top_p <= 1:
         c.fail(f"top_p must be in (0, 1], got {top_p}")
@@ -94,15 +98,15 @@ def fill_uniforms(total_elements, philox_seed, philox_offset, device="cpu"):
     return implementation("fill_uniforms", device)(total, seed, offset, device)
 
 
-def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0):
+def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0, *, workspace=None):
     """Temperature, top-k and (mass-clipped) top-p probabilities (kernels.md 3.9).
 
     ``logits`` f32 ``[rows, V]`` (or ``[B, L, V]``, treated as ``B*L`` rows); returns f32 of the same
     shape. ``x = logits * invTemp(T)`` with ``invTemp = 1/T`` (fp32), then:
 
     * ``T < 1e-3``: one-hot at the argmax (ties to the lower index); ``top_k``/``top_p`` ignored.
-    * ``top_k`` in ``(0, V)`` keeps the ``top_k`` largest ``x`` (ties to the lower index); 0 or ``>= V``
-      keeps all (NVIDIA clamps ``K > V`` to V as well).
+    * ``top_k`` in ``(0, V)`` keeps the ``top_k`` largest ``x`` (ties to the lower index); 0, negative
+      or ``>= V`` keeps all (kernels.md: ``K < 0 or K > V`` means ``K = V``).
     * ``top_p < 1 - 1e-6``: NVIDIA's mass-clipped nucleus, not the standard one: of the kept mass
       ``S``, exactly ``top_p * S`` is handed out in descending order (the crossing token gets only what
       is still missing) and divided by it; (0.5, 0.3, 0.15, 0.05) at 0.75 -> (2/3, 1/3, 0, 0).
@@ -112,7 +116,7 @@ def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0):
     uniform ``1/V``: NVIDIA does so on the unfiltered path only; dspark on every path (documented
     deviation; NVIDIA's filtered output is meaningless there). Normalisers are accurate (float64)
     sums, where NVIDIA's top-p-only path sums sequentially in fp32 (up to ~6e-4 too high on 151 936
-    entries); results otherwise agree to fp32 rounding.
+    entries); results otherwise agree to fp32 rounding. ``workspace``: see the module docstring.
     """
     c = Checker("logits_to_probabilities")
     x = c.tensor("logits", logits, dtype=torch.float32, ndim=(2, 3))
@@ -120,7 +124,7 @@ def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0):
         c.fail(f"logits must have V >= 1 columns, got shape {list(x.shape)}")
     temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
     probs = implementation("logits_to_probabilities", x.device)(
-        x.reshape(-1, x.shape[-1]).contiguous(), temperature, top_k, top_p)
+        x.reshape(-1, x.shape[-1]).contiguous(), temperature, top_k, top_p, resolve(c, workspace))
     return probs.reshape(x.shape)
 
 
@@ -142,12 +146,12 @@ def normalize_top_k_rows(top_k_values, temperature):
 # ------------------------------------------------------------------------------ draft-side steps
 
 
-def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step) -> None:
+def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step, *, workspace=None) -> None:
     """Draw one token per row (kernels.md 3.18); writes ``draft_token_ids[:, step]``, returns None.
 
     ``probability_scratch`` f32 ``[B, V]``, ``proposal_uniforms`` f32 ``[B, P]``, ``draft_token_ids``
     int32 ``[B, P]`` (contiguous); the token is the inverse-CDF draw of row b with
-    ``proposal_uniforms[b, step]``.
+    ``proposal_uniforms[b, step]``. ``workspace``: see the module docstring.
     """
     c = Checker("sample_probability_rows")
     scratch = _scratch(c, probability_scratch)
@@ -155,7 +159,7 @@ def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_
     draft = _draft_ids(c, draft_token_ids, batch, device)
     uniforms = _step_uniforms(c, proposal_uniforms, batch, draft.shape[1], device)
     step = c.integer("step", step, low=0, high=draft.shape[1] - 1)
-    implementation("sample_probability_rows", device)(scratch, uniforms, draft, step)
+    implementation("sample_probability_rows", device)(scratch, uniforms, draft, step, resolve(c, workspace))
 
 
 def store_draft_step_probabilities(probability_scratch, draft_probabilities, step) -> None:
@@ -197,14 +201,14 @@ def sample_top_k_rows_and_store(top_k_values, top_k_indices, proposal_uniforms, 
                    device=device, contiguous=True)
     step = c.integer("step", step, low=0, high=width - 1)
     temperature = c.real("temperature", temperature, low=0.0)
-    c.ids_in_range("top_k_indices", indices, _MAX_TOKEN_ID + 1)
+    c.ids_in_range("top_k_indices", indices, MAX_TOKEN_ID + 1)
     implementation("sample_top_k_rows_and_store", device)(
         values.contiguous(), indices.contiguous(), uniforms, draft, probs, ids, step, temperature)
 
 
 def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, draft_token_ids,
-                       draft_probabilities, step, temperature, top_k=0, top_p=1.0, *, logits_stride=0,
-                       logits_offset=0) -> None:
+                       draft_probabilities, step, temperature, top_k=0, top_p=1.0, *, w2_row_scales=None,
+                       logits_stride=0, logits_offset=0, workspace=None) -> None:
     """One sampled Markov draft step (one iteration of kernels.md 3.12; a dspark addition); returns None.
 
     ``z = build_markov_logits(...)`` for ``step`` (previous token ``first_prev_tokens`` at step 0, else
@@ -213,11 +217,13 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
     ``draft_token_ids[:, step]`` (int32 ``[B, P]``, contiguous) = the draw from ``q`` with
     ``proposal_uniforms[:, step]`` (f32 ``[B, P]``). ``backbone_logits`` f32 ``[B, L, V]`` or
     ``[B*L, V]`` (``L = logits_stride or P``, row ``b*L + step + logits_offset``); ``markov_w1`` and
-    ``markov_w2`` fp16 or bf16 ``[V, R]``; ``first_prev_tokens`` int32 ``[B]``.
+    ``markov_w2`` fp16 or bf16 ``[V, R]``, or FP8 ``markov_w2`` codes with ``w2_row_scales`` (see
+    ``dspark.kernels.markov``); ``first_prev_tokens`` int32 ``[B]``. On the Triton backend the step
+    never synchronises the host and, once ``workspace`` is sized, allocates nothing (graph-capturable).
     """
     c = Checker("markov_sample_step")
-    m, draft, step = markov_step_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, draft_token_ids,
-                                        step, logits_stride, logits_offset)
+    m, draft, step = markov_step_inputs(c, backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens,
+                                        draft_token_ids, step, logits_stride, logits_offset)
     draft = _draft_ids(c, draft, m.batch, m.device)
     width = draft.shape[1]
     uniforms = _step_uniforms(c, proposal_uniforms, m.batch, width, m.device)
@@ -225,12 +231,12 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
                      device=m.device, contiguous=True)
     temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
     implementation("markov_sample_step", m.device)(
-        m.logits, markov_w1.contiguous(), markov_w2.contiguous(), first_prev_tokens.contiguous(), uniforms, draft,
-        probs, step, temperature, top_k, top_p, m.stride, m.offset)
+        m.logits, *m.weights, first_prev_tokens.contiguous(), uniforms, draft, probs, step, temperature, top_k, top_p,
+        m.stride, m.offset, resolve(c, workspace))
 
 
 def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
-                          top_k=0, top_p=1.0, *, logits_stride=0, logits_offset=0):
+                          top_k=0, top_p=1.0, *, w2_row_scales=None, logits_stride=0, logits_offset=0, workspace=None):
     """A whole sampled Markov drafting round (kernels.md 3.12): ``markov_sample_step`` for steps 0..P-1.
 
     Inputs as ``markov_sample_step``, ``P`` from ``proposal_uniforms`` f32 ``[B, P]``; returns
@@ -242,47 +248,10 @@ def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_toke
     width = uniforms.shape[1]
     if width < 1:
         c.fail(f"proposal_uniforms must be [B, P] with P >= 1, got shape {list(uniforms.shape)}")
-    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, first_prev_tokens, width=width, needed=width,
-                       logits_stride=logits_stride, logits_offset=logits_offset)
+    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, width=width,
+                      needed=width, logits_stride=logits_stride, logits_offset=logits_offset)
     uniforms = _step_uniforms(c, uniforms, m.batch, width, m.device)
     temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
     return implementation("vanilla_markov_sample", m.device)(
-        m.logits, markov_w1.contiguous(), markov_w2.contiguous(), first_prev_tokens.contiguous(), uniforms,
-        temperature, top_k, top_p, m.stride, m.offset)
-
-
-# ------------------------------------------------------------------------------ verification
-
-
-def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_ids, proposal_lengths, accept_uniforms,
-                         verify_proposal_len):
-    """Speculative-sampling verification (kernels.md 3.23).
-
-    Returns ``(accepted int32 [B, P_v+1], accept_length int32 [B])``.
-
-    ``target_probabilities`` f32 ``[B, P_v+1, V]`` (row i: the target's distribution after verify
-    token i), ``draft_probabilities`` f32 ``[B, S, V]``, ``draft_token_ids`` int32 ``[B, S]`` (ids in
-    ``[0, V)``), ``proposal_lengths`` int32 ``[B]``, ``accept_uniforms`` f32 ``[B, 2S+1]`` (``[0, S)``
-    accept tests, ``S + s`` the residual draw after a rejection at s, ``2S`` the bonus draw),
-    ``1 <= P_v <= S``. Row b walks ``rowP = max(1, min(P_v, proposal_lengths[b]))`` drafts: draft
-    ``t`` at s is accepted iff ``p = target[b, s, t] > 0`` and ``u[b, s] <= a`` with
-    ``a = 1 if q <= 1e-20 else min(1, p / q)`` (``q = draft[b, s, t]``); the first rejection appends a
-    draw from ``max(p - q, 0)`` (from ``p`` when that has mass ``<= 1e-20``) and stops; after ``rowP``
-    acceptances a bonus token is drawn from target row ``rowP``. Entries past ``accept_length`` are 0.
-    """
-    c = Checker("probabilistic_accept")
-    draft, p_v = verify_drafts(c, draft_token_ids, verify_proposal_len)
-    (batch, stride), device = draft.shape, draft.device
-    target = c.tensor("target_probabilities", target_probabilities, dtype=torch.float32, ndim=3, device=device)
-    vocab = target.shape[2]
-    if vocab < 1:
-        c.fail(f"target_probabilities must have V >= 1 columns, got shape {list(target.shape)}")
-    c.tensor("target_probabilities", target, shape=[batch, p_v + 1, vocab])
-    probs = c.tensor("draft_probabilities", draft_probabilities, dtype=torch.float32, shape=[batch, stride, vocab],
-                     device=device)
-    lengths = c.tensor("proposal_lengths", proposal_lengths, dtype=torch.int32, shape=[batch], device=device)
-    uniforms = c.tensor("accept_uniforms", accept_uniforms, dtype=torch.float32, shape=[batch, 2 * stride + 1],
-                        device=device)
-    c.ids_in_range(f"draft_token_ids[:, :{p_v}]", draft[:, :p_v], vocab)
-    return implementation("probabilistic_accept", device)(
-        target.contiguous(), probs.contiguous(), draft.contiguous(), lengths.contiguous(), uniforms.contiguous(), p_v)
+        m.logits, *m.weights, first_prev_tokens.contiguous(), uniforms, temperature, top_k, top_p, m.stride, m.offset,
+        resolve(c, workspace))

@@ -1,7 +1,7 @@
-"""Reference confidence family: confidence head and the threshold / SPS schedulers (kernels.md 3.5-3.8).
+"""Reference confidence family: confidence head and the threshold / SPS schedulers (contracts:
+``dspark.kernels.confidence``).
 
-Arguments arrive validated and normalised by ``dspark.kernels.confidence`` (see ``_backend``):
-``draft_hidden_states`` is a contiguous ``[rows, H]`` tensor whose row ``b*hidden_stride + k +
+``draft_hidden_states`` arrives as a contiguous ``[rows, H]`` tensor whose row ``b*hidden_stride + k +
 hidden_offset`` is the hidden state of (b, k). All math is fp32; the schedulers loop over the P
 positions (sequential fp32 products and sums, as NVIDIA's one-thread-per-row loop) and are
 vectorised over the batch.
@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from .._shared import SPS_ACCEPT_COST, SPS_DRAFT_COST, SPS_MIN_COST, SPS_VERIFY_BASE_COST, SPS_VERIFY_TOKEN_COST
+from .._shared import length_bounds
+
 __all__ = [
     "compute_confidence_scores",
     "compute_confidence_and_proposal_lengths",
     "compute_confidence_and_sps_proposal_lengths",
 ]
 
-# SPS cost model constants of kernels.md 3.7 (fp32 in NVIDIA's code).
-SPS_DRAFT_COST = 0.50
-SPS_VERIFY_BASE_COST = 1.00
-SPS_VERIFY_TOKEN_COST = 0.45
-SPS_ACCEPT_COST = 0.02
 _FLT_MAX = torch.finfo(torch.float32).max
 
 
@@ -30,12 +28,8 @@ def _f32(x: float) -> torch.Tensor:
 
 
 def compute_confidence_scores(draft_hidden_states, markov_w1, confidence_weight, confidence_bias, first_prev_tokens,
-                      draft_token_ids, confidence_with_markov, hidden_stride, hidden_offset):
-    """Confidence head (kernels.md 3.5, 3.8); f32 ``[B, P]``: ``sigmoid(w . concat(h[b, k], W1[prev_k]) + bias)``.
-
-    ``prev_k`` is ``first_prev_tokens[b]`` for k = 0, else ``draft_token_ids[b, k-1]`` (clamped into
-    ``[0, V)``); the Markov part is used only when ``confidence_with_markov``.
-    """
+                              draft_token_ids, confidence_with_markov, hidden_stride, hidden_offset):
+    """``dspark.kernels.compute_confidence_scores`` (previous tokens clamped into ``[0, V)``)."""
     batch, width = draft_token_ids.shape
     hidden = draft_hidden_states.shape[1]
     device = draft_hidden_states.device
@@ -49,13 +43,6 @@ def compute_confidence_scores(draft_hidden_states, markov_w1, confidence_weight,
         embedding = markov_w1.index_select(0, prev.clamp(0, markov_w1.shape[0] - 1).reshape(-1)).float()
         dot = dot + embedding.view(batch, width, -1) @ weight[hidden:]
     return 1.0 / (1.0 + torch.exp(-(dot + confidence_bias.float()[0])))  # NVIDIA's expf form of the sigmoid
-
-
-def length_bounds(width: int, min_proposal_len: int, max_proposal_len: int) -> tuple[int, int]:
-    """``(cMin, cMax)`` of kernels.md 3.6: ``cMin = clamp(min, 1, P)``, ``cMax = max(cMin, min(P, max or P))``."""
-    c_min = max(1, min(width, min_proposal_len))
-    c_max = max(c_min, min(width, width if max_proposal_len <= 0 else max_proposal_len))
-    return c_min, c_max
 
 
 def threshold_proposal_lengths(confidence_scores, threshold, min_proposal_len, max_proposal_len):
@@ -103,7 +90,7 @@ def sps_proposal_lengths(confidence_scores, survival_floor, min_proposal_len, ma
     c_min, c_max = length_bounds(width, min_proposal_len, max_proposal_len)
     device = confidence_scores.device
     floor = float(_f32(min(max(survival_floor, 0.0), 1.0)))
-    costs = sps_costs(c_max, device).clamp(min=1e-6)
+    costs = sps_costs(c_max, device).clamp(min=SPS_MIN_COST)
     survival = torch.ones(batch, dtype=torch.float32, device=device)
     expected = torch.ones(batch, dtype=torch.float32, device=device)
     best = torch.full((batch,), -_FLT_MAX, dtype=torch.float32, device=device)
@@ -127,7 +114,7 @@ def sps_proposal_lengths(confidence_scores, survival_floor, min_proposal_len, ma
 def compute_confidence_and_proposal_lengths(draft_hidden_states, markov_w1, confidence_weight, confidence_bias,
                                             first_prev_tokens, draft_token_ids, confidence_with_markov, threshold,
                                             min_proposal_len, max_proposal_len, hidden_stride, hidden_offset):
-    """Confidence head + threshold scheduler (kernels.md 3.6); ``(f32 [B, P], int32 [B])``."""
+    """``dspark.kernels.compute_confidence_and_proposal_lengths``."""
     scores = compute_confidence_scores(draft_hidden_states, markov_w1, confidence_weight, confidence_bias,
                                        first_prev_tokens, draft_token_ids, confidence_with_markov, hidden_stride,
                                        hidden_offset)
@@ -138,7 +125,7 @@ def compute_confidence_and_sps_proposal_lengths(draft_hidden_states, markov_w1, 
                                                 first_prev_tokens, draft_token_ids, confidence_with_markov,
                                                 survival_floor, min_proposal_len, max_proposal_len, hidden_stride,
                                                 hidden_offset):
-    """Confidence head + SPS scheduler (kernels.md 3.7); ``(f32 [B, P], int32 [B])``."""
+    """``dspark.kernels.compute_confidence_and_sps_proposal_lengths``."""
     scores = compute_confidence_scores(draft_hidden_states, markov_w1, confidence_weight, confidence_bias,
                                        first_prev_tokens, draft_token_ids, confidence_with_markov, hidden_stride,
                                        hidden_offset)

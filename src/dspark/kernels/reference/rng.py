@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import UNIFORM_MAX, _as_int64, _shift_right, splitmix64
+from .._shared import UNIFORM_MAX
+from .sampling import _as_int64, _shift_right, splitmix64
 
 __all__ = ["request_uniforms"]
 

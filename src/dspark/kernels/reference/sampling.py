@@ -1,9 +1,9 @@
-"""Reference sampled path: uniforms, probabilities, inverse-CDF samplers, stores, probabilistic accept.
+"""Reference sampling family: uniforms, probabilities, inverse-CDF samplers, stores, the sampled Markov
+step (contracts: ``dspark.kernels.sampling``).
 
-Arguments arrive validated and normalised by ``dspark.kernels.sampling`` (see ``_backend``):
-``backbone_logits`` is a contiguous f32 ``[rows, V]`` tensor with ``logits_stride`` resolved, other
-tensors are contiguous, scalars are Python numbers. Data-dependent token ids are clamped before they
-index anything (the GPU path does not check them).
+``backbone_logits`` arrives as a contiguous f32 ``[rows, V]`` tensor with ``logits_stride`` resolved,
+other tensors contiguous, scalars as Python numbers. Data-dependent token ids are clamped before
+they index anything (the GPU path does not check them).
 
 Inverse-CDF walks (kernels.md 2.2-2.4). NVIDIA walks a row on one thread, adding the positive entries
 in fp32 one after another and returning the first index whose running sum ``c_i`` exceeds the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .._shared import GREEDY_TEMPERATURE, TINY, UNIFORM_MAX, filter_settings, inv_temperature
 from .markov import build_markov_logits
 
 __all__ = [
@@ -32,13 +33,9 @@ __all__ = [
     "store_draft_step_probabilities",
     "normalize_top_k_rows",
     "sample_top_k_rows_and_store",
-    "probabilistic_accept",
 ]
 
-UNIFORM_MAX = 0.99999994  # 1 - 2^-24 as fp32 (bit pattern 0x3F7FFFFF), clampUniform's upper bound
-TINY = 1e-20  # the C++ "no mass" threshold of normalisers, ratios and residual sums
 _TINY_FP32 = float(torch.tensor(TINY, dtype=torch.float32))  # what fp32 comparisons with TINY compare to
-GREEDY_TEMPERATURE = 1e-3  # below it, invTemp(T) = 1 and the dense path keeps only the argmax
 _FP32_UNIT_ROUNDOFF = 2.0**-24
 
 # SplitMix64 constants (kernels.md 2.1), as unsigned 64-bit values.
@@ -70,11 +67,7 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def fill_uniforms(total_elements, philox_seed, philox_offset, device):
-    """f32 ``[total_elements]``: ``u[i] = top24(splitmix64(seed ^ (offset + C * (i + 1)))) * 2^-24``.
-
-    ``philox_seed``/``philox_offset`` are unsigned 64-bit ints. Values lie in ``[0, 1 - 2^-24]``, so
-    NVIDIA's ``clampUniform`` never changes them.
-    """
+    """``dspark.kernels.fill_uniforms``: the 64-bit arithmetic on int64 (wrapping), logical shifts masked."""
     counter = torch.arange(1, total_elements + 1, dtype=torch.int64, device=device)
     mixed = splitmix64(_as_int64(philox_seed) ^ (_as_int64(philox_offset) + counter * _as_int64(_COUNTER_STEP)))
     return _shift_right(mixed, 40).float() * 2.0**-24
@@ -249,11 +242,10 @@ def sample_from_sparse_probs(probs: torch.Tensor, ids: torch.Tensor, u: torch.Te
 
 
 def _scaled(values: torch.Tensor, temperature: float) -> torch.Tensor:
-    """f32 ``values * invTemp(T)`` with ``invTemp = 1`` below ``GREEDY_TEMPERATURE``, else the fp32 ``1/T``."""
+    """f32 ``values * invTemp(T)`` (kernels.md 3.9; ``invTemp`` is 1 for T < ``GREEDY_TEMPERATURE``)."""
     if temperature < GREEDY_TEMPERATURE:
         return values
-    one = torch.ones((), dtype=torch.float32)
-    return values * (one / torch.tensor(temperature, dtype=torch.float32)).to(values.device)
+    return values * torch.tensor(inv_temperature(temperature), dtype=torch.float32, device=values.device)
 
 
 def _softmax_weights(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,17 +280,13 @@ def _top_k_top_p(x: torch.Tensor, weights: torch.Tensor, top_k: int, top_p: floa
     return torch.zeros_like(weights).scatter_(-1, order, clipped), divisor
 
 
-def logits_to_probabilities(logits, temperature, top_k, top_p):
-    """f32 ``[rows, V]`` probabilities of f32 ``logits [rows, V]`` (kernels.md 3.9).
-
-    ``T < 1e-3`` keeps only the argmax (ties: lower index). ``top_k`` 0 or ``>= V`` means no top-k;
-    ``top_p >= 1 - 1e-6`` means no top-p. Normalisers are float64 sums (accurate, not NVIDIA's
-    sequential fp32 sum of Case C); degenerate rows get ``1/V`` everywhere.
-    """
+def logits_to_probabilities(logits, temperature, top_k, top_p, workspace):
+    """``dspark.kernels.logits_to_probabilities``: a stable sort ranks the entries, float64 weights and
+    normalisers (accurate, not NVIDIA's sequential fp32 sum of Case C)."""
     vocab = logits.shape[1]
-    greedy = temperature < GREEDY_TEMPERATURE
-    k = 1 if greedy else (top_k if 0 < top_k < vocab else vocab)
-    nucleus = None if greedy or top_p >= 1 - 1e-6 else top_p
+    _, k, p = filter_settings(temperature, top_k, top_p, vocab)
+    k = k or vocab
+    nucleus = None if p >= 1.0 else p
     x = _scaled(logits, temperature)
     weights, degenerate = _softmax_weights(x)
     if k < vocab or nucleus is not None:
@@ -310,10 +298,7 @@ def logits_to_probabilities(logits, temperature, top_k, top_p):
 
 
 def normalize_top_k_rows(top_k_values, temperature):
-    """f32 ``[rows, K]`` softmax of ``top_k_values * invTemp(T)`` (kernels.md 3.20), float64 normaliser.
-
-    No one-hot below ``T = 1e-3`` (invTemp is 1 there); degenerate rows get ``1/K``.
-    """
+    """``dspark.kernels.normalize_top_k_rows``: float64 normaliser."""
     weights, degenerate = _softmax_weights(_scaled(top_k_values, temperature))
     probs = (weights / weights.sum(-1, keepdim=True).clamp_min(TINY)).float()
     return torch.where(degenerate[:, None], torch.full_like(probs, 1.0 / probs.shape[1]), probs)
@@ -322,84 +307,45 @@ def normalize_top_k_rows(top_k_values, temperature):
 # ------------------------------------------------------------------------------ per-step stores
 
 
-def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step):
-    """``draft_token_ids[:, step] = sample_from_probs(probability_scratch, proposal_uniforms[:, step])``."""
+def sample_probability_rows(probability_scratch, proposal_uniforms, draft_token_ids, step, workspace):
+    """``dspark.kernels.sample_probability_rows``."""
     draft_token_ids[:, step] = sample_from_probs(probability_scratch, proposal_uniforms[:, step]).to(torch.int32)
 
 
 def store_draft_step_probabilities(probability_scratch, draft_probabilities, step):
-    """``draft_probabilities[:, step] = probability_scratch`` (f32 ``[B, V]`` into ``[B, P, V]``)."""
+    """``dspark.kernels.store_draft_step_probabilities``."""
     draft_probabilities[:, step] = probability_scratch
 
 
 def sample_top_k_rows_and_store(top_k_values, top_k_indices, proposal_uniforms, draft_token_ids,
                                 draft_top_k_probabilities, draft_top_k_indices, step, temperature):
-    """Normalise ``[B, K]`` top-k values, store probabilities and ids at ``step``, draw the token (3.22)."""
+    """``dspark.kernels.sample_top_k_rows_and_store``."""
     probs = normalize_top_k_rows(top_k_values, temperature)
     draft_top_k_probabilities[:, step] = probs
     draft_top_k_indices[:, step] = top_k_indices
     draft_token_ids[:, step] = sample_from_sparse_probs(probs, top_k_indices, proposal_uniforms[:, step])
 
 
-def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, draft_token_ids,
-                       draft_probabilities, step, temperature, top_k, top_p, logits_stride, logits_offset):
-    """One step of 3.12: Markov correction, probabilities, draw; writes column/row ``step`` of the buffers."""
-    corrected = build_markov_logits(backbone_logits, markov_w1, markov_w2, first_prev_tokens, draft_token_ids, step,
-                                    logits_stride, logits_offset)
-    probs = logits_to_probabilities(corrected, temperature, top_k, top_p)
+def markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
+                       draft_token_ids, draft_probabilities, step, temperature, top_k, top_p, logits_stride,
+                       logits_offset, workspace):
+    """``dspark.kernels.markov_sample_step``: correction, probabilities, draw, as separate steps."""
+    rows = build_markov_logits(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, draft_token_ids,
+                               step, logits_stride, logits_offset)
+    probs = logits_to_probabilities(rows, temperature, top_k, top_p, workspace)
     store_draft_step_probabilities(probs, draft_probabilities, step)
-    sample_probability_rows(probs, proposal_uniforms, draft_token_ids, step)
+    sample_probability_rows(probs, proposal_uniforms, draft_token_ids, step, workspace)
 
 
-def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
-                          top_k, top_p, logits_stride, logits_offset):
-    """``markov_sample_step`` for steps 0..P-1.
-
-    Returns ``(draft_token_ids int32 [B, P], draft_probabilities f32 [B, P, V])``.
-    """
+def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
+                          temperature, top_k, top_p, logits_stride, logits_offset, workspace):
+    """``dspark.kernels.vanilla_markov_sample``: ``markov_sample_step`` for steps 0..P-1."""
     batch, width = proposal_uniforms.shape
     device = proposal_uniforms.device
     draft_token_ids = torch.zeros(batch, width, dtype=torch.int32, device=device)
     draft_probabilities = torch.empty(batch, width, markov_w1.shape[0], dtype=torch.float32, device=device)
     for step in range(width):
-        markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, draft_token_ids,
-                           draft_probabilities, step, temperature, top_k, top_p, logits_stride, logits_offset)
+        markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
+                           draft_token_ids, draft_probabilities, step, temperature, top_k, top_p, logits_stride,
+                           logits_offset, workspace)
     return draft_token_ids, draft_probabilities
-
-
-# ------------------------------------------------------------------------------ verification
-
-
-def probabilistic_accept(target_probabilities, draft_probabilities, draft_token_ids, proposal_lengths, accept_uniforms,
-                         verify_proposal_len):
-    """Speculative-sampling accept of kernels.md 3.23, vectorised over the batch.
-
-    ``target_probabilities`` f32 ``[B, P_v+1, V]``, ``draft_probabilities`` f32 ``[B, S, V]``,
-    ``draft_token_ids`` int32 ``[B, S]``, ``proposal_lengths`` int32 ``[B]``, ``accept_uniforms`` f32
-    ``[B, 2S+1]``. Returns ``(accepted int32 [B, P_v+1], accept_length int32 [B])``; entries past the
-    accepted prefix + 1 are 0.
-    """
-    batch, _, vocab = target_probabilities.shape
-    stride, pv = draft_token_ids.shape[1], verify_proposal_len
-    rows = torch.arange(batch, device=draft_token_ids.device)
-    positions = torch.arange(pv, device=draft_token_ids.device)
-    row_p = proposal_lengths.long().clamp(max=pv).clamp(min=1)  # max(1, min(P_v, len))
-    proposed = draft_token_ids[:, :pv].long()
-    index = proposed.clamp(0, vocab - 1)[:, :, None]
-    p = target_probabilities[:, :pv].gather(2, index).squeeze(2)
-    q = draft_probabilities[:, :pv].gather(2, index).squeeze(2)
-    ratio = torch.where(q <= TINY, torch.ones_like(p), torch.fmin(p / q, torch.ones_like(p)))  # fminf: NaN -> 1
-    accept = (p > 0) & (accept_uniforms[:, :pv] <= ratio) & (positions < row_p[:, None])
-    n = accept.long().cumprod(1).sum(1)  # length of the accepted prefix
-    # Target row n gives the residual draw after a rejection at n < rowP, else the bonus (n == rowP).
-    target_row = target_probabilities[rows, n]
-    rejected, bonus = n < row_p, n >= row_p
-    last = torch.empty_like(n)
-    at = n[rejected]
-    last[rejected] = sample_from_residual(target_row[rejected], draft_probabilities[rows[rejected], at],
-                                          accept_uniforms[rows[rejected], stride + at])
-    last[bonus] = sample_from_probs(target_row[bonus], accept_uniforms[bonus, 2 * stride])
-    accepted = torch.zeros(batch, pv + 1, dtype=torch.int64, device=draft_token_ids.device)
-    accepted[:, :pv] = torch.where(positions < n[:, None], proposed, 0)
-    accepted.scatter_(1, n[:, None], last[:, None])
-    return accepted.to(torch.int32), (n + 1).to(torch.int32)

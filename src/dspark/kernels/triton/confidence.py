@@ -1,7 +1,7 @@
-"""Triton kernel of the DSpark confidence head fused with the threshold / SPS schedulers.
+"""Triton confidence family: the DSpark confidence head fused with the threshold / SPS schedulers
+(contracts: ``dspark.kernels.confidence``).
 
-Arguments arrive validated and normalised by ``dspark.kernels.confidence`` (see ``_backend``):
-``draft_hidden_states`` is a contiguous ``[rows, H]`` tensor whose row ``b*hidden_stride + k +
+``draft_hidden_states`` arrives as a contiguous ``[rows, H]`` tensor whose row ``b*hidden_stride + k +
 hidden_offset`` is position k of batch row b; token ids are clamped into ``[0, V)`` before indexing.
 
 One program per batch row loads the row's P hidden states at once (the bytes are tiny, so the
@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._shared import SPS_ACCEPT_COST, SPS_DRAFT_COST, SPS_MIN_COST, SPS_VERIFY_BASE_COST, SPS_VERIFY_TOKEN_COST
+from .._shared import length_bounds, next_pow2
+
 __all__ = [
     "compute_confidence_scores",
     "compute_confidence_and_proposal_lengths",
@@ -27,6 +30,10 @@ __all__ = [
 _NO_SCHEDULER, _THRESHOLD, _SPS = 0, 1, 2
 _TILE_ELEMENTS = 16384  # hidden-state elements loaded per program iteration
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_TOKEN_COST = tl.constexpr(SPS_VERIFY_TOKEN_COST)
+_ACCEPT_COST = tl.constexpr(SPS_ACCEPT_COST)
+_FIXED_COST = tl.constexpr(SPS_DRAFT_COST + SPS_VERIFY_BASE_COST)  # 0.5f + 1.0f = 1.5, exact
+_MIN_COST = tl.constexpr(SPS_MIN_COST)
 
 
 @triton.jit
@@ -38,9 +45,9 @@ def _element(values, offs, k):
 @triton.jit
 def _sps_cost(length):
     """``fma(0.02f, L, fma(0.45f, L + 1, 1.5f))`` in fp32: each fma is exact in fp64, rounded once."""
-    token_cost = tl.full([], 0.45, tl.float32).to(tl.float64)
-    accept_cost = tl.full([], 0.02, tl.float32).to(tl.float64)
-    inner = (token_cost * (length + 1).to(tl.float64) + 1.5).to(tl.float32)
+    token_cost = tl.full([], _TOKEN_COST, tl.float32).to(tl.float64)
+    accept_cost = tl.full([], _ACCEPT_COST, tl.float32).to(tl.float64)
+    inner = (token_cost * (length + 1).to(tl.float64) + _FIXED_COST).to(tl.float32)
     return (accept_cost * length.to(tl.float64) + inner.to(tl.float64)).to(tl.float32)
 
 
@@ -69,7 +76,7 @@ def _sps_length(conf, offs, c_min, c_max, floor, BLOCK_P: tl.constexpr):
     for k in tl.static_range(BLOCK_P):
         survival = survival * _element(conf, offs, k)
         expected = expected + survival
-        cost = tl.maximum(_sps_cost(tl.full([], k + 1, tl.int32)), 1e-6)
+        cost = tl.maximum(_sps_cost(tl.full([], k + 1, tl.int32)), _MIN_COST)
         score = tl.math.div_rn(expected, cost)
         alive = alive & (k < c_max)
         scored = (k + 1) >= c_min
@@ -125,16 +132,6 @@ def _confidence_kernel(
         tl.store(lengths_ptr + b, _sps_length(conf, offs_p, c_min, c_max, limit, BLOCK_P))
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _length_bounds(width: int, min_proposal_len: int, max_proposal_len: int) -> tuple[int, int]:
-    """``(cMin, cMax)`` of kernels.md 3.6."""
-    c_min = max(1, min(width, min_proposal_len))
-    return c_min, max(c_min, min(width, width if max_proposal_len <= 0 else max_proposal_len))
-
-
 def _run(draft_hidden_states, markov_w1, confidence_weight, confidence_bias, first_prev_tokens, draft_token_ids,
          confidence_with_markov, hidden_stride, hidden_offset, scheduler=_NO_SCHEDULER, limit=0.0,
          min_proposal_len=1, max_proposal_len=0):
@@ -147,28 +144,23 @@ def _run(draft_hidden_states, markov_w1, confidence_weight, confidence_bias, fir
     lengths = torch.empty(batch, dtype=torch.int32, device=device) if scheduler != _NO_SCHEDULER else None
     if batch == 0:
         return conf, lengths
-    c_min, c_max = _length_bounds(width, min_proposal_len, max_proposal_len)
-    block_p = _next_pow2(width)
-    block_h = min(_next_pow2(hidden), max(16, _TILE_ELEMENTS // block_p))
+    c_min, c_max = length_bounds(width, min_proposal_len, max_proposal_len)
+    block_p = next_pow2(width)
+    block_h = min(next_pow2(hidden), max(16, _TILE_ELEMENTS // block_p))
     _confidence_kernel[(batch,)](
         draft_hidden_states[hidden_offset:], hidden_stride * hidden, markov_w1, confidence_weight, confidence_bias,
         first_prev_tokens, draft_token_ids, conf, conf if lengths is None else lengths,
         vocab, c_min, c_max, float(limit),
         P=width, H=hidden, R=rank,
         WITH_MARKOV=confidence_with_markov, SCHEDULER=scheduler,
-        BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_R=_next_pow2(rank), num_warps=8,
+        BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_R=next_pow2(rank), num_warps=8,
     )
     return conf, lengths
 
 
 def compute_confidence_scores(draft_hidden_states, markov_w1, confidence_weight, confidence_bias, first_prev_tokens,
                               draft_token_ids, confidence_with_markov, hidden_stride, hidden_offset):
-    """Confidence head (kernels.md 3.5, 3.8): f32 ``[B, P]``.
-
-    ``draft_hidden_states`` fp16/bf16 ``[rows, H]``; ``markov_w1`` fp16/bf16 ``[V, R]``;
-    ``confidence_weight`` ``[H + R]`` (``[H]`` without Markov); ``confidence_bias`` ``[1]``;
-    ``first_prev_tokens`` int32 ``[B]``; ``draft_token_ids`` int32 ``[B, P]``.
-    """
+    """``dspark.kernels.compute_confidence_scores``."""
     conf, _ = _run(draft_hidden_states, markov_w1, confidence_weight, confidence_bias, first_prev_tokens,
                    draft_token_ids, confidence_with_markov, hidden_stride, hidden_offset)
     return conf
@@ -177,7 +169,7 @@ def compute_confidence_scores(draft_hidden_states, markov_w1, confidence_weight,
 def compute_confidence_and_proposal_lengths(draft_hidden_states, markov_w1, confidence_weight, confidence_bias,
                                             first_prev_tokens, draft_token_ids, confidence_with_markov, threshold,
                                             min_proposal_len, max_proposal_len, hidden_stride, hidden_offset):
-    """Confidence head + threshold scheduler (kernels.md 3.6): ``(f32 [B, P], int32 [B])``."""
+    """``dspark.kernels.compute_confidence_and_proposal_lengths``."""
     return _run(draft_hidden_states, markov_w1, confidence_weight, confidence_bias, first_prev_tokens,
                 draft_token_ids, confidence_with_markov, hidden_stride, hidden_offset,
                 _THRESHOLD, threshold, min_proposal_len, max_proposal_len)
@@ -187,7 +179,7 @@ def compute_confidence_and_sps_proposal_lengths(draft_hidden_states, markov_w1, 
                                                 first_prev_tokens, draft_token_ids, confidence_with_markov,
                                                 survival_floor, min_proposal_len, max_proposal_len, hidden_stride,
                                                 hidden_offset):
-    """Confidence head + SPS scheduler (kernels.md 3.7): ``(f32 [B, P], int32 [B])``."""
+    """``dspark.kernels.compute_confidence_and_sps_proposal_lengths``."""
     return _run(draft_hidden_states, markov_w1, confidence_weight, confidence_bias, first_prev_tokens,
                 draft_token_ids, confidence_with_markov, hidden_stride, hidden_offset,
                 _SPS, min(max(survival_floor, 0.0), 1.0), min_proposal_len, max_proposal_len)
