@@ -506,7 +506,8 @@ def test_optimize_logs_the_last_step_and_ends_the_bar_at_100_percent():
 
     weight = torch.nn.Parameter(torch.ones(()))
     stream = io.StringIO()
-    losses = trainer.optimize([weight], lambda batch: ((weight - 3.0) ** 2, lambda: ""), torch.zeros(4, 2, dtype=torch.long),
-                              TrainOptions(steps=5, batch_size=2, log_every=2), device="cpu", stream=stream)
+    options = TrainOptions(steps=5, batch_size=2, log_every=2)
+    losses = trainer.optimize(trainer.adamw([weight], options), lambda batch: ((weight - 3.0) ** 2, {}),
+                              torch.zeros(4, 2, dtype=torch.long), options, device="cpu", stream=stream)
     assert len(losses) == 4  # steps 1, 2, 4 and the last, 5
     assert stream.getvalue().splitlines()[-1].startswith("train [####################] 100% step 5 loss")
