@@ -51,6 +51,8 @@ class Workspace:
         have to grow during CUDA-graph capture.
         """
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and tensors' "cuda:0" share buffers
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (name, dtype, device)
         buf = self._buffers.get(key)
         capturing = _capturing(device)
