@@ -115,6 +115,9 @@ def init_world(device: torch.device, timeout: float = 600.0) -> tuple[World, tor
 def close_world(world: World) -> None:
     """Leave the process group after a successful run (an error exits without waiting for peers)."""
     if world.distributed and dist.is_initialized():
+        # every rank past its last collective (rank 0 writes the checkpoint last) before any tears its
+        # connections down: a peer leaving early can abort the others' transport threads at exit
+        dist.barrier()
         dist.destroy_process_group()
 
 
