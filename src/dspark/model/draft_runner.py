@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import kernels as K
 from .draft import DSparkDraftModel
-from .llama import KVCache
+from .llama import KVCache, decoder_layer
 
 __all__ = ["DraftRunner"]
 
@@ -84,36 +84,37 @@ class DraftRunner:
             K.qk_norm_rope_store(None, k, v, positions, token_slots, self.cos_sin, self.cache.k[i], self.cache.v[i],
                                  k_norm_weight=layer["k_norm"], eps=cfg.rms_norm_eps)
 
+    def _attention(self, i: int, layer: dict, x, positions, token_slots, anchor_positions, slot_ids, cu):
+        """Layer ``i``'s attention of the block rows ``x``: their K/V into the cache, then the queries over
+        the context (``< p``, or the window) and the block (causal on causal layers)."""
+        cfg, d, n = self.config, self.config.head_dim, self.block_size
+        qkv = F.linear(x, layer["qkv"])
+        q = qkv[:, :self.q_size].view(-1, cfg.num_attention_heads, d)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, cfg.num_key_value_heads, d)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, cfg.num_key_value_heads, d)
+        q = K.qk_norm_rope_store(q, k, v, positions, token_slots, self.cos_sin, self.cache.k[i], self.cache.v[i],
+                                 q_norm_weight=layer["q_norm"], k_norm_weight=layer["k_norm"], eps=cfg.rms_norm_eps)
+        window = cfg.layer_window(i)
+        starts = None if window is None else (anchor_positions - window).clamp(min=0)
+        out = K.cached_attention(q, self.cache.k[i], self.cache.v[i], slot_ids, anchor_positions, cu, n,
+                                 causal=cfg.layer_is_causal(i), window_starts=starts)
+        return F.linear(out.view(-1, self.q_size), layer["o"])
+
     @torch.inference_mode()
     def block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states ``[B*N, H]`` (model dtype) of each request's block; ``anchors``,
         ``anchor_positions``, ``slot_ids`` int32 ``[B]``. Row ``b*N + k`` is slot k of request b."""
         model, cfg = self.model, self.config
-        batch, n, d = anchors.shape[0], self.block_size, cfg.head_dim
+        batch, n = anchors.shape[0], self.block_size
         ids = torch.full((batch, n), cfg.mask_token_id, dtype=torch.int64, device=anchors.device)
         ids[:, 0] = anchors
         positions = (anchor_positions[:, None] + self.block_offsets).view(-1)
         token_slots = slot_ids.repeat_interleave(n)
         cu = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=anchors.device)
-        h = model.embed_tokens(ids.view(-1))
-        residual = None
+        h, residual = model.embed_tokens(ids.view(-1)), None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, x = h, K.rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
-            else:
-                x, residual = K.rms_norm(h, layer["input_norm"], cfg.rms_norm_eps, residual=residual)
-            qkv = F.linear(x, layer["qkv"])
-            q = qkv[:, :self.q_size].view(-1, cfg.num_attention_heads, d)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, cfg.num_key_value_heads, d)
-            v = qkv[:, self.q_size + self.kv_size:].view(-1, cfg.num_key_value_heads, d)
-            q = K.qk_norm_rope_store(q, k, v, positions, token_slots, self.cos_sin, self.cache.k[i], self.cache.v[i],
-                                     q_norm_weight=layer["q_norm"], k_norm_weight=layer["k_norm"], eps=cfg.rms_norm_eps)
-            window = cfg.layer_window(i)
-            starts = None if window is None else (anchor_positions - window).clamp(min=0)
-            out = K.cached_attention(q, self.cache.k[i], self.cache.v[i], slot_ids, anchor_positions, cu, n,
-                                     causal=cfg.layer_is_causal(i), window_starts=starts)
-            h = F.linear(out.view(-1, self.q_size), layer["o"])
-            x, residual = K.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual=residual)
-            h = F.linear(K.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+            h, residual = decoder_layer(layer, h, residual, cfg.rms_norm_eps,
+                                        lambda x, i=i, layer=layer: self._attention(i, layer, x, positions, token_slots,
+                                                                                    anchor_positions, slot_ids, cu))
         x, _ = K.rms_norm(h, model.norm.weight, cfg.rms_norm_eps, residual=residual)
         return x

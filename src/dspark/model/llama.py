@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .. import kernels as K
 from ..kernels._validate import Checker
 
-__all__ = ["AttentionBatch", "KVCache", "TargetLM", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["AttentionBatch", "KVCache", "TargetLM", "SUPPORTED_MODEL_TYPES", "decoder_layer"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -154,18 +154,12 @@ class TargetLM:
         view of that shape) receives the hidden states at ``capture_layer_ids``.
         """
         s = self.shape
-        h = F.embedding(input_ids, self.embed)
-        residual = None
-        x = None
+        h, residual = F.embedding(input_ids, self.embed), None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, x = h, K.rms_norm(h, layer["input_norm"], s.eps)
-            else:
-                x, residual = K.rms_norm(h, layer["input_norm"], s.eps, residual=residual)
-            self._capture(capture_out, i, residual)
-            h = self._attention(layer, x, positions, token_slots, batch, cache.k[i], cache.v[i])
-            x, residual = K.rms_norm(h, layer["post_norm"], s.eps, residual=residual)
-            h = F.linear(K.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+            h, residual = decoder_layer(
+                layer, h, residual, s.eps,
+                lambda x, i=i, layer=layer: self._attention(layer, x, positions, token_slots, batch, cache.k[i], cache.v[i]),
+                on_input=lambda hidden, i=i: self._capture(capture_out, i, hidden))
         x, _ = K.rms_norm(h, self.norm, s.eps, residual=residual)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
@@ -192,6 +186,22 @@ class TargetLM:
         out = K.cached_attention(q, k_cache, v_cache, batch.slot_ids, batch.context_lens, batch.cu_query_lens,
                                  batch.max_query_len, causal=True)
         return F.linear(out.view(n, q_size), layer["o"])
+
+
+def decoder_layer(layer: dict, h: torch.Tensor, residual: torch.Tensor | None, eps: float, attention,
+                  on_input=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pre-norm decoder layer on flat rows (the target's and the draft's): ``(h, residual)`` of the
+    previous layer (``residual`` None for the first) -> this layer's. The residual adds are fused into
+    the RMSNorms (HF op order); ``attention(x)`` maps the normed rows ``[N, H]`` to ``[N, H]``;
+    ``on_input(hidden)`` sees the layer's input hidden states (HF ``hidden_states[i]``)."""
+    if residual is None:
+        residual, x = h, K.rms_norm(h, layer["input_norm"], eps)
+    else:
+        x, residual = K.rms_norm(h, layer["input_norm"], eps, residual=residual)
+    if on_input is not None:
+        on_input(residual)
+    x, residual = K.rms_norm(attention(x), layer["post_norm"], eps, residual=residual)
+    return F.linear(K.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"]), residual
 
 
 # ------------------------------------------------------------------------------------ config & io
