@@ -237,8 +237,9 @@ def _rope_frequencies(c: Checker, config) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = _text_config(config)
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
+    # transformers 5 keeps RoPE settings in rope_parameters, 4.x in rope_scaling (+ rope_theta)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in ("dynamic", "longrope"):
         c.fail(f"RoPE type {rope_type!r} changes its frequencies with the sequence length; "
                "supported: default, linear, llama3, yarn")
