@@ -480,6 +480,25 @@ def _fit(samples, probabilities):
     return p_value, 0.5 * float((counts / samples.numel() - probabilities.double()).abs().sum())
 
 
+def assert_first_tokens_follow_the_target(out, target, prompt, top_k):
+    """Generated tokens ``out`` ``[runs, >=3]`` (temperature 1, ``top_k``): each of the first three
+    positions follows the exact filtered target distribution, enumerated over the earlier tokens
+    (chi-square p > 1e-3, TV < 0.01)."""
+    vocab = target.config.vocab_size
+
+    def probs(sequences):  # the filtered target distribution after each sequence
+        logits = torch.stack([_forward(target, s)[0][-1] for s in sequences])
+        return K.logits_to_probabilities(logits, 1.0, top_k)
+
+    first = probs([prompt])[0]
+    second = probs([prompt + [a] for a in range(vocab)])
+    third = probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
+    joint = first[:, None, None] * second[:, :, None] * third
+    for position, exact in ((0, first), (1, joint.sum((0, 2))), (2, joint.sum((0, 1)))):
+        p_value, tv = _fit(out[:, position], exact)
+        assert p_value > 1e-3 and tv < 0.01, (position, p_value, tv)
+
+
 @pytest.mark.slow
 def test_sampled_tokens_follow_the_target_distribution():
     """V = 4, temperature 1, top-k 2 (zeros in both supports), P = 2: the empirical distributions of
@@ -493,19 +512,8 @@ def test_sampled_tokens_follow_the_target_distribution():
     drafter = Drafter(MemoDraft(random_draft(config, 0, target)))
     decoder = SpeculativeDecoder(MemoTarget(target, config.capture_layer_ids), drafter)
 
-    def probs(sequences):  # the filtered target distribution after each sequence
-        logits = torch.stack([_forward(target, s)[0][-1] for s in sequences])
-        return K.logits_to_probabilities(logits, 1.0, top_k)
-
-    first = probs([prompt])[0]
-    second = probs([prompt + [a] for a in range(vocab)])
-    third = probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
-    joint = first[:, None, None] * second[:, :, None] * third
-
     out = torch.tensor([
         decoder.generate(prompt, max_new_tokens=3, eos_token_id=[],
                          sampling=SamplingParams(temperature=1.0, top_k=top_k, seed=seed)).token_ids
         for seed in range(runs)])
-    for position, exact in ((0, first), (1, joint.sum((0, 2))), (2, joint.sum((0, 1)))):
-        p_value, tv = _fit(out[:, position], exact)
-        assert p_value > 1e-3 and tv < 0.01, (position, p_value, tv)
+    assert_first_tokens_follow_the_target(out, target, prompt, top_k)

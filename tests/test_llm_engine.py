@@ -8,9 +8,8 @@ sampled output against the same request decoded alone, and against the exact tar
 import pytest
 import torch
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target, write_tiny_draft
-from test_engine import _fit, _forward, _greedy
+from test_engine import _forward, _greedy, assert_first_tokens_follow_the_target
 
-import dspark.kernels as K
 from dspark.engine import SamplingParams
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
@@ -266,18 +265,7 @@ def test_batched_sampled_tokens_follow_the_target_distribution():
     requests = [Request(prompt, 3, SamplingParams(temperature=1.0, top_k=top_k, seed=s), stop_ids=[])
                 for s in range(runs)]
     out = torch.tensor([r.token_ids for r in engine.generate(requests)])
-
-    def probs(sequences):
-        logits = torch.stack([_forward(target, s)[0][-1] for s in sequences])
-        return K.logits_to_probabilities(logits, 1.0, top_k)
-
-    first = probs([prompt])[0]
-    second = probs([prompt + [a] for a in range(vocab)])
-    third = probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
-    joint = first[:, None, None] * second[:, :, None] * third
-    for position, exact in ((0, first), (1, joint.sum((0, 2))), (2, joint.sum((0, 1)))):
-        p_value, tv = _fit(out[:, position], exact)
-        assert p_value > 1e-3 and tv < 0.01, (position, p_value, tv)
+    assert_first_tokens_follow_the_target(out, target, prompt, top_k)
 
 
 def test_cost_scheduler_trims_verification_when_tokens_are_expensive(target, greedy):
