@@ -252,6 +252,10 @@ def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_toke
                       needed=width, logits_stride=logits_stride, logits_offset=logits_offset)
     uniforms = _step_uniforms(c, uniforms, m.batch, width, m.device)
     temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
-    return implementation("vanilla_markov_sample", m.device)(
-        m.logits, *m.weights, first_prev_tokens.contiguous(), uniforms, temperature, top_k, top_p, m.stride, m.offset,
-        resolve(c, workspace))
+    draft_token_ids = torch.zeros(m.batch, width, dtype=torch.int32, device=m.device)
+    draft_probabilities = torch.empty(m.batch, width, m.vocab, dtype=torch.float32, device=m.device)
+    step_fn, workspace = implementation("markov_sample_step", m.device), resolve(c, workspace)
+    for step in range(width):  # the round is its steps on either backend
+        step_fn(m.logits, *m.weights, first_prev_tokens.contiguous(), uniforms, draft_token_ids, draft_probabilities,
+                step, temperature, top_k, top_p, m.stride, m.offset, workspace)
+    return draft_token_ids, draft_probabilities

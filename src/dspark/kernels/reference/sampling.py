@@ -28,7 +28,6 @@ __all__ = [
     "fill_uniforms",
     "logits_to_probabilities",
     "markov_sample_step",
-    "vanilla_markov_sample",
     "sample_probability_rows",
     "store_draft_step_probabilities",
     "normalize_top_k_rows",
@@ -335,17 +334,3 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, fir
     probs = logits_to_probabilities(rows, temperature, top_k, top_p, workspace)
     store_draft_step_probabilities(probs, draft_probabilities, step)
     sample_probability_rows(probs, proposal_uniforms, draft_token_ids, step, workspace)
-
-
-def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
-                          temperature, top_k, top_p, logits_stride, logits_offset, workspace):
-    """``dspark.kernels.vanilla_markov_sample``: ``markov_sample_step`` for steps 0..P-1."""
-    batch, width = proposal_uniforms.shape
-    device = proposal_uniforms.device
-    draft_token_ids = torch.zeros(batch, width, dtype=torch.int32, device=device)
-    draft_probabilities = torch.empty(batch, width, markov_w1.shape[0], dtype=torch.float32, device=device)
-    for step in range(width):
-        markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
-                           draft_token_ids, draft_probabilities, step, temperature, top_k, top_p, logits_stride,
-                           logits_offset, workspace)
-    return draft_token_ids, draft_probabilities

@@ -41,7 +41,6 @@ __all__ = [
     "finalize_greedy_draft_tokens",
     "store_draft_step_top1",
     "markov_sample_step",
-    "vanilla_markov_sample",
 ]
 
 
@@ -385,17 +384,3 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, fir
     tfilter.probabilities(out, out_stride, out, out_stride, batch, vocab, 1.0, k, p, workspace,
                           stats=(buf["markov_m"], buf["markov_s"], markov_tiles(vocab, config), config["BLOCK_V"]),
                           groups=groups, sample=(proposal_uniforms[:, step], width, draft_token_ids[:, step], width))
-
-
-def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
-                          temperature, top_k, top_p, logits_stride, logits_offset, workspace):
-    """``dspark.kernels.vanilla_markov_sample``: ``markov_sample_step`` for steps 0..P-1."""
-    batch, width = proposal_uniforms.shape
-    device = proposal_uniforms.device
-    draft_token_ids = torch.zeros(batch, width, dtype=torch.int32, device=device)
-    draft_probabilities = torch.empty(batch, width, markov_w1.shape[0], dtype=torch.float32, device=device)
-    for step in range(width):
-        markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
-                           draft_token_ids, draft_probabilities, step, temperature, top_k, top_p, logits_stride,
-                           logits_offset, workspace)
-    return draft_token_ids, draft_probabilities
