@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_cases import tiny_qwen3_target, write_tiny_checkpoints, write_tiny_draft
+from test_engine import _greedy
 
 import dspark
 from dspark.cli import main
@@ -32,14 +33,6 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def greedy(checkpoints):
     return _greedy(checkpoints[2], PROMPT, 24)
-
-
-def _greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def _words(ids):

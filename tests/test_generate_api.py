@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from model_cases import write_tiny_checkpoints
+from test_cli_generate import _words
+from test_engine import _greedy
 
 import dspark
 from dspark.engine import TextStream, encode_prompts
@@ -23,18 +25,6 @@ def pair(tmp_path_factory):
     target, drafts = write_tiny_checkpoints(root)
     return (root / "target", root / "bare", Path(drafts["speculators"]), _greedy(target, PROMPT, 16),
             _greedy(target, PROMPT[:2], 5))
-
-
-def _greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def _words(ids):
-    return " ".join(f"t{i}" for i in ids)
 
 
 def test_text_and_token_id_prompts_one_or_many(pair):
