@@ -453,7 +453,8 @@ def test_serve_benchmark_load_generator(served, prompts, tmp_path):
 
     args = argparse.Namespace(concurrency=[1, 3], requests_per_client=2, max_tokens=6, warmup_tokens=2,
                               temperature=0.0, model=None, request_timeout=TIMEOUT)
-    levels = asyncio.run(benchmark(args, served[0].url, prompts[:4]))
+    levels, outputs = asyncio.run(benchmark(args, served[0].url, prompts[:4]))
+    assert sorted(outputs) == [0, 1, 2, 3] and all(len(ids) == 6 for ids in outputs.values())  # each prompt's first answer
     assert [(lv["concurrency"], lv["requests"], lv["failed"], lv["mismatched"]) for lv in levels] == [(1, 2, 0, 0),
                                                                                                        (3, 6, 0, 0)]
     assert [lv["output_tokens"] for lv in levels] == [12, 36]

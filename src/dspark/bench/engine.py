@@ -40,35 +40,37 @@ SHAPES = {  # Qwen3 model shapes (config.json of the public models)
 VOCAB = 151936
 
 
-def random_target(shape: dict, seed: int = 0):
-    """A random-weight Qwen3ForCausalLM in bf16 on the GPU (std 0.02, as HF initialises)."""
+def random_target(shape: dict, seed: int = 0, *, vocab: int = VOCAB, device="cuda", dtype=torch.bfloat16):
+    """A random-weight Qwen3ForCausalLM (std 0.02, as HF initialises; bf16 on the GPU by default)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     settings = {k: v for k, v in shape.items() if k != "capture"}
-    config = Qwen3Config(vocab_size=VOCAB, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=40960, rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                          bos_token_id=None, eos_token_id=None, pad_token_id=None, **settings)
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
     return model.eval().requires_grad_(False)
 
 
 @torch.no_grad()
 def random_drafter(target, shape: dict, layers: int = 1, rank: int = 256, block: int = 7):
-    """A random DSpark drafter for ``target`` (bf16, GPU): the real draft's cost, meaningless drafts."""
+    """A random DSpark drafter for ``target`` (its device and dtype): the real draft's cost,
+    meaningless drafts."""
     from ..model import DSparkConfig, DSparkDraftModel
 
-    t = target.config
+    t, vocab, dtype = target.config, target.config.vocab_size, target.dtype
     config = DSparkConfig(
         hidden_size=t.hidden_size, num_hidden_layers=layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
-        vocab_size=VOCAB, capture_layer_ids=shape["capture"], num_target_layers=t.num_hidden_layers,
-        mask_token_id=VOCAB - 1, block_size=block, sample_from_anchor=True, markov_rank=rank,
+        vocab_size=vocab, capture_layer_ids=shape["capture"], num_target_layers=t.num_hidden_layers,
+        mask_token_id=vocab - 1, block_size=block, sample_from_anchor=True, markov_rank=rank,
         markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True,
-        layer_types=["full_attention"] * layers, rms_norm_eps=1e-6, rope_theta=1000000.0, dtype="bfloat16")
-    with torch.device("cuda"):
-        model = DSparkDraftModel(config).to(torch.bfloat16)
+        layer_types=["full_attention"] * layers, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        dtype=str(dtype).replace("torch.", ""))
+    with torch.device(target.device):
+        model = DSparkDraftModel(config).to(dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
         model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)

@@ -24,8 +24,9 @@ first use). Per level:
   tokens differ from the first time that prompt was served: in float32 there must be none);
 * tau (tokens per round) from the server's /metrics, when it is dspark.
 
-Writes ``DIR/<label>.json`` and ``DIR/frontier.png``, drawn from every ``DIR/*.json``: total
-tokens/s against tokens/s per request, one line per label, points marked with C (the paper's Fig. 7).
+Writes ``DIR/<label>.json`` (the levels and each prompt's first output ids) and ``DIR/frontier.png``,
+drawn from every ``DIR/*.json``: total tokens/s against tokens/s per request, one line per label,
+points marked with C (the paper's Fig. 7).
 """
 
 from __future__ import annotations
@@ -213,13 +214,18 @@ def wait_healthy(client_sync, url: str, timeout: float) -> None:
 # ---------------------------------------------------------------------------------------- prompts
 
 
+def random_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids in ``[0, vocab)`` (seeded: always the same)."""
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
 def make_prompts(args) -> list:
     """Text prompts (the demo pair's held-out files) or random token ids (``--random-prompts``)."""
     if args.random_prompts:
-        import random
-
-        rng = random.Random(0)
-        return [[rng.randrange(args.vocab) for _ in range(args.random_prompts)] for _ in range(args.num_prompts)]
+        return random_prompts(args.num_prompts, args.random_prompts, args.vocab)
     from dspark.training.data import demo_pair, read_prompts
 
     records = read_prompts(str(demo_pair().prompts))
@@ -239,7 +245,8 @@ def request_body(prompt, args, max_tokens: int) -> dict:
 # ---------------------------------------------------------------------------------------- main
 
 
-async def benchmark(args, url: str, prompts: list) -> list[dict]:
+async def benchmark(args, url: str, prompts: list) -> tuple[list[dict], dict[int, list[int]]]:
+    """Every level in turn; returns the levels' summaries and each prompt's first output."""
     import httpx
 
     levels = []
@@ -270,7 +277,7 @@ async def benchmark(args, url: str, prompts: list) -> list[dict]:
                 level["tau"] = 1 + accepted / rounds if rounds else None
                 levels.append(level)
                 print(_line(level), flush=True)
-    return levels
+    return levels, first_output
 
 
 def _line(level: dict) -> str:
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         with httpx.Client(timeout=30) as sync:
             wait_healthy(sync, url, args.startup_timeout)
             models = sync.get(url + "/v1/models").json()
-        levels = asyncio.run(benchmark(args, url, prompts))
+        levels, outputs = asyncio.run(benchmark(args, url, prompts))
     finally:
         status = server.stop() if server is not None else None
     report = {"label": args.label, "url": args.url, "server_args": server_args, "models": models,
@@ -378,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
               "temperature": args.temperature,
               "prompts": f"random ids x {args.random_prompts}" if args.random_prompts
               else f"demo held-out files, first {args.prompt_chars} characters",
-              "server_exit_status": status, "levels": levels}
+              "server_exit_status": status, "levels": levels,
+              "outputs": {str(i): ids for i, ids in sorted(outputs.items())}}
     path = out / f"{args.label}.json"
     path.write_text(json.dumps(report, indent=1))
     png = plot(out)

@@ -13,6 +13,7 @@ import argparse
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from ._runtime import add_runtime_arguments, runtime
@@ -70,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark serve: {exc}", file=sys.stderr)
         return 2
+    if engine.runner.use_graphs:
+        start = time.perf_counter()
+        graphs = engine.capture_graphs()
+        print(f"dspark serve: captured {graphs} CUDA graphs in {time.perf_counter() - start:.1f} s", file=sys.stderr,
+              flush=True)
     app = create_app(engine, tokenizer, name, max_waiting=args.max_waiting, chat_template=args.chat_template,
                      trust_request_chat_template=args.trust_request_chat_template, model_root=args.target)
     port = listener.getsockname()[1]

@@ -213,13 +213,18 @@ class Drafter:
         prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
         logits = self.model.confidence_logits(rows, prev)
         confidence = torch.sigmoid(logits if self.sts_temperatures is None else logits / self.sts_temperatures)
-        if self.scheduler == "threshold":
-            lengths = K.threshold_proposal_lengths(confidence, self.threshold, min_proposal_len=self.min_proposal_len,
-                                                   max_proposal_len=self.max_proposal_len)
-        else:
-            lengths = K.sps_proposal_lengths(confidence, self.threshold, min_proposal_len=self.min_proposal_len,
-                                             max_proposal_len=self.max_proposal_len)
-        return lengths, confidence
+        return self.proposal_lengths(confidence), confidence
+
+    def proposal_lengths(self, confidence: torch.Tensor) -> torch.Tensor:
+        """int32 ``[B]`` drafts to verify under this drafter's scheduler from f32 ``[B, P]``
+        confidences (the threshold / SPS rules of ``K.threshold_proposal_lengths`` /
+        ``K.sps_proposal_lengths``; every draft when the scheduler is off). No host synchronisation."""
+        batch, p = confidence.shape
+        if self.scheduler == "off":
+            return K.fill_proposal_lengths(batch, p, device=confidence.device)
+        rule = K.threshold_proposal_lengths if self.scheduler == "threshold" else K.sps_proposal_lengths
+        return rule(confidence, self.threshold, min_proposal_len=self.min_proposal_len,
+                    max_proposal_len=self.max_proposal_len)
 
 
 def _sts_temperatures(temperatures, num_draft_tokens: int, device) -> torch.Tensor | None:

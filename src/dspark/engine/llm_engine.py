@@ -43,8 +43,9 @@ class EngineConfig:
     / ``min_proposal_len`` / ``max_proposal_len`` as ``Drafter``, or ``scheduler="cost"``: the paper's
     Algorithm 1 across the batch with ``cost_table`` (an ``SPSCostTable`` or the JSON path that
     ``dspark profile`` writes) and ``min_predicted_gain``; ``cuda_graphs`` (CUDA only);
-    ``device`` / ``dtype`` for checkpoints loaded from directories; ``oracle_acceptance``
-    (benchmarks only: drafts come from ``Request.oracle_ids``, each kept with this probability)."""
+    ``device`` / ``dtype`` for checkpoints loaded from directories; ``oracle_acceptance`` /
+    ``oracle_replay`` (benchmarks only: drafts come from ``Request.oracle_ids``, each kept with this
+    probability, or as many kept per round as ``Request.oracle_trace`` replays, its confidences too)."""
 
     max_batch: int = 16
     max_model_len: int | None = None
@@ -56,6 +57,7 @@ class EngineConfig:
     device: str | torch.device | None = None
     dtype: torch.dtype | None = None
     oracle_acceptance: float | None = None
+    oracle_replay: bool = False
     cost_table: object = None
     min_predicted_gain: float = 0.04
 
@@ -74,6 +76,8 @@ class EngineConfig:
         c.real("min_predicted_gain", self.min_predicted_gain, low=0.0)
         if self.oracle_acceptance is not None:
             c.real("oracle_acceptance", self.oracle_acceptance, low=0.0, high=1.0)
+            if self.oracle_replay:
+                c.fail("oracle_acceptance and oracle_replay exclude each other (two ways to choose benchmark drafts)")
 
 
 @dataclass
@@ -113,7 +117,8 @@ class LLMEngine:
             drafter = Drafter(self.draft_model, scheduler=per_row[0], threshold=per_row[1],
                               min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len)
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
-                                  cuda_graphs=config.cuda_graphs, oracle_acceptance=config.oracle_acceptance)
+                                  cuda_graphs=config.cuda_graphs, oracle_acceptance=config.oracle_acceptance,
+                                  oracle_replay=config.oracle_replay)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] sits in batch row i
         self.free_slots = list(range(config.max_batch))
@@ -155,14 +160,32 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             c.fail(f"the prompt has {len(ids)} tokens; the context limit (max_model_len) is {self.max_model_len}, "
                    "which must leave room for at least one new token")
-        if (request.oracle_ids is not None) != (self.config.oracle_acceptance is not None):
-            c.fail("Request.oracle_ids (benchmark drafts) and EngineConfig.oracle_acceptance go together")
-        if request.oracle_ids is not None and not request.sampling.greedy:
-            c.fail("oracle_ids (benchmark drafts) need greedy sampling")
+        self._check_oracle(c, request)
         bad = next((i for i in request.stop_ids if i >= vocab), None)
         if bad is not None:
             c.fail(f"stop_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")
         return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
+
+    def _check_oracle(self, c: Checker, request: Request) -> None:
+        """Benchmark drafts: ``oracle_ids`` exactly when the config chooses them, ``oracle_trace`` with
+        ``oracle_replay`` (rounds of ``[accepted drafts in 0..P, P confidences in [0, 1]]``)."""
+        oracle = self.config.oracle_acceptance is not None or self.config.oracle_replay
+        if (request.oracle_ids is not None) != oracle:
+            c.fail("Request.oracle_ids (benchmark drafts) and EngineConfig.oracle_acceptance / oracle_replay go together")
+        if request.oracle_ids is not None and not request.sampling.greedy:
+            c.fail("oracle_ids (benchmark drafts) need greedy sampling")
+        if (request.oracle_trace is not None) != self.config.oracle_replay:
+            c.fail("Request.oracle_trace and EngineConfig.oracle_replay go together")
+        if request.oracle_trace is None:
+            return
+        p = self.num_drafts
+        if not request.oracle_trace:
+            c.fail("oracle_trace must hold at least one round")
+        for r, entry in enumerate(request.oracle_trace):
+            if len(entry) != p + 1 or not 0 <= entry[0] <= p or entry[0] != int(entry[0]) \
+                    or not all(0.0 <= x <= 1.0 for x in entry[1:]):
+                c.fail(f"oracle_trace[{r}] must be [accepted drafts in 0..{p}, {p} confidences in [0, 1]], "
+                       f"got {list(entry)[:p + 2]}")
 
     def abort(self, request_id: int, reason: str = "abort") -> None:
         """Stop a request now (waiting or running) with finish reason ``reason``; its cache line is
@@ -177,6 +200,14 @@ class LLMEngine:
         else:
             self._retire([seq])
         self.sequences.pop(request_id, None)
+
+    def capture_graphs(self) -> int:
+        """Capture every greedy CUDA graph (each batch bucket and verify length) before serving, so
+        the first requests of each batch size do not wait for captures; returns how many exist (0
+        without CUDA graphs). Only while no request runs."""
+        if self.running:
+            Checker("capture_graphs").fail(f"capture_graphs needs an idle engine, but {len(self.running)} requests run")
+        return self.runner.capture_graphs()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -247,7 +278,7 @@ class LLMEngine:
             return
         start = time.perf_counter()
         entries = [PrefillEntry(q.row, q.slot, q.request.prompt_ids, q.request.sampling, q.request.sampling.seed,
-                                q.request.oracle_ids) for q in admitted]
+                                q.request.oracle_ids, q.request.oracle_trace) for q in admitted]
         firsts = self.runner.prefill(entries)
         elapsed = time.perf_counter() - start
         for seq, first in zip(admitted, firsts):
@@ -353,7 +384,8 @@ class LLMEngine:
         if self._plain is None:
             from dataclasses import replace
 
-            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", oracle_acceptance=None))
+            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", oracle_acceptance=None,
+                                                               oracle_replay=False))
             self._plain.eos_ids = self.eos_ids
         return self._plain
 

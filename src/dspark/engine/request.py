@@ -22,7 +22,9 @@ class Request:
     ``prompt_ids``: the prompt's token ids (a sequence or a 1-D tensor); the output ends after the
     target's EOS (unless ``ignore_eos``) or any of ``stop_ids``, or after ``max_new_tokens``.
     ``oracle_ids`` (benchmarks only): a known continuation; the engine then replaces its drafted
-    tokens by it (``EngineConfig.oracle_acceptance``).
+    tokens by it (``EngineConfig.oracle_acceptance``) or, with ``EngineConfig.oracle_replay``, keeps
+    as many of them per round as ``oracle_trace`` says: round r (cycling) is ``[accepted drafts,
+    confidence_1 .. confidence_P]`` -- a recorded round whose acceptance and confidences are replayed.
     """
 
     prompt_ids: list[int]
@@ -31,6 +33,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     oracle_ids: list[int] | None = None
+    oracle_trace: list[list[float]] | None = None
 
     def __post_init__(self):
         c = Checker("Request")

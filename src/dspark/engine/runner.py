@@ -37,6 +37,7 @@ from .drafting import Drafter, SamplingParams
 __all__ = ["ModelRunner", "PrefillEntry", "batch_buckets", "PURPOSE_ORACLE"]
 
 PURPOSE_ORACLE = 0x3C6EF372FE94F82B  # benchmarks' controlled acceptance: its own stream
+TRACE_ROUNDS = 512  # replayed rounds kept per row (a longer trace is cut; rounds cycle)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class PrefillEntry:
     sampling: SamplingParams
     seed: int
     oracle_ids: list[int] | None = None
+    oracle_trace: list[list[float]] | None = None
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -67,7 +69,7 @@ class ModelRunner:
     """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, mode)."""
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
-                 cuda_graphs: bool = True, oracle_acceptance: float | None = None):
+                 cuda_graphs: bool = True, oracle_acceptance: float | None = None, oracle_replay: bool = False):
         self.target, self.drafter = target, drafter
         self.device = dev = target.device
         self.max_batch, self.max_model_len = max_batch, max_model_len
@@ -83,7 +85,7 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and dev.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.oracle_acceptance = oracle_acceptance
+        self.oracle_acceptance, self.oracle_replay = oracle_acceptance, oracle_replay
 
         i32 = dict(dtype=torch.int32, device=dev)
         b, p, t = max_batch, self.num_drafts, self.verify_len
@@ -103,8 +105,12 @@ class ModelRunner:
             self.state["verify_lens"] = torch.ones(b, **i32)
             self.state["confidence"] = torch.zeros(b, p, device=dev)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        if oracle_acceptance is not None:
+        if oracle_acceptance is not None or oracle_replay:
             self.state["oracle"] = torch.zeros(b, line + t, **i32)
+        if oracle_replay:  # per row: its trace, the trace's length, the next round to replay
+            self.state["trace"] = torch.zeros(b, TRACE_ROUNDS, p + 1, device=dev)
+            self.state["trace_len"] = torch.ones(b, **i32)
+            self.state["trace_round"] = torch.zeros(b, **i32)
         # accepted | accept length | verified drafts | next proposal length | next confidences (f32 bits)
         self.readout = torch.zeros(b, t + 3 + p, **i32)
         self.offsets = torch.arange(max(t, block), **i32)
@@ -168,6 +174,10 @@ class ModelRunner:
                 known = torch.tensor(list(e.prompt_ids) + list(e.oracle_ids), **i32)[: s["oracle"].shape[1]]
                 s["oracle"][e.row].zero_()
                 s["oracle"][e.row, : known.numel()] = known
+            if e.oracle_trace is not None:
+                trace = torch.tensor(e.oracle_trace[:TRACE_ROUNDS], dtype=torch.float32, device=dev)
+                s["trace"][e.row, : trace.shape[0]] = trace
+                s["trace_len"][e.row], s["trace_round"][e.row] = trace.shape[0], 0
         return tokens.tolist()
 
     def move_row(self, src: int, dst: int) -> None:
@@ -213,6 +223,25 @@ class ModelRunner:
         mode = self._batch_mode(rows)
         self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode))
         return self.readout[:rows].cpu()  # the step's one host synchronisation
+
+    def capture_graphs(self) -> int:
+        """Capture the greedy graphs of every batch bucket now (verify at every token multiple, draft;
+        or decode), so that no request waits for a capture later; returns the number of graphs.
+        Call with no request running: the captures replay once on padding rows."""
+        if not self.use_graphs:
+            return 0
+        greedy, lens = SamplingParams(), self.host_lens if self.drafter is not None else None
+        for b in self.buckets:
+            if self.drafter is None:
+                self._replay(("decode", b, 1, greedy), lambda: self._decode_rows(b, b, greedy))
+                continue
+            for k in range(1, self.verify_len + 1):  # k tokens per row: the graph of b * k flat tokens
+                lens.fill_(k)
+                self.state["verify_lens"].copy_(lens)
+                self._replay(("verify", b, b * k, greedy), lambda: self._verify_rows(b, b, b * k, greedy))
+            self._replay(("draft", b, 0, greedy), lambda: self._draft_rows(b, b, greedy))
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs)
 
     def _batch_mode(self, rows: int) -> SamplingParams | None:
         """The rows' shared sampling setting, or None when they differ (grouped, eager)."""
@@ -345,19 +374,29 @@ class ModelRunner:
                 s["confidence"][index] = proposal.confidence
             if proposal.probabilities is not None:
                 s["draft_probs"][index] = proposal.probabilities
-        if self.oracle_acceptance is not None:
+        if self.oracle_acceptance is not None or self.oracle_replay:
             self._oracle_drafts(b)
         self.readout[:b, t + 2] = s["proposal_lengths"][:b]
         self.readout[:b, t + 3:] = s["confidence"][:b].view(torch.int32)
 
     def _oracle_drafts(self, b: int) -> None:
-        """Benchmarks: each draft is the known continuation with probability ``oracle_acceptance``,
-        else a token the greedy target rejects (the continuation's id + 1)."""
+        """Benchmarks: each draft is the known continuation (which the greedy target accepts) or a
+        token it rejects (the continuation's id + 1): per draft with probability ``oracle_acceptance``,
+        or, replaying a trace, the first ``accepted`` of the round's entry; the entry's confidences
+        then replace the drafter's and the scheduler's lengths follow from them."""
         s, p = self.state, self.num_drafts
         truth = s["oracle"][:b].gather(1, (s["anchor_pos"][:b, None] + 1 + self.offsets[:p]).long())
-        u = K.request_uniforms(s["seeds"][:b], s["anchor_pos"][:b], PURPOSE_ORACLE, p)
         wrong = (truth + 1) % self.target.vocab_size
-        s["draft_tokens"][:b] = torch.where(u < self.oracle_acceptance, truth, wrong)
+        if self.oracle_replay:
+            index = (s["trace_round"][:b] % s["trace_len"][:b]).long()
+            entry = s["trace"][:b].gather(1, index[:, None, None].expand(b, 1, p + 1)).squeeze(1)
+            keep = self.offsets[:p].float() < entry[:, :1]
+            s["confidence"][:b] = entry[:, 1:]
+            s["proposal_lengths"][:b] = self.drafter.proposal_lengths(entry[:, 1:].contiguous())
+            s["trace_round"][:b] += s["active"][:b]
+        else:
+            keep = K.request_uniforms(s["seeds"][:b], s["anchor_pos"][:b], PURPOSE_ORACLE, p) < self.oracle_acceptance
+        s["draft_tokens"][:b] = torch.where(keep, truth, wrong)
 
 
 def _sample_rows(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, positions: torch.Tensor,

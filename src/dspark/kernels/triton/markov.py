@@ -159,7 +159,8 @@ def markov_config(batch: int, rank: int, fp8: bool, sampled: bool) -> dict:
     ``PROGRAMS_PER_SM`` persistent programs per multiprocessor, or 0 for one program per tile. Greedy
     epilogues (H200 sweep): B = 64 with FP8 W2 (whose decoded tiles live in registers) or a small
     rank measured fastest with many short programs; otherwise two persistent programs per SM with the
-    largest pipelined tile that lets them share the SM (one at B = 64). A CUDA-core dot for single
+    largest pipelined tile that lets them share the SM, and one at B = 64 (registers, see below). A
+    CUDA-core dot for single
     rows (no 16-column padding) was measured slower than the padded tensor-core GEMM (40.5 vs 30.9 µs
     at R = 256). Open: the FP8 step at B = 1, R = 64 is not yet faster than NVIDIA's (issue 15).
     The sampled step keeps the tiles of its former kernel -- wide (fewer softmax partials for the
@@ -176,11 +177,15 @@ def markov_config(batch: int, rank: int, fp8: bool, sampled: bool) -> dict:
         return dict(BLOCK_V=64, BLOCK_B=block_b, BLOCK_R=block_r, NUM_STAGES=1, PROGRAMS_PER_SM=0, num_warps=num_warps)
     if fp8:
         return dict(BLOCK_V=64, BLOCK_B=block_b, BLOCK_R=block_r, NUM_STAGES=3, PROGRAMS_PER_SM=2, num_warps=4)
-    budget = 120_000 if block_b < 64 else 150_000
+    # B = 64 (8 warps): the merged kernel takes 133 registers a thread at R = 256 (Triton 3.6), so two
+    # programs (68 k registers) no longer fit an SM's 65 536 and the second half of a two-per-SM grid
+    # ran as a second wave (56.7 us); one persistent program per SM with the whole shared memory for
+    # a 3-deep pipeline takes 45.3 us, what the former kernel took at two per SM (121 registers).
+    per_sm, budget = (2, 120_000) if block_b < 64 else (1, 200_000)
     for block_v, stages in ((128, 3), (64, 3), (64, 2), (32, 2)):
         if markov_smem_bytes(block_v, block_b, rank, fp8, stages) <= budget:
             break
-    return dict(BLOCK_V=block_v, BLOCK_B=block_b, BLOCK_R=block_r, NUM_STAGES=stages, PROGRAMS_PER_SM=2,
+    return dict(BLOCK_V=block_v, BLOCK_B=block_b, BLOCK_R=block_r, NUM_STAGES=stages, PROGRAMS_PER_SM=per_sm,
                 num_warps=num_warps)
 
 

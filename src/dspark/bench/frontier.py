@@ -1,0 +1,203 @@
+"""The throughput-interactivity frontier of ``dspark serve`` with an 8B-shaped target and acceptance
+replay: ``python -m dspark.bench.frontier --out DIR`` (on a GPU; the paper's Fig. 7).
+
+1. Profile the target's verify forward per total token count (``dspark profile``'s measurement) into
+   ``DIR/cost_table.json``.
+2. Serve the target three times (``dspark serve --engine-factory dspark.bench.replay:...``) and drive
+   each with ``python -m dspark.bench.serve`` at concurrency 1, 2, 4, ..., 64: ``plain`` decoding,
+   ``dspark-fixed`` (DSpark verifying every draft: ``--scheduler off``) and ``dspark-scheduled``
+   (the paper's Algorithm 1 across the batch: ``--scheduler cost --cost-table DIR/cost_table.json``).
+   The target is ``bench.replay.peaked_target`` (random weights, 8B shape, bf16); DSpark's drafter is
+   a random one of that shape whose acceptance and confidences replay the demo pair's recorded rounds
+   (``bench.replay``), so tau and the confidence-acceptance relation are the demo pair's.
+3. ``DIR/frontier.md`` / ``frontier.json``: per concurrency and configuration total tokens/s, tokens/s
+   per request, TTFT, inter-token latency p50 / p99, tau, failed requests; whether every prompt got
+   the same tokens from all three (greedy: it must); the targets. ``DIR/frontier.png``: the frontier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import serve
+from .replay import TRACES, load_traces
+
+CONFIGS = {  # label -> (engine factory, scheduler arguments)
+    "plain": ("plain_engine", []),
+    "dspark-fixed": ("replay_engine", ["--scheduler", "off"]),
+    "dspark-scheduled": ("replay_engine", ["--scheduler", "cost", "--cost-table", "{cost_table}"]),
+}
+
+
+def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
+    """``DIR/cost_table.json`` of the spec's target (the format ``dspark profile`` writes)."""
+    from ..engine.profile import default_token_counts, profile_verify
+    from ..model.llama import TargetLM
+    from .replay import _target
+
+    model = _target(spec)
+    target = TargetLM.from_hf_model(model, [])
+    context = spec["prompt_tokens"] + spec["max_tokens"] // 2
+    table = profile_verify(target, default_token_counts(max_batch * (num_drafts + 1)), context=context,
+                           tokens_per_row=num_drafts + 1)
+    path = out / "cost_table.json"
+    path.write_text(json.dumps({"token_counts": list(table.token_counts), "step_time_ms": list(table.step_time_ms),
+                                "device": spec["device"], "target": f"bench.replay.peaked_target({spec['shape']!r})",
+                                "context": context}, indent=1))
+    del model, target
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return path
+
+
+def run_config(label: str, args, spec: dict, cost_table: Path) -> int:
+    factory, scheduler = CONFIGS[label]
+    server = ["--engine-factory", f"dspark.bench.replay:{factory}", "--max-batch", str(args.max_batch),
+              "--max-model-len", str(args.prompt_tokens + args.max_tokens + 64), "--device", args.device,
+              "--served-model-name", label] + [a.format(cost_table=cost_table) for a in scheduler]
+    load = ["--out", args.out, "--label", label, "--concurrency", args.concurrency,
+            "--requests-per-client", str(args.requests_per_client), "--max-tokens", str(args.max_tokens),
+            "--random-prompts", str(args.prompt_tokens), "--vocab", str(spec["vocab"]),
+            "--num-prompts", str(args.num_prompts)]
+    print(f"== {label}: python -m dspark.bench.serve {' '.join(load)} -- {' '.join(server)}", flush=True)
+    return serve.main(load + ["--"] + server)
+
+
+def summarize(out: Path, labels: list[str]) -> dict:
+    """The three runs side by side, the targets, and whether the outputs agree."""
+    runs = {label: json.loads((out / f"{label}.json").read_text()) for label in labels}
+    levels = {label: {lv["concurrency"]: lv for lv in run["levels"]} for label, run in runs.items()}
+    concurrency = sorted(set.intersection(*(set(v) for v in levels.values())))
+    table = []
+    for c in concurrency:
+        row = {"concurrency": c}
+        for label in labels:
+            lv = levels[label][c]
+            row[label] = {"total_tokens_per_s": lv["total_tokens_per_s"],
+                          "per_request_tokens_per_s": lv["per_request_tokens_per_s"]["mean"],
+                          "ttft_p50_s": lv["ttft_s"]["p50"], "ttft_p99_s": lv["ttft_s"]["p99"],
+                          "itl_p50_s": lv["itl_s"]["p50"], "itl_p99_s": lv["itl_s"]["p99"], "tau": lv["tau"],
+                          "failed": lv["failed"], "mismatched": lv["mismatched"], "requests": lv["requests"]}
+        table.append(row)
+    outputs = [run.get("outputs", {}) for run in runs.values()]
+    same = all(o == outputs[0] for o in outputs[1:]) and bool(outputs[0])
+    result = {"labels": labels, "levels": table, "outputs_identical_across_configs": same,
+              "failed_requests": sum(lv["failed"] for run in runs.values() for lv in run["levels"]),
+              "requests": sum(lv["requests"] for run in runs.values() for lv in run["levels"])}
+    result["targets"] = _targets(table, labels)
+    return result
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def _targets(table: list[dict], labels: list[str]) -> dict:
+    targets = {}
+    if {"dspark-fixed", "dspark-scheduled"} <= set(labels):
+        ratios = {r["concurrency"]: _ratio(r["dspark-scheduled"]["total_tokens_per_s"],
+                                           r["dspark-fixed"]["total_tokens_per_s"]) for r in table}
+        targets["scheduled_over_fixed_total_tokens_per_s"] = ratios
+        targets["scheduled >= fixed at every concurrency"] = all(x is not None and x >= 1.0 for x in ratios.values())
+        if 64 in ratios:
+            targets["scheduled >= 1.3x fixed at 64"] = ratios[64] is not None and ratios[64] >= 1.3
+    first = next((r for r in table if r["concurrency"] == 1), None)
+    if first is not None and "plain" in labels:
+        for label in labels[1:]:
+            ratio = _ratio(first[label]["per_request_tokens_per_s"], first["plain"]["per_request_tokens_per_s"])
+            targets[f"{label} per request / plain at 1"] = ratio
+            targets[f"{label} >= 1.5x plain per request at 1"] = ratio is not None and ratio >= 1.5
+    return targets
+
+
+def markdown(result: dict, environment: str) -> str:
+    labels = result["labels"]
+
+    def ms(x):
+        return "-" if x is None else f"{1000 * x:.1f}"
+
+    def num(x, digits=1):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    lines = [f"Environment: {environment}", "",
+             "| C | config | total tok/s | tok/s per request | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | failed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["levels"]:
+        for label in labels:
+            x = row[label]
+            lines.append(f"| {row['concurrency']} | {label} | {num(x['total_tokens_per_s'])} | "
+                         f"{num(x['per_request_tokens_per_s'])} | {ms(x['ttft_p50_s'])} / {ms(x['ttft_p99_s'])} | "
+                         f"{ms(x['itl_p50_s'])} / {ms(x['itl_p99_s'])} | {num(x['tau'], 2)} | "
+                         f"{x['failed']} of {x['requests']} |")
+    lines += ["", f"Outputs identical across {', '.join(labels)} for every prompt: "
+                  f"**{result['outputs_identical_across_configs']}**; failed requests: "
+                  f"{result['failed_requests']} of {result['requests']}.", "", "Targets:", ""]
+    lines += [f"- {name}: {value}" for name, value in result["targets"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _environment(device: str) -> str:
+    import triton
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else device
+    return f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}, transformers {transformers.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.frontier", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for the runs, cost_table.json, frontier.md/.json/.png")
+    parser.add_argument("--shape", default="qwen3-8b", help="a shape of bench.engine.SHAPES, or one as JSON")
+    parser.add_argument("--vocab", type=int, default=None, help="target vocabulary (default: 151936)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-rank", type=int, default=256, help="Markov rank of the random drafter")
+    parser.add_argument("--traces", default=str(TRACES), help="recorded rounds (python -m dspark.bench.replay)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    parser.add_argument("--concurrency", default=serve.DEFAULT_CONCURRENCY)
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=64)
+    args = parser.parse_args(argv)
+    labels = [x for x in args.configs.split(",") if x]
+    unknown = [x for x in labels if x not in CONFIGS]
+    if unknown or not labels:
+        parser.error(f"--configs must name some of {list(CONFIGS)}, got {args.configs!r}")
+    from .engine import VOCAB
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    num_drafts = load_traces(args.traces)["num_drafts"]
+    shape = json.loads(args.shape) if args.shape.lstrip().startswith("{") else args.shape
+    spec = {"shape": shape, "vocab": args.vocab or VOCAB, "device": args.device, "dtype": args.dtype,
+            "draft_rank": args.draft_rank, "traces": args.traces, "num_prompts": args.num_prompts,
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}
+    os.environ["DSPARK_REPLAY"] = json.dumps(spec)  # the servers' engine factories read it
+    start = time.time()
+    cost_table = profile(spec, out, num_drafts, args.max_batch)
+    print(f"profiled the verify forward in {time.time() - start:.0f} s: {cost_table}", flush=True)
+    status = 0
+    for label in labels:
+        status |= run_config(label, args, spec, cost_table)
+    result = summarize(out, labels)
+    result["spec"], result["command"] = spec, "python -m dspark.bench.frontier " + " ".join(argv or sys.argv[1:])
+    environment = _environment(args.device)
+    result["environment"] = environment
+    (out / "frontier.json").write_text(json.dumps(result, indent=1))
+    (out / "frontier.md").write_text(markdown(result, environment))
+    print((out / "frontier.md").read_text())
+    return status or int(not result["outputs_identical_across_configs"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Acceptance replay: serve an 8B-shaped random target whose drafts are accepted as the shipped demo
+pair's were, so that tau and the confidence-acceptance relation are real while the verify cost is an
+8B model's (the frontier benchmark of ``dspark serve``, ``python -m dspark.bench.frontier``).
+
+* ``record_traces``: the demo pair (target + DSpark drafter, STS-calibrated confidences) decodes its
+  held-out prompts greedily, verifying every draft; each round gives ``[accepted drafts,
+  confidence_1 .. confidence_P]``. ``python -m dspark.bench.replay --out FILE`` writes them (the
+  package ships them as ``dspark/data/demo/replay_traces.json``).
+* ``peaked_target``: a random-weight Qwen3 target of a benchmark shape (``bench.engine.SHAPES``) whose
+  greedy next token is decided by a wide margin. A plain random target's logits have near-ties that
+  bf16 batching rounds differently, so its greedy continuation depends on the batch and no known
+  continuation stays valid; here the embeddings are scaled up (the residual stream is then mostly the
+  current token's embedding) and output row y is the (normalised) embedding of token perm[y], so the
+  logit of the permuted token is about 100 and the others' ~N(0, 100 / sqrt(hidden)) (1.6 at the 8B
+  shape's 4096). Shapes, dtypes and kernels -- the cost -- are those of the random target.
+* ``ReplayEngine``: an ``LLMEngine`` (``oracle_replay``) that knows the benchmark's prompts: it
+  computes their greedy continuations once (plain decoding on its own runner) and gives each request
+  that continuation as ``oracle_ids`` and a recorded trace (prompt i -> trace i mod traces) as
+  ``oracle_trace``. A round then drafts the continuation's first ``accepted`` tokens and a rejected one,
+  with the recorded confidences; the real drafter's forward, Markov chain and confidence head still
+  run (their cost), the target verifies for real, and the output is the target's own greedy output.
+  When a scheduler verifies fewer drafts than the trace accepted, the round accepts that many; the
+  next round replays the next recorded one.
+* ``plain_engine`` / ``replay_engine``: ``dspark serve --engine-factory`` functions; their settings
+  come from the JSON in ``$DSPARK_REPLAY`` (written by ``bench.frontier``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..engine import EngineConfig, LLMEngine, Request
+
+__all__ = ["ReplayEngine", "TRACES", "load_traces", "peaked_target", "plain_engine", "record_traces", "replay_engine"]
+
+TRACES = Path(__file__).resolve().parents[1] / "data" / "demo" / "replay_traces.json"
+EMBED_SCALE = 1e4  # embeddings of std 0.02 * 1e4 = 200 against a residual stream of order 10 from the layers
+MARGIN = 100.0  # the greedy token's logit; the others' are ~N(0, MARGIN / sqrt(hidden))
+
+
+# ------------------------------------------------------------------------------ recording
+
+
+@torch.inference_mode()
+def record_traces(max_new_tokens: int = 320, *, device: str = "cpu") -> dict:
+    """Greedy rounds of the demo pair on its held-out prompts, every draft verified (the drafter's
+    threshold scheduler at 0 computes the calibrated confidences and schedules all P)."""
+    from ..engine import load_tokenizer
+    from ..training.data import demo_pair, read_prompts
+
+    pair = demo_pair()
+    tokenizer = load_tokenizer(pair.target)
+    records = read_prompts(str(pair.prompts))
+    engine = LLMEngine(str(pair.target), str(pair.draft),
+                       EngineConfig(max_batch=len(records), scheduler="threshold", threshold=0.0, device=device,
+                                    dtype=torch.float32))
+    p = engine.num_drafts
+    ids = {engine.add_request(Request(tokenizer(r["text"])["input_ids"], max_new_tokens)): i
+           for i, r in enumerate(records)}
+    traces: list[list[list[float]]] = [[] for _ in records]
+    while engine.has_unfinished():
+        pending = {s.request_id: s.confidence for s in engine.running}  # this round's drafts' confidences
+        engine.step()
+        for rid, confidence in pending.items():
+            seq = engine.sequences[rid]
+            if confidence is not None:  # a request's first round: the host has not seen its confidences
+                assert seq.stats.scheduled_lengths[-1] == p, "the recording verifies every draft"
+                traces[ids[rid]].append([seq.stats.accept_lengths[-1] - 1] + [round(float(c), 6) for c in confidence])
+    rounds = [entry for trace in traces for entry in trace]
+    return {"source": "the demo pair (dspark/data/demo: target + draft) on its held-out prompts, greedy, fp32, "
+                      f"every draft verified, {max_new_tokens} new tokens per prompt",
+            "command": f"python -m dspark.bench.replay --out FILE --max-new-tokens {max_new_tokens}",
+            "num_drafts": p, "files": [r.get("file") for r in records],
+            "tau": round(1 + sum(e[0] for e in rounds) / len(rounds), 4), "rounds": len(rounds), "traces": traces}
+
+
+def load_traces(path=TRACES) -> dict:
+    data = json.loads(Path(path).read_text())
+    if not data.get("traces") or not all(data["traces"]):
+        raise ValueError(f"{path}: no recorded rounds")
+    return data
+
+
+# ------------------------------------------------------------------------------ the target
+
+
+@torch.no_grad()
+def peaked_target(shape: dict, seed: int = 0, **settings):
+    """``bench.engine.random_target(shape, seed, **settings)`` with a wide greedy margin (module
+    docstring)."""
+    from .engine import random_target
+
+    model = random_target(shape, seed, **settings)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    gen = torch.Generator(device=embed.device).manual_seed(seed + 1)
+    if head.data_ptr() != embed.data_ptr():  # untied: output row y is the embedding of perm[y], rescaled
+        rows = embed.float()
+        unit = rows / rows.pow(2).mean(-1, keepdim=True).sqrt()  # what the final RMSNorm makes of it
+        perm = torch.randperm(embed.shape[0], generator=gen, device=embed.device)
+        head.copy_(unit[perm] * (MARGIN / embed.shape[1]))
+    embed.mul_(EMBED_SCALE)  # tied: the next token is the current one
+    return model
+
+
+# ------------------------------------------------------------------------------ the engine
+
+
+class ReplayEngine(LLMEngine):
+    """``LLMEngine`` with ``oracle_replay`` for a known set of prompts (module docstring)."""
+
+    def __init__(self, target, draft, config: EngineConfig, prompts: list[list[int]], traces: list, max_tokens: int):
+        super().__init__(target, draft, replace(config, oracle_replay=True))
+        plain = self.plain()
+        continuation = max_tokens + self.num_drafts + 1  # the last round may draft past max_tokens
+        results = plain.generate([Request(ids, continuation, ignore_eos=True) for ids in prompts])
+        self.oracle = {tuple(ids): (r.token_ids, traces[i % len(traces)]) for i, (ids, r) in
+                       enumerate(zip(prompts, results))}
+        self._plain = None  # its KV cache is not needed any more
+        if self.target.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _with_oracle(self, request: Request) -> Request:
+        if request.oracle_ids is not None:
+            return request
+        known = self.oracle.get(tuple(request.prompt_ids))
+        if known is None:
+            raise ValueError("this replay benchmark engine serves only its prepared prompts "
+                             f"({len(self.oracle)} of them); got another prompt of {len(request.prompt_ids)} tokens")
+        return replace(request, oracle_ids=known[0], oracle_trace=known[1])
+
+    def check_request(self, request: Request) -> frozenset[int]:
+        return super().check_request(self._with_oracle(request) if isinstance(request, Request) else request)
+
+    def add_request(self, request: Request) -> int:
+        return super().add_request(self._with_oracle(request) if isinstance(request, Request) else request)
+
+
+def _spec() -> dict:
+    text = os.environ.get("DSPARK_REPLAY")
+    if not text:
+        raise ValueError("the replay engine factories read their settings from $DSPARK_REPLAY "
+                         "(JSON, written by python -m dspark.bench.frontier)")
+    return json.loads(text)
+
+
+def _shape(spec: dict) -> dict:
+    """The spec's target shape: a name of ``bench.engine.SHAPES`` or the shape itself."""
+    from .engine import SHAPES
+
+    shape = spec.get("shape", "qwen3-8b")
+    return SHAPES[shape] if isinstance(shape, str) else shape
+
+
+def _target(spec: dict):
+    from .engine import VOCAB
+
+    return peaked_target(_shape(spec), spec.get("seed", 0), vocab=spec.get("vocab", VOCAB),
+                         device=spec.get("device", "cuda"), dtype=getattr(torch, spec.get("dtype", "bfloat16")))
+
+
+def plain_engine(config: EngineConfig) -> LLMEngine:
+    """``--engine-factory dspark.bench.replay:plain_engine``: the peaked target, plain decoding."""
+    return LLMEngine(_target(_spec()), None, config)
+
+
+def replay_engine(config: EngineConfig) -> ReplayEngine:
+    """``--engine-factory dspark.bench.replay:replay_engine``: the peaked target and a random DSpark
+    drafter of its shape (``bench.engine.random_drafter``, Markov rank ``draft_rank``) under
+    acceptance replay."""
+    from .engine import random_drafter
+    from .serve import random_prompts
+
+    spec = _spec()
+    target = _target(spec)
+    draft = random_drafter(target, _shape(spec), rank=spec.get("draft_rank", 256))
+    traces = load_traces(spec.get("traces", TRACES))
+    if traces["num_drafts"] != draft.config.num_draft_tokens:
+        raise ValueError(f"the traces have {traces['num_drafts']} drafts per round, the drafter "
+                         f"{draft.config.num_draft_tokens}")
+    prompts = random_prompts(spec["num_prompts"], spec["prompt_tokens"], target.config.vocab_size)
+    return ReplayEngine(target, draft, config, prompts, traces["traces"], spec["max_tokens"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.replay",
+                                     description="Record the demo pair's rounds for acceptance replay.")
+    parser.add_argument("--out", default=str(TRACES), help="JSON file to write (default: the package's)")
+    parser.add_argument("--max-new-tokens", type=int, default=320)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    data = record_traces(args.max_new_tokens, device=args.device)
+    Path(args.out).write_text(json.dumps(data, separators=(",", ":")))
+    print(f"wrote {args.out}: {data['rounds']} rounds of {len(data['traces'])} prompts, tau {data['tau']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

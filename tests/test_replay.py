@@ -1,0 +1,119 @@
+"""Acceptance replay (``dspark.bench.replay``): the frontier benchmark's drafter replays recorded
+rounds exactly, the target's output stays its own greedy output, and the recorded traces are sound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspark.kernels as K
+from dspark.bench.engine import random_drafter
+from dspark.bench.replay import ReplayEngine, load_traces, peaked_target
+from dspark.bench.serve import random_prompts
+from dspark.engine import EngineConfig, LLMEngine, Request
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=False, capture=[0, 1])
+VOCAB, NEW = 512, 40
+P = 7
+TRACES = [
+    [[7] + [0.95] * 7, [0, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1], [3, 0.9, 0.8, 0.7, 0.2, 0.2, 0.1, 0.1]],
+    [[2, 0.6, 0.6, 0.1, 0.1, 0.1, 0.1, 0.1], [5] + [0.8] * 7],
+    [[1, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.01]],
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = peaked_target(TINY, vocab=VOCAB, device="cpu", dtype=torch.float32)
+    return target, random_drafter(target, TINY, rank=16)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(4, 12, VOCAB)
+
+
+def _plain(target, prompts):
+    engine = LLMEngine(target, None, EngineConfig(max_batch=4, max_model_len=128))
+    return [r.token_ids for r in engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])]
+
+
+def _replay(models, prompts, **config):
+    target, draft = models
+    return ReplayEngine(target, draft, EngineConfig(max_batch=4, max_model_len=128, **config), prompts, TRACES, NEW)
+
+
+def test_peaked_target_has_a_wide_greedy_margin(models):
+    target, _ = models
+    ids = torch.tensor(random_prompts(2, 16, VOCAB))
+    top = target(input_ids=ids).logits.topk(2, dim=-1).values
+    assert float((top[..., 0] - top[..., 1]).min()) > 30.0
+
+
+def test_replay_accepts_exactly_the_recorded_rounds_and_keeps_the_output(models, prompts):
+    engine = _replay(models, prompts)
+    results = engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])
+    assert [r.token_ids for r in results] == _plain(models[0], prompts)
+    for i, r in enumerate(results):
+        trace = TRACES[i % len(TRACES)]
+        assert r.stats.scheduled_lengths == [P] * r.stats.rounds
+        assert r.stats.accept_lengths == [trace[k % len(trace)][0] + 1 for k in range(r.stats.rounds)]
+
+
+def test_replay_schedules_on_the_recorded_confidences(models, prompts):
+    engine = _replay(models, prompts, scheduler="threshold", threshold=0.5)
+    results = engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])
+    assert [r.token_ids for r in results] == _plain(models[0], prompts)
+    for i, r in enumerate(results):
+        trace = TRACES[i % len(TRACES)]
+        for k in range(1, r.stats.rounds):  # the first round verifies all: the host has not seen its confidences
+            entry = trace[k % len(trace)]
+            length = int(K.threshold_proposal_lengths(torch.tensor([entry[1:]]), 0.5)[0])
+            assert r.stats.scheduled_lengths[k] == length
+            assert r.stats.accept_lengths[k] == min(entry[0], length) + 1
+
+
+def test_replay_refuses_unknown_prompts_and_bad_traces(models, prompts):
+    engine = _replay(models, prompts)
+    with pytest.raises(ValueError, match="prepared prompts"):
+        engine.add_request(Request([1, 2, 3], 4))
+    bad = Request(prompts[0], 4, oracle_ids=[1] * 60, oracle_trace=[[8] + [0.5] * 7])
+    with pytest.raises(ValueError, match=r"oracle_trace\[0\] must be \[accepted drafts in 0..7"):
+        engine.add_request(bad)
+    with pytest.raises(ValueError, match="oracle_acceptance and oracle_replay exclude each other"):
+        EngineConfig(oracle_acceptance=0.5, oracle_replay=True)
+
+
+def test_shipped_traces_are_the_demo_pairs_rounds():
+    data = load_traces()
+    assert data["num_drafts"] == P and len(data["traces"]) == 26
+    rounds = [e for t in data["traces"] for e in t]
+    assert all(len(e) == P + 1 and 0 <= e[0] <= P and all(0 <= c <= 1 for c in e[1:]) for e in rounds)
+    assert data["tau"] == pytest.approx(1 + sum(e[0] for e in rounds) / len(rounds), abs=1e-4)
+    # the calibrated confidence head predicts acceptance: first position, mean confidence vs rate within 0.1
+    assert abs(sum(e[1] for e in rounds) / len(rounds) - sum(e[0] > 0 for e in rounds) / len(rounds)) < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replay_in_cuda_graphs_captured_up_front(prompts):
+    """bf16 on the GPU: Triton kernels, graphs captured by ``capture_graphs`` before any request."""
+    target = peaked_target(TINY, vocab=VOCAB, device="cuda", dtype=torch.bfloat16)
+    draft = random_drafter(target, TINY, rank=64)
+    config = EngineConfig(max_batch=4, max_model_len=128, scheduler="threshold", threshold=0.5)
+    engine = ReplayEngine(target, draft, config, prompts, TRACES, NEW)
+    assert engine.capture_graphs() == len(engine.runner.buckets) * (P + 2)
+    captured = set(engine.runner.graphs)
+    results = engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])
+    assert set(engine.runner.graphs) == captured  # every round replayed a graph captured up front
+    plain = LLMEngine(target, None, EngineConfig(max_batch=4, max_model_len=128))
+    assert plain.capture_graphs() == len(plain.runner.buckets)
+    expected = [r.token_ids for r in plain.generate([Request(p, NEW, ignore_eos=True) for p in prompts])]
+    assert [r.token_ids for r in results] == expected
+    for i, r in enumerate(results):
+        trace = TRACES[i % len(TRACES)]
+        for k in range(1, r.stats.rounds):
+            entry = trace[k % len(trace)]
+            length = int(K.threshold_proposal_lengths(torch.tensor([entry[1:]]), 0.5)[0])
+            assert (r.stats.scheduled_lengths[k], r.stats.accept_lengths[k]) == (length, min(entry[0], length) + 1)
