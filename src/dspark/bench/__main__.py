@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .common import measure_copy_ceiling_gbps
+from .common import measure_copy_ceiling_gbps, skip_baselines
 
 FAMILIES = ("greedy", "sampling", "layers")
 
@@ -19,6 +19,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_results.json", help="JSON file to write")
     p.add_argument("--family", choices=FAMILIES, action="append", help="benchmark only these families")
     p.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    p.add_argument("--kernels-only", action="store_true",
+                   help="time dspark's kernels only, not the PyTorch reference / torch.compile baselines")
     return p
 
 
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("dspark bench: needs a CUDA device", file=sys.stderr)
         return 2
+    if args.kernels_only:
+        skip_baselines()
     ceiling = measure_copy_ceiling_gbps()
     print(f"device: {torch.cuda.get_device_name()}  copy ceiling: {ceiling:.0f} GB/s (read+write)")
     report = {

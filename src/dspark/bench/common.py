@@ -63,8 +63,23 @@ def measure_copy_ceiling_gbps(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / (us * 1e-6) / 1e9
 
 
+_BASELINES = {"measure": True}  # False: --kernels-only, the dspark kernels alone (layout before/after runs)
+
+
+def skip_baselines() -> None:
+    """Measure the dspark kernels only: ``baseline_us`` and ``try_compile`` answer None from now on."""
+    _BASELINES["measure"] = False
+
+
+def baseline_us(fn: Callable[[], object]) -> float | None:
+    """``cold_l2_us`` of a baseline (the PyTorch reference, eager or compiled), None when skipped."""
+    return cold_l2_us(fn) if _BASELINES["measure"] else None
+
+
 def try_compile(fn: Callable) -> Callable | None:
-    """``torch.compile(fn)``, or None when compilation is unavailable here."""
+    """``torch.compile(fn)``, or None when compilation is unavailable here or baselines are skipped."""
+    if not _BASELINES["measure"]:
+        return None
     try:
         return torch.compile(fn, dynamic=False)
     except Exception:  # noqa: BLE001 - benchmark only: report "not measured"

@@ -27,7 +27,7 @@ from dspark.kernels.triton import filter as tfilter
 from dspark.kernels.triton import markov as tmarkov
 from dspark.kernels.triton import verify as tverify
 
-from .common import cold_l2_us as _us
+from .common import baseline_us
 from .common import graph_us as _device_us
 from .common import row, try_compile
 
@@ -97,10 +97,10 @@ def _bench_markov(ceiling: float, quick: bool) -> list[dict]:
                     round_us = _device_us(s.round(False))
                     round_fp8_us = _device_us(s.round(True))
                 with K.use_backend("reference"):
-                    reference_round_us = _us(s.round(False))
-                eager_us = _us(s.eager())
+                    reference_round_us = baseline_us(s.round(False))
+                eager_us = baseline_us(s.eager())
                 compiled = None if quick or dtype != torch.float16 or batch == 8 else try_compile(s.eager())
-                compiled_us = _us(compiled) if compiled is not None else None
+                compiled_us = baseline_us(compiled) if compiled is not None else None
                 w2_us = _us_at_ceiling(ceiling, s.w2_bytes(False))
                 r = row("markov_greedy_fused_step", "triton", s.shape(), fp16_us, s.step_bytes(False), ceiling,
                         reference_us=eager_us, compiled_us=compiled_us,
@@ -136,9 +136,9 @@ def _bench_greedy_accept(ceiling: float, quick: bool) -> list[dict]:
                 torch.full((batch,), PROPOSAL_LEN, device="cuda", dtype=torch.int32), PROPOSAL_LEN)
         with K.use_backend("triton"):
             us = _device_us(lambda: K.greedy_accept(*case))
-        reference_us = _us(lambda: ref_verify.greedy_accept(*case, None))
+        reference_us = baseline_us(lambda: ref_verify.greedy_accept(*case, None))
         compiled = None if quick or batch != BATCHES[-1] else try_compile(ref_verify.greedy_accept)
-        compiled_us = _us(lambda: compiled(*case, None)) if compiled is not None else None
+        compiled_us = baseline_us(lambda: compiled(*case, None)) if compiled is not None else None
         rows.append(row("greedy_accept", "triton", dict(B=batch, P_v=PROPOSAL_LEN, V=VOCAB), us, case[0].numel() * 4,
                         ceiling, reference_us=reference_us, compiled_us=compiled_us,
                         target=">= 60% of the copy ceiling at B=64; <= 15 us at B=1"))
@@ -171,7 +171,7 @@ def _bench_confidence(ceiling: float, quick: bool) -> list[dict]:
             with K.use_backend("triton"):
                 us = _device_us(lambda: public(*args, confidence_with_markov=True, **extra))
             ref_args = (hidden.view(-1, HIDDEN), *args[1:], True, *extra.values(), PROPOSAL_LEN, 0)
-            reference_us = _us(lambda: reference(*ref_args))
+            reference_us = baseline_us(lambda: reference(*ref_args))
             rows.append(row(name, "triton", dict(B=batch, P=PROPOSAL_LEN, H=HIDDEN, R=rank), us, num_bytes, ceiling,
                             reference_us=reference_us, target="<= 15 us at B=64 (scores + scheduler)"))
     return rows

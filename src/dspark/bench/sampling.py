@@ -18,7 +18,7 @@ import dspark.kernels as K
 from dspark.kernels.reference import sampling as ref_sampling
 from dspark.kernels.reference import verify as ref_verify
 
-from .common import cold_l2_us as _us
+from .common import baseline_us
 from .common import graph_us as _graph_us
 from .common import row, try_compile
 
@@ -34,7 +34,7 @@ def _compiled_us(fn, *args) -> float | None:
         return None
     try:
         compiled(*args)
-        return _us(lambda: compiled(*args))
+        return baseline_us(lambda: compiled(*args))
     except Exception:  # noqa: BLE001 - benchmark only: report "not measured"
         return None
 
@@ -110,7 +110,7 @@ def _bench_probabilities(ceiling: float, quick: bool) -> list[dict]:
                     compiled = name == "none" and not flat and (rows == 64 or not quick)
                     shape = dict(rows=rows, V=VOCAB, T=TEMPERATURE, filter=name, logits="flat" if flat else "peaked")
                     return row("logits_to_probabilities", "triton", shape, _graph_us(lambda: call("triton")), nbytes,
-                               ceiling, reference_us=_us(lambda: call("reference")),
+                               ceiling, reference_us=baseline_us(lambda: call("reference")),
                                compiled_us=_compiled_us(ref_sampling.logits_to_probabilities, logits, TEMPERATURE, k, p,
                                                         None)
                                if compiled else None,
@@ -131,7 +131,7 @@ def _bench_draws(ceiling: float, quick: bool) -> list[dict]:
 
         _measure(out, lambda: row(
             "sample_probability_rows", "triton", dict(B=batch, V=VOCAB), _graph_us(lambda: draw("triton")),
-            batch * VOCAB * 4, ceiling, reference_us=_us(lambda: draw("reference")),
+            batch * VOCAB * 4, ceiling, reference_us=baseline_us(lambda: draw("reference")),
             compiled_us=None if quick or batch != 64 else _compiled_us(ref_sampling.sample_from_probs, probs,
                                                                       uniforms[:, 3]),
             target=">= 40% of copy bandwidth at B=64, <= 20 us at B=1"))
@@ -153,7 +153,7 @@ def _bench_accept(ceiling: float, quick: bool) -> list[dict]:
             return row("probabilistic_accept", "triton", dict(B=batch, V=VOCAB, P_v=PROPOSAL_LEN,
                                                               residual_rows=residual_rows),
                        _graph_us(lambda: accept("triton")), (batch + residual_rows) * VOCAB * 4, ceiling,
-                       reference_us=_us(lambda: accept("reference")),
+                       reference_us=baseline_us(lambda: accept("reference")),
                        compiled_us=None if quick or batch != 64 else _compiled_us(ref_verify.probabilistic_accept,
                                                                                   *args, None),
                        target=">= 40% of copy bandwidth at B=64, <= 20 us at B=1")
@@ -180,7 +180,7 @@ def _bench_round(ceiling: float, quick: bool) -> list[dict]:
                     with K.use_backend("triton"):
                         us = _graph_us(sampled_round)
                     with K.use_backend("reference"):
-                        reference_us = _us(sampled_round)
+                        reference_us = baseline_us(sampled_round)
                     return row("sampled_round", "triton", dict(B=batch, V=VOCAB, R=rank, P=PROPOSAL_LEN,
                                                                dtype="float16", T=TEMPERATURE, filter=name),
                                us, ideal_bytes, ceiling, reference_us=reference_us,

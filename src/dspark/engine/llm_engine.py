@@ -24,7 +24,7 @@ import torch
 
 from ..kernels._validate import Checker
 from ..model.llama import TargetLM
-from .drafting import SCHEDULERS, Drafter, SamplingParams
+from .drafting import SCHEDULERS, Drafter
 from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
 from .request import Request, RequestOutput, Sequence, SequenceStatus
 from .runner import ModelRunner, PrefillEntry
@@ -250,10 +250,10 @@ class LLMEngine:
         p, table = self.num_drafts, self.cost_table
         confidence = torch.stack([seq.confidence for seq in self.running])
         lengths = [max(1, n) for n in prefix_schedule(confidence, table)]
-        survival = prefix_survival(confidence)
+        survival = prefix_survival(confidence).tolist()
 
         def goodput(ls):
-            expected = sum(1 + float(survival[r, :n].sum()) for r, n in enumerate(ls))
+            expected = sum(1 + sum(survival[r][:n]) for r, n in enumerate(ls))
             return expected * table.sps(sum(ls) + len(ls))
 
         full = [p] * len(lengths)

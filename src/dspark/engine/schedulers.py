@@ -90,13 +90,11 @@ def prefix_schedule(confidences: torch.Tensor, sps: Callable[[int], float] | SPS
     c = Checker("prefix_schedule")
     c.tensor("confidences", confidences, ndim=2)
     rate = sps.sps if isinstance(sps, SPSCostTable) else sps
-    survival = prefix_survival(confidences)
-    num_requests = survival.shape[0]
+    survival = prefix_survival(confidences).tolist()  # host floats: this runs every round on the host
+    num_requests = len(survival)
     # Descending survival; ties by position then request so each request's prefix stays in order.
-    order = sorted(
-        ((float(survival[r, j]), j, r) for r in range(num_requests) for j in range(survival.shape[1]) if survival[r, j] > 0),
-        key=lambda item: (-item[0], item[1], item[2]),
-    )
+    order = sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row) if a > 0),
+                   key=lambda item: (-item[0], item[1], item[2]))
     lengths = [0] * num_requests
     tokens, expected = num_requests, float(num_requests)
     best = expected * rate(tokens)
