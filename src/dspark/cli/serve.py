@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     # would kill the process after a clean drain, so the restored handler ignores it and we exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    # The engine thread takes the GIL back from the event loop after every round's GPU wait; at the
+    # default 5 ms switch interval a busy loop (many streams) could hold it that long each round.
+    sys.setswitchinterval(0.0005)
     server.run(sockets=[listener])
     return 0
 

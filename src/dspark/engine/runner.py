@@ -114,7 +114,7 @@ class ModelRunner:
         # accepted | accept length | verified drafts | next proposal length | next confidences (f32 bits)
         self.readout = torch.zeros(b, t + 3 + p, **i32)
         self.offsets = torch.arange(max(t, block), **i32)
-        self.offsets_rows = torch.arange(b + 1, **i32)
+        self.offsets_rows = torch.arange(b + -(-b // t), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
         self.row_modes: list[SamplingParams | None] = [None] * b
@@ -296,13 +296,17 @@ class ModelRunner:
         self._advance(b, 1)
 
     def _verify_layout(self, b: int, num_tokens: int):
-        """Flat layout of a ragged verify: row of each token (``b`` = the padding request on the
-        dummy line), its index in the row, and its row in the flat capture / logit buffers."""
+        """Flat layout of a ragged verify: request of each token (rows ``0 .. b-1``, then the padding
+        requests on the dummy line), its index in the request, and its row in the flat capture /
+        logit buffers; the requests' token offsets ``cu``."""
         s, t = self.state, self.verify_len
-        counts = torch.cat([s["verify_lens"][:b], (num_tokens - s["verify_lens"][:b].sum()).view(1)])
-        cu = torch.zeros(b + 2, dtype=torch.int32, device=self.device)
+        n = b + _pad_requests(b, t)
+        pad = num_tokens - s["verify_lens"][:b].sum()
+        pad_counts = (pad - t * self.offsets_rows[: n - b]).clamp(0, t)
+        counts = torch.cat([s["verify_lens"][:b], pad_counts])
+        cu = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
         cu[1:] = counts.cumsum(0)
-        token_row = torch.repeat_interleave(self.offsets_rows[: b + 1], counts, output_size=num_tokens)
+        token_row = torch.repeat_interleave(self.offsets_rows[:n], counts, output_size=num_tokens)
         index = self.flat_offsets[:num_tokens] - cu[token_row]
         flat = torch.where(token_row < b, token_row * t + index, self.max_batch * t).long()
         return token_row, index, flat, cu
@@ -310,14 +314,15 @@ class ModelRunner:
     def _verify_rows(self, b: int, rows: int, num_tokens: int, mode) -> None:
         s, t, p = self.state, self.verify_len, self.num_drafts
         token_row, index, flat, cu = self._verify_layout(b, num_tokens)
-        zero = torch.zeros(1, dtype=torch.int32, device=self.device)
-        slots = torch.cat([s["slot_ids"][:b], zero + self.dummy_slot])
-        starts = torch.cat([s["anchor_pos"][:b], zero])
-        tokens = torch.cat([K.build_verify_tokens(s["anchor"][:b], s["draft_tokens"][:b], p), zero.expand(1, t)])
-        ids = tokens[token_row, index.clamp(max=t - 1)]
+        pads = torch.zeros(_pad_requests(b, t), dtype=torch.int32, device=self.device)
+        slots = torch.cat([s["slot_ids"][:b], pads + self.dummy_slot])
+        starts = torch.cat([s["anchor_pos"][:b], pads])
+        tokens = torch.cat([K.build_verify_tokens(s["anchor"][:b], s["draft_tokens"][:b], p),
+                            pads[:, None].expand(-1, t)])
+        ids = tokens[token_row, index]
         capture = torch.empty(num_tokens, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
         logits = self.target.forward(ids.long(), starts[token_row] + index, slots[token_row],
-                                     AttentionBatch(slots, starts, cu, max(t, b)), self.cache, capture_out=capture)
+                                     AttentionBatch(slots, starts, cu, t), self.cache, capture_out=capture)
         self.capture_rows.index_copy_(0, flat, capture)
         self.logit_rows.index_copy_(0, flat, logits)
         verified = s["verify_lens"][:b] - 1
@@ -397,6 +402,12 @@ class ModelRunner:
         else:
             keep = K.request_uniforms(s["seeds"][:b], s["anchor_pos"][:b], PURPOSE_ORACLE, p) < self.oracle_acceptance
         s["draft_tokens"][:b] = torch.where(keep, truth, wrong)
+
+
+def _pad_requests(b: int, t: int) -> int:
+    """Padding requests of a ragged verify in bucket ``b``: its padding tokens (fewer than ``b``) go
+    to requests of at most ``t`` tokens on the dummy line, so attention sees rows of <= t queries."""
+    return -(-b // t)
 
 
 def _sample_rows(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, positions: torch.Tensor,
