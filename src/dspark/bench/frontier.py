@@ -84,7 +84,8 @@ def summarize(out: Path, labels: list[str]) -> dict:
                           "per_request_tokens_per_s": lv["per_request_tokens_per_s"]["mean"],
                           "ttft_p50_s": lv["ttft_s"]["p50"], "ttft_p99_s": lv["ttft_s"]["p99"],
                           "itl_p50_s": lv["itl_s"]["p50"], "itl_p99_s": lv["itl_s"]["p99"], "tau": lv["tau"],
-                          "failed": lv["failed"], "mismatched": lv["mismatched"], "requests": lv["requests"]}
+                          "failed": lv["failed"], "mismatched": lv["mismatched"], "requests": lv["requests"],
+                          "engine_step_ms": lv.get("engine_step_ms"), "engine_busy": lv.get("engine_busy")}
         table.append(row)
     outputs = [run.get("outputs", {}) for run in runs.values()]
     same = all(o == outputs[0] for o in outputs[1:]) and bool(outputs[0])
@@ -127,14 +128,16 @@ def markdown(result: dict, environment: str) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
     lines = [f"Environment: {environment}", "",
-             "| C | config | total tok/s | tok/s per request | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | failed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| C | config | total tok/s | tok/s per request | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | engine step ms "
+             "(busy) | failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in result["levels"]:
         for label in labels:
             x = row[label]
             lines.append(f"| {row['concurrency']} | {label} | {num(x['total_tokens_per_s'])} | "
                          f"{num(x['per_request_tokens_per_s'])} | {ms(x['ttft_p50_s'])} / {ms(x['ttft_p99_s'])} | "
                          f"{ms(x['itl_p50_s'])} / {ms(x['itl_p99_s'])} | {num(x['tau'], 2)} | "
+                         f"{num(x['engine_step_ms'], 2)} ({num(x['engine_busy'] and 100 * x['engine_busy'], 0)} %) | "
                          f"{x['failed']} of {x['requests']} |")
     lines += ["", f"Outputs identical across {', '.join(labels)} for every prompt: "
                   f"**{result['outputs_identical_across_configs']}**; failed requests: "

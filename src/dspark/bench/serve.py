@@ -22,7 +22,9 @@ first use). Per level:
   chunk's tokens (a speculative round delivers several tokens at once); the raw chunk gaps too;
 * failures (not 200, an error event, fewer tokens than asked) and greedy mismatches (a prompt's
   tokens differ from the first time that prompt was served: in float32 there must be none);
-* tau (tokens per round) from the server's /metrics, when it is dspark.
+* from the server's /metrics, when it is dspark: tau (tokens per round), the engine's steps, their
+  mean duration and its busy fraction (time inside steps / wall time: below 1, the engine waited --
+  for requests, or for the HTTP side holding the GIL).
 
 Writes ``DIR/<label>.json`` (the levels and each prompt's first output ids) and ``DIR/frontier.png``,
 drawn from every ``DIR/*.json``: total tokens/s against tokens/s per request, one line per label,
@@ -275,6 +277,11 @@ async def benchmark(args, url: str, prompts: list) -> tuple[list[dict], dict[int
                                     - before.get(f"dspark:spec_decode_num_{k}_total", 0)
                                     for k in ("drafts", "accepted_tokens"))
                 level["tau"] = 1 + accepted / rounds if rounds else None
+                steps, busy = (after.get(f"dspark:engine_{k}_total", 0) - before.get(f"dspark:engine_{k}_total", 0)
+                               for k in ("steps", "step_seconds"))
+                level["engine_steps"] = int(steps)
+                level["engine_step_ms"] = 1000 * busy / steps if steps else None
+                level["engine_busy"] = busy / wall if steps else None
                 levels.append(level)
                 print(_line(level), flush=True)
     return levels, first_output

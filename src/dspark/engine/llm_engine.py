@@ -229,6 +229,7 @@ class LLMEngine:
                 self._pending_draft = False
             self._commit(readout, outputs)
         self.metrics.step_time += time.perf_counter() - start
+        self.metrics.steps += 1
         return outputs
 
     def _verify_lens(self) -> list[int]:
@@ -397,7 +398,8 @@ class EngineMetrics:
         self.num_drafts = num_drafts
         self.running = self.waiting = self.finished = 0
         self.generated_tokens = 0
-        self.rounds = 0
+        self.rounds = 0  # per request
+        self.steps = 0
         self.draft_tokens = 0  # drafts verified
         self.accepted_tokens = 0  # drafts accepted
         self.position_trials = [0] * num_drafts  # position k verified with 1..k-1 accepted

@@ -56,6 +56,8 @@ class DSparkCollector:
         for reason in FINISH_REASONS:
             success.add_metric(labels + [reason], self.counters.finished[reason])
         yield success
+        yield counter("engine_steps", "Engine steps (each: admissions and one round for every running request).", m.steps)
+        yield counter("engine_step_seconds", "Seconds spent inside engine steps (busy fraction: its rate).", m.step_time)
         yield counter("spec_decode_num_drafts", "Speculative rounds (one per request per step).", m.rounds)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", m.draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", m.accepted_tokens)

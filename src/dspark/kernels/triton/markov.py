@@ -165,14 +165,15 @@ def markov_config(batch: int, rank: int, fp8: bool, sampled: bool) -> dict:
     at R = 256). Open: the FP8 step at B = 1, R = 64 is not yet faster than NVIDIA's (issue 15).
     The sampled step keeps the tiles of its former kernel -- wide (fewer softmax partials for the
     filter to combine), one program per tile, R in chunks of 64 -- with 8 warps: with 4, an sm_90
-    compile (Triton 3.9) of the statistics epilogue spills at R = 256. Not yet timed on the H200.
+    compile (Triton 3.9) of the statistics epilogue spills at R = 256; timed on the H200 (Triton 3.6):
+    within 10 % of the former kernel's rounds (docs/kernel-layout.md).
     """
     block_b = min(64, max(16, next_pow2(batch)))
     block_r = max(16, next_pow2(rank))  # tl.dot needs dims >= 16
     num_warps = 4 if block_b < 64 else 8
-    if sampled:
+    if sampled:  # a single row at R <= 64: 4 warps (H200: 103.0 vs 111.6 us a round at 8)
         return dict(BLOCK_V=256 if block_b <= 32 else 128, BLOCK_B=block_b, BLOCK_R=min(64, block_r), NUM_STAGES=3,
-                    PROGRAMS_PER_SM=0, num_warps=8)
+                    PROGRAMS_PER_SM=0, num_warps=4 if batch == 1 and block_r <= 64 else 8)
     if block_b >= 64 and (fp8 or rank <= 64):
         return dict(BLOCK_V=64, BLOCK_B=block_b, BLOCK_R=block_r, NUM_STAGES=1, PROGRAMS_PER_SM=0, num_warps=num_warps)
     if fp8:
