@@ -215,6 +215,30 @@ def test_requests_join_and_leave_between_steps(engine, greedy):
     assert done[late] == greedy[2] and sorted(engine.free_slots) == [0, 1, 2, 3]
 
 
+def test_launch_and_finish_make_a_step_and_guard_the_round_in_between(engine, greedy):
+    """The server's split step: a request joins between launch and finish; abort must wait."""
+    first = engine.add_request(Request(PROMPTS[0], NEW))
+    done: dict[int, list[int]] = {first: []}
+    engine.launch()
+    late = engine.add_request(Request(PROMPTS[2], NEW))  # queued: joins at the next launch
+    done[late] = []
+    with pytest.raises(ValueError, match="between launch"):
+        engine.abort(first)
+    with pytest.raises(ValueError, match="called twice"):
+        engine.launch()
+    while True:
+        for out in engine.finish():
+            done[out.request_id] += out.new_token_ids
+        if not engine.has_unfinished():
+            break
+        engine.launch()
+    with pytest.raises(ValueError, match="without launch"):
+        engine.finish()
+    assert done == {first: greedy[0], late: greedy[2]}
+    for rid in (first, late):
+        engine.sequences.pop(rid)
+
+
 def test_stop_ids_eos_and_max_new_tokens_end_each_request(engine, greedy):
     stop = greedy[0][4]
     results = engine.generate([Request(PROMPTS[0], NEW, stop_ids=[stop]), Request(PROMPTS[2], 3),

@@ -202,7 +202,7 @@ def test_engine_loop_reports_a_failed_step():
     def broken():
         raise RuntimeError("device lost")
 
-    loop.engine.step = broken
+    loop.engine.finish = broken  # the launched round fails on the device
     loop.start()
     sink = loop.submit(Request([1, 2], 4), Sink()).sink
     assert sink.wait(2)[0] == ACCEPTED and isinstance(sink[1], EngineDead) and "device lost" in str(sink[1])

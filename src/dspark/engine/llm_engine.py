@@ -125,6 +125,7 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self._pending_draft = False  # rows admitted since the last draft replay
+        self._launched: tuple | None = None  # (outputs so far, rows) of a round between launch and finish
         self.metrics = EngineMetrics(self.runner.num_drafts)
         self.cost_table = config.cost_table
         self._plain: LLMEngine | None = None
@@ -190,6 +191,8 @@ class LLMEngine:
     def abort(self, request_id: int, reason: str = "abort") -> None:
         """Stop a request now (waiting or running) with finish reason ``reason``; its cache line is
         freed and it is forgotten. Unknown ids are ignored."""
+        if self._launched is not None:
+            Checker("abort").fail("abort() between launch() and finish(): the launched round still runs")
         seq = self.sequences.get(request_id)
         if seq is None or seq.status is SequenceStatus.FINISHED:
             return
@@ -214,20 +217,41 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests, run one round for every running request, retire finished ones."""
-        outputs: list[RequestOutput] = []
-        start = time.perf_counter()
+        """Admit waiting requests, run one round for every running request, retire finished ones
+        (``launch`` + ``finish``); returns what each request produced."""
+        self.launch()
+        return self.finish()
+
+    @torch.inference_mode()
+    def launch(self) -> None:
+        """The first half of ``step``: admit waiting requests (their prefill) and start one round for
+        every running request on the device without waiting for it, so that a server can hand the
+        previous step's outputs to its clients meanwhile. ``finish`` must come next: until then only
+        ``add_request`` may touch the engine."""
+        if self._launched is not None:
+            Checker("launch").fail("launch() was called twice: finish() collects the launched round first")
+        start, outputs = time.perf_counter(), []
         self._admit(outputs)
-        if self.running:
-            rows = len(self.running)
-            if self.runner.drafter is None:
-                readout = self.runner.decode(rows)
-            else:
-                readout = self.runner.round(rows, self._verify_lens(), draft_first=self._pending_draft)
-                self._pending_draft = False
-            self._commit(readout, outputs)
+        rows = len(self.running)
+        if rows and self.runner.drafter is None:
+            self.runner.launch_decode(rows)
+        elif rows:
+            self.runner.launch_round(rows, self._verify_lens(), draft_first=self._pending_draft)
+            self._pending_draft = False
+        self._launched = (outputs, rows)
+        self.metrics.step_time += time.perf_counter() - start
+
+    @torch.inference_mode()
+    def finish(self) -> list[RequestOutput]:
+        """The second half of ``step``: wait for the launched round, commit its tokens, retire the
+        finished requests; returns the step's outputs (prefill first tokens included)."""
+        if self._launched is None:
+            Checker("finish").fail("finish() without launch()")
+        start = time.perf_counter()
+        (outputs, rows), self._launched = self._launched, None
+        if rows:
+            self._commit(self.runner.read(rows), outputs)
         self.metrics.step_time += time.perf_counter() - start
         self.metrics.steps += 1
         return outputs

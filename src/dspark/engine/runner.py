@@ -6,7 +6,7 @@ probabilities, proposal lengths, the captured hidden states of the last verifica
 the CUDA graphs. Rows ``0 .. n-1`` of a batch bucket ``B`` are the running requests, rows ``n .. B-1``
 padding that reads and writes only the dummy line.
 
-One speculative round is two graph replays and one host synchronisation::
+One speculative round is two graph replays (``launch_round``) and one host synchronisation (``read``)::
 
     verify(B, N)  target forward over each row's [anchor, d_1 .. d_l] (l chosen by the host, ragged:
                   N flat tokens, a multiple of B) -> accept -> advance
@@ -200,10 +200,10 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def round(self, rows: int, verify_lens: list[int], *, draft_first: bool) -> torch.Tensor:
-        """One speculative round for the first ``rows`` rows: row i verifies ``verify_lens[i] - 1``
-        drafts (1 .. P). ``draft_first``: newly admitted rows have no proposal yet. Returns the
-        readout ``[rows, P + 4 + P]`` on the host (see ``readout``)."""
+    def launch_round(self, rows: int, verify_lens: list[int], *, draft_first: bool) -> None:
+        """Start one speculative round for the first ``rows`` rows (no wait; ``read`` collects it):
+        row i verifies ``verify_lens[i] - 1`` drafts (1 .. P). ``draft_first``: newly admitted rows
+        have no proposal yet."""
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
         if draft_first:
@@ -215,14 +215,17 @@ class ModelRunner:
         num_tokens = b * -(-sum(verify_lens[:rows] + [1] * (b - rows)) // b)  # a multiple of b: t graphs per b
         self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode))
         self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
-        return self.readout[:rows].cpu()  # the round's one host synchronisation
 
-    def decode(self, rows: int) -> torch.Tensor:
-        """One plain decoding step for the first ``rows`` rows; readout as ``round``."""
+    def launch_decode(self, rows: int) -> None:
+        """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it)."""
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
         self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode))
-        return self.readout[:rows].cpu()  # the step's one host synchronisation
+
+    def read(self, rows: int) -> torch.Tensor:
+        """The launched round's readout ``[rows, P + 4 + P]`` on the host (see ``readout``): its one
+        host synchronisation."""
+        return self.readout[:rows].cpu()
 
     def capture_graphs(self) -> int:
         """Capture the greedy graphs of every batch bucket now (verify at every token multiple, draft;

@@ -2,7 +2,8 @@
 
 Between two engine steps the thread takes the requests submitted and aborted since the last step
 (a lock-protected inbox, so the HTTP side never touches the engine), then runs one step for every
-running request and hands each request's outputs to its sink. A sink is called on the engine
+running request and hands each request's outputs to its sink -- once the next step's round is
+launched (``LLMEngine.launch`` / ``finish``), so that they are streamed while the GPU works. A sink is called on the engine
 thread; the server's sinks forward to an asyncio queue with ``loop.call_soon_threadsafe``.
 
 What a sink receives, in order: ``ACCEPTED`` (the engine queued the request) or the exception
@@ -115,12 +116,15 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        pending: list[RequestOutput] = []  # the last step's outputs: handed out while the next round runs
         try:
             while True:
                 with self._cond:
-                    while not self._inbox and not engine.has_unfinished() and not self._closing:
+                    while not self._inbox and not engine.has_unfinished() and not pending and not self._closing:
                         self._cond.wait()
                     commands, self._inbox, closing = self._inbox, [], self._closing
+                if closing or any(kind == "abort" for kind, _ in commands):
+                    pending = self._deliver_all(pending)  # a request's outputs come before its abort
                 for kind, handle in commands:
                     self._add(handle) if kind == "add" and not closing else self._abort(handle)
                 if closing:  # what is left has no client (the server drained first): abort it all
@@ -128,10 +132,20 @@ class EngineLoop:
                         self._abort(handle)
                     return
                 if engine.has_unfinished():
-                    for out in engine.step():
-                        self._deliver(self._live[out.request_id], out)
+                    # Launch first, then hand out the last outputs: the HTTP side (which shares the
+                    # GIL) streams them while the GPU runs, not while this thread prepares the round.
+                    engine.launch()
+                    self._deliver_all(pending)
+                    pending = engine.finish()
+                else:
+                    pending = self._deliver_all(pending)
         except BaseException as exc:  # noqa: BLE001 -- every client must hear about it, then the loop ends
             self._fail(exc)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for out in outputs:
+            self._deliver(self._live[out.request_id], out)
+        return []
 
     def _add(self, handle: Handle) -> None:
         if handle.done:
