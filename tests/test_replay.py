@@ -117,3 +117,28 @@ def test_replay_in_cuda_graphs_captured_up_front(prompts):
             entry = trace[k % len(trace)]
             length = int(K.threshold_proposal_lengths(torch.tensor([entry[1:]]), 0.5)[0])
             assert (r.stats.scheduled_lengths[k], r.stats.accept_lengths[k]) == (length, min(entry[0], length) + 1)
+
+
+def test_frontier_summary_checks_the_targets_and_the_outputs(tmp_path):
+    """``bench.frontier`` side by side: ratios, targets and the cross-configuration output check."""
+    import json
+
+    from dspark.bench.frontier import summarize
+
+    def level(c, total, per_request):
+        stats = {"mean": per_request, "p50": per_request, "p99": per_request}
+        return {"concurrency": c, "total_tokens_per_s": total, "per_request_tokens_per_s": stats,
+                "ttft_s": stats, "itl_s": stats, "tau": 2.0, "failed": 0, "mismatched": 0, "requests": 4}
+
+    runs = {"plain": [(1, 100, 100), (64, 1000, 20)], "dspark-fixed": [(1, 200, 160), (64, 1000, 20)],
+            "dspark-scheduled": [(1, 210, 170), (64, 1400, 25)]}
+    for label, levels in runs.items():
+        outputs = {"0": [1, 2, 3], "1": [4, 5] if label != "dspark-fixed" else [4, 6]}
+        (tmp_path / f"{label}.json").write_text(json.dumps({"label": label, "outputs": outputs,
+                                                            "levels": [level(*x) for x in levels]}))
+    result = summarize(tmp_path, list(runs))
+    targets = result["targets"]
+    assert targets["scheduled_over_fixed_total_tokens_per_s"] == {1: 1.05, 64: 1.4}
+    assert targets["scheduled >= fixed at every concurrency"] and targets["scheduled >= 1.3x fixed at 64"]
+    assert targets["dspark-fixed per request / plain at 1"] == 1.6 and targets["dspark-fixed >= 1.5x plain per request at 1"]
+    assert result["outputs_identical_across_configs"] is False  # prompt 1 differs under dspark-fixed

@@ -81,7 +81,7 @@ def summarize(out: Path, labels: list[str]) -> dict:
         for label in labels:
             lv = levels[label][c]
             row[label] = {"total_tokens_per_s": lv["total_tokens_per_s"],
-                          "per_request_tokens_per_s": lv["per_request_tokens_per_s"]["mean"],
+                          "per_request_tokens_per_s": lv["per_request_tokens_per_s"]["p50"],
                           "ttft_p50_s": lv["ttft_s"]["p50"], "ttft_p99_s": lv["ttft_s"]["p99"],
                           "itl_p50_s": lv["itl_s"]["p50"], "itl_p99_s": lv["itl_s"]["p99"], "tau": lv["tau"],
                           "failed": lv["failed"], "mismatched": lv["mismatched"], "requests": lv["requests"],
@@ -128,7 +128,7 @@ def markdown(result: dict, environment: str) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
     lines = [f"Environment: {environment}", "",
-             "| C | config | total tok/s | tok/s per request | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | engine step ms "
+             "| C | config | total tok/s | tok/s per request (median) | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | engine step ms "
              "(busy) | failed |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in result["levels"]:
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="only redo frontier.md/.json/.png from the runs already in --out")
     args = parser.parse_args(argv)
     labels = [x for x in args.configs.split(",") if x]
     unknown = [x for x in labels if x not in CONFIGS]
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     from .engine import VOCAB
 
     out = Path(args.out)
+    if args.summarize_only:
+        return write_summary(out, labels, json.loads((out / "frontier.json").read_text()))
     out.mkdir(parents=True, exist_ok=True)
     num_drafts = load_traces(args.traces)["num_drafts"]
     shape = json.loads(args.shape) if args.shape.lstrip().startswith("{") else args.shape
@@ -192,14 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for label in labels:
         status |= run_config(label, args, spec, cost_table)
-    result = summarize(out, labels)
-    result["spec"], result["command"] = spec, "python -m dspark.bench.frontier " + " ".join(argv or sys.argv[1:])
-    environment = _environment(args.device)
-    result["environment"] = environment
+    run = {"spec": spec, "command": "python -m dspark.bench.frontier " + " ".join(argv or sys.argv[1:]),
+           "environment": _environment(args.device)}
+    return status | write_summary(out, labels, run)
+
+
+def write_summary(out: Path, labels: list[str], run: dict) -> int:
+    """frontier.json / .md / .png from the runs in ``out``; ``run``: the spec, command and environment.
+    Returns 1 when some prompt's outputs differ between the configurations."""
+    result = {**summarize(out, labels), **{k: run[k] for k in ("spec", "command", "environment")}}
     (out / "frontier.json").write_text(json.dumps(result, indent=1))
-    (out / "frontier.md").write_text(markdown(result, environment))
+    (out / "frontier.md").write_text(markdown(result, result["environment"]))
+    serve.plot(out)
     print((out / "frontier.md").read_text())
-    return status or int(not result["outputs_identical_across_configs"])
+    return int(not result["outputs_identical_across_configs"])
 
 
 if __name__ == "__main__":

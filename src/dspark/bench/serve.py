@@ -15,8 +15,9 @@ Before each level, C short requests warm the server up (CUDA graphs are captured
 first use). Per level:
 
 * total tokens/s: output tokens of the level / its wall time;
-* tokens/s per request: (tokens - 1) / (last token - first token) of each request (1 / TPOT; the
-  plot's x axis), and end to end: tokens / (last token - request sent);
+* tokens/s per request: (tokens - 1) / (last token - first token) of each request (1 / TPOT; its
+  median is the plot's x axis: the mean is pulled up by requests whose tokens arrived in a burst),
+  and end to end: tokens / (last token - request sent);
 * time to first token (request sent -> first token received), p50 / p99;
 * inter-token latency p50 / p99: each chunk's gap from the previous one spread evenly over the
   chunk's tokens (a speculative round delivers several tokens at once); the raw chunk gaps too;
@@ -291,7 +292,7 @@ def _line(level: dict) -> str:
     def ms(x):
         return "-" if x is None else f"{1000 * x:.1f}"
 
-    rate = level["per_request_tokens_per_s"]["mean"]
+    rate = level["per_request_tokens_per_s"]["p50"]
     tau = level["tau"]
     return (f"C={level['concurrency']:<3d} total {level['total_tokens_per_s'] or 0:9.1f} tok/s  per request "
             f"{rate or 0:7.1f} tok/s  TTFT p50 {ms(level['ttft_s']['p50'])} p99 {ms(level['ttft_s']['p99'])} ms  "
@@ -311,14 +312,16 @@ def plot(out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 5))
     for path in sorted(out.glob("*.json")):
         run = json.loads(path.read_text())
+        if "label" not in run:  # not a run of this benchmark (a summary, a cost table)
+            continue
         points = [(x, lv["total_tokens_per_s"], lv["concurrency"]) for lv in run.get("levels", [])
-                  if (x := lv["per_request_tokens_per_s"]["mean"]) and lv["total_tokens_per_s"]]
+                  if (x := lv["per_request_tokens_per_s"]["p50"]) and lv["total_tokens_per_s"]]
         if not points:
             continue
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=run["label"])
         for x, y, c in points:
             ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("tokens/s per request (interactivity)")
+    ax.set_xlabel("tokens/s per request, median (interactivity)")
     ax.set_ylabel("total tokens/s (throughput)")
     ax.set_title("dspark serve: throughput-interactivity frontier (points: concurrency)")
     ax.grid(alpha=0.3)
