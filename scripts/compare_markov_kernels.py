@@ -11,6 +11,7 @@ CUDA-graph round, three times each, and at B = 64, R = 256 every candidate greed
 import importlib.util, os, sys, json
 import torch, triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+import dspark.kernels as K
 from dspark.kernels.triton import markov as new
 from dspark.bench.common import graph_us
 from dspark.bench import greedy as bg
@@ -55,7 +56,8 @@ for (batch, rank) in ((64, 256), (64, 64), (8, 256)):
             us = graph_us(fn); results.setdefault(f"B{batch} R{rank} {name}", []).append(us); line.append(f"{name} {us:.2f}")
         print(f"B={batch} R={rank} rep{rep}: " + "  ".join(line), flush=True)
     flat = s.backbone.view(-1, s.backbone.shape[-1])
-    rnd_new = lambda: new.markov_greedy_round(flat, s.w1, s.w2, None, s.first, 7, 7, 0, s.slots, s.tokens, None)
+    rnd_new = lambda: K.markov_greedy_round(s.backbone, s.w1, s.w2, s.first, proposal_len=7, greedy_slots=s.slots,
+                                            draft_token_ids=s.tokens)
     rnd_old = lambda: old.markov_greedy_round(flat, s.w1, s.w2, s.first, 7, None, 7, 0, s.slots, s.tokens, None)
     for rep in range(2):
         print(f"B={batch} R={rank} round old {graph_us(rnd_old):.2f} new {graph_us(rnd_new):.2f}", flush=True)

@@ -260,7 +260,9 @@ def finalize_greedy_draft_tokens(greedy_slots):
     """
     c = Checker("finalize_greedy_draft_tokens")
     slots = c.tensor("greedy_slots", greedy_slots, dtype=torch.int64, ndim=2)
-    return implementation("finalize_greedy_draft_tokens", slots.device)(slots.contiguous())
+    slots = slots.contiguous()
+    tokens = torch.empty(slots.shape, dtype=torch.int32, device=slots.device)
+    return implementation("finalize_greedy_draft_tokens", slots.device)(slots, tokens)
 
 
 def store_draft_step_top1(top1_indices, draft_token_ids, step) -> None:
@@ -302,5 +304,10 @@ def markov_greedy_round(backbone_logits, markov_w1, markov_w2, first_prev_tokens
     slots = _buffer(c, "greedy_slots", greedy_slots, torch.int64, m, width)
     draft = _buffer(c, "draft_token_ids", draft_token_ids, torch.int32, m, width)
     stacked = _stacked(c, stacked_logits, m, width)
-    return implementation("markov_greedy_round", m.device)(
-        m.logits, *m.weights, first_prev_tokens.contiguous(), width, m.stride, m.offset, slots, draft, stacked)
+    # the round is its steps, composed here once for both backends
+    step_fn = implementation("markov_greedy_fused_step", m.device)
+    first = first_prev_tokens.contiguous()
+    slots.zero_()
+    for step in range(width):
+        step_fn(m.logits, *m.weights, first, slots, step, stacked, step + 1, m.stride, m.offset)
+    return implementation("finalize_greedy_draft_tokens", m.device)(slots, draft)

@@ -20,7 +20,6 @@ __all__ = [
     "quantize_markov_w2_fp8",
     "finalize_greedy_draft_tokens",
     "store_draft_step_top1",
-    "markov_greedy_round",
 ]
 _LOW_WORD = 0xFFFFFFFF
 _INT64_SIGN = -(1 << 63)  # XOR with this maps unsigned 64-bit order onto signed int64 order
@@ -131,25 +130,11 @@ def quantize_markov_w2_fp8(markov_w2):
 # ------------------------------------------------------------------------------ tiny stores
 
 
-def finalize_greedy_draft_tokens(greedy_slots):
-    """``dspark.kernels.finalize_greedy_draft_tokens``."""
-    return unpack_greedy_keys(greedy_slots)
+def finalize_greedy_draft_tokens(greedy_slots, draft_token_ids):
+    """``dspark.kernels.finalize_greedy_draft_tokens`` into ``draft_token_ids``."""
+    return draft_token_ids.copy_(unpack_greedy_keys(greedy_slots))
 
 
 def store_draft_step_top1(top1_indices, draft_token_ids, step):
     """``dspark.kernels.store_draft_step_top1``."""
     draft_token_ids[:, step] = top1_indices
-
-
-# ------------------------------------------------------------------------------ whole greedy round
-
-
-def markov_greedy_round(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_len,
-                        logits_stride, logits_offset, greedy_slots, draft_token_ids, stacked_logits):
-    """``dspark.kernels.markov_greedy_round``: zero the slots, ``proposal_len`` fused steps, finalize."""
-    greedy_slots.zero_()
-    for step in range(proposal_len):
-        markov_greedy_fused_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, greedy_slots,
-                                 step, stacked_logits, step + 1, logits_stride, logits_offset)
-    draft_token_ids.copy_(finalize_greedy_draft_tokens(greedy_slots))
-    return draft_token_ids

@@ -1,4 +1,4 @@
-"""Triton Markov family: one Markov GEMM kernel for every path (greedy steps and round, FP8 W2,
+"""Triton Markov family: one Markov GEMM kernel for every path (greedy steps, FP8 W2,
 correction logits, the fused sampled step), FP8 quantisation, finalize and store.
 
 Contracts: the public functions of ``dspark.kernels.markov`` and ``dspark.kernels.sampling``.
@@ -36,7 +36,6 @@ from ._shared import orderable, tile_stats, unpack_key
 __all__ = [
     "build_markov_logits",
     "markov_greedy_fused_step",
-    "markov_greedy_round",
     "quantize_markov_w2_fp8",
     "finalize_greedy_draft_tokens",
     "store_draft_step_top1",
@@ -255,17 +254,6 @@ def markov_greedy_fused_step(backbone_logits, markov_w1, markov_w2, w2_row_scale
                   w2_row_scales, prev, prev_is_key, rows_out=rows_out, keys_out=greedy_slots[:, step])
 
 
-def markov_greedy_round(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_len,
-                        logits_stride, logits_offset, greedy_slots, draft_token_ids, stacked_logits):
-    """``dspark.kernels.markov_greedy_round``: zero, P steps, finalize -- no allocation, no host sync."""
-    greedy_slots.zero_()
-    for step in range(proposal_len):
-        markov_greedy_fused_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, greedy_slots,
-                                 step, stacked_logits, step + 1, logits_stride, logits_offset)
-    _launch_finalize(greedy_slots, draft_token_ids)
-    return draft_token_ids
-
-
 # ----------------------------------------------------------------------------- FP8 quantisation
 
 
@@ -326,16 +314,11 @@ def _finalize_kernel(keys_ptr, tokens_ptr, N, BLOCK: tl.constexpr):
     tl.store(tokens_ptr + offs, unpack_key(tl.load(keys_ptr + offs, mask=valid, other=0)), mask=valid)
 
 
-def _launch_finalize(greedy_slots, draft_token_ids):
+def finalize_greedy_draft_tokens(greedy_slots, draft_token_ids):
+    """``dspark.kernels.finalize_greedy_draft_tokens`` into ``draft_token_ids`` (no allocation)."""
     n = greedy_slots.numel()
     _finalize_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](greedy_slots, draft_token_ids, n, BLOCK=ELEMENTWISE_BLOCK)
-
-
-def finalize_greedy_draft_tokens(greedy_slots):
-    """``dspark.kernels.finalize_greedy_draft_tokens``."""
-    tokens = torch.empty(greedy_slots.shape, dtype=torch.int32, device=greedy_slots.device)
-    _launch_finalize(greedy_slots, tokens)
-    return tokens
+    return draft_token_ids
 
 
 @triton.jit
