@@ -142,3 +142,17 @@ def test_frontier_summary_checks_the_targets_and_the_outputs(tmp_path):
     assert targets["scheduled >= fixed at every concurrency"] and targets["scheduled >= 1.3x fixed at 64"]
     assert targets["dspark-fixed per request / plain at 1"] == 1.6 and targets["dspark-fixed >= 1.5x plain per request at 1"]
     assert result["outputs_identical_across_configs"] is False  # prompt 1 differs under dspark-fixed
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shape", "nope"], "--shape must be one of"), (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--traces", "/nonexistent.json"], "--traces: traces '/nonexistent.json': not a readable JSON"),
+    (["--concurrency", "1,x"], "--concurrency must be comma-separated"), (["--configs", "fast"], "--configs must name"),
+])
+def test_frontier_flags_are_checked_before_anything_runs(tmp_path, capsys, flags, message):
+    from dspark.bench.frontier import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / "run"), *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -48,9 +48,8 @@ def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
     table = profile_verify(target, default_token_counts(max_batch * (num_drafts + 1)), context=context,
                            tokens_per_row=num_drafts + 1)
     path = out / "cost_table.json"
-    path.write_text(json.dumps({"token_counts": list(table.token_counts), "step_time_ms": list(table.step_time_ms),
-                                "device": spec["device"], "target": f"bench.replay.peaked_target({spec['shape']!r})",
-                                "context": context}, indent=1))
+    table.write_json(path, device=spec["device"], target=f"bench.replay.peaked_target({spec['shape']!r})",
+                     context=context)
     del model, target
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -154,6 +153,37 @@ def _environment(device: str) -> str:
     return f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}, transformers {transformers.__version__}"
 
 
+def _check(parser, args) -> tuple:
+    """The target shape (a name or a dict) and the traces' drafts per round; parser errors name the flag."""
+    from .engine import SHAPES
+
+    for name in ("requests_per_client", "max_tokens", "prompt_tokens", "num_prompts", "max_batch", "draft_rank"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.vocab is not None and args.vocab < 2:
+        parser.error(f"--vocab must be >= 2, got {args.vocab}")
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        parser.error(f"--concurrency must be comma-separated integers >= 1, got {args.concurrency!r}")
+    if args.shape.lstrip().startswith("{"):
+        try:
+            shape = json.loads(args.shape)
+        except ValueError as exc:
+            parser.error(f"--shape: not valid JSON ({exc})")
+    elif args.shape in SHAPES:
+        shape = args.shape
+    else:
+        parser.error(f"--shape must be one of {list(SHAPES)} or a shape as JSON, got {args.shape!r}")
+    try:
+        num_drafts = load_traces(args.traces)["num_drafts"]
+    except ValueError as exc:
+        parser.error(f"--traces: {exc}")
+    return shape, num_drafts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dspark.bench.frontier", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,14 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in labels if x not in CONFIGS]
     if unknown or not labels:
         parser.error(f"--configs must name some of {list(CONFIGS)}, got {args.configs!r}")
-    from .engine import VOCAB
-
     out = Path(args.out)
     if args.summarize_only:
+        missing = [str(out / f) for f in ["frontier.json"] + [f"{x}.json" for x in labels] if not (out / f).is_file()]
+        if missing:
+            parser.error(f"--summarize-only needs a finished run in --out; missing {missing}")
         return write_summary(out, labels, json.loads((out / "frontier.json").read_text()))
+    shape, num_drafts = _check(parser, args)
+    from .engine import VOCAB
+
     out.mkdir(parents=True, exist_ok=True)
-    num_drafts = load_traces(args.traces)["num_drafts"]
-    shape = json.loads(args.shape) if args.shape.lstrip().startswith("{") else args.shape
     spec = {"shape": shape, "vocab": args.vocab or VOCAB, "device": args.device, "dtype": args.dtype,
             "draft_rank": args.draft_rank, "traces": args.traces, "num_prompts": args.num_prompts,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}

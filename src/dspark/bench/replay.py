@@ -82,9 +82,15 @@ def record_traces(max_new_tokens: int = 320, *, device: str = "cpu") -> dict:
 
 
 def load_traces(path=TRACES) -> dict:
-    data = json.loads(Path(path).read_text())
-    if not data.get("traces") or not all(data["traces"]):
-        raise ValueError(f"{path}: no recorded rounds")
+    """Recorded rounds (``record_traces``' JSON); ValueError naming the file when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"traces {str(path)!r}: not a readable JSON file of recorded rounds ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("num_drafts"), int) or not data.get("traces") \
+            or not all(data["traces"]):
+        raise ValueError(f"traces {str(path)!r}: expected num_drafts and a non-empty list of traces per prompt, "
+                         "as python -m dspark.bench.replay writes")
     return data
 
 
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=320)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     data = record_traces(args.max_new_tokens, device=args.device)
     Path(args.out).write_text(json.dumps(data, separators=(",", ":")))
     print(f"wrote {args.out}: {data['rounds']} rounds of {len(data['traces'])} prompts, tau {data['tau']}")

@@ -9,9 +9,7 @@ read.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from ._runtime import add_runtime_arguments, runtime
 
@@ -43,9 +41,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     table = profile_verify(target, default_token_counts(args.max_tokens), context=args.context,
                            tokens_per_row=args.tokens_per_row)
-    data = {"token_counts": list(table.token_counts), "step_time_ms": list(table.step_time_ms),
-            "device": str(device), "target": str(target_dir), "context": args.context}
-    Path(args.out).write_text(json.dumps(data, indent=1))
+    table.write_json(args.out, device=str(device), target=str(target_dir), context=args.context)
     for n, t in zip(table.token_counts, table.step_time_ms):
         print(f"{n:6d} tokens  {t:8.3f} ms")
     print(f"wrote {args.out}")

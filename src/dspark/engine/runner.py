@@ -114,7 +114,7 @@ class ModelRunner:
         # accepted | accept length | verified drafts | next proposal length | next confidences (f32 bits)
         self.readout = torch.zeros(b, t + 3 + p, **i32)
         self.offsets = torch.arange(max(t, block), **i32)
-        self.offsets_rows = torch.arange(b + -(-b // t), **i32)
+        self.offsets_rows = torch.arange(b + _pad_requests(b, t), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
         self.row_modes: list[SamplingParams | None] = [None] * b

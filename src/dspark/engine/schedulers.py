@@ -57,6 +57,15 @@ class SPSCostTable:
             Checker("SPSCostTable.from_json").fail(f"{path} is missing the key(s) {missing}")
         return cls(tuple(d["token_counts"]), tuple(d["step_time_ms"]), d.get("fixed_overhead_ms", 0.0))
 
+    def write_json(self, path, **info) -> None:
+        """Write the table as ``from_json`` reads it (TensorRT-LLM's keys), plus ``info`` (where and
+        how it was measured)."""
+        data = {"token_counts": list(self.token_counts), "step_time_ms": list(self.step_time_ms), **info}
+        if self.fixed_overhead_ms:
+            data["fixed_overhead_ms"] = self.fixed_overhead_ms
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
     def step_time(self, tokens: int) -> float:
         """Milliseconds of one target step verifying ``tokens`` tokens."""
         n, t = self.token_counts, self.step_time_ms
