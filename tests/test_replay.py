@@ -81,8 +81,14 @@ def test_replay_refuses_unknown_prompts_and_bad_traces(models, prompts):
     bad = Request(prompts[0], 4, oracle_ids=[1] * 60, oracle_trace=[[8] + [0.5] * 7])
     with pytest.raises(ValueError, match=r"oracle_trace\[0\] must be \[accepted drafts in 0..7"):
         engine.add_request(bad)
+    with pytest.raises(ValueError, match=r"oracle_trace\[1\] must be \[accepted drafts"):
+        engine.add_request(Request(prompts[0], 4, oracle_ids=[1] * 60, oracle_trace=[[1] + [0.5] * 7, "ab"]))
+    with pytest.raises(TypeError, match="oracle_trace must be a list of rounds, got int"):
+        engine.add_request(Request(prompts[0], 4, oracle_ids=[1] * 60, oracle_trace=3))
     with pytest.raises(ValueError, match="oracle_acceptance and oracle_replay exclude each other"):
         EngineConfig(oracle_acceptance=0.5, oracle_replay=True)
+    with pytest.raises(TypeError, match="oracle_replay must be a bool, got str"):
+        EngineConfig(oracle_replay="yes")
 
 
 def test_shipped_traces_are_the_demo_pairs_rounds():

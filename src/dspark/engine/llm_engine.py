@@ -78,6 +78,8 @@ class EngineConfig:
             c.real("oracle_acceptance", self.oracle_acceptance, low=0.0, high=1.0)
             if self.oracle_replay:
                 c.fail("oracle_acceptance and oracle_replay exclude each other (two ways to choose benchmark drafts)")
+        if not isinstance(self.oracle_replay, bool):
+            c.fail(f"oracle_replay must be a bool, got {type(self.oracle_replay).__name__}", TypeError)
 
 
 @dataclass
@@ -182,8 +184,12 @@ class LLMEngine:
         p = self.num_drafts
         if not request.oracle_trace:
             c.fail("oracle_trace must hold at least one round")
+        if isinstance(request.oracle_trace, (str, bytes)) or not isinstance(request.oracle_trace, (list, tuple)):
+            c.fail(f"oracle_trace must be a list of rounds, got {type(request.oracle_trace).__name__}", TypeError)
         for r, entry in enumerate(request.oracle_trace):
-            if len(entry) != p + 1 or not 0 <= entry[0] <= p or entry[0] != int(entry[0]) \
+            numbers = isinstance(entry, (list, tuple)) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in entry)
+            if not numbers or len(entry) != p + 1 or not 0 <= entry[0] <= p or entry[0] != int(entry[0]) \
                     or not all(0.0 <= x <= 1.0 for x in entry[1:]):
                 c.fail(f"oracle_trace[{r}] must be [accepted drafts in 0..{p}, {p} confidences in [0, 1]], "
                        f"got {list(entry)[:p + 2]}")
