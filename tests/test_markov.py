@@ -616,6 +616,51 @@ def test_build_markov_logits_matches_reference(exact):
         torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
 
+GEMM_CONFIGS = [  # one program per tile / persistent / R in chunks
+    dict(BLOCK_V=64, BLOCK_R=64, NUM_STAGES=1, PROGRAMS_PER_SM=0, num_warps=4),
+    dict(BLOCK_V=32, BLOCK_R=64, NUM_STAGES=2, PROGRAMS_PER_SM=1, num_warps=4),
+    dict(BLOCK_V=64, BLOCK_R=16, NUM_STAGES=2, PROGRAMS_PER_SM=0, num_warps=4),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("fp8", [False, True])
+def test_every_gemm_configuration_gives_the_same_epilogues(fp8):
+    """Rows, keys and group maxima bit for bit (exact inputs), softmax partials to fp32 rounding, for
+    every tiling and pipelining of the one Markov GEMM, all epilogues in one launch."""
+    from dspark.kernels.triton import filter as tfilter
+    from dspark.kernels.triton import markov as tmarkov
+
+    batch, vocab, rank = 3, 1000, 64
+    case = markov_case(batch, 4, vocab, rank, torch.float16, device=DEVICE)
+    w2, scales = K.quantize_markov_w2_fp8(case.markov_w2) if fp8 else (case.markov_w2, None)
+    base = case.backbone_logits[:, 1]
+    weights = (w2.view(torch.float8_e4m3fn).double() * scales.double()[:, None]) if fp8 else w2.double()
+    want_rows = case.base_rows(1).double() + case.markov_w1.double()[case.first_prev_tokens.long()] @ weights.t()
+    results = []
+    for cfg in GEMM_CONFIGS:
+        config = dict(cfg, BLOCK_B=16)
+        tiles = tmarkov.markov_tiles(vocab, config)
+        rows = torch.zeros(batch, vocab, device=DEVICE)
+        keys = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+        m, s = (torch.zeros(batch * tiles, device=DEVICE) for _ in range(2))
+        groups = torch.zeros(batch * -(-vocab // tfilter.GROUP), dtype=torch.int64, device=DEVICE)
+        with K.use_backend("triton"):
+            tmarkov.launch_markov(base, 4, case.markov_w1, w2, scales, case.first_prev_tokens, rows_out=rows,
+                                  keys_out=keys, stats=(m, s), groups=groups, inv_temp=1.0, config=config)
+        m, s = m.view(batch, tiles).double(), s.view(batch, tiles).double()
+        log_total = m.max(1).values + torch.log((s * torch.exp(m - m.max(1, keepdim=True).values)).sum(1))
+        results.append((config, rows.cpu(), keys.cpu(), groups.cpu(), log_total.cpu()))
+    torch.testing.assert_close(results[0][1].double(), want_rows.cpu(), atol=0, rtol=0)
+    torch.testing.assert_close(results[0][4], torch.logsumexp(want_rows.cpu(), 1), atol=1e-5, rtol=0)
+    assert_same(results[0][2], max_greedy_keys(pack_greedy_keys(results[0][1], torch.arange(vocab))))
+    for config, rows, keys, groups, log_total in results[1:]:
+        assert_same(rows, results[0][1]), config
+        assert_same(keys, results[0][2]), config
+        assert_same(groups, results[0][3]), config
+        torch.testing.assert_close(log_total, results[0][4], atol=1e-5, rtol=0)
+
+
 @requires_triton
 def test_bad_token_ids_are_clamped_not_read_out_of_range():
     # On the GPU nobody validates ids (that would sync the host): the kernel clamps them into [0, V).

@@ -5,8 +5,8 @@ Contracts: the public functions of ``dspark.kernels.markov`` and ``dspark.kernel
 
 The correction ``c[b, v] = base[b, v] + sum_r W2[v, r] * W1[prev_b, r]`` (kernels.md 3.11) is one
 skinny GEMM per step that reads W2 once for the whole batch: programs gather their batch block's
-``W1[prev]`` rows and stream ``BLOCK_V``-row tiles of W2 through ``W2[tile] @ W1[prev]^T`` (``tl.dot``
-on tensor cores, the batch padded to at least 16 columns), optionally persistent (a few programs per
+``W1[prev]`` rows and stream ``BLOCK_V``-row tiles of W2 through ``W1[prev] @ W2[tile]^T`` (``tl.dot``
+on tensor cores, batch-major, the batch padded to at least 16 rows), optionally persistent (a few programs per
 SM looping over tiles) and optionally splitting R into ``BLOCK_R`` chunks. FP8 W2 (uint8 e4m3 codes +
 fp16 row scales) is decoded to the weights' dtype inside the GEMM and the row scale applied to the
 fp32 dot, so it moves half the bytes. What happens to ``c`` is chosen at compile time (epilogues):
@@ -48,9 +48,9 @@ __all__ = [
 
 @triton.jit
 def _w1_block(w1_ptr, prev, valid_b, r0, R: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``W1[prev_b, r0:r0+BLOCK_R]^T`` as ``[BLOCK_R, BLOCK_B]`` (zeros past R and for padding rows)."""
+    """``W1[prev_b, r0:r0+BLOCK_R]`` as ``[BLOCK_B, BLOCK_R]`` (zeros past R and for padding rows)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    return tl.load(w1_ptr + prev[None, :] * R + offs_r[:, None], mask=(offs_r < R)[:, None] & valid_b[None, :],
+    return tl.load(w1_ptr + prev[:, None] * R + offs_r[None, :], mask=valid_b[:, None] & (offs_r < R)[None, :],
                    other=0.0)
 
 
@@ -63,11 +63,11 @@ def _w2_tile(w2_ptr, offs_v, valid_v, r0, R: tl.constexpr, BLOCK_R: tl.constexpr
 
 
 @triton.jit
-def _accumulate(w2, w1, acc, FP8: tl.constexpr, INTERPRET_: tl.constexpr):
-    """``acc + W2 tile @ W1 block``, FP8 codes decoded to the weights' dtype first."""
+def _accumulate(w1, w2, acc, FP8: tl.constexpr, INTERPRET_: tl.constexpr):
+    """``acc + W1 block @ W2 tile^T`` (``[BLOCK_B, BLOCK_V]``), FP8 codes decoded to the weights' dtype first."""
     if FP8:
         w2 = w2.to(tl.float8e4nv, bitcast=True).to(w1.dtype)
-    return dot(w2, w1, acc, INTERPRET_)
+    return dot(w1, tl.trans(w2), acc, INTERPRET_)
 
 
 @triton.jit
@@ -86,8 +86,13 @@ def _markov_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr,
     INTERPRET_: tl.constexpr,
 ):
-    """``c[b, v]`` over vocabulary tiles ``program_id(0) + i * num_programs(0)``, epilogues as flagged.
+    """``c[b, v]`` as ``[BLOCK_B, BLOCK_V]`` tiles over vocabulary tiles ``program_id(0) + i * num_programs(0)``,
+    epilogues as flagged.
 
+    Batch-major: the batch rows are the MMA's rows and each tile's row segments are contiguous, so
+    the row stores and the per-row reductions follow the accumulator's layout (H200: as fast or
+    faster than vocabulary-major tiles at every benchmarked shape, up to 1.3x for FP8 W2; kernel-layout.md).
+    The base logits are loaded after the dot: not held in registers across it.
     Tiles are software-pipelined ``NUM_STAGES`` deep (the R-chunk loop instead, when R is split:
     ``BLOCK_R < R``).
     Keys are kept as an elementwise running max over the tiles (no cross-warp reduction inside the
@@ -103,45 +108,41 @@ def _markov_kernel(
     if BLOCK_R >= R:  # one chunk covers R: gather W1[prev] once per program
         w1 = _w1_block(w1_ptr, prev, valid_b, 0, R, BLOCK_R)
 
-    best = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.uint64)
+    best = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.uint64)
     for i in tl.range(0, TILES_PER_PROGRAM, num_stages=NUM_STAGES):
         tile = tl.program_id(0) + i * tl.num_programs(0)
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         valid_v = offs_v < V
-        valid = valid_v[:, None] & valid_b[None, :]
-        base_rows = base_ptr + rows_b[None, :] * base_batch_stride + offs_v[:, None]
-        acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
-        if BLOCK_R >= R:  # W2 tile and base logits loaded together, then the dot (pipelined over tiles)
-            w2 = _w2_tile(w2_ptr, offs_v, valid_v, 0, R, BLOCK_R)
-            base = tl.load(base_rows, mask=valid, other=0.0)
-            acc = _accumulate(w2, w1, acc, FP8, INTERPRET_)
+        valid = valid_b[:, None] & valid_v[None, :]
+        acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+        if BLOCK_R >= R:  # pipelined over tiles
+            acc = _accumulate(w1, _w2_tile(w2_ptr, offs_v, valid_v, 0, R, BLOCK_R), acc, FP8, INTERPRET_)
         else:  # R in chunks (pipelined over the chunks)
             for r0 in tl.range(0, R, BLOCK_R, num_stages=NUM_STAGES):
-                w1_chunk = _w1_block(w1_ptr, prev, valid_b, r0, R, BLOCK_R)
-                acc = _accumulate(_w2_tile(w2_ptr, offs_v, valid_v, r0, R, BLOCK_R), w1_chunk, acc, FP8, INTERPRET_)
-            base = tl.load(base_rows, mask=valid, other=0.0)
+                acc = _accumulate(_w1_block(w1_ptr, prev, valid_b, r0, R, BLOCK_R),
+                                  _w2_tile(w2_ptr, offs_v, valid_v, r0, R, BLOCK_R), acc, FP8, INTERPRET_)
         if FP8:
-            acc = acc * tl.load(scales_ptr + offs_v, mask=valid_v, other=0.0).to(tl.float32)[:, None]
-        c = base + acc
+            acc = acc * tl.load(scales_ptr + offs_v, mask=valid_v, other=0.0).to(tl.float32)[None, :]
+        c = tl.load(base_ptr + rows_b[:, None] * base_batch_stride + offs_v[None, :], mask=valid, other=0.0) + acc
         if STATS:
             c = c * inv_temp
         if WRITE_ROWS:
-            tl.store(rows_ptr + rows_b[None, :] * rows_batch_stride + offs_v[:, None], c, mask=valid)
+            tl.store(rows_ptr + rows_b[:, None] * rows_batch_stride + offs_v[None, :], c, mask=valid)
         if STATS:
-            m, s = tile_stats(tl.where(valid_v[:, None], c, float("-inf")), 0)
+            m, s = tile_stats(tl.where(valid_v[None, :], c, float("-inf")), 1)
             in_range = valid_b & (offs_b * 0 + tile < n_tiles)  # a vector mask: persistent tiles may pass the end
             tl.store(m_ptr + rows_b * n_tiles + tile, m, mask=in_range)
             tl.store(s_ptr + rows_b * n_tiles + tile, s, mask=in_range)
         if GROUPS:
-            keys = tl.where(valid, order_key(c, offs_v[:, None]), SENTINEL)
-            top = tl.max(tl.reshape(keys, [BLOCK_V // GROUP_SIZE, GROUP_SIZE, BLOCK_B]), axis=1)
+            keys = tl.where(valid, order_key(c, offs_v[None, :]), SENTINEL)
+            top = tl.max(tl.reshape(keys, [BLOCK_B, BLOCK_V // GROUP_SIZE, GROUP_SIZE]), axis=2)
             g = tile * (BLOCK_V // GROUP_SIZE) + tl.arange(0, BLOCK_V // GROUP_SIZE)
-            tl.store(group_ptr + rows_b[None, :] * n_groups + g[:, None], top,
-                     mask=(g < n_groups)[:, None] & valid_b[None, :])
+            tl.store(group_ptr + rows_b[:, None] * n_groups + g[None, :], top,
+                     mask=valid_b[:, None] & (g < n_groups)[None, :])
         if ARGMAX:
-            best = tl.maximum(best, tl.where(valid, greedy_key(orderable(c), offs_v[:, None]), 0))
+            best = tl.maximum(best, tl.where(valid, greedy_key(orderable(c), offs_v[None, :]), 0))
     if ARGMAX:
-        top_key = tl.max(best, axis=0)
+        top_key = tl.max(best, axis=1)
         key_out = key_ptr.to(tl.pointer_type(tl.uint64))
         tl.atomic_max(key_out + rows_b * key_stride, top_key, mask=valid_b & (top_key != 0), sem="relaxed")
 
@@ -159,28 +160,27 @@ def markov_config(batch: int, rank: int, fp8: bool, sampled: bool) -> dict:
     epilogues (H200 sweep): B = 64 with FP8 W2 (whose decoded tiles live in registers) or a small
     rank measured fastest with many short programs; otherwise two persistent programs per SM with the
     largest pipelined tile that lets them share the SM, and one at B = 64 (registers, see below). A
-    CUDA-core dot for single
-    rows (no 16-column padding) was measured slower than the padded tensor-core GEMM (40.5 vs 30.9 µs
-    at R = 256). Open: the FP8 step at B = 1, R = 64 is not yet faster than NVIDIA's (issue 15).
-    The sampled step keeps the tiles of its former kernel -- wide (fewer softmax partials for the
-    filter to combine), one program per tile, R in chunks of 64 -- with 8 warps: with 4, an sm_90
-    compile (Triton 3.9) of the statistics epilogue spills at R = 256; timed on the H200 (Triton 3.6):
-    within 10 % of the former kernel's rounds (docs/kernel-layout.md).
+    CUDA-core dot for single rows (no 16-row padding) was measured slower than the padded
+    tensor-core GEMM (40.5 vs 30.9 µs at R = 256).
+    The sampled step: one program per tile, R in chunks of 64; 256-entry tiles (fewer softmax
+    partials for the filter to combine) except at B = 64 and for a single row at R <= 64, and 8 warps
+    except at B = 64 with R <= 64 (H200 sweep of the batch-major kernel, docs/kernel-layout.md).
     """
     block_b = min(64, max(16, next_pow2(batch)))
     block_r = max(16, next_pow2(rank))  # tl.dot needs dims >= 16
     num_warps = 4 if block_b < 64 else 8
-    if sampled:  # a single row at R <= 64: 4 warps (H200: 103.0 vs 111.6 us a round at 8)
-        return dict(BLOCK_V=256 if block_b <= 32 else 128, BLOCK_B=block_b, BLOCK_R=min(64, block_r), NUM_STAGES=3,
-                    PROGRAMS_PER_SM=0, num_warps=4 if batch == 1 and block_r <= 64 else 8)
+    if sampled:
+        small_rank = rank <= 64
+        return dict(BLOCK_V=128 if block_b >= 64 or (batch == 1 and small_rank) else 256, BLOCK_B=block_b,
+                    BLOCK_R=min(64, block_r), NUM_STAGES=3, PROGRAMS_PER_SM=0,
+                    num_warps=4 if block_b >= 64 and small_rank else 8)
     if block_b >= 64 and (fp8 or rank <= 64):
         return dict(BLOCK_V=64, BLOCK_B=block_b, BLOCK_R=block_r, NUM_STAGES=1, PROGRAMS_PER_SM=0, num_warps=num_warps)
     if fp8:
         return dict(BLOCK_V=64, BLOCK_B=block_b, BLOCK_R=block_r, NUM_STAGES=3, PROGRAMS_PER_SM=2, num_warps=4)
-    # B = 64 (8 warps): the merged kernel takes 133 registers a thread at R = 256 (Triton 3.6), so two
-    # programs (68 k registers) no longer fit an SM's 65 536 and the second half of a two-per-SM grid
-    # ran as a second wave (56.7 us); one persistent program per SM with the whole shared memory for
-    # a 3-deep pipeline takes 45.3 us, what the former kernel took at two per SM (121 registers).
+    # B = 64 (8 warps): one persistent program per SM with the whole shared memory for a 3-deep
+    # pipeline (the vocabulary-major kernel took 133 registers a thread at R = 256, so two programs
+    # did not fit an SM's 65 536 and a two-per-SM grid ran in two waves; kernel-layout.md).
     per_sm, budget = (2, 120_000) if block_b < 64 else (1, 200_000)
     for block_v, stages in ((128, 3), (64, 3), (64, 2), (32, 2)):
         if markov_smem_bytes(block_v, block_b, rank, fp8, stages) <= budget:
