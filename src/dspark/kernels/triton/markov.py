@@ -48,9 +48,9 @@ __all__ = [
 
 @triton.jit
 def _w1_block(w1_ptr, prev, valid_b, r0, R: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``W1[prev_b, r0:r0+BLOCK_R]`` as ``[BLOCK_B, BLOCK_R]`` (zeros past R and for padding rows)."""
+    """``W1[prev_b, r0:r0+BLOCK_R]^T`` as ``[BLOCK_R, BLOCK_B]`` (zeros past R and for padding rows)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    return tl.load(w1_ptr + prev[:, None] * R + offs_r[None, :], mask=valid_b[:, None] & (offs_r < R)[None, :],
+    return tl.load(w1_ptr + prev[None, :] * R + offs_r[:, None], mask=(offs_r < R)[:, None] & valid_b[None, :],
                    other=0.0)
 
 
@@ -63,11 +63,18 @@ def _w2_tile(w2_ptr, offs_v, valid_v, r0, R: tl.constexpr, BLOCK_R: tl.constexpr
 
 
 @triton.jit
-def _accumulate(w1, w2, acc, FP8: tl.constexpr, INTERPRET_: tl.constexpr):
-    """``acc + W1 block @ W2 tile^T`` (``[BLOCK_B, BLOCK_V]``), FP8 codes decoded to the weights' dtype first."""
+def _accumulate(w2, w1, acc, FP8: tl.constexpr, INTERPRET_: tl.constexpr):
+    """``acc + (W2 tile @ W1 block)^T`` into a batch-major ``[BLOCK_B, BLOCK_V]`` accumulator, FP8
+    codes decoded to the weights' dtype first."""
     if FP8:
         w2 = w2.to(tl.float8e4nv, bitcast=True).to(w1.dtype)
-    return dot(w1, tl.trans(w2), acc, INTERPRET_)
+    return dot(tl.trans(w1), tl.trans(w2), acc, INTERPRET_)
+
+
+@triton.jit
+def _row_entries(ptr, stride, rows_b, offs_v):
+    """Pointers to entries ``(b, v)`` of rows ``rows_b``, batch-major ``[BLOCK_B, BLOCK_V]``."""
+    return ptr + rows_b[:, None] * stride + offs_v[None, :]
 
 
 @triton.jit
@@ -86,13 +93,13 @@ def _markov_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr,
     INTERPRET_: tl.constexpr,
 ):
-    """``c[b, v]`` as ``[BLOCK_B, BLOCK_V]`` tiles over vocabulary tiles ``program_id(0) + i * num_programs(0)``,
-    epilogues as flagged.
+    """``c[b, v]`` over vocabulary tiles ``program_id(0) + i * num_programs(0)``, epilogues as flagged.
 
-    Batch-major: the batch rows are the MMA's rows and each tile's row segments are contiguous, so
-    the row stores and the per-row reductions follow the accumulator's layout (H200: as fast or
-    faster than vocabulary-major tiles at every benchmarked shape, up to 1.3x for FP8 W2; kernel-layout.md).
-    The base logits are loaded after the dot: not held in registers across it.
+    The dot is batch-major (the batch rows are the MMA's rows; the base logits are loaded and the
+    rows stored in that orientation, after the dot) and its result is viewed as ``[BLOCK_V,
+    BLOCK_B]`` for the epilogues. H200 (docs/kernel-layout.md): as fast as or faster than the
+    vocabulary-major dot at every benchmarked shape (FP8 W2 up to 1.3x); this exact formulation was
+    timed -- the same product written with ``[BLOCK_B, BLOCK_V]`` epilogues compiled slower.
     Tiles are software-pipelined ``NUM_STAGES`` deep (the R-chunk loop instead, when R is split:
     ``BLOCK_R < R``).
     Keys are kept as an elementwise running max over the tiles (no cross-warp reduction inside the
@@ -108,41 +115,44 @@ def _markov_kernel(
     if BLOCK_R >= R:  # one chunk covers R: gather W1[prev] once per program
         w1 = _w1_block(w1_ptr, prev, valid_b, 0, R, BLOCK_R)
 
-    best = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.uint64)
+    best = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.uint64)
     for i in tl.range(0, TILES_PER_PROGRAM, num_stages=NUM_STAGES):
         tile = tl.program_id(0) + i * tl.num_programs(0)
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         valid_v = offs_v < V
-        valid = valid_b[:, None] & valid_v[None, :]
+        valid = valid_v[:, None] & valid_b[None, :]
         acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
         if BLOCK_R >= R:  # pipelined over tiles
-            acc = _accumulate(w1, _w2_tile(w2_ptr, offs_v, valid_v, 0, R, BLOCK_R), acc, FP8, INTERPRET_)
+            acc = _accumulate(_w2_tile(w2_ptr, offs_v, valid_v, 0, R, BLOCK_R), w1, acc, FP8, INTERPRET_)
         else:  # R in chunks (pipelined over the chunks)
             for r0 in tl.range(0, R, BLOCK_R, num_stages=NUM_STAGES):
-                acc = _accumulate(_w1_block(w1_ptr, prev, valid_b, r0, R, BLOCK_R),
-                                  _w2_tile(w2_ptr, offs_v, valid_v, r0, R, BLOCK_R), acc, FP8, INTERPRET_)
+                w1_chunk = _w1_block(w1_ptr, prev, valid_b, r0, R, BLOCK_R)
+                acc = _accumulate(_w2_tile(w2_ptr, offs_v, valid_v, r0, R, BLOCK_R), w1_chunk, acc, FP8, INTERPRET_)
+        base = tl.trans(tl.load(_row_entries(base_ptr, base_batch_stride, rows_b, offs_v), mask=tl.trans(valid),
+                                other=0.0))
+        acc = tl.trans(acc)
         if FP8:
-            acc = acc * tl.load(scales_ptr + offs_v, mask=valid_v, other=0.0).to(tl.float32)[None, :]
-        c = tl.load(base_ptr + rows_b[:, None] * base_batch_stride + offs_v[None, :], mask=valid, other=0.0) + acc
+            acc = acc * tl.load(scales_ptr + offs_v, mask=valid_v, other=0.0).to(tl.float32)[:, None]
+        c = base + acc
         if STATS:
             c = c * inv_temp
         if WRITE_ROWS:
-            tl.store(rows_ptr + rows_b[:, None] * rows_batch_stride + offs_v[None, :], c, mask=valid)
+            tl.store(_row_entries(rows_ptr, rows_batch_stride, rows_b, offs_v), tl.trans(c), mask=tl.trans(valid))
         if STATS:
-            m, s = tile_stats(tl.where(valid_v[None, :], c, float("-inf")), 1)
+            m, s = tile_stats(tl.where(valid_v[:, None], c, float("-inf")), 0)
             in_range = valid_b & (offs_b * 0 + tile < n_tiles)  # a vector mask: persistent tiles may pass the end
             tl.store(m_ptr + rows_b * n_tiles + tile, m, mask=in_range)
             tl.store(s_ptr + rows_b * n_tiles + tile, s, mask=in_range)
         if GROUPS:
-            keys = tl.where(valid, order_key(c, offs_v[None, :]), SENTINEL)
-            top = tl.max(tl.reshape(keys, [BLOCK_B, BLOCK_V // GROUP_SIZE, GROUP_SIZE]), axis=2)
+            keys = tl.where(valid, order_key(c, offs_v[:, None]), SENTINEL)
+            top = tl.max(tl.reshape(keys, [BLOCK_V // GROUP_SIZE, GROUP_SIZE, BLOCK_B]), axis=1)
             g = tile * (BLOCK_V // GROUP_SIZE) + tl.arange(0, BLOCK_V // GROUP_SIZE)
-            tl.store(group_ptr + rows_b[:, None] * n_groups + g[None, :], top,
-                     mask=valid_b[:, None] & (g < n_groups)[None, :])
+            tl.store(group_ptr + rows_b[None, :] * n_groups + g[:, None], top,
+                     mask=(g < n_groups)[:, None] & valid_b[None, :])
         if ARGMAX:
-            best = tl.maximum(best, tl.where(valid, greedy_key(orderable(c), offs_v[None, :]), 0))
+            best = tl.maximum(best, tl.where(valid, greedy_key(orderable(c), offs_v[:, None]), 0))
     if ARGMAX:
-        top_key = tl.max(best, axis=1)
+        top_key = tl.max(best, axis=0)
         key_out = key_ptr.to(tl.pointer_type(tl.uint64))
         tl.atomic_max(key_out + rows_b * key_stride, top_key, mask=valid_b & (top_key != 0), sem="relaxed")
 
@@ -163,17 +173,17 @@ def markov_config(batch: int, rank: int, fp8: bool, sampled: bool) -> dict:
     CUDA-core dot for single rows (no 16-row padding) was measured slower than the padded
     tensor-core GEMM (40.5 vs 30.9 µs at R = 256).
     The sampled step: one program per tile, R in chunks of 64; 256-entry tiles (fewer softmax
-    partials for the filter to combine) except at B = 64 and for a single row at R <= 64, and 8 warps
-    except at B = 64 with R <= 64 (H200 sweep of the batch-major kernel, docs/kernel-layout.md).
+    partials for the filter to combine: at B = 1, R = 64 128-entry tiles made the GEMM faster but the
+    round slower) except at B = 64, and 8 warps except at R <= 64 for B = 1 and 64 (H200 sweep of the
+    batch-major kernel, docs/kernel-layout.md).
     """
     block_b = min(64, max(16, next_pow2(batch)))
     block_r = max(16, next_pow2(rank))  # tl.dot needs dims >= 16
     num_warps = 4 if block_b < 64 else 8
     if sampled:
-        small_rank = rank <= 64
-        return dict(BLOCK_V=128 if block_b >= 64 or (batch == 1 and small_rank) else 256, BLOCK_B=block_b,
-                    BLOCK_R=min(64, block_r), NUM_STAGES=3, PROGRAMS_PER_SM=0,
-                    num_warps=4 if block_b >= 64 and small_rank else 8)
+        four_warps = rank <= 64 and (batch == 1 or block_b >= 64)
+        return dict(BLOCK_V=128 if block_b >= 64 else 256, BLOCK_B=block_b, BLOCK_R=min(64, block_r), NUM_STAGES=3,
+                    PROGRAMS_PER_SM=0, num_warps=4 if four_warps else 8)
     if block_b >= 64 and (fp8 or rank <= 64):
         return dict(BLOCK_V=64, BLOCK_B=block_b, BLOCK_R=block_r, NUM_STAGES=1, PROGRAMS_PER_SM=0, num_warps=num_warps)
     if fp8:
