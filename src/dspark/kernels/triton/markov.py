@@ -97,9 +97,10 @@ def _markov_kernel(
 
     The dot is batch-major (the batch rows are the MMA's rows; the base logits are loaded and the
     rows stored in that orientation, after the dot) and its result is viewed as ``[BLOCK_V,
-    BLOCK_B]`` for the epilogues. H200 (docs/kernel-layout.md): as fast as or faster than the
-    vocabulary-major dot at every benchmarked shape (FP8 W2 up to 1.3x); this exact formulation was
-    timed -- the same product written with ``[BLOCK_B, BLOCK_V]`` epilogues compiled slower.
+    BLOCK_B]`` for the epilogues. H200 (docs/kernel-layout.md): as fast or faster than vocabulary-major
+    at every benchmarked shape (FP8 W2 up to 1.3x) but the unfiltered sampled round at B = 1, R = 64
+    (1.06x); this exact formulation was timed -- the same product written with ``[BLOCK_B, BLOCK_V]``
+    epilogues compiled slower.
     Tiles are software-pipelined ``NUM_STAGES`` deep (the R-chunk loop instead, when R is split:
     ``BLOCK_R < R``).
     Keys are kept as an elementwise running max over the tiles (no cross-warp reduction inside the
