@@ -13,20 +13,12 @@ import torch, triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import dspark.kernels as K
 from dspark.kernels.triton import markov as new
-from dspark.bench.common import graph_us
+from dspark.bench.common import compiled_kernel, graph_us
 from dspark.bench import greedy as bg
 spec = importlib.util.spec_from_file_location("old_greedy", sys.argv[1])
 old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 OUT = os.environ.get("OUT", "/tmp")
 print("triton", triton.__version__, "torch", torch.__version__)
-
-def capture(fn):
-    got = []
-    orig = fn.run
-    def run(*a, **k):
-        r = orig(*a, **k); got.append(r); return r
-    fn.run = run
-    return got, lambda: setattr(fn, "run", orig)
 
 results = {}
 for (batch, rank) in ((64, 256), (64, 64), (8, 256)):
@@ -40,10 +32,8 @@ for (batch, rank) in ((64, 256), (64, 64), (8, 256)):
     }
     for name, fn in calls.items():
         kern = old._markov_kernel if name.startswith("old") else new._markov_kernel
-        got, undo = capture(kern)
-        fn(); torch.cuda.synchronize(); undo()
         try:
-            k = got[-1]
+            k = compiled_kernel(kern, fn)
             tag = f"B{batch}_R{rank}_{name.replace(' ', '_')}"
             print(tag, "regs", k.n_regs, "spills", k.n_spills, "shared", k.metadata.shared, "warps", k.metadata.num_warps, "stages", k.metadata.num_stages, flush=True)
             for ext in ("ttgir", "ptx"):

@@ -5,15 +5,14 @@
 
 Per shape (B, R): registers/spills of both GEMMs, the GEMM launch alone (old kernel; the merged one
 at its default configuration and, for the shapes in $SWEEP, swept over tilings), the probabilities +
-draw launch alone, one whole unfiltered step and the 7-step CUDA-graph round (filters none and
-top-k 50), old against new. Times: ``bench.common.graph_us`` medians (cold L2).
+draw launch alone and the 7-step CUDA-graph round (filters none and top-k 50), old against new. Times: ``bench.common.graph_us`` medians (cold L2).
 """
-import importlib.util, itertools, json, os, sys, time
+import importlib.util, itertools, json, os, sys
 import torch, triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import dspark.kernels as K
 from dspark.kernels.triton import markov as tmarkov, filter as tfilter
-from dspark.bench.common import graph_us
+from dspark.bench.common import compiled_kernel, graph_us
 from dspark.bench.sampling import round_inputs, PROPOSAL_LEN, VOCAB
 
 spec = importlib.util.spec_from_file_location("old_sampling", sys.argv[1])
@@ -26,13 +25,7 @@ results = {}
 
 
 def kernel_meta(kern, fn, tag):
-    got, orig = [], kern.run
-    kern.run = lambda *a, **k: got.append(orig(*a, **k)) or got[-1]
-    try:
-        fn(); torch.cuda.synchronize()
-    finally:
-        kern.run = orig
-    k = got[-1]
+    k = compiled_kernel(kern, fn)
     print(f"  {tag}: regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} warps {k.metadata.num_warps}",
           flush=True)
 
@@ -44,12 +37,12 @@ def timed(name, fn, reps=2):
     return min(us)
 
 
-def old_gemm(backbone, w1, w2, first, tokens, probs, m, s, groups, filtered, batch, rank, step=0):
+def old_gemm(backbone, w1, w2, first, tokens, probs, m, s, groups, filtered, batch, rank):
     block_b = min(64, max(16, triton.next_power_of_2(batch)))
     block_v = 256 if block_b <= 32 else 128
     n_stats = triton.cdiv(VOCAB, block_v)
     return lambda: old._markov_logits_kernel[(n_stats, triton.cdiv(batch, block_b))](
-        backbone, w1, w2, first, tokens, PROPOSAL_LEN, step, PROPOSAL_LEN, 0, probs[:, step], PROPOSAL_LEN * VOCAB,
+        backbone, w1, w2, first, tokens, PROPOSAL_LEN, 0, PROPOSAL_LEN, 0, probs[:, 0], PROPOSAL_LEN * VOCAB,
         m, s, n_stats, groups, triton.cdiv(VOCAB, old.GROUP), batch, VOCAB, 1.25, R=rank, BLOCK_B=block_b,
         BLOCK_V=block_v, BLOCK_R=min(64, max(16, triton.next_power_of_2(rank))), GROUPS=filtered,
         GROUP_SIZE=old.GROUP, UPCAST=False, num_warps=8 if block_b == 64 else 4, num_stages=3)
@@ -86,21 +79,17 @@ for batch, rank in SHAPES:
             print(f"    sweep {us:7.2f}  BV={block_v} BR={block_r} w={warps} st={stages}", flush=True)
     # the probabilities + draw launch alone (logits in probs[:, 1], written to probs[:, 2])
     ws = K.Workspace()
-    for name in ("old", "new"):
-        block_v = default["BLOCK_V"]
-        n_stats = triton.cdiv(VOCAB, block_v)
-        stats = (m, s, n_stats, block_v)
-        sample = (uniforms[:, 0], PROPOSAL_LEN, tokens[:, 0], PROPOSAL_LEN)
-        x, out = probs[:, 1], probs[:, 2]
-        stride = PROPOSAL_LEN * VOCAB
-        new_gemm(backbone, w1, w2, first, probs, m, s, None, default)(); torch.cuda.synchronize()
-        x.copy_(probs[:, 0])
-        if name == "old":
-            fn = lambda: old._probabilities(x, stride, out, stride, batch, VOCAB, 1.0, 0, 1.0, stats=stats, sample=sample)
-        else:
-            fn = lambda: tfilter.probabilities(x, stride, out, stride, batch, VOCAB, 1.0, 0, 1.0, ws, stats=stats, sample=sample)
-        timed(f"{tag} probabilities+draw {name}", fn)
-    # whole steps and rounds
+    stats = (m, s, tmarkov.markov_tiles(VOCAB, default), default["BLOCK_V"])
+    sample = (uniforms[:, 0], PROPOSAL_LEN, tokens[:, 0], PROPOSAL_LEN)
+    x, out, stride = probs[:, 1], probs[:, 2], PROPOSAL_LEN * VOCAB
+    new_gemm(backbone, w1, w2, first, probs, m, s, None, default)()
+    x.copy_(probs[:, 0])
+    timed(f"{tag} probabilities+draw old",
+          lambda: old._probabilities(x, stride, out, stride, batch, VOCAB, 1.0, 0, 1.0, stats=stats, sample=sample))
+    timed(f"{tag} probabilities+draw new",
+          lambda: tfilter.probabilities(x, stride, out, stride, batch, VOCAB, 1.0, 0, 1.0, ws, stats=stats,
+                                        sample=sample))
+    # rounds
     for k in (0, 50):
         def old_round(k=k):
             for step in range(PROPOSAL_LEN):

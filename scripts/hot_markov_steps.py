@@ -2,7 +2,7 @@
 
     python scripts/hot_markov_steps.py
 
-Hot: 20 back-to-back launches captured in one CUDA graph, median over 30 replays of the time per
+Hot: 20 back-to-back launches captured in one CUDA graph, median over 50 replays of the time per
 launch (the harness of the issue's 11.3 µs / NVIDIA's 10.1 µs FP8 number at B = 1, R = 64). Cold:
 ``bench.common.graph_us`` (L2 flushed before every replay, one launch per graph), as in the greedy
 benchmark.
@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from dspark.bench import greedy as bg  # noqa: E402
-from dspark.bench.common import capture_graph, graph_us  # noqa: E402
+from dspark.bench.common import capture_graph, graph_us, median_us  # noqa: E402
 from dspark.kernels.triton import markov as tmarkov  # noqa: E402
 
 LAUNCHES = 20
@@ -22,17 +22,7 @@ LAUNCHES = 20
 
 def hot_us(fn) -> float:
     graph = capture_graph(lambda: [fn() for _ in range(LAUNCHES)])
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAUNCHES)
-    return sorted(times)[len(times) // 2]
+    return median_us(graph.replay) / LAUNCHES
 
 
 for rank in (64, 256):
