@@ -14,6 +14,7 @@ ones at once); and ``ModelRunner`` (runner.py: forwards, drafting, acceptance, C
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ from ..kernels._validate import Checker
 from ..model.llama import TargetLM
 from .drafting import SCHEDULERS, Drafter
 from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
-from .request import Request, RequestOutput, Sequence, SequenceStatus
+from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 from .runner import ModelRunner, PrefillEntry
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestResult"]
+__all__ = ["EngineConfig", "EngineDeadError", "LLMEngine", "RequestResult", "token_logprobs"]
+
+log = logging.getLogger("dspark.engine")
 
 DEFAULT_MAX_MODEL_LEN = 4096
 ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
@@ -84,12 +87,19 @@ class EngineConfig:
 
 @dataclass
 class RequestResult:
-    """A finished request: ``token_ids`` (prompt excluded), ``finish_reason``, per-request stats."""
+    """A finished request: ``token_ids`` (prompt excluded), ``finish_reason``, per-request stats;
+    ``error`` when the engine failed it (finish reason ``"error"``)."""
 
     request_id: int
     token_ids: list[int]
     finish_reason: str
     stats: object
+    error: str | None = None
+
+
+class EngineDeadError(RuntimeError):
+    """The device failed in a way no request can recover from (a sticky CUDA error): the engine
+    cannot go on, and its owner should stop."""
 
 
 class LLMEngine:
@@ -234,17 +244,22 @@ class LLMEngine:
         """The first half of ``step``: admit waiting requests (their prefill) and start one round for
         every running request on the device without waiting for it, so that a server can hand the
         previous step's outputs to its clients meanwhile. ``finish`` must come next: until then only
-        ``add_request`` may touch the engine."""
+        ``add_request`` may touch the engine. A failure fails the requests it concerns (finish
+        reason ``"error"``) and the engine goes on; ``EngineDeadError`` when the device cannot."""
         if self._launched is not None:
             Checker("launch").fail("launch() was called twice: finish() collects the launched round first")
         start, outputs = time.perf_counter(), []
         self._admit(outputs)
         rows = len(self.running)
-        if rows and self.runner.drafter is None:
-            self.runner.launch_decode(rows)
-        elif rows:
-            self.runner.launch_round(rows, self._verify_lens(), draft_first=self._pending_draft)
-            self._pending_draft = False
+        try:
+            if rows and self.runner.drafter is None:
+                self.runner.launch_decode(rows)
+            elif rows:
+                self.runner.launch_round(rows, self._verify_lens(), draft_first=self._pending_draft)
+                self._pending_draft = False
+        except Exception as exc:  # noqa: BLE001 -- a batched round concerns every row in it
+            self._fail_round(exc, outputs)
+            rows = 0
         self._launched = (outputs, rows)
         self.metrics.step_time += time.perf_counter() - start
 
@@ -257,7 +272,12 @@ class LLMEngine:
         start = time.perf_counter()
         (outputs, rows), self._launched = self._launched, None
         if rows:
-            self._commit(self.runner.read(rows), outputs)
+            try:
+                readout = self.runner.read(rows)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_round(exc, outputs)
+            else:
+                self._commit(readout, outputs)
         self.metrics.step_time += time.perf_counter() - start
         self.metrics.steps += 1
         return outputs
@@ -265,13 +285,17 @@ class LLMEngine:
     def _verify_lens(self) -> list[int]:
         """Verify tokens per running row (drafts + 1): the drafter's scheduled length, or Algorithm 1
         over the whole batch with the ``cost`` scheduler; every draft for rows whose proposal the
-        host has not seen yet (admitted this step)."""
+        host has not seen yet (admitted this step). Never past what the row may still produce (its
+        ``max_new_tokens``, the context limit): a draft there could not be kept, and its position
+        would lie beyond the context. At least one draft (the accept kernels verify >= 1)."""
         p = self.num_drafts
         if self.config.scheduler == "off" or self._pending_draft:
-            return [p + 1] * len(self.running)
-        if self.config.scheduler == "cost":
-            return [n + 1 for n in self._cost_schedule()]
-        return [seq.next_length + 1 for seq in self.running]
+            drafts = [p] * len(self.running)
+        elif self.config.scheduler == "cost":
+            drafts = self._cost_schedule()
+        else:
+            drafts = [seq.next_length for seq in self.running]
+        return [1 + max(1, min(n, seq.room(self.max_model_len) - 1)) for n, seq in zip(drafts, self.running)]
 
     def _cost_schedule(self) -> list[int]:
         """The paper's Algorithm 1 across the batch on the rows' (STS-calibrated) confidences and the
@@ -308,36 +332,106 @@ class LLMEngine:
         if not admitted:
             return
         start = time.perf_counter()
-        entries = [PrefillEntry(q.row, q.slot, q.request.prompt_ids, q.request.sampling, q.request.sampling.seed,
-                                q.request.oracle_ids, q.request.oracle_trace) for q in admitted]
-        firsts = self.runner.prefill(entries)
+        try:
+            firsts, logits = self._prefill(admitted)
+        except Exception:  # noqa: BLE001 -- find the prompts that fail: each alone, the others go on
+            firsts, logits, ok = [], [], []
+            for seq in admitted:
+                try:
+                    first, row_logits = self._prefill([seq])
+                except Exception as exc:  # noqa: BLE001
+                    self._fail([seq], exc, outputs, f"prefill of request {seq.request_id}")
+                    continue
+                ok.append(seq)
+                firsts += first
+                logits.append(row_logits)
+            admitted = ok
+            logits = torch.cat(logits) if logits else None
         elapsed = time.perf_counter() - start
+        wanted = [i for i, seq in enumerate(admitted) if seq.request.logprobs is not None]
+        lps = self._logprobs([admitted[i] for i in wanted], logits[wanted] if wanted else None,
+                             [[firsts[i]] for i in wanted], outputs)
         for seq, first in zip(admitted, firsts):
             seq.stats.prefill_time = elapsed
             kept = seq.commit([first], self.max_model_len)
             seq.stats.prefill_tokens = len(kept)
-            self._report(seq, kept, outputs)
+            self._report(seq, kept, outputs, lps.get(seq.request_id))
         self._pending_draft = True
         self._retire([s for s in self.running if s.finish_reason is not None])
+
+    def _prefill(self, seqs: list[Sequence]):
+        entries = [PrefillEntry(q.row, q.slot, q.request.prompt_ids, q.request.sampling, q.request.sampling.seed,
+                                q.request.oracle_ids, q.request.oracle_trace) for q in seqs]
+        return self.runner.prefill(entries)
 
     def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput]) -> None:
         t = self.runner.verify_len
         confidence = readout[:, t + 3:].view(torch.float32)
-        for seq, row, conf in zip(self.running, readout.tolist(), confidence):
+        running, kept_of = list(self.running), []  # a failure below retires rows: keep this round's order
+        for seq, row, conf in zip(running, readout.tolist(), confidence):
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], self.max_model_len)
+            kept_of.append(kept)
             if self.runner.drafter is not None:
                 seq.stats.record_round(verified, n, len(kept))
                 self.metrics.record_round(verified, n)
                 seq.next_length, seq.confidence = row[t + 2], conf
             else:
                 seq.stats.record_round(0, 1, len(kept))
-            self._report(seq, kept, outputs)
+        wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
+        lps = {}
+        if wanted:
+            flat = [i * t + j for i in wanted for j in range(len(kept_of[i]))]
+            lps = self._logprobs([running[i] for i in wanted], self.runner.token_logits(flat),
+                                 [kept_of[i] for i in wanted], outputs)
+        for seq, kept in zip(running, kept_of):
+            if seq.finish_reason != "error":
+                self._report(seq, kept, outputs, lps.get(seq.request_id))
         self._retire([s for s in self.running if s.finish_reason is not None])
 
-    def _report(self, seq: Sequence, kept: list[int], outputs: list[RequestOutput]) -> None:
+    def _logprobs(self, seqs: list[Sequence], logits, tokens: list[list[int]],
+                  outputs: list[RequestOutput]) -> dict[int, list[TokenLogprobs]]:
+        """Per request id: the log-probabilities of ``tokens`` (each request's, in order) from the
+        target's logits rows (one per token, flat); a failure fails those requests only."""
+        if not seqs:
+            return {}
+        try:
+            top = max(seq.request.logprobs for seq in seqs)
+            flat = token_logprobs(logits, [t for ts in tokens for t in ts], top)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(seqs, exc, outputs, "log-probabilities")
+            return {}
+        result, i = {}, 0
+        for seq, ts in zip(seqs, tokens):
+            k = seq.request.logprobs
+            result[seq.request_id] = [TokenLogprobs(e.token_id, e.logprob, e.top[:k]) for e in flat[i:i + len(ts)]]
+            i += len(ts)
+        return result
+
+    def _report(self, seq: Sequence, kept: list[int], outputs: list[RequestOutput], logprobs=None) -> None:
         self.metrics.generated_tokens += len(kept)
-        outputs.append(RequestOutput(seq.request_id, kept, seq.finish_reason is not None, seq.finish_reason))
+        outputs.append(RequestOutput(seq.request_id, kept, seq.finish_reason is not None, seq.finish_reason,
+                                     logprobs, seq.error))
+
+    def _fail(self, seqs: list[Sequence], exc: Exception, outputs: list[RequestOutput], what: str) -> None:
+        """End ``seqs`` with finish reason ``"error"`` (logged with the traceback); the rest go on."""
+        log.error("%s failed for request(s) %s", what, [q.request_id for q in seqs], exc_info=exc)
+        for seq in seqs:
+            seq.finish_reason, seq.error = "error", f"{type(exc).__name__}: {exc}"
+            self.metrics.errors += 1
+            self._report(seq, [], outputs)
+        self._retire([q for q in seqs if q.status is SequenceStatus.RUNNING])
+
+    def _fail_round(self, exc: Exception, outputs: list[RequestOutput]) -> None:
+        """A batched round failed: it concerns every row in it. They end with ``"error"``; waiting
+        requests go on unless the device itself is broken (then ``EngineDeadError``)."""
+        self._fail(list(self.running), exc, outputs, "the batched round")
+        self._pending_draft = False
+        if self.runner.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.runner.device)
+            except Exception as dead:  # noqa: BLE001 -- a sticky CUDA error: nothing can run any more
+                raise EngineDeadError(f"the device failed: {type(dead).__name__}: {dead}") from exc
 
     def _retire(self, finished: list[Sequence]) -> None:
         """Free finished requests' slots and keep the running rows dense (the last row moves in)."""
@@ -355,6 +449,7 @@ class LLMEngine:
             self.metrics.finished += 1
         self.metrics.running = len(self.running)
 
+
     # ---- convenience --------------------------------------------------------------------------
 
     def generate(self, requests: list[Request],
@@ -363,7 +458,7 @@ class LLMEngine:
         ids = [self.add_request(r) for r in requests]
         seqs = {i: self.sequences[i] for i in ids}
         self._drive(set(ids), on_output)
-        return [RequestResult(i, s.output_ids, s.finish_reason, s.stats) for i, s in seqs.items()]
+        return [RequestResult(i, s.output_ids, s.finish_reason, s.stats, s.error) for i, s in seqs.items()]
 
     def generate_requests(self, requests: list[Request], *,
                           on_tokens: Callable[[int, list[int]], "bool | None"] | None = None) -> list:
@@ -394,6 +489,9 @@ class LLMEngine:
             for rid in ids:
                 self.abort(rid, "interrupted")
             raise GenerationInterrupted(results(True)) from None
+        failed = next((i for i, s in enumerate(seqs) if s.finish_reason == "error"), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed} failed in the engine: {seqs[failed].error}")
         return results()
 
     def _drive(self, wanted: set[int], on_output: Callable[[RequestOutput], None] | None) -> None:
@@ -435,6 +533,7 @@ class EngineMetrics:
         self.position_trials = [0] * num_drafts  # position k verified with 1..k-1 accepted
         self.position_accepts = [0] * num_drafts
         self.step_time = 0.0
+        self.errors = 0  # requests the engine failed (finish reason "error")
 
     def record_round(self, verified: int, accept_length: int) -> None:
         self.rounds += 1
@@ -448,6 +547,16 @@ class EngineMetrics:
     @property
     def mean_accepted_length(self) -> float:
         return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of ``token_ids[i]`` under the f32 logits row ``logits[i]`` ``[N, V]``: its
+    log-softmax and the ``top`` most likely tokens' (one host transfer)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    values, index = logp.topk(top, dim=-1) if top else (logp[:, :0], ids[:, None][:, :0])
+    return [TokenLogprobs(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, index.tolist(), values.tolist())]
 
 
 def _load_models(c: Checker, target, draft, config: EngineConfig):

@@ -12,7 +12,9 @@ from ..kernels._validate import Checker
 from .drafting import SamplingParams
 from .stats import GenerationStats
 
-__all__ = ["Request", "RequestOutput", "Sequence", "SequenceStatus"]
+__all__ = ["Request", "RequestOutput", "Sequence", "SequenceStatus", "TokenLogprobs", "MAX_LOGPROBS"]
+
+MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for (OpenAI's limit)
 
 
 @dataclass
@@ -21,6 +23,9 @@ class Request:
 
     ``prompt_ids``: the prompt's token ids (a sequence or a 1-D tensor); the output ends after the
     target's EOS (unless ``ignore_eos``) or any of ``stop_ids``, or after ``max_new_tokens``.
+    ``logprobs``: None, or k >= 0: each output token comes with its log-probability under the
+    target and the k most likely tokens' (``RequestOutput.logprobs``; the target's log-softmax before
+    temperature / top-k / top-p, as vLLM reports by default -- under speculative decoding too).
     ``oracle_ids`` (benchmarks only): a known continuation; the engine then replaces its drafted
     tokens by it (``EngineConfig.oracle_acceptance``) or, with ``EngineConfig.oracle_replay``, keeps
     as many of them per round as ``oracle_trace`` says: round r (cycling) is ``[accepted drafts,
@@ -32,6 +37,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
     oracle_ids: list[int] | None = None
     oracle_trace: list[list[float]] | None = None
 
@@ -53,6 +59,8 @@ class Request:
         self.stop_ids = tuple(c.integer("stop_ids[]", i, low=0) for i in stops)
         if not isinstance(self.ignore_eos, bool):
             c.fail(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}", TypeError)
+        if self.logprobs is not None:
+            c.integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
 
 
 def _describe(value) -> str:
@@ -67,15 +75,28 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
+class TokenLogprobs:
+    """One output token's log-probability under the target and the ``top`` most likely tokens
+    ``(token id, log-probability)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class RequestOutput:
     """What one ``LLMEngine.step`` produced for one request: the tokens committed this step and,
     when the request ended, why (``"stop"``: a stop/EOS token, ``"length"``: ``max_new_tokens`` or
-    the context limit, ``"abort"``)."""
+    the context limit, ``"abort"``, ``"error"``: the engine failed on this request, ``error`` says
+    why). ``logprobs``: one entry per new token when the request asked for them."""
 
     request_id: int
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -92,6 +113,7 @@ class Sequence:
     finish_reason: str | None = None
     next_length: int = 0  # drafts the next round verifies (the scheduler's choice, read back each round)
     confidence: object = None  # f32 [P] confidences of the pending proposal (read back each round)
+    error: str | None = None  # why the engine failed this request (finish reason "error")
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property
@@ -102,16 +124,19 @@ class Sequence:
     def num_tokens(self) -> int:
         return self.prompt_len + len(self.output_ids)
 
+    def room(self, max_len: int) -> int:
+        """Tokens this sequence may still produce: ``max_new_tokens`` and the context limit ``max_len``."""
+        return min(self.request.max_new_tokens - len(self.output_ids), max_len - self.num_tokens)
+
     def commit(self, tokens: list[int], max_len: int) -> list[int]:
         """Append what fits (``max_new_tokens``, the first stop token, the context limit
         ``max_len``); returns the tokens kept and sets ``finish_reason`` when the sequence ends."""
-        limit = self.request.max_new_tokens - len(self.output_ids)
-        kept = tokens[:limit]
+        kept = tokens[:max(0, self.room(max_len))]
         for i, t in enumerate(kept):
             if t in self.stop_ids:
                 kept, self.finish_reason = kept[: i + 1], "stop"
                 break
         self.output_ids.extend(kept)
-        if self.finish_reason is None and (len(self.output_ids) >= self.request.max_new_tokens or self.num_tokens >= max_len):
+        if self.finish_reason is None and self.room(max_len) <= 0:
             self.finish_reason = "length"
         return kept

@@ -96,11 +96,12 @@ class ModelRunner:
             "draft_tokens": torch.zeros(b, max(p, 1), **i32), "proposal_lengths": torch.full((b,), max(p, 1), **i32),
             "accepted": torch.zeros(b, t, **i32), "accept_length": torch.ones(b, **i32),
         }
+        # flat [b*t + 1] rows: row*t + i is verify token i of a row (plain decoding: t = 1), the
+        # last row takes padding tokens; read back for log-probabilities after the round
+        self.logit_rows = torch.zeros(b * t + 1, target.vocab_size, device=dev)
         if drafter is not None:
             width = drafter.config.num_capture_layers * drafter.config.hidden_size
-            # flat [b*t + 1] rows: row*t + i is verify token i of a row, the last row takes padding tokens
             self.capture_rows = torch.zeros(b * t + 1, width, dtype=target.dtype, device=dev)
-            self.logit_rows = torch.zeros(b * t + 1, target.vocab_size, device=dev)
             self.state["capture"] = self.capture_rows[: b * t].view(b, t, width)
             self.state["verify_lens"] = torch.ones(b, **i32)
             self.state["confidence"] = torch.zeros(b, p, device=dev)
@@ -137,9 +138,10 @@ class ModelRunner:
             self.graphs.clear()  # graphs captured before do not write them
             self.pool = None  # their memory pool went with them
 
-    def prefill(self, entries: list[PrefillEntry]) -> list[int]:
+    def prefill(self, entries: list[PrefillEntry]) -> tuple[list[int], torch.Tensor]:
         """Run the prompts of newly admitted requests into their slots in one eager forward, set up
-        their rows and return each one's first token (one sync: the first tokens stream at once)."""
+        their rows and return each one's first token (one sync: the first tokens stream at once)
+        and the target's f32 logits ``[E, V]`` it came from."""
         dev, s = self.device, self.state
         if self.drafter is not None and any(not e.sampling.greedy for e in entries):
             self._ensure_probabilities()
@@ -178,7 +180,7 @@ class ModelRunner:
                 trace = torch.tensor(e.oracle_trace[:TRACE_ROUNDS], dtype=torch.float32, device=dev)
                 s["trace"][e.row, : trace.shape[0]] = trace
                 s["trace_len"][e.row], s["trace_round"][e.row] = trace.shape[0], 0
-        return tokens.tolist()
+        return tokens.tolist(), logits
 
     def move_row(self, src: int, dst: int) -> None:
         """Move a running request's row (its cache slot stays where it is)."""
@@ -221,6 +223,11 @@ class ModelRunner:
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
         self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode))
+
+    def token_logits(self, flat_rows: list[int]) -> torch.Tensor:
+        """The target's f32 logits of the last round at flat rows ``row * verify_len + i`` (verify
+        token i of a row; its accepted token i was chosen from them)."""
+        return self.logit_rows[torch.tensor(flat_rows, device=self.device)]
 
     def read(self, rows: int) -> torch.Tensor:
         """The launched round's readout ``[rows, P + 4 + P]`` on the host (see ``readout``): its one
@@ -292,6 +299,7 @@ class ModelRunner:
         s = self.state
         logits = self.target.forward(s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b],
                                      self._attention_batch(b, 1), self.cache)
+        self.logit_rows[:b].copy_(logits)
         for index, sampling in self._groups(b, rows, mode):
             token = _sample_rows(logits[index], sampling, s["seeds"][index], s["anchor_pos"][index], self.workspace)
             s["accepted"][index, 0] = token

@@ -1,0 +1,146 @@
+"""Every request ends cleanly at every limit, and an engine failure ends only the requests it concerns.
+
+The context limit: prompt + output up to exactly ``max_model_len`` (here the target's
+``max_position_embeddings``, so a verify token past it would have no RoPE row), drafts and verify
+windows trimmed at the end, finish reason ``"length"``, output identical to plain greedy decoding
+-- for every scheduler, alone and batched with requests that keep running.
+"""
+
+import logging
+
+import pytest
+import torch
+from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
+from test_engine import _greedy
+
+from dspark.engine.llm_engine import EngineConfig, LLMEngine, token_logprobs
+from dspark.engine.request import Request
+from dspark.engine.schedulers import SPSCostTable
+
+LIMIT = 24  # the target's max_position_embeddings: the engine's context limit
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3_target(max_position_embeddings=LIMIT)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return random_draft(tiny_draft_config(target.config), 0, target)
+
+
+CONFIGS = {
+    "off": dict(scheduler="off"),
+    "threshold": dict(scheduler="threshold", threshold=0.3),
+    "sps": dict(scheduler="sps"),
+    "cost": dict(scheduler="cost", cost_table=SPSCostTable((1, 64), (1.0, 2.0))),
+    "plain": None,
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_outputs_run_to_exactly_the_context_limit(target, draft, name):
+    options = CONFIGS[name]
+    engine = LLMEngine(target, None if options is None else draft, EngineConfig(max_batch=3, **(options or {})))
+    assert engine.max_model_len == LIMIT
+    prompts = [[5], [3, 17, 42, 8, 61, 5], [9, 1, 4], [44, 2]]
+    # prompt + max_new_tokens = the limit, the limit - 1, far past it (the chat default: the rest of
+    # the context and more), and one that keeps running beside them
+    news = [LIMIT - 1, LIMIT - 1 - 6, 500, 5]
+    requests = [Request(p, n, ignore_eos=True) for p, n in zip(prompts, news)]
+    results = engine.generate(requests)
+    for p, n, r in zip(prompts, news, results):
+        want = min(n, LIMIT - len(p))
+        assert r.token_ids == _greedy(target, p, want), (p, n)
+        assert r.finish_reason == "length" and len(p) + len(r.token_ids) <= LIMIT
+    assert len(prompts[0]) + len(results[0].token_ids) == LIMIT
+    assert len(prompts[2]) + len(results[2].token_ids) == LIMIT
+    assert not engine.has_unfinished() and sorted(engine.free_slots) == [0, 1, 2]
+
+
+def test_the_last_token_of_the_context_is_produced_by_prefill(target, draft):
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=2))
+    prompt = list(range(1, LIMIT))  # LIMIT - 1 tokens: room for exactly one
+    result = engine.generate([Request(prompt, 10)])[0]
+    assert result.token_ids == _greedy(target, prompt, 1) and result.finish_reason == "length"
+
+
+def test_logprobs_are_the_targets_log_softmax(target, draft):
+    prompt, k = [3, 17, 42, 8], 3
+    for model in (draft, None):
+        engine = LLMEngine(target, model, EngineConfig(max_batch=2))
+        ids = engine.add_request(Request(prompt, 6, logprobs=k))
+        other = engine.add_request(Request([9, 1], 6))
+        got, outputs = [], []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == ids:
+                    got += out.new_token_ids
+                    outputs += out.logprobs or []
+                else:
+                    assert out.logprobs is None
+        assert [e.token_id for e in outputs] == got == _greedy(target, prompt, 6)
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1]
+        logp = torch.log_softmax(logits.float(), -1)
+        for e, row, token in zip(outputs, logp, got):
+            assert e.logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert [t for t, _ in e.top] == row.topk(k).indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(row.topk(k).values.tolist(), abs=1e-4)
+        engine.sequences.clear()
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\], got 21"):
+        Request([1], 3, logprobs=21)
+    assert token_logprobs(torch.zeros(1, 4), [2], 0)[0].top == []
+
+
+def test_a_failing_prefill_fails_only_its_request(target, draft, monkeypatch, caplog):
+    """Fault injection: the prefill of one prompt raises; the requests admitted with it and those
+    already running finish exactly as alone, the failed one ends with "error" naming the cause."""
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=4))
+    real = engine.runner.prefill
+    poison = 77
+
+    def prefill(entries):
+        if any(poison in e.prompt_ids for e in entries):
+            raise RuntimeError("injected fault")
+        return real(entries)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    running = engine.add_request(Request([3, 17, 42], 12))
+    engine.step()
+    bad = engine.add_request(Request([5, poison, 2], 12))
+    good = engine.add_request(Request([9, 1], 12))
+    outs: dict[int, list] = {running: [], bad: [], good: []}
+    reasons, errors = {}, {}
+    with caplog.at_level(logging.ERROR, logger="dspark.engine"):
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] += out.new_token_ids
+                if out.finished:
+                    reasons[out.request_id], errors[out.request_id] = out.finish_reason, out.error
+    assert reasons[bad] == "error" and errors[bad] == "RuntimeError: injected fault" and outs[bad] == []
+    assert "injected fault" in caplog.text and "Traceback" in caplog.text
+    assert reasons[good] == reasons[running] == "length"
+    assert outs[good] == _greedy(target, [9, 1], 12)
+    after = engine.generate([Request([9, 1], 5)])[0]  # the engine goes on
+    assert after.token_ids == _greedy(target, [9, 1], 5)
+
+
+def test_a_failing_round_fails_its_rows_and_the_engine_goes_on(target, draft, monkeypatch):
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=2))
+    real, calls = engine.runner.launch_round, []
+
+    def launch_round(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected round fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "launch_round", launch_round)
+    first = engine.generate([Request([3, 17], 10), Request([9, 1], 10)])
+    assert [r.finish_reason for r in first] == ["error", "error"]
+    assert first[0].error == "RuntimeError: injected round fault"
+    assert engine.metrics.errors == 2 and sorted(engine.free_slots) == [0, 1]
+    again = engine.generate([Request([3, 17], 10), Request([9, 1], 10)])
+    assert [r.token_ids for r in again] == [_greedy(target, [3, 17], 10), _greedy(target, [9, 1], 10)]
