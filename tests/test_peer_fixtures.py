@@ -1,7 +1,6 @@
 """dspark against draft checkpoints written by its peers' own code, and the peers' own outputs.
 
-The fixtures live in ``shared/fixtures/peers`` beside the clone (``../shared`` from the repository
-root); their README says how each was produced and the tolerances used here. One test per fixture
+The fixtures live in ``tests/fixtures/peers`` (data only): their README says how each was produced and the tolerances used here. One test per fixture
 folder: load the peer's checkpoint (speculators 0.9 ones with the target, which holds the weights
 they leave out), read its config as the fixture's ``expected_config`` states, and compare every
 tensor of ``expected.safetensors``: the captured target hidden states (the engine's target
@@ -30,8 +29,7 @@ from dspark.model import load_draft, save_draft
 from dspark.training import trainer
 from dspark.training.objective import position_weights
 
-PEERS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "peers"
-pytestmark = pytest.mark.skipif(not PEERS.is_dir(), reason=f"no peer fixtures at {PEERS} (shared/ beside the clone)")
+PEERS = Path(__file__).resolve().parent / "fixtures" / "peers"
 
 SPECULATORS_CASES = ["speculators-vanilla", "speculators-gated", "speculators-rnn-sfa-false",
                      "speculators-reduced-vocab", "speculators-sliding-w5-causal", "speculators-bf16",

@@ -56,9 +56,12 @@ def test_replay_accepts_exactly_the_recorded_rounds_and_keeps_the_output(models,
     results = engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])
     assert [r.token_ids for r in results] == _plain(models[0], prompts)
     for i, r in enumerate(results):
-        trace = TRACES[i % len(TRACES)]
-        assert r.stats.scheduled_lengths == [P] * r.stats.rounds
-        assert r.stats.accept_lengths == [trace[k % len(trace)][0] + 1 for k in range(r.stats.rounds)]
+        trace, produced = TRACES[i % len(TRACES)], 1  # the prefill's token
+        for k, (scheduled, accepted) in enumerate(zip(r.stats.scheduled_lengths, r.stats.accept_lengths)):
+            # every draft, but never more than the request may still keep (the last rounds)
+            assert scheduled == max(1, min(P, NEW - produced - 1))
+            assert accepted == min(trace[k % len(trace)][0], scheduled) + 1
+            produced += accepted
 
 
 def test_replay_schedules_on_the_recorded_confidences(models, prompts):
