@@ -6,6 +6,7 @@ windows trimmed at the end, finish reason ``"length"``, output identical to plai
 -- for every scheduler, alone and batched with requests that keep running.
 """
 
+import copy
 import logging
 
 import pytest
@@ -39,10 +40,17 @@ CONFIGS = {
 }
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_outputs_run_to_exactly_the_context_limit(target, draft, name):
+def test_outputs_run_to_exactly_the_context_limit(target, draft, name, device):
+    """On CUDA: Triton kernels and CUDA graphs, fp32 (a trimmed verify is one more ragged graph)."""
     options = CONFIGS[name]
-    engine = LLMEngine(target, None if options is None else draft, EngineConfig(max_batch=3, **(options or {})))
+    model, drafter = (target, draft) if device == "cpu" else (tiny_qwen3_target(max_position_embeddings=LIMIT).cuda(),
+                                                               random_draft(tiny_draft_config(target.config), 0, target).cuda())
+    engine = LLMEngine(model, None if options is None else drafter, EngineConfig(max_batch=3, **(options or {})))
     assert engine.max_model_len == LIMIT
     prompts = [[5], [3, 17, 42, 8, 61, 5], [9, 1, 4], [44, 2]]
     # prompt + max_new_tokens = the limit, the limit - 1, far past it (the chat default: the rest of
@@ -66,10 +74,12 @@ def test_the_last_token_of_the_context_is_produced_by_prefill(target, draft):
     assert result.token_ids == _greedy(target, prompt, 1) and result.finish_reason == "length"
 
 
-def test_logprobs_are_the_targets_log_softmax(target, draft):
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_the_targets_log_softmax(target, draft, device):
     prompt, k = [3, 17, 42, 8], 3
     for model in (draft, None):
-        engine = LLMEngine(target, model, EngineConfig(max_batch=2))
+        engine = LLMEngine(copy.deepcopy(target).to(device), None if model is None else copy.deepcopy(model).to(device),
+                           EngineConfig(max_batch=2))
         ids = engine.add_request(Request(prompt, 6, logprobs=k))
         other = engine.add_request(Request([9, 1], 6))
         got, outputs = [], []
@@ -82,8 +92,8 @@ def test_logprobs_are_the_targets_log_softmax(target, draft):
                     assert out.logprobs is None
         assert [e.token_id for e in outputs] == got == _greedy(target, prompt, 6)
         with torch.no_grad():
-            logits = target(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1]
-        logp = torch.log_softmax(logits.float(), -1)
+            logits = target(torch.tensor([prompt + got], device=device)).logits[0, len(prompt) - 1:-1]
+        logp = torch.log_softmax(logits.float(), -1).cpu()
         for e, row, token in zip(outputs, logp, got):
             assert e.logprob == pytest.approx(row[token].item(), abs=1e-4)
             assert [t for t, _ in e.top] == row.topk(k).indices.tolist()
