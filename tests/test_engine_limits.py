@@ -78,8 +78,8 @@ def test_the_last_token_of_the_context_is_produced_by_prefill(target, draft):
 def test_logprobs_are_the_targets_log_softmax(target, draft, device):
     prompt, k = [3, 17, 42, 8], 3
     for model in (draft, None):
-        engine = LLMEngine(copy.deepcopy(target).to(device), None if model is None else copy.deepcopy(model).to(device),
-                           EngineConfig(max_batch=2))
+        on_device = copy.deepcopy(target).to(device)
+        engine = LLMEngine(on_device, None if model is None else copy.deepcopy(model).to(device), EngineConfig(max_batch=2))
         ids = engine.add_request(Request(prompt, 6, logprobs=k))
         other = engine.add_request(Request([9, 1], 6))
         got, outputs = [], []
@@ -92,7 +92,7 @@ def test_logprobs_are_the_targets_log_softmax(target, draft, device):
                     assert out.logprobs is None
         assert [e.token_id for e in outputs] == got == _greedy(target, prompt, 6)
         with torch.no_grad():
-            logits = target(torch.tensor([prompt + got], device=device)).logits[0, len(prompt) - 1:-1]
+            logits = on_device(torch.tensor([prompt + got], device=device)).logits[0, len(prompt) - 1:-1]
         logp = torch.log_softmax(logits.float(), -1).cpu()
         for e, row, token in zip(outputs, logp, got):
             assert e.logprob == pytest.approx(row[token].item(), abs=1e-4)
