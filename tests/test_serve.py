@@ -270,7 +270,8 @@ def test_stop_string_and_stop_token(served, client, tokenizer, prompts):
     assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", token)
 
 
-def test_chat_without_template_is_refused(client):
+def test_chat_without_template_is_refused(client, tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "chat_template", None)  # the demo tokenizer has one: take it away
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 400 and "no chat template" in info.value.body["message"]
@@ -335,14 +336,16 @@ BAD_REQUESTS = {  # name -> (body or raw bytes, status, param)
     "float_for_int": ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
     "out_of_range": ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     "top_p_zero": ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-    "n_not_one": ({"prompt": "x", "n": 2}, 400, "n"),
+    "n_zero": ({"prompt": "x", "n": 0}, 400, "n"),
     "unknown_model": ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     "prompt_past_context": ({"prompt": [5] * MAX_LEN}, 400, "prompt"),
     "max_tokens_past_context": ({"prompt": "x", "max_tokens": MAX_LEN}, 400, "max_tokens"),
     "token_outside_vocab": ({"prompt": [1, 10**6]}, 400, "prompt"),
     "empty_prompt": ({"prompt": ""}, 400, "prompt"),
-    "several_prompts": ({"prompt": ["a", "b"]}, 400, "prompt"),
-    "unsupported_feature": ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    "empty_prompt_in_list": ({"prompt": ["a", ""]}, 400, "prompt"),
+    "mixed_prompt_list": ({"prompt": ["a", [1, 2]]}, 400, "prompt"),
+    "unsupported_feature": ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    "logprobs_past_20": ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     "stream_options_without_stream": ({"prompt": "x", "stream_options": {"include_usage": True}}, 400,
                                       "stream_options"),
 }

@@ -12,7 +12,7 @@ from ..kernels._validate import Checker
 from .drafting import SamplingParams
 from .stats import GenerationStats
 
-__all__ = ["Request", "RequestOutput", "Sequence", "SequenceStatus"]
+__all__ = ["Request", "RequestOutput", "Sequence", "SequenceStatus", "TokenLogprobs"]
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Request:
     ignore_eos: bool = False
     oracle_ids: list[int] | None = None
     oracle_trace: list[list[float]] | None = None
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and the top k's
 
     def __post_init__(self):
         c = Checker("Request")
@@ -67,6 +68,16 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
+class TokenLogprobs:
+    """One output token's log-probability under the target (log-softmax) and the top alternatives,
+    most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """What one ``LLMEngine.step`` produced for one request: the tokens committed this step and,
     when the request ended, why (``"stop"``: a stop/EOS token, ``"length"``: ``max_new_tokens`` or
@@ -76,6 +87,8 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    error: str | None = None  # finish_reason "error": "<ExcType>: <message>" of what failed this request
+    logprobs: list[TokenLogprobs] | None = None  # aligned with new_token_ids when the request asked for them
 
 
 @dataclass
