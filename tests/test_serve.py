@@ -295,6 +295,31 @@ def test_chat_with_template_equals_completion_of_rendered_prompt(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
 
 
+def test_logprobs_are_the_targets_log_softmax(served, http, pair, tokenizer, prompts):
+    """The engine's logprobs (``Request.logprobs``): the target's log-softmax at each output token,
+    the top ``logprobs`` most likely first; greedy picks the first of them."""
+    body = {"prompt": prompts[5], "max_tokens": NEW, "temperature": 0, "logprobs": 3, "return_token_ids": True}
+    r = http.post("/v1/completions", json=body)
+    if r.status_code == 500 and "returned logprobs for 0 of" in r.json()["error"]["message"]:
+        pytest.skip("the engine does not compute logprobs yet (RequestOutput.logprobs, the engine side of issue 21)")
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids, logprobs = choice["token_ids"], choice["logprobs"]
+    assert ids == served[2][5] and logprobs["tokens"] == [tokenizer.decode([t]) for t in ids]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(pair.target), dtype=torch.float32)
+    prompt_ids = tokenizer(prompts[5])["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1].float()
+    expected = torch.log_softmax(logits, -1)
+    for i, t in enumerate(ids):
+        assert logprobs["token_logprobs"][i] == pytest.approx(expected[i, t].item(), abs=0.05)
+        top = list(logprobs["top_logprobs"][i].values())
+        assert len(top) == 3 and top == sorted(top, reverse=True)  # greedy: the chosen token is the first
+        assert top == pytest.approx(expected[i].topk(3).values.tolist(), abs=0.05)
+
+
 # ---- under load ----------------------------------------------------------------------------------
 
 
@@ -494,6 +519,9 @@ def test_full_queue_answers_429_and_sigterm_drains():
             while http.get("/health").status_code != 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
+            chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "import os"}],
+                                                           "max_tokens": 4})  # the demo tokenizer's template
+            assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant", chat.text
             with http.stream("POST", "/v1/completions", json=body) as running, \
                     http.stream("POST", "/v1/completions", json=body) as waiting:
                 lines = running.iter_lines()
