@@ -308,16 +308,20 @@ def test_logprobs_are_the_targets_log_softmax(served, http, pair, tokenizer, pro
     assert ids == served[2][5] and logprobs["tokens"] == [tokenizer.decode([t]) for t in ids]
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(pair.target), dtype=torch.float32)
+    dtype = served[1].target.dtype  # the engine's (the checkpoint's bfloat16 by default): compare in it
+    model = AutoModelForCausalLM.from_pretrained(str(pair.target), dtype=dtype)
     prompt_ids = tokenizer(prompts[5])["input_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1].float()
     expected = torch.log_softmax(logits, -1)
+    # bfloat16: the engine's kernels and transformers' round apart over 16 layers (0.2 seen at -4.5); an
+    # off-by-one position or a tempered distribution is off by whole units
+    tol = 1e-3 if dtype == torch.float32 else 0.3
     for i, t in enumerate(ids):
-        assert logprobs["token_logprobs"][i] == pytest.approx(expected[i, t].item(), abs=0.05)
+        assert logprobs["token_logprobs"][i] == pytest.approx(expected[i, t].item(), abs=tol)
         top = list(logprobs["top_logprobs"][i].values())
         assert len(top) == 3 and top == sorted(top, reverse=True)  # greedy: the chosen token is the first
-        assert top == pytest.approx(expected[i].topk(3).values.tolist(), abs=0.05)
+        assert top == pytest.approx(expected[i].topk(3).values.tolist(), abs=tol)
 
 
 # ---- under load ----------------------------------------------------------------------------------
