@@ -382,7 +382,8 @@ class _Server:
 
     async def health(self) -> Response:
         if not self.loop.alive:
-            reason = f"the engine stopped: {self.loop.error}" if self.loop.error else "the engine is not running"
+            error = self.loop.error
+            reason = f"the engine stopped: {type(error).__name__}: {error}" if error else "the engine is not running"
             raise APIError(503, reason, code="unavailable")
         return Response(status_code=200)
 
