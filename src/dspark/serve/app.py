@@ -604,7 +604,8 @@ class _Server:
                     yield f"data: {usage_chunk(choices.usage).model_dump_json()}\n\n"
                 yield "data: [DONE]\n\n"
             except APIError as exc:
-                info = ErrorInfo(message=exc.message, type=ERROR_TYPES[exc.status], param=exc.param, code=exc.code)
+                info = ErrorInfo(message=exc.message, type=ERROR_TYPES.get(exc.status, "server_error"), param=exc.param,
+                                 code=exc.code)
                 yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\ndata: [DONE]\n\n"
             finally:
                 choices.close()
