@@ -3,13 +3,16 @@
 The endpoints and JSON of vLLM's OpenAI server: POST /v1/completions, POST /v1/chat/completions
 (streaming as server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus). Without
 --target/--draft it serves the demo pair shipped with the package. SIGTERM (or Ctrl-C) stops taking
-connections, lets the requests in flight finish (at most --drain-timeout seconds) and exits 0.
-Needs the serve extra: pip install "dspark[serve]".
+connections, lets the requests in flight finish (at most --drain-timeout seconds) and exits 0; if
+the engine fails for good (an exception escaping it: logged with its traceback) the server fails
+the requests in flight, shuts down and exits 1. Needs the serve extra: pip install "dspark[serve]".
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import signal
 import socket
 import sys
@@ -24,10 +27,12 @@ DEMO_MODEL_NAME = "dspark-demo"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="Hugging Face causal LM directory (default: the demo pair's target)")
     parser.add_argument("--draft", help="DSpark draft directory (default: the demo pair's draft)")
-    parser.add_argument("--no-draft", action="store_true", help="serve the target alone (plain decoding, the baseline)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-batch", type=int, default=16, help="requests per engine round")
+    parser.add_argument("--no-draft", action="store_true",
+                        help="serve the target alone (plain decoding, the baseline; default: off)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: a free one, printed)")
+    parser.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=16,
+                        help="requests per engine round (--max-num-seqs: vLLM's name)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="tokens per request, prompt included (default: the target's, at most 4096)")
     parser.add_argument("--max-waiting", type=int, default=256,
@@ -37,22 +42,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Algorithm 1 with the --cost-table of dspark profile)")
     parser.add_argument("--threshold", type=float, default=0.0,
                         help="threshold scheduler: minimum prefix survival; sps: survival floor")
-    parser.add_argument("--cost-table", default=None, help="cost scheduler: the JSON that dspark profile writes")
+    parser.add_argument("--cost-table", default=None,
+                        help="cost scheduler: the JSON that dspark profile writes (default: none; needed by cost)")
     parser.add_argument("--min-predicted-gain", type=float, default=0.04,
                         help="cost scheduler: trim verification only when predicted goodput beats the full block by this")
     add_runtime_arguments(parser)
+    _action(parser, "dtype").help = ("models' dtype; auto: the target checkpoint's (torch_dtype / dtype in its "
+                                     "config.json), else bfloat16 on cuda and float32 on cpu")
+    for dest in ("allow_pickle", "quiet"):  # switches: the shared help shows no default for them
+        _action(parser, dest).help += " (default: off)"
     parser.add_argument("--served-model-name", default=None,
                         help=f"the name clients pass as model (default: --target, or {DEMO_MODEL_NAME!r})")
     parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template (a file or the template itself) replacing the tokenizer's")
+                        help="Jinja chat template (a file or the template itself) replacing the tokenizer's "
+                             "(default: the tokenizer's)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="let chat requests bring their own chat_template")
+                        help="let chat requests bring their own chat_template (default: off; a template is code "
+                             "the server renders)")
     parser.add_argument("--engine-factory", metavar="MODULE:FUNCTION", default=None,
                         help="build the engine in Python (benchmarks, e.g. a random-weight target): FUNCTION(config) "
                              "gets the EngineConfig of these flags and returns an LLMEngine; --target then only "
-                             "names the tokenizer (none without it)")
+                             "names the tokenizer (none without it; default: load --target / --draft)")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="on SIGTERM, seconds the requests in flight may take before they are aborted")
+
+
+def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in parser._actions if a.dest == dest)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,23 +92,55 @@ def run(args: argparse.Namespace) -> int:
         graphs = engine.capture_graphs()
         print(f"dspark serve: captured {graphs} CUDA graphs in {time.perf_counter() - start:.1f} s", file=sys.stderr,
               flush=True)
+    _log_to_stderr()
+    servers: list = []  # the uvicorn server, once made: the engine may fail before
+
+    def engine_failed(exc: BaseException) -> None:  # on the engine thread
+        print(f"dspark serve: the engine failed ({type(exc).__name__}: {exc}); shutting down", file=sys.stderr,
+              flush=True)
+        for server in servers:
+            server.should_exit = True
+
     app = create_app(engine, tokenizer, name, max_waiting=args.max_waiting, chat_template=args.chat_template,
-                     trust_request_chat_template=args.trust_request_chat_template, model_root=args.target)
+                     trust_request_chat_template=args.trust_request_chat_template, model_root=args.target,
+                     on_engine_failure=engine_failed)
     port = listener.getsockname()[1]
     config = uvicorn.Config(app, host=args.host, port=port, timeout_graceful_shutdown=args.drain_timeout)
     server = uvicorn.Server(config)
+    servers.append(server)
     mode = "plain decoding" if engine.runner.drafter is None else f"DSpark, scheduler {args.scheduler}"
     print(f"dspark serve: {name!r} ({mode}, max batch {args.max_batch}, max model len {engine.max_model_len}) "
           f"on http://{args.host}:{port}", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it shut down on once it is done; with the default action that
-    # would kill the process after a clean drain, so the restored handler ignores it and we exit 0.
+    # would kill the process after a clean drain, so the restored handler ignores it and we exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     # The engine thread takes the GIL back from the event loop after every round's GPU wait; at the
     # default 5 ms switch interval a busy loop (many streams) could hold it that long each round.
     sys.setswitchinterval(0.0005)
     server.run(sockets=[listener])
-    return 0
+    return exit_status(app)
+
+
+def exit_status(app) -> int:
+    """The process's exit status once the server stopped: 1 if the engine failed for good (the
+    server shut down because of it), 0 after a clean shutdown (SIGTERM / Ctrl-C)."""
+    error = app.state.server.loop.error
+    if error is None:
+        return 0
+    print(f"dspark serve: exiting with status 1: the engine failed: {type(error).__name__}: {error}", file=sys.stderr)
+    return 1
+
+
+def _log_to_stderr() -> None:
+    """The ``dspark`` loggers (the engine's and the server's errors, with tracebacks) on stderr; uvicorn
+    configures only its own."""
+    logger = logging.getLogger("dspark")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -125,6 +173,14 @@ def _load(args: argparse.Namespace):
     from dspark.engine import load_tokenizer as _tokenizer
 
     device, dtype = runtime(args)
+    if args.engine_factory is None and args.target is None:
+        from dspark.training.data import demo_pair
+
+        pair = demo_pair()
+        args.target, args.draft = str(pair.target), None if args.no_draft else str(pair.draft)
+        args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
+    if args.dtype == "auto" and args.target is not None:
+        dtype = _checkpoint_dtype(args.target) or dtype
     config = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, scheduler=args.scheduler,
                           threshold=args.threshold, device=device, dtype=dtype, cost_table=args.cost_table,
                           min_predicted_gain=args.min_predicted_gain)
@@ -135,13 +191,22 @@ def _load(args: argparse.Namespace):
                             f"got {type(engine).__name__}")
         tokenizer = _tokenizer(args.target) if args.target is not None else None
         return engine, tokenizer, args.served_model_name or args.engine_factory
-    name = args.served_model_name or args.target or DEMO_MODEL_NAME
-    if args.target is None:
-        from dspark.training.data import demo_pair
-
-        pair = demo_pair()
-        args.target, args.draft = str(pair.target), None if args.no_draft else str(pair.draft)
+    name = args.served_model_name or args.target
     return LLMEngine(args.target, args.draft, config), _tokenizer(args.target), name
+
+
+def _checkpoint_dtype(target: str):
+    """The torch dtype a checkpoint's config.json names (``torch_dtype``, transformers 5: ``dtype``),
+    or None when it names none (or no such file: the loader reports a bad directory)."""
+    import torch
+
+    try:
+        config = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("torch_dtype") or config.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def _factory(spec: str):

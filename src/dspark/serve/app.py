@@ -2,9 +2,12 @@
 
 Endpoints as vLLM's server: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 server-sent-event streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The engine runs
-on the ``EngineLoop`` thread; each request has an asyncio queue that the loop feeds. Every refusal
-is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status (5xx
-only when the engine itself failed); it touches no other request.
+on the ``EngineLoop`` thread; each HTTP request has an asyncio queue that the loop feeds (one per
+request, shared by its choices: a list of prompts and ``n`` samples each are one engine request per
+choice). Every refusal is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``
+with a 4xx status, unknown routes and methods included; a 500 names what failed: the engine failing
+one request (``finish_reason`` ``"error"``) fails that request alone, an exception escaping the
+engine fails every request in flight and the server (``/health`` 503).
 """
 
 from __future__ import annotations
@@ -12,48 +15,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from ..engine.drafting import SamplingParams
 from ..engine.llm_engine import LLMEngine
-from ..engine.request import Request, RequestOutput
+from ..engine.request import Request, RequestOutput, TokenLogprobs
 from .engine_loop import ACCEPTED, EngineDead, EngineLoop, Handle, QueueFull, ServerClosing
-from .metrics import ServerCounters, registry
+from .metrics import Latency, ServerCounters, registry
 from .protocol import (CHAT_DEFAULTS, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionRequest,
-                       CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-                       SamplingFields, UsageInfo, random_id)
+                       ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
+                       CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
+                       ErrorResponse, ModelCard, ModelList, SamplingFields, TopLogprob, UINT64_MAX, UsageInfo,
+                       random_id)
 from .text import TextOutput
 
 __all__ = ["APIError", "create_app"]
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+LOGPROB_FLOOR = -9999.0  # vLLM's: -inf (a token the filters excluded) is not JSON
 
 
 class APIError(Exception):
     """An OpenAI error response: ``status``, ``message`` and the request field at fault (``param``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def response(self) -> JSONResponse:
         info = ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "invalid_request_error"),
                          param=self.param, code=self.code)
-        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=self.status)
+        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=self.status, headers=self.headers)
 
 
 def create_app(engine: LLMEngine, tokenizer, model_name: str, *, max_waiting: int | None = None,
                chat_template: str | None = None, trust_request_chat_template: bool = False,
-               model_root: str | None = None) -> FastAPI:
+               model_root: str | None = None,
+               on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (it starts the engine thread on startup, stops it on shutdown).
 
     ``tokenizer``: a transformers tokenizer, or None (then prompts must be token ids, the text of
@@ -61,9 +70,11 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, *, max_waiting: in
     name ``model`` may take; ``max_waiting``: requests waiting beyond the running batch before new
     ones get 429 (None: unbounded); ``chat_template``: a Jinja template replacing the tokenizer's;
     ``trust_request_chat_template``: let a chat request bring its own ``chat_template`` (as vLLM's
-    flag of that name; off by default: a template is code the server renders).
+    flag of that name; off by default: a template is code the server renders);
+    ``on_engine_failure(exc)``: called on the engine thread when an exception escaped the engine
+    (``dspark serve`` shuts down then); ``app.state.server.loop.error`` keeps it.
     """
-    server = _Server(EngineLoop(engine, max_waiting), tokenizer, model_name, chat_template,
+    server = _Server(EngineLoop(engine, max_waiting, on_engine_failure), tokenizer, model_name, chat_template,
                      trust_request_chat_template, model_root)
 
     @contextlib.asynccontextmanager
@@ -75,8 +86,10 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, *, max_waiting: in
 
     app = FastAPI(title="dspark", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(JSONBody)
     app.add_exception_handler(APIError, lambda _, exc: exc.response())
     app.add_exception_handler(RequestValidationError, lambda _, exc: _validation_error(exc).response())
+    app.add_exception_handler(HTTPException, _http_error)
     # a bug still answers in OpenAI's shape (Starlette logs the traceback on the server side)
     app.add_exception_handler(Exception, lambda _, exc: APIError(500, f"internal error: {type(exc).__name__}: {exc}")
                               .response())
@@ -88,6 +101,34 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, *, max_waiting: in
     return app
 
 
+class JSONBody:
+    """ASGI middleware: every POST body is read as JSON whatever its Content-Type (the API takes
+    nothing else), as vLLM does: ``curl -d`` sends form-urlencoded, some clients text/plain or none."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+def _http_error(raw: HTTPRequest, exc: HTTPException) -> JSONResponse:
+    """Starlette's routing errors (404 unknown route, 405 wrong method) in OpenAI's shape."""
+    where = f"{raw.method} {raw.url.path}"
+    if exc.status_code == 404:
+        message = f"no such endpoint: {where} (this server has /v1/completions, /v1/chat/completions, " \
+                  "/v1/models, /health, /metrics)"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"method {raw.method} is not allowed on {raw.url.path}" + (f"; use {allowed}" if allowed else "")
+    else:
+        message = f"{where}: {exc.detail}"
+    return APIError(exc.status_code, message, headers=exc.headers).response()
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """One 400 naming the first field at fault (pydantic reports each member of a union apart)."""
     errors = exc.errors()
@@ -95,6 +136,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     loc = [str(p) for p in first["loc"] if p != "body"]
+    if not loc and first["type"] == "missing":
+        return APIError(400, "the request body is empty: send a JSON object")
     if not loc:
         return APIError(400, f"the request body must be a JSON object, got {_short(first.get('input'))}")
     param = loc[0]
@@ -111,62 +154,143 @@ def _short(value) -> str:
 
 @dataclass
 class Piece:
-    """What one engine step added to a response: text, token ids, and the end when it ended."""
+    """What one engine step added to a choice: text, token ids (their logprobs when asked for), and
+    the end when it ended."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class Generation:
-    """One request in the engine, as an async iterator of ``Piece`` s (aborted when left early)."""
+    """One choice: one engine request, its outputs turned into ``Piece`` s (``piece``).
 
-    def __init__(self, loop: EngineLoop, handle: Handle, queue: asyncio.Queue, text: TextOutput | None,
-                 stop_ids: frozenset[int]):
-        self.loop, self.handle, self.queue, self.text, self.stop_ids = loop, handle, queue, text, stop_ids
-        self.prompt_ids = handle.request.prompt_ids
+    ``reason``: how it ended as the client saw it (``"abort"`` when closed early, ``"error"``);
+    ``index``: its place in the response's ``choices``.
+    """
+
+    def __init__(self, index: int, request: Request, text: TextOutput | None, stop_ids: frozenset[int],
+                 latency: Latency):
+        self.index, self.request, self.text, self.stop_ids, self.latency = index, request, text, stop_ids, latency
+        self.loop: EngineLoop | None = None
+        self.handle: Handle | None = None
         self.completion_tokens = 0
         self.finished = False
-
-    async def __aiter__(self) -> AsyncIterator[Piece]:
-        try:
-            while not self.finished:
-                yield self._piece(await self.queue.get())
-        finally:
-            self.close()
+        self.reason: str | None = None
+        self.arrival, self.last = time.perf_counter(), None
 
     def close(self) -> None:
-        """Abort the request unless it ended (a client gone, a stop string, a server error)."""
+        """Abort the request unless it ended (a client gone, a stop string, a sibling's error)."""
         if not self.finished:
-            self.finished = True
-            self.loop.abort(self.handle)
+            self.finished, self.reason = True, self.reason or "abort"
+            if self.handle is not None:
+                self.loop.abort(self.handle)
 
-    def _piece(self, item) -> Piece:
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise APIError(500, f"generation failed: {item}")
+    def piece(self, item) -> Piece:
+        if isinstance(item, BaseException):  # the engine failed for good (EngineDead)
+            self.finished, self.reason = True, "error"
+            raise APIError(500, f"generation failed: {item}", code="engine_dead")
         out: RequestOutput = item
-        kept, text = out.new_token_ids, ""
+        if out.finish_reason == "error":  # the engine failed this request alone, and ended it
+            self.finished, self.reason = True, "error"
+            raise APIError(500, f"generation failed: {out.error or 'the engine gave no reason'}", code="engine_error")
+        kept, text, logprobs = out.new_token_ids, "", out.logprobs
+        if self.request.logprobs is not None and kept and (logprobs is None or len(logprobs) < len(kept)):
+            self._fail(f"the engine returned logprobs for {0 if logprobs is None else len(logprobs)} of "
+                       f"{len(kept)} tokens of a request that asked for them")
         if self.text is not None:
             text, used = self.text.add(kept)
             kept = kept[:used]
+        logprobs = logprobs[:len(kept)] if self.request.logprobs is not None else None
         self.completion_tokens += len(kept)
+        self._observe(bool(kept))
         if self.text is not None and self.text.stopped is not None:
+            self._end("stop")
             self.close()  # the engine would go on generating
-            return Piece(text, kept, "stop", self.text.stopped)
+            return Piece(text, kept, "stop", self.text.stopped, logprobs)
         if not out.finished:
-            return Piece(text, kept)
+            return Piece(text, kept, logprobs=logprobs)
         self.finished = True
+        self._end(out.finish_reason)
         if self.text is not None:
             text += self.text.flush()
         # vLLM's stop_reason: the stop token id that ended it (None for EOS)
         stop_reason = kept[-1] if out.finish_reason == "stop" and kept and kept[-1] in self.stop_ids else None
-        return Piece(text, kept, out.finish_reason, stop_reason)
+        return Piece(text, kept, out.finish_reason, stop_reason, logprobs)
+
+    def _fail(self, message: str):
+        self.reason = "error"
+        self.close()
+        raise APIError(500, message, code="engine_error")
+
+    def _observe(self, tokens: bool) -> None:
+        if not tokens:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.latency.ttft.observe(now - self.arrival)
+        else:
+            self.latency.itl.observe(now - self.last)
+        self.last = now
+
+    def _end(self, reason: str) -> None:
+        self.reason = reason
+        if reason in ("stop", "length"):
+            self.latency.e2e.observe(time.perf_counter() - self.arrival)
+
+
+class Choices:
+    """The choices of one HTTP request, their outputs from one queue of ``(index, item)``; iterating
+    yields ``(generation, piece)`` until every choice ended. Closing (at the end, or early) aborts
+    the choices still running and counts each one's end in ``counters``."""
+
+    def __init__(self, gens: list[Generation], queue: asyncio.Queue, counters: ServerCounters, prompt_tokens: int):
+        self.gens, self.queue, self.counters, self.prompt_tokens = gens, queue, counters, prompt_tokens
+        self.early: list[tuple[int, object]] = []  # outputs that came while others waited for acceptance
+        self.counted = False
+
+    async def accepted(self) -> None:
+        """Wait until the engine queued every choice; its refusal of one (400) drops them all."""
+        waiting = {g.index for g in self.gens}
+        try:
+            while waiting:
+                index, item = await self.queue.get()
+                if item is ACCEPTED:
+                    waiting.discard(index)
+                elif isinstance(item, (ValueError, TypeError)):
+                    raise APIError(400, str(item), "prompt")
+                elif isinstance(item, BaseException):
+                    raise APIError(500, f"generation failed: {item}", code="engine_dead")
+                else:
+                    self.early.append((index, item))
+        except BaseException:
+            self.close(count=False)  # the client never saw these
+            raise
+
+    async def __aiter__(self) -> AsyncIterator[tuple[Generation, Piece]]:
+        by_index = {g.index: g for g in self.gens}
+        try:
+            while not all(g.finished for g in self.gens):
+                index, item = self.early.pop(0) if self.early else await self.queue.get()
+                gen = by_index[index]
+                if not gen.finished:  # else: what was in flight when it stopped early
+                    yield gen, gen.piece(item)
+        finally:
+            self.close()
+
+    def close(self, count: bool = True) -> None:
+        for gen in self.gens:
+            gen.close()
+        if count and not self.counted:
+            for gen in self.gens:
+                self.counters.finished[gen.reason] += 1
+        self.counted = True
 
     @property
     def usage(self) -> UsageInfo:
-        p, c = len(self.prompt_ids), self.completion_tokens
+        p, c = self.prompt_tokens, sum(g.completion_tokens for g in self.gens)
         return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
@@ -178,7 +302,8 @@ class _Server:
         self.trust_request_chat_template = trust_request_chat_template
         self.model_root = model_root
         self.counters = ServerCounters()
-        self.registry = registry(loop, self.counters, model_name)
+        self.registry, self.latency = registry(loop, self.counters, model_name)
+        self._token_texts: dict[int, str] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -188,51 +313,68 @@ class _Server:
 
     async def completions(self, body: CompletionRequest, raw: HTTPRequest):
         self._check(body, body.unsupported_fields())
-        prompt_ids = self._completion_prompt(body.prompt)
-        gen = await self._start(body, prompt_ids, self._max_tokens(prompt_ids, body.max_tokens, "prompt"))
-        rid = random_id("cmpl")
-        tokens = body.return_token_ids
+        prompts = self._completion_prompts(body.prompt)
+        limits = [self._max_tokens(p, body.max_tokens, "prompt", j if len(prompts) > 1 else None)
+                  for j, p in enumerate(prompts)]
+        choices = await self._start(body, prompts, limits, body.logprobs)
+        rid, tokens = random_id("cmpl"), body.return_token_ids
+        offsets = {g.index: 0 for g in choices.gens}  # text sent so far per choice (logprobs' text_offset)
 
-        def response(pieces: list[Piece], usage: UsageInfo | None, first: bool) -> CompletionResponse:
-            choices = [CompletionChoice(
-                text="".join(p.text for p in pieces), finish_reason=pieces[-1].finish_reason,
-                stop_reason=pieces[-1].stop_reason, prompt_token_ids=prompt_ids if tokens and first else None,
-                token_ids=[t for p in pieces for t in p.token_ids] if tokens else None)] if pieces else []
-            return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+        def choice(gen: Generation, pieces: list[Piece], first: bool) -> CompletionChoice:
+            text = "".join(p.text for p in pieces)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = self._completion_logprobs([lp for p in pieces for lp in p.logprobs], body.logprobs,
+                                                     offsets[gen.index])
+            offsets[gen.index] += len(text)
+            return CompletionChoice(
+                index=gen.index, text=text, logprobs=logprobs, finish_reason=pieces[-1].finish_reason,
+                stop_reason=pieces[-1].stop_reason, prompt_token_ids=gen.request.prompt_ids if tokens and first else None,
+                token_ids=[t for p in pieces for t in p.token_ids] if tokens else None)
+
+        def response(choice_list: list[CompletionChoice], usage: UsageInfo | None) -> CompletionResponse:
+            return CompletionResponse(id=rid, model=self.model_name, choices=choice_list, usage=usage)
 
         if body.stream:
-            return self._sse(gen, body, lambda piece, usage, first: response([piece], usage, first),
-                             lambda usage: response([], usage, False))
-        pieces = await self._collect(raw, gen)
-        return response(pieces, gen.usage, True)
+            return self._sse(choices, body, lambda gen, piece, first, usage: response([choice(gen, [piece], first)], usage),
+                             lambda usage: response([], usage))
+        pieces = await self._collect(raw, choices)
+        return response([choice(g, pieces[g.index], True) for g in choices.gens], choices.usage)
 
     async def chat(self, body: ChatCompletionRequest, raw: HTTPRequest):
         self._check(body, body.unsupported_fields(CHAT_DEFAULTS))
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, f"top_logprobs ({body.top_logprobs}) needs logprobs: true", "top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
         prompt_ids = self._chat_prompt(body)
         wanted = body.max_completion_tokens or body.max_tokens
-        gen = await self._start(body, prompt_ids, self._max_tokens(prompt_ids, wanted, "messages"))
-        rid = random_id("chatcmpl")
-        tokens = body.return_token_ids
+        choices = await self._start(body, [prompt_ids], [self._max_tokens(prompt_ids, wanted, "messages")], k)
+        rid, tokens = random_id("chatcmpl"), body.return_token_ids
         prompt_out = prompt_ids if tokens else None
 
+        def logprobs(pieces: list[Piece]) -> ChatLogprobs | None:
+            return None if k is None else self._chat_logprobs([lp for p in pieces for lp in p.logprobs], k)
+
         if body.stream:
-            def chunk(piece: Piece, usage: UsageInfo | None, first: bool) -> ChatCompletionChunk:
+            def chunk(gen: Generation, piece: Piece, first: bool, usage: UsageInfo | None) -> ChatCompletionChunk:
                 choice = ChatStreamChoice(
-                    delta=DeltaMessage(role="assistant" if first else None, content=piece.text),
-                    finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
+                    index=gen.index, delta=DeltaMessage(role="assistant" if first else None, content=piece.text),
+                    logprobs=logprobs([piece]), finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
                     token_ids=piece.token_ids if tokens else None)
                 return ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage,
                                            prompt_token_ids=prompt_out if first else None)
 
-            return self._sse(gen, body, chunk,
+            return self._sse(choices, body, chunk,
                              lambda usage: ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=usage))
-        pieces = await self._collect(raw, gen)
-        choice = ChatChoice(message=AssistantMessage(content="".join(p.text for p in pieces)),
-                            finish_reason=pieces[-1].finish_reason, stop_reason=pieces[-1].stop_reason,
-                            token_ids=[t for p in pieces for t in p.token_ids] if tokens else None)
-        return ChatCompletionResponse(id=rid, model=self.model_name, choices=[choice], usage=gen.usage,
+        pieces = await self._collect(raw, choices)
+        choice_list = [ChatChoice(index=g.index, message=AssistantMessage(content="".join(p.text for p in ps)),
+                                  logprobs=logprobs(ps), finish_reason=ps[-1].finish_reason,
+                                  stop_reason=ps[-1].stop_reason,
+                                  token_ids=[t for p in ps for t in p.token_ids] if tokens else None)
+                       for g in choices.gens for ps in [pieces[g.index]]]
+        return ChatCompletionResponse(id=rid, model=self.model_name, choices=choice_list, usage=choices.usage,
                                       prompt_token_ids=prompt_out)
 
     async def models(self) -> ModelList:
@@ -240,7 +382,8 @@ class _Server:
 
     async def health(self) -> Response:
         if not self.loop.alive:
-            reason = f"the engine stopped: {self.loop.error}" if self.loop.error else "the engine is not running"
+            error = self.loop.error
+            reason = f"the engine stopped: {type(error).__name__}: {error}" if error else "the engine is not running"
             raise APIError(503, reason, code="unavailable")
         return Response(status_code=200)
 
@@ -255,8 +398,6 @@ class _Server:
                            "model", "model_not_found")
         if unsupported:
             raise APIError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
-        if body.n != 1:
-            raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", "n")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", "stream_options")
         if self.tokenizer is None and self._stop_strings(body):
@@ -267,18 +408,21 @@ class _Server:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         return [s for s in stop if isinstance(s, str)]
 
-    def _completion_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"one prompt per request: got a list of {len(prompt)} prompts", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError(400, "this server has no tokenizer: send the prompt as token ids", "prompt")
-            prompt = self.tokenizer(prompt)["input_ids"]
-        if not prompt:
-            raise APIError(400, "the prompt is empty", "prompt")
-        return list(prompt)
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        """The prompts as token ids: a text, token ids, or a list of either (vLLM's batch)."""
+        many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts = prompt if many else [prompt]
+        out = []
+        for j, one in enumerate(prompts):
+            name = f"prompt[{j}]" if many else "the prompt"
+            if isinstance(one, str):
+                if self.tokenizer is None:
+                    raise APIError(400, "this server has no tokenizer: send the prompt as token ids", "prompt")
+                one = self.tokenizer(one)["input_ids"]
+            if not one:
+                raise APIError(400, f"{name} is empty", "prompt")
+            out.append(list(one))
+        return out
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
@@ -305,50 +449,74 @@ class _Server:
             raise APIError(400, "the messages make an empty prompt", "messages")
         return ids
 
-    def _max_tokens(self, prompt_ids: list[int], wanted: int | None, prompt_field: str) -> int:
+    def _max_tokens(self, prompt_ids: list[int], wanted: int | None, prompt_field: str,
+                    which: int | None = None) -> int:
         limit, n = self.max_model_len, len(prompt_ids)
+        prompt = prompt_field if which is None else f"{prompt_field}[{which}]"
         if n >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {prompt} has "
                                 f"{n} tokens, which leaves no room for a completion. Please shorten the prompt.",
                            prompt_field)
         if wanted is None:
             return limit - n
         if n + wanted > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{n + wanted} tokens ({n} in the {prompt_field}, {wanted} for the completion). "
+                                f"{n + wanted} tokens ({n} in the {prompt}, {wanted} for the completion). "
                                 "Please reduce the length of the prompt or max_tokens.", "max_tokens")
         return wanted
 
-    async def _start(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int) -> Generation:
-        """Queue the request; returns once the engine has accepted it (or raises its refusal)."""
+    async def _start(self, body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
+                     logprobs: int | None) -> Choices:
+        """Queue ``body.n`` requests per prompt (choice ``prompt_index * n + i``); returns once the
+        engine has accepted all of them (or raises the refusal)."""
+        total, capacity = len(prompts) * body.n, self.loop.capacity
+        if capacity is not None and total > capacity:
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={body.n} make {total} choices, more than this server "
+                                f"holds in flight ({capacity}): send fewer prompts or a smaller n", "n")
         stop = [body.stop] if isinstance(body.stop, (str, int)) else body.stop or []
         stop_ids = frozenset([s for s in stop if isinstance(s, int)] + (body.stop_token_ids or []))
-        seed = body.seed if body.seed is not None else secrets.randbits(64)  # unseeded requests differ
+        gens = []
+        for j, (prompt_ids, limit) in enumerate(zip(prompts, max_tokens)):
+            for i in range(body.n):
+                request = self._request(body, prompt_ids, limit, self._seed(body.seed, i), stop_ids, logprobs)
+                text = TextOutput(self.tokenizer, prompt_ids, self._stop_strings(body)) if self.tokenizer else None
+                gens.append(Generation(j * body.n + i, request, text, stop_ids, self.latency))
+        queue: asyncio.Queue = asyncio.Queue()
+        choices = Choices(gens, queue, self.counters, sum(len(p) for p in prompts))
+        try:
+            for gen in gens:
+                gen.loop, gen.handle = self.loop, self._submit(gen.request, queue, gen.index)
+        except APIError:
+            choices.close(count=False)
+            raise
+        await choices.accepted()
+        self.counters.prompt_tokens += sum(len(g.request.prompt_ids) for g in gens)
+        return choices
+
+    @staticmethod
+    def _seed(seed: int | None, sample: int) -> int:
+        """Sample ``sample``'s seed: random without a request seed (unseeded requests differ), else
+        ``seed + sample`` (vLLM's rule: the n samples differ and each repeats)."""
+        return secrets.randbits(64) if seed is None else (seed + sample) % (UINT64_MAX + 1)
+
+    @staticmethod
+    def _request(body: SamplingFields, prompt_ids: list[int], max_tokens: int, seed: int, stop_ids: frozenset[int],
+                 logprobs: int | None) -> Request:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # vLLM's -1 / 0: off
         try:
             sampling = SamplingParams(1.0 if body.temperature is None else body.temperature, top_k,
                                       1.0 if body.top_p is None else body.top_p, seed)
-            request = Request(prompt_ids, max_tokens, sampling, stop_ids=tuple(sorted(stop_ids)),
-                              ignore_eos=body.ignore_eos)
+            return Request(prompt_ids, max_tokens, sampling, stop_ids=tuple(sorted(stop_ids)),
+                           ignore_eos=body.ignore_eos, logprobs=logprobs)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
-        queue: asyncio.Queue = asyncio.Queue()
-        handle = self._submit(request, queue)
-        first = await queue.get()
-        if first is not ACCEPTED:
-            if isinstance(first, (ValueError, TypeError)):
-                raise APIError(400, str(first), "prompt")
-            raise APIError(500, f"generation failed: {first}")
-        self.counters.prompt_tokens += len(prompt_ids)
-        text = TextOutput(self.tokenizer, prompt_ids, self._stop_strings(body)) if self.tokenizer else None
-        return Generation(self.loop, handle, queue, text, stop_ids)
 
-    def _submit(self, request: Request, queue: asyncio.Queue) -> Handle:
+    def _submit(self, request: Request, queue: asyncio.Queue, index: int) -> Handle:
         event_loop = asyncio.get_running_loop()
 
         def sink(item) -> None:  # on the engine thread
             with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is listening
-                event_loop.call_soon_threadsafe(queue.put_nowait, item)
+                event_loop.call_soon_threadsafe(queue.put_nowait, (index, item))
 
         try:
             return self.loop.submit(request, sink)
@@ -358,13 +526,52 @@ class _Server:
         except (ServerClosing, EngineDead) as exc:
             raise APIError(503, str(exc), code="unavailable") from None
 
+    # ---- logprobs -------------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text alone (special tokens spelled out), as in OpenAI's logprobs; without a
+        tokenizer vLLM's ``token_id:N``."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
+        return text
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs], k: int, offset: int) -> CompletionLogprobs:
+        """OpenAI's legacy shape; ``top_logprobs``: the chosen token and the ``k`` most likely (so k or
+        k + 1 entries, as OpenAI); ``offset``: where this text starts in the choice's text."""
+        out = CompletionLogprobs()
+        for lp in logprobs:
+            token = self._token_text(lp.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(_floor(lp.logprob))
+            top = {token: _floor(lp.logprob)}
+            for token_id, value in lp.top[:k]:
+                top.setdefault(self._token_text(token_id), _floor(value))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprobs], k: int) -> ChatLogprobs:
+        def entry(token_id: int, value: float) -> dict:
+            token = self._token_text(token_id)
+            return {"token": token, "logprob": _floor(value), "bytes": list(token.encode("utf-8"))}
+
+        return ChatLogprobs(content=[ChatTokenLogprob(**entry(lp.token_id, lp.logprob),
+                                                      top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top[:k]])
+                                     for lp in logprobs])
+
     # ---- responses ------------------------------------------------------------------------------
 
-    async def _collect(self, raw: HTTPRequest, gen: Generation) -> list[Piece]:
-        """All pieces; a client that disconnects first has its request aborted."""
+    async def _collect(self, raw: HTTPRequest, choices: Choices) -> dict[int, list[Piece]]:
+        """Every choice's pieces; a client that disconnects first has its requests aborted."""
 
-        async def pieces() -> list[Piece]:
-            return [piece async for piece in gen]
+        async def pieces() -> dict[int, list[Piece]]:
+            out: dict[int, list[Piece]] = {g.index: [] for g in choices.gens}
+            async for gen, piece in choices:
+                out[gen.index].append(piece)
+            return out
 
         work = asyncio.ensure_future(pieces())
         gone = asyncio.ensure_future(_disconnected(raw))
@@ -372,39 +579,42 @@ class _Server:
         gone.cancel()
         if not work.done():
             work.cancel()
-            gen.close()
-            self.counters.finished["abort"] += 1
+            choices.close()
             raise APIError(499, "the client disconnected")  # nobody reads it (499: nginx's "client closed request")
-        result = work.result()
-        self.counters.finished[result[-1].finish_reason] += 1
-        return result
+        return work.result()
 
-    def _sse(self, gen: Generation, body: SamplingFields, chunk, usage_chunk) -> StreamingResponse:
+    def _sse(self, choices: Choices, body: SamplingFields, chunk, usage_chunk) -> StreamingResponse:
+        """``chunk(generation, piece, first, usage)`` per piece with tokens (or the end), then the
+        usage chunk (``stream_options.include_usage``) and ``[DONE]``; an error, once the stream
+        began, as an in-band ``{"error": ...}`` event (as vLLM), the other choices aborted."""
         options = body.stream_options
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options.continuous_usage_stats
-        counters = self.counters
 
         async def events():
-            first, reason = True, "abort"
+            started: set[int] = set()
             try:
-                async for piece in gen:
+                async for gen, piece in choices:
                     if not piece.token_ids and piece.finish_reason is None:
                         continue
-                    yield f"data: {chunk(piece, gen.usage if continuous else None, first).model_dump_json()}\n\n"
-                    first = False
-                    reason = piece.finish_reason or reason
+                    first = gen.index not in started
+                    started.add(gen.index)
+                    yield f"data: {chunk(gen, piece, first, choices.usage if continuous else None).model_dump_json()}\n\n"
                 if include_usage:
-                    yield f"data: {usage_chunk(gen.usage).model_dump_json()}\n\n"
+                    yield f"data: {usage_chunk(choices.usage).model_dump_json()}\n\n"
                 yield "data: [DONE]\n\n"
-            except APIError as exc:  # the stream has begun: report in-band, as vLLM does
-                info = ErrorInfo(message=exc.message, type=ERROR_TYPES[exc.status])
+            except APIError as exc:
+                info = ErrorInfo(message=exc.message, type=ERROR_TYPES.get(exc.status, "server_error"), param=exc.param,
+                                 code=exc.code)
                 yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\ndata: [DONE]\n\n"
             finally:
-                counters.finished[reason] += 1
-                gen.close()
+                choices.close()
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _floor(logprob: float) -> float:
+    return max(float(logprob), LOGPROB_FLOOR)
 
 
 async def _disconnected(raw: HTTPRequest) -> None:

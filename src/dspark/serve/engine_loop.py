@@ -8,11 +8,16 @@ thread; the server's sinks forward to an asyncio queue with ``loop.call_soon_thr
 
 What a sink receives, in order: ``ACCEPTED`` (the engine queued the request) or the exception
 ``add_request`` raised; then ``RequestOutput`` s, the last one with ``finished`` set
-(``finish_reason`` ``"abort"`` after ``abort``); or an ``EngineDead`` error if a step fails.
+(``finish_reason`` ``"abort"`` after ``abort``, ``"error"`` with ``error`` set when the engine
+failed this request alone); or an ``EngineDead`` error if an exception escapes the engine
+(``add_request``'s ValueError / TypeError aside: those refuse one request). An escaped exception
+means the engine cannot go on: the loop logs it (logger ``dspark.serve``), fails every request in
+flight, keeps refusing new ones and calls ``on_failure`` so that the server can shut down.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,6 +28,8 @@ from ..engine.request import Request, RequestOutput
 __all__ = ["ACCEPTED", "EngineDead", "EngineLoop", "Handle", "QueueFull", "ServerClosing"]
 
 ACCEPTED = "accepted"
+
+logger = logging.getLogger("dspark.serve")
 
 
 class QueueFull(RuntimeError):
@@ -52,11 +59,14 @@ class EngineLoop:
     """Drive ``engine`` from one daemon thread.
 
     ``max_waiting``: how many requests may wait for a batch row beyond the ``max_batch`` running
-    ones; ``submit`` raises ``QueueFull`` past that (None: unbounded).
+    ones; ``submit`` raises ``QueueFull`` past that (None: unbounded). ``on_failure(exc)``: called on
+    the engine thread once the engine failed for good (after every client heard of it).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_failure = on_failure
         self.capacity = None if max_waiting is None else engine.config.max_batch + max_waiting
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Handle]] = []
@@ -181,6 +191,7 @@ class EngineLoop:
             self._in_flight -= 1
 
     def _fail(self, exc: BaseException) -> None:
+        logger.error("the engine failed and cannot go on; failing the requests in flight", exc_info=exc)
         with self._cond:
             self.error = exc
             handles = list(self._live.values()) + [h for kind, h in self._inbox if kind == "add"]
@@ -190,3 +201,8 @@ class EngineLoop:
             if not handle.done:
                 handle.done = True
                 handle.sink(error)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(exc)
+            except Exception:  # noqa: BLE001 -- the callback's own bug must not hide the engine's
+                logger.exception("on_failure raised")

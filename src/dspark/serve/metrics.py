@@ -3,19 +3,30 @@
 A custom collector reads ``LLMEngine.metrics`` (and the loop's queue) at every scrape, so the values
 are always current and the engine keeps plain counters. Reading them from the HTTP thread while the
 engine thread writes is safe under the GIL (ints and list copies); a scrape may see one round's
-counters half-updated, which the next scrape corrects.
+counters half-updated, which the next scrape corrects. The latency histograms (``Latency``) are
+observed on the HTTP side as each request's outputs arrive there: what a client sees, queueing
+included.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .engine_loop import EngineLoop
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# vLLM's buckets (seconds), the inter-token ones with two more below 10 ms: a speculative round
+# of a small model can be that fast
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
 
 
 class ServerCounters:
@@ -78,8 +89,26 @@ class DSparkCollector:
                     m.num_drafts)
 
 
-def registry(loop: EngineLoop, counters: ServerCounters, model_name: str) -> CollectorRegistry:
-    """A registry of this server's metrics alone (not the process-global one: one per app)."""
+class Latency:
+    """The request latency histograms of vLLM: time to first token (from arrival), the gaps between
+    a request's outputs (one engine step each, so several tokens per gap with drafts accepted) and
+    the end-to-end time of the requests that finished (stop or length)."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str):
+        def histogram(name, doc, buckets):
+            return Histogram(f"dspark:{name}", doc, ["model_name"], registry=reg, buckets=buckets).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Seconds between two outputs of a request (one engine step each).", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "End-to-end latency of the requests that finished (stop / length), in seconds.",
+                             E2E_BUCKETS)
+
+
+def registry(loop: EngineLoop, counters: ServerCounters, model_name: str) -> tuple[CollectorRegistry, Latency]:
+    """A registry of this server's metrics alone (not the process-global one: one per app) and its
+    latency histograms."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(DSparkCollector(loop, counters, model_name))
-    return reg
+    return reg, Latency(reg, model_name)

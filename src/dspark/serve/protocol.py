@@ -4,7 +4,9 @@ Requests are validated strictly (a string is not a number, a float is not an int
 are ignored, as vLLM does, except the OpenAI features this server does not implement
 (``UNSUPPORTED``), which are refused when set to anything but their default. Beyond OpenAI, the vLLM
 extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (token ids in every
-choice and chunk) and, for chat, ``add_generation_prompt`` and ``chat_template``.
+choice and chunk) and, for chat, ``add_generation_prompt`` and ``chat_template``. As vLLM:
+``prompt`` may be a list of prompts (one choice per prompt and sample), ``n`` samples per prompt,
+``logprobs`` (completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # field -> default: an OpenAI feature this server does not implement, refused when set otherwise
 UNSUPPORTED = {
-    "echo": False, "logprobs": None, "top_logprobs": None, "best_of": None, "suffix": None,
+    "echo": False, "best_of": None, "suffix": None,
     "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0, "tools": None, "tool_choice": None,
     "response_format": None, "functions": None, "function_call": None, "min_tokens": 0,
     "repetition_penalty": 1, "prompt_logprobs": None,
 }
-# Chat: OpenAI's ``logprobs`` is a boolean there; ``false`` is its default.
-CHAT_DEFAULTS = {**UNSUPPORTED, "logprobs": False}
+CHAT_DEFAULTS = UNSUPPORTED
+
+MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default --max-logprobs; OpenAI's limit)
 
 UINT64_MAX = 2**64 - 1
 
@@ -52,7 +55,7 @@ class SamplingFields(OpenAIModel):
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     stop: Union[str, list[str], list[int], None] = None
     stop_token_ids: list[int] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -63,6 +66,7 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextPart(OpenAIModel):
@@ -82,6 +86,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -102,10 +108,34 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completion logprobs: per token its text, logprob, the alternatives (the token
+    itself and the top ``logprobs``, by text) and where its text starts in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     prompt_token_ids: list[int] | None = None
@@ -130,7 +160,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     token_ids: list[int] | None = None
@@ -154,7 +184,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     token_ids: list[int] | None = None

@@ -1,0 +1,328 @@
+"""vLLM's API conventions on ``dspark serve`` (CPU, demo pair, loopback HTTP): a list of prompts,
+``n`` samples, logprobs (completions and chat, streamed or not), the demo tokenizer's chat template,
+OpenAI-shaped routing errors, bodies without a JSON Content-Type, the latency histograms, and the
+CLI's flags.
+
+Logprobs come from the engine (``Request.logprobs`` -> ``RequestOutput.logprobs``); here a wrapper
+around the real engine attaches made-up values that depend on the token (``fake_logprobs``), so the
+tests check what the server does with them: alignment with the tokens, the OpenAI shapes, the top-k
+cut. ``test_serve.py::test_logprobs_are_the_targets_log_softmax`` checks the engine's real values.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+fastapi = pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
+from dspark.engine.request import TokenLogprobs  # noqa: E402
+from dspark.serve import create_app  # noqa: E402
+from dspark.training.data import demo_pair, read_prompts  # noqa: E402
+from test_serve import TIMEOUT, ServerThread  # noqa: E402
+
+MODEL = "demo"
+NEW = 8
+VOCAB = 2048
+
+
+def fake_logprobs(token_id: int, k: int) -> TokenLogprobs:
+    """Values a test can predict: the chosen token's logprob from its id, k alternatives after it."""
+    lp = -(token_id % 7) / 10
+    return TokenLogprobs(token_id, lp, [((token_id + j) % VOCAB, lp - j) for j in range(1, k + 1)])
+
+
+class LogprobEngine:
+    """The real engine, its outputs given ``fake_logprobs`` for the requests that ask for logprobs."""
+
+    def __init__(self, engine: LLMEngine):
+        self._engine, self._wanted = engine, {}
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def add_request(self, request: Request) -> int:
+        rid = self._engine.add_request(request)
+        if request.logprobs is not None:
+            self._wanted[rid] = request.logprobs
+        return rid
+
+    def finish(self):
+        return [dataclasses.replace(out, logprobs=[fake_logprobs(t, self._wanted[out.request_id])
+                                                   for t in out.new_token_ids])
+                if out.request_id in self._wanted else out for out in self._engine.finish()]
+
+    def step(self):
+        self.launch()
+        return self.finish()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(demo_pair().target))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [r["text"][:120] for r in read_prompts(str(demo_pair().prompts))[:3]]
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer, prompts):
+    """(server url, offline greedy output ids of each prompt)."""
+    pair = demo_pair()
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=8, max_model_len=256))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a busy 2-core box runs this much faster on one intra-op thread
+    try:
+        reference = [r.token_ids for r in engine.generate([Request(tokenizer(p)["input_ids"], NEW) for p in prompts])]
+    finally:
+        torch.set_num_threads(threads)
+    with ServerThread(create_app(LogprobEngine(engine), tokenizer, MODEL)) as server:
+        yield server.url, reference
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+@pytest.fixture
+def http(served):
+    with httpx.Client(base_url=served[0], timeout=TIMEOUT) as c:
+        yield c
+
+
+def _complete(client, prompt, **kw):
+    kw.setdefault("max_tokens", NEW)
+    kw.setdefault("temperature", 0.0)
+    extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
+    return client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **kw)
+
+
+def _ids(choice):
+    return choice.model_extra["token_ids"]
+
+
+def _by_index(chunks):
+    """Streamed chunks -> {choice index: [chunk choices in order]}."""
+    out = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            out.setdefault(choice.index, []).append(choice)
+    return out
+
+
+# ---- a list of prompts, n samples ------------------------------------------------------------------
+
+
+def test_prompt_lists_give_one_choice_per_prompt(served, client, tokenizer, prompts):
+    reference = served[1]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    for batch in (prompts, ids):  # strings, or token-id lists
+        response = _complete(client, batch)
+        assert [c.index for c in response.choices] == [0, 1, 2]
+        assert [_ids(c) for c in response.choices] == reference
+        assert [c.model_extra["prompt_token_ids"] for c in response.choices] == ids
+        assert response.usage.prompt_tokens == sum(map(len, ids))
+        assert response.usage.completion_tokens == sum(map(len, reference))
+    one = _complete(client, ids[1])  # a flat id list is one prompt
+    assert len(one.choices) == 1 and _ids(one.choices[0]) == reference[1]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=NEW, temperature=0.0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    streamed = _by_index(chunks)
+    assert sorted(streamed) == [0, 1, 2]
+    assert [[t for c in streamed[i] for t in c.model_extra["token_ids"]] for i in range(3)] == reference
+    assert chunks[-1].usage.completion_tokens == sum(map(len, reference))
+
+
+def test_n_samples(served, client, prompts):
+    reference = served[1]
+    greedy = _complete(client, prompts[:2], n=3)
+    assert [c.index for c in greedy.choices] == list(range(6))  # prompt_index * n + sample
+    assert [_ids(c) for c in greedy.choices] == [reference[0]] * 3 + [reference[1]] * 3
+    assert greedy.usage.prompt_tokens == _complete(client, prompts[:2]).usage.prompt_tokens  # prompts count once
+
+    def sampled(**kw):
+        return [_ids(c) for c in _complete(client, prompts[2], temperature=1.5, **kw).choices]
+
+    samples = sampled(n=3, seed=7)
+    assert len({tuple(s) for s in samples}) > 1  # the samples differ ...
+    assert sampled(n=3, seed=7) == samples  # ... and repeat
+    assert [sampled(seed=7 + i)[0] for i in range(3)] == samples  # sample i uses seed + i, as vLLM
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[2], max_tokens=NEW, temperature=1.5, seed=7,
+                                            n=3, stream=True, extra_body={"return_token_ids": True}))
+    streamed = _by_index(chunks)
+    assert [[t for c in streamed[i] for t in c.model_extra["token_ids"]] for i in range(3)] == samples
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "import os"}],
+                                          max_tokens=NEW, temperature=0.0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+# ---- logprobs ----------------------------------------------------------------------------------------
+
+
+def _expected_completion_logprobs(tokenizer, ids, k, offset=0):
+    tokens = [tokenizer.decode([t]) for t in ids]
+    top = []
+    for t, tok in zip(ids, tokens):
+        lp = fake_logprobs(t, k)
+        entry = {tok: lp.logprob}
+        for alt, value in lp.top:
+            entry.setdefault(tokenizer.decode([alt]), value)
+        top.append(entry)
+    offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [fake_logprobs(t, k).logprob for t in ids], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_completion_logprobs(served, http, tokenizer, prompts, k):
+    body = {"prompt": prompts[0], "max_tokens": NEW, "temperature": 0, "logprobs": k, "return_token_ids": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["token_ids"] == served[1][0]
+    assert choice["logprobs"] == _expected_completion_logprobs(tokenizer, served[1][0], k)
+    assert all(len(top) in (k, k + 1) for top in choice["logprobs"]["top_logprobs"])
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    merged = {key: [x for c in chunks for x in c["logprobs"][key]] for key in choice["logprobs"]}
+    assert merged == choice["logprobs"]  # text_offset continues across chunks
+    text = "".join(c["text"] for c in chunks)
+    assert all(text[o:].startswith(t) for o, t in zip(merged["text_offset"], merged["tokens"]))
+
+
+def test_chat_logprobs(served, client, tokenizer):
+    messages = [{"role": "user", "content": "def main():"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0,
+                                          logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True})
+    ids = chat.choices[0].model_extra["token_ids"]
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in ids]
+    for entry, t in zip(content, ids):
+        expected = fake_logprobs(t, 2)
+        assert entry.logprob == expected.logprob and entry.bytes == list(entry.token.encode())
+        assert [(x.token, x.logprob) for x in entry.top_logprobs] == [(tokenizer.decode([a]), v)
+                                                                       for a, v in expected.top]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    assert [c for chunk in chunks for c in chunk.choices[0].logprobs.content] == content
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0,
+                                           logprobs=True)
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+    for bad, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                       ({"logprobs": 1}, "logprobs")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, extra_body=bad)
+        assert info.value.body["param"] == param
+
+
+def test_requests_without_logprobs_have_none(client, prompts):
+    assert _complete(client, prompts[0]).choices[0].logprobs is None
+
+
+# ---- the demo's chat template ---------------------------------------------------------------------
+
+
+def test_chat_with_the_demo_tokenizers_template(client, tokenizer):
+    messages = [{"role": "system", "content": "Python"}, {"role": "user", "content": "import sys"}]
+    rendered = "<|system|>\nPython\n<|user|>\nimport sys\n<|assistant|>\n"
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
+    expected = _complete(client, rendered).choices[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0)
+    assert chat.choices[0].message.content == expected.text and chat.choices[0].finish_reason == expected.finish_reason
+    turns = messages + [{"role": "assistant", "content": "x = 1"}, {"role": "user", "content": "more"}]
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
+    assert text.endswith("x = 1\n<|endoftext|><|user|>\nmore\n")  # a finished reply ends with EOS
+
+
+# ---- routing errors, bodies -----------------------------------------------------------------------
+
+
+def _error(r, status):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    return error["message"]
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(http):
+    assert "/v1/nothing" in _error(http.get("/v1/nothing"), 404)
+    assert "/v1/completions" in _error(http.post("/v1/completion", json={}), 404)
+    r = http.get("/v1/completions")
+    assert "POST" in _error(r, 405) and r.headers["allow"] == "POST"
+    assert "GET" in _error(http.post("/health"), 405)
+
+
+def test_body_without_json_content_type(http, served, prompts):
+    body = json.dumps({"prompt": prompts[0], "max_tokens": NEW, "temperature": 0, "return_token_ids": True}).encode()
+    for headers in ({}, {"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}):
+        r = http.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200, (headers, r.text)
+        assert r.json()["choices"][0]["token_ids"] == served[1][0]
+    assert "not valid JSON" in _error(http.post("/v1/completions", content=b'{"prompt": ',
+                                                headers={"content-type": "text/plain"}), 400)
+    assert "empty" in _error(http.post("/v1/completions", content=b""), 400)
+
+
+# ---- metrics --------------------------------------------------------------------------------------
+
+
+def test_latency_histograms(http, client, prompts):
+    def scrape():
+        families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+        return {(name, suffix): sum(s.value for s in families[f"dspark:{name}"].samples if s.name.endswith(suffix))
+                for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                             "e2e_request_latency_seconds") for suffix in ("_count", "_sum")}
+
+    before = scrape()
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=NEW, temperature=0.0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    after = scrape()
+    steps = len([c for c in chunks if c.choices[0].text or c.choices[0].finish_reason])
+    assert after["time_to_first_token_seconds", "_count"] - before["time_to_first_token_seconds", "_count"] == 1
+    assert after["e2e_request_latency_seconds", "_count"] - before["e2e_request_latency_seconds", "_count"] == 1
+    itl = after["inter_token_latency_seconds", "_count"] - before["inter_token_latency_seconds", "_count"]
+    assert 1 <= itl <= NEW - 1 and itl >= steps - 2  # one per engine output after the first
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert after[name, "_sum"] > before[name, "_sum"]
+
+
+# ---- the CLI's flags ------------------------------------------------------------------------------
+
+
+def _serve_parser():
+    import argparse
+
+    from dspark.cli import serve
+    from dspark.cli._runtime import HelpFormatter
+
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    serve.add_arguments(parser)
+    return parser
+
+
+def test_cli_flags(tmp_path):
+    from dspark.cli._runtime import HelpFormatter
+    from dspark.cli.serve import _checkpoint_dtype
+
+    parser = _serve_parser()
+    assert parser.parse_args(["--max-num-seqs", "4"]).max_batch == 4 == parser.parse_args(["--max-batch", "4"]).max_batch
+    assert parser.parse_args([]).dtype == "auto"
+    formatter = HelpFormatter("dspark serve")
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help and "default" in formatter._get_help_string(action), action.option_strings
+    assert _checkpoint_dtype(str(demo_pair().target)) is torch.bfloat16  # the demo's config.json: "dtype"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert _checkpoint_dtype(str(tmp_path)) is torch.float16
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert _checkpoint_dtype(str(tmp_path)) is None and _checkpoint_dtype(str(tmp_path / "none")) is None
