@@ -104,26 +104,28 @@ def test_logprobs_are_the_targets_log_softmax(target, draft, device):
     assert token_logprobs(torch.zeros(1, 4), [2], 0)[0].top == []
 
 
-def test_a_failing_prefill_fails_only_its_request(target, draft, monkeypatch, caplog):
-    """Fault injection: the prefill of one prompt raises; the requests admitted with it and those
-    already running finish exactly as alone, the failed one ends with "error" naming the cause."""
+def test_a_failing_prompt_fails_only_its_request(target, draft, monkeypatch, caplog):
+    """Fault injection: the target forward raises on one prompt's tokens. The step is retried
+    without its chunks, each chunk is tried alone: the failed request ends with "error" naming the
+    cause; the one admitted with it and the one already running finish exactly as alone."""
     engine = LLMEngine(target, draft, EngineConfig(max_batch=4))
-    real = engine.runner.prefill
-    poison = 77
+    real, poison = engine.target.forward, 77
 
-    def prefill(entries):
-        if any(poison in e.prompt_ids for e in entries):
+    def forward(input_ids, *args, **kwargs):
+        if bool((input_ids == poison).any()):
             raise RuntimeError("injected fault")
-        return real(entries)
+        return real(input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    monkeypatch.setattr(engine.target, "forward", forward)
     running = engine.add_request(Request([3, 17, 42], 12))
-    engine.step()
+    outs: dict[int, list] = {running: []}
+    for out in engine.step():
+        outs[out.request_id] += out.new_token_ids
     bad = engine.add_request(Request([5, poison, 2], 12))
     good = engine.add_request(Request([9, 1], 12))
-    outs: dict[int, list] = {running: [], bad: [], good: []}
+    outs.update({bad: [], good: []})
     reasons, errors = {}, {}
-    with caplog.at_level(logging.ERROR, logger="dspark.engine"):
+    with caplog.at_level(logging.WARNING, logger="dspark.engine"):
         while engine.has_unfinished():
             for out in engine.step():
                 outs[out.request_id] += out.new_token_ids
@@ -132,9 +134,31 @@ def test_a_failing_prefill_fails_only_its_request(target, draft, monkeypatch, ca
     assert reasons[bad] == "error" and errors[bad] == "RuntimeError: injected fault" and outs[bad] == []
     assert "injected fault" in caplog.text and "Traceback" in caplog.text
     assert reasons[good] == reasons[running] == "length"
-    assert outs[good] == _greedy(target, [9, 1], 12)
+    assert outs[good] == _greedy(target, [9, 1], 12) and outs[running] == _greedy(target, [3, 17, 42], 12)
     after = engine.generate([Request([9, 1], 5)])[0]  # the engine goes on
     assert after.token_ids == _greedy(target, [9, 1], 5)
+
+
+@pytest.mark.parametrize("with_draft", [True, False], ids=["dspark", "plain"])
+def test_prompts_run_in_chunks_beside_running_rows(target, draft, with_draft):
+    """The smallest budget (3 rows' verify tokens): long prompts are admitted over several steps
+    while the other rows keep decoding; every output equals plain greedy decoding."""
+    verify = (draft.config.block_size if draft.config.sample_from_anchor else draft.config.block_size - 1) + 1
+    budget = 3 * (verify if with_draft else 1)
+    engine = LLMEngine(target, draft if with_draft else None, EngineConfig(max_batch=3, max_num_batched_tokens=budget))
+    prompts = [[5, 6], list(range(1, 15)), [9, 1, 4], list(range(20, 31))]
+    first = engine.add_request(Request(prompts[0], 12))
+    outs, split = {first: engine.step()[0].new_token_ids}, 0
+    ids = [first] + [engine.add_request(Request(p, 12)) for p in prompts[1:]]
+    outs.update({i: [] for i in ids[1:]})
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+        split += any(0 < seq.prefilled < seq.prompt_len for seq in engine.prefilling)  # a prompt cut between steps
+    assert [outs[i] for i in ids] == [_greedy(target, p, min(12, LIMIT - len(p))) for p in prompts]
+    assert split >= 1
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least max_batch x verify length"):
+        LLMEngine(target, draft if with_draft else None, EngineConfig(max_batch=3, max_num_batched_tokens=2))
 
 
 def test_a_failing_round_fails_its_rows_and_the_engine_goes_on(target, draft, monkeypatch):

@@ -69,12 +69,14 @@ def test_replay_schedules_on_the_recorded_confidences(models, prompts):
     results = engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])
     assert [r.token_ids for r in results] == _plain(models[0], prompts)
     for i, r in enumerate(results):
-        trace = TRACES[i % len(TRACES)]
-        for k in range(1, r.stats.rounds):  # the first round verifies all: the host has not seen its confidences
+        trace, produced = TRACES[i % len(TRACES)], 1  # the first token: the prompt's last logits
+        for k in range(r.stats.rounds):  # the step that ends a prompt drafts it: every round is scheduled
             entry = trace[k % len(trace)]
             length = int(K.threshold_proposal_lengths(torch.tensor([entry[1:]]), 0.5)[0])
+            length = max(1, min(length, NEW - produced - 1))  # never more than the request can keep
             assert r.stats.scheduled_lengths[k] == length
             assert r.stats.accept_lengths[k] == min(entry[0], length) + 1
+            produced += r.stats.accept_lengths[k]
 
 
 def test_replay_refuses_unknown_prompts_and_bad_traces(models, prompts):

@@ -149,7 +149,7 @@ def breakdown(engine, prompts, oracle) -> dict:
     for i, p in enumerate(prompts):
         engine.add_request(Request(p, 64, stop_ids=[], ignore_eos=True, oracle_ids=oracle[i]))
     engine.step()  # prefill + first round: rows hold a real state
-    while engine.waiting:  # prefill is chunked (PREFILL_TOKENS): admit every request
+    while engine.waiting or engine.prefilling:  # prompts run in chunks: admit every request
         engine.step()
     rows = len(engine.running)
     b, s, t = runner.bucket(rows), runner.state, runner.verify_len

@@ -28,7 +28,7 @@ from ..model.llama import TargetLM
 from .drafting import SCHEDULERS, Drafter
 from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
-from .runner import ModelRunner, PrefillEntry
+from .runner import ForwardFailed, ModelRunner, PrefillChunk
 
 __all__ = ["EngineConfig", "EngineDeadError", "LLMEngine", "RequestResult", "token_logprobs"]
 
@@ -36,7 +36,8 @@ log = logging.getLogger("dspark.engine")
 
 DEFAULT_MAX_MODEL_LEN = 4096
 ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
-PREFILL_TOKENS = 16384  # prompt tokens per prefill forward (bounds its activations)
+DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows first, prompt chunks after
+MIXED_STRIKES = 2  # failed mixed steps a request may sit in (its chunk alone passing) before it is failed
 
 
 @dataclass
@@ -46,7 +47,10 @@ class EngineConfig:
     / ``min_proposal_len`` / ``max_proposal_len`` as ``Drafter``, or ``scheduler="cost"``: the paper's
     Algorithm 1 across the batch with ``cost_table`` (an ``SPSCostTable`` or the JSON path that
     ``dspark profile`` writes) and ``min_predicted_gain``; ``cuda_graphs`` (CUDA only);
-    ``device`` / ``dtype`` for checkpoints loaded from directories; ``oracle_acceptance`` /
+    ``device`` / ``dtype`` for checkpoints loaded from directories; ``max_num_batched_tokens``
+    tokens per step (vLLM's flag): the running rows' verify or decode tokens, then chunks of the
+    prompts being admitted in the same forward (default: 2048, at least ``max_batch`` times the
+    verify length, so that every running row always fits); ``oracle_acceptance`` /
     ``oracle_replay`` (benchmarks only: drafts come from ``Request.oracle_ids``, each kept with this
     probability, or as many kept per round as ``Request.oracle_trace`` replays, its confidences too)."""
 
@@ -63,6 +67,7 @@ class EngineConfig:
     oracle_replay: bool = False
     cost_table: object = None
     min_predicted_gain: float = 0.04
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
         c = Checker("EngineConfig")
@@ -77,6 +82,8 @@ class EngineConfig:
             if not isinstance(self.cost_table, SPSCostTable):
                 self.cost_table = SPSCostTable.from_json(str(self.cost_table))
         c.real("min_predicted_gain", self.min_predicted_gain, low=0.0)
+        if self.max_num_batched_tokens is not None:
+            c.integer("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         if self.oracle_acceptance is not None:
             c.real("oracle_acceptance", self.oracle_acceptance, low=0.0, high=1.0)
             if self.oracle_replay:
@@ -131,12 +138,18 @@ class LLMEngine:
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
                                   cuda_graphs=config.cuda_graphs, oracle_acceptance=config.oracle_acceptance,
                                   oracle_replay=config.oracle_replay)
+        rows_tokens = config.max_batch * self.runner.verify_len
+        budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, rows_tokens)
+        if budget < rows_tokens:
+            c.fail(f"max_num_batched_tokens must be at least max_batch x verify length = {config.max_batch} x "
+                   f"{self.runner.verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
+        self.max_num_batched_tokens = budget
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted (a cache slot), prompt partly run
         self.running: list[Sequence] = []  # running[i] sits in batch row i
         self.free_slots = list(range(config.max_batch))
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
-        self._pending_draft = False  # rows admitted since the last draft replay
         self._launched: tuple | None = None  # (outputs so far, rows) of a round between launch and finish
         self.metrics = EngineMetrics(self.runner.num_drafts)
         self.cost_table = config.cost_table
@@ -213,11 +226,7 @@ class LLMEngine:
         if seq is None or seq.status is SequenceStatus.FINISHED:
             return
         seq.finish_reason = reason
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-        else:
-            self._retire([seq])
+        self._release([seq])
         self.sequences.pop(request_id, None)
 
     def capture_graphs(self) -> int:
@@ -229,7 +238,7 @@ class LLMEngine:
         return self.runner.capture_graphs()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -241,55 +250,96 @@ class LLMEngine:
 
     @torch.inference_mode()
     def launch(self) -> None:
-        """The first half of ``step``: admit waiting requests (their prefill) and start one round for
-        every running request on the device without waiting for it, so that a server can hand the
-        previous step's outputs to its clients meanwhile. ``finish`` must come next: until then only
-        ``add_request`` may touch the engine. A failure fails the requests it concerns (finish
-        reason ``"error"``) and the engine goes on; ``EngineDeadError`` when the device cannot."""
+        """The first half of ``step``: admit waiting requests and start one step on the device
+        without waiting for it -- a round for every running request and, in the same forward,
+        chunks of the admitted prompts within ``max_num_batched_tokens`` -- so that a server can
+        hand the previous step's outputs to its clients meanwhile. ``finish`` must come next: until
+        then only ``add_request`` may touch the engine. A failure fails the requests it concerns
+        (finish reason ``"error"``) and the engine goes on; ``EngineDeadError`` when the device cannot."""
         if self._launched is not None:
             Checker("launch").fail("launch() was called twice: finish() collects the launched round first")
         start, outputs = time.perf_counter(), []
-        self._admit(outputs)
+        self._admit()
         rows = len(self.running)
-        try:
-            if rows and self.runner.drafter is None:
-                self.runner.launch_decode(rows)
-            elif rows:
-                self.runner.launch_round(rows, self._verify_lens(), draft_first=self._pending_draft)
-                self._pending_draft = False
-        except Exception as exc:  # noqa: BLE001 -- a batched round concerns every row in it
-            self._fail_round(exc, outputs)
-            rows = 0
-        self._launched = (outputs, rows)
+        lens = self._verify_lens() if rows and self.runner.drafter is not None else None
+        plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
+        joined = self._run_step(rows, lens, plan, outputs)
+        self._launched = (outputs, len(self.running) - len(joined), joined)
         self.metrics.step_time += time.perf_counter() - start
+
+    def _run_step(self, rows: int, lens, plan: list[tuple[Sequence, PrefillChunk]], outputs) -> list[Sequence]:
+        """Launch the step; returns the requests whose prompt ended (now running, last rows). A
+        failed forward with chunks is retried without them, and each chunk is probed alone: a
+        request whose own tokens fail ends with ``"error"``, the others run again next step."""
+        launch = self.runner.launch_decode if self.runner.drafter is None else \
+            (lambda r, chunks: self.runner.launch_round(r, lens, chunks))
+        chunks = [chunk for _, chunk in plan]
+        if not rows and not chunks:
+            return []
+        try:
+            try:
+                launch(rows, chunks)
+            except ForwardFailed as exc:
+                if not chunks:
+                    raise
+                log.warning("a step with prompt chunks failed (%s): retrying without them", exc)
+                self._probe(plan, outputs)
+                plan = []
+                if rows:
+                    launch(rows, [])
+        except Exception as exc:  # noqa: BLE001 -- a batched round concerns every row in it
+            self._fail_round(exc, outputs, [seq for seq, _ in plan])
+            return []
+        joined = []
+        for seq, chunk in plan:
+            seq.prefilled += len(chunk.token_ids)
+            if chunk.row >= 0:
+                self.prefilling.remove(seq)
+                seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
+                self.running.append(seq)
+                joined.append(seq)
+        self.metrics.running = len(self.running)
+        return joined
+
+    def _probe(self, plan, outputs) -> None:
+        for seq, chunk in plan:
+            seq.strikes += 1
+            try:
+                self.runner.probe(chunk)
+            except Exception as exc:  # noqa: BLE001
+                self._fail([seq], exc, outputs, f"the prompt of request {seq.request_id}")
+                continue
+            if seq.strikes >= MIXED_STRIKES:
+                self._fail([seq], RuntimeError(f"{MIXED_STRIKES} steps with this request's prompt failed"),
+                           outputs, f"the prompt of request {seq.request_id}")
 
     @torch.inference_mode()
     def finish(self) -> list[RequestOutput]:
-        """The second half of ``step``: wait for the launched round, commit its tokens, retire the
-        finished requests; returns the step's outputs (prefill first tokens included)."""
+        """The second half of ``step``: wait for the launched step, commit its tokens (a request
+        whose prompt ended gets its first token), retire the finished requests; returns the
+        step's outputs."""
         if self._launched is None:
             Checker("finish").fail("finish() without launch()")
         start = time.perf_counter()
-        (outputs, rows), self._launched = self._launched, None
-        if rows:
+        (outputs, rows, joined), self._launched = self._launched, None
+        if rows or joined:
             try:
-                readout = self.runner.read(rows)
+                readout = self.runner.read(rows + len(joined))
             except Exception as exc:  # noqa: BLE001
                 self._fail_round(exc, outputs)
             else:
-                self._commit(readout, outputs)
+                self._commit(readout, outputs, {seq.request_id for seq in joined})
         self.metrics.step_time += time.perf_counter() - start
         self.metrics.steps += 1
         return outputs
 
     def _verify_lens(self) -> list[int]:
         """Verify tokens per running row (drafts + 1): the drafter's scheduled length, or Algorithm 1
-        over the whole batch with the ``cost`` scheduler; every draft for rows whose proposal the
-        host has not seen yet (admitted this step). Never past what the row may still produce (its
+        over the whole batch with the ``cost`` scheduler. Never past what the row may still produce (its
         ``max_new_tokens``, the context limit): a draft there could not be kept, and its position
         would lie beyond the context. At least one draft (the accept kernels verify >= 1)."""
         p = self.num_drafts
-        if self.config.scheduler == "off" or self._pending_draft:
+        if self.config.scheduler == "off":
             drafts = [p] * len(self.running)
         elif self.config.scheduler == "cost":
             drafts = self._cost_schedule()
@@ -314,65 +364,44 @@ class LLMEngine:
         full = [p] * len(lengths)
         return lengths if goodput(lengths) > (1 + self.config.min_predicted_gain) * goodput(full) else full
 
-    def _admit(self, outputs: list[RequestOutput]) -> None:
-        """Prefill waiting requests (one forward, at most ``PREFILL_TOKENS`` prompt tokens unless a
-        single prompt is longer) while rows and slots are free."""
-        admitted, tokens = [], 0
-        while self.waiting and self.free_slots and len(self.running) < self.config.max_batch:
-            seq = self.waiting[0]
-            if admitted and tokens + seq.prompt_len > PREFILL_TOKENS:
-                break
-            self.waiting.popleft()
-            seq.slot, seq.row = self.free_slots.pop(0), len(self.running)
-            seq.status, seq.next_length = SequenceStatus.RUNNING, self.num_drafts
-            self.running.append(seq)
-            admitted.append(seq)
-            tokens += seq.prompt_len
+    def _admit(self) -> None:
+        """Give waiting requests a cache slot while rows are free (their prompts then run in chunks)."""
+        while self.waiting and self.free_slots and len(self.running) + len(self.prefilling) < self.config.max_batch:
+            seq = self.waiting.popleft()
+            seq.slot, seq.status, seq.next_length = self.free_slots.pop(0), SequenceStatus.PREFILLING, self.num_drafts
+            seq.admitted_at = time.perf_counter()
+            self.prefilling.append(seq)
         self.metrics.waiting = len(self.waiting)
-        if not admitted:
-            return
-        start = time.perf_counter()
-        try:
-            firsts, logits = self._prefill(admitted)
-        except Exception:  # noqa: BLE001 -- find the prompts that fail: each alone, the others go on
-            firsts, logits, ok = [], [], []
-            for seq in admitted:
-                try:
-                    first, row_logits = self._prefill([seq])
-                except Exception as exc:  # noqa: BLE001
-                    self._fail([seq], exc, outputs, f"prefill of request {seq.request_id}")
-                    continue
-                ok.append(seq)
-                firsts += first
-                logits.append(row_logits)
-            admitted = ok
-            logits = torch.cat(logits) if logits else None
-        elapsed = time.perf_counter() - start
-        wanted = [i for i, seq in enumerate(admitted) if seq.request.logprobs is not None]
-        lps = self._logprobs([admitted[i] for i in wanted], logits[wanted] if wanted else None,
-                             [[firsts[i]] for i in wanted], outputs)
-        for seq, first in zip(admitted, firsts):
-            seq.stats.prefill_time = elapsed
-            kept = seq.commit([first], self.max_model_len)
-            seq.stats.prefill_tokens = len(kept)
-            self._report(seq, kept, outputs, lps.get(seq.request_id))
-        self._pending_draft = True
-        self._retire([s for s in self.running if s.finish_reason is not None])
 
-    def _prefill(self, seqs: list[Sequence]):
-        entries = [PrefillEntry(q.row, q.slot, q.request.prompt_ids, q.request.sampling, q.request.sampling.seed,
-                                q.request.oracle_ids, q.request.oracle_trace) for q in seqs]
-        return self.runner.prefill(entries)
+    def _plan_chunks(self, budget: int) -> list[tuple[Sequence, PrefillChunk]]:
+        """This step's prompt chunks, first come first served within ``budget`` tokens; a chunk that
+        ends its prompt names the row its request takes."""
+        plan, row = [], len(self.running)
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(seq.prompt_len - seq.prefilled, budget)
+            request, ends = seq.request, seq.prefilled + n == seq.prompt_len
+            plan.append((seq, PrefillChunk(seq.slot, request.prompt_ids[seq.prefilled:seq.prefilled + n], seq.prefilled,
+                                           row if ends else -1, request.sampling, request.oracle_ids,
+                                           request.oracle_trace)))
+            row += ends
+            budget -= n
+        return plan
 
-    def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput]) -> None:
-        t = self.runner.verify_len
+    def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput], joined: set[int]) -> None:
+        """Commit each row's tokens (``joined``: requests whose first token this is)."""
+        t, now = self.runner.verify_len, time.perf_counter()
         confidence = readout[:, t + 3:].view(torch.float32)
         running, kept_of = list(self.running), []  # a failure below retires rows: keep this round's order
         for seq, row, conf in zip(running, readout.tolist(), confidence):
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], self.max_model_len)
             kept_of.append(kept)
-            if self.runner.drafter is not None:
+            if seq.request_id in joined:
+                seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
+                seq.next_length, seq.confidence = row[t + 2], conf
+            elif self.runner.drafter is not None:
                 seq.stats.record_round(verified, n, len(kept))
                 self.metrics.record_round(verified, n)
                 seq.next_length, seq.confidence = row[t + 2], conf
@@ -420,18 +449,34 @@ class LLMEngine:
             seq.finish_reason, seq.error = "error", f"{type(exc).__name__}: {exc}"
             self.metrics.errors += 1
             self._report(seq, [], outputs)
-        self._retire([q for q in seqs if q.status is SequenceStatus.RUNNING])
+        self._release(seqs)
 
-    def _fail_round(self, exc: Exception, outputs: list[RequestOutput]) -> None:
-        """A batched round failed: it concerns every row in it. They end with ``"error"``; waiting
-        requests go on unless the device itself is broken (then ``EngineDeadError``)."""
-        self._fail(list(self.running), exc, outputs, "the batched round")
-        self._pending_draft = False
+    def _fail_round(self, exc: Exception, outputs: list[RequestOutput], chunked: list[Sequence] = ()) -> None:
+        """A batched step failed: it concerns every row in it and the prompts it ran. They end
+        with ``"error"``; waiting requests go on unless the device itself is broken (then
+        ``EngineDeadError``)."""
+        self._fail(list(self.running) + [seq for seq in chunked if seq.status is not SequenceStatus.FINISHED],
+                   exc, outputs, "the batched step")
         if self.runner.device.type == "cuda":
             try:
                 torch.cuda.synchronize(self.runner.device)
             except Exception as dead:  # noqa: BLE001 -- a sticky CUDA error: nothing can run any more
                 raise EngineDeadError(f"the device failed: {type(dead).__name__}: {dead}") from exc
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        """End ``seqs`` wherever they are (waiting, prefilling, running): slots and rows freed."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            elif seq.status is SequenceStatus.PREFILLING:
+                self.prefilling.remove(seq)
+                self.free_slots.append(seq.slot)
+                self.free_slots.sort()
+            elif seq.status is SequenceStatus.RUNNING:
+                self._retire([seq])
+                continue
+            seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
+        self.metrics.waiting = len(self.waiting)
 
     def _retire(self, finished: list[Sequence]) -> None:
         """Free finished requests' slots and keep the running rows dense (the last row moves in)."""

@@ -69,8 +69,9 @@ def _describe(value) -> str:
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    WAITING = "waiting"  # queued
+    PREFILLING = "prefilling"  # a cache slot; its prompt runs in chunks
+    RUNNING = "running"  # a batch row: decoding
     FINISHED = "finished"
 
 
@@ -99,7 +100,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """A request inside the engine: its output so far, its batch row and cache slot while running."""
 
@@ -114,6 +115,9 @@ class Sequence:
     next_length: int = 0  # drafts the next round verifies (the scheduler's choice, read back each round)
     confidence: object = None  # f32 [P] confidences of the pending proposal (read back each round)
     error: str | None = None  # why the engine failed this request (finish reason "error")
+    prefilled: int = 0  # prompt tokens already in the cache
+    admitted_at: float = 0.0  # perf_counter when it got its slot (prefill time: until its first token)
+    strikes: int = 0  # failed steps that ran this request's prompt
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property

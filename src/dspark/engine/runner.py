@@ -15,6 +15,13 @@ One speculative round is two graph replays (``launch_round``) and one host synch
     readout       accepted tokens, accept lengths, next proposal lengths and confidences to the host
                   (the sync), from which the host picks the next round's verify lengths
 
+Prompts are run in chunks inside the same step (``PrefillChunk``: extra requests of the ragged
+forward, after the running rows' verify or decode tokens, each group with its own attention
+launch); a request whose prompt ends in a step takes the next row, gets its first token from the
+prompt's last logits and is drafted by that step's draft pass with the others -- nothing is
+re-drafted on admission. A step with chunks runs eagerly (the Triton kernels; prompt lengths vary),
+one without replays the graphs.
+
 Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. All
 randomness is request-stable (``K.request_uniforms``, keyed by the request's seed and the round's
 anchor position), so a request's tokens do not depend on its batch. A batch whose rows share one
@@ -24,7 +31,7 @@ and run eagerly (the same functions, without graphs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -34,23 +41,30 @@ from ..model.draft_runner import DraftRunner
 from ..model.llama import AttentionBatch, TargetLM
 from .drafting import Drafter, SamplingParams
 
-__all__ = ["ModelRunner", "PrefillEntry", "batch_buckets", "PURPOSE_ORACLE"]
+__all__ = ["ModelRunner", "PrefillChunk", "ForwardFailed", "batch_buckets", "PURPOSE_ORACLE"]
 
 PURPOSE_ORACLE = 0x3C6EF372FE94F82B  # benchmarks' controlled acceptance: its own stream
 TRACE_ROUNDS = 512  # replayed rounds kept per row (a longer trace is cut; rounds cycle)
 
 
 @dataclass
-class PrefillEntry:
-    """A newly admitted request: its batch row, cache slot, prompt and sampling settings."""
+class PrefillChunk:
+    """Prompt tokens of an admitted request run in this step: ``token_ids`` at positions ``start ..``
+    of cache line ``slot``. ``row`` >= 0 when the chunk ends the prompt: the batch row the request
+    takes, its first token drawn from the last position's logits with its sampling settings."""
 
-    row: int
     slot: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    seed: int
+    token_ids: list[int]
+    start: int
+    row: int = -1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     oracle_ids: list[int] | None = None
     oracle_trace: list[list[float]] | None = None
+
+
+class ForwardFailed(RuntimeError):
+    """A step's target forward raised before any row state changed (its KV writes sit at positions
+    the next forward rewrites): the step can be retried as it was, or without its chunks."""
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -138,50 +152,6 @@ class ModelRunner:
             self.graphs.clear()  # graphs captured before do not write them
             self.pool = None  # their memory pool went with them
 
-    def prefill(self, entries: list[PrefillEntry]) -> tuple[list[int], torch.Tensor]:
-        """Run the prompts of newly admitted requests into their slots in one eager forward, set up
-        their rows and return each one's first token (one sync: the first tokens stream at once)
-        and the target's f32 logits ``[E, V]`` it came from."""
-        dev, s = self.device, self.state
-        if self.drafter is not None and any(not e.sampling.greedy for e in entries):
-            self._ensure_probabilities()
-        lengths = [len(e.prompt_ids) for e in entries]
-        i32 = dict(dtype=torch.int32, device=dev)
-        ids = torch.tensor([t for e in entries for t in e.prompt_ids], dtype=torch.int64, device=dev)
-        positions = torch.cat([torch.arange(n, **i32) for n in lengths])
-        slots = torch.tensor([e.slot for e, n in zip(entries, lengths) for _ in range(n)], **i32)
-        cu = torch.tensor([0] + lengths, **i32).cumsum(0, dtype=torch.int32)
-        slot_ids = torch.tensor([e.slot for e in entries], **i32)
-        batch = AttentionBatch(slot_ids, torch.zeros(len(entries), **i32), cu, max(lengths))
-        capture = None
-        if self.draft is not None:
-            capture = torch.empty(ids.numel(), s["capture"].shape[-1], dtype=self.target.dtype, device=dev)
-        logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
-                                     logits_rows=(cu[1:] - 1).long())
-        if self.draft is not None:
-            self.draft.context(capture, positions, slots)
-        seeds = torch.tensor([_as_int64(e.seed) for e in entries], dtype=torch.int64, device=dev)
-        last = torch.tensor(lengths, **i32) - 1
-        tokens = torch.empty(len(entries), **i32)
-        for mode in {_mode(e.sampling) for e in entries}:
-            index = torch.tensor([i for i, e in enumerate(entries) if _mode(e.sampling) == mode], device=dev)
-            tokens[index] = _sample_rows(logits[index], mode, seeds[index], last[index])
-        rows = torch.tensor([e.row for e in entries], device=dev)
-        for name, value in (("slot_ids", slot_ids), ("active", 1), ("anchor_pos", last + 1), ("ctx_pos", last + 1),
-                            ("anchor", tokens), ("seeds", seeds)):
-            s[name][rows] = value
-        for e in entries:
-            self.row_modes[e.row] = _mode(e.sampling)
-            if e.oracle_ids is not None:
-                known = torch.tensor(list(e.prompt_ids) + list(e.oracle_ids), **i32)[: s["oracle"].shape[1]]
-                s["oracle"][e.row].zero_()
-                s["oracle"][e.row, : known.numel()] = known
-            if e.oracle_trace is not None:
-                trace = torch.tensor(e.oracle_trace[:TRACE_ROUNDS], dtype=torch.float32, device=dev)
-                s["trace"][e.row, : trace.shape[0]] = trace
-                s["trace_len"][e.row], s["trace_round"][e.row] = trace.shape[0], 0
-        return tokens.tolist(), logits
-
     def move_row(self, src: int, dst: int) -> None:
         """Move a running request's row (its cache slot stays where it is)."""
         for t in self.state.values():
@@ -202,14 +172,15 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def launch_round(self, rows: int, verify_lens: list[int], *, draft_first: bool) -> None:
+    def launch_round(self, rows: int, verify_lens: list[int], chunks: list[PrefillChunk] = ()) -> None:
         """Start one speculative round for the first ``rows`` rows (no wait; ``read`` collects it):
-        row i verifies ``verify_lens[i] - 1`` drafts (1 .. P). ``draft_first``: newly admitted rows
-        have no proposal yet."""
+        row i verifies ``verify_lens[i] - 1`` drafts (1 .. P); ``chunks`` run in the same forward,
+        and those that end their prompt join at rows ``rows, rows + 1, ...`` (read them too)."""
+        if chunks:
+            self._mixed_step(rows, verify_lens, chunks)
+            return
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
-        if draft_first:
-            self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
         lens = self.host_lens
         lens.fill_(1)  # padding rows verify their anchor only
         lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
@@ -218,8 +189,12 @@ class ModelRunner:
         self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode))
         self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
 
-    def launch_decode(self, rows: int) -> None:
-        """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it)."""
+    def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
+        """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
+        with ``chunks`` as ``launch_round``."""
+        if chunks:
+            self._mixed_step(rows, None, chunks)
+            return
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
         self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode))
@@ -299,6 +274,10 @@ class ModelRunner:
         s = self.state
         logits = self.target.forward(s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b],
                                      self._attention_batch(b, 1), self.cache)
+        self._decode_commit(b, rows, logits, mode)
+
+    def _decode_commit(self, b: int, rows: int, logits, mode) -> None:
+        s = self.state
         self.logit_rows[:b].copy_(logits)
         for index, sampling in self._groups(b, rows, mode):
             token = _sample_rows(logits[index], sampling, s["seeds"][index], s["anchor_pos"][index], self.workspace)
@@ -323,6 +302,14 @@ class ModelRunner:
         return token_row, index, flat, cu
 
     def _verify_rows(self, b: int, rows: int, num_tokens: int, mode) -> None:
+        ids, positions, slots, batch, flat = self._verify_inputs(b, num_tokens)
+        capture = torch.empty(num_tokens, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
+        logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture)
+        self._verify_commit(b, rows, flat, capture, logits, mode)
+
+    def _verify_inputs(self, b: int, num_tokens: int):
+        """Token ids, positions and cache lines of a ragged verify's ``num_tokens`` flat tokens, its
+        ``AttentionBatch`` and each token's row in the flat capture / logit buffers."""
         s, t, p = self.state, self.verify_len, self.num_drafts
         token_row, index, flat, cu = self._verify_layout(b, num_tokens)
         pads = torch.zeros(_pad_requests(b, t), dtype=torch.int32, device=self.device)
@@ -331,9 +318,11 @@ class ModelRunner:
         tokens = torch.cat([K.build_verify_tokens(s["anchor"][:b], s["draft_tokens"][:b], p),
                             pads[:, None].expand(-1, t)])
         ids = tokens[token_row, index]
-        capture = torch.empty(num_tokens, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
-        logits = self.target.forward(ids.long(), starts[token_row] + index, slots[token_row],
-                                     AttentionBatch(slots, starts, cu, t), self.cache, capture_out=capture)
+        return ids.long(), starts[token_row] + index, slots[token_row], AttentionBatch(slots, starts, cu, t), flat
+
+    def _verify_commit(self, b: int, rows: int, flat, capture, logits, mode) -> None:
+        """Accept each row's prefix from the verify forward's captures and logits and advance."""
+        s, t = self.state, self.verify_len
         self.capture_rows.index_copy_(0, flat, capture)
         self.logit_rows.index_copy_(0, flat, logits)
         verified = s["verify_lens"][:b] - 1
@@ -394,6 +383,126 @@ class ModelRunner:
             self._oracle_drafts(b)
         self.readout[:b, t + 2] = s["proposal_lengths"][:b]
         self.readout[:b, t + 3:] = s["confidence"][:b].view(torch.int32)
+
+    # ---- steps with prompt chunks (eager) ---------------------------------------------------------
+
+    def _mixed_step(self, rows: int, verify_lens: list[int] | None, chunks: list[PrefillChunk]) -> None:
+        """One eager forward over the running rows' verify (``verify_lens``) or decode tokens and the
+        prompt chunks; then accept / sample as the graphed step does, write the chunks' draft
+        context, seat the requests whose prompt ended (first token, row state) and draft every row.
+        Raises ``ForwardFailed`` when the forward raised (no row state changed yet)."""
+        if self.drafter is not None and any(not c.sampling.greedy for c in chunks):
+            self._ensure_probabilities()
+        mode = self._batch_mode(rows)
+        try:
+            inputs = self._mixed_inputs(rows, verify_lens, chunks)
+            (ids, positions, slots, groups, flat, logit_rows, split), capture = inputs, None
+            if self.draft is not None:
+                capture = torch.empty(ids.numel(), self.state["capture"].shape[-1], dtype=self.target.dtype,
+                                      device=self.device)
+            logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
+                                         logits_rows=logit_rows)
+        except Exception as exc:  # noqa: BLE001
+            raise ForwardFailed(f"{type(exc).__name__}: {exc}") from exc
+        own = split if verify_lens is not None else rows  # logits rows of the running rows' tokens
+        if rows and verify_lens is not None:
+            self._verify_commit(rows, rows, flat, capture[:split], logits[:split], mode)
+        elif rows:
+            self._decode_commit(rows, rows, logits[:rows], mode)
+        if self.draft is not None:
+            self.draft.context(capture[split:], positions[split:], slots[split:])
+        joined = [c for c in chunks if c.row >= 0]
+        if joined:
+            self._seat(joined, logits[own:])
+        total = rows + len(joined)
+        if self.drafter is not None and total:
+            b, mode = self.bucket(total), self._batch_mode(total)
+            self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, total, mode))
+
+    def _mixed_inputs(self, rows: int, verify_lens: list[int] | None, chunks: list[PrefillChunk]):
+        """Flat inputs of a mixed step: the running rows' tokens (unpadded), then the chunks';
+        attention groups; the verify tokens' flat buffer rows; which rows need logits (every verify
+        or decode token, the last token of each prompt that ends); the number of running tokens."""
+        s, dev = self.state, self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        parts, groups, flat = [], [], None
+        split = 0
+        if rows and verify_lens is not None:
+            self.state["verify_lens"][:rows] = torch.tensor(verify_lens, dtype=torch.int32)
+            split = sum(verify_lens)
+            ids, positions, slots, batch, flat = self._verify_inputs(rows, split)
+            parts.append((ids, positions, slots))
+        elif rows:
+            split = rows
+            parts.append((s["anchor"][:rows].long(), s["anchor_pos"][:rows], s["slot_ids"][:rows]))
+            batch = self._attention_batch(rows, 1)
+        if rows:
+            groups.append((0, split, batch))
+        lengths = [len(c.token_ids) for c in chunks]
+        host = torch.tensor([t for c in chunks for t in c.token_ids] +
+                            [c.start + i for c in chunks for i in range(len(c.token_ids))] +
+                            [c.slot for c, n in zip(chunks, lengths) for _ in range(n)] +
+                            [c.slot for c in chunks] + [c.start for c in chunks] + [0] + lengths, dtype=torch.int64)
+        n, m = sum(lengths), len(chunks)
+        host = host.to(dev, non_blocking=True)
+        chunk_ids, chunk_pos, chunk_slots = host[:n], host[n:2 * n].int(), host[2 * n:3 * n].int()
+        meta = host[3 * n:].int()
+        chunk_batch = AttentionBatch(meta[:m], meta[m:2 * m], meta[2 * m:].cumsum(0, dtype=torch.int32), max(lengths))
+        groups.append((split, split + n, chunk_batch))
+        parts.append((chunk_ids, chunk_pos, chunk_slots))
+        ids, positions, slots = (torch.cat([p[k] for p in parts]) for k in range(3))
+        ends = [split + e - 1 for c, e in zip(chunks, torch.tensor(lengths).cumsum(0).tolist()) if c.row >= 0]
+        logit_rows = torch.cat([torch.arange(split, device=dev), torch.tensor(ends, dtype=torch.int64, device=dev)])
+        return ids, positions, slots, groups, flat, logit_rows, split
+
+    def _seat(self, chunks: list[PrefillChunk], logits: torch.Tensor) -> None:
+        """Rows for requests whose prompt ended: the first token from the last position's logits
+        ``[J, V]`` (keyed as a round's draw: seed, position), row state, the readout as a one-token
+        round, the logits kept for log-probabilities."""
+        dev, s, t = self.device, self.state, self.verify_len
+        i32 = dict(dtype=torch.int32, device=dev)
+        rows = torch.tensor([c.row for c in chunks], device=dev)
+        ends = torch.tensor([c.start + len(c.token_ids) for c in chunks], **i32)
+        seeds = torch.tensor([_as_int64(c.sampling.seed) for c in chunks], dtype=torch.int64, device=dev)
+        slots = torch.tensor([c.slot for c in chunks], **i32)
+        tokens = torch.empty(len(chunks), **i32)
+        for mode in {_mode(c.sampling) for c in chunks}:
+            index = torch.tensor([i for i, c in enumerate(chunks) if _mode(c.sampling) == mode], device=dev)
+            tokens[index] = _sample_rows(logits[index], mode, seeds[index], ends[index] - 1, self.workspace)
+        for name, value in (("slot_ids", slots), ("active", 1), ("anchor_pos", ends), ("ctx_pos", ends),
+                            ("anchor", tokens), ("seeds", seeds), ("accept_length", 1)):
+            s[name][rows] = value
+        s["accepted"][rows, 0] = tokens
+        self.logit_rows[rows * t] = logits
+        self.readout[rows, 0] = tokens
+        self.readout[rows, t] = 1
+        self.readout[rows, t + 1] = 0
+        for c in chunks:
+            self.row_modes[c.row] = _mode(c.sampling)
+            if c.oracle_ids is not None:
+                prompt_len = c.start + len(c.token_ids)
+                known = torch.tensor(list(c.oracle_ids), **i32)[: s["oracle"].shape[1] - prompt_len]
+                s["oracle"][c.row].zero_()
+                s["oracle"][c.row, prompt_len: prompt_len + known.numel()] = known
+            if c.oracle_trace is not None:
+                trace = torch.tensor(c.oracle_trace[:TRACE_ROUNDS], dtype=torch.float32, device=dev)
+                s["trace"][c.row, : trace.shape[0]] = trace
+                s["trace_len"][c.row], s["trace_round"][c.row] = trace.shape[0], 0
+
+    def probe(self, chunk: PrefillChunk) -> None:
+        """Run one prompt chunk alone (the target forward and its draft context writes, no row state):
+        after a failed mixed step, whether this request's own tokens fail."""
+        ids, positions, slots, groups, _, _, _ = self._mixed_inputs(0, None, [replace(chunk, row=-1)])
+        capture = None
+        if self.draft is not None:
+            capture = torch.empty(ids.numel(), self.state["capture"].shape[-1], dtype=self.target.dtype,
+                                  device=self.device)
+        self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
+                            logits_rows=torch.zeros(0, dtype=torch.int64, device=self.device))
+        if self.draft is not None:
+            self.draft.context(capture, positions, slots)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _oracle_drafts(self, b: int) -> None:
         """Benchmarks: each draft is the known continuation (which the greedy target accepts) or a

@@ -149,7 +149,9 @@ class TargetLM:
         ``N`` rows when None).
 
         ``input_ids``, ``positions``, ``token_slots`` int ``[N]`` (token, absolute position, cache
-        line); ``batch`` groups them by request (causal attention over each request's line). The
+        line); ``batch`` groups them by request (causal attention over each request's line): an
+        ``AttentionBatch``, or a list of ``(first row, end row, AttentionBatch)`` over consecutive
+        row ranges (one attention launch each). The
         K/V of every token is written into ``cache``. ``capture_out`` ``[N, m*H]`` (or a strided
         view of that shape) receives the hidden states at ``capture_layer_ids``.
         """
@@ -183,9 +185,16 @@ class TargetLM:
         v = qkv[:, q_size + kv_size:].view(n, s.num_kv_heads, s.head_dim)
         q = K.qk_norm_rope_store(q, k, v, positions, token_slots, self.cos_sin, k_cache, v_cache,
                                  q_norm_weight=layer.get("q_norm"), k_norm_weight=layer.get("k_norm"), eps=s.eps)
-        out = K.cached_attention(q, k_cache, v_cache, batch.slot_ids, batch.context_lens, batch.cu_query_lens,
-                                 batch.max_query_len, causal=True)
+        if isinstance(batch, AttentionBatch):
+            out = _causal_attention(q, k_cache, v_cache, batch)
+        else:  # row groups, each its own launch: attention tiles sized for verify rows or for prompt chunks
+            out = torch.cat([_causal_attention(q[lo:hi], k_cache, v_cache, g) for lo, hi, g in batch])
         return F.linear(out.view(n, q_size), layer["o"])
+
+
+def _causal_attention(q, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
+    return K.cached_attention(q, k_cache, v_cache, batch.slot_ids, batch.context_lens, batch.cu_query_lens,
+                              batch.max_query_len, causal=True)
 
 
 def decoder_layer(layer: dict, h: torch.Tensor, residual: torch.Tensor | None, eps: float, attention,
