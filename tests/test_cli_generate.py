@@ -283,7 +283,9 @@ def test_missing_demo_pair_or_half_a_pair_is_a_clear_error(checkpoints, capsys, 
     status, _, err = _run(capsys, "--prompt-ids", "1")
     assert status == 2 and "demo pair" in err and "build_demo_pair.sh" in err
     status, _, err = _run(capsys, "--target", str(root / "target"), "--prompt-ids", "1")
-    assert status == 2 and "--target and --draft must be given together" in err
+    assert status == 2 and "--target needs --draft" in err and "or --no-draft for plain decoding" in err
+    status, _, err = _run(capsys, "--draft", drafts["speculators"], "--prompt-ids", "1")
+    assert status == 2 and "--draft needs --target" in err
     status, _, err = _run(capsys, "--target", str(root / "target"), "--draft", drafts["speculators"])
     assert status == 2 and "give a prompt" in err
 
