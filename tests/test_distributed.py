@@ -176,7 +176,7 @@ def test_resume_continues_the_run_exactly(run_dir, monkeypatch, tmp_path):
 def test_resume_and_fsdp_errors(run_dir, capsys):
     assert dspark_main(_train(run_dir, "one", *STEPS, "--resume", "--lr", "1e-3")) == 2
     err = capsys.readouterr().err
-    assert "dspark train: resume: the training state in" in err and "'lr': 0.003" in err
+    assert "dspark train: resume: the training state in" in err and "(lr: saved 0.003, given 0.001)" in err
     assert dspark_main(_train(run_dir, "one", *STEPS, "--resume")) == 2
     assert "is complete (6 steps" in capsys.readouterr().err
     assert dspark_main(_train(run_dir, "nothing-here", *STEPS, "--resume")) == 2

@@ -123,6 +123,17 @@ def resolve_pair(args: argparse.Namespace, *, drafts: str = "one", no_draft: boo
         args.draft = [resolve_checkpoint(d, "--draft") for d in draft]
     elif draft is not None:
         args.draft = resolve_checkpoint(draft, "--draft")
+    check_configs([args.target, *(args.draft if drafts == "several" else [args.draft] if draft is not None else [])])
+
+
+def check_configs(directories) -> None:
+    """ValueError naming the file, line and column when a checkpoint directory's ``config.json`` is
+    not a JSON object (before the loaders, whose own JSON errors name no file)."""
+    from dspark.model.checkpoint import CONFIG_NAME, read_json_object
+
+    for directory in directories:
+        if directory is not None and (Path(directory) / CONFIG_NAME).is_file():
+            read_json_object(Path(directory) / CONFIG_NAME)
 
 
 def load_target(args: argparse.Namespace, device, dtype):
