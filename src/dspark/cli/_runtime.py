@@ -8,7 +8,6 @@ Nothing here imports torch or transformers at module level: ``dspark --help`` an
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
