@@ -283,7 +283,9 @@ def test_missing_demo_pair_or_half_a_pair_is_a_clear_error(checkpoints, capsys, 
     status, _, err = _run(capsys, "--prompt-ids", "1")
     assert status == 2 and "demo pair" in err and "build_demo_pair.sh" in err
     status, _, err = _run(capsys, "--target", str(root / "target"), "--prompt-ids", "1")
-    assert status == 2 and "--target and --draft must be given together" in err
+    assert status == 2 and "--target needs --draft" in err and "or --no-draft for plain decoding" in err
+    status, _, err = _run(capsys, "--draft", drafts["speculators"], "--prompt-ids", "1")
+    assert status == 2 and "--draft needs --target" in err
     status, _, err = _run(capsys, "--target", str(root / "target"), "--draft", drafts["speculators"])
     assert status == 2 and "give a prompt" in err
 
@@ -360,3 +362,86 @@ def test_ctrl_c_prints_partial_statistics_and_exits_130(tmp_path):
     err = err.decode()
     assert process.returncode == 130, err
     assert "Traceback" not in err and "interrupted; statistics so far" in err and "tokens/s" in err
+
+
+def test_stop_escapes_are_processed_as_llama_cpp_does(checkpoints, greedy, capsys):
+    """``--stop "\\x74N"`` (a shell passes the backslash) is the stop string ``tN``: an escaped
+    stop ends the output exactly where the plain one does."""
+    ids = ",".join(map(str, PROMPT))
+    plain = json.loads(_run(capsys, *_pair(checkpoints), "--prompt-ids", ids, "--stop", f"t{greedy[5]}",
+                            "--max-new-tokens", "20", "--json")[1])
+    escaped = json.loads(_run(capsys, *_pair(checkpoints), "--prompt-ids", ids, "--stop", f"\\x74{greedy[5]}",
+                              "--max-new-tokens", "20", "--json")[1])
+    assert plain["finish_reason"] == escaped["finish_reason"] == "stop"
+    assert escaped["generated_ids"] == plain["generated_ids"] and escaped["text"] == plain["text"]
+    literal = json.loads(_run(capsys, *_pair(checkpoints), "--prompt-ids", ids, "--stop", "\\n",
+                              "--max-new-tokens", "6", "--json")[1])
+    assert literal["finish_reason"] == "length"  # a newline, which the word tokenizer never produces
+    with pytest.raises(SystemExit):
+        main(["generate", "--stop", "\\xZZ"])
+    assert "argument --stop: \\x must be followed by 2 hex digits, got '\\\\xZZ'" in capsys.readouterr().err
+
+
+def test_no_draft_decodes_with_the_target_alone(checkpoints, greedy, capsys):
+    root = checkpoints[0]
+    ids = ",".join(map(str, PROMPT))
+    status, out, _ = _run(capsys, "--target", str(root / "target"), "--no-draft", "--prompt-ids", ids,
+                          "--max-new-tokens", "10", "--json")
+    report = json.loads(out)
+    assert status == 0 and report["generated_ids"] == greedy[:10]
+    assert report["stats"]["acceptance_per_position"] == [] and report["stats"]["mean_scheduled_length"] == 0  # no drafts
+    for extra, message in [(["--engine", "reference"], "--no-draft needs --engine batched or auto"),
+                           (["--compare"], "--compare runs plain decoding beside speculative decoding"),
+                           (["--draft", str(root / "speculators")], "--no-draft and --draft exclude each other")]:
+        status, _, err = _run(capsys, "--target", str(root / "target"), "--no-draft", "--prompt-ids", ids, *extra)
+        assert status == 2 and message in err
+
+
+def test_cost_scheduler_with_a_cost_table(checkpoints, greedy, capsys, tmp_path):
+    """``--scheduler cost --cost-table`` runs on the batched engine (greedy output unchanged); every
+    misuse is a one-line error naming the option."""
+    from dspark.engine import SPSCostTable
+
+    table = tmp_path / "cost.json"
+    SPSCostTable((1, 8, 64), (1.0, 1.2, 3.0)).write_json(table)
+    ids = ",".join(map(str, PROMPT))
+    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-ids", ids, "--max-new-tokens", "12",
+                          "--scheduler", "cost", "--cost-table", str(table), "--engine", "batched", "--json")
+    assert status == 0 and json.loads(out)["generated_ids"] == greedy[:12]
+    for extra, message in [
+        (["--scheduler", "cost", "--engine", "batched"], "--scheduler cost needs --cost-table FILE"),
+        (["--scheduler", "cost", "--cost-table", str(table), "--engine", "reference"],
+         "--scheduler cost needs the batched engine"),
+        (["--scheduler", "cost", "--cost-table", str(tmp_path / "none.json"), "--engine", "batched"],
+         f"--cost-table {tmp_path / 'none.json'} not found"),
+        (["--cost-table", str(table)], f"--cost-table {table} is read only by --scheduler cost, got --scheduler off"),
+    ]:
+        status, _, err = _run(capsys, *_pair(checkpoints), "--prompt-ids", ids, *extra)
+        assert status == 2 and message in err, err
+
+
+def test_a_bad_config_json_names_the_file_and_line(checkpoints, capsys, tmp_path):
+    root, drafts, _ = checkpoints
+    draft = shutil.copytree(drafts["speculators"], tmp_path / "draft")
+    (draft / "config.json").write_text('{"speculators_model_type": "dspark",\n}\n')
+    status, _, err = _run(capsys, "--target", str(root / "target"), "--draft", str(draft), "--prompt-ids", "1")
+    assert status == 2 and err.strip() == (f"dspark generate: {draft / 'config.json'} is not valid JSON: Expecting "
+                                           f"property name enclosed in double quotes (line 2 column 1)")
+    target = shutil.copytree(root / "target", tmp_path / "target")
+    (target / "config.json").write_text("[1, 2]")
+    status, _, err = _run(capsys, "--target", str(target), "--draft", drafts["speculators"], "--prompt-ids", "1")
+    assert status == 2 and f"{target / 'config.json'} must hold a JSON object, got list" in err
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """``dspark --help`` and ``dspark <command> --help`` build their parsers only: the heavy
+    packages are imported inside ``run``."""
+    code = ("import sys, runpy; sys.argv = ['dspark', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('dspark', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors', 'huggingface_hub') if m in sys.modules)\n"
+            "print('HEAVY', heavy)")
+    for argv in ([], ["--help"], ["--version"], ["generate", "--help"], ["train", "--help"], ["eval", "--help"],
+                 ["calibrate", "--help"], ["profile", "--help"], ["demo", "--help"], ["serve", "--help"]):
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=_env(),
+                              timeout=120)
+        assert done.stdout.strip().splitlines()[-1] == "HEAVY []", (argv, done.stdout[-300:], done.stderr[-300:])

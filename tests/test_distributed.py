@@ -176,13 +176,32 @@ def test_resume_continues_the_run_exactly(run_dir, monkeypatch, tmp_path):
 def test_resume_and_fsdp_errors(run_dir, capsys):
     assert dspark_main(_train(run_dir, "one", *STEPS, "--resume", "--lr", "1e-3")) == 2
     err = capsys.readouterr().err
-    assert "dspark train: resume: the training state in" in err and "'lr': 0.003" in err
+    assert "dspark train: resume: the training state in" in err and "(lr: saved 0.003, given 0.001)" in err
     assert dspark_main(_train(run_dir, "one", *STEPS, "--resume")) == 2
     assert "is complete (6 steps" in capsys.readouterr().err
     assert dspark_main(_train(run_dir, "nothing-here", *STEPS, "--resume")) == 2
     assert "dspark train: resume: no training state in" in capsys.readouterr().err
     assert dspark_main(_train(run_dir, "x", *STEPS, "--fsdp")) == 2
     assert "--fsdp shards the draft over the processes of a torchrun launch" in capsys.readouterr().err
+
+
+def test_resume_with_more_steps_extends_a_finished_run(run_dir, capsys):
+    """``--resume --steps 8`` continues the finished 6-step run to 8 steps in all; a mismatch names
+    only the differing option (with its saved and given values), not the whole fingerprint."""
+    shutil.copytree(run_dir / "one", run_dir / "extended")
+    assert dspark_main(_train(run_dir, "extended", "--steps", "8", "--save-every", "3", "--resume")) == 0
+    state = json.loads((run_dir / "extended" / "training_state" / "state.json").read_text())
+    log = json.loads((run_dir / "extended" / "training_log.json").read_text())
+    assert state["step"] == 8 and [entry["step"] for entry in log["log"]] == [7, 8]
+    assert not all(torch.equal(a, b) for a, b in zip(_weights(run_dir / "one").values(),
+                                                     _weights(run_dir / "extended").values()))
+    capsys.readouterr()
+    assert dspark_main(_train(run_dir, "extended", "--steps", "8", "--resume", "--batch-size", "2")) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("is from a different run (batch_size: saved 4, given 2)"), err
+    assert dspark_main(_train(run_dir, "extended", "--steps", "8", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "is complete (8 steps" in err and "give more steps (--steps N > 8)" in err
 
 
 def test_world_shard_and_single_process_collectives():

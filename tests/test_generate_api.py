@@ -108,3 +108,68 @@ def test_text_stream_holds_back_a_possible_stop_string(pair):
     assert stream.add([7]) is False and stream.take() == "t5 t7"
     assert stream.add([5, 6, 9]) is True and stream.stop_tokens == 5
     assert stream.take() == " " and stream.text == " t4 t5 t7 "
+
+
+# ---- dspark.LLM: the models loaded once ---------------------------------------------------------
+
+
+def test_llm_loads_once_and_generates_many_times(pair, monkeypatch):
+    from dspark.engine import SpeculativeDecoder
+
+    target, _, draft, greedy, short = pair
+    loads = []
+    real = SpeculativeDecoder.from_pretrained.__func__
+    monkeypatch.setattr(SpeculativeDecoder, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a) or real(cls, *a, **k)))
+    llm = dspark.LLM(target, draft, engine="reference")
+    first = llm.generate(PROMPT, max_new_tokens=8)
+    many = llm.generate([_words(PROMPT), PROMPT[:2]], max_new_tokens=5, stop="never")
+    again = llm.generate(PROMPT, max_new_tokens=8)
+    assert len(loads) == 1  # three calls, one load
+    assert first.token_ids == again.token_ids == greedy[:8] and first.text == " " + _words(greedy[:8])
+    assert [r.token_ids for r in many] == [greedy[:5], short[:5]]
+    sampled = [llm.generate(PROMPT, max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=s).token_ids
+               for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1]  # the seed fixes the uniforms
+
+
+def test_llm_batched_and_without_a_draft(pair):
+    target, _, draft, greedy, short = pair
+    batched = dspark.LLM(target, draft, engine="batched", max_batch=2)
+    assert [r.token_ids for r in batched.generate([PROMPT, PROMPT[:2]], max_new_tokens=5)] == [greedy[:5], short[:5]]
+    assert batched.generate(PROMPT, max_new_tokens=6).token_ids == greedy[:6]  # the same engine, again
+    plain = dspark.LLM(target, no_draft=True)  # engine "auto": the batched engine, which decodes without drafts
+    result = plain.generate(PROMPT, max_new_tokens=6)
+    assert result.token_ids == greedy[:6] and result.stats.acceptance_per_position == []
+
+
+def test_none_none_is_the_demo_pair():
+    from dspark.training.data import demo_pair
+
+    result = dspark.generate(None, None, [1, 2, 3], max_new_tokens=4)
+    expected = dspark.generate(demo_pair().target, demo_pair().draft, [1, 2, 3], max_new_tokens=4)
+    assert result.token_ids == expected.token_ids and len(result.token_ids) == 4 and isinstance(result.text, str)
+
+
+@pytest.mark.parametrize("models, kwargs, error, message", [
+    ((5, None), {}, TypeError, "LLM: target must be a checkpoint directory .*, got int"),
+    (("T", 3.0), {}, TypeError, "LLM: draft must be a DSpark checkpoint directory .*, got float"),
+    (("T", None), {}, ValueError, "LLM: target 'T' needs a draft: draft is None .*no_draft=True for plain decoding"),
+    ((None, "D"), {}, ValueError, "LLM: draft 'D' needs its target: target is None"),
+    (("T", "D"), dict(no_draft=True), ValueError, "no_draft=True decodes with the target alone, but a draft was given"),
+    (("T", None), dict(no_draft=True, engine="reference"), ValueError, "no_draft needs engine='batched' or 'auto'"),
+    (("T", "D"), dict(engine="reference", scheduler="cost"), ValueError, "scheduler='cost' needs engine='batched'"),
+    (("T", "D"), dict(engine="fast"), ValueError, "engine must be 'auto', 'batched' or 'reference', got 'fast'"),
+])
+def test_llm_bad_models_are_clear_errors(pair, models, kwargs, error, message):
+    target, _, draft, _, _ = pair
+    models = tuple({"T": target, "D": draft}.get(m, m) if isinstance(m, str) else m for m in models)
+    with pytest.raises(error, match=message.replace("'T'", repr(str(target))).replace("'D'", repr(str(draft)))):
+        dspark.LLM(*models, **kwargs)
+
+
+def test_generate_function_names_its_bad_models():
+    with pytest.raises(TypeError, match="generate: target must be a checkpoint directory .*, got int"):
+        dspark.generate(7, None, [1, 2, 3])
+    with pytest.raises(ValueError, match="generate: draft 'd' needs its target"):
+        dspark.generate(None, "d", [1, 2, 3])

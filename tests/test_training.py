@@ -464,7 +464,7 @@ def test_target_lm_training_reduces_loss_and_saves(tmp_path):
 def _train_args(**overrides):
     parser = argparse.ArgumentParser()
     train_cli.add_arguments(parser)
-    required = ["--target", "T", "--data", "D", "--output", "O"]
+    required = ["--target", "T", "--data", "D", "--output", "O"]  # placeholders each test overrides as it needs
     args = parser.parse_args(required)
     vars(args).update(overrides)
     return args
@@ -496,9 +496,10 @@ def test_train_refuses_a_non_empty_output_unless_overwrite(tmp_path, capsys):
     assert "exists and is not empty: pass --overwrite" in capsys.readouterr().err
     status = train_cli.run(_train_args(output=str(tmp_path / "out" / "config.json"), device="cpu"))
     assert status == 2 and "is a file, not a directory" in capsys.readouterr().err
-    # with --overwrite the output check passes and the next problem (the target "T") is reported
-    assert train_cli.run(_train_args(output=str(tmp_path / "out"), overwrite=True, device="cpu")) == 2
-    assert "load_target: target directory 'T' does not exist" in capsys.readouterr().err
+    # with --overwrite the output check passes and the next problem (a missing target) is reported
+    missing = str(tmp_path / "T")
+    assert train_cli.run(_train_args(target=missing, output=str(tmp_path / "out"), overwrite=True, device="cpu")) == 2
+    assert f"load_target: target directory {missing!r} does not exist" in capsys.readouterr().err
 
 
 def test_optimize_logs_the_last_step_and_ends_the_bar_at_100_percent():

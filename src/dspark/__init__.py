@@ -2,7 +2,7 @@
 
 Layers (data flows one way, top to bottom):
 
-* ``dspark.engine``  -- target adapter, decoding loop, schedulers, ``generate``;
+* ``dspark.engine``  -- target adapter, decoding loop, schedulers, ``LLM`` and ``generate``;
 * ``dspark.model``   -- the DSpark draft model, its heads and checkpoint formats;
 * ``dspark.kernels`` -- the DSpark kernel set (PyTorch reference + Triton), imports nothing above it.
 """
@@ -10,10 +10,14 @@ Layers (data flows one way, top to bottom):
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    # `dspark.generate` without importing the engine (and transformers) on `import dspark.kernels`.
-    if name == "generate":
-        from .engine import generate
+__all__ = ["LLM", "generate", "__version__"]
 
-        return generate
+
+def __getattr__(name: str):
+    # `dspark.LLM` / `dspark.generate` without importing the engine (torch, transformers) on
+    # `import dspark.kernels` or `dspark --help`.
+    if name in ("LLM", "generate"):
+        from .engine import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'dspark' has no attribute {name!r}")

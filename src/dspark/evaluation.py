@@ -55,7 +55,8 @@ def warm_up(decoders: list[SpeculativeDecoder], prompt_ids, sampling: SamplingPa
 
 def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: int = 128,
              sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0,
-             progress: Callable[[int, int], None] | None = None, engine: str = "reference") -> dict:
+             progress: Callable[[int, int], None] | None = None, engine: str = "reference", cost_table=None,
+             min_predicted_gain: float = 0.04) -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
@@ -63,7 +64,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     ``identical`` (prompts whose output equals plain decoding; None when sampling).
     ``progress(done, total)`` is called after each prompt. ``engine``: ``"reference"`` (the
     single-request loop over the Hugging Face model) or ``"batched"`` (an ``LLMEngine`` per draft and
-    its plain-decoding twin, one prompt at a time so that per-prompt speedups stay comparable)."""
+    its plain-decoding twin, one prompt at a time so that per-prompt speedups stay comparable;
+    ``scheduler="cost"`` with ``cost_table`` and ``min_predicted_gain`` as ``EngineConfig``)."""
     c = Checker("evaluate")
     if not drafts:
         c.fail("drafts must name at least one draft model")
@@ -71,7 +73,10 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
         c.fail("prompts must be a non-empty list of non-empty token id lists")
     if engine not in ("reference", "batched"):
         c.fail(f"engine must be 'reference' or 'batched', got {engine!r}")
-    speculative, baseline = _runners(engine, target, drafts, scheduler, threshold, sampling)
+    if scheduler == "cost" and engine != "batched":
+        c.fail("scheduler 'cost' needs engine='batched' (it schedules across the batch)")
+    cost = dict(cost_table=cost_table, min_predicted_gain=min_predicted_gain)
+    speculative, baseline = _runners(engine, target, drafts, scheduler, threshold, sampling, cost)
     for run in [*speculative.values(), baseline]:  # first calls pay one-off costs: not timed
         run(prompts[0], _WARMUP_TOKENS)
 
@@ -111,8 +116,10 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     return report
 
 
-def _runners(engine: str, target, drafts: dict, scheduler: str, threshold: float, sampling: SamplingParams):
-    """``({name: run}, plain run)``: ``run(prompt_ids, max_new_tokens) -> GenerationResult``."""
+def _runners(engine: str, target, drafts: dict, scheduler: str, threshold: float, sampling: SamplingParams,
+             cost: dict):
+    """``({name: run}, plain run)``: ``run(prompt_ids, max_new_tokens) -> GenerationResult``; ``cost``:
+    the cost scheduler's ``EngineConfig`` fields."""
     if engine == "reference":
         decoders = {name: SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=threshold)
                     for name, draft in drafts.items()}
@@ -125,7 +132,8 @@ def _runners(engine: str, target, drafts: dict, scheduler: str, threshold: float
                 lambda ids, n: autoregressive_generate(plain_target, ids, max_new_tokens=n, sampling=sampling))
     from .engine import EngineConfig, LLMEngine, Request
 
-    engines = {name: LLMEngine(target, draft, EngineConfig(max_batch=1, scheduler=scheduler, threshold=threshold))
+    engines = {name: LLMEngine(target, draft, EngineConfig(max_batch=1, scheduler=scheduler, threshold=threshold,
+                                                                **cost))
                for name, draft in drafts.items()}
 
     def batched(e):

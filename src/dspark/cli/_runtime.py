@@ -1,12 +1,21 @@
 """Options and helpers shared by the subcommands: the help format, ``--device`` / ``--dtype`` /
-``--allow-pickle`` / ``--quiet``, the target loader, sampling and scheduler options, progress bars."""
+``--allow-pickle`` / ``--quiet``, checkpoint names (local directories, Hugging Face Hub names, the
+demo pair by default), the target loader, sampling, stop-string and scheduler options, progress bars.
+
+Nothing here imports torch or transformers at module level: ``dspark --help`` and every
+``dspark <command> --help`` build their parsers from this module, and must stay fast."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The engine's schedulers (``dspark.engine.llm_engine.ENGINE_SCHEDULERS``), spelled out so that building
+# a parser never imports the engine (and torch); tests/test_cli_runtime.py keeps the two equal.
+SCHEDULER_CHOICES = ("off", "threshold", "sps", "cost")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -46,6 +55,86 @@ def runtime(args: argparse.Namespace):
     return device, getattr(torch, args.dtype)
 
 
+# ---- checkpoint names: local directories, Hugging Face Hub names, the demo pair -------------------
+
+# A Hub model id: "name" or "owner/name" of letters, digits, "-", "_", "." (huggingface_hub's rule),
+# no "--" or "..". Anything else that is not a local path stays a path (and fails as one).
+_HUB_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+# What a checkpoint needs from a Hub repo: configs, safetensors weights, tokenizer files.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def resolve_checkpoint(name: str | None, flag: str, *, allow_pickle: bool = False) -> str | None:
+    """The local directory of the checkpoint ``name`` given to ``flag`` (``--target`` / ``--draft``):
+    ``name`` itself when it exists on disk (or is no Hub model id); else a Hugging Face Hub model id
+    (``Qwen/Qwen3-0.6B``) looked up in the Hub cache first (``HF_HUB_CACHE``), then downloaded
+    unless downloads are off (``HF_HUB_OFFLINE=1``); ``allow_pickle`` also fetches pickled weights
+    (``*.bin``). None stays None (the caller's default). ValueError, one line naming the flag, the
+    name and what to do, when it is neither on disk nor cached and cannot be downloaded."""
+    if name is None or Path(name).expanduser().exists() or not _HUB_ID.fullmatch(name):
+        return None if name is None else str(Path(name).expanduser())
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except OSError:  # LocalEntryNotFoundError (a FileNotFoundError): not in the cache
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(f"{flag} {name} is not a local directory, nor a Hugging Face Hub model in the cache "
+                         f"({constants.HF_HUB_CACHE}), and downloads are off (HF_HUB_OFFLINE=1): download it "
+                         f"where there is a network (hf download {name}) or give a local directory")
+    patterns = _HUB_PATTERNS + (["*.bin"] if allow_pickle else [])
+    try:
+        return snapshot_download(name, allow_patterns=patterns)
+    except Exception as exc:  # no such repo, a gated one, no network: every reason ends the same way
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{flag} {name} is not a local directory, and downloading it from the Hugging Face Hub "
+                         f"failed ({type(exc).__name__}: {reason}): check the name, your network and "
+                         f"access (hf auth login for a gated model), or give a local directory") from None
+
+
+def resolve_pair(args: argparse.Namespace, *, drafts: str = "one", no_draft: bool | None = None) -> None:
+    """Set ``args.target`` and ``args.draft`` to local directories (``resolve_checkpoint``); neither
+    given: the demo pair shipped with the package. ``drafts``: what ``--draft`` takes -- ``"one"``
+    directory, ``"several"`` (a list) or ``"none"`` (a command of the target alone). A draft is
+    trained for its target, so one without the other is refused, except a target alone with
+    ``no_draft`` (plain decoding; None: the command has no ``--no-draft``). ``args.target_name``
+    keeps the target's name as given (a Hub id stays portable in what is written)."""
+    draft = None if drafts == "none" else args.draft
+    if no_draft and draft is not None:
+        raise ValueError("--no-draft and --draft exclude each other")
+    if args.target is None and draft is not None:
+        raise ValueError("--draft needs --target, the model it drafts for (or neither, for the demo pair)")
+    if args.target is not None and draft is None and drafts != "none" and not no_draft:
+        plain = "" if no_draft is None else ", or --no-draft for plain decoding"
+        raise ValueError(f"--target needs --draft, a DSpark draft trained for it{plain} (or neither, for the demo pair)")
+    if args.target is None:
+        from dspark.training.data import demo_pair
+
+        pair = demo_pair()
+        args.target = args.target_name = str(pair.target)
+        if drafts != "none" and not no_draft:
+            args.draft = [str(pair.draft)] if drafts == "several" else str(pair.draft)
+        return
+    args.target_name = args.target
+    args.target = resolve_checkpoint(args.target, "--target", allow_pickle=getattr(args, "allow_pickle", False))
+    if drafts == "several":
+        args.draft = [resolve_checkpoint(d, "--draft") for d in draft]
+    elif draft is not None:
+        args.draft = resolve_checkpoint(draft, "--draft")
+    check_configs([args.target, *(args.draft if drafts == "several" else [args.draft] if draft is not None else [])])
+
+
+def check_configs(directories) -> None:
+    """ValueError naming the file, line and column when a checkpoint directory's ``config.json`` is
+    not a JSON object (before the loaders, whose own JSON errors name no file)."""
+    from dspark.model.checkpoint import CONFIG_NAME, read_json_object
+
+    for directory in directories:
+        if directory is not None and (Path(directory) / CONFIG_NAME).is_file():
+            read_json_object(Path(directory) / CONFIG_NAME)
+
+
 def load_target(args: argparse.Namespace, device, dtype):
     """``(model, tokenizer)`` of ``--target`` (a Hugging Face causal LM directory with its
     tokenizer), the model frozen on ``device``; ValueError naming what is wrong with it."""
@@ -66,12 +155,17 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
-    from dspark.engine.drafting import SCHEDULERS
-
-    parser.add_argument("--scheduler", choices=SCHEDULERS, default="off",
-                        help="how many drafts to verify per round: off = all, threshold / sps = by the confidence head")
+    parser.add_argument("--scheduler", choices=SCHEDULER_CHOICES, default="off",
+                        help="how many drafts to verify per round: off = all, threshold / sps = by the confidence "
+                             "head, per request; cost = across the batch, by the paper's Algorithm 1 with "
+                             "--cost-table (batched engine only)")
     parser.add_argument("--threshold", type=float, default=0.0,
                         help="in [0, 1]; threshold scheduler: minimum prefix survival; sps: survival floor")
+    parser.add_argument("--cost-table", metavar="FILE", default=None,
+                        help="cost scheduler: the verify cost table JSON that dspark profile writes")
+    parser.add_argument("--min-predicted-gain", type=float, default=0.04,
+                        help="cost scheduler: trim verification only when the predicted goodput beats the full "
+                             "block by this fraction")
 
 
 def sampling_params(args: argparse.Namespace, command: str):
@@ -85,13 +179,74 @@ def sampling_params(args: argparse.Namespace, command: str):
     return sampling
 
 
-def check_scheduler_arguments(args: argparse.Namespace) -> None:
-    """ValueError for a ``--threshold`` out of [0, 1] or given while the scheduler is off."""
+def check_scheduler_arguments(args: argparse.Namespace, *, batched: bool) -> None:
+    """ValueError for a ``--threshold`` out of [0, 1] or given while the scheduler is off or cost,
+    ``--scheduler cost`` without ``--cost-table`` or on the reference engine (``batched`` False:
+    the cost scheduler decides across a batch), and a ``--cost-table`` nothing reads."""
     if not 0.0 <= args.threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1] (a survival probability), got {args.threshold}")
-    if args.scheduler == "off" and args.threshold != 0.0:
-        raise ValueError(f"--threshold {args.threshold} does nothing with --scheduler off: "
+    if args.scheduler in ("off", "cost") and args.threshold != 0.0:
+        raise ValueError(f"--threshold {args.threshold} does nothing with --scheduler {args.scheduler}: "
                          f"add --scheduler threshold or --scheduler sps")
+    if args.scheduler != "cost":
+        if args.cost_table is not None:
+            raise ValueError(f"--cost-table {args.cost_table} is read only by --scheduler cost, "
+                             f"got --scheduler {args.scheduler}")
+        return
+    if args.cost_table is None:
+        raise ValueError("--scheduler cost needs --cost-table FILE: the cost table JSON that `dspark profile` "
+                         "writes for this target and device")
+    if not batched:
+        raise ValueError("--scheduler cost needs the batched engine (it schedules across the batch): "
+                         "add --engine batched (the default on CUDA)")
+    if not Path(args.cost_table).is_file():
+        raise ValueError(f"--cost-table {args.cost_table} not found (write it with dspark profile --out FILE)")
+
+
+# ---- stop strings -----------------------------------------------------------------------------------
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+_HEX_DIGITS = {"x": 2, "u": 4}
+
+
+def process_escapes(text: str) -> str:
+    """``text`` with the escapes of llama.cpp's ``--stop`` / ``-p`` processed: ``\\n``, ``\\t``,
+    ``\\r``, ``\\\\``, ``\\"``, ``\\'``, ``\\xHH`` and ``\\uXXXX`` (a shell passes ``"\\n"``
+    as a backslash and an n, so ``--stop "\\n\\n"`` would otherwise never match); any other backslash
+    stays as it is, as in llama.cpp. ValueError for ``\\x`` / ``\\u`` without their hex digits."""
+    out, i = [], 0
+    while i < len(text):
+        char, code = text[i], text[i + 1:i + 2]
+        if char != "\\" or not code:
+            out.append(char)
+            i += 1
+        elif code in _ESCAPES:
+            out.append(_ESCAPES[code])
+            i += 2
+        elif code in _HEX_DIGITS:
+            width = _HEX_DIGITS[code]
+            digits = text[i + 2:i + 2 + width]
+            if len(digits) != width or not all(d in "0123456789abcdefABCDEF" for d in digits):
+                raise ValueError(f"\\{code} must be followed by {width} hex digits, got {text[i:i + 2 + width]!r} "
+                                 f"in {text!r}")
+            out.append(chr(int(digits, 16)))
+            i += 2 + width
+        else:
+            out.append(char + code)
+            i += 2
+    return "".join(out)
+
+
+def stop_string(text: str) -> str:
+    """argparse ``type`` of ``--stop``: the escapes processed (``process_escapes``); an empty stop
+    string would end every output at once, so it is refused."""
+    try:
+        stop = process_escapes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not stop:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return stop
 
 
 def progress_bar(args: argparse.Namespace, name: str):

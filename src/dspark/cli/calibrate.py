@@ -6,7 +6,9 @@ other prompt fits one temperature per draft position (Sequential Temperature Sca
 each minimising the ECE of the prefix survival); the remaining prompts report the expected
 calibration error and AUC per position before and after. The temperatures are written to
 ``dspark_calibration.json`` (key ``sts_temperatures``) and to the draft's ``config.json``, from
-which the engine applies them.
+which the engine applies them: in --draft itself, or in a calibrated copy with --output DIR. Without
+--target/--draft the demo pair shipped with the package is calibrated; it, and a draft given by its
+Hugging Face Hub name (the cache), are never changed in place: only --output writes them.
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import sys
+from pathlib import Path
 
-from ._runtime import add_runtime_arguments, load_target, progress_bar, runtime
+from ._runtime import add_runtime_arguments, load_target, progress_bar, resolve_pair, runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="Hugging Face causal LM directory (with its tokenizer)")
-    parser.add_argument("--draft", required=True, help="DSpark draft directory (updated in place)")
+    parser.add_argument("--target", help="Hugging Face causal LM (with its tokenizer): a directory or a Hub name "
+                                         "(default: the demo pair's target)")
+    parser.add_argument("--draft", help="DSpark draft: a directory (updated in place unless --output) or a Hub name "
+                                        "(default: the demo pair's draft)")
+    parser.add_argument("--output", metavar="DIR", default=None,
+                        help="write the calibrated draft here (a copy of --draft) instead of updating --draft")
     parser.add_argument("--data", default="stdlib:valid", help="held-out corpus (see dspark train --data)")
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts (half fit, half report)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens of held-out text per prompt")
@@ -42,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.num_prompts < 2:
             raise ValueError(f"--num-prompts must be >= 2 (half fit, half report), got {args.num_prompts}")
+        in_place = args.output is None and args.draft is not None and Path(args.draft).expanduser().is_dir()
+        _check_output(args.output)
+        resolve_pair(args)
         device, dtype = runtime(args)
         target, tokenizer = load_target(args, device, dtype)
         draft = load_draft(args.draft, target=target, device=device, dtype=dtype)
@@ -64,16 +75,38 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
         temperatures = fit_sts(fit_rounds, bins=args.bins)
         report = calibration_report(test_rounds, temperatures, args.bins)
-        file = save_calibration(args.draft, temperatures, report)
+        written = _save(args, in_place, temperatures, report, save_calibration)
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark calibrate: {exc}", file=sys.stderr)
         return 2
     print(_table(report, len(fit_rounds.accepted), len(test_rounds.accepted), test_rounds.tau))
-    print(f"wrote {file} and sts_temperatures in {args.draft}/config.json")
+    if written is None:
+        print(f"{args.draft} is the demo pair's or the Hugging Face cache's: left as it is; "
+              f"pass --output DIR to write a calibrated copy")
+    else:
+        print(f"wrote {written} and sts_temperatures in {written.parent}/config.json")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"sts_temperatures": temperatures, "tau_greedy": test_rounds.tau, "report": report}, f, indent=2)
     return 0
+
+
+def _check_output(output: str | None) -> None:
+    """``--output`` must be a new or empty directory (a calibrated copy never overwrites files)."""
+    if output is None:
+        return
+    path = Path(output)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"--output {output} exists and is not an empty directory: give a new one")
+
+
+def _save(args: argparse.Namespace, in_place: bool, temperatures, report, save_calibration) -> Path | None:
+    """Write the temperatures: into ``--output`` (a copy of the draft, symlinks of a Hub cache
+    followed), into ``--draft`` when it is a local directory the user gave, else nowhere (None)."""
+    if args.output is not None:
+        shutil.copytree(args.draft, args.output, dirs_exist_ok=True)
+        return save_calibration(args.output, temperatures, report)
+    return save_calibration(args.draft, temperatures, report) if in_place else None
 
 
 def _table(report: list[dict], fit: int, test: int, tau: float) -> str:

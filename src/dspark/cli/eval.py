@@ -6,7 +6,8 @@ tokens a verification round produces (accepted drafts + the target's own bonus t
 is speculative tokens/s over plain tokens/s. Prompts: held-out standard library files
 (stdlib:test), the demo pair's held-out prompts (src/dspark/data/demo/prompts.jsonl, next to its
 target/ and draft/ directories), or any JSON Lines file of {"text": ...} or {"turns": [...]} records
-(the first turn, through the chat template). Greedy runs check that every output equals plain
+(the first turn, through the chat template). Without --target/--draft the demo pair shipped with the
+package runs; both may be Hugging Face Hub names. Greedy runs check that every output equals plain
 decoding (exit status 1 otherwise).
 """
 
@@ -17,12 +18,14 @@ import json
 import sys
 
 from ._runtime import (add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
-                       load_target, mismatch_status, progress_bar, runtime, sampling_params)
+                       load_target, mismatch_status, progress_bar, resolve_pair, runtime, sampling_params)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="Hugging Face causal LM directory (with its tokenizer)")
-    parser.add_argument("--draft", required=True, nargs="+", help="one or more DSpark draft directories")
+    parser.add_argument("--target", help="Hugging Face causal LM (with its tokenizer): a directory or a Hub name "
+                                         "(default: the demo pair's target)")
+    parser.add_argument("--draft", nargs="+", help="one or more DSpark drafts: directories or Hub names "
+                                                   "(default: the demo pair's draft)")
     parser.add_argument("--prompts", default="stdlib:test", help="stdlib:<split> or a JSON Lines prompt file")
     parser.add_argument("--num-prompts", type=int, default=16, help="use the first N prompts (0 = all)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
@@ -42,23 +45,24 @@ def run(args: argparse.Namespace) -> int:
     from dspark.training.data import prompt_token_ids, read_prompts
 
     try:
-        if len(set(args.draft)) != len(args.draft):
+        if args.draft is not None and len(set(args.draft)) != len(args.draft):
             raise ValueError(f"--draft names a directory twice: {args.draft}")
         if args.num_prompts < 0:
             raise ValueError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
-        check_scheduler_arguments(args)
+        device, dtype = runtime(args)
+        batched = args.engine == "batched" or args.engine == "auto" and device.type == "cuda"
+        check_scheduler_arguments(args, batched=batched)
         sampling = sampling_params(args, "eval")
         records = read_prompts(args.prompts)
         records = records[: args.num_prompts] if args.num_prompts else records
-        device, dtype = runtime(args)
+        resolve_pair(args, drafts="several")
         target, tokenizer = load_target(args, device, dtype)
         drafts = {path: load_draft(path, target=target, device=device, dtype=dtype) for path in args.draft}
         prompts = [prompt_token_ids(tokenizer, r) for r in records]
         bar = progress_bar(args, "dspark eval")
         report = evaluate(target, drafts, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          scheduler=args.scheduler, threshold=args.threshold,
-                          engine="batched" if args.engine == "batched" or args.engine == "auto" and device.type == "cuda"
-                          else "reference",
+                          scheduler=args.scheduler, threshold=args.threshold, cost_table=args.cost_table,
+                          min_predicted_gain=args.min_predicted_gain, engine="batched" if batched else "reference",
                           progress=None if bar is None else lambda done, total: bar.update(
                               done / total, f"prompt {done}/{total}"))
         if bar is not None:
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark eval: {exc}", file=sys.stderr)
         return 2
-    report.update(target=args.target, prompt_set=args.prompts, device=str(device), dtype=str(dtype))
+    report.update(target=args.target_name, prompt_set=args.prompts, device=str(device), dtype=str(dtype))
     print(format_table(report))
     if args.per_prompt:
         print()

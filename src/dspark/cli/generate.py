@@ -4,7 +4,8 @@ Prints the prompt and streams the continuation as rounds are accepted (token ids
 has no tokenizer; the prompt's ids in brackets), then the statistics: tau = tokens produced per
 verification round (accepted drafts + the target's own bonus token), mean verified drafts = drafts
 the scheduler sent to verification per round. Without --target/--draft the demo pair shipped with
-the package runs. Prompts: --prompt, --prompt-ids or --prompt-file (a text file is one prompt, - reads
+the package runs; --target / --draft may also be Hugging Face Hub names (from the cache, else downloaded
+unless HF_HUB_OFFLINE=1), and --no-draft decodes with the target alone. Prompts: --prompt, --prompt-ids or --prompt-file (a text file is one prompt, - reads
 stdin, a .jsonl file holds one request per line: {"prompt": TEXT} or {"prompt_ids": [...]}, optionally
 with max_new_tokens, temperature, top_k, top_p, seed). The output ends after the target's EOS
 (unless --ignore-eos), before a --stop string, at --max-new-tokens or at the context limit
@@ -23,13 +24,16 @@ import sys
 
 from ._prompts import read_prompt_file
 from ._runtime import (add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
-                       mismatch_status, runtime, sampling_params)
+                       mismatch_status, resolve_pair, runtime, sampling_params, stop_string)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="Hugging Face causal LM directory (default: the demo pair's target)")
-    parser.add_argument("--draft", help="DSpark draft directory, speculators or DeepSpec format "
+    parser.add_argument("--target", help="Hugging Face causal LM: a directory or a Hub name such as Qwen/Qwen3-0.6B "
+                                         "(default: the demo pair's target)")
+    parser.add_argument("--draft", help="DSpark draft, speculators or DeepSpec format: a directory or a Hub name "
                                         "(default: the demo pair's draft)")
+    parser.add_argument("--no-draft", action="store_true",
+                        help="plain decoding with the target alone (the baseline; batched engine)")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer; "
                                          "default with the demo pair: the start of a held-out file)")
@@ -39,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per request")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context limit, prompt + output (default: the target's max_position_embeddings)")
-    parser.add_argument("--stop", action="append", metavar="TEXT",
-                        help="end the output before this text (repeatable; needs the tokenizer)")
+    parser.add_argument("--stop", action="append", metavar="TEXT", type=stop_string,
+                        help="end the output before this text (repeatable; needs the tokenizer); escapes as in "
+                             "llama.cpp: \\n, \\t, \\r, \\\\, \\\", \\', \\xHH, \\uXXXX")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence token")
     add_sampling_arguments(parser)
     add_scheduler_arguments(parser)
@@ -92,45 +97,50 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace):
-    """``(decoder, tokenizer, requests, dtype)``: options checked, models loaded, every request
-    built and checked against the target (an over-long prompt is refused before anything runs)."""
+    """``(decoder, tokenizer, requests, dtype)``: options checked, models loaded (``LLM``), every
+    request built and checked against the target (an over-long prompt is refused before anything runs)."""
     from dspark.engine import SpeculativeDecoder, check_target_directory, load_tokenizer
+    from dspark.engine.api import LLM
     from dspark.engine.decoder import check_prompt
 
-    check_scheduler_arguments(args)
     sampling = sampling_params(args, "generate")
     device, dtype = runtime(args)
+    batched = _batched(args, device)
+    check_scheduler_arguments(args, batched=batched)
+    if args.no_draft and args.compare:
+        raise ValueError("--compare runs plain decoding beside speculative decoding: not with --no-draft")
     _use_demo_pair_by_default(args)
     check_target_directory(args.target)
     tokenizer = load_tokenizer(args.target)
     if args.stop and tokenizer is None:
-        raise ValueError(f"--stop needs the target's tokenizer, but {args.target} has none")
+        raise ValueError(f"--stop needs the target's tokenizer, but {args.target_name} has none")
     records = _prompt_records(args)
     requests = [_request(args, tokenizer, sampling, where, record) for where, record in records]
-    if _batched(args, device):
-        from dspark.engine import EngineConfig, LLMEngine
-
+    if batched:
         if args.allow_pickle:
             raise ValueError("--allow-pickle needs --engine reference (the batched engine reads safetensors only)")
         if args.max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-        config = EngineConfig(max_batch=min(args.max_batch, len(requests)), max_model_len=args.max_model_len,
-                              scheduler=args.scheduler, threshold=args.threshold, device=device, dtype=dtype)
-        decoder = LLMEngine(args.target, args.draft, config)
-        for (where, _), request in zip(records, requests):
-            _named(where, decoder.check_request, request)
-        return decoder, tokenizer, requests, dtype
-    decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, device=device, dtype=dtype,
-                                                 max_model_len=args.max_model_len, allow_pickle=args.allow_pickle,
-                                                 scheduler=args.scheduler, threshold=args.threshold)
+    llm = LLM(args.target, args.draft, no_draft=args.no_draft, tokenizer=tokenizer,
+              engine="batched" if batched else "reference", max_batch=min(args.max_batch, len(requests)),
+              max_model_len=args.max_model_len, scheduler=args.scheduler, threshold=args.threshold,
+              cost_table=args.cost_table, min_predicted_gain=args.min_predicted_gain,
+              allow_pickle=args.allow_pickle, device=device, dtype=dtype)
+    decoder = llm.decoder
     for (where, _), request in zip(records, requests):
-        _named(where, check_prompt, decoder.target, request.prompt_ids)
+        if isinstance(decoder, SpeculativeDecoder):
+            _named(where, check_prompt, decoder.target, request.prompt_ids)
+        else:
+            _named(where, decoder.check_request, request)
     return decoder, tokenizer, requests, dtype
 
 
 def _batched(args: argparse.Namespace, device) -> bool:
-    """Which engine runs: ``--engine``, or for ``auto`` the batched one on CUDA."""
-    return args.engine == "batched" or args.engine == "auto" and device.type == "cuda"
+    """Which engine runs: ``--engine``, or for ``auto`` the batched one on CUDA or with ``--no-draft``
+    (the reference loop always drafts). ValueError for ``--engine reference --no-draft``."""
+    if args.no_draft and args.engine == "reference":
+        raise ValueError("--no-draft needs --engine batched or auto (the reference loop always drafts)")
+    return args.engine == "batched" or args.engine == "auto" and (device.type == "cuda" or args.no_draft)
 
 
 def _warm_up(decoder, request, warm_up) -> None:
@@ -153,18 +163,17 @@ DEMO_PROMPT_FILE = "asyncio/subprocess.py"
 
 
 def _use_demo_pair_by_default(args: argparse.Namespace) -> None:
-    """Neither --target nor --draft: the demo pair shipped with the package, prompted (unless a
-    prompt is given) with the start of the held-out file ``DEMO_PROMPT_FILE``. Both or neither must be given."""
-    if (args.target is None) != (args.draft is None):
-        raise ValueError("--target and --draft must be given together (or neither, for the demo pair)")
+    """--target / --draft resolved to directories (``resolve_pair``: Hub names, the demo pair when
+    neither is given); the demo pair is prompted (unless a prompt is given) with the start of the
+    held-out file ``DEMO_PROMPT_FILE``."""
+    demo = args.target is None
+    resolve_pair(args, no_draft=args.no_draft)
     no_prompt = args.prompt is None and args.prompt_ids is None and args.prompt_file is None
-    if args.target is None:
+    if demo:
         from dspark.training.data import demo_pair, read_prompts
 
-        pair = demo_pair()
-        args.target, args.draft = str(pair.target), str(pair.draft)
         if no_prompt:
-            records = read_prompts(str(pair.prompts))
+            records = read_prompts(str(demo_pair().prompts))
             args.prompt = next((r for r in records if r.get("file") == DEMO_PROMPT_FILE), records[0])["text"]
     elif no_prompt:
         raise ValueError("give a prompt: --prompt TEXT, --prompt-ids 1,2,3 or --prompt-file FILE")
@@ -189,7 +198,7 @@ def _request(args: argparse.Namespace, tokenizer, sampling, where: str, record: 
     from dspark.engine import Request, encode_prompts
 
     if "prompt" in record and tokenizer is None:
-        raise ValueError(f"{where}: a text prompt needs the target's tokenizer, but {args.target} has none; "
+        raise ValueError(f"{where}: a text prompt needs the target's tokenizer, but {args.target_name} has none; "
                          f"give token ids instead (--prompt-ids, or prompt_ids in a .jsonl file)")
     ids = _named(where, encode_prompts, record["prompt"], tokenizer, name=where)[0][0] if "prompt" in record else \
         record["prompt_ids"]

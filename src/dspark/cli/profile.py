@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._runtime import add_runtime_arguments, runtime
+from ._runtime import add_runtime_arguments, resolve_pair, runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="Hugging Face causal LM directory (default: the demo pair's target)")
+    parser.add_argument("--target", help="Hugging Face causal LM: a directory or a Hub name "
+                                         "(default: the demo pair's target)")
     parser.add_argument("--max-tokens", type=int, default=512, help="largest total verify token count")
     parser.add_argument("--context", type=int, default=512, help="cached positions per request")
     parser.add_argument("--tokens-per-row", type=int, default=8, help="verify tokens per request (P + 1)")
@@ -26,22 +27,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dspark.engine.profile import default_token_counts, profile_verify
     from dspark.model.llama import TargetLM
-    from dspark.training.data import demo_pair
 
     for name in ("max_tokens", "context", "tokens_per_row"):
         if getattr(args, name) < 1:
             print(f"dspark profile: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
-    device, dtype = runtime(args)
-    target_dir = args.target or demo_pair().target
     try:
-        target = TargetLM.from_pretrained(target_dir, device=device, dtype=dtype)
-    except ValueError as exc:
+        device, dtype = runtime(args)
+        resolve_pair(args, drafts="none")
+        target = TargetLM.from_pretrained(args.target, device=device, dtype=dtype)
+    except (ValueError, OSError) as exc:
         print(f"dspark profile: {exc}", file=sys.stderr)
         return 2
     table = profile_verify(target, default_token_counts(args.max_tokens), context=args.context,
                            tokens_per_row=args.tokens_per_row)
-    table.write_json(args.out, device=str(device), target=str(target_dir), context=args.context)
+    table.write_json(args.out, device=str(device), target=args.target_name, context=args.context)
     for n, t in zip(table.token_counts, table.step_time_ms):
         print(f"{n:6d} tokens  {t:8.3f} ms")
     print(f"wrote {args.out}")

@@ -7,7 +7,8 @@ Checkpoints are written in the speculators format (loaded by ``dspark generate``
 every --save-every steps and at the end, with the state that --resume continues from. GPU for
 real runs; the CPU works for tiny smoke runs. Data parallel on N GPUs (or nodes) through torchrun:
 ``torchrun --nproc-per-node N -m dspark train ...`` (--batch-size is the global batch; --fsdp
-shards the draft with FSDP2).
+shards the draft with FSDP2). Without --target the demo pair's target is trained for; --target may
+be a Hugging Face Hub name (from the cache, else downloaded unless HF_HUB_OFFLINE=1).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import os
 import sys
 from pathlib import Path
 
-from ._runtime import DTYPES, add_runtime_arguments, load_target, runtime
+from ._runtime import DTYPES, add_runtime_arguments, load_target, resolve_pair, runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="Hugging Face causal LM directory (with its tokenizer)")
-    parser.add_argument("--data", required=True,
+    parser.add_argument("--target", help="Hugging Face causal LM (with its tokenizer): a directory or a Hub name "
+                                         "(default: the demo pair's target)")
+    parser.add_argument("--data", default="stdlib:train",
                         help="corpus: stdlib:train|valid|test, a text file, a directory, or a .jsonl file")
     parser.add_argument("--output", required=True, help="draft checkpoint directory to write")
     parser.add_argument("--overwrite", action="store_true", help="write into --output even if it is not empty")
@@ -52,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="add N rows in the target's own words: a corpus row's first quarter + the target's "
                             "greedy continuation (the paper trains on target-regenerated text)")
     train.add_argument("--regenerate-batch", type=int, default=256, help="rows generated at once")
-    train.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    train.add_argument("--steps", type=int, default=2000,
+                       help="optimizer steps in all (with --resume: more than the run has taken extends it)")
     train.add_argument("--batch-size", type=int, default=16, help="rows per step")
     train.add_argument("--anchors", type=int, default=64, help="blocks per row")
     train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
@@ -63,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--save-every", type=int, default=500, help="write a checkpoint every N steps (0 = only at the end)")
     train.add_argument("--seed", type=int, default=0, help="seed of the data order, anchors and initialisation")
     train.add_argument("--resume", action="store_true",
-                       help="continue the run saved in --output (weights, optimizer, data position; same options)")
+                       help="continue the run saved in --output (weights, optimizer, data position): the same "
+                            "options, except --steps / --time-budget, which may extend it")
     parallel = parser.add_argument_group("data parallel (under torchrun)")
     parallel.add_argument("--fsdp", action="store_true",
                           help="shard the draft's parameters, gradients and optimizer state with FSDP2 (default: DDP)")
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     world = SINGLE
     try:
         _check_output(args)
+        resolve_pair(args, drafts="none")
         device, dtype = runtime(args)
         world, device = init_world(device, args.dist_timeout)
         if args.fsdp and not world.distributed:
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         texts = read_corpus(args.data)
         texts = texts[: args.max_docs] if args.max_docs else texts
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {args.target} has no EOS token to separate documents")
+            raise ValueError(f"the tokenizer of {args.target_name} has no EOS token to separate documents")
         sequences = pack_sequences(tokenize(tokenizer, texts), args.seq_len, tokenizer.eos_token_id)
         if 0 < args.corpus_rows < sequences.shape[0]:
             keep = torch.randperm(sequences.shape[0], generator=torch.Generator().manual_seed(args.seed))
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             markov_head_type=args.head_type, confidence=not args.no_confidence, capture_layer_ids=capture,
             layer_type=args.layer_type, sliding_window=args.sliding_window,
             sample_from_anchor=not args.no_sample_from_anchor,
-            verifier={"name_or_path": args.target, "architectures": list(target.config.architectures or [])})
+            verifier={"name_or_path": args.target_name, "architectures": list(target.config.architectures or [])})
         options = TrainOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                                weight_decay=args.weight_decay, time_budget=args.time_budget,
                                save_every=args.save_every, seed=args.seed)

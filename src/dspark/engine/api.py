@@ -1,6 +1,7 @@
 """The user-facing generation API: prompts as text or token ids, one or many; results with text.
 
-``generate(target, draft, prompts, ...)`` turns each prompt into a ``Request`` (a string is
+``LLM(target, draft, ...)`` loads the models once; its ``generate(prompts, ...)`` (and the one-call
+``generate(target, draft, prompts, ...)`` built on it) turns each prompt into a ``Request`` (a string is
 tokenized with the target's tokenizer), runs them through ``generate_requests`` and decodes each
 continuation into ``GenerationResult.text``. Stop strings end a request once its decoded text
 contains one: the text is cut before it, the token ids end with the token that completed it, and
@@ -23,7 +24,7 @@ from .llm_engine import EngineConfig, LLMEngine
 from .target import resolve_device
 from .drafting import SamplingParams
 
-__all__ = ["generate", "generate_texts", "load_tokenizer", "encode_prompts", "TextStream", "TOKENIZER_FILES"]
+__all__ = ["LLM", "generate", "generate_texts", "load_tokenizer", "encode_prompts", "TextStream", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Prompt tokens decoded ahead of a continuation, so that its first word is spaced as it is after the
@@ -182,61 +183,147 @@ def generate_texts(decoder: SpeculativeDecoder, requests: Sequence[Request], tok
     return results
 
 
+class LLM:
+    """A target (and DSpark draft) loaded once, for many ``generate`` calls (like vLLM's ``LLM``).
+
+    ``target``: a Hugging Face causal-LM directory (str or path) or loaded model; ``draft``: a
+    DSpark checkpoint directory (speculators or DeepSpec format) or a ``DSparkDraftModel``; both
+    None: the demo pair shipped with the package. ``no_draft=True`` decodes with the target alone
+    (plain decoding, the baseline; batched engine). ``tokenizer``: default the target directory's
+    own (results then carry ``.text``). ``engine``: ``"batched"`` -- an ``LLMEngine`` decoding up to
+    ``max_batch`` prompts together (CUDA graphs on a GPU) -- or ``"reference"`` -- the single-request
+    loop over the Hugging Face model, one prompt after another -- or ``"auto"`` (default): batched on
+    CUDA or without a draft, reference elsewhere. ``max_model_len``: the context, prompt + output
+    (default the target's ``max_position_embeddings``). Scheduling: ``scheduler`` / ``threshold`` as
+    ``Drafter``, or ``"cost"`` (batched only) with ``cost_table`` (the JSON ``dspark profile``
+    writes, or an ``SPSCostTable``) and ``min_predicted_gain``. ``allow_pickle`` lets a target with
+    only pickled weights load (reference engine; only for a trusted checkpoint). ``device`` /
+    ``dtype``: where directories are loaded (default: the device of a model passed in, else
+    transformers' default).
+    """
+
+    def __init__(self, target=None, draft=None, *, no_draft: bool = False, tokenizer=None, engine: str = "auto",
+                 max_batch: int = 16, max_model_len: int | None = None, scheduler: str = "off", threshold: float = 0.0,
+                 cost_table=None, min_predicted_gain: float = 0.04, allow_pickle: bool = False, device=None,
+                 dtype=None):
+        c = Checker("LLM")
+        target, draft = _models(c, target, draft, no_draft)
+        self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
+        if engine not in ("auto", "batched", "reference"):
+            c.fail(f"engine must be 'auto', 'batched' or 'reference', got {engine!r}")
+        if no_draft and engine == "reference":
+            c.fail("no_draft needs engine='batched' or 'auto' (the reference loop always drafts)")
+        on_cuda = resolve_device(device).type == "cuda" if device is not None else _model_device(target, draft) == "cuda"
+        batched = engine == "batched" or engine == "auto" and (on_cuda or no_draft)
+        if scheduler == "cost" and not batched:
+            c.fail("scheduler='cost' needs engine='batched' (it schedules across the batch)")
+        if batched:
+            if allow_pickle:
+                c.fail("allow_pickle needs engine='reference' (the batched engine reads safetensors only)")
+            config = EngineConfig(max_batch=c.integer("max_batch", max_batch, low=1), max_model_len=max_model_len,
+                                  scheduler=scheduler, threshold=threshold, cost_table=cost_table,
+                                  min_predicted_gain=min_predicted_gain, device=device, dtype=dtype)
+            self.decoder = LLMEngine(target, draft, config)
+        else:
+            self.decoder = SpeculativeDecoder.from_pretrained(target, draft, device=device, dtype=dtype,
+                                                              max_model_len=max_model_len, allow_pickle=allow_pickle,
+                                                              scheduler=scheduler, threshold=threshold)
+
+    def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, eos_token_id: int | Sequence[int] | None = None,
+                 ignore_eos: bool = False, stop: str | Sequence[str] | None = None,
+                 on_tokens: Callable[[list[int]], "bool | None"] | None = None
+                 ) -> GenerationResult | list[GenerationResult]:
+        """Generate for ``prompts``: one prompt -- a string (tokenized with the tokenizer), a list of
+        token ids or a 1-D tensor -- or a list of prompts; returns one ``GenerationResult`` or a
+        list of them in order, with ``.text`` when there is a tokenizer. The output ends after
+        ``eos_token_id`` (default: the target's EOS; ``ignore_eos`` drops that default), a ``stop``
+        string, ``max_new_tokens`` tokens, or the context. ``on_tokens(tokens)`` streams a single
+        prompt's tokens as they are accepted. Sampling: ``temperature`` (0 = greedy), ``top_k``,
+        ``top_p``, ``seed``."""
+        c = Checker("generate")
+        if on_tokens is not None and not callable(on_tokens):
+            c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
+        stop = _stop_strings(c, stop)
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        batch, single = encode_prompts(prompts, self.tokenizer)
+        if on_tokens is not None and not single:
+            c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
+        stop_ids = () if eos_token_id is None else check_token_ids(c, "eos_token_id", eos_token_id)
+        if isinstance(self.decoder, SpeculativeDecoder):  # the batched engine checks them with each request
+            check_token_ids(c, "eos_token_id", stop_ids, self.decoder.target.vocab_size)
+        requests = [Request(ids, max_new_tokens, sampling, stop_ids, ignore_eos or eos_token_id is not None)
+                    for ids in batch]
+        stream = None if on_tokens is None else (lambda _i, tokens: on_tokens(tokens))
+        results = generate_texts(self.decoder, requests, self.tokenizer, stop=stop, on_tokens=stream)
+        return results[0] if single else results
+
+
 def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, scheduler: str = "off", threshold: float = 0.0,
              eos_token_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
              tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
-             dtype=None, engine: str = "auto", max_batch: int = 64) -> GenerationResult | list[GenerationResult]:
-    """One-call speculative generation (``dspark.generate``).
-
-    ``target``: a Hugging Face causal-LM directory (str or path) or model; ``draft``: a DSpark
-    checkpoint directory (speculators or DeepSpec format) or a ``DSparkDraftModel``. ``prompts``:
-    one prompt -- a string (tokenized with the target's tokenizer), a list of token ids or a 1-D
-    tensor -- or a list of prompts; returns one ``GenerationResult`` or a list of them in order.
-    Results carry ``.text`` (the decoded continuation) when a tokenizer is known: ``tokenizer``, or
-    the target directory's own. The output ends after ``eos_token_id`` (default: the target's EOS;
-    ``ignore_eos`` drops that default), a ``stop`` string, ``max_new_tokens`` tokens, or the context
-    (``max_model_len``, default the target's ``max_position_embeddings``). ``on_tokens(tokens)``
-    streams a single prompt's tokens as they are accepted. ``allow_pickle`` lets a target with only
-    pickled weights load (only for a trusted checkpoint). Sampling: ``temperature`` (0 = greedy),
-    ``top_k``, ``top_p``, ``seed``; scheduling: ``scheduler`` / ``threshold`` as ``Drafter``.
-    ``engine``: ``"batched"`` decodes all prompts together in an ``LLMEngine`` (up to ``max_batch``
-    at once; CUDA graphs on a GPU), ``"reference"`` one after another in the single-request loop over
-    the Hugging Face model, ``"auto"`` (default) batched on CUDA, reference elsewhere.
-    """
+             dtype=None, engine: str = "auto", max_batch: int = 64, no_draft: bool = False, cost_table=None,
+             min_predicted_gain: float = 0.04) -> GenerationResult | list[GenerationResult]:
+    """One-call speculative generation (``dspark.generate``): ``LLM(target, draft, ...)`` for these
+    prompts alone, then its ``generate`` -- the models are loaded on every call, so for many calls
+    build an ``LLM`` once. The arguments are ``LLM``'s and ``LLM.generate``'s (``target`` and
+    ``draft`` both None: the demo pair); the batched engine is sized to the prompts (at most
+    ``max_batch`` at once)."""
     c = Checker("generate")
+    target, draft = _models(c, target, draft, no_draft)
+    tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
+    batch, _ = encode_prompts(prompts, tokenizer)
+    llm = LLM(target, draft, no_draft=no_draft, tokenizer=tokenizer, engine=engine,
+              max_batch=min(c.integer("max_batch", max_batch, low=1), len(batch)), max_model_len=max_model_len,
+              scheduler=scheduler, threshold=threshold, cost_table=cost_table, min_predicted_gain=min_predicted_gain,
+              allow_pickle=allow_pickle, device=device, dtype=dtype)
+    return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, eos_token_id=eos_token_id, ignore_eos=ignore_eos, stop=stop, on_tokens=on_tokens)
+
+
+def _models(c: Checker, target, draft, no_draft: bool):
+    """``(target, draft)`` checked: each a directory (str or path, returned as str) or a loaded
+    model; both None the demo pair (its target alone with ``no_draft``); ``draft`` None only with
+    ``no_draft``. TypeError / ValueError naming the argument, what it takes and what was given."""
+    from ..model import DSparkDraftModel
+    from ..model.checkpoint import CONFIG_NAME, read_json_object
+
     target, draft = (os.fspath(m) if isinstance(m, os.PathLike) else m for m in (target, draft))
-    if on_tokens is not None and not callable(on_tokens):
-        c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
-    stop = _stop_strings(c, stop)
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(target if isinstance(target, str) else getattr(target, "name_or_path", None))
-    batch, single = encode_prompts(prompts, tokenizer)
-    if on_tokens is not None and not single:
-        c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
-    stop_ids = () if eos_token_id is None else check_token_ids(c, "eos_token_id", eos_token_id)
-    requests = [Request(ids, max_new_tokens, sampling, stop_ids, ignore_eos or eos_token_id is not None)
-                for ids in batch]
-    if engine not in ("auto", "batched", "reference"):
-        c.fail(f"engine must be 'auto', 'batched' or 'reference', got {engine!r}")
-    on_cuda = resolve_device(device).type == "cuda" if device is not None else _model_device(target, draft) == "cuda"
-    if engine == "batched" or engine == "auto" and on_cuda:
-        if allow_pickle:
-            c.fail("allow_pickle needs engine='reference' (the batched engine reads safetensors only)")
-        config = EngineConfig(max_batch=min(c.integer("max_batch", max_batch, low=1), len(requests)),
-                              max_model_len=max_model_len, scheduler=scheduler, threshold=threshold,
-                              device=device, dtype=dtype)
-        decoder = LLMEngine(target, draft, config)
-    else:
-        decoder = SpeculativeDecoder.from_pretrained(target, draft, device=device, dtype=dtype,
-                                                     max_model_len=max_model_len, allow_pickle=allow_pickle,
-                                                     scheduler=scheduler, threshold=threshold)
-        check_token_ids(c, "eos_token_id", stop_ids, decoder.target.vocab_size)
-    stream = None if on_tokens is None else (lambda _i, tokens: on_tokens(tokens))
-    results = generate_texts(decoder, requests, tokenizer, stop=stop, on_tokens=stream)
-    return results[0] if single else results
+    if not isinstance(no_draft, bool):
+        c.fail(f"no_draft must be a bool, got {type(no_draft).__name__}", TypeError)
+    if target is not None and not isinstance(target, (str, torch.nn.Module)):
+        c.fail(f"target must be a checkpoint directory (str or path), a loaded causal LM or None (the demo pair), "
+               f"got {type(target).__name__}", TypeError)
+    if draft is not None and not isinstance(draft, (str, DSparkDraftModel)):
+        c.fail(f"draft must be a DSpark checkpoint directory (str or path), a DSparkDraftModel or None, "
+               f"got {type(draft).__name__}", TypeError)
+    if no_draft and draft is not None:
+        c.fail(f"no_draft=True decodes with the target alone, but a draft was given ({_describe(draft)})")
+    if target is None:
+        if draft is not None:
+            c.fail(f"draft {_describe(draft)} needs its target: target is None (both None run the demo pair)")
+        from ..training.data import demo_pair
+
+        pair = demo_pair()
+        return str(pair.target), None if no_draft else str(pair.draft)
+    if draft is None and not no_draft:
+        c.fail(f"target {_describe(target)} needs a draft: draft is None (pass a DSpark checkpoint directory or "
+               f"DSparkDraftModel, no_draft=True for plain decoding, or neither model for the demo pair)")
+    for directory in (m for m in (target, draft) if isinstance(m, str)):  # before the loaders, whose JSON
+        if (Path(directory) / CONFIG_NAME).is_file():                       # errors name no file
+            read_json_object(Path(directory) / CONFIG_NAME)
+    return target, draft
+
+
+def _describe(model) -> str:
+    return repr(model) if isinstance(model, str) else f"a {type(model).__name__}"
+
+
+def _default_tokenizer(target):
+    """The tokenizer of the target directory, or of the directory a loaded model came from."""
+    return load_tokenizer(target if isinstance(target, str) else getattr(target, "name_or_path", None))
 
 
 def _model_device(target, draft) -> str | None:

@@ -15,16 +15,16 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..kernels._validate import Checker
 from .config import CHECKPOINT_FORMATS, DSparkConfig
 from .draft import DSparkDraftModel
 from .heads import check_vocab_mapping
-from .safetensors_io import load_tensors
+from .safetensors_io import load_tensors, save_tensors
 
 __all__ = ["load_draft", "save_draft", "save_heads_sidecar", "load_heads_sidecar", "check_target_compatible",
-           "CONFIG_NAME", "WEIGHTS_NAME", "HEADS_SIDECAR_NAME"]
+           "read_json_object", "CONFIG_NAME", "WEIGHTS_NAME", "HEADS_SIDECAR_NAME"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -123,7 +123,7 @@ def save_draft(model: DSparkDraftModel, path, *, format: str = "speculators") ->
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_tensors(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
     (directory / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2) + "\n")
     return directory
 
@@ -148,7 +148,7 @@ def save_heads_sidecar(model: DSparkDraftModel, path) -> Path:
         tensors.update(confidence_weight=model.confidence_weight, confidence_bias=model.confidence_bias)
     file = _sidecar_file(path)
     file.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in tensors.items()}, str(file))
+    save_tensors({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in tensors.items()}, file)
     return file
 
 
@@ -216,7 +216,25 @@ def _directory(c: Checker, path) -> Path:
 def _read_json(c: Checker, file: Path) -> dict:
     if not file.is_file():
         c.fail(f"no {file.name} in {str(file.parent)!r}")
-    return json.loads(file.read_text())
+    try:
+        return read_json_object(file)
+    except ValueError as exc:
+        c.fail(str(exc))
+
+
+def read_json_object(file) -> dict:
+    """The JSON object in ``file`` (a checkpoint's ``config.json``). ValueError naming the file and
+    what is wrong: not UTF-8, not valid JSON (the parser's message, with the line and column), or
+    JSON that is not an object."""
+    try:
+        value = json.loads(Path(file).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file} is not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _read_weights(c: Checker, directory: Path) -> dict[str, torch.Tensor]:

@@ -6,22 +6,24 @@ header describes is in the file, so a truncated download fails up front with the
 than deep inside a load. A directory's weights are ``model.safetensors`` or the shards named by
 ``model.safetensors.index.json`` (``checkpoint_files``; every shard must exist and hold the tensors
 the index assigns it). Pickled weights (``.bin`` / ``.pt`` / ``.pth``) are never read here:
-``pickle_files`` names them so that callers can refuse them.
+``pickle_files`` names them so that callers can refuse them. ``save_tensors`` writes a file with the
+permissions of any other file (safetensors alone leaves it private).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ..kernels._validate import Checker
 
 __all__ = ["WEIGHTS_NAME", "INDEX_NAME", "PICKLE_SUFFIXES", "read_header", "checkpoint_files",
-           "checkpoint_shapes", "load_tensors", "pickle_files"]
+           "checkpoint_shapes", "load_tensors", "pickle_files", "save_tensors", "normal_mode"]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -122,3 +124,23 @@ def _weight_map(c: Checker, index: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         c.fail(f"{str(index)!r}: 'weight_map' must map tensor names to shard file names")
     return weight_map
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], file, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file``, the file then given the mode a newly created file gets (0666 less
+    the umask, 0644 by default): safetensors writes through a private temporary file (0600), which
+    would leave a checkpoint unreadable to everyone else (a serving account, a shared cluster)."""
+    save_file(tensors, str(file), metadata=metadata)
+    normal_mode(file)
+
+
+def normal_mode(file) -> None:
+    """Give ``file`` the mode a newly created file gets (0666 less the umask): for safetensors
+    files written by safetensors' ``save_file``, ours or transformers' ``save_pretrained``."""
+    os.chmod(file, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask

@@ -92,9 +92,9 @@ def write_training_state(directory, model_state: dict[str, torch.Tensor], optimi
     tensors["data/order"] = loop.order
     meta = {"step": loop.step, "elapsed": loop.elapsed, "param_groups": optimizer_state["param_groups"],
             "fingerprint": fingerprint}
-    from safetensors.torch import save_file
+    from ..model.safetensors_io import save_tensors
 
-    _replace(directory / _TENSORS, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+    _replace(directory / _TENSORS, lambda tmp: save_tensors({k: v.contiguous() for k, v in tensors.items()}, tmp,
                                                          metadata={"step": str(loop.step)}))
     _replace(directory / _JSON, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1) + "\n"))
     return directory
@@ -106,9 +106,31 @@ def _replace(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+_MISSING = object()  # a fingerprint entry the saved run did not have
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    """``{path: value}`` of a nested fingerprint's leaves; the ``options`` group is left out of the
+    paths, so that a training option reads as its name (``lr``, not ``options.lr``)."""
+    leaves = {}
+    for key, value in tree.items():
+        path = key if prefix in ("", "options.") else prefix + key
+        if isinstance(value, dict):
+            leaves.update(_leaves(value, path + "."))
+        else:
+            leaves[path] = value
+    return leaves
+
+
+def _shown(value) -> str:
+    return "(none)" if value is _MISSING else repr(value)
+
+
 def read_training_state(directory, fingerprint: dict) -> ResumeState:
     """Read ``directory/training_state/``; ValueError when it is missing, torn, or from a run whose
-    fingerprint differs from ``fingerprint`` (naming the differing entries)."""
+    fingerprint differs from ``fingerprint``: only the differing entries are named, each by its
+    path (``lr``, ``draft.block_size``) with its saved and given values. Entries saved but absent
+    from ``fingerprint`` are not compared (what a caller may change on resuming, e.g. the steps)."""
     from safetensors import safe_open
 
     c = Checker("resume")
@@ -117,11 +139,11 @@ def read_training_state(directory, fingerprint: dict) -> ResumeState:
         c.fail(f"no training state in {str(directory)!r} to resume from (written with the checkpoints: "
                f"--save-every steps and at the end)")
     meta = json.loads((directory / _JSON).read_text())
-    fingerprint = json.loads(json.dumps(fingerprint))  # tuples as lists, as saved
-    differ = {key: (meta["fingerprint"].get(key), value) for key, value in fingerprint.items()
-              if meta["fingerprint"].get(key) != value}
+    saved, given = _leaves(meta["fingerprint"]), _leaves(json.loads(json.dumps(fingerprint)))  # tuples as lists
+    differ = [key for key, value in given.items() if saved.get(key, _MISSING) != value]
     if differ:
-        listed = "; ".join(f"{key}: saved {saved!r}, now {now!r}" for key, (saved, now) in differ.items())
+        listed = "; ".join(f"{key}: saved {_shown(saved.get(key, _MISSING))}, given {_shown(given[key])}"
+                           for key in differ)
         c.fail(f"the training state in {str(directory)!r} is from a different run ({listed})")
     with safe_open(str(directory / _TENSORS), framework="pt") as f:
         if f.metadata().get("step") != str(meta["step"]):

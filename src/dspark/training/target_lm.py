@@ -103,8 +103,12 @@ def train_target(model, sequences: torch.Tensor, options: TrainOptions, *, devic
 def save_target(model, tokenizer, path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``model`` (weights in ``dtype``; the model itself is untouched) and ``tokenizer`` to
     ``path`` as a Hugging Face directory."""
+    from ..model.safetensors_io import normal_mode
+
     path = Path(path)
     copy.deepcopy(model).to("cpu", dtype).save_pretrained(path)
+    for weights in path.glob("*.safetensors"):  # save_pretrained leaves them 0600 (safetensors' save_file)
+        normal_mode(weights)
     save_tokenizer(tokenizer, path)
     return path
 

@@ -577,7 +577,8 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
     ``save_dtype`` weights, plus the resumable ``training_state/``), written by rank 0 every
     ``options.save_every`` steps and at the end, and ``training_log.json`` (``_write_log``);
     ``resume``: continue the run saved there (weights, optimizer, data position, generators; the
-    same options and data). Returns the fp32 model (under ``fsdp`` its parameters are this rank's
+    same options and data, except ``options.steps`` / ``time_budget``, which may extend the run: the
+    learning-rate schedule is then stretched over the new length from the step reached). Returns the fp32 model (under ``fsdp`` its parameters are this rank's
     DTensor shards) and the logged losses.
 
     Data parallel over ``world`` (every rank holds the target and all of ``sequences``): each step's
@@ -589,7 +590,9 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
     device = torch.device(device)
     target.eval().requires_grad_(False)
     model = new_draft(target, config, seed=options.seed)
-    fingerprint = {"options": {k: v for k, v in vars(options).items() if k not in ("log_every", "save_every")},
+    # what the resumed run must share; how long it runs (steps, time budget) may grow on resuming
+    fingerprint = {"options": {k: v for k, v in vars(options).items()
+                               if k not in ("log_every", "save_every", "steps", "time_budget")},
                    "rows": list(sequences.shape), "num_anchors": num_anchors, "gamma": gamma,
                    "confidence_backprop": confidence_backprop, "greedy_confidence": greedy_confidence,
                    "draft": {k: v for k, v in config.to_speculators_dict().items() if k not in ("verifier", "dtype")}}
@@ -600,7 +603,8 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
         resumed = read_training_state(output, fingerprint)
         if options.progress(resumed.loop.step, resumed.loop.elapsed) >= 1.0:
             Checker("resume").fail(f"the run in {str(output)!r} is complete ({resumed.loop.step} steps, "
-                                   f"{resumed.loop.elapsed:.0f} s): nothing to resume")
+                                   f"{resumed.loop.elapsed:.0f} s): nothing to resume; to extend it, give more "
+                                   f"steps (--steps N > {resumed.loop.step}) or a longer --time-budget")
         model.load_state_dict(resumed.model)
         state = resumed.loop
     model.to(device)
