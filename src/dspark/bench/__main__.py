@@ -7,10 +7,6 @@ import importlib
 import json
 import sys
 
-import torch
-
-from .common import measure_copy_ceiling_gbps, skip_baselines
-
 FAMILIES = ("greedy", "sampling", "layers")
 
 
@@ -26,6 +22,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    import torch  # after parsing: --help stays fast
+
+    from .common import measure_copy_ceiling_gbps, skip_baselines
+
     if not torch.cuda.is_available():
         print("dspark bench: needs a CUDA device", file=sys.stderr)
         return 2

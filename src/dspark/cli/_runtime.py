@@ -8,6 +8,7 @@ Nothing here imports torch or transformers at module level: ``dspark --help`` an
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="models' dtype; auto: bfloat16 on cuda, float32 on cpu")
+                        help="models' dtype; auto: on cuda the target checkpoint's half precision (its config.json; else bfloat16), on cpu float32")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="load a target that has only pickled weights (pytorch_model.bin); unpickling can run "
                              "code from the file, so only for a checkpoint you trust (safetensors are always preferred)")
@@ -51,8 +52,25 @@ def runtime(args: argparse.Namespace):
         logging.set_verbosity_error()
     device = resolve_device(args.device, name="--device")
     if args.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+        return device, auto_dtype(device, getattr(args, "target", None))
     return device, getattr(torch, args.dtype)
+
+
+def auto_dtype(device, target: str | None):
+    """``--dtype auto``: on a GPU the target checkpoint's half precision (``torch_dtype`` / ``dtype``
+    in its config.json; bf16 when it names none or a full precision); on a CPU float32, where half
+    precision is slow and rounds greedy near-ties differently from ``dspark generate``'s reference."""
+    import torch
+
+    if device.type != "cuda":
+        return torch.float32
+    try:
+        config = json.loads((Path(target) / "config.json").read_text()) if target is not None else {}
+    except (OSError, ValueError):
+        config = {}
+    name = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 # ---- checkpoint names: local directories, Hugging Face Hub names, the demo pair -------------------

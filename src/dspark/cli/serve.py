@@ -11,7 +11,6 @@ the requests in flight, shuts down and exits 1. Needs the serve extra: pip insta
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import socket
@@ -19,20 +18,23 @@ import sys
 import time
 from pathlib import Path
 
-from ._runtime import add_runtime_arguments, runtime
+from ._runtime import add_runtime_arguments, resolve_pair, runtime
 
 DEMO_MODEL_NAME = "dspark-demo"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="Hugging Face causal LM directory (default: the demo pair's target)")
-    parser.add_argument("--draft", help="DSpark draft directory (default: the demo pair's draft)")
+    parser.add_argument("--target", help="Hugging Face causal LM: a directory or a Hub name (default: the demo pair's target)")
+    parser.add_argument("--draft", help="DSpark draft: a directory or a Hub name (default: the demo pair's draft)")
     parser.add_argument("--no-draft", action="store_true",
                         help="serve the target alone (plain decoding, the baseline; default: off)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: a free one, printed)")
     parser.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=16,
                         help="requests per engine round (--max-num-seqs: vLLM's name)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per engine step: the running requests' verify/decode tokens, then chunks of "
+                             "arriving prompts in the same forward (default: 2048, at least max-batch x verify length)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="tokens per request, prompt included (default: the target's, at most 4096)")
     parser.add_argument("--max-waiting", type=int, default=256,
@@ -47,8 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-predicted-gain", type=float, default=0.04,
                         help="cost scheduler: trim verification only when predicted goodput beats the full block by this")
     add_runtime_arguments(parser)
-    _action(parser, "dtype").help = ("models' dtype; auto: the target checkpoint's (torch_dtype / dtype in its "
-                                     "config.json), else bfloat16 on cuda and float32 on cpu")
     for dest in ("allow_pickle", "quiet"):  # switches: the shared help shows no default for them
         _action(parser, dest).help += " (default: off)"
     parser.add_argument("--served-model-name", default=None,
@@ -160,10 +160,6 @@ def _check(args: argparse.Namespace) -> None:
         if args.draft is not None or args.no_draft:
             raise ValueError("--engine-factory builds the engine: give neither --draft nor --no-draft")
         return
-    if args.target is None and args.draft is not None:
-        raise ValueError("--draft needs --target (or neither, for the demo pair)")
-    if args.target is not None and args.draft is None and not args.no_draft:
-        raise ValueError("--target needs --draft (or --no-draft for plain decoding)")
 
 
 def _load(args: argparse.Namespace):
@@ -172,18 +168,18 @@ def _load(args: argparse.Namespace):
 
     from dspark.engine import load_tokenizer as _tokenizer
 
+    if args.engine_factory is None:
+        demo = args.target is None
+        resolve_pair(args, no_draft=args.no_draft)  # Hub names, the demo pair by default
+        if args.no_draft:
+            args.draft = None
+        if demo:
+            args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
     device, dtype = runtime(args)
-    if args.engine_factory is None and args.target is None:
-        from dspark.training.data import demo_pair
-
-        pair = demo_pair()
-        args.target, args.draft = str(pair.target), None if args.no_draft else str(pair.draft)
-        args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
-    if args.dtype == "auto" and args.target is not None:
-        dtype = _checkpoint_dtype(args.target) or dtype
     config = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, scheduler=args.scheduler,
                           threshold=args.threshold, device=device, dtype=dtype, cost_table=args.cost_table,
-                          min_predicted_gain=args.min_predicted_gain)
+                          min_predicted_gain=args.min_predicted_gain,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
     if args.engine_factory is not None:
         engine = _factory(args.engine_factory)(config)
         if not isinstance(engine, LLMEngine):
@@ -193,20 +189,6 @@ def _load(args: argparse.Namespace):
         return engine, tokenizer, args.served_model_name or args.engine_factory
     name = args.served_model_name or args.target
     return LLMEngine(args.target, args.draft, config), _tokenizer(args.target), name
-
-
-def _checkpoint_dtype(target: str):
-    """The torch dtype a checkpoint's config.json names (``torch_dtype``, transformers 5: ``dtype``),
-    or None when it names none (or no such file: the loader reports a bad directory)."""
-    import torch
-
-    try:
-        config = json.loads((Path(target) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    name = config.get("torch_dtype") or config.get("dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def _factory(spec: str):

@@ -101,11 +101,15 @@ class TargetLM:
         """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded too)."""
         from transformers import AutoConfig
 
+        from .checkpoint import read_json_object
+
         c = Checker("TargetLM.from_pretrained")
         path = Path(path)
         if not path.is_dir():
             c.fail(f"target must be a checkpoint directory, got {str(path)!r} "
                    f"({'a file' if path.exists() else 'no such path'})")
+        if (path / "config.json").is_file():
+            read_json_object(path / "config.json")  # a bad file is named, with line and column
         config = AutoConfig.from_pretrained(path)
         dtype = dtype or _config_dtype(config)
         tensors = _read_safetensors(c, path, device or "cpu", dtype)
