@@ -36,6 +36,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _transformers_logging():
+    """``--quiet`` turns transformers' progress bars and reports off process-wide: on again after each test."""
+    yield
+    from transformers.utils import logging
+
+    logging.enable_progress_bar()
+    logging.set_verbosity_warning()
+
+
 @pytest.fixture
 def reference_backend():
     """Every kernel call of the test on the PyTorch reference (``pytestmark = usefixtures(...)``)."""

@@ -176,16 +176,16 @@ class ModelRunner:
         """Start one speculative round for the first ``rows`` rows (no wait; ``read`` collects it):
         row i verifies ``verify_lens[i] - 1`` drafts (1 .. P); ``chunks`` run in the same forward,
         and those that end their prompt join at rows ``rows, rows + 1, ...`` (read them too)."""
-        if chunks:
-            self._mixed_step(rows, verify_lens, chunks)
-            return
-        b = self.bucket(rows)
-        mode = self._batch_mode(rows)
+        b, verify_lens = (self.bucket(rows) if rows else 0), list(verify_lens or [])
         lens = self.host_lens
         lens.fill_(1)  # padding rows verify their anchor only
-        lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
+        lens[:rows] = torch.tensor(verify_lens[:rows], dtype=torch.int32)
         self.state["verify_lens"].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
-        num_tokens = b * -(-sum(verify_lens[:rows] + [1] * (b - rows)) // b)  # a multiple of b: t graphs per b
+        num_tokens = b * -(-sum(verify_lens[:rows] + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
+        if chunks:
+            self._mixed_step(b, rows, num_tokens, chunks)
+            return
+        mode = self._batch_mode(rows)
         self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode))
         self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
 
@@ -193,7 +193,7 @@ class ModelRunner:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
         with ``chunks`` as ``launch_round``."""
         if chunks:
-            self._mixed_step(rows, None, chunks)
+            self._mixed_step(self.bucket(rows) if rows else 0, rows, None, chunks)
             return
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
@@ -386,17 +386,19 @@ class ModelRunner:
 
     # ---- steps with prompt chunks (eager) ---------------------------------------------------------
 
-    def _mixed_step(self, rows: int, verify_lens: list[int] | None, chunks: list[PrefillChunk]) -> None:
-        """One eager forward over the running rows' verify (``verify_lens``) or decode tokens and the
-        prompt chunks; then accept / sample as the graphed step does, write the chunks' draft
-        context, seat the requests whose prompt ended (first token, row state) and draft every row.
-        Raises ``ForwardFailed`` when the forward raised (no row state changed yet)."""
+    def _mixed_step(self, b: int, rows: int, num_tokens: int | None, chunks: list[PrefillChunk]) -> None:
+        """One eager forward over the running rows' tokens -- padded to bucket ``b`` as in the graphs
+        (the same kernel configurations, the same numerics): ``num_tokens`` ragged verify tokens
+        (None: one decode token per row) -- and the prompt chunks; then accept / sample as the
+        graphed step does, write the chunks' draft context, seat the requests whose prompt ended
+        (first token, row state) and draft every row. Raises ``ForwardFailed`` when the forward
+        raised (no row state changed yet)."""
         if self.drafter is not None and any(not c.sampling.greedy for c in chunks):
             self._ensure_probabilities()
         mode = self._batch_mode(rows)
         try:
-            inputs = self._mixed_inputs(rows, verify_lens, chunks)
-            (ids, positions, slots, groups, flat, logit_rows, split), capture = inputs, None
+            ids, positions, slots, groups, flat, logit_rows, split = self._mixed_inputs(b, num_tokens, chunks)
+            capture = None
             if self.draft is not None:
                 capture = torch.empty(ids.numel(), self.state["capture"].shape[-1], dtype=self.target.dtype,
                                       device=self.device)
@@ -404,39 +406,35 @@ class ModelRunner:
                                          logits_rows=logit_rows)
         except Exception as exc:  # noqa: BLE001
             raise ForwardFailed(f"{type(exc).__name__}: {exc}") from exc
-        own = split if verify_lens is not None else rows  # logits rows of the running rows' tokens
-        if rows and verify_lens is not None:
-            self._verify_commit(rows, rows, flat, capture[:split], logits[:split], mode)
-        elif rows:
-            self._decode_commit(rows, rows, logits[:rows], mode)
+        if b and num_tokens is not None:
+            self._verify_commit(b, rows, flat, capture[:split], logits[:split], mode)
+        elif b:
+            self._decode_commit(b, rows, logits[:split], mode)
         if self.draft is not None:
             self.draft.context(capture[split:], positions[split:], slots[split:])
         joined = [c for c in chunks if c.row >= 0]
         if joined:
-            self._seat(joined, logits[own:])
+            self._seat(joined, logits[split:])
         total = rows + len(joined)
         if self.drafter is not None and total:
             b, mode = self.bucket(total), self._batch_mode(total)
             self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, total, mode))
 
-    def _mixed_inputs(self, rows: int, verify_lens: list[int] | None, chunks: list[PrefillChunk]):
-        """Flat inputs of a mixed step: the running rows' tokens (unpadded), then the chunks';
-        attention groups; the verify tokens' flat buffer rows; which rows need logits (every verify
-        or decode token, the last token of each prompt that ends); the number of running tokens."""
+    def _mixed_inputs(self, b: int, num_tokens: int | None, chunks: list[PrefillChunk]):
+        """Flat inputs of a mixed step: bucket ``b``'s tokens (``num_tokens`` ragged verify tokens, or
+        one decode token per row when None), then the chunks'; attention groups; the verify tokens'
+        flat buffer rows; which rows need logits (every running token, the last token of each prompt
+        that ends); the number of running tokens."""
         s, dev = self.state, self.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        parts, groups, flat = [], [], None
-        split = 0
-        if rows and verify_lens is not None:
-            self.state["verify_lens"][:rows] = torch.tensor(verify_lens, dtype=torch.int32)
-            split = sum(verify_lens)
-            ids, positions, slots, batch, flat = self._verify_inputs(rows, split)
+        parts, groups, flat, split = [], [], None, 0
+        if b and num_tokens is not None:
+            ids, positions, slots, batch, flat = self._verify_inputs(b, num_tokens)
             parts.append((ids, positions, slots))
-        elif rows:
-            split = rows
-            parts.append((s["anchor"][:rows].long(), s["anchor_pos"][:rows], s["slot_ids"][:rows]))
-            batch = self._attention_batch(rows, 1)
-        if rows:
+            split = num_tokens
+        elif b:
+            parts.append((s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b]))
+            batch, split = self._attention_batch(b, 1), b
+        if b:
             groups.append((0, split, batch))
         lengths = [len(c.token_ids) for c in chunks]
         host = torch.tensor([t for c in chunks for t in c.token_ids] +
@@ -445,11 +443,10 @@ class ModelRunner:
                             [c.slot for c in chunks] + [c.start for c in chunks] + [0] + lengths, dtype=torch.int64)
         n, m = sum(lengths), len(chunks)
         host = host.to(dev, non_blocking=True)
-        chunk_ids, chunk_pos, chunk_slots = host[:n], host[n:2 * n].int(), host[2 * n:3 * n].int()
         meta = host[3 * n:].int()
         chunk_batch = AttentionBatch(meta[:m], meta[m:2 * m], meta[2 * m:].cumsum(0, dtype=torch.int32), max(lengths))
         groups.append((split, split + n, chunk_batch))
-        parts.append((chunk_ids, chunk_pos, chunk_slots))
+        parts.append((host[:n], host[n:2 * n].int(), host[2 * n:3 * n].int()))
         ids, positions, slots = (torch.cat([p[k] for p in parts]) for k in range(3))
         ends = [split + e - 1 for c, e in zip(chunks, torch.tensor(lengths).cumsum(0).tolist()) if c.row >= 0]
         logit_rows = torch.cat([torch.arange(split, device=dev), torch.tensor(ends, dtype=torch.int64, device=dev)])

@@ -338,8 +338,11 @@ def _attention_config(device, dtype, batch: int, n_kv: int, rep: int, d: int, ma
     block_m = max(16, triton.next_power_of_2(block_t * rep))  # tl.dot needs >= 16 rows
     q_blocks = triton.cdiv(max_query_len, block_t)
     programs, sms = batch * q_blocks * n_kv, _sm_count(device)
-    # split the keys only when the batch leaves SMs idle; then aim at two programs per SM
-    splits = 1 if programs >= sms else min(_MAX_SPLITS, triton.cdiv(2 * sms, programs), triton.cdiv(max_len, block_n))
+    # split the keys only when the batch leaves SMs idle; then aim at two programs per SM. Prompt
+    # tiles never split: their query blocks fill the SMs for any long prompt, and a split count that
+    # followed the number of prompts in a step would compile a kernel per count while serving.
+    splits = 1 if programs >= sms or rows_cap == 128 else \
+        min(_MAX_SPLITS, triton.cdiv(2 * sms, programs), triton.cdiv(max_len, block_n))
     return dict(BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
                 SPLITS=max(1, splits), q_blocks=q_blocks, num_warps=8 if block_m >= 128 else 4)
 
