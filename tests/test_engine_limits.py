@@ -178,3 +178,15 @@ def test_a_failing_round_fails_its_rows_and_the_engine_goes_on(target, draft, mo
     assert engine.metrics.errors == 2 and sorted(engine.free_slots) == [0, 1]
     again = engine.generate([Request([3, 17], 10), Request([9, 1], 10)])
     assert [r.token_ids for r in again] == [_greedy(target, [3, 17], 10), _greedy(target, [9, 1], 10)]
+
+
+@pytest.mark.parametrize("scheduler", ["off", "threshold"])
+def test_the_reference_loop_runs_to_exactly_the_context_limit(target, draft, scheduler):
+    """The single-request loop (``SpeculativeDecoder``, the lossless reference) at the same limit."""
+    from dspark.engine import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=0.3)
+    for prompt, new in (([5], LIMIT - 1), ([9, 1, 4], LIMIT - 4), ([44, 2], 500)):
+        result = decoder.generate(torch.tensor(prompt), max_new_tokens=new, eos_token_id=[])
+        assert result.token_ids == _greedy(target, prompt, min(new, LIMIT - len(prompt)))
+        assert result.finish_reason == "length"

@@ -545,3 +545,28 @@ def test_full_queue_answers_429_and_sigterm_drains():
         if proc.poll() is None:
             proc.kill()
             proc.wait(TIMEOUT)
+
+
+def test_requests_at_the_context_limit_finish_cleanly(served, client, http, tokenizer, prompts):
+    """The issue-21 crash: prompt + max_tokens = max_model_len (and a chat with no max_tokens, the
+    rest of the context) ran past the target's positions and took the server down. Each runs to
+    exactly the limit with finish reason "length" while another request streams beside it, and the
+    server stays healthy."""
+    ids = tokenizer("x")["input_ids"]
+    context, beside = _open_long_stream(http, prompts[0], max_tokens=64)
+    try:
+        limit = dict(model=MODEL, prompt="x", temperature=0.0, extra_body={"ignore_eos": True})
+        full = client.completions.create(max_tokens=MAX_LEN - len(ids), **limit)
+        one_less = client.completions.create(max_tokens=MAX_LEN - len(ids) - 1, **limit)
+        for response, new in ((full, MAX_LEN - len(ids)), (one_less, MAX_LEN - len(ids) - 1)):
+            assert response.choices[0].finish_reason == "length"
+            assert response.usage.completion_tokens == new and response.usage.prompt_tokens == len(ids)
+        chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                       "temperature": 0, "ignore_eos": True})
+        assert chat.status_code == 200, chat.text
+        usage = chat.json()["usage"]
+        assert chat.json()["choices"][0]["finish_reason"] == "length" and usage["total_tokens"] == MAX_LEN
+        assert sum(1 for line in beside.iter_lines() if line.startswith("data: {")) > 0
+    finally:
+        context.__exit__(None, None, None)
+    assert http.get("/health").status_code == 200

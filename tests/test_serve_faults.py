@@ -234,3 +234,27 @@ def test_dspark_serve_exits_nonzero_when_the_engine_fails():
         if proc.poll() is None:
             proc.kill()
             proc.wait(TIMEOUT)
+
+
+def test_requests_to_the_targets_last_position_finish_and_the_server_stays_up():
+    """The issue-21 crash at full size: a target of 32 positions served at its own limit (prompt +
+    max_tokens = 32, and one more than fits) -- each request ends at exactly the limit with "length",
+    several at once, and the server keeps answering."""
+    from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
+
+    target = tiny_qwen3_target(max_position_embeddings=32)
+    engine = LLMEngine(target, random_draft(tiny_draft_config(target.config), 0, target), EngineConfig(max_batch=4))
+    body = {"model": "tiny", "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with ServerThread(create_app(engine, None, "tiny")) as server, \
+            httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda job: http.post("/v1/completions", json={**body, **job}), [
+                {"prompt": [5], "max_tokens": 31}, {"prompt": [5, 9, 2], "max_tokens": 29},
+                {"prompt": [4, 4], "max_tokens": 28}]))
+        for answer, (prompt, new) in zip(answers, ((1, 31), (3, 29), (2, 28))):
+            assert answer.status_code == 200, answer.text
+            choice = answer.json()["choices"][0]
+            assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == new
+        too_long = http.post("/v1/completions", json={**body, "prompt": [5], "max_tokens": 32})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+        assert http.get("/health").status_code == 200
