@@ -140,8 +140,9 @@ def test_frontier_summary_checks_the_targets_and_the_outputs(tmp_path):
 
     def level(c, total, per_request):
         stats = {"mean": per_request, "p50": per_request, "p99": per_request}
-        return {"concurrency": c, "total_tokens_per_s": total, "per_request_tokens_per_s": stats,
-                "ttft_s": stats, "itl_s": stats, "tau": 2.0, "failed": 0, "mismatched": 0, "requests": 4}
+        return {"concurrency": c, "total_tokens_per_s": total, "steady_tokens_per_s": 1.1 * total,
+                "per_request_tokens_per_s": stats, "ttft_s": stats, "itl_s": {**stats, "p99": 0.01 * c},
+                "tau": 2.0, "failed": 0, "mismatched": 0, "requests": 4}
 
     runs = {"plain": [(1, 100, 100), (64, 1000, 20)], "dspark-fixed": [(1, 200, 160), (64, 1000, 20)],
             "dspark-scheduled": [(1, 210, 170), (64, 1400, 25)]}
@@ -151,8 +152,12 @@ def test_frontier_summary_checks_the_targets_and_the_outputs(tmp_path):
                                                             "levels": [level(*x) for x in levels]}))
     result = summarize(tmp_path, list(runs))
     targets = result["targets"]
-    assert targets["scheduled_over_fixed_total_tokens_per_s"] == {1: 1.05, 64: 1.4}
-    assert targets["scheduled >= fixed at every concurrency"] and targets["scheduled >= 1.3x fixed at 64"]
+    assert targets["scheduled / plain, / fixed (total_tokens_per_s)"] == {1: {"plain": 2.1, "dspark-fixed": 1.05},
+                                                                         64: {"plain": 1.4, "dspark-fixed": 1.4}}
+    for rate in ("total_tokens_per_s", "steady_tokens_per_s"):
+        assert targets[f"scheduled >= 1.4x plain at 64 ({rate})"] and targets[f"scheduled >= 1.25x fixed at 64 ({rate})"]
+        assert targets[f"scheduled >= 0.97x max(plain, fixed) at every concurrency ({rate})"]
+    assert targets["scheduled p99 ITL / plain at 64"] == 1.0 and targets["scheduled p99 ITL <= 1.2x plain at 64"]
     assert targets["dspark-fixed per request / plain at 1"] == 1.6 and targets["dspark-fixed >= 1.5x plain per request at 1"]
     assert result["outputs_identical_across_configs"] is False  # prompt 1 differs under dspark-fixed
 

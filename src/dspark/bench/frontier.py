@@ -80,11 +80,13 @@ def summarize(out: Path, labels: list[str]) -> dict:
         for label in labels:
             lv = levels[label][c]
             row[label] = {"total_tokens_per_s": lv["total_tokens_per_s"],
+                          "steady_tokens_per_s": lv.get("steady_tokens_per_s"),
                           "per_request_tokens_per_s": lv["per_request_tokens_per_s"]["p50"],
                           "ttft_p50_s": lv["ttft_s"]["p50"], "ttft_p99_s": lv["ttft_s"]["p99"],
                           "itl_p50_s": lv["itl_s"]["p50"], "itl_p99_s": lv["itl_s"]["p99"], "tau": lv["tau"],
                           "failed": lv["failed"], "mismatched": lv["mismatched"], "requests": lv["requests"],
-                          "engine_step_ms": lv.get("engine_step_ms"), "engine_busy": lv.get("engine_busy")}
+                          "engine_step_ms": lv.get("engine_step_ms"), "engine_busy": lv.get("engine_busy"),
+                          "engine_host_ms": lv.get("engine_host_ms")}
         table.append(row)
     outputs = [run.get("outputs", {}) for run in runs.values()]
     same = all(o == outputs[0] for o in outputs[1:]) and bool(outputs[0])
@@ -100,15 +102,28 @@ def _ratio(a, b):
 
 
 def _targets(table: list[dict], labels: list[str]) -> dict:
-    targets = {}
-    if {"dspark-fixed", "dspark-scheduled"} <= set(labels):
-        ratios = {r["concurrency"]: _ratio(r["dspark-scheduled"]["total_tokens_per_s"],
-                                           r["dspark-fixed"]["total_tokens_per_s"]) for r in table}
-        targets["scheduled_over_fixed_total_tokens_per_s"] = ratios
-        targets["scheduled >= fixed at every concurrency"] = all(x is not None and x >= 1.0 for x in ratios.values())
+    """Issue 22's targets on total tokens/s (and the same ratios on the steady-state rate, without
+    the drain at the end of each level), and issue 14's per-request ones at concurrency 1."""
+    targets, by_c = {}, {r["concurrency"]: r for r in table}
+    three = {"plain", "dspark-fixed", "dspark-scheduled"} <= set(labels)
+    for rate in ("total_tokens_per_s", "steady_tokens_per_s"):
+        if not three:
+            break
+        ratios = {c: {other: _ratio(r["dspark-scheduled"][rate], r[other][rate]) for other in ("plain", "dspark-fixed")}
+                  for c, r in by_c.items()}
+        targets[f"scheduled / plain, / fixed ({rate})"] = ratios
         if 64 in ratios:
-            targets["scheduled >= 1.3x fixed at 64"] = ratios[64] is not None and ratios[64] >= 1.3
-    first = next((r for r in table if r["concurrency"] == 1), None)
+            targets[f"scheduled >= 1.4x plain at 64 ({rate})"] = (ratios[64]["plain"] or 0) >= 1.4
+            targets[f"scheduled >= 1.25x fixed at 64 ({rate})"] = (ratios[64]["dspark-fixed"] or 0) >= 1.25
+        best = {c: _ratio(r["dspark-scheduled"][rate], max(r["plain"][rate] or 0, r["dspark-fixed"][rate] or 0))
+                for c, r in by_c.items()}
+        targets[f"scheduled >= 0.97x max(plain, fixed) at every concurrency ({rate})"] = \
+            all(x is not None and x >= 0.97 for x in best.values())
+    if three and 64 in by_c:
+        itl = _ratio(by_c[64]["dspark-scheduled"]["itl_p99_s"], by_c[64]["plain"]["itl_p99_s"])
+        targets["scheduled p99 ITL / plain at 64"] = itl
+        targets["scheduled p99 ITL <= 1.2x plain at 64"] = itl is not None and itl <= 1.2
+    first = by_c.get(1)
     if first is not None and "plain" in labels:
         for label in labels[1:]:
             ratio = _ratio(first[label]["per_request_tokens_per_s"], first["plain"]["per_request_tokens_per_s"])
@@ -127,17 +142,18 @@ def markdown(result: dict, environment: str) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
     lines = [f"Environment: {environment}", "",
-             "| C | config | total tok/s | tok/s per request (median) | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | engine step ms "
-             "(busy) | failed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| C | config | total tok/s | steady tok/s | tok/s per request (median) | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+             "| τ | engine step ms (busy) | host ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["levels"]:
         for label in labels:
             x = row[label]
             lines.append(f"| {row['concurrency']} | {label} | {num(x['total_tokens_per_s'])} | "
+                         f"{num(x.get('steady_tokens_per_s'))} | "
                          f"{num(x['per_request_tokens_per_s'])} | {ms(x['ttft_p50_s'])} / {ms(x['ttft_p99_s'])} | "
                          f"{ms(x['itl_p50_s'])} / {ms(x['itl_p99_s'])} | {num(x['tau'], 2)} | "
                          f"{num(x['engine_step_ms'], 2)} ({num(x['engine_busy'] and 100 * x['engine_busy'], 0)} %) | "
-                         f"{x['failed']} of {x['requests']} |")
+                         f"{num(x.get('engine_host_ms'), 2)} | {x['failed']} of {x['requests']} |")
     lines += ["", f"Outputs identical across {', '.join(labels)} for every prompt: "
                   f"**{result['outputs_identical_across_configs']}**; failed requests: "
                   f"{result['failed_requests']} of {result['requests']}.", "", "Targets:", ""]

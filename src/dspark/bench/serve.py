@@ -101,8 +101,10 @@ async def one_request(client, body: dict) -> Record:
     return record
 
 
-async def run_level(client, bodies: list[dict], concurrency: int) -> tuple[list[Record], float]:
-    """Send ``bodies`` with ``concurrency`` clients back to back; (records in body order, wall s)."""
+async def run_level(client, bodies: list[dict], concurrency: int) -> tuple[list[Record], float, float]:
+    """Send ``bodies`` with ``concurrency`` clients back to back, each taking the next body when its
+    request ends; (records in body order, wall s, seconds until the last body was sent: until then
+    ``concurrency`` requests were always in flight)."""
     records: list[Record | None] = [None] * len(bodies)
     next_index = iter(range(len(bodies)))
 
@@ -112,7 +114,10 @@ async def run_level(client, bodies: list[dict], concurrency: int) -> tuple[list[
 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return records, time.perf_counter() - start
+    for r in records:
+        r.sent -= start
+        r.chunks = [(t - start, n) for t, n in r.chunks]
+    return records, time.perf_counter() - start, max(r.sent for r in records)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -125,7 +130,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarize(records: list[Record], wall: float, concurrency: int) -> dict:
+def summarize(records: list[Record], wall: float, concurrency: int, full_until: float | None = None) -> dict:
+    """One level's figures; ``full_until``: seconds (from the level's start) during which
+    ``concurrency`` requests were in flight -- the steady-state rate counts the tokens received
+    until then, without the drain at the end, where the last requests finish one by one."""
     good = [r for r in records if r.error is None]
     itl, gaps = [], []
     for r in good:
@@ -143,10 +151,17 @@ def summarize(records: list[Record], wall: float, concurrency: int) -> dict:
     return {"concurrency": concurrency, "requests": len(records), "failed": len(records) - len(good),
             "errors": sorted({r.error for r in records if r.error})[:5], "wall_s": wall, "output_tokens": tokens,
             "total_tokens_per_s": tokens / wall if wall > 0 else None,
+            "steady_tokens_per_s": _steady_rate(good, full_until),
             "per_request_tokens_per_s": stats(rates), "per_request_e2e_tokens_per_s": stats(e2e),
             "ttft_s": stats([r.ttft for r in good]),
             "itl_s": stats(itl), "chunk_gap_s": stats(gaps),
             "tokens_per_chunk": tokens / sum(len(r.chunks) for r in good) if good else None}
+
+
+def _steady_rate(records: list[Record], until: float | None) -> float | None:
+    if not until or until <= 0:
+        return None
+    return sum(n for r in records for t, n in r.chunks if t <= until) / until
 
 
 # ---------------------------------------------------------------------------------------- the server
@@ -266,9 +281,9 @@ async def benchmark(args, url: str, prompts: list) -> tuple[list[dict], dict[int
                 which = [i % len(prompts) for i in range(n)]
                 before = scrape(sync, url)
                 bodies = [request_body(prompts[i], args, args.max_tokens) for i in which]
-                records, wall = await run_level(client, bodies, c)
+                records, wall, full_until = await run_level(client, bodies, c)
                 after = scrape(sync, url)
-                level = summarize(records, wall, c)
+                level = summarize(records, wall, c, full_until)
                 mismatched = 0
                 for i, r in zip(which, records):
                     if r.error is None and r.token_ids is not None:
@@ -278,10 +293,11 @@ async def benchmark(args, url: str, prompts: list) -> tuple[list[dict], dict[int
                                     - before.get(f"dspark:spec_decode_num_{k}_total", 0)
                                     for k in ("drafts", "accepted_tokens"))
                 level["tau"] = 1 + accepted / rounds if rounds else None
-                steps, busy = (after.get(f"dspark:engine_{k}_total", 0) - before.get(f"dspark:engine_{k}_total", 0)
-                               for k in ("steps", "step_seconds"))
+                steps, busy, host = (after.get(f"dspark:engine_{k}_total", 0) - before.get(f"dspark:engine_{k}_total", 0)
+                                     for k in ("steps", "step_seconds", "host_seconds"))
                 level["engine_steps"] = int(steps)
                 level["engine_step_ms"] = 1000 * busy / steps if steps else None
+                level["engine_host_ms"] = 1000 * host / steps if steps else None
                 level["engine_busy"] = busy / wall if steps else None
                 levels.append(level)
                 print(_line(level), flush=True)

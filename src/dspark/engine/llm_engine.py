@@ -265,7 +265,9 @@ class LLMEngine:
         plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
         joined = self._run_step(rows, lens, plan, outputs)
         self._launched = (outputs, len(self.running) - len(joined), joined)
-        self.metrics.step_time += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.metrics.step_time += elapsed
+        self.metrics.host_time += elapsed
 
     def _run_step(self, rows: int, lens, plan: list[tuple[Sequence, PrefillChunk]], outputs) -> list[Sequence]:
         """Launch the step; returns the requests whose prompt ended (now running, last rows). A
@@ -293,6 +295,7 @@ class LLMEngine:
         joined = []
         for seq, chunk in plan:
             seq.prefilled += len(chunk.token_ids)
+            self.metrics.prompt_tokens += len(chunk.token_ids)
             if chunk.row >= 0:
                 self.prefilling.remove(seq)
                 seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
@@ -322,14 +325,18 @@ class LLMEngine:
             Checker("finish").fail("finish() without launch()")
         start = time.perf_counter()
         (outputs, rows, joined), self._launched = self._launched, None
+        waited = 0.0
         if rows or joined:
             try:
                 readout = self.runner.read(rows + len(joined))
+                waited = time.perf_counter() - start
             except Exception as exc:  # noqa: BLE001
                 self._fail_round(exc, outputs)
             else:
                 self._commit(readout, outputs, {seq.request_id for seq in joined})
-        self.metrics.step_time += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.metrics.step_time += elapsed
+        self.metrics.host_time += elapsed - waited
         self.metrics.steps += 1
         return outputs
 
@@ -578,6 +585,8 @@ class EngineMetrics:
         self.position_trials = [0] * num_drafts  # position k verified with 1..k-1 accepted
         self.position_accepts = [0] * num_drafts
         self.step_time = 0.0
+        self.host_time = 0.0  # of step_time: all but waiting for the device's readout
+        self.prompt_tokens = 0  # prompt tokens run in steps (chunks)
         self.errors = 0  # requests the engine failed (finish reason "error")
 
     def record_round(self, verified: int, accept_length: int) -> None:

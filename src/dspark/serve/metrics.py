@@ -69,6 +69,9 @@ class DSparkCollector:
         yield success
         yield counter("engine_steps", "Engine steps (each: admissions and one round for every running request).", m.steps)
         yield counter("engine_step_seconds", "Seconds spent inside engine steps (busy fraction: its rate).", m.step_time)
+        yield counter("engine_host_seconds", "Seconds of engine steps on the host: everything but waiting for the "
+                                             "device's readout (scheduling, admission, launches, commits).", m.host_time)
+        yield counter("engine_prompt_tokens", "Prompt tokens run inside engine steps (chunked prefill).", m.prompt_tokens)
         yield counter("spec_decode_num_drafts", "Speculative rounds (one per request per step).", m.rounds)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", m.draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", m.accepted_tokens)
