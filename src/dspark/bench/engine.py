@@ -124,7 +124,7 @@ def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
     outputs = {i: [] for i in ids}
     step_times, step_tokens = [], []
     while engine.has_unfinished():
-        prefill = bool(engine.waiting)
+        prefill = bool(engine.waiting or engine.prefilling)
         start = time.perf_counter()
         outs = engine.step()  # ends with the round's host synchronisation
         elapsed = time.perf_counter() - start
