@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from ..kernels._validate import Checker
-from ..model.llama import TargetLM
+from ..model.hf_target import HFTarget
+from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
 from .drafting import SCHEDULERS, Drafter
 from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
@@ -112,7 +113,8 @@ class EngineDeadError(RuntimeError):
 class LLMEngine:
     """Serve many requests with one target (and optionally one DSpark draft) on one device.
 
-    ``target``: a Hugging Face checkpoint directory or a loaded Llama / Qwen2 / Qwen3 causal LM;
+    ``target``: a Hugging Face checkpoint directory or a loaded causal LM (Llama / Qwen2 / Qwen3 run
+    the fused ``TargetLM``; any other decoder-only family its own modeling code, ``HFTarget``);
     ``draft``: a DSpark checkpoint directory, a ``DSparkDraftModel`` or None (plain decoding on the
     same runner -- the baseline).
     """
@@ -624,16 +626,23 @@ def _load_models(c: Checker, target, draft, config: EngineConfig):
         draft_model = load_draft(draft, target=target if isinstance(target, (str, Path, torch.nn.Module)) else None,
                                  device=device, dtype=config.dtype)
     capture = list(draft_model.config.capture_layer_ids) if draft_model is not None else []
+    # TargetLM: the fused forward of the families it knows; any other causal LM runs its own
+    # modeling code through the same runner contract (HFTarget)
     if isinstance(target, (str, Path)):
         dev = device or (draft_model.device if draft_model is not None else torch.device("cpu"))
-        lm = TargetLM.from_pretrained(target, capture, device=dev, dtype=config.dtype)
+        runner = TargetLM if _model_type(c, Path(target)) in SUPPORTED_MODEL_TYPES else HFTarget
+        lm = runner.from_pretrained(target, capture, device=dev, dtype=config.dtype)
         eos = frozenset(_directory_eos(Path(target)) or _config_eos(lm.config))
     elif isinstance(target, torch.nn.Module):
-        lm = TargetLM.from_hf_model(target, capture)
+        fused = getattr(target.config, "model_type", None) in SUPPORTED_MODEL_TYPES
+        lm = TargetLM.from_hf_model(target, capture) if fused else HFTarget(target, capture)
         eos = frozenset(eos_token_ids(target))
     elif isinstance(target, TargetLM):  # another engine's runner (same weights); EOS ids set by the caller
         lm = TargetLM(target.config, dict(embed=target.embed, layers=target.layers, norm=target.norm,
                                           lm_head=target.lm_head), capture)
+        eos = frozenset(_config_eos(target.config))
+    elif isinstance(target, HFTarget):
+        lm = HFTarget(target.model, capture)
         eos = frozenset(_config_eos(target.config))
     else:
         c.fail(f"target must be a checkpoint directory or a Hugging Face causal LM, got {type(target).__name__}", TypeError)
@@ -642,6 +651,18 @@ def _load_models(c: Checker, target, draft, config: EngineConfig):
         if draft_model.device != lm.device:
             c.fail(f"the draft is on {draft_model.device} but the target on {lm.device}")
     return lm, draft_model, eos
+
+
+def _model_type(c: Checker, path: Path) -> str | None:
+    """``model_type`` of a checkpoint directory's config.json (None when it has none: the loader
+    then reports the directory)."""
+    from ..model.checkpoint import read_json_object
+
+    if not (path / "config.json").is_file():
+        return None
+    config = read_json_object(path / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return text.get("model_type") or config.get("model_type")
 
 
 def _config_eos(config) -> list[int]:

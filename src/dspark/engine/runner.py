@@ -96,7 +96,7 @@ class ModelRunner:
         self.cache = target.new_cache(max_batch + 1, line)
         self.draft = DraftRunner(drafter.model, max_batch + 1, line) if drafter else None
         self.buckets = batch_buckets(max_batch)
-        self.use_graphs = cuda_graphs and dev.type == "cuda"
+        self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.oracle_acceptance, self.oracle_replay = oracle_acceptance, oracle_replay

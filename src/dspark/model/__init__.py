@@ -6,6 +6,8 @@
   ``confidence_logits`` -- all in the target vocabulary.
 * ``load_draft`` / ``save_draft`` (speculators and DeepSpec), ``save_heads_sidecar`` /
   ``load_heads_sidecar`` (TensorRT-Edge-LLM), ``check_target_compatible``.
+* The engine's target runners: ``llama.TargetLM`` (fused Llama / Qwen forward) and
+  ``hf_target.HFTarget`` (any other decoder-only transformers model, its own modeling code).
 """
 
 from .checkpoint import (

@@ -1,0 +1,212 @@
+"""Any Hugging Face decoder-only causal LM as the engine's target, through its own modeling code.
+
+vLLM's Transformers backend in small: the model runs on the engine's flat ragged tokens (one row of
+``N`` tokens, ``position_ids`` from the engine) and the engine's per-slot ``KVCache``, through an
+attention function registered with transformers' attention interface (``ATTENTION``): each layer
+writes its (already rotated) keys and values at the tokens' (slot, position) and attends with
+dspark's ragged ``cached_attention`` -- the same op and cache as ``TargetLM``, the fused fast path
+for Llama / Qwen2 / Qwen3. Hidden states of the draft's capture layers come from forward pre-hooks
+on the decoder layers (Hugging Face ``hidden_states[a]`` = the input of layer ``a``); logits only
+for the rows asked for (``logits_to_keep``).
+
+Attention variants the ragged op cannot express exactly are refused with an error naming them:
+sliding-window layers, attention-logit soft-capping, attention sinks, non-causal layers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .. import kernels as K
+from ..kernels._validate import Checker
+from .llama import AttentionBatch, KVCache
+
+__all__ = ["ATTENTION", "HFTarget"]
+
+ATTENTION = "dspark_ragged"
+
+
+@dataclass
+class _Step:
+    """What the registered attention function needs from the current forward."""
+
+    cache: KVCache
+    positions: torch.Tensor
+    token_slots: torch.Tensor
+    groups: list  # (first row, end row, AttentionBatch)
+
+
+_STEP: contextvars.ContextVar[_Step] = contextvars.ContextVar("dspark_hf_step")
+
+
+def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: ``query`` ``[1, H, N, d]``, ``key``/``value`` ``[1, H_kv, N, d]``
+    (rotated) -> ``([1, N, H, d], None)``; keys and values go into the engine's cache first."""
+    step = _STEP.get()
+    layer = module.layer_idx
+    k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
+    k_cache[step.token_slots, step.positions] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache[step.token_slots, step.positions] = value[0].transpose(0, 1).to(v_cache.dtype)
+    q = query[0].transpose(0, 1).to(k_cache.dtype)
+    out = torch.cat([K.cached_attention(q[lo:hi].contiguous(), k_cache, v_cache, g.slot_ids, g.context_lens,
+                                        g.cu_query_lens, g.max_query_len, causal=True, scale=scaling)
+                     for lo, hi, g in step.groups])
+    return out[None].to(query.dtype), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the ragged op masks by position: transformers need not build one
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _ragged_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # transformers 4.x before the mask interface: masks are built, then ignored
+        return
+    AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+@dataclass(frozen=True)
+class _HFShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+
+
+class HFTarget:
+    """A loaded Hugging Face causal LM behind ``TargetLM``'s runner contract (``forward``,
+    ``new_cache``, ``shape``, ``device``, ``dtype``, ``vocab_size``, ``config``); eager only
+    (``graphable`` False: modeling code may synchronise the host)."""
+
+    graphable = False
+
+    def __init__(self, model: torch.nn.Module, capture_layer_ids: Sequence[int] = ()):
+        c = Checker("HFTarget")
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.model, self.config = model.eval(), config
+        self.layers = _decoder_layers(c, model)
+        _check_attention(c, config, self.layers)
+        heads = config.num_attention_heads
+        self.shape = _HFShape(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=len(self.layers),
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            max_positions=int(getattr(config, "max_position_embeddings", 0) or 0) or 4096)
+        self.capture_layer_ids = [c.integer("capture_layer_ids[]", i, low=0, high=self.shape.num_layers - 1)
+                                  for i in capture_layer_ids]
+        _register()
+
+    @classmethod
+    def from_pretrained(cls, path, capture_layer_ids: Sequence[int] = (), *, device=None, dtype=None) -> "HFTarget":
+        """Load a checkpoint directory with ``AutoModelForCausalLM`` (safetensors only)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype or "auto", use_safetensors=True)
+        return cls(model.to(device or "cpu"), capture_layer_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        s = self.shape
+        return KVCache.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
+                batch, cache: KVCache, *, capture_out: torch.Tensor | None = None,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``TargetLM.forward``'s contract: f32 logits ``[M, V]`` of ``logits_rows`` (all rows when
+        None); K/V into ``cache``; ``capture_out`` ``[N, m*H]`` the capture layers' inputs."""
+        groups = [(0, input_ids.numel(), batch)] if isinstance(batch, AttentionBatch) else list(batch)
+        token = _STEP.set(_Step(cache, positions.long(), token_slots.long(), groups))
+        hooks = self._capture_hooks(capture_out)
+        configs = {id(c): c for c in (self.model.config, self.config)}.values()
+        previous = [c._attn_implementation for c in configs]
+        try:  # the ragged attention for this forward only: the model stays usable on its own
+            for c in configs:
+                c._attn_implementation = ATTENTION
+            keep = 0 if logits_rows is None else logits_rows.long()
+            out = self.model(input_ids=input_ids.long()[None], position_ids=positions.long()[None], use_cache=False,
+                             logits_to_keep=keep)
+        finally:
+            for c, name in zip(configs, previous):
+                c._attn_implementation = name
+            for hook in hooks:
+                hook.remove()
+            _STEP.reset(token)
+        return out.logits[0].float()
+
+    def _capture_hooks(self, capture_out):
+        if capture_out is None:
+            return []
+        h = self.shape.hidden_size
+
+        def hook(index):
+            def copy(module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                for j, layer in enumerate(self.capture_layer_ids):  # an index may repeat
+                    if layer == index:
+                        capture_out[..., j * h:(j + 1) * h].copy_(hidden[0])
+            return copy
+
+        return [self.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True)
+                for i in sorted(set(self.capture_layer_ids))]
+
+
+def _decoder_layers(c: Checker, model) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM (``model.model.layers`` and its spellings)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        c.fail(f"the target must be a decoder-only causal LM, got encoder-decoder {type(model).__name__}")
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return layers
+    c.fail(f"cannot find the decoder layers of {type(model).__name__} (looked for layers / h / blocks)")
+
+
+def _check_attention(c: Checker, config, layers) -> None:
+    """Refuse attention variants the ragged causal op cannot run exactly, naming them."""
+    name = type(config).__name__
+    types = getattr(config, "layer_types", None) or []
+    sliding = [i for i, t in enumerate(types) if "sliding" in str(t) or "chunked" in str(t)]
+    window = getattr(config, "sliding_window", None)
+    if sliding or window and getattr(config, "use_sliding_window", True) and not types:
+        c.fail(f"{name}: sliding-window attention (window {window}, layers {sliding or 'all'}) is not supported by "
+               "the Hugging Face backend yet: the ragged attention op masks by request, not by query")
+    for key in ("attn_logit_softcapping", "attention_chunk_size"):
+        if getattr(config, key, None):
+            c.fail(f"{name}: {key}={getattr(config, key)} is not supported by the Hugging Face backend")
+    for i, layer in enumerate(layers):
+        attention = next((m for m in layer.modules() if hasattr(m, "layer_idx") and m is not layer), None)
+        if attention is None:
+            c.fail(f"{name}: decoder layer {i} has no attention module with a layer_idx (needed to find its cache)")
+        if getattr(attention, "is_causal", True) is False:
+            c.fail(f"{name}: layer {i} attention is not causal")
+        if getattr(attention, "sinks", None) is not None:
+            c.fail(f"{name}: attention sinks (layer {i}) are not supported by the Hugging Face backend")
