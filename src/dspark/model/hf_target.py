@@ -24,7 +24,7 @@ import torch
 
 from .. import kernels as K
 from ..kernels._validate import Checker
-from .llama import AttentionBatch, KVCache
+from .llama import AttentionBatch, CachedTarget, KVCache
 
 __all__ = ["ATTENTION", "HFTarget"]
 
@@ -84,7 +84,7 @@ class _HFShape:
     max_positions: int
 
 
-class HFTarget:
+class HFTarget(CachedTarget):
     """A loaded Hugging Face causal LM behind ``TargetLM``'s runner contract (``forward``,
     ``new_cache``, ``shape``, ``device``, ``dtype``, ``vocab_size``, ``config``); eager only
     (``graphable`` False: modeling code may synchronise the host)."""
@@ -126,15 +126,6 @@ class HFTarget:
     @property
     def vocab_size(self) -> int:
         return self.shape.vocab_size
-
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        s = self.shape
-        return KVCache(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        s = self.shape
-        return KVCache.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .. import kernels as K
 from ..kernels._validate import Checker
 
-__all__ = ["AttentionBatch", "KVCache", "TargetLM", "SUPPORTED_MODEL_TYPES", "decoder_layer"]
+__all__ = ["AttentionBatch", "CachedTarget", "KVCache", "TargetLM", "SUPPORTED_MODEL_TYPES", "decoder_layer"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -56,6 +56,20 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+class CachedTarget:
+    """What the engine's target runners (``TargetLM``, ``HFTarget``) share: a KV cache of their
+    ``shape`` (``num_layers``, ``num_kv_heads``, ``head_dim``) in their ``dtype`` on their ``device``."""
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        s = self.shape
+        return KVCache.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+
+
 @dataclass(frozen=True)
 class _Shape:
     vocab_size: int
@@ -72,7 +86,7 @@ class _Shape:
     max_positions: int
 
 
-class TargetLM:
+class TargetLM(CachedTarget):
     """A Llama-family causal LM as plain weight tensors (merged QKV and gate/up projections).
 
     ``capture_layer_ids``: Hugging Face ``output_hidden_states`` indices (0 = embedding output,
@@ -133,15 +147,6 @@ class TargetLM:
     @property
     def vocab_size(self) -> int:
         return self.lm_head.shape[0]
-
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        s = self.shape
-        return KVCache(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        s = self.shape
-        return KVCache.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
 
     # ---- forward ------------------------------------------------------------------------------
 
