@@ -120,7 +120,17 @@ def test_greedy_output_equals_target_greedy(target, greedy, tmp_path, format, dr
     assert all(1 <= s <= p for s in stats.scheduled_lengths)
     assert all(1 <= a <= s + 1 for a, s in zip(stats.accept_lengths, stats.scheduled_lengths))
     if scheduler == "off":
-        assert set(stats.scheduled_lengths) == {p}
+        assert stats.scheduled_lengths == _full_rounds(stats, p, NEW_TOKENS)
+
+
+def _full_rounds(stats, p, new_tokens) -> list[int]:
+    """The drafts each round verifies when every draft is scheduled: all P, except that no round
+    verifies more than the request can still keep (the last rounds near ``new_tokens``)."""
+    lengths, produced = [], stats.prefill_tokens
+    for accepted in stats.accept_lengths:
+        lengths.append(max(1, min(p, new_tokens - produced - 1)))
+        produced += accepted
+    return lengths
 
 
 def test_llama_style_target(tmp_path):
@@ -144,7 +154,8 @@ def test_schedulers_trim_the_verified_prefix(target, greedy, tmp_path):
     assert first.token_ids == greedy[:NEW_TOKENS]
     assert min(first.stats.scheduled_lengths) < decoder.num_drafts  # the random head is far from sure
     decoder.drafter.threshold = 0.0  # threshold <= 0 verifies everything (kernels.md 3.6)
-    assert set(decoder.generate(PROMPT, max_new_tokens=8).stats.scheduled_lengths) == {decoder.num_drafts}
+    stats = decoder.generate(PROMPT, max_new_tokens=8).stats
+    assert stats.scheduled_lengths == _full_rounds(stats, decoder.num_drafts, 8)
 
 
 def test_sts_temperatures_scale_the_confidence_logits(target, greedy):
@@ -211,8 +222,10 @@ def test_oracle_drafts_give_exact_acceptance_and_rollback(target, greedy, wrong_
     assert result.token_ids == greedy[:NEW_TOKENS]
     stats = result.stats
     expected = p + 1 if wrong_at is None else wrong_at + 1
-    assert stats.accept_lengths == [expected] * stats.rounds
-    assert stats.mean_accepted_length == expected
+    assert stats.scheduled_lengths == _full_rounds(stats, p, NEW_TOKENS)
+    assert stats.accept_lengths == [min(expected, s + 1) for s in stats.scheduled_lengths]
+    full = [a for a, s in zip(stats.accept_lengths, stats.scheduled_lengths) if s == p]
+    assert full and set(full) == {expected}
     assert stats.acceptance_per_position == [1.0 if k < expected - 1 else 0.0 if k == expected - 1 else None
                                              for k in range(p)]
     # statistics add up: the prefill token plus each round's committed tokens

@@ -190,3 +190,24 @@ def test_the_reference_loop_runs_to_exactly_the_context_limit(target, draft, sch
         result = decoder.generate(torch.tensor(prompt), max_new_tokens=new, eos_token_id=[])
         assert result.token_ids == _greedy(target, prompt, min(new, LIMIT - len(prompt)))
         assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("with_draft", [True, False], ids=["dspark", "plain"])
+def test_one_seed_gives_the_same_tokens_in_both_engines(target, draft, with_draft):
+    """One random stream: the single-request loop draws the batched engine's request-stable
+    uniforms (seed, position, purpose) and verifies what it would, so a sampled request's tokens do
+    not depend on which engine runs it (here up to the context limit, the last rounds trimmed)."""
+    from dspark.engine import SamplingParams, SpeculativeDecoder, TargetModel, autoregressive_generate
+
+    engine = LLMEngine(target, draft if with_draft else None, EngineConfig(max_batch=3))
+    for seed, sampling in enumerate([SamplingParams(temperature=1.0, seed=5), SamplingParams(0.8, top_k=20, seed=2**63 + 9),
+                                     SamplingParams(0.9, top_p=0.9, seed=77)]):
+        prompt = [3, 17, 42][: seed + 1]
+        batched = engine.generate([Request(prompt, 30, sampling, ignore_eos=True)])[0].token_ids
+        if with_draft:
+            alone = SpeculativeDecoder.from_models(target, draft).generate(torch.tensor(prompt), max_new_tokens=30,
+                                                                            sampling=sampling, eos_token_id=[])
+        else:
+            alone = autoregressive_generate(TargetModel(target, [1], max_model_len=LIMIT), torch.tensor(prompt),
+                                            max_new_tokens=30, sampling=sampling, eos_token_id=[])
+        assert alone.token_ids == batched and len(batched) == LIMIT - len(prompt)

@@ -9,9 +9,11 @@ One round (runtime.md Part II §5.3)::
               the hidden states of [anchor, accepted drafts] are the next round's draft context
 
 Prefill samples the first token (the first anchor) from the prompt's last logits. Sampling draws
-its uniforms with ``K.fill_uniforms(seed, offset)`` per round r >= 1: P draft uniforms at offset
-``r*(3P+1)`` and 2P+1 accept uniforms at ``r*(3P+1) + P``; the prefill token uses offset 0. A run is
-therefore reproducible for a given seed.
+from the batched engine's request-stable stream (``K.request_uniforms``: the request's seed, the
+position that keys the draw, its purpose): the first token at the prompt's last position
+(``PURPOSE_TARGET_SAMPLE``), a round's drafts, accept, residual and bonus draws at its anchor
+position; each round verifies the drafts the batched engine would (never more than the request can
+keep), so one seed gives the same tokens here as in ``LLMEngine``, up to float rounding.
 
 The output ends after an end-of-sequence / stop id (finish reason ``"stop"``, also when the
 ``on_tokens`` callback returns True), or at ``max_new_tokens`` or the target's context
@@ -24,7 +26,6 @@ decides how requests execute (today: one after another through ``SpeculativeDeco
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -132,31 +133,30 @@ class SpeculativeDecoder:
             if not sink.done:
                 drafter.reset()
                 prefill = target.prefill(prompt)
-                anchor = _sample(prefill.logits, sampling, _uniforms(sampling, 1, 0, target.device))
+                anchor = _sample(prefill.logits, sampling,
+                                 _uniforms(sampling, [(K.PURPOSE_TARGET_SAMPLE, 1)], prompt.numel() - 1, target.device))
                 context, position = prefill.hidden, prompt.numel()
                 stats.prefill_tokens = sink.add(anchor.tolist())
                 clock = _now(target.device)
                 stats.prefill_time = clock - start
-            round_index = 1
             while not sink.done:
-                base = round_index * (3 * p + 1)
                 proposal = drafter.propose(context, anchor, position, sampling,
-                                           _uniforms(sampling, p, base, target.device))
-                # verify only drafts whose positions fit the context (the kernels clamp each row to it)
-                num_verify = min(int(proposal.proposal_lengths.max().clamp(1, p)), sink.room(position))
+                                           _uniforms(sampling, [(K.PURPOSE_PROPOSAL, p)], position, target.device))
+                # never verify more drafts than the request can keep (the batched engine's rule)
+                num_verify = max(1, min(int(proposal.proposal_lengths.max().clamp(1, p)), sink.remaining - 1))
                 drafted = _now(target.device)
                 stats.draft_time += drafted - clock
 
                 verified = target.verify(K.build_verify_tokens(anchor, proposal.token_ids, num_verify)[0])
+                draws = [(K.PURPOSE_ACCEPT, p), (K.PURPOSE_RESIDUAL, p), (K.PURPOSE_BONUS, 1)]
                 accepted, accept_length = _accept(verified.logits, proposal, num_verify, sampling,
-                                                  _uniforms(sampling, 2 * p + 1, base + p, target.device))
+                                                  _uniforms(sampling, draws, position, target.device))
                 n = int(accept_length[0])
                 target.rollback(position + n)  # keep [.. anchor, accepted drafts]; the bonus is the next anchor
                 context, position, anchor = verified.hidden[:n], position + n, accepted[0, n - 1:n]
                 stats.record_round(num_verify, n, sink.add(accepted[0, :n].tolist()))
                 clock = _now(target.device)
                 stats.verify_time += clock - drafted
-                round_index += 1
         except KeyboardInterrupt:
             stats.total_time = time.perf_counter() - start
             raise GenerationInterrupted([GenerationResult(sink.ids, stats, "interrupted")]) from None
@@ -169,8 +169,9 @@ def autoregressive_generate(target: TargetModel, prompt_ids, *, max_new_tokens: 
                             on_tokens: TokenCallback | None = None) -> GenerationResult:
     """Plain decoding of the target alone, one token per forward (the baseline of ``--compare``).
 
-    Same token rule and stopping rules as the speculative path; token i uses the uniform at offset
-    i. Each token is recorded as a round with no drafts.
+    Same token rule and stopping rules as the speculative path; the token after position i is drawn
+    with the request's ``PURPOSE_TARGET_SAMPLE`` uniform at i, as the batched engine's plain decoding
+    draws it. Each token is recorded as a round with no drafts.
     """
     prompt = check_prompt(target, prompt_ids)
     sink = _Sink(max_new_tokens, prompt.numel(), target, _eos(eos_token_id, target), on_tokens)
@@ -180,7 +181,8 @@ def autoregressive_generate(target: TargetModel, prompt_ids, *, max_new_tokens: 
         if not sink.done:
             logits = target.prefill(prompt, capture=False).logits
             while True:
-                token = _sample(logits, sampling, _uniforms(sampling, 1, len(sink.ids), target.device))
+                token = _sample(logits, sampling, _uniforms(sampling, [(K.PURPOSE_TARGET_SAMPLE, 1)],
+                                                            prompt.numel() - 1 + len(sink.ids), target.device))
                 stats.record_round(0, 1, sink.add(token.tolist()))
                 if sink.done:
                     break
@@ -250,11 +252,14 @@ def _sample(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tens
     return token[0]
 
 
-def _uniforms(sampling: SamplingParams, count: int, offset: int, device) -> torch.Tensor | None:
-    """f32 ``[1, count]`` uniforms of the run's seed at ``offset``; None when greedy (none needed)."""
+def _uniforms(sampling: SamplingParams, draws: list[tuple[int, int]], position: int, device) -> torch.Tensor | None:
+    """f32 ``[1, sum(counts)]``: the request's ``(purpose, count)`` draws keyed by ``position``, side
+    by side (``K.request_uniforms``, the batched engine's stream); None when greedy (none needed)."""
     if sampling.greedy:
         return None
-    return K.fill_uniforms(count, sampling.seed, offset, device=device).view(1, count)
+    seeds = torch.tensor([sampling.seed_bits], dtype=torch.int64, device=device)
+    at = torch.tensor([position], dtype=torch.int32, device=device)
+    return torch.cat([K.request_uniforms(seeds, at, purpose, count) for purpose, count in draws], dim=1)
 
 
 def _now(device: torch.device) -> float:
@@ -320,9 +325,10 @@ class _Sink:
         self.finish_reason = "length"
         self.done = self.limit == 0
 
-    def room(self, anchor_position: int) -> int:
-        """Drafts a round may verify after the anchor at ``anchor_position`` within the context."""
-        return self.context - anchor_position - 1 if self.context is not None else sys.maxsize
+    @property
+    def remaining(self) -> int:
+        """Tokens the output may still take (``max_new_tokens`` and the context)."""
+        return self.limit - len(self.ids)
 
     def add(self, tokens: list[int]) -> int:
         """Append what fits; returns how many tokens were kept."""

@@ -68,6 +68,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < K.GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def seed_bits(self) -> int:
+        """The seed as ``K.request_uniforms`` takes it: the int64 with its unsigned 64-bit pattern."""
+        return self.seed - (1 << 64) if self.seed >= 1 << 63 else self.seed
+
     def probabilities(self, logits: torch.Tensor, workspace=None) -> torch.Tensor:
         """f32 ``[rows, V]`` probabilities of fp32 logits ``[rows, V]`` under these settings."""
         return K.logits_to_probabilities(logits, self.temperature, self.top_k, self.top_p, workspace=workspace)

@@ -460,7 +460,7 @@ class ModelRunner:
         i32 = dict(dtype=torch.int32, device=dev)
         rows = torch.tensor([c.row for c in chunks], device=dev)
         ends = torch.tensor([c.start + len(c.token_ids) for c in chunks], **i32)
-        seeds = torch.tensor([_as_int64(c.sampling.seed) for c in chunks], dtype=torch.int64, device=dev)
+        seeds = torch.tensor([c.sampling.seed_bits for c in chunks], dtype=torch.int64, device=dev)
         slots = torch.tensor([c.slot for c in chunks], **i32)
         tokens = torch.empty(len(chunks), **i32)
         for mode in {_mode(c.sampling) for c in chunks}:
@@ -537,8 +537,3 @@ def _sample_rows(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Te
     token = torch.zeros(logits.shape[0], 1, dtype=torch.int32, device=logits.device)
     K.sample_probability_rows(sampling.probabilities(logits, workspace), uniforms, token, 0, workspace=workspace)
     return token[:, 0]
-
-
-def _as_int64(value: int) -> int:
-    """The int64 with the bit pattern of the unsigned 64-bit ``value``."""
-    return value - (1 << 64) if value >= 1 << 63 else value
