@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
 from dspark.serve import create_app  # noqa: E402
 from dspark.serve.engine_loop import ACCEPTED, EngineDead, EngineLoop, QueueFull, ServerClosing  # noqa: E402
-from dspark.serve.text import TextOutput  # noqa: E402
+from dspark.engine.text import TextOutput  # noqa: E402
 from dspark.training.data import demo_pair, read_prompts  # noqa: E402
 
 MODEL = "demo"

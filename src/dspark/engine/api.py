@@ -23,13 +23,11 @@ from .decoder import (GenerationInterrupted, GenerationResult, Request, Speculat
 from .llm_engine import EngineConfig, LLMEngine
 from .target import resolve_device
 from .drafting import SamplingParams
+from .text import TextStream
 
-__all__ = ["LLM", "generate", "generate_texts", "load_tokenizer", "encode_prompts", "TextStream", "TOKENIZER_FILES"]
+__all__ = ["LLM", "generate", "generate_texts", "load_tokenizer", "encode_prompts", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# Prompt tokens decoded ahead of a continuation, so that its first word is spaced as it is after the
-# prompt (SentencePiece and word-level tokenizers drop a leading space when decoding ids alone).
-_CONTEXT_TOKENS = 4
 
 
 def load_tokenizer(path):
@@ -79,74 +77,6 @@ def encode_prompts(prompts, tokenizer, *, name: str = "generate") -> tuple[list[
         else:
             c.fail(f"prompt {i} must be a string or a flat list of token ids, got {type(prompt).__name__}", TypeError)
     return batch, False
-
-
-class TextStream:
-    """Incremental decoding of one request's continuation: stop-string detection and the text that
-    is final so far (for streaming; held back while a multi-byte character or a possible stop string
-    is incomplete)."""
-
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.context = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self.prefix = self._decode([])
-        self.ids: list[int] = []
-        self.text, self.emitted = "", 0
-        self.stop_tokens: int | None = None  # output tokens up to the one that completed a stop string
-
-    def add(self, tokens: list[int]) -> bool:
-        """Append a round's tokens; True once the text contains a stop string (the request should end)."""
-        if self.stop_tokens is not None:
-            return True
-        first_new = len(self.ids)
-        self.ids.extend(tokens)
-        self.text = self.decode(self.ids)
-        cut = self._stop_position(self.text)
-        if cut is None:
-            return False
-        # the shortest output that contains it (the text before this round held none)
-        self.stop_tokens = next(k for k in range(first_new + 1, len(self.ids) + 1)
-                                if self._stop_position(self.decode(self.ids[:k])) is not None)
-        self.text = self.text[:cut]
-        return True
-
-    def take(self, *, final: bool = False) -> str:
-        """The text that became final since the last call (all that is left when ``final``)."""
-        end = len(self.text) if final or self.stop_tokens is not None else self._safe_end()
-        new, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
-        return new
-
-    def finish(self, result: GenerationResult) -> None:
-        """Set ``result.text``; after a stop string also cut ``result.token_ids`` and mark it ``"stop"``."""
-        if self.ids != result.token_ids:  # nothing was streamed: decode once
-            self.ids, self.stop_tokens = [], None
-            self.add(result.token_ids)
-        if self.stop_tokens is not None:
-            result.token_ids = result.token_ids[:self.stop_tokens]
-            result.finish_reason = "stop"
-        result.text = self.text
-
-    def decode(self, ids: list[int]) -> str:
-        """The continuation ``ids`` as text, decoded after the prompt's last tokens."""
-        text = self._decode(ids)
-        return text[len(self.prefix):] if text.startswith(self.prefix) else self.tokenizer.decode(
-            ids, skip_special_tokens=True)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(self.context + ids, skip_special_tokens=True)
-
-    def _stop_position(self, text: str) -> int | None:
-        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return min(found) if found else None
-
-    def _safe_end(self) -> int:
-        end = len(self.text.rstrip("\ufffd"))  # a cut multi-byte character decodes as U+FFFD
-        for s in self.stop:  # hold back a suffix that may grow into a stop string
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if self.text[end - k:end] == s[:k]:
-                    end -= k
-                    break
-        return end
 
 
 def generate_texts(decoder: SpeculativeDecoder, requests: Sequence[Request], tokenizer, *, stop: Sequence[str] = (),

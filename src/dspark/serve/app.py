@@ -36,7 +36,7 @@ from .protocol import (CHAT_DEFAULTS, AssistantMessage, ChatChoice, ChatCompleti
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
                        ErrorResponse, ModelCard, ModelList, SamplingFields, TopLogprob, UINT64_MAX, UsageInfo,
                        random_id)
-from .text import TextOutput
+from ..engine.text import TextOutput
 
 __all__ = ["APIError", "create_app"]
 

@@ -1,4 +1,5 @@
-"""Token ids to text, incrementally, with stop strings.
+"""Token ids to text, incrementally, with stop strings: the one text stream of the server, the
+Python API and the CLI.
 
 ``IncrementalDetokenizer`` decodes a short window of ids (the last few of the prompt, then the
 output) so a token's text is what it adds in context (SentencePiece's leading spaces), and holds
@@ -8,7 +9,8 @@ and the replacement character means its bytes are not all there yet.
 ``TextOutput`` adds stop strings on top: the text is searched as it grows (a token at a time, so the
 output ends at the token that completes the stop string); at a match the output ends just before
 the stop string. Text that could be the start of a stop string is held back until the next token
-shows it is not.
+shows it is not. ``TextStream`` is what the Python API and the CLI keep per request on top: the
+text so far and the output tokens up to the one that completed a stop string.
 """
 
 from __future__ import annotations
@@ -94,3 +96,48 @@ class TextOutput:
         cut = max(len(self.pending) - self.hold, 0)
         released, self.pending = self.pending[:cut], self.pending[cut:]
         return released
+
+
+class TextStream:
+    """One request's text for ``generate``: a ``TextOutput`` plus what its ``GenerationResult``
+    needs -- ``text`` so far and ``stop_tokens``, the output tokens up to the one that completed a
+    stop string (None before one)."""
+
+    def __init__(self, tokenizer, prompt_ids, stop=()):
+        self.output = TextOutput(tokenizer, list(prompt_ids), list(stop))
+        self.ids: list[int] = []
+        self.text, self.emitted = "", 0
+        self.stop_tokens: int | None = None
+        self._flushed = False
+
+    def add(self, tokens: list[int]) -> bool:
+        """Append a round's tokens; True once the text holds a stop string (the request should end)."""
+        if self.stop_tokens is None:
+            released, used = self.output.add(list(tokens))
+            self.ids.extend(tokens[:used])
+            self.text += released
+            if self.output.stopped is not None:
+                self.stop_tokens = len(self.ids)
+        return self.stop_tokens is not None
+
+    def take(self, *, final: bool = False) -> str:
+        """The text released since the last call (with ``final`` also what was held back)."""
+        if final:
+            self._flush()
+        new, self.emitted = self.text[self.emitted:], len(self.text)
+        return new
+
+    def finish(self, result) -> None:
+        """Set ``result.text``; after a stop string also cut ``result.token_ids`` and mark it ``"stop"``."""
+        if not self.ids and result.token_ids:  # nothing was streamed: decode once
+            self.add(result.token_ids)
+        self._flush()
+        if self.stop_tokens is not None:
+            result.token_ids = result.token_ids[:self.stop_tokens]
+            result.finish_reason = "stop"
+        result.text = self.text
+
+    def _flush(self) -> None:
+        if not self._flushed:
+            self.text += self.output.flush()
+            self._flushed = True
