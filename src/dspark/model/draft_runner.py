@@ -19,12 +19,16 @@ No host synchronisation, fixed shapes per batch size: both calls can be captured
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from .. import kernels as K
-from .draft import DSparkDraftModel
 from .llama import KVCache, decoder_layer
+
+if TYPE_CHECKING:  # draft.py builds a DraftRunner for its cache: import the model type for annotations only
+    from .draft import DSparkDraftModel
 
 __all__ = ["DraftRunner"]
 
@@ -32,7 +36,7 @@ __all__ = ["DraftRunner"]
 class DraftRunner:
     """Batched forward of a ``DSparkDraftModel`` (weights shared, merged projections built once)."""
 
-    def __init__(self, model: DSparkDraftModel, num_slots: int, max_len: int):
+    def __init__(self, model: "DSparkDraftModel", num_slots: int, max_len: int):
         cfg = model.config
         self.model, self.config = model, cfg
         self.block_size = cfg.block_size
