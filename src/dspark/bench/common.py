@@ -50,19 +50,6 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def compiled_kernel(kernel, call: Callable[[], object]):
-    """The compiled Triton kernel (registers, spills, shared memory, ``asm``) that ``call`` launches
-    last through the ``@triton.jit`` function ``kernel``."""
-    launched, run = [], kernel.run
-    kernel.run = lambda *args, **kwargs: launched.append(run(*args, **kwargs)) or launched[-1]
-    try:
-        call()
-        torch.cuda.synchronize()
-    finally:
-        kernel.run = run
-    return launched[-1]
-
-
 def graph_us(fn: Callable[[], object]) -> float:
     """Median microseconds of ``fn`` replayed as a CUDA graph (cold L2, no Python launch cost)."""
     return cold_l2_us(capture_graph(fn).replay)
