@@ -371,6 +371,9 @@ def test_generate_api_and_cli_run_the_batched_engine(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["generated_ids"] for r in rows] == [r.token_ids for r in reference[:2]]
+    # one step drafts and verifies every row: the batched engine reports no draft / verify split
+    assert rows[0]["stats"]["draft_time_s"] is None and rows[0]["stats"]["total_time_s"] > 0
+    assert reference[0].stats.as_dict()["draft_time_s"] > 0
 
 
 def test_evaluate_runs_on_the_batched_engine(target):

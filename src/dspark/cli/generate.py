@@ -315,8 +315,9 @@ def _print_summary(summary: dict, file=None) -> None:
     else:
         print(f"generated {stats['generated_tokens']} tokens, all from the prefill: no drafting round, "
               f"so no tau or acceptance", file=file)
-    print(f"time: prefill {stats['prefill_time_s']:.3f} s, draft {stats['draft_time_s']:.3f} s, "
-          f"verify {stats['verify_time_s']:.3f} s, total {stats['total_time_s']:.3f} s, "
+    parts = "" if stats["draft_time_s"] is None else \
+        f"draft {stats['draft_time_s']:.3f} s, verify {stats['verify_time_s']:.3f} s, "  # batched: one step for both
+    print(f"time: prefill {stats['prefill_time_s']:.3f} s, {parts}total {stats['total_time_s']:.3f} s, "
           f"{stats['tokens_per_second']:.1f} tokens/s", file=file)
     if "baseline" in summary:
         base = summary["baseline"]["stats"]

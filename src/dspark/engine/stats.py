@@ -59,6 +59,15 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.total_time if self.total_time > 0 else 0.0
 
+    @property
+    def parts_timed(self) -> bool:
+        """Whether draft and verify time were measured apart: the single-request loop times them; the
+        batched engine runs both in one step for every row, so it leaves them at 0."""
+        return bool(self.draft_time or self.verify_time) or not self.rounds
+
+    def _part(self, seconds: float) -> float | None:
+        return round(seconds, 6) if self.parts_timed else None
+
     def as_dict(self) -> dict:
         """The figures as JSON-ready values; τ and the mean verified drafts are None without a round."""
         return {
@@ -71,8 +80,8 @@ class GenerationStats:
             "accept_lengths": list(self.accept_lengths),
             "mean_scheduled_length": round(sum(self.scheduled_lengths) / self.rounds, 4) if self.rounds else None,
             "prefill_time_s": round(self.prefill_time, 6),
-            "draft_time_s": round(self.draft_time, 6),
-            "verify_time_s": round(self.verify_time, 6),
+            "draft_time_s": self._part(self.draft_time),
+            "verify_time_s": self._part(self.verify_time),
             "total_time_s": round(self.total_time, 6),
             "tokens_per_second": round(self.tokens_per_second, 2),
         }
