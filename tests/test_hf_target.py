@@ -3,10 +3,11 @@ code on the engine's ragged tokens and KV cache).
 
 Oracle: transformers' own greedy ``generate()``. Tiny random models (float32) of five families
 beyond Llama / Qwen -- Mistral, Phi-3, a Qwen3 mixture of experts, GPT-NeoX (partial rotary, MHA,
-parallel residual) and OLMo-2 (norms after attention and MLP) -- decode with a random DSpark drafter
+parallel residual), OLMo-2 (norms after attention and MLP), and sliding-window Mistral and Gemma 3
+(windows of 4-5 tokens, Gemma's local/global layers) -- decode with a random DSpark drafter
 built for them and with plain decoding: greedy output identical to ``generate()``, each request the
 same alone and in a batch, prompts chunked into running steps; a sampled request is the same alone
-and in a batch. Sliding-window targets are refused with an error naming the variant.
+and in a batch. Attention soft-capping is refused with an error naming it.
 """
 
 from types import SimpleNamespace
@@ -40,10 +41,16 @@ def _family(name):
         "gpt-neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**{**COMMON, "rotary_pct": 0.5},
                                                                  use_parallel_residual=True)),
         "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**COMMON, **kv)),
+        # sliding layers with windows far below the outputs' length: every verify row and prompt
+        # chunk spans window edges
+        "mistral-sliding": lambda: t.MistralForCausalLM(t.MistralConfig(**COMMON, **kv, head_dim=8, sliding_window=5)),
+        "gemma3-sliding": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 4}, **kv, head_dim=8, sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])),
     }[name]
 
 
-FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2"]
+FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding"]
 
 
 def _model(name):
@@ -131,9 +138,9 @@ def test_captured_states_are_the_models_hidden_states():
     torch.testing.assert_close(logits, ref.logits[0, -1:], rtol=1e-4, atol=1e-4)
 
 
-def test_sliding_window_targets_are_refused_by_name():
+def test_unsupported_attention_is_refused_by_name():
     import transformers as t
 
-    model = t.MistralForCausalLM(t.MistralConfig(**COMMON, num_key_value_heads=2, head_dim=8, sliding_window=16))
-    with pytest.raises(ValueError, match="MistralConfig: sliding-window attention .* not supported"):
+    model = t.Gemma2ForCausalLM(t.Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=50.0))
+    with pytest.raises(ValueError, match="Gemma2Config: attn_logit_softcapping=50.0 is not supported"):
         LLMEngine(model, None, EngineConfig(max_batch=2))

@@ -217,6 +217,48 @@ def test_reference_cached_attention_matches_hf_eager(layout, causal):
     torch.testing.assert_close(out, hf_attention(q, k_cache, v_cache, layout, causal, 0.3), atol=1e-5, rtol=1e-5)
 
 
+def _sliding_reference(q, k_cache, v_cache, layout, window, scale):
+    """Hugging Face's eager attention per request with the sliding-window mask of masking_utils
+    (key k visible to the query at position p iff p - window < k <= p)."""
+    rep = q.shape[1] // k_cache.shape[2]
+    module = types.SimpleNamespace(num_key_value_groups=rep, training=False)
+    out, row = torch.zeros_like(q), 0
+    for count, ctx, slot in zip(layout.counts, layout.ctx, layout.slots):
+        if count == 0:
+            continue
+        keys = torch.arange(ctx + count)
+        query_pos = ctx + torch.arange(count)
+        hidden = (keys[None, :] > query_pos[:, None]) | (keys[None, :] <= query_pos[:, None] - window)
+        mask = torch.zeros(count, keys.numel()).masked_fill(hidden, float("-inf"))
+        key, value = (c[slot, :ctx + count].transpose(0, 1)[None] for c in (k_cache, v_cache))
+        attn, _ = eager_attention_forward(module, q[row:row + count].transpose(0, 1)[None], key, value,
+                                          mask[None, None], scale)
+        out[row:row + count] = attn[0]
+        row += count
+    return out
+
+
+@pytest.mark.parametrize("layout, window", [(RAGGED, 4), (PREFILL, 6), (DECODE, 9), (PREFILL, 64)])
+def test_sliding_window_is_per_query(layout, window):
+    """``sliding_window``: each query its own window (a prompt or verify row spans several)."""
+    q, k_cache, v_cache = attention_inputs(layout, 2, 2, 16, torch.float32, 56)
+    with K.use_backend("reference"):
+        out = K.cached_attention(q, k_cache, v_cache, causal=True, sliding_window=window, scale=0.3, **layout.tensors())
+    torch.testing.assert_close(out, _sliding_reference(q, k_cache, v_cache, layout, window, 0.3), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"sliding_window must be in \[1, inf\], got 0"):
+        K.cached_attention(q, k_cache, v_cache, causal=True, sliding_window=0, **layout.tensors())
+
+
+@requires_triton
+@pytest.mark.parametrize("layout, window, dtype", [(RAGGED, 4, torch.float32), (PREFILL, 6, torch.float32),
+                                                   (PREFILL, 17, torch.bfloat16), (DECODE, 9, torch.float32)])
+def test_triton_sliding_window_matches_reference(layout, window, dtype):
+    q, k_cache, v_cache = attention_inputs(layout, 2, 2, 16, dtype, 56)
+    expected, actual = on_backends(lambda: K.cached_attention(q, k_cache, v_cache, causal=True, sliding_window=window,
+                                                              **layout.tensors(torch.int64)))
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, "attention"))
+
+
 def test_reference_silu_and_mul_matches_hf_activation():
     x = torch.randn(4, 2 * 24)
     with K.use_backend("reference"):

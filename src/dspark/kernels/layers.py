@@ -106,7 +106,7 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
 
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len: int, *,
-                     causal: bool, window_starts=None, scale: float | None = None):
+                     causal: bool, window_starts=None, sliding_window: int | None = None, scale: float | None = None):
     """Attention of each request's new queries over its cache line; returns ``[N, n_q, d]`` (q's dtype).
 
     ``q`` ``[N, n_q, d]``: request ``b``'s queries are rows ``cu_query_lens[b] ..
@@ -116,7 +116,9 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     ``[num_slots, max_len, n_kv, d]`` at line ``slot_ids[b]``: positions ``< context_lens[b]`` are
     context (all visible), positions ``context_lens[b] + t'`` are the request's own new tokens,
     visible when ``t' <= t`` (``causal``) or always (bidirectional). With ``window_starts`` (int
-    ``[B]``) keys before ``window_starts[b]`` are hidden. GQA: query head ``h`` reads KV head
+    ``[B]``) keys before ``window_starts[b]`` are hidden. With ``sliding_window`` W (an int >= 1) each
+    query sees only the keys of the last W positions up to its own (Hugging Face's sliding window:
+    key ``k`` is visible to the query at position ``p`` iff ``p - W < k``). GQA: query head ``h`` reads KV head
     ``h // (n_q / n_kv)``. Softmax in f32; ``scale`` defaults to ``d ** -0.5``. A request with no
     queries is skipped.
     """
@@ -138,12 +140,14 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         window_starts = window_starts.contiguous()
     if not isinstance(causal, bool):
         c.fail(f"causal must be a bool, got {type(causal).__name__}", TypeError)
+    if sliding_window is not None:
+        sliding_window = c.integer("sliding_window", sliding_window, low=1)
     scale = d ** -0.5 if scale is None else c.real("scale", scale, low=0.0)
     if device.type == "cpu":
         _check_layout(c, q.shape[0], slot_ids, context_lens, cu_query_lens, max_query_len, num_slots, max_len)
     return implementation("cached_attention", device)(
         q, k_cache, v_cache, slot_ids.contiguous(), context_lens.contiguous(), cu_query_lens.contiguous(),
-        max_query_len, causal, window_starts, scale)
+        max_query_len, causal, window_starts, sliding_window, scale)
 
 
 def silu_and_mul(x):

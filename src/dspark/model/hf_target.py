@@ -9,8 +9,9 @@ for Llama / Qwen2 / Qwen3. Hidden states of the draft's capture layers come from
 on the decoder layers (Hugging Face ``hidden_states[a]`` = the input of layer ``a``); logits only
 for the rows asked for (``logits_to_keep``).
 
-Attention variants the ragged op cannot express exactly are refused with an error naming them:
-sliding-window layers, attention-logit soft-capping, attention sinks, non-causal layers.
+Sliding-window layers mask per query (the window the modeling code passes). Attention variants
+the ragged op cannot express exactly are refused with an error naming them: attention-logit
+soft-capping, chunked attention, attention sinks, non-causal layers.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ class _Step:
 _STEP: contextvars.ContextVar[_Step] = contextvars.ContextVar("dspark_hf_step")
 
 
-def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                      **kwargs):
     """transformers' attention interface: ``query`` ``[1, H, N, d]``, ``key``/``value`` ``[1, H_kv, N, d]``
-    (rotated) -> ``([1, N, H, d], None)``; keys and values go into the engine's cache first."""
+    (rotated) -> ``([1, N, H, d], None)``; keys and values go into the engine's cache first. A
+    sliding layer (``sliding_window``, as the modeling code passes it) masks per query."""
     step = _STEP.get()
     layer = module.layer_idx
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
@@ -54,7 +57,8 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling=None, d
     v_cache[step.token_slots, step.positions] = value[0].transpose(0, 1).to(v_cache.dtype)
     q = query[0].transpose(0, 1).to(k_cache.dtype)
     out = torch.cat([K.cached_attention(q[lo:hi].contiguous(), k_cache, v_cache, g.slot_ids, g.context_lens,
-                                        g.cu_query_lens, g.max_query_len, causal=True, scale=scaling)
+                                        g.cu_query_lens, g.max_query_len, causal=True, scale=scaling,
+                                        sliding_window=sliding_window or None)
                      for lo, hi, g in step.groups])
     return out[None].to(query.dtype), None
 
@@ -184,12 +188,9 @@ def _decoder_layers(c: Checker, model) -> torch.nn.ModuleList:
 def _check_attention(c: Checker, config, layers) -> None:
     """Refuse attention variants the ragged causal op cannot run exactly, naming them."""
     name = type(config).__name__
-    types = getattr(config, "layer_types", None) or []
-    sliding = [i for i, t in enumerate(types) if "sliding" in str(t) or "chunked" in str(t)]
-    window = getattr(config, "sliding_window", None)
-    if sliding or window and getattr(config, "use_sliding_window", True) and not types:
-        c.fail(f"{name}: sliding-window attention (window {window}, layers {sliding or 'all'}) is not supported by "
-               "the Hugging Face backend yet: the ragged attention op masks by request, not by query")
+    chunked = [i for i, t in enumerate(getattr(config, "layer_types", None) or []) if "chunked" in str(t)]
+    if chunked:
+        c.fail(f"{name}: chunked attention (layers {chunked}) is not supported by the Hugging Face backend")
     for key in ("attn_logit_softcapping", "attention_chunk_size"):
         if getattr(config, key, None):
             c.fail(f"{name}: {key}={getattr(config, key)} is not supported by the Hugging Face backend")

@@ -42,7 +42,7 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
 
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len, causal,
-                     window_starts, scale):
+                     window_starts, sliding_window, scale):
     batch, n_q, n_kv = slot_ids.shape[0], q.shape[1], k_cache.shape[2]
     counts = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
     if batch == 0 or q.shape[0] == 0:
@@ -60,6 +60,8 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     last = query_pos if causal else (ctx + counts)[:, None] - 1
     visible = (keys[None, None, :] >= start[:, None, None]) & (keys[None, None, :] <= last[:, :, None])
     visible = visible & valid_q[:, :, None]
+    if sliding_window is not None:
+        visible = visible & (keys[None, None, :] > query_pos[:, :, None] - sliding_window)
     k = k_cache[slot_ids.long(), :width].float().repeat_interleave(n_q // n_kv, dim=2)   # [B, L, n_q, d]
     v = v_cache[slot_ids.long(), :width].float().repeat_interleave(n_q // n_kv, dim=2)
     scores = torch.einsum("bthd,blhd->bhtl", queries, k) * scale

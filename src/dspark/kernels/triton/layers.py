@@ -224,9 +224,9 @@ def _dot_probabilities(p, v, INTERPRET: tl.constexpr):
 @triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr, window_ptr, out_ptr,
                       part_out_ptr, part_lse_ptr, stride_q, n_rows, num_slots, max_len, n_kv, q_blocks, qk_scale,
-                      REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, INTERPRET: tl.constexpr):
+                      sliding_window, REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SLIDING: tl.constexpr, INTERPRET: tl.constexpr):
     """One (request ``b``, query block, KV head, key split); ``qk_scale`` includes ``log2(e)``."""
     b = tl.program_id(0) // q_blocks
     t0 = (tl.program_id(0) % q_blocks) * BLOCK_T
@@ -247,6 +247,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(tl.load(window_ptr + b), 0)
+    if SLIDING:  # the block's first query sees no key at or before its position - W
+        start = tl.maximum(start, ctx + t0 - sliding_window + 1)
     chunk = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, end)
@@ -277,6 +279,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr
         visible = valid_n[None, :]
         if CAUSAL:
             visible = visible & (keys[None, :] <= query_pos[:, None])
+        if SLIDING:
+            visible = visible & (keys[None, :] > query_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -348,7 +352,7 @@ def _attention_config(device, dtype, batch: int, n_kv: int, rep: int, d: int, ma
 
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len, causal,
-                     window_starts, scale):
+                     window_starts, sliding_window, scale):
     n, n_q, d = q.shape
     num_slots, max_len, n_kv, _ = k_cache.shape
     batch = slot_ids.shape[0]
@@ -367,8 +371,9 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     _attention_kernel[(batch * q_blocks, n_kv, splits)](
         q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         window_starts if window_starts is not None else context_lens, out, part_out, part_lse,
-        q.stride(0), n, num_slots, max_len, n_kv, q_blocks, scale * _LOG2E, REP=rep, D=d, SPLITS=splits,
-        CAUSAL=causal, HAS_WINDOW=window_starts is not None, INTERPRET=_INTERPRET, num_warps=num_warps, **cfg)
+        q.stride(0), n, num_slots, max_len, n_kv, q_blocks, scale * _LOG2E, sliding_window or 0, REP=rep, D=d,
+        SPLITS=splits, CAUSAL=causal, HAS_WINDOW=window_starts is not None, SLIDING=sliding_window is not None,
+        INTERPRET=_INTERPRET, num_warps=num_warps, **cfg)
     if splits > 1:
         _combine_kernel[(n * n_q,)](part_out, part_lse, out, D=d, BLOCK_D=cfg["BLOCK_D"], SPLITS=splits,
                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
