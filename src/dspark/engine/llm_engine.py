@@ -303,7 +303,7 @@ class LLMEngine:
                 seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
                 self.running.append(seq)
                 joined.append(seq)
-        self.metrics.running = len(self.running)
+        self.metrics.running = len(self.running) + len(self.prefilling)
         return joined
 
     def _probe(self, plan, outputs) -> None:
@@ -381,6 +381,7 @@ class LLMEngine:
             seq.admitted_at = time.perf_counter()
             self.prefilling.append(seq)
         self.metrics.waiting = len(self.waiting)
+        self.metrics.running = len(self.running) + len(self.prefilling)
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, PrefillChunk]]:
         """This step's prompt chunks, first come first served within ``budget`` tokens; a chunk that
@@ -486,6 +487,7 @@ class LLMEngine:
                 continue
             seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
         self.metrics.waiting = len(self.waiting)
+        self.metrics.running = len(self.running) + len(self.prefilling)
 
     def _retire(self, finished: list[Sequence]) -> None:
         """Free finished requests' slots and keep the running rows dense (the last row moves in)."""
@@ -501,7 +503,7 @@ class LLMEngine:
             self.free_slots.sort()
             seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
             self.metrics.finished += 1
-        self.metrics.running = len(self.running)
+        self.metrics.running = len(self.running) + len(self.prefilling)
 
 
     # ---- convenience --------------------------------------------------------------------------
@@ -578,7 +580,7 @@ class EngineMetrics:
 
     def __init__(self, num_drafts: int):
         self.num_drafts = num_drafts
-        self.running = self.waiting = self.finished = 0
+        self.running = self.waiting = self.finished = 0  # running: with a cache slot (prefilling too, as vLLM)
         self.generated_tokens = 0
         self.rounds = 0  # per request
         self.steps = 0
