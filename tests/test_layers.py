@@ -376,7 +376,7 @@ def test_triton_kernels_never_address_out_of_range_slots_or_positions():
     q = torch.randn(2, 2 * n_kv, d, device=DEVICE)
     out = T.cached_attention(q, k_cache + 1, v_cache + 1, torch.tensor([5, 0], device=DEVICE),
                              torch.tensor([3, 0], device=DEVICE), torch.tensor([0, 1, 2], device=DEVICE), 1, True,
-                             None, d ** -0.5)
+                             None, None, d ** -0.5)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[1], torch.ones_like(out[1]))
 
 
