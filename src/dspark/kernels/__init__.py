@@ -4,7 +4,8 @@ Families (one module each): ``markov`` (Markov correction, fused greedy steps, F
 greedy drafter), ``sampling`` (uniforms, probabilities, samplers, stores, the sampled Markov steps),
 ``verify`` (verify tokens, greedy and probabilistic accept, proposal lengths), ``confidence``
 (confidence head and the threshold / SPS schedulers), ``layers`` (RMSNorm, RoPE + KV store, cached
-attention, SwiGLU for the engine's model runners), ``rng`` (request-stable uniforms). Backends: PyTorch reference and Triton, see
+attention, SwiGLU for the engine's model runners), ``rng`` (request-stable uniforms), ``tree``
+(the DDTree builder and greedy tree acceptance; PyTorch only so far). Backends: PyTorch reference and Triton, see
 ``use_backend``; the full contract of each function is on the public function.
 
 Scratch memory: the Triton ops that need it (``logits_to_probabilities``, ``markov_sample_step``,
@@ -25,5 +26,6 @@ from .layers import *  # noqa: F401,F403
 from .rng import *  # noqa: F401,F403
 from .markov import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403
+from .tree import *  # noqa: F401,F403
 from .verify import *  # noqa: F401,F403
 from .workspace import Workspace

@@ -1,0 +1,136 @@
+"""The DDTree builder and the greedy tree acceptance (kernels.md §4.4) against direct
+implementations of the spec's rules: hand-worked trees (ties included), an exhaustive oracle (with
+distinct scores the best-first tree is the ``verify_size - 1`` best nodes of the full candidate tree,
+which is closed under parents because a child never scores above its parent), the survival floor,
+and the greedy walk against a target whose argmax is known."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import dspark.kernels as K
+
+
+def _tree_of(tree, b=0):
+    """Row b as {(path of tokens): score} for the nodes after the root."""
+    n = int(tree.num_nodes[b])
+    tokens, parents = tree.tokens[b].tolist(), tree.parents[b].tolist()
+    paths = {0: ()}
+    for i in range(1, n):
+        paths[i] = paths[parents[i]] + (tokens[i],)
+    return {paths[i]: float(tree.scores[b, i]) for i in range(1, n)}
+
+
+def test_a_hand_worked_tree_with_ties_and_confidence():
+    # V = 4, P = 2, top-2. Depth 1: token 2, then 0 and 1 tied (the lower token, 0, is the second
+    # candidate); depth 2: tokens 1 and 3. Scores (log-softmax + log confidence):
+    #   (2,) > (2, 1) > (0,) > (2, 3) == (0, 1) exactly (both differ from the others by the same
+    #   logit gaps) -> the tie goes to the lower parent index: (2, 3), under node 1.
+    logits = torch.tensor([[[0.0] * 4, [1.0, 1.0, 3.0, -5.0], [0.0, 4.0, 0.0, 2.0]]])
+    conf = torch.tensor([[0.5, 0.25]])
+    tree = K.ddtree_build(logits, torch.tensor([7]), torch.tensor([10]), candidate_top_k=2, verify_size=5,
+                          depth_confidence=conf)
+    assert tree.tokens[0].tolist() == [7, 2, 1, 0, 3]
+    assert tree.parents[0].tolist() == [-1, 0, 1, 0, 1] and tree.depths[0].tolist() == [0, 1, 2, 1, 2]
+    lp1, lp2 = torch.log_softmax(logits[0, 1], -1), torch.log_softmax(logits[0, 2], -1)
+    c1, c2 = math.log(0.5), math.log(0.25)
+    expected = [0.0, lp1[2] + c1, lp1[2] + c1 + lp2[1] + c2, lp1[0] + c1, lp1[2] + c1 + lp2[3] + c2]
+    assert tree.scores[0].tolist() == pytest.approx([float(x) for x in expected], abs=1e-5)
+    assert float(lp1[0] + lp2[1]) == pytest.approx(float(lp1[2] + lp2[3]), abs=1e-6)  # the tie is real
+    assert tree.positions[0].tolist() == [10, 11, 12, 11, 12]
+    assert int(tree.context_lengths[0]) == 15 and int(tree.num_nodes[0]) == 5
+    assert tree.ancestors[0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0],
+                                                [1, 1, 0, 0, 1]]
+
+
+def test_ties_order_by_parent_then_slot_then_token():
+    # every logit equal: all candidates tie; parent index, then slot, then token decide
+    logits = torch.zeros(1, 3, 5)
+    tree = K.ddtree_build(logits, torch.tensor([4]), torch.tensor([0]), candidate_top_k=2, verify_size=7)
+    # depth 1: tokens 0, 1 (slots 0, 1, root's children); then node 1's children before node 2's
+    assert tree.tokens[0].tolist() == [4, 0, 1, 0, 1, 0, 1]
+    assert tree.parents[0].tolist() == [-1, 0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_first_equals_the_best_nodes_of_the_full_tree(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, p, v, k, size = 3, 3, 11, 3, 9
+    logits = torch.randn(b, p + 1, v, generator=g) * 2
+    conf = torch.rand(b, p, generator=g) * 0.9 + 0.05
+    tree = K.ddtree_build(logits, torch.tensor([1, 2, 3]), torch.tensor([5, 0, 9]), candidate_top_k=k,
+                          verify_size=size, depth_confidence=conf)
+    for row in range(b):
+        lp = torch.log_softmax(logits[row, 1:].double(), -1)
+        top = [lp[d].topk(k).indices.tolist() for d in range(p)]
+        full = {}
+        for depth in range(1, p + 1):
+            for path in itertools.product(*top[:depth]):
+                full[path] = sum(float(lp[d, t]) + math.log(float(conf[row, d])) for d, t in enumerate(path))
+        best = sorted(full, key=lambda path: -full[path])[: size - 1]
+        assert set(_tree_of(tree, row)) == set(best)
+        assert all(path[:-1] in set(best) | {()} for path in best)  # closed under parents
+        mask = tree.ancestors[row]
+        parents = tree.parents[row].tolist()
+        for i in range(size):  # ancestor-or-self
+            chain, j = {i}, i
+            while parents[j] >= 0:
+                j = parents[j]
+                chain.add(j)
+            assert set(torch.nonzero(mask[i]).flatten().tolist()) == chain
+
+
+def test_the_survival_floor_limits_the_depth():
+    logits = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(0))
+    conf = torch.tensor([[0.9, 0.8, 0.5, 0.9]])  # prefix survival 0.9, 0.72, 0.36, 0.324
+    deep = K.ddtree_build(logits, torch.tensor([0]), torch.tensor([0]), candidate_top_k=1, verify_size=5,
+                          depth_confidence=conf)
+    assert deep.depths[0].tolist() == [0, 1, 2, 3, 4]
+    floor = K.ddtree_build(logits, torch.tensor([0]), torch.tensor([0]), candidate_top_k=1, verify_size=5,
+                           depth_confidence=conf, survival_threshold=0.7)
+    assert int(floor.num_nodes[0]) == 3 and floor.depths[0, :3].tolist() == [0, 1, 2]  # depths 1, 2 survive
+    assert floor.parents[0, 3:].tolist() == [-1, -1]  # unused slots
+    lowest = K.ddtree_build(logits, torch.tensor([0]), torch.tensor([0]), candidate_top_k=2, verify_size=5,
+                            depth_confidence=conf, survival_threshold=0.95)
+    assert int(lowest.depths[0].max()) == 1  # at least one depth
+
+
+def test_greedy_tree_accept_walks_the_targets_argmax():
+    # tree: root(9) -> a=1 [1], b=2 [2]; a -> 3 [3]; a -> 4 [4]; 3 -> 5 [5]
+    tree = K.ddtree_build(torch.zeros(1, 4, 6), torch.tensor([9]), torch.tensor([0]), candidate_top_k=1,
+                          verify_size=1)
+    tokens = torch.tensor([[9, 1, 2, 3, 4, 5]], dtype=torch.int32)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]], dtype=torch.int32)
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3]], dtype=torch.int32)
+    tree = K.TreeBatch(tokens, parents, depths, torch.zeros(1, 6, 6, dtype=torch.bool), depths, torch.tensor([6]),
+                       torch.tensor([6]), torch.zeros(1, 6))
+
+    def target(next_of):
+        logits = torch.zeros(1, 6, 8)
+        for node, token in next_of.items():
+            logits[0, node, token] = 5.0
+        return logits
+
+    accepted, nodes, n = K.greedy_tree_accept(target({0: 1, 1: 4, 4: 7}), tree)  # root -> a -> 4 -> bonus 7
+    assert n.tolist() == [3] and accepted[0, :3].tolist() == [1, 4, 7] and nodes[0, :2].tolist() == [1, 4]
+    accepted, nodes, n = K.greedy_tree_accept(target({0: 2, 2: 6}), tree)  # b, then no child: bonus 6
+    assert n.tolist() == [2] and accepted[0, :2].tolist() == [2, 6] and nodes[0].tolist()[:1] == [2]
+    accepted, nodes, n = K.greedy_tree_accept(target({0: 7}), tree)  # nothing accepted: the target's token
+    assert n.tolist() == [1] and accepted[0, 0] == 7 and nodes[0].tolist() == [-1] * 4
+    accepted, _, n = K.greedy_tree_accept(target({0: 1, 1: 3, 3: 5, 5: 0}), tree)  # the deepest path + bonus
+    assert n.tolist() == [4] and accepted[0].tolist() == [1, 3, 5, 0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(candidate_top_k=9), r"candidate_top_k must be in \[1, 8\]"),
+    (dict(verify_size=0), r"verify_size must be in \[1, inf\]"),
+    (dict(survival_threshold=1.0), r"survival_threshold must be in \[0, 1\)"),
+    (dict(depth_confidence=torch.ones(1, 3)), "depth_confidence"),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    args = dict(candidate_top_k=2, verify_size=4)
+    args.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=message):
+        K.ddtree_build(torch.zeros(1, 3, 10), torch.tensor([0]), torch.tensor([0]), **args)
