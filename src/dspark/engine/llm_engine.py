@@ -14,6 +14,7 @@ ones at once); and ``ModelRunner`` (runner.py: forwards, drafting, acceptance, C
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -172,7 +173,7 @@ class LLMEngine:
         self._next_id += 1
         self.sequences[seq.request_id] = seq
         self.waiting.append(seq)
-        self.metrics.waiting = len(self.waiting)
+        self._count()
         return seq.request_id
 
     def check_request(self, request: Request) -> frozenset[int]:
@@ -303,7 +304,7 @@ class LLMEngine:
                 seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
                 self.running.append(seq)
                 joined.append(seq)
-        self.metrics.running = len(self.running) + len(self.prefilling)
+        self._count()
         return joined
 
     def _probe(self, plan, outputs) -> None:
@@ -380,8 +381,7 @@ class LLMEngine:
             seq.slot, seq.status, seq.next_length = self.free_slots.pop(0), SequenceStatus.PREFILLING, self.num_drafts
             seq.admitted_at = time.perf_counter()
             self.prefilling.append(seq)
-        self.metrics.waiting = len(self.waiting)
-        self.metrics.running = len(self.running) + len(self.prefilling)
+        self._count()
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, PrefillChunk]]:
         """This step's prompt chunks, first come first served within ``budget`` tokens; a chunk that
@@ -408,13 +408,13 @@ class LLMEngine:
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], self.max_model_len)
             kept_of.append(kept)
+            if self.runner.drafter is not None:  # the proposal of the next round
+                seq.next_length, seq.confidence = row[t + 2], conf
             if seq.request_id in joined:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
-                seq.next_length, seq.confidence = row[t + 2], conf
             elif self.runner.drafter is not None:
                 seq.stats.record_round(verified, n, len(kept))
                 self.metrics.record_round(verified, n)
-                seq.next_length, seq.confidence = row[t + 2], conf
             else:
                 seq.stats.record_round(0, 1, len(kept))
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
@@ -480,12 +480,15 @@ class LLMEngine:
                 self.waiting.remove(seq)
             elif seq.status is SequenceStatus.PREFILLING:
                 self.prefilling.remove(seq)
-                self.free_slots.append(seq.slot)
-                self.free_slots.sort()
+                bisect.insort(self.free_slots, seq.slot)
             elif seq.status is SequenceStatus.RUNNING:
                 self._retire([seq])
                 continue
             seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
+        self._count()
+
+    def _count(self) -> None:
+        """The waiting / running gauges (a request prefilling has its slot: it counts as running, as vLLM's)."""
         self.metrics.waiting = len(self.waiting)
         self.metrics.running = len(self.running) + len(self.prefilling)
 
@@ -499,12 +502,10 @@ class LLMEngine:
             else:
                 self.runner.clear_row(seq.row)
             self.running.pop()
-            self.free_slots.append(seq.slot)
-            self.free_slots.sort()
+            bisect.insort(self.free_slots, seq.slot)
             seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
             self.metrics.finished += 1
-        self.metrics.running = len(self.running) + len(self.prefilling)
-
+        self._count()
 
     # ---- convenience --------------------------------------------------------------------------
 

@@ -179,9 +179,9 @@ class ModelRunner:
         b, verify_lens = (self.bucket(rows) if rows else 0), list(verify_lens or [])
         lens = self.host_lens
         lens.fill_(1)  # padding rows verify their anchor only
-        lens[:rows] = torch.tensor(verify_lens[:rows], dtype=torch.int32)
+        lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
         self.state["verify_lens"].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
-        num_tokens = b * -(-sum(verify_lens[:rows] + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
+        num_tokens = b * -(-sum(verify_lens + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
         if chunks:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
@@ -397,13 +397,7 @@ class ModelRunner:
             self._ensure_probabilities()
         mode = self._batch_mode(rows)
         try:
-            ids, positions, slots, groups, flat, logit_rows, split = self._mixed_inputs(b, num_tokens, chunks)
-            capture = None
-            if self.draft is not None:
-                capture = torch.empty(ids.numel(), self.state["capture"].shape[-1], dtype=self.target.dtype,
-                                      device=self.device)
-            logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
-                                         logits_rows=logit_rows)
+            positions, slots, flat, split, capture, logits = self._mixed_forward(b, num_tokens, chunks)
         except Exception as exc:  # noqa: BLE001
             raise ForwardFailed(f"{type(exc).__name__}: {exc}") from exc
         if b and num_tokens is not None:
@@ -419,6 +413,19 @@ class ModelRunner:
         if self.drafter is not None and total:
             b, mode = self.bucket(total), self._batch_mode(total)
             self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, total, mode))
+
+    def _mixed_forward(self, b: int, num_tokens: int | None, chunks: list[PrefillChunk]):
+        """The target forward of a mixed step (no row state changes): ``(positions, token slots,
+        verify tokens' flat buffer rows, running tokens, captures or None, logits)`` -- logits of every
+        running token, then of the last token of each prompt that ends."""
+        ids, positions, slots, groups, flat, logit_rows, split = self._mixed_inputs(b, num_tokens, chunks)
+        capture = None
+        if self.draft is not None:
+            capture = torch.empty(ids.numel(), self.capture_rows.shape[1], dtype=self.capture_rows.dtype,
+                                  device=self.device)
+        logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
+                                     logits_rows=logit_rows)
+        return positions, slots, flat, split, capture, logits
 
     def _mixed_inputs(self, b: int, num_tokens: int | None, chunks: list[PrefillChunk]):
         """Flat inputs of a mixed step: bucket ``b``'s tokens (``num_tokens`` ragged verify tokens, or
@@ -489,13 +496,7 @@ class ModelRunner:
     def probe(self, chunk: PrefillChunk) -> None:
         """Run one prompt chunk alone (the target forward and its draft context writes, no row state):
         after a failed mixed step, whether this request's own tokens fail."""
-        ids, positions, slots, groups, _, _, _ = self._mixed_inputs(0, None, [replace(chunk, row=-1)])
-        capture = None
-        if self.draft is not None:
-            capture = torch.empty(ids.numel(), self.state["capture"].shape[-1], dtype=self.target.dtype,
-                                  device=self.device)
-        self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
-                            logits_rows=torch.zeros(0, dtype=torch.int64, device=self.device))
+        positions, slots, _, _, capture, _ = self._mixed_forward(0, None, [replace(chunk, row=-1)])
         if self.draft is not None:
             self.draft.context(capture, positions, slots)
         if self.device.type == "cuda":

@@ -159,14 +159,10 @@ class HFTarget(CachedTarget):
     def _capture_hooks(self, capture_out):
         if capture_out is None:
             return []
-        h = self.shape.hidden_size
 
         def hook(index):
             def copy(module, args, kwargs):
-                hidden = args[0] if args else kwargs["hidden_states"]
-                for j, layer in enumerate(self.capture_layer_ids):  # an index may repeat
-                    if layer == index:
-                        capture_out[..., j * h:(j + 1) * h].copy_(hidden[0])
+                self._capture(capture_out, index, (args[0] if args else kwargs["hidden_states"])[0])
             return copy
 
         return [self.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True)

@@ -58,7 +58,17 @@ class KVCache:
 
 class CachedTarget:
     """What the engine's target runners (``TargetLM``, ``HFTarget``) share: a KV cache of their
-    ``shape`` (``num_layers``, ``num_kv_heads``, ``head_dim``) in their ``dtype`` on their ``device``."""
+    ``shape`` (``num_layers``, ``num_kv_heads``, ``head_dim``) in their ``dtype`` on their ``device``,
+    and the copy of a capture layer's input into the draft's buffer."""
+
+    def _capture(self, capture_out, layer: int, hidden: torch.Tensor) -> None:
+        """Layer ``layer``'s input ``hidden`` ``[N, H]`` into its columns of ``capture_out`` ``[N, m*H]``."""
+        if capture_out is None or layer not in self.capture_layer_ids:
+            return
+        h = self.shape.hidden_size
+        for j, index in enumerate(self.capture_layer_ids):  # an index may repeat
+            if index == layer:
+                capture_out[..., j * h:(j + 1) * h].copy_(hidden.view(capture_out.shape[:-1] + (h,)))
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         s = self.shape
@@ -175,14 +185,6 @@ class TargetLM(CachedTarget):
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
         return F.linear(x, self.lm_head).float()
-
-    def _capture(self, capture_out, layer: int, hidden: torch.Tensor) -> None:
-        if capture_out is None or layer not in self.capture_layer_ids:
-            return
-        h = self.shape.hidden_size
-        for j, index in enumerate(self.capture_layer_ids):  # an index may repeat
-            if index == layer:
-                capture_out[..., j * h:(j + 1) * h].copy_(hidden.view(capture_out.shape[:-1] + (h,)))
 
     def _attention(self, layer, x, positions, token_slots, batch: AttentionBatch, k_cache, v_cache):
         s = self.shape
