@@ -144,3 +144,20 @@ def test_unsupported_attention_is_refused_by_name():
     model = t.Gemma2ForCausalLM(t.Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=50.0))
     with pytest.raises(ValueError, match="Gemma2Config: attn_logit_softcapping=50.0 is not supported"):
         LLMEngine(model, None, EngineConfig(max_batch=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma3-sliding", "qwen3-moe"])
+def test_cuda_greedy_equals_transformers_generate(name):
+    """On the GPU (fp32, the Triton kernels: sliding windows included): the same tokens as
+    transformers' ``generate()`` on the same device."""
+    model = _model(name).to("cuda")
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                    for p in PROMPTS]
+    for draft in (_drafter(model), None):
+        engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_num_batched_tokens=3 * 5 + 4))
+        assert engine.runner.device.type == "cuda"
+        assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected, name

@@ -30,7 +30,7 @@ from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
 from .drafting import SCHEDULERS, Drafter
 from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
-from .runner import ForwardFailed, ModelRunner, PrefillChunk
+from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk
 
 __all__ = ["EngineConfig", "EngineDeadError", "LLMEngine", "RequestResult", "token_logprobs"]
 
@@ -138,14 +138,15 @@ class LLMEngine:
             per_row = ("threshold", 0.0) if config.scheduler == "cost" else (config.scheduler, config.threshold)
             drafter = Drafter(self.draft_model, scheduler=per_row[0], threshold=per_row[1],
                               min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len)
-        self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
-                                  cuda_graphs=config.cuda_graphs, oracle_acceptance=config.oracle_acceptance,
-                                  oracle_replay=config.oracle_replay)
-        rows_tokens = config.max_batch * self.runner.verify_len
+        verify_len = drafter.num_draft_tokens + 1 if drafter is not None else 1
+        rows_tokens = config.max_batch * verify_len
         budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, rows_tokens)
         if budget < rows_tokens:
             c.fail(f"max_num_batched_tokens must be at least max_batch x verify length = {config.max_batch} x "
-                   f"{self.runner.verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
+                   f"{verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
+        self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
+                                  max_chunk_tokens=budget, cuda_graphs=config.cuda_graphs,
+                                  oracle_acceptance=config.oracle_acceptance, oracle_replay=config.oracle_replay)
         self.max_num_batched_tokens = budget
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted (a cache slot), prompt partly run
@@ -384,11 +385,11 @@ class LLMEngine:
         self._count()
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, PrefillChunk]]:
-        """This step's prompt chunks, first come first served within ``budget`` tokens; a chunk that
-        ends its prompt names the row its request takes."""
+        """This step's prompt chunks (at most ``MAX_CHUNKS``), first come first served within
+        ``budget`` tokens; a chunk that ends its prompt names the row its request takes."""
         plan, row = [], len(self.running)
         for seq in self.prefilling:
-            if budget <= 0:
+            if budget <= 0 or len(plan) == MAX_CHUNKS:
                 break
             n = min(seq.prompt_len - seq.prefilled, budget)
             request, ends = seq.request, seq.prefilled + n == seq.prompt_len

@@ -41,10 +41,11 @@ from ..model.draft_runner import DraftRunner
 from ..model.llama import AttentionBatch, TargetLM
 from .drafting import Drafter, SamplingParams
 
-__all__ = ["ModelRunner", "PrefillChunk", "ForwardFailed", "batch_buckets", "PURPOSE_ORACLE"]
+__all__ = ["ChunkBuffers", "ModelRunner", "PrefillChunk", "ForwardFailed", "batch_buckets", "MAX_CHUNKS", "PURPOSE_ORACLE"]
 
 PURPOSE_ORACLE = 0x3C6EF372FE94F82B  # benchmarks' controlled acceptance: its own stream
-TRACE_ROUNDS = 512  # replayed rounds kept per row (a longer trace is cut; rounds cycle)
+TRACE_ROUNDS = 512  # replayed rounds kept per request (a longer trace is cut; rounds cycle)
+MAX_CHUNKS = 8  # prompt chunks per step (the static seats of a captured mixed step)
 
 
 @dataclass
@@ -83,7 +84,8 @@ class ModelRunner:
     """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, mode)."""
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
-                 cuda_graphs: bool = True, oracle_acceptance: float | None = None, oracle_replay: bool = False):
+                 max_chunk_tokens: int = 2048, cuda_graphs: bool = True, oracle_acceptance: float | None = None,
+                 oracle_replay: bool = False):
         self.target, self.drafter = target, drafter
         self.device = dev = target.device
         self.max_batch, self.max_model_len = max_batch, max_model_len
@@ -92,7 +94,8 @@ class ModelRunner:
         block = drafter.block_size if drafter else 1
         # a round writes past the committed tokens; padding tokens of a ragged verify use the dummy line
         line = max(max_model_len + self.verify_len + block, max_batch + 1)
-        self.dummy_slot = max_batch
+        self.dummy_slot = self.scratch_row = max_batch  # the seat of a chunk that ends no prompt
+        self.line = line
         self.cache = target.new_cache(max_batch + 1, line)
         self.draft = DraftRunner(drafter.model, max_batch + 1, line) if drafter else None
         self.buckets = batch_buckets(max_batch)
@@ -103,31 +106,35 @@ class ModelRunner:
 
         i32 = dict(dtype=torch.int32, device=dev)
         b, p, t = max_batch, self.num_drafts, self.verify_len
+        r = b + 1  # per-row state has a scratch row after the batch rows: padded seats write there
         self.state = {  # every per-row tensor; rows move together when a request leaves
-            "slot_ids": torch.full((b,), self.dummy_slot, **i32), "active": torch.zeros(b, **i32),
-            "anchor": torch.zeros(b, **i32), "anchor_pos": torch.zeros(b, **i32), "ctx_pos": torch.zeros(b, **i32),
-            "seeds": torch.zeros(b, dtype=torch.int64, device=dev),
-            "draft_tokens": torch.zeros(b, max(p, 1), **i32), "proposal_lengths": torch.full((b,), max(p, 1), **i32),
-            "accepted": torch.zeros(b, t, **i32), "accept_length": torch.ones(b, **i32),
+            "slot_ids": torch.full((r,), self.dummy_slot, **i32), "active": torch.zeros(r, **i32),
+            "anchor": torch.zeros(r, **i32), "anchor_pos": torch.zeros(r, **i32), "ctx_pos": torch.zeros(r, **i32),
+            "seeds": torch.zeros(r, dtype=torch.int64, device=dev),
+            "draft_tokens": torch.zeros(r, max(p, 1), **i32), "proposal_lengths": torch.full((r,), max(p, 1), **i32),
+            "accepted": torch.zeros(r, t, **i32), "accept_length": torch.ones(r, **i32),
         }
         # flat [b*t + 1] rows: row*t + i is verify token i of a row (plain decoding: t = 1), the
-        # last row takes padding tokens; read back for log-probabilities after the round
+        # last row takes padding tokens (and the scratch row's seat); read back for log-probabilities
         self.logit_rows = torch.zeros(b * t + 1, target.vocab_size, device=dev)
         if drafter is not None:
             width = drafter.config.num_capture_layers * drafter.config.hidden_size
             self.capture_rows = torch.zeros(b * t + 1, width, dtype=target.dtype, device=dev)
             self.state["capture"] = self.capture_rows[: b * t].view(b, t, width)
-            self.state["verify_lens"] = torch.ones(b, **i32)
-            self.state["confidence"] = torch.zeros(b, p, device=dev)
+            self.state["verify_lens"] = torch.ones(r, **i32)
+            self.state["confidence"] = torch.zeros(r, p, device=dev)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        # benchmark drafts, per cache slot (staged once per request, read by slot: nothing moves with rows)
+        self.oracle: dict[str, torch.Tensor] = {}
         if oracle_acceptance is not None or oracle_replay:
-            self.state["oracle"] = torch.zeros(b, line + t, **i32)
-        if oracle_replay:  # per row: its trace, the trace's length, the next round to replay
-            self.state["trace"] = torch.zeros(b, TRACE_ROUNDS, p + 1, device=dev)
-            self.state["trace_len"] = torch.ones(b, **i32)
-            self.state["trace_round"] = torch.zeros(b, **i32)
+            self.oracle["ids"] = torch.zeros(b + 1, line + t, **i32)
+        if oracle_replay:  # per slot: its trace, the trace's length, the next round to replay
+            self.oracle["trace"] = torch.zeros(b + 1, TRACE_ROUNDS, p + 1, device=dev)
+            self.oracle["trace_len"] = torch.ones(b + 1, **i32)
+            self.oracle["trace_round"] = torch.zeros(b + 1, **i32)
+        self.chunks = ChunkBuffers(max_chunk_tokens, MAX_CHUNKS, dev)
         # accepted | accept length | verified drafts | next proposal length | next confidences (f32 bits)
-        self.readout = torch.zeros(b, t + 3 + p, **i32)
+        self.readout = torch.zeros(r, t + 3 + p, **i32)
         self.offsets = torch.arange(max(t, block), **i32)
         self.offsets_rows = torch.arange(b + _pad_requests(b, t), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
@@ -180,14 +187,15 @@ class ModelRunner:
         lens = self.host_lens
         lens.fill_(1)  # padding rows verify their anchor only
         lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
-        self.state["verify_lens"].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
+        self.state["verify_lens"][: self.max_batch].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
         num_tokens = b * -(-sum(verify_lens + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
         if chunks:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
         mode = self._batch_mode(rows)
-        self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode))
-        self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode))
+        graphed = mode is not None
+        self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode), graphed)
+        self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode), graphed)
 
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
@@ -197,7 +205,7 @@ class ModelRunner:
             return
         b = self.bucket(rows)
         mode = self._batch_mode(rows)
-        self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode))
+        self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode), mode is not None)
 
     def token_logits(self, flat_rows: list[int]) -> torch.Tensor:
         """The target's f32 logits of the last round at flat rows ``row * verify_len + i`` (verify
@@ -222,16 +230,16 @@ class ModelRunner:
                 continue
             for k in range(1, self.verify_len + 1):  # k tokens per row: the graph of b * k flat tokens
                 lens.fill_(k)
-                self.state["verify_lens"].copy_(lens)
+                self.state["verify_lens"][: self.max_batch].copy_(lens)
                 self._replay(("verify", b, b * k, greedy), lambda: self._verify_rows(b, b, b * k, greedy))
             self._replay(("draft", b, 0, greedy), lambda: self._draft_rows(b, b, greedy))
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
 
     def _batch_mode(self, rows: int) -> SamplingParams | None:
-        """The rows' shared sampling setting, or None when they differ (grouped, eager)."""
+        """The rows' shared sampling setting (greedy for no rows), or None when they differ (grouped, eager)."""
         modes = set(self.row_modes[:rows])
-        return modes.pop() if len(modes) == 1 else None
+        return modes.pop() if len(modes) == 1 else SamplingParams() if not modes else None
 
     def _groups(self, b: int, rows: int, mode: SamplingParams | None):
         """(row index or slice, sampling) pairs covering rows ``0 .. b-1``; padding rows go greedy."""
@@ -245,18 +253,21 @@ class ModelRunner:
             self._group_cache = {key: [(torch.tensor(idx, device=self.device), m) for m, idx in by_mode.items()]}
         return self._group_cache[key]
 
-    def _replay(self, key: tuple, fn: Callable[[], None]) -> None:
-        mode = key[-1]
-        if not self.use_graphs or mode is None:
+    def _replay(self, key: tuple, fn: Callable[[], None], graphed: bool = True) -> None:
+        """Replay the graph of ``key`` (captured on first use), or run ``fn`` eagerly when graphs are
+        off or not ``graphed`` (rows of several sampling settings)."""
+        if not self.use_graphs or not graphed:
             fn()
             return
         graph = self.graphs.get(key)
         if graph is None:
-            saved = {k: v.clone() for k, v in self.state.items() if k not in ("capture", "draft_probs")}
+            live = [(self.state, k) for k in self.state if k not in ("capture", "draft_probs")]
+            live += [(self.oracle, k) for k in self.oracle]
+            saved = [v[k].clone() for v, k in live]
             fn()  # warm-up: compiles kernels and sizes their scratch; its writes are undone below
             torch.cuda.synchronize(self.device)
-            for k, v in saved.items():
-                self.state[k].copy_(v)
+            for (v, k), value in zip(live, saved):
+                v[k].copy_(value)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 fn()
@@ -384,20 +395,56 @@ class ModelRunner:
         self.readout[:b, t + 2] = s["proposal_lengths"][:b]
         self.readout[:b, t + 3:] = s["confidence"][:b].view(torch.int32)
 
-    # ---- steps with prompt chunks (eager) ---------------------------------------------------------
+    # ---- steps with prompt chunks -----------------------------------------------------------------
 
     def _mixed_step(self, b: int, rows: int, num_tokens: int | None, chunks: list[PrefillChunk]) -> None:
-        """One eager forward over the running rows' tokens -- padded to bucket ``b`` as in the graphs
-        (the same kernel configurations, the same numerics): ``num_tokens`` ragged verify tokens
-        (None: one decode token per row) -- and the prompt chunks; then accept / sample as the
-        graphed step does, write the chunks' draft context, seat the requests whose prompt ended
-        (first token, row state) and draft every row. Raises ``ForwardFailed`` when the forward
-        raised (no row state changed yet)."""
+        """One forward over the running rows' tokens -- ``num_tokens`` ragged verify tokens of
+        bucket ``b`` (None: one decode token per row), exactly as a round without chunks -- and the
+        prompt chunks, staged into ``self.chunks`` and padded to a chunk bucket; then accept / sample
+        as a round does, write the chunks' draft context, seat the requests whose prompt ended
+        (first token, row state) and draft every row. One CUDA graph per (rows bucket, verify
+        tokens, chunk bucket, sampling) when the rows share one setting and so do the seated
+        requests, else the same functions eagerly. Raises ``ForwardFailed`` when the forward raised
+        (no row state changed yet)."""
         if self.drafter is not None and any(not c.sampling.greedy for c in chunks):
             self._ensure_probabilities()
-        mode = self._batch_mode(rows)
+        joined = [c for c in chunks if c.row >= 0]
+        bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
+                                   self.dummy_slot, self.scratch_row)
+        for c in joined:
+            self._stage_oracle(c)
+        mode, seats = self._batch_mode(rows), self._seat_groups(joined)
+        key = ("mixed", b, num_tokens, bucket, mode, seats[0][1] if isinstance(seats[0][0], slice) else None)
+        self._replay(key, lambda: self._mixed_rows(b, rows, num_tokens, bucket, mode, seats),
+                     graphed=None not in key[-2:])
+        for c in joined:
+            self.row_modes[c.row] = _mode(c.sampling)
+        total = rows + len(joined)
+        if self.drafter is not None and total:
+            b, mode = self.bucket(total), self._batch_mode(total)
+            self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, total, mode), graphed=mode is not None)
+
+    def _chunk_bucket(self, n: int) -> int:
+        """Padded chunk tokens of a step: a power of two >= 16 (one graph per bucket), within the
+        step's chunk capacity, with at most a cache line of padding (the padding request's tokens)."""
+        return min(max(16, 1 << max(n - 1, 0).bit_length()), self.chunks.capacity, n + self.line)
+
+    def _seat_groups(self, joined: list[PrefillChunk]) -> list:
+        """(seat index or slice, sampling) pairs of the first-token draws: every seat at once when
+        the seated requests share one setting (padded seats draw with it too, into the scratch row)."""
+        modes = [_mode(c.sampling) for c in joined]
+        if len(set(modes)) <= 1:
+            return [(slice(0, self.chunks.max_chunks), modes[0] if modes else SamplingParams())]
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, m in enumerate(modes):
+            groups.setdefault(m, []).append(i)
+        return [(torch.tensor(idx, device=self.device), m) for m, idx in groups.items()]
+
+    def _mixed_rows(self, b: int, rows: int, num_tokens: int | None, bucket: int, mode, seats) -> None:
+        """The device work of a mixed step (captured): forward, commit of the running rows, the
+        chunks' draft context, the seats."""
         try:
-            positions, slots, flat, split, capture, logits = self._mixed_forward(b, num_tokens, chunks)
+            positions, slots, flat, split, capture, logits = self._mixed_forward(b, num_tokens, bucket)
         except Exception as exc:  # noqa: BLE001
             raise ForwardFailed(f"{type(exc).__name__}: {exc}") from exc
         if b and num_tokens is not None:
@@ -406,34 +453,14 @@ class ModelRunner:
             self._decode_commit(b, rows, logits[:split], mode)
         if self.draft is not None:
             self.draft.context(capture[split:], positions[split:], slots[split:])
-        joined = [c for c in chunks if c.row >= 0]
-        if joined:
-            self._seat(joined, logits[split:])
-        total = rows + len(joined)
-        if self.drafter is not None and total:
-            b, mode = self.bucket(total), self._batch_mode(total)
-            self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, total, mode))
+        self._seat(logits[split:], seats)
 
-    def _mixed_forward(self, b: int, num_tokens: int | None, chunks: list[PrefillChunk]):
+    def _mixed_forward(self, b: int, num_tokens: int | None, bucket: int):
         """The target forward of a mixed step (no row state changes): ``(positions, token slots,
-        verify tokens' flat buffer rows, running tokens, captures or None, logits)`` -- logits of every
-        running token, then of the last token of each prompt that ends."""
-        ids, positions, slots, groups, flat, logit_rows, split = self._mixed_inputs(b, num_tokens, chunks)
-        capture = None
-        if self.draft is not None:
-            capture = torch.empty(ids.numel(), self.capture_rows.shape[1], dtype=self.capture_rows.dtype,
-                                  device=self.device)
-        logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
-                                     logits_rows=logit_rows)
-        return positions, slots, flat, split, capture, logits
-
-    def _mixed_inputs(self, b: int, num_tokens: int | None, chunks: list[PrefillChunk]):
-        """Flat inputs of a mixed step: bucket ``b``'s tokens (``num_tokens`` ragged verify tokens, or
-        one decode token per row when None), then the chunks'; attention groups; the verify tokens'
-        flat buffer rows; which rows need logits (every running token, the last token of each prompt
-        that ends); the number of running tokens."""
-        s, dev = self.state, self.device
-        parts, groups, flat, split = [], [], None, 0
+        verify tokens' flat buffer rows, running tokens, captures or None, logits)`` -- logits of
+        every running token, then of each seat's last prompt token (``max_chunks`` of them)."""
+        s, ch = self.state, self.chunks
+        groups, flat, split, parts = [], None, 0, []
         if b and num_tokens is not None:
             ids, positions, slots, batch, flat = self._verify_inputs(b, num_tokens)
             parts.append((ids, positions, slots))
@@ -443,60 +470,59 @@ class ModelRunner:
             batch, split = self._attention_batch(b, 1), b
         if b:
             groups.append((0, split, batch))
-        lengths = [len(c.token_ids) for c in chunks]
-        host = torch.tensor([t for c in chunks for t in c.token_ids] +
-                            [c.start + i for c in chunks for i in range(len(c.token_ids))] +
-                            [c.slot for c, n in zip(chunks, lengths) for _ in range(n)] +
-                            [c.slot for c in chunks] + [c.start for c in chunks] + [0] + lengths, dtype=torch.int64)
-        n, m = sum(lengths), len(chunks)
-        host = host.to(dev, non_blocking=True)
-        meta = host[3 * n:].int()
-        chunk_batch = AttentionBatch(meta[:m], meta[m:2 * m], meta[2 * m:].cumsum(0, dtype=torch.int32), max(lengths))
-        groups.append((split, split + n, chunk_batch))
-        parts.append((host[:n], host[n:2 * n].int(), host[2 * n:3 * n].int()))
+        meta = ch.device_meta()
+        groups.append((split, split + bucket, AttentionBatch(meta["request_slots"], meta["request_starts"],
+                                                             meta["cu"], bucket)))
+        parts.append((ch.ids[:bucket], meta["positions"][:bucket], meta["slots"][:bucket]))
         ids, positions, slots = (torch.cat([p[k] for p in parts]) for k in range(3))
-        ends = [split + e - 1 for c, e in zip(chunks, torch.tensor(lengths).cumsum(0).tolist()) if c.row >= 0]
-        logit_rows = torch.cat([torch.arange(split, device=dev), torch.tensor(ends, dtype=torch.int64, device=dev)])
-        return ids, positions, slots, groups, flat, logit_rows, split
+        logit_rows = torch.cat([torch.arange(split, device=self.device), split + ch.seat_last])
+        capture = None
+        if self.draft is not None:
+            capture = torch.empty(ids.numel(), self.capture_rows.shape[1], dtype=self.capture_rows.dtype,
+                                  device=self.device)
+        logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
+                                     logits_rows=logit_rows)
+        return positions, slots, flat, split, capture, logits
 
-    def _seat(self, chunks: list[PrefillChunk], logits: torch.Tensor) -> None:
-        """Rows for requests whose prompt ended: the first token from the last position's logits
-        ``[J, V]`` (keyed as a round's draw: seed, position), row state, the readout as a one-token
-        round, the logits kept for log-probabilities."""
-        dev, s, t = self.device, self.state, self.verify_len
-        i32 = dict(dtype=torch.int32, device=dev)
-        rows = torch.tensor([c.row for c in chunks], device=dev)
-        ends = torch.tensor([c.start + len(c.token_ids) for c in chunks], **i32)
-        seeds = torch.tensor([c.sampling.seed_bits for c in chunks], dtype=torch.int64, device=dev)
-        slots = torch.tensor([c.slot for c in chunks], **i32)
-        tokens = torch.empty(len(chunks), **i32)
-        for mode in {_mode(c.sampling) for c in chunks}:
-            index = torch.tensor([i for i, c in enumerate(chunks) if _mode(c.sampling) == mode], device=dev)
-            tokens[index] = _sample_rows(logits[index], mode, seeds[index], ends[index] - 1, self.workspace)
+    def _seat(self, logits: torch.Tensor, seats) -> None:
+        """Rows for requests whose prompt ended (``self.chunks``' seats; padded seats go to the
+        scratch row): the first token from the last position's logits ``[max_chunks, V]`` (keyed as
+        a round's draw: seed, position), row state, the readout as a one-token round, the logits
+        kept for log-probabilities."""
+        s, t, ch = self.state, self.verify_len, self.chunks
+        meta = ch.device_meta()
+        rows, ends, slots = ch.seat_rows, meta["seat_ends"], meta["seat_slots"]
+        tokens = torch.zeros(ch.max_chunks, dtype=torch.int32, device=self.device)
+        for index, mode in seats:
+            tokens[index] = _sample_rows(logits[index], mode, ch.seat_seeds[index], ends[index] - 1, self.workspace)
         for name, value in (("slot_ids", slots), ("active", 1), ("anchor_pos", ends), ("ctx_pos", ends),
-                            ("anchor", tokens), ("seeds", seeds), ("accept_length", 1)):
+                            ("anchor", tokens), ("seeds", ch.seat_seeds), ("accept_length", 1)):
             s[name][rows] = value
         s["accepted"][rows, 0] = tokens
         self.logit_rows[rows * t] = logits
         self.readout[rows, 0] = tokens
         self.readout[rows, t] = 1
         self.readout[rows, t + 1] = 0
-        for c in chunks:
-            self.row_modes[c.row] = _mode(c.sampling)
-            if c.oracle_ids is not None:
-                prompt_len = c.start + len(c.token_ids)
-                known = torch.tensor(list(c.oracle_ids), **i32)[: s["oracle"].shape[1] - prompt_len]
-                s["oracle"][c.row].zero_()
-                s["oracle"][c.row, prompt_len: prompt_len + known.numel()] = known
-            if c.oracle_trace is not None:
-                trace = torch.tensor(c.oracle_trace[:TRACE_ROUNDS], dtype=torch.float32, device=dev)
-                s["trace"][c.row, : trace.shape[0]] = trace
-                s["trace_len"][c.row], s["trace_round"][c.row] = trace.shape[0], 0
+
+    def _stage_oracle(self, chunk: PrefillChunk) -> None:
+        """Benchmarks: a seated request's known continuation and trace into its slot's buffers."""
+        o, slot, dev = self.oracle, chunk.slot, self.device
+        if chunk.oracle_ids is not None:
+            prompt_len = chunk.start + len(chunk.token_ids)
+            known = torch.tensor(list(chunk.oracle_ids)[: o["ids"].shape[1] - prompt_len], dtype=torch.int32)
+            o["ids"][slot].zero_()
+            o["ids"][slot, prompt_len: prompt_len + known.numel()] = known.to(dev)
+        if chunk.oracle_trace is not None:
+            trace = torch.tensor(chunk.oracle_trace[:TRACE_ROUNDS], dtype=torch.float32)
+            o["trace"][slot, : trace.shape[0]] = trace.to(dev)
+            o["trace_len"][slot], o["trace_round"][slot] = trace.shape[0], 0
 
     def probe(self, chunk: PrefillChunk) -> None:
         """Run one prompt chunk alone (the target forward and its draft context writes, no row state):
         after a failed mixed step, whether this request's own tokens fail."""
-        positions, slots, _, _, capture, _ = self._mixed_forward(0, None, [replace(chunk, row=-1)])
+        bucket = self.chunks.stage([replace(chunk, row=-1)], self._chunk_bucket(len(chunk.token_ids)),
+                                   self.dummy_slot, self.scratch_row)
+        positions, slots, _, _, capture, _ = self._mixed_forward(0, None, bucket)
         if self.draft is not None:
             self.draft.context(capture, positions, slots)
         if self.device.type == "cuda":
@@ -507,19 +533,101 @@ class ModelRunner:
         token it rejects (the continuation's id + 1): per draft with probability ``oracle_acceptance``,
         or, replaying a trace, the first ``accepted`` of the round's entry; the entry's confidences
         then replace the drafter's and the scheduler's lengths follow from them."""
-        s, p = self.state, self.num_drafts
-        truth = s["oracle"][:b].gather(1, (s["anchor_pos"][:b, None] + 1 + self.offsets[:p]).long())
+        s, o, p = self.state, self.oracle, self.num_drafts
+        slots = s["slot_ids"][:b].long()
+        truth = o["ids"][slots].gather(1, (s["anchor_pos"][:b, None] + 1 + self.offsets[:p]).long())
         wrong = (truth + 1) % self.target.vocab_size
         if self.oracle_replay:
-            index = (s["trace_round"][:b] % s["trace_len"][:b]).long()
-            entry = s["trace"][:b].gather(1, index[:, None, None].expand(b, 1, p + 1)).squeeze(1)
+            index = (o["trace_round"][slots] % o["trace_len"][slots]).long()
+            entry = o["trace"][slots, index]
             keep = self.offsets[:p].float() < entry[:, :1]
             s["confidence"][:b] = entry[:, 1:]
             s["proposal_lengths"][:b] = self.drafter.proposal_lengths(entry[:, 1:].contiguous())
-            s["trace_round"][:b] += s["active"][:b]
+            o["trace_round"].index_add_(0, slots, s["active"][:b])  # padding rows: the dummy slot's
         else:
             keep = K.request_uniforms(s["seeds"][:b], s["anchor_pos"][:b], PURPOSE_ORACLE, p) < self.oracle_acceptance
         s["draft_tokens"][:b] = torch.where(keep, truth, wrong)
+
+
+class ChunkBuffers:
+    """The prompt chunks of one step, staged on the host (pinned) and copied to the device in one
+    transfer, at fixed addresses so that a captured mixed step reads any step's chunks.
+
+    Up to ``max_chunks`` chunks of ``capacity`` tokens in all, padded to the step's chunk bucket
+    by one padding request on the dummy line; per chunk its request (slot, first position, token
+    offsets ``cu``); per seat (a chunk that ends its prompt) its row, the offset of its last token,
+    the prompt length, seed and slot -- unused seats name the scratch row.
+    """
+
+    def __init__(self, capacity: int, max_chunks: int, device):
+        self.capacity, self.max_chunks, self.device = capacity, max_chunks, device
+        m = max_chunks
+        self.sizes = {"positions": capacity, "slots": capacity, "request_slots": m + 1, "request_starts": m + 1,
+                      "cu": m + 2, "seat_ends": m, "seat_slots": m}
+        width = sum(self.sizes.values())
+        pinned = device.type == "cuda"
+        # int64 ids, seats' rows / last offsets / seeds; int32 metadata the kernels read
+        self.host64 = torch.zeros(capacity + 3 * m, dtype=torch.int64, pin_memory=pinned)
+        self.host32 = torch.zeros(width, dtype=torch.int32, pin_memory=pinned)
+        self.dev64 = torch.zeros_like(self.host64, device=device)
+        self.dev32 = torch.zeros_like(self.host32, device=device)
+        self.ids = self.dev64[:capacity]
+        self.seat_rows, self.seat_last = self.dev64[capacity:capacity + m], self.dev64[capacity + m:capacity + 2 * m]
+        self.seat_seeds = self.dev64[capacity + 2 * m:]
+        self._meta = self._views(self.dev32)
+        self._copied = None  # the event of the last transfer: the pinned rows are reused after it
+
+    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        views, at = {}, 0
+        for name, size in self.sizes.items():
+            views[name], at = flat[at:at + size], at + size
+        return views
+
+    def device_meta(self) -> dict[str, torch.Tensor]:
+        return self._meta
+
+    def stage(self, chunks: list[PrefillChunk], bucket: int, dummy_slot: int, scratch_row: int) -> int:
+        """Write ``chunks`` padded to ``bucket`` tokens; returns ``bucket``."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        m, cap = self.max_chunks, self.capacity
+        lengths = [len(c.token_ids) for c in chunks]
+        n = sum(lengths)
+        if len(chunks) > m or n > cap:
+            raise ValueError(f"a step takes at most {m} prompt chunks of {cap} tokens in all, got "
+                             f"{len(chunks)} of {n}")
+        h64, h = self.host64, self._views(self.host32)
+        h64[:n] = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        h64[n:bucket] = 0
+        offsets = [0]
+        for c, k in zip(chunks, lengths):
+            at = offsets[-1]
+            h["positions"][at:at + k] = torch.arange(c.start, c.start + k, dtype=torch.int32)
+            h["slots"][at:at + k] = c.slot
+            offsets.append(at + k)
+        h["positions"][n:bucket] = torch.arange(bucket - n, dtype=torch.int32)  # the padding request
+        h["slots"][n:bucket] = dummy_slot
+        h["request_slots"].fill_(dummy_slot)
+        h["request_starts"].zero_()
+        h["cu"][: len(offsets)] = torch.tensor(offsets, dtype=torch.int32)
+        h["cu"][len(offsets):m + 1] = n
+        h["cu"][m + 1] = bucket
+        seats = [(c, offsets[i + 1] - 1) for i, c in enumerate(chunks) if c.row >= 0]
+        for i, c in enumerate(chunks):
+            h["request_slots"][i], h["request_starts"][i] = c.slot, c.start
+        rows, last, seeds = h64[cap:cap + m], h64[cap + m:cap + 2 * m], h64[cap + 2 * m:]
+        rows.fill_(scratch_row), last.zero_(), seeds.zero_()
+        h["seat_ends"].fill_(1), h["seat_slots"].fill_(dummy_slot)
+        for j, (c, end) in enumerate(seats):
+            rows[j], last[j], seeds[j] = c.row, end, c.sampling.seed_bits
+            h["seat_ends"][j], h["seat_slots"][j] = c.start + len(c.token_ids), c.slot
+        blocking = self.device.type != "cuda"
+        self.dev64.copy_(self.host64, non_blocking=not blocking)
+        self.dev32.copy_(self.host32, non_blocking=not blocking)
+        if not blocking:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return bucket
 
 
 def _pad_requests(b: int, t: int) -> int:
