@@ -31,6 +31,7 @@ and run eagerly (the same functions, without graphs).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -40,6 +41,8 @@ from .. import kernels as K
 from ..model.draft_runner import DraftRunner
 from ..model.llama import AttentionBatch, TargetLM
 from .drafting import Drafter, SamplingParams
+
+log = logging.getLogger("dspark.engine")
 
 __all__ = ["ChunkBuffers", "ModelRunner", "PrefillChunk", "ForwardFailed", "batch_buckets", "MAX_CHUNKS", "PURPOSE_ORACLE"]
 
@@ -101,6 +104,7 @@ class ModelRunner:
         self.buckets = batch_buckets(max_batch)
         self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
         self.pool = None
         self.oracle_acceptance, self.oracle_replay = oracle_acceptance, oracle_replay
 
@@ -256,7 +260,7 @@ class ModelRunner:
     def _replay(self, key: tuple, fn: Callable[[], None], graphed: bool = True) -> None:
         """Replay the graph of ``key`` (captured on first use), or run ``fn`` eagerly when graphs are
         off or not ``graphed`` (rows of several sampling settings)."""
-        if not self.use_graphs or not graphed:
+        if not self.use_graphs or not graphed or key in self.uncapturable:
             fn()
             return
         graph = self.graphs.get(key)
@@ -269,8 +273,14 @@ class ModelRunner:
             for (v, k), value in zip(live, saved):
                 v[k].copy_(value)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    fn()
+            except Exception:  # noqa: BLE001 -- a capture records, it runs nothing: run it eagerly from now on
+                log.warning("the CUDA graph %s could not be captured; it runs eagerly", key, exc_info=True)
+                self.uncapturable.add(key)
                 fn()
+                return
             self.pool = graph.pool()
             self.graphs[key] = graph
         graph.replay()
@@ -493,16 +503,17 @@ class ModelRunner:
         meta = ch.device_meta()
         rows, ends, slots = ch.seat_rows, meta["seat_ends"], meta["seat_slots"]
         tokens = torch.zeros(ch.max_chunks, dtype=torch.int32, device=self.device)
+        ones = torch.ones_like(tokens)  # device constants: a captured graph cannot copy host scalars
         for index, mode in seats:
             tokens[index] = _sample_rows(logits[index], mode, ch.seat_seeds[index], ends[index] - 1, self.workspace)
-        for name, value in (("slot_ids", slots), ("active", 1), ("anchor_pos", ends), ("ctx_pos", ends),
-                            ("anchor", tokens), ("seeds", ch.seat_seeds), ("accept_length", 1)):
+        for name, value in (("slot_ids", slots), ("active", ones), ("anchor_pos", ends), ("ctx_pos", ends),
+                            ("anchor", tokens), ("seeds", ch.seat_seeds), ("accept_length", ones)):
             s[name][rows] = value
         s["accepted"][rows, 0] = tokens
         self.logit_rows[rows * t] = logits
         self.readout[rows, 0] = tokens
-        self.readout[rows, t] = 1
-        self.readout[rows, t + 1] = 0
+        self.readout[rows, t] = ones
+        self.readout[rows, t + 1] = ones - 1
 
     def _stage_oracle(self, chunk: PrefillChunk) -> None:
         """Benchmarks: a seated request's known continuation and trace into its slot's buffers."""
