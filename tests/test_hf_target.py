@@ -152,12 +152,14 @@ def test_unsupported_attention_is_refused_by_name():
 def test_cuda_greedy_equals_transformers_generate(name):
     """On the GPU (fp32, the Triton kernels: sliding windows included): the same tokens as
     transformers' ``generate()`` on the same device."""
-    model = _model(name).to("cuda")
+    model = _model(name)
+    draft = _drafter(model).to("cuda")
+    model.to("cuda")
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW,
                                    do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                     for p in PROMPTS]
-    for draft in (_drafter(model), None):
+    for draft in (draft, None):
         engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_num_batched_tokens=3 * 5 + 4))
         assert engine.runner.device.type == "cuda"
         assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected, name

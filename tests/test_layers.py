@@ -226,10 +226,10 @@ def _sliding_reference(q, k_cache, v_cache, layout, window, scale):
     for count, ctx, slot in zip(layout.counts, layout.ctx, layout.slots):
         if count == 0:
             continue
-        keys = torch.arange(ctx + count)
-        query_pos = ctx + torch.arange(count)
+        keys = torch.arange(ctx + count, device=q.device)
+        query_pos = ctx + torch.arange(count, device=q.device)
         hidden = (keys[None, :] > query_pos[:, None]) | (keys[None, :] <= query_pos[:, None] - window)
-        mask = torch.zeros(count, keys.numel()).masked_fill(hidden, float("-inf"))
+        mask = torch.zeros(count, keys.numel(), device=q.device).masked_fill(hidden, float("-inf"))
         key, value = (c[slot, :ctx + count].transpose(0, 1)[None] for c in (k_cache, v_cache))
         attn, _ = eager_attention_forward(module, q[row:row + count].transpose(0, 1)[None], key, value,
                                           mask[None, None], scale)
