@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..kernels._validate import Checker
 from ..model.hf_target import HFTarget
 from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
 from .drafting import SCHEDULERS, Drafter
-from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
+from .schedulers import SPSCostTable, prefix_schedule
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk
 
@@ -365,15 +366,17 @@ class LLMEngine:
         ``min_predicted_gain`` (TensorRT-LLM's rule)."""
         p, table = self.num_drafts, self.cost_table
         confidence = torch.stack([seq.confidence for seq in self.running])
-        lengths = [max(1, n) for n in prefix_schedule(confidence, table)]
-        survival = prefix_survival(confidence).tolist()
+        lengths = np.maximum(prefix_schedule(confidence, table), 1)
+        # expected tokens of a schedule: each row's bonus plus the survivals of its verified prefix
+        kept = np.cumsum(np.cumprod(confidence.numpy().astype(np.float64), axis=-1), axis=-1)
+        kept = np.concatenate([np.zeros((len(lengths), 1)), kept], axis=1)
 
         def goodput(ls):
-            expected = sum(1 + sum(survival[r][:n]) for r, n in enumerate(ls))
-            return expected * table.sps(sum(ls) + len(ls))
+            expected = len(ls) + np.take_along_axis(kept, ls[:, None], axis=1).sum()
+            return expected * table.sps(int(ls.sum()) + len(ls))
 
-        full = [p] * len(lengths)
-        return lengths if goodput(lengths) > (1 + self.config.min_predicted_gain) * goodput(full) else full
+        full = np.full_like(lengths, p)
+        return (lengths if goodput(lengths) > (1 + self.config.min_predicted_gain) * goodput(full) else full).tolist()
 
     def _admit(self) -> None:
         """Give waiting requests a cache slot while rows are free (their prompts then run in chunks)."""

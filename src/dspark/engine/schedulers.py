@@ -9,11 +9,11 @@ serve batched decoding.
 
 from __future__ import annotations
 
-import bisect
 import json
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..kernels._validate import Checker
@@ -68,10 +68,15 @@ class SPSCostTable:
 
     def step_time(self, tokens: int) -> float:
         """Milliseconds of one target step verifying ``tokens`` tokens."""
-        n, t = self.token_counts, self.step_time_ms
+        return float(self.step_times(np.array([tokens]))[0])
+
+    def step_times(self, tokens: np.ndarray) -> np.ndarray:
+        """``step_time`` of every entry of an array of token counts (float64 milliseconds)."""
+        n, t = np.asarray(self.token_counts, dtype=np.float64), np.asarray(self.step_time_ms, dtype=np.float64)
+        tokens = np.asarray(tokens, dtype=np.float64)
         if len(n) == 1:
-            return t[0] + self.fixed_overhead_ms
-        i = min(max(bisect.bisect_left(n, tokens), 1), len(n) - 1)
+            return np.full(tokens.shape, t[0] + self.fixed_overhead_ms)
+        i = np.clip(np.searchsorted(n, tokens, side="left"), 1, len(n) - 1)
         slope = (t[i] - t[i - 1]) / (n[i] - n[i - 1])
         return t[i - 1] + slope * (tokens - n[i - 1]) + self.fixed_overhead_ms
 
@@ -98,19 +103,22 @@ def prefix_schedule(confidences: torch.Tensor, sps: Callable[[int], float] | SPS
     """
     c = Checker("prefix_schedule")
     c.tensor("confidences", confidences, ndim=2)
-    rate = sps.sps if isinstance(sps, SPSCostTable) else sps
-    survival = prefix_survival(confidences).tolist()  # host floats: this runs every round on the host
-    num_requests = len(survival)
-    # Descending survival; ties by position then request so each request's prefix stays in order.
-    order = sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row) if a > 0),
-                   key=lambda item: (-item[0], item[1], item[2]))
-    lengths = [0] * num_requests
-    tokens, expected = num_requests, float(num_requests)
-    best = expected * rate(tokens)
-    for a, j, r in order:
-        tokens, expected = tokens + 1, expected + a
-        goodput = expected * rate(tokens)
-        if goodput <= best:
-            break
-        best, lengths[r] = goodput, j + 1
-    return lengths
+    # host arrays: this runs every round on the host, so the admission order is one sort
+    survival = np.cumprod(confidences.detach().cpu().numpy().astype(np.float64), axis=-1)
+    num_requests = survival.shape[0]
+    r, j = np.nonzero(survival > 0)
+    a = survival[r, j]
+    # descending survival; ties by position then request so each request's prefix stays in order
+    order = np.lexsort((r, j, -a))
+    r, j, a = r[order], j[order], a[order]
+    tokens = num_requests + 1 + np.arange(a.size)
+    if isinstance(sps, SPSCostTable):
+        rates = 1000.0 / np.maximum(sps.step_times(np.concatenate([[num_requests], tokens])), 1e-9)
+    else:
+        rates = np.array([sps(int(b)) for b in np.concatenate([[num_requests], tokens])], dtype=np.float64)
+    goodput = np.concatenate([[float(num_requests)], num_requests + np.cumsum(a)]) * rates
+    worse = np.nonzero(goodput[1:] <= goodput[:-1])[0]  # admission stops at the first candidate that does not pay
+    admitted = int(worse[0]) if worse.size else a.size
+    lengths = np.zeros(num_requests, dtype=np.int64)
+    np.maximum.at(lengths, r[:admitted], j[:admitted] + 1)
+    return lengths.tolist()
