@@ -371,12 +371,12 @@ def test_triton_kernels_never_address_out_of_range_slots_or_positions():
     k, v = torch.randn(3, n_kv, d, device=DEVICE), torch.randn(3, n_kv, d, device=DEVICE)
     positions = torch.tensor([max_len, -1, 3], device=DEVICE)
     slots = torch.tensor([0, 1, 2], device=DEVICE)  # token 2: slot 2 does not exist
-    T.qk_norm_rope_store(None, k, v, positions, slots, rope_table(d, 16), k_cache, v_cache, None, None, EPS)
+    T.qk_norm_rope_store(None, k, v, positions, positions, slots, rope_table(d, 16), k_cache, v_cache, None, None, EPS)
     assert not k_cache.any() and not v_cache.any()
     q = torch.randn(2, 2 * n_kv, d, device=DEVICE)
     out = T.cached_attention(q, k_cache + 1, v_cache + 1, torch.tensor([5, 0], device=DEVICE),
                              torch.tensor([3, 0], device=DEVICE), torch.tensor([0, 1, 2], device=DEVICE), 1, True,
-                             None, None, d ** -0.5)
+                             None, None, None, d ** -0.5)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[1], torch.ones_like(out[1]))
 
 
@@ -556,3 +556,82 @@ def test_gpu_store_and_attention_replay_as_a_cuda_graph_with_new_lengths():
         torch.testing.assert_close(k_cache, kc, **tolerance(dtype, "rope"))
         torch.testing.assert_close(out, expected, **tolerance(dtype, "attention"))
 
+
+
+# ---------------------------------------------------------------------------- tree verification
+
+
+def _tree_masks(layout: Layout, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Random trees (node 0 the root, parents before children): per query its ancestor bitmask, and
+    per request the bool [count, count] visibility (ancestors and itself)."""
+    gen = torch.Generator().manual_seed(seed)
+    bits, seen = [], []
+    for count in layout.counts:
+        vis = torch.eye(count, dtype=torch.bool)
+        for i in range(1, count):
+            parent = int(torch.randint(0, i, (1,), generator=gen))
+            vis[i] |= vis[parent]
+        seen.append(vis)
+        bits += [sum(1 << j for j in range(count) if vis[i, j]) for i in range(count)]
+    return torch.tensor(bits, dtype=torch.int64, device=DEVICE), seen
+
+
+def _tree_reference(q, k_cache, v_cache, layout: Layout, seen, scale):
+    """Hugging Face's eager attention per request with the tree mask: context visible, new keys by ancestry."""
+    rep = q.shape[1] // k_cache.shape[2]
+    module = types.SimpleNamespace(num_key_value_groups=rep, training=False)
+    out, row = torch.zeros_like(q), 0
+    for count, ctx, slot, vis in zip(layout.counts, layout.ctx, layout.slots, seen):
+        visible = torch.cat([torch.ones(count, ctx, dtype=torch.bool), vis], dim=1).to(q.device)
+        mask = torch.zeros(count, ctx + count, device=q.device).masked_fill(~visible, float("-inf"))
+        key, value = (c[slot, :ctx + count].transpose(0, 1)[None] for c in (k_cache, v_cache))
+        attn, _ = eager_attention_forward(module, q[row:row + count].transpose(0, 1)[None], key, value,
+                                          mask[None, None], scale)
+        out[row:row + count] = attn[0]
+        row += count
+    return out
+
+
+TREES = Layout([9, 1, 16], [12, 0, 30], [2, 0, 1])
+
+
+def test_tree_mask_attention_sees_context_and_ancestors():
+    q, k_cache, v_cache = attention_inputs(TREES, 2, 2, 16, torch.float32, 56)
+    bits, seen = _tree_masks(TREES, 0)
+    with K.use_backend("reference"):
+        out = K.cached_attention(q, k_cache, v_cache, causal=True, tree_mask=bits, scale=0.3, **TREES.tensors())
+    torch.testing.assert_close(out, _tree_reference(q, k_cache, v_cache, TREES, seen, 0.3), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="tree_mask needs causal attention"):
+        K.cached_attention(q, k_cache, v_cache, causal=False, tree_mask=bits, **TREES.tensors())
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_tree_mask_matches_reference(dtype):
+    q, k_cache, v_cache = attention_inputs(TREES, 2, 2, 16, dtype, 56, seed=1)
+    bits, _ = _tree_masks(TREES, 1)
+    expected, actual = on_backends(lambda: K.cached_attention(q, k_cache, v_cache, causal=True, tree_mask=bits,
+                                                              **TREES.tensors(torch.int64)))
+    torch.testing.assert_close(actual, expected, **tolerance(dtype, "attention"))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
+def test_cache_positions_store_at_their_own_rows(backend):
+    """Tree nodes: RoPE at base + depth, K/V at base + node index."""
+    n_kv, d, n = 2, 16, 4
+    k = torch.randn(n, n_kv, d, device=DEVICE)
+    v = torch.randn(n, n_kv, d, device=DEVICE)
+    slots = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    angles = torch.tensor([5, 6, 6, 7], device=DEVICE)
+    rows = torch.tensor([5, 6, 7, 8], device=DEVICE)
+    table = rope_table(d, 16)
+    k_cache, v_cache = torch.zeros(1, 12, n_kv, d, device=DEVICE), torch.zeros(1, 12, n_kv, d, device=DEVICE)
+    k_want, v_want = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    with K.use_backend(backend):
+        K.qk_norm_rope_store(None, k, v, angles, slots, table, k_cache, v_cache, cache_positions=rows)
+        for i in range(n):  # one token at a time at its angle in a scratch line, copied to its row
+            k_tmp, v_tmp = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+            K.qk_norm_rope_store(None, k[i:i + 1], v[i:i + 1], angles[i:i + 1], slots[:1], table, k_tmp, v_tmp)
+            k_want[0, int(rows[i])], v_want[0, int(rows[i])] = k_tmp[0, int(angles[i])], v_tmp[0, int(angles[i])]
+    torch.testing.assert_close(k_cache, k_want)
+    torch.testing.assert_close(v_cache, v_want)

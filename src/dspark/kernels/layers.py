@@ -62,7 +62,7 @@ def rope_cos_sin_table(inv_freq: torch.Tensor, max_positions: int, attention_sca
 
 
 def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, *, q_norm_weight=None,
-                       k_norm_weight=None, eps: float = 1e-6):
+                       k_norm_weight=None, eps: float = 1e-6, cache_positions=None):
     """Normalise and rotate queries and keys, store keys and values into the cache.
 
     ``q`` ``[N, n_q, d]`` or None (context-only tokens), ``k``/``v`` ``[N, n_kv, d]`` (views of a
@@ -73,7 +73,9 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
     ``q_norm_weight``/``k_norm_weight`` ``[d]`` (Qwen3) apply a per-head RMSNorm (HF order) before
     RoPE; None skips it (Llama). RoPE is Hugging Face's ``rotate_half`` convention with cos/sin cast
     to the cache dtype first. Writes ``k_cache[slot, pos] = rope(norm(k))``, ``v_cache[slot, pos] = v``;
-    returns the rotated queries ``[N, n_q, d]`` (None when ``q`` is None).
+    returns the rotated queries ``[N, n_q, d]`` (None when ``q`` is None). ``cache_positions`` int
+    ``[N]`` (default: ``positions``) puts a token's K/V at another cache row than its RoPE position
+    (tree nodes: row base + node index, angle base + depth).
     """
     c = Checker("qk_norm_rope_store")
     k_cache = c.tensor("k_cache", k_cache, dtype=_FLOAT, ndim=4, contiguous=True)
@@ -94,19 +96,26 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
     cos_sin = c.tensor("cos_sin", cos_sin, dtype=torch.float32, ndim=3, device=device)
     if cos_sin.shape[1:] != (2, d // 2):
         c.fail(f"cos_sin must have shape [max_pos, 2, {d // 2}], got {list(cos_sin.shape)}")
-    _in_range(c, "positions", positions, min(max_len, cos_sin.shape[0]))
+    if cache_positions is None:
+        _in_range(c, "positions", positions, min(max_len, cos_sin.shape[0]))
+        cache_positions = positions
+    else:
+        _in_range(c, "positions", positions, cos_sin.shape[0])
+        cache_positions = c.tensor("cache_positions", cache_positions, dtype=_INDEX, shape=[n], device=device)
+        _in_range(c, "cache_positions", cache_positions, max_len)
     _in_range(c, "slot_ids", slot_ids, num_slots)
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None:
             c.tensor(name, w, dtype=dtype, shape=[d], device=device)
     eps = c.real("eps", eps, low=0.0)
     return implementation("qk_norm_rope_store", device)(
-        q, k, v, positions.contiguous(), slot_ids.contiguous(), cos_sin.contiguous(), k_cache, v_cache,
-        q_norm_weight, k_norm_weight, eps)
+        q, k, v, positions.contiguous(), cache_positions.contiguous(), slot_ids.contiguous(), cos_sin.contiguous(),
+        k_cache, v_cache, q_norm_weight, k_norm_weight, eps)
 
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len: int, *,
-                     causal: bool, window_starts=None, sliding_window: int | None = None, scale: float | None = None):
+                     causal: bool, window_starts=None, sliding_window: int | None = None, tree_mask=None,
+                     scale: float | None = None):
     """Attention of each request's new queries over its cache line; returns ``[N, n_q, d]`` (q's dtype).
 
     ``q`` ``[N, n_q, d]``: request ``b``'s queries are rows ``cu_query_lens[b] ..
@@ -120,7 +129,9 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     query sees only the keys of the last W positions up to its own (Hugging Face's sliding window:
     key ``k`` is visible to the query at position ``p`` iff ``p - W < k``). GQA: query head ``h`` reads KV head
     ``h // (n_q / n_kv)``. Softmax in f32; ``scale`` defaults to ``d ** -0.5``. A request with no
-    queries is skipped.
+    queries is skipped. ``tree_mask`` int64 ``[N]`` (with ``causal``; tree verification, at most 64
+    new tokens per request): of a request's own new tokens, query ``t`` sees ``t'`` only when bit
+    ``t'`` of its mask is set (its ancestors and itself); context positions stay visible.
     """
     c = Checker("cached_attention")
     k_cache = c.tensor("k_cache", k_cache, dtype=_FLOAT, ndim=4, contiguous=True)
@@ -142,12 +153,17 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         c.fail(f"causal must be a bool, got {type(causal).__name__}", TypeError)
     if sliding_window is not None:
         sliding_window = c.integer("sliding_window", sliding_window, low=1)
+    if tree_mask is not None:
+        if not causal or sliding_window is not None or max_query_len > 64:
+            c.fail(f"tree_mask needs causal attention without a sliding window and at most 64 new tokens per "
+                   f"request (causal={causal}, sliding_window={sliding_window}, max_query_len={max_query_len})")
+        tree_mask = c.tensor("tree_mask", tree_mask, dtype=torch.int64, shape=[q.shape[0]], device=device).contiguous()
     scale = d ** -0.5 if scale is None else c.real("scale", scale, low=0.0)
     if device.type == "cpu":
         _check_layout(c, q.shape[0], slot_ids, context_lens, cu_query_lens, max_query_len, num_slots, max_len)
     return implementation("cached_attention", device)(
         q, k_cache, v_cache, slot_ids.contiguous(), context_lens.contiguous(), cu_query_lens.contiguous(),
-        max_query_len, causal, window_starts, sliding_window, scale)
+        max_query_len, causal, window_starts, sliding_window, tree_mask, scale)
 
 
 def silu_and_mul(x):

@@ -25,13 +25,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, q_norm_weight, k_norm_weight, eps):
+def qk_norm_rope_store(q, k, v, positions, cache_positions, slot_ids, cos_sin, k_cache, v_cache, q_norm_weight,
+                       k_norm_weight, eps):
     table = cos_sin[positions.long()]                                   # [N, 2, d/2]
     cos = torch.cat([table[:, 0], table[:, 0]], dim=-1).to(k.dtype)[:, None, :]
     sin = torch.cat([table[:, 1], table[:, 1]], dim=-1).to(k.dtype)[:, None, :]
     if k_norm_weight is not None:
         k = _norm(k, k_norm_weight, eps)
-    slots, rows = slot_ids.long(), positions.long()
+    slots, rows = slot_ids.long(), cache_positions.long()
     k_cache[slots, rows] = _rope(k, cos, sin)
     v_cache[slots, rows] = v
     if q is None:
@@ -42,7 +43,7 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
 
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len, causal,
-                     window_starts, sliding_window, scale):
+                     window_starts, sliding_window, tree_mask, scale):
     batch, n_q, n_kv = slot_ids.shape[0], q.shape[1], k_cache.shape[2]
     counts = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
     if batch == 0 or q.shape[0] == 0:
@@ -62,6 +63,11 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     visible = visible & valid_q[:, :, None]
     if sliding_window is not None:
         visible = visible & (keys[None, None, :] > query_pos[:, :, None] - sliding_window)
+    if tree_mask is not None:  # new key j visible iff bit j of the query's mask (ancestors and itself)
+        rel = keys[None, None, :] - ctx[:, None, None]
+        bits = tree_mask.long()[flat][:, :, None]
+        ancestor = ((bits >> rel.clamp(0, 63)) & 1) == 1
+        visible = visible & ((rel < 0) | ancestor)
     k = k_cache[slot_ids.long(), :width].float().repeat_interleave(n_q // n_kv, dim=2)   # [B, L, n_q, d]
     v = v_cache[slot_ids.long(), :width].float().repeat_interleave(n_q // n_kv, dim=2)
     scores = torch.einsum("bthd,blhd->bhtl", queries, k) * scale

@@ -129,7 +129,7 @@ def _norm_rope(x1, x2, w_ptr, cos, sin, offs_j, valid_j, eps, D: tl.constexpr, H
 
 
 @triton.jit
-def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
+def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, row_ptr, slot_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
                                q_out_ptr, q_w_ptr, k_w_ptr, stride_q, stride_k, stride_v, n_q, n_kv,
                                num_slots, max_len, max_pos, eps, D: tl.constexpr, HALF: tl.constexpr,
                                BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
@@ -137,10 +137,11 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_sin_p
     tok = tl.program_id(0).to(tl.int64)
     dtype = k_cache_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + tok).to(tl.int64)
+    row = tl.load(row_ptr + tok).to(tl.int64)  # the cache row (the position, except for tree nodes)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     # a token whose cache row is out of range stores no head (a scalar select: the interpreter
     # cannot AND a scalar mask into a tensor mask)
-    stored_heads = tl.where((pos >= 0) & (pos < max_len) & (slot >= 0) & (slot < num_slots), n_kv, 0)
+    stored_heads = tl.where((row >= 0) & (row < max_len) & (slot >= 0) & (slot < num_slots), n_kv, 0)
     angle = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # bad positions read a valid table row
     offs_j = tl.arange(0, BLOCK_HALF)
     valid_j = offs_j < HALF
@@ -152,7 +153,7 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_sin_p
     tile = heads[:, None] * D + offs_j[None, :]
     valid = (heads < n_kv)[:, None] & valid_j[None, :]
     stored = (heads < stored_heads)[:, None] & valid_j[None, :]
-    line = (slot * max_len + pos) * n_kv * D + tile
+    line = (slot * max_len + row) * n_kv * D + tile
     k1 = tl.load(k_ptr + tok * stride_k + tile, mask=valid, other=0.0)
     k2 = tl.load(k_ptr + tok * stride_k + HALF + tile, mask=valid, other=0.0)
     k1, k2 = _norm_rope(k1, k2, k_w_ptr, cos, sin, offs_j, valid_j, eps, D, HALF, K_NORM, dtype)
@@ -175,7 +176,8 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_sin_p
         tl.store(out + HALF, q2, mask=valid)
 
 
-def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, q_norm_weight, k_norm_weight, eps):
+def qk_norm_rope_store(q, k, v, positions, cache_positions, slot_ids, cos_sin, k_cache, v_cache, q_norm_weight,
+                       k_norm_weight, eps):
     num_slots, max_len, n_kv, d = k_cache.shape
     n = k.shape[0]
     n_q = q.shape[1] if q is not None else 0
@@ -186,7 +188,7 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
         block_qh = triton.next_power_of_2(max(n_q, 1))
         block_kh = triton.next_power_of_2(n_kv)
         _qk_norm_rope_store_kernel[(n,)](
-            q if q is not None else k, k, v, positions, slot_ids, cos_sin, k_cache, v_cache,
+            q if q is not None else k, k, v, positions, cache_positions, slot_ids, cos_sin, k_cache, v_cache,
             q_out if q is not None else k,
             q_norm_weight if q_norm_weight is not None else k_cache,
             k_norm_weight if k_norm_weight is not None else k_cache,
@@ -222,11 +224,12 @@ def _dot_probabilities(p, v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr, window_ptr, out_ptr,
+def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr, window_ptr, tree_ptr, out_ptr,
                       part_out_ptr, part_lse_ptr, stride_q, n_rows, num_slots, max_len, n_kv, q_blocks, qk_scale,
                       sliding_window, REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SLIDING: tl.constexpr, INTERPRET: tl.constexpr):
+                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
+                      INTERPRET: tl.constexpr):
     """One (request ``b``, query block, KV head, key split); ``qk_scale`` includes ``log2(e)``."""
     b = tl.program_id(0) // q_blocks
     t0 = (tl.program_id(0) % q_blocks) * BLOCK_T
@@ -263,6 +266,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr
     q = tl.load(q_ptr + rows[:, None] * stride_q + head[:, None] * D + offs_d[None, :],
                 mask=valid_m[:, None] & valid_d[None, :], other=0.0)
     query_pos = ctx + t
+    if TREE:  # per query: bit j set = the request's new key j (an ancestor or itself) is visible
+        bits = tl.load(tree_ptr + rows, mask=valid_m, other=0)
     key_stride = n_kv * D
     line = (slot * max_len * n_kv + kv_head) * D
 
@@ -277,7 +282,11 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), INTERPRET) * qk_scale
         visible = valid_n[None, :]
-        if CAUSAL:
+        if TREE:
+            rel = keys[None, :] - ctx
+            shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+            visible = visible & ((rel < 0) | (((bits[:, None] >> shift) & 1) != 0))
+        elif CAUSAL:
             visible = visible & (keys[None, :] <= query_pos[:, None])
         if SLIDING:
             visible = visible & (keys[None, :] > query_pos[:, None] - sliding_window)
@@ -352,7 +361,7 @@ def _attention_config(device, dtype, batch: int, n_kv: int, rep: int, d: int, ma
 
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len, causal,
-                     window_starts, sliding_window, scale):
+                     window_starts, sliding_window, tree_mask, scale):
     n, n_q, d = q.shape
     num_slots, max_len, n_kv, _ = k_cache.shape
     batch = slot_ids.shape[0]
@@ -370,10 +379,11 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         part_out = part_lse = out
     _attention_kernel[(batch * q_blocks, n_kv, splits)](
         q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
-        window_starts if window_starts is not None else context_lens, out, part_out, part_lse,
+        window_starts if window_starts is not None else context_lens,
+        tree_mask if tree_mask is not None else context_lens, out, part_out, part_lse,
         q.stride(0), n, num_slots, max_len, n_kv, q_blocks, scale * _LOG2E, sliding_window or 0, REP=rep, D=d,
         SPLITS=splits, CAUSAL=causal, HAS_WINDOW=window_starts is not None, SLIDING=sliding_window is not None,
-        INTERPRET=_INTERPRET, num_warps=num_warps, **cfg)
+        TREE=tree_mask is not None, INTERPRET=_INTERPRET, num_warps=num_warps, **cfg)
     if splits > 1:
         _combine_kernel[(n * n_q,)](part_out, part_lse, out, D=d, BLOCK_D=cfg["BLOCK_D"], SPLITS=splits,
                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
