@@ -149,31 +149,33 @@ class Drafter:
         return self.propose_rows(hidden, self.model.backbone_logits(hidden), anchor, sampling, uniforms)
 
     def propose_rows(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
-                     sampling: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+                     sampling: SamplingParams, uniforms: torch.Tensor | None, stacked_logits=None) -> Proposal:
         """Markov loop, confidence and schedule for B blocks drafted elsewhere.
 
         ``hidden`` ``[B*N, H]`` final-norm block hidden states and ``logits`` f32 ``[B*N, V]`` their
         backbone logits (row ``b*N + k`` = slot k of block b); ``anchors`` int32 ``[B]``;
-        ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy). No host synchronisation.
+        ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy). ``stacked_logits`` f32
+        ``[B, P+1, V]`` (tree mode, greedy): depth row ``s + 1`` receives step ``s``'s Markov-corrected
+        logits along the greedy chain. No host synchronisation.
         """
         if self.kernel_markov and (self.fused_greedy or not sampling.greedy):
-            tokens, probs = self._vanilla(logits, anchors, sampling, uniforms)
+            tokens, probs = self._vanilla(logits, anchors, sampling, uniforms, stacked_logits)
         else:
-            tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms)
+            tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms, stacked_logits)
         lengths, confidence = self._schedule(hidden, anchors, tokens)
         return Proposal(tokens, probs, lengths, confidence)
 
-    def _vanilla(self, logits, anchors, sampling, uniforms):
+    def _vanilla(self, logits, anchors, sampling, uniforms, stacked_logits=None):
         rows = dict(logits_stride=self.block_size, logits_offset=self.slot_offset)
         if sampling.greedy:
             tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchors,
-                                           proposal_len=self.num_draft_tokens, **rows)
+                                           proposal_len=self.num_draft_tokens, stacked_logits=stacked_logits, **rows)
             return tokens, None
         return K.vanilla_markov_sample(logits, self.markov_w1, self.markov_w2, anchors, uniforms,
                                        sampling.temperature, sampling.top_k, sampling.top_p, **rows,
                                        workspace=self.workspace)
 
-    def _stepwise(self, hidden, logits, anchors, sampling, uniforms):
+    def _stepwise(self, hidden, logits, anchors, sampling, uniforms, stacked_logits=None):
         """Sequential Markov loop in torch in the draft's precision (see the module docstring)."""
         p, batch = self.num_draft_tokens, anchors.shape[0]
         hidden = hidden.view(batch, self.block_size, -1)
@@ -186,7 +188,10 @@ class Drafter:
         for step in range(p):
             row = step + self.slot_offset
             bias, state = self.model.markov_bias(hidden[:, row], prev, state)
-            q = sampling.probabilities(logits[:, row] + bias, self.workspace)
+            corrected = logits[:, row] + bias
+            if stacked_logits is not None:
+                stacked_logits[:, step + 1] = corrected
+            q = sampling.probabilities(corrected, self.workspace)
             K.sample_probability_rows(q, uniforms, tokens, step, workspace=self.workspace)
             if probs is not None:
                 K.store_draft_step_probabilities(q, probs, step)

@@ -26,12 +26,13 @@ import numpy as np
 import torch
 
 from ..kernels._validate import Checker
+from ..kernels.tree import MAX_TREE_TOP_K
 from ..model.hf_target import HFTarget
 from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
 from .drafting import SCHEDULERS, Drafter
 from .schedulers import SPSCostTable, prefix_schedule
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
-from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk
+from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk, TreeSettings
 
 __all__ = ["EngineConfig", "EngineDeadError", "LLMEngine", "RequestResult", "token_logprobs"]
 
@@ -40,6 +41,7 @@ log = logging.getLogger("dspark.engine")
 DEFAULT_MAX_MODEL_LEN = 4096
 ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows first, prompt chunks after
+MAX_TREE_NODES = 64  # tree verification's ancestor masks are int64 bitmasks
 MIXED_STRIKES = 2  # failed mixed steps a request may sit in (its chunk alone passing) before it is failed
 
 
@@ -55,7 +57,11 @@ class EngineConfig:
     prompts being admitted in the same forward (default: 2048, at least ``max_batch`` times the
     verify length, so that every running row always fits); ``oracle_acceptance`` /
     ``oracle_replay`` (benchmarks only: drafts come from ``Request.oracle_ids``, each kept with this
-    probability, or as many kept per round as ``Request.oracle_trace`` replays, its confidences too)."""
+    probability, or as many kept per round as ``Request.oracle_trace`` replays, its confidences too);
+    ``draft_top_k`` > 1: tree mode (DDTree, greedy only): each round verifies a token tree grown from
+    that many drafter candidates per depth, ``tree_budget`` nodes per row with the root (default:
+    block size + 1, as TensorRT-Edge-LLM), no deeper than ``threshold`` (the survival floor) allows
+    under the threshold / sps schedulers, whose confidences also bias the tree's scores."""
 
     max_batch: int = 16
     max_model_len: int | None = None
@@ -71,6 +77,8 @@ class EngineConfig:
     cost_table: object = None
     min_predicted_gain: float = 0.04
     max_num_batched_tokens: int | None = None
+    draft_top_k: int = 1
+    tree_budget: int = 0
 
     def __post_init__(self):
         c = Checker("EngineConfig")
@@ -93,6 +101,12 @@ class EngineConfig:
                 c.fail("oracle_acceptance and oracle_replay exclude each other (two ways to choose benchmark drafts)")
         if not isinstance(self.oracle_replay, bool):
             c.fail(f"oracle_replay must be a bool, got {type(self.oracle_replay).__name__}", TypeError)
+        c.integer("draft_top_k", self.draft_top_k, low=1, high=MAX_TREE_TOP_K)
+        c.integer("tree_budget", self.tree_budget, low=0, high=MAX_TREE_NODES)
+        if self.tree_budget == 1:
+            c.fail("tree_budget must be 0 (the block size + 1) or in [2, 64], got 1")
+        if self.draft_top_k > 1 and (self.scheduler == "cost" or self.oracle_acceptance is not None or self.oracle_replay):
+            c.fail("tree mode (draft_top_k > 1) takes the off / threshold / sps schedulers and no benchmark drafts")
 
 
 @dataclass
@@ -139,7 +153,13 @@ class LLMEngine:
             per_row = ("threshold", 0.0) if config.scheduler == "cost" else (config.scheduler, config.threshold)
             drafter = Drafter(self.draft_model, scheduler=per_row[0], threshold=per_row[1],
                               min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len)
-        verify_len = drafter.num_draft_tokens + 1 if drafter is not None else 1
+        tree = None
+        if config.draft_top_k > 1:
+            if drafter is None or not isinstance(self.target, TargetLM):
+                c.fail("tree mode (draft_top_k > 1) needs a draft and a Llama / Qwen target (TargetLM)")
+            tree = TreeSettings(config.draft_top_k, config.tree_budget or drafter.block_size + 1,
+                                config.threshold if config.scheduler != "off" else 0.0)
+        verify_len = tree.budget if tree else drafter.num_draft_tokens + 1 if drafter is not None else 1
         rows_tokens = config.max_batch * verify_len
         budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, rows_tokens)
         if budget < rows_tokens:
@@ -147,7 +167,8 @@ class LLMEngine:
                    f"{verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
                                   max_chunk_tokens=budget, cuda_graphs=config.cuda_graphs,
-                                  oracle_acceptance=config.oracle_acceptance, oracle_replay=config.oracle_replay)
+                                  oracle_acceptance=config.oracle_acceptance, oracle_replay=config.oracle_replay,
+                                  tree=tree)
         self.max_num_batched_tokens = budget
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted (a cache slot), prompt partly run
@@ -192,6 +213,10 @@ class LLMEngine:
             c.fail(f"the prompt has {len(ids)} tokens; the context limit (max_model_len) is {self.max_model_len}, "
                    "which must leave room for at least one new token")
         self._check_oracle(c, request)
+        if self.runner.tree is not None and not request.sampling.greedy:
+            c.fail(f"tree mode (draft_top_k {self.config.draft_top_k}) decodes greedily only, as TensorRT-Edge-LLM; "
+                   f"this request samples (temperature {request.sampling.temperature}, top_k "
+                   f"{request.sampling.top_k}): use temperature 0, or chain mode (draft_top_k 1)")
         bad = next((i for i in request.stop_ids if i >= vocab), None)
         if bad is not None:
             c.fail(f"stop_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")
@@ -351,6 +376,8 @@ class LLMEngine:
         ``max_new_tokens``, the context limit): a draft there could not be kept, and its position
         would lie beyond the context. At least one draft (the accept kernels verify >= 1)."""
         p = self.num_drafts
+        if self.runner.tree is not None:  # a tree's depth is bounded where it is grown
+            return [self.runner.verify_len] * len(self.running)
         if self.config.scheduler == "off":
             drafts = [p] * len(self.running)
         elif self.config.scheduler == "cost":
@@ -575,7 +602,7 @@ class LLMEngine:
             from dataclasses import replace
 
             self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", oracle_acceptance=None,
-                                                               oracle_replay=False))
+                                                               oracle_replay=False, draft_top_k=1, tree_budget=0))
             self._plain.eos_ids = self.eos_ids
         return self._plain
 
@@ -603,7 +630,7 @@ class EngineMetrics:
         accepted = min(accept_length - 1, verified)
         self.draft_tokens += verified
         self.accepted_tokens += accepted
-        for k in range(min(verified, accepted + 1)):
+        for k in range(min(verified, accepted + 1, self.num_drafts)):  # a tree verifies more nodes than depths
             self.position_trials[k] += 1
             self.position_accepts[k] += k < accepted
 

@@ -44,7 +44,7 @@ from .drafting import Drafter, SamplingParams
 
 log = logging.getLogger("dspark.engine")
 
-__all__ = ["ChunkBuffers", "ModelRunner", "PrefillChunk", "ForwardFailed", "batch_buckets", "MAX_CHUNKS", "PURPOSE_ORACLE"]
+__all__ = ["ChunkBuffers", "ModelRunner", "PrefillChunk", "ForwardFailed", "TreeSettings", "batch_buckets", "MAX_CHUNKS", "PURPOSE_ORACLE"]
 
 PURPOSE_ORACLE = 0x3C6EF372FE94F82B  # benchmarks' controlled acceptance: its own stream
 TRACE_ROUNDS = 512  # replayed rounds kept per request (a longer trace is cut; rounds cycle)
@@ -64,6 +64,17 @@ class PrefillChunk:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     oracle_ids: list[int] | None = None
     oracle_trace: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """Tree mode (DDTree, runtime.md Part II 5.4): each round verifies a token tree per row grown
+    from the drafter's ``top_k`` (2..8) candidates per depth, ``budget`` nodes with the root
+    (2..64), no deeper than the prefix survival ``threshold`` allows (0: the block)."""
+
+    top_k: int
+    budget: int
+    threshold: float = 0.0
 
 
 class ForwardFailed(RuntimeError):
@@ -88,12 +99,14 @@ class ModelRunner:
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
                  max_chunk_tokens: int = 2048, cuda_graphs: bool = True, oracle_acceptance: float | None = None,
-                 oracle_replay: bool = False):
+                 oracle_replay: bool = False, tree: TreeSettings | None = None):
         self.target, self.drafter = target, drafter
         self.device = dev = target.device
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.num_drafts = drafter.num_draft_tokens if drafter else 0
-        self.verify_len = self.num_drafts + 1
+        self.tree = tree
+        # tokens per row in a verify forward: the chain's anchor and drafts, or the tree's nodes
+        self.verify_len = tree.budget if tree is not None else self.num_drafts + 1
         block = drafter.block_size if drafter else 1
         # a round writes past the committed tokens; padding tokens of a ragged verify use the dummy line
         line = max(max_model_len + self.verify_len + block, max_batch + 1)
@@ -102,7 +115,8 @@ class ModelRunner:
         self.cache = target.new_cache(max_batch + 1, line)
         self.draft = DraftRunner(drafter.model, max_batch + 1, line) if drafter else None
         self.buckets = batch_buckets(max_batch)
-        self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True)
+        # tree rounds grow and walk their trees on the host: they run eagerly
+        self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True) and tree is None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
         self.pool = None
@@ -128,6 +142,14 @@ class ModelRunner:
             self.state["verify_lens"] = torch.ones(r, **i32)
             self.state["confidence"] = torch.zeros(r, p, device=dev)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        if tree is not None:  # the next round's tree of each row (node 0 the root: the anchor)
+            size = tree.budget
+            self.state["tree_tokens"] = torch.zeros(r, size, **i32)
+            self.state["tree_parents"] = torch.full((r, size), -1, **i32)
+            self.state["tree_depths"] = torch.zeros(r, size, **i32)
+            self.state["tree_bits"] = (1 << torch.arange(size, device=dev)).repeat(r, 1)  # int64 ancestor masks
+            self.state["tree_nodes"] = torch.ones(r, **i32)
+            self.stacked = torch.zeros(b, p + 1, target.vocab_size, device=dev)  # the drafter's depth rows
         # benchmark drafts, per cache slot (staged once per request, read by slot: nothing moves with rows)
         self.oracle: dict[str, torch.Tensor] = {}
         if oracle_acceptance is not None or oracle_replay:
@@ -193,6 +215,8 @@ class ModelRunner:
         lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
         self.state["verify_lens"][: self.max_batch].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
         num_tokens = b * -(-sum(verify_lens + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
+        if self.tree is not None:
+            num_tokens = b * self.verify_len  # every row's tree, padding rows' too
         if chunks:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
@@ -323,14 +347,18 @@ class ModelRunner:
         return token_row, index, flat, cu
 
     def _verify_rows(self, b: int, rows: int, num_tokens: int, mode) -> None:
-        ids, positions, slots, batch, flat = self._verify_inputs(b, num_tokens)
+        ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens)
         capture = torch.empty(num_tokens, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
-        logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture)
+        logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
+                                     cache_positions=None if cache_rows is positions else cache_rows)
         self._verify_commit(b, rows, flat, capture, logits, mode)
 
     def _verify_inputs(self, b: int, num_tokens: int):
-        """Token ids, positions and cache lines of a ragged verify's ``num_tokens`` flat tokens, its
-        ``AttentionBatch`` and each token's row in the flat capture / logit buffers."""
+        """Token ids, positions, cache rows (the positions, except for tree nodes) and cache lines of
+        a verify's ``num_tokens`` flat tokens, its ``AttentionBatch`` and each token's row in the flat
+        capture / logit buffers."""
+        if self.tree is not None:
+            return self._tree_inputs(b)
         s, t, p = self.state, self.verify_len, self.num_drafts
         token_row, index, flat, cu = self._verify_layout(b, num_tokens)
         pads = torch.zeros(_pad_requests(b, t), dtype=torch.int32, device=self.device)
@@ -339,13 +367,29 @@ class ModelRunner:
         tokens = torch.cat([K.build_verify_tokens(s["anchor"][:b], s["draft_tokens"][:b], p),
                             pads[:, None].expand(-1, t)])
         ids = tokens[token_row, index]
-        return ids.long(), starts[token_row] + index, slots[token_row], AttentionBatch(slots, starts, cu, t), flat
+        positions = starts[token_row] + index
+        return ids.long(), positions, positions, slots[token_row], AttentionBatch(slots, starts, cu, t), flat
+
+    def _tree_inputs(self, b: int):
+        """``_verify_inputs`` of tree rows: every row's ``budget`` nodes, RoPE at anchor position +
+        depth, K/V at anchor position + node index, each node seeing its ancestors."""
+        s, size = self.state, self.verify_len
+        base = s["anchor_pos"][:b, None]
+        positions = (base + s["tree_depths"][:b]).reshape(-1)
+        cache_rows = (base + self.offsets[:size]).reshape(-1)
+        batch = AttentionBatch(s["slot_ids"][:b], s["anchor_pos"][:b], self.cu[size][: b + 1], size,
+                               tree_mask=s["tree_bits"][:b].reshape(-1))
+        return (s["tree_tokens"][:b].reshape(-1).long(), positions, cache_rows, s["slot_ids"][:b].repeat_interleave(size),
+                batch, self.flat_offsets[: b * size].long())
 
     def _verify_commit(self, b: int, rows: int, flat, capture, logits, mode) -> None:
         """Accept each row's prefix from the verify forward's captures and logits and advance."""
         s, t = self.state, self.verify_len
         self.capture_rows.index_copy_(0, flat, capture)
         self.logit_rows.index_copy_(0, flat, logits)
+        if self.tree is not None:
+            self._tree_commit(b)
+            return
         verified = s["verify_lens"][:b] - 1
         padded = self.logit_rows[: b * t].view(b, t, -1)
         for rows_of, sampling in self._groups(b, rows, mode):
@@ -354,6 +398,32 @@ class ModelRunner:
             s["accept_length"][rows_of] = n
         self.readout[:b, t + 1] = verified
         self._advance(b, t)
+
+    def _tree_commit(self, b: int) -> None:
+        """Greedy tree acceptance (the longest root path the target's argmax follows), then the
+        accepted path's K/V, captures and logits moved to consecutive positions, and advance."""
+        s, size = self.state, self.verify_len
+        tree = K.TreeBatch(s["tree_tokens"][:b], s["tree_parents"][:b], s["tree_depths"][:b], None, None,
+                           s["tree_nodes"][:b], None, None)
+        accepted, nodes, n = K.greedy_tree_accept(self.logit_rows[: b * size].view(b, size, -1), tree)
+        s["accepted"][:b].zero_()
+        s["accepted"][:b, : accepted.shape[1]] = accepted
+        s["accept_length"][:b] = n
+        # path position i (0: the root) holds node index[:, i]; past the path nothing moves
+        index = self.offsets[:size].long().repeat(b, 1)
+        depth = nodes.shape[1] - 1  # the deepest node's depth: the path below the root
+        index[:, 1:depth + 1] = torch.where(nodes[:, :depth] >= 0, nodes[:, :depth].long(), index[:, 1:depth + 1])
+        moved = index != self.offsets[:size].long()
+        slots = s["slot_ids"][:b, None].expand(b, size)[moved].long()
+        base = s["anchor_pos"][:b, None].long()
+        src, dst = (base + index)[moved], (base + self.offsets[:size].long())[moved]
+        for cache in (self.cache.k, self.cache.v):
+            cache[:, slots, dst] = cache[:, slots, src]
+        for rows in (self.capture_rows, self.logit_rows):
+            view = rows[: b * size].view(b, size, -1)
+            view.copy_(view.gather(1, index[..., None].expand(-1, -1, view.shape[-1])))
+        self.readout[:b, size + 1] = s["tree_nodes"][:b] - 1
+        self._advance(b, size)
 
     def _accept(self, logits, index, verified, sampling: SamplingParams):
         """Accept rows ``index`` from their target logits ``[R, P+1, V]``, verifying ``verified``
@@ -393,7 +463,11 @@ class ModelRunner:
             uniforms = None
             if not sampling.greedy:
                 uniforms = K.request_uniforms(s["seeds"][index], s["anchor_pos"][index], K.PURPOSE_PROPOSAL, p)
-            proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s["anchor"][index], sampling, uniforms)
+            stacked = self.stacked[index] if self.tree is not None else None
+            proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s["anchor"][index], sampling, uniforms,
+                                                 stacked)
+            if stacked is not None:
+                self.stacked[index] = stacked
             s["draft_tokens"][index] = proposal.token_ids
             s["proposal_lengths"][index] = proposal.proposal_lengths
             if proposal.confidence is not None:
@@ -402,8 +476,23 @@ class ModelRunner:
                 s["draft_probs"][index] = proposal.probabilities
         if self.oracle_acceptance is not None or self.oracle_replay:
             self._oracle_drafts(b)
+        if self.tree is not None:
+            self._grow_trees(b)
         self.readout[:b, t + 2] = s["proposal_lengths"][:b]
         self.readout[:b, t + 3:] = s["confidence"][:b].view(torch.int32)
+
+    def _grow_trees(self, b: int) -> None:
+        """Each row's next tree from the drafter's depth rows and confidences (kernels.md 4.4), no
+        deeper than the context limit allows (RoPE positions stay below ``max_model_len``)."""
+        s, tree = self.state, self.tree
+        confidence = s["confidence"][:b] if self.drafter.scheduler != "off" else None
+        room = (self.max_model_len - 1 - s["anchor_pos"][:b]).clamp(min=1)
+        built = K.ddtree_build(self.stacked[:b], s["anchor"][:b], s["anchor_pos"][:b], candidate_top_k=tree.top_k,
+                               verify_size=tree.budget, depth_confidence=confidence,
+                               survival_threshold=tree.threshold, max_depths=room)
+        s["tree_tokens"][:b], s["tree_parents"][:b], s["tree_depths"][:b] = built.tokens, built.parents, built.depths
+        s["tree_nodes"][:b] = built.num_nodes
+        s["tree_bits"][:b] = (built.ancestors.long() << self.offsets[:tree.budget].long()).sum(-1)
 
     # ---- steps with prompt chunks -----------------------------------------------------------------
 
@@ -472,26 +561,26 @@ class ModelRunner:
         s, ch = self.state, self.chunks
         groups, flat, split, parts = [], None, 0, []
         if b and num_tokens is not None:
-            ids, positions, slots, batch, flat = self._verify_inputs(b, num_tokens)
-            parts.append((ids, positions, slots))
+            ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens)
+            parts.append((ids, positions, slots, cache_rows))
             split = num_tokens
         elif b:
-            parts.append((s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b]))
+            parts.append((s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b], s["anchor_pos"][:b]))
             batch, split = self._attention_batch(b, 1), b
         if b:
             groups.append((0, split, batch))
         meta = ch.device_meta()
         groups.append((split, split + bucket, AttentionBatch(meta["request_slots"], meta["request_starts"],
                                                              meta["cu"], bucket)))
-        parts.append((ch.ids[:bucket], meta["positions"][:bucket], meta["slots"][:bucket]))
-        ids, positions, slots = (torch.cat([p[k] for p in parts]) for k in range(3))
+        parts.append((ch.ids[:bucket], meta["positions"][:bucket], meta["slots"][:bucket], meta["positions"][:bucket]))
+        ids, positions, slots, cache_rows = (torch.cat([p[k] for p in parts]) for k in range(4))
         logit_rows = torch.cat([torch.arange(split, device=self.device), split + ch.seat_last])
         capture = None
         if self.draft is not None:
             capture = torch.empty(ids.numel(), self.capture_rows.shape[1], dtype=self.capture_rows.dtype,
                                   device=self.device)
         logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
-                                     logits_rows=logit_rows)
+                                     logits_rows=logit_rows, cache_positions=cache_rows if self.tree else None)
         return positions, slots, flat, split, capture, logits
 
     def _seat(self, logits: torch.Tensor, seats) -> None:

@@ -50,13 +50,14 @@ class TreeBatch:
 
 
 def ddtree_build(stacked_logits, root_tokens, base_lengths, *, candidate_top_k: int, verify_size: int,
-                 depth_confidence=None, survival_threshold: float = 0.0) -> TreeBatch:
+                 depth_confidence=None, survival_threshold: float = 0.0, max_depths=None) -> TreeBatch:
     """Build each row's DDTree (module docstring; kernels.md §4.4).
 
     ``stacked_logits`` f32 ``[B, P+1, V]`` (row 0 unused: the root's place); ``root_tokens`` int
     ``[B]``; ``base_lengths`` int ``[B]`` (positions before the root); ``candidate_top_k`` in
     ``[1, 8]`` and ``<= V``; ``verify_size`` >= 1 node slots; ``depth_confidence`` f32 ``[B, P]``
-    (depth d uses ``[:, d-1]``) or None; ``survival_threshold`` in ``[0, 1)``.
+    (depth d uses ``[:, d-1]``) or None; ``survival_threshold`` in ``[0, 1)``; ``max_depths`` int
+    ``[B]`` >= 1 or None: a deepest depth per row (the engine's context limit; a dspark addition).
     """
     c = Checker("ddtree_build")
     logits = c.tensor("stacked_logits", stacked_logits, dtype=torch.float32, ndim=3)
@@ -87,6 +88,11 @@ def ddtree_build(stacked_logits, root_tokens, base_lengths, *, candidate_top_k: 
         if threshold > 0:
             reach = (log_conf.cumsum(-1) >= math.log(threshold)).sum(-1)  # prefix survival never rises
             depth_limit = [max(1, r) for r in reach.tolist()]
+    if max_depths is not None:
+        limits = c.tensor("max_depths", max_depths, ndim=1, shape=[batch], device=device).tolist()
+        if min(limits, default=1) < 1:
+            c.fail(f"max_depths must be >= 1, got {min(limits)}")
+        depth_limit = [min(d, m) for d, m in zip(depth_limit, limits)]
     scores_of = (cand_logprobs + bonus[..., None]).tolist()
     out = [_grow(scores_of[b], cand_tokens[b], depth_limit[b], size) for b in range(batch)]
     return _tree_batch(out, roots, base, size, device)

@@ -38,6 +38,7 @@ class AttentionBatch:
     cu_query_lens: torch.Tensor
     max_query_len: int
     window_starts: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None  # int64 [N]: per query, the new tokens it sees (tree verification)
 
 
 class KVCache:
@@ -163,7 +164,7 @@ class TargetLM(CachedTarget):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
                 batch: AttentionBatch, cache: KVCache, *, capture_out: torch.Tensor | None = None,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | None = None, cache_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``N`` flat tokens; returns f32 logits ``[M, V]`` of ``logits_rows`` (int ``[M]``; all
         ``N`` rows when None).
 
@@ -172,21 +173,24 @@ class TargetLM(CachedTarget):
         ``AttentionBatch``, or a list of ``(first row, end row, AttentionBatch)`` over consecutive
         row ranges (one attention launch each). The
         K/V of every token is written into ``cache``. ``capture_out`` ``[N, m*H]`` (or a strided
-        view of that shape) receives the hidden states at ``capture_layer_ids``.
+        view of that shape) receives the hidden states at ``capture_layer_ids``. ``cache_positions``
+        int ``[N]`` (tree verification): each token's cache row when it is not its position.
         """
         s = self.shape
         h, residual = F.embedding(input_ids, self.embed), None
+        rows = positions if cache_positions is None else cache_positions
         for i, layer in enumerate(self.layers):
             h, residual = decoder_layer(
                 layer, h, residual, s.eps,
-                lambda x, i=i, layer=layer: self._attention(layer, x, positions, token_slots, batch, cache.k[i], cache.v[i]),
+                lambda x, i=i, layer=layer: self._attention(layer, x, positions, rows, token_slots, batch, cache.k[i],
+                                                            cache.v[i]),
                 on_input=lambda hidden, i=i: self._capture(capture_out, i, hidden))
         x, _ = K.rms_norm(h, self.norm, s.eps, residual=residual)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
         return F.linear(x, self.lm_head).float()
 
-    def _attention(self, layer, x, positions, token_slots, batch: AttentionBatch, k_cache, v_cache):
+    def _attention(self, layer, x, positions, rows, token_slots, batch: AttentionBatch, k_cache, v_cache):
         s = self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
@@ -195,7 +199,8 @@ class TargetLM(CachedTarget):
         k = qkv[:, q_size:q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
         v = qkv[:, q_size + kv_size:].view(n, s.num_kv_heads, s.head_dim)
         q = K.qk_norm_rope_store(q, k, v, positions, token_slots, self.cos_sin, k_cache, v_cache,
-                                 q_norm_weight=layer.get("q_norm"), k_norm_weight=layer.get("k_norm"), eps=s.eps)
+                                 q_norm_weight=layer.get("q_norm"), k_norm_weight=layer.get("k_norm"), eps=s.eps,
+                                 cache_positions=None if rows is positions else rows)
         if isinstance(batch, AttentionBatch):
             out = _causal_attention(q, k_cache, v_cache, batch)
         else:  # row groups, each its own launch: attention tiles sized for verify rows or for prompt chunks
@@ -205,7 +210,7 @@ class TargetLM(CachedTarget):
 
 def _causal_attention(q, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
     return K.cached_attention(q, k_cache, v_cache, batch.slot_ids, batch.context_lens, batch.cu_query_lens,
-                              batch.max_query_len, causal=True)
+                              batch.max_query_len, causal=True, tree_mask=batch.tree_mask)
 
 
 def decoder_layer(layer: dict, h: torch.Tensor, residual: torch.Tensor | None, eps: float, attention,
