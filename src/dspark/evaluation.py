@@ -56,7 +56,7 @@ def warm_up(decoders: list[SpeculativeDecoder], prompt_ids, sampling: SamplingPa
 def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: int = 128,
              sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0,
              progress: Callable[[int, int], None] | None = None, engine: str = "reference", cost_table=None,
-             min_predicted_gain: float = 0.04) -> dict:
+             min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0) -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
@@ -65,7 +65,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     ``progress(done, total)`` is called after each prompt. ``engine``: ``"reference"`` (the
     single-request loop over the Hugging Face model) or ``"batched"`` (an ``LLMEngine`` per draft and
     its plain-decoding twin, one prompt at a time so that per-prompt speedups stay comparable;
-    ``scheduler="cost"`` with ``cost_table`` and ``min_predicted_gain`` as ``EngineConfig``)."""
+    ``scheduler="cost"`` with ``cost_table`` and ``min_predicted_gain``, and tree mode with
+    ``draft_top_k`` > 1 and ``tree_budget``, as ``EngineConfig``)."""
     c = Checker("evaluate")
     if not drafts:
         c.fail("drafts must name at least one draft model")
@@ -75,7 +76,10 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
         c.fail(f"engine must be 'reference' or 'batched', got {engine!r}")
     if scheduler == "cost" and engine != "batched":
         c.fail("scheduler 'cost' needs engine='batched' (it schedules across the batch)")
-    cost = dict(cost_table=cost_table, min_predicted_gain=min_predicted_gain)
+    if draft_top_k != 1 and engine != "batched":
+        c.fail("tree mode (draft_top_k > 1) needs engine='batched'")
+    cost = dict(cost_table=cost_table, min_predicted_gain=min_predicted_gain, draft_top_k=draft_top_k,
+                tree_budget=tree_budget)
     speculative, baseline = _runners(engine, target, drafts, scheduler, threshold, sampling, cost)
     for run in [*speculative.values(), baseline]:  # first calls pay one-off costs: not timed
         run(prompts[0], _WARMUP_TOKENS)
@@ -94,6 +98,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
         "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                      "seed": sampling.seed},
         "scheduler": scheduler,
+        "draft_top_k": draft_top_k,
+        "tree_budget": tree_budget,
         "plain": _timing(plain_stats),
         "drafts": [],
     }
@@ -119,7 +125,7 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
 def _runners(engine: str, target, drafts: dict, scheduler: str, threshold: float, sampling: SamplingParams,
              cost: dict):
     """``({name: run}, plain run)``: ``run(prompt_ids, max_new_tokens) -> GenerationResult``; ``cost``:
-    the cost scheduler's ``EngineConfig`` fields."""
+    the ``EngineConfig`` fields of the cost scheduler and tree mode."""
     if engine == "reference":
         decoders = {name: SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=threshold)
                     for name, draft in drafts.items()}
@@ -157,7 +163,9 @@ def format_table(report: dict) -> str:
     """The report as a text table: one row per draft, then the per-position acceptances."""
     plain = report["plain"]
     lines = [f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
-             f"temperature {report['sampling']['temperature']}, scheduler {report['scheduler']}",
+             f"temperature {report['sampling']['temperature']}, scheduler {report['scheduler']}"
+             + (f", tree mode: top-{report['draft_top_k']}, {report['tree_budget'] or 'block + 1'} nodes"
+                if report.get("draft_top_k", 1) > 1 else ""),
              f"plain decoding: {plain['tokens']} tokens in {plain['time_s']:.2f} s "
              f"({plain['tokens_per_second']:.1f} tok/s)",
              "",

@@ -184,6 +184,16 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-predicted-gain", type=float, default=0.04,
                         help="cost scheduler: trim verification only when the predicted goodput beats the full "
                              "block by this fraction")
+    add_tree_arguments(parser)
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft-top-k", type=int, default=1,
+                        help="candidates per depth; > 1: tree mode (DDTree: a token tree verified per round, greedy "
+                             "only, batched engine), 1: the chain")
+    parser.add_argument("--tree-budget", type=int, default=0,
+                        help="tree mode: nodes verified per round, the root included (2..64; 0: block size + 1); "
+                             "--threshold with --scheduler threshold / sps is the survival floor of its depth")
 
 
 def sampling_params(args: argparse.Namespace, command: str):
@@ -203,6 +213,10 @@ def check_scheduler_arguments(args: argparse.Namespace, *, batched: bool) -> Non
     the cost scheduler decides across a batch), and a ``--cost-table`` nothing reads."""
     if not 0.0 <= args.threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1] (a survival probability), got {args.threshold}")
+    if args.draft_top_k == 1 and args.tree_budget:
+        raise ValueError(f"--tree-budget {args.tree_budget} needs tree mode: add --draft-top-k K (2..8)")
+    if args.draft_top_k != 1 and not batched:
+        raise ValueError("--draft-top-k (tree mode) needs the batched engine: add --engine batched")
     if args.scheduler in ("off", "cost") and args.threshold != 0.0:
         raise ValueError(f"--threshold {args.threshold} does nothing with --scheduler {args.scheduler}: "
                          f"add --scheduler threshold or --scheduler sps")

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         if args.num_prompts < 0:
             raise ValueError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
         device, dtype = runtime(args)
-        batched = args.engine == "batched" or args.engine == "auto" and device.type == "cuda"
+        batched = args.engine == "batched" or args.engine == "auto" and (device.type == "cuda" or args.draft_top_k != 1)
         check_scheduler_arguments(args, batched=batched)
         sampling = sampling_params(args, "eval")
         records = read_prompts(args.prompts)
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         report = evaluate(target, drafts, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                           scheduler=args.scheduler, threshold=args.threshold, cost_table=args.cost_table,
                           min_predicted_gain=args.min_predicted_gain, engine="batched" if batched else "reference",
+                          draft_top_k=args.draft_top_k, tree_budget=args.tree_budget,
                           progress=None if bar is None else lambda done, total: bar.update(
                               done / total, f"prompt {done}/{total}"))
         if bar is not None:

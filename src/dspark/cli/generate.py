@@ -125,7 +125,8 @@ def _prepare(args: argparse.Namespace):
               engine="batched" if batched else "reference", max_batch=min(args.max_batch, len(requests)),
               max_model_len=args.max_model_len, scheduler=args.scheduler, threshold=args.threshold,
               cost_table=args.cost_table, min_predicted_gain=args.min_predicted_gain,
-              allow_pickle=args.allow_pickle, device=device, dtype=dtype)
+              allow_pickle=args.allow_pickle, device=device, dtype=dtype, draft_top_k=args.draft_top_k,
+              tree_budget=args.tree_budget)
     decoder = llm.decoder
     for (where, _), request in zip(records, requests):
         if isinstance(decoder, SpeculativeDecoder):
@@ -136,11 +137,12 @@ def _prepare(args: argparse.Namespace):
 
 
 def _batched(args: argparse.Namespace, device) -> bool:
-    """Which engine runs: ``--engine``, or for ``auto`` the batched one on CUDA or with ``--no-draft``
-    (the reference loop always drafts). ValueError for ``--engine reference --no-draft``."""
+    """Which engine runs: ``--engine``, or for ``auto`` the batched one on CUDA, with ``--no-draft``
+    (the reference loop always drafts) or in tree mode. ValueError for ``--engine reference --no-draft``."""
     if args.no_draft and args.engine == "reference":
         raise ValueError("--no-draft needs --engine batched or auto (the reference loop always drafts)")
-    return args.engine == "batched" or args.engine == "auto" and (device.type == "cuda" or args.no_draft)
+    tree = args.draft_top_k != 1
+    return args.engine == "batched" or args.engine == "auto" and (device.type == "cuda" or args.no_draft or tree)
 
 
 def _warm_up(decoder, request, warm_up) -> None:

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._runtime import add_runtime_arguments, resolve_pair, runtime
+from ._runtime import add_runtime_arguments, add_tree_arguments, resolve_pair, runtime
 
 DEMO_MODEL_NAME = "dspark-demo"
 
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost scheduler: the JSON that dspark profile writes (default: none; needed by cost)")
     parser.add_argument("--min-predicted-gain", type=float, default=0.04,
                         help="cost scheduler: trim verification only when predicted goodput beats the full block by this")
+    add_tree_arguments(parser)
     add_runtime_arguments(parser)
     for dest in ("allow_pickle", "quiet"):  # switches: the shared help shows no default for them
         _action(parser, dest).help += " (default: off)"
@@ -179,7 +180,8 @@ def _load(args: argparse.Namespace):
     config = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, scheduler=args.scheduler,
                           threshold=args.threshold, device=device, dtype=dtype, cost_table=args.cost_table,
                           min_predicted_gain=args.min_predicted_gain,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens, draft_top_k=args.draft_top_k,
+                          tree_budget=args.tree_budget)
     if args.engine_factory is not None:
         engine = _factory(args.engine_factory)(config)
         if not isinstance(engine, LLMEngine):

@@ -129,13 +129,14 @@ class LLM:
     writes, or an ``SPSCostTable``) and ``min_predicted_gain``. ``allow_pickle`` lets a target with
     only pickled weights load (reference engine; only for a trusted checkpoint). ``device`` /
     ``dtype``: where directories are loaded (default: the device of a model passed in, else
-    transformers' default).
+    transformers' default). ``draft_top_k`` > 1: tree mode (DDTree; batched, greedy only) with
+    ``tree_budget`` nodes per round (0: block size + 1), as ``EngineConfig``.
     """
 
     def __init__(self, target=None, draft=None, *, no_draft: bool = False, tokenizer=None, engine: str = "auto",
                  max_batch: int = 16, max_model_len: int | None = None, scheduler: str = "off", threshold: float = 0.0,
                  cost_table=None, min_predicted_gain: float = 0.04, allow_pickle: bool = False, device=None,
-                 dtype=None):
+                 dtype=None, draft_top_k: int = 1, tree_budget: int = 0):
         c = Checker("LLM")
         target, draft = _models(c, target, draft, no_draft)
         self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -147,12 +148,15 @@ class LLM:
         batched = engine == "batched" or engine == "auto" and (on_cuda or no_draft)
         if scheduler == "cost" and not batched:
             c.fail("scheduler='cost' needs engine='batched' (it schedules across the batch)")
+        if (draft_top_k != 1 or tree_budget) and not batched:
+            c.fail("tree mode (draft_top_k, tree_budget) needs engine='batched'")
         if batched:
             if allow_pickle:
                 c.fail("allow_pickle needs engine='reference' (the batched engine reads safetensors only)")
             config = EngineConfig(max_batch=c.integer("max_batch", max_batch, low=1), max_model_len=max_model_len,
                                   scheduler=scheduler, threshold=threshold, cost_table=cost_table,
-                                  min_predicted_gain=min_predicted_gain, device=device, dtype=dtype)
+                                  min_predicted_gain=min_predicted_gain, device=device, dtype=dtype,
+                                  draft_top_k=draft_top_k, tree_budget=tree_budget)
             self.decoder = LLMEngine(target, draft, config)
         else:
             self.decoder = SpeculativeDecoder.from_pretrained(target, draft, device=device, dtype=dtype,
