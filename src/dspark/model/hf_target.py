@@ -134,9 +134,12 @@ class HFTarget(CachedTarget):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
                 batch, cache: KVCache, *, capture_out: torch.Tensor | None = None,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | None = None, cache_positions: torch.Tensor | None = None) -> torch.Tensor:
         """``TargetLM.forward``'s contract: f32 logits ``[M, V]`` of ``logits_rows`` (all rows when
-        None); K/V into ``cache``; ``capture_out`` ``[N, m*H]`` the capture layers' inputs."""
+        None); K/V into ``cache``; ``capture_out`` ``[N, m*H]`` the capture layers' inputs. Tree
+        verification (``cache_positions``) is ``TargetLM``'s only."""
+        if cache_positions is not None:
+            raise ValueError("HFTarget does not verify token trees (cache_positions): tree mode needs a TargetLM")
         groups = [(0, input_ids.numel(), batch)] if isinstance(batch, AttentionBatch) else list(batch)
         token = _STEP.set(_Step(cache, positions.long(), token_slots.long(), groups))
         hooks = self._capture_hooks(capture_out)
