@@ -118,9 +118,9 @@ def test_greedy_tree_accept_walks_the_targets_argmax():
     accepted, nodes, n = K.greedy_tree_accept(target({0: 2, 2: 6}), tree)  # b, then no child: bonus 6
     assert n.tolist() == [2] and accepted[0, :2].tolist() == [2, 6] and nodes[0].tolist()[:1] == [2]
     accepted, nodes, n = K.greedy_tree_accept(target({0: 7}), tree)  # nothing accepted: the target's token
-    assert n.tolist() == [1] and accepted[0, 0] == 7 and nodes[0].tolist() == [-1] * 4
+    assert n.tolist() == [1] and accepted[0, 0] == 7 and nodes[0].tolist() == [-1] * 6
     accepted, _, n = K.greedy_tree_accept(target({0: 1, 1: 3, 3: 5, 5: 0}), tree)  # the deepest path + bonus
-    assert n.tolist() == [4] and accepted[0].tolist() == [1, 3, 5, 0]
+    assert n.tolist() == [4] and accepted[0, :4].tolist() == [1, 3, 5, 0]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -134,3 +134,63 @@ def test_bad_arguments_are_named(kwargs, message):
     args.update(kwargs)
     with pytest.raises((ValueError, TypeError), match=message):
         K.ddtree_build(torch.zeros(1, 3, 10), torch.tensor([0]), torch.tensor([0]), **args)
+
+
+def _heap_tree(logits, roots, k, size, conf=None, threshold=0.0, max_depths=None):
+    """The spec's best-first rules written directly (a heap of (-score, parent, slot, token)):
+    per row the (parent, depth, token) of each node after the root."""
+    import heapq
+
+    lp = torch.log_softmax(logits[:, 1:], -1)  # f32, as the builder's contract computes it
+    order = torch.sort(lp, dim=-1, descending=True, stable=True)
+    out = []
+    for b in range(logits.shape[0]):
+        bonus = [0.0] * lp.shape[1] if conf is None else [math.log(max(float(x), 1e-20)) for x in conf[b]]
+        limit = lp.shape[1]
+        if conf is not None and threshold > 0:
+            survival, limit = 0.0, 0
+            for x in bonus:
+                survival += x
+                limit += survival >= math.log(threshold)
+            limit = max(1, limit)
+        if max_depths is not None:
+            limit = min(limit, max(1, int(max_depths[b])))
+        nodes, frontier = [(-1, 0, int(roots[b]), 0.0)], []
+
+        def offer(i):
+            parent_depth, score = nodes[i][1], nodes[i][3]
+            if parent_depth + 1 > limit:
+                return
+            for slot in range(k):
+                token = int(order.indices[b, parent_depth, slot])
+                gain = float(order.values[b, parent_depth, slot]) + bonus[parent_depth]
+                heapq.heappush(frontier, (-(score + gain), i, slot, token, parent_depth + 1))
+
+        offer(0)
+        while frontier and len(nodes) < size:
+            neg, i, _, token, depth = heapq.heappop(frontier)
+            nodes.append((i, depth, token, -neg))
+            offer(len(nodes) - 1)
+        out.append([(p, d, t) for p, d, t, _ in nodes[1:]])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_batched_builder_equals_the_heap_rules_with_ties(seed):
+    """Integer logits (many exact ties), confidences, survival floors and per-row depth limits."""
+    g = torch.Generator().manual_seed(seed)
+    b, p, v = 4, 5, 9
+    k, size = [(2, 12), (3, 7), (8, 20), (1, 4)][seed % 4]
+    logits = torch.randint(-2, 3, (b, p + 1, v), generator=g).float()
+    conf = None if seed % 2 else torch.randint(1, 5, (b, p), generator=g).float() / 4
+    threshold = 0.3 if seed % 4 == 2 else 0.0
+    max_depths = torch.randint(1, p + 1, (b,), generator=g) if seed % 3 == 0 else None
+    roots = torch.arange(b)
+    tree = K.ddtree_build(logits, roots, torch.zeros(b, dtype=torch.long), candidate_top_k=k, verify_size=size,
+                          depth_confidence=conf, survival_threshold=threshold, max_depths=max_depths)
+    expected = _heap_tree(logits, roots, k, size, conf, threshold, max_depths)
+    for row in range(b):
+        n = int(tree.num_nodes[row])
+        got = list(zip(tree.parents[row, 1:n].tolist(), tree.depths[row, 1:n].tolist(), tree.tokens[row, 1:n].tolist()))
+        assert got == expected[row]
+        assert tree.parents[row, n:].tolist() == [-1] * (size - n)

@@ -103,10 +103,11 @@ def test_a_tree_accepts_more_per_round_than_the_chain_on_the_demo_pair():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tree_greedy_equals_plain_greedy(tmp_path):
-    """The Triton kernels' tree masks and node rows on the GPU (fp32)."""
+    """The Triton kernels' tree masks and node rows on the GPU (fp32), the rounds in CUDA graphs."""
     target = tiny_qwen3_target(max_position_embeddings=LIMIT).to("cuda")
     draft = load_draft(write_tiny_draft(target.cpu(), tmp_path / "d", format="speculators")).to("cuda")
     target.to("cuda")
     engine = LLMEngine(target, draft, EngineConfig(max_batch=3, draft_top_k=4, tree_budget=16))
     plain = engine.plain().generate([Request(p, NEW) for p in PROMPTS])
     assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == [r.token_ids for r in plain]
+    assert engine.runner.graphs and not engine.runner.uncapturable  # tree rounds replay CUDA graphs

@@ -115,8 +115,7 @@ class ModelRunner:
         self.cache = target.new_cache(max_batch + 1, line)
         self.draft = DraftRunner(drafter.model, max_batch + 1, line) if drafter else None
         self.buckets = batch_buckets(max_batch)
-        # tree rounds grow and walk their trees on the host: they run eagerly
-        self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True) and tree is None
+        self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
         self.pool = None
@@ -256,7 +255,7 @@ class ModelRunner:
             if self.drafter is None:
                 self._replay(("decode", b, 1, greedy), lambda: self._decode_rows(b, b, greedy))
                 continue
-            for k in range(1, self.verify_len + 1):  # k tokens per row: the graph of b * k flat tokens
+            for k in ([self.verify_len] if self.tree else range(1, self.verify_len + 1)):  # b * k flat tokens
                 lens.fill_(k)
                 self.state["verify_lens"][: self.max_batch].copy_(lens)
                 self._replay(("verify", b, b * k, greedy), lambda: self._verify_rows(b, b, b * k, greedy))
@@ -405,23 +404,23 @@ class ModelRunner:
         s, size = self.state, self.verify_len
         tree = K.TreeBatch(s["tree_tokens"][:b], s["tree_parents"][:b], s["tree_depths"][:b], None, None,
                            s["tree_nodes"][:b], None, None)
-        accepted, nodes, n = K.greedy_tree_accept(self.logit_rows[: b * size].view(b, size, -1), tree)
-        s["accepted"][:b].zero_()
-        s["accepted"][:b, : accepted.shape[1]] = accepted
+        accepted, nodes, n = K.greedy_tree_accept(self.logit_rows[: b * size].view(b, size, -1), tree,
+                                                  max_depth=self.num_drafts)
+        s["accepted"][:b] = accepted
         s["accept_length"][:b] = n
-        # path position i (0: the root) holds node index[:, i]; past the path nothing moves
-        index = self.offsets[:size].long().repeat(b, 1)
-        depth = nodes.shape[1] - 1  # the deepest node's depth: the path below the root
-        index[:, 1:depth + 1] = torch.where(nodes[:, :depth] >= 0, nodes[:, :depth].long(), index[:, 1:depth + 1])
-        moved = index != self.offsets[:size].long()
-        slots = s["slot_ids"][:b, None].expand(b, size)[moved].long()
+        # path position i (0: the root) holds node index[:, i] (i <= P); fixed shapes, so a graph holds it
+        width = min(size, self.num_drafts + 1)
+        keep = self.offsets[:width].long()
+        index = keep.repeat(b, 1)
+        index[:, 1:] = torch.where(nodes[:, :width - 1] >= 0, nodes[:, :width - 1].long(), index[:, 1:])
+        slots = s["slot_ids"][:b, None].expand(b, width).reshape(-1).long()
         base = s["anchor_pos"][:b, None].long()
-        src, dst = (base + index)[moved], (base + self.offsets[:size].long())[moved]
+        src, dst = (base + index).reshape(-1), (base + keep).reshape(-1)
         for cache in (self.cache.k, self.cache.v):
             cache[:, slots, dst] = cache[:, slots, src]
         for rows in (self.capture_rows, self.logit_rows):
             view = rows[: b * size].view(b, size, -1)
-            view.copy_(view.gather(1, index[..., None].expand(-1, -1, view.shape[-1])))
+            view[:, :width] = view.gather(1, index[..., None].expand(-1, -1, view.shape[-1]))
         self.readout[:b, size + 1] = s["tree_nodes"][:b] - 1
         self._advance(b, size)
 
@@ -463,11 +462,9 @@ class ModelRunner:
             uniforms = None
             if not sampling.greedy:
                 uniforms = K.request_uniforms(s["seeds"][index], s["anchor_pos"][index], K.PURPOSE_PROPOSAL, p)
-            stacked = self.stacked[index] if self.tree is not None else None
+            stacked = self.stacked[:b] if self.tree is not None else None  # greedy only: one group
             proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s["anchor"][index], sampling, uniforms,
                                                  stacked)
-            if stacked is not None:
-                self.stacked[index] = stacked
             s["draft_tokens"][index] = proposal.token_ids
             s["proposal_lengths"][index] = proposal.proposal_lengths
             if proposal.confidence is not None:

@@ -10,13 +10,13 @@ index, candidate slot and token ascending -- until ``verify_size`` nodes (the ro
 candidate is left; growth stops at the deepest depth whose prefix survival (the product of the
 confidences) is still at least ``survival_threshold`` (0: no limit), and is at least 1.
 
-So far one implementation serves both backends: PyTorch, best-first on the host (it reads each
-row's candidates back, a synchronisation); a Triton builder is for the engine's tree mode.
+One implementation serves both backends: PyTorch ops on the tensors' device, every row at once,
+without a host synchronisation (the engine captures them in its CUDA graphs); the growth takes one
+iteration per node and the walk one per depth.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -79,95 +79,97 @@ def ddtree_build(stacked_logits, root_tokens, base_lengths, *, candidate_top_k: 
     # per depth the top-k tokens (stable: the lower token first among equal logits) and log-softmax
     logprobs = torch.log_softmax(logits[:, 1:], dim=-1)
     order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    cand_tokens, cand_logprobs = order.indices[..., :k].tolist(), order.values[..., :k].double()
-    bonus = torch.zeros(batch, depth_max, dtype=torch.float64, device=device)
-    depth_limit = [depth_max] * batch
+    tokens, gains = order.indices[..., :k].to(torch.int32), order.values[..., :k].double()
+    limit = torch.full((batch,), depth_max, dtype=torch.int64, device=device)
     if conf is not None:
         log_conf = conf.double().clamp(min=CONFIDENCE_FLOOR).log()
-        bonus = log_conf
-        if threshold > 0:
-            reach = (log_conf.cumsum(-1) >= math.log(threshold)).sum(-1)  # prefix survival never rises
-            depth_limit = [max(1, r) for r in reach.tolist()]
+        gains = gains + log_conf[..., None]
+        if threshold > 0:  # prefix survival never rises: the depths that keep it above the floor, at least 1
+            limit = (log_conf.cumsum(-1) >= math.log(threshold)).sum(-1).clamp(min=1)
     if max_depths is not None:
-        limits = c.tensor("max_depths", max_depths, ndim=1, shape=[batch], device=device).tolist()
-        if min(limits, default=1) < 1:
-            c.fail(f"max_depths must be >= 1, got {min(limits)}")
-        depth_limit = [min(d, m) for d, m in zip(depth_limit, limits)]
-    scores_of = (cand_logprobs + bonus[..., None]).tolist()
-    out = [_grow(scores_of[b], cand_tokens[b], depth_limit[b], size) for b in range(batch)]
-    return _tree_batch(out, roots, base, size, device)
+        depths = c.tensor("max_depths", max_depths, ndim=1, shape=[batch], device=device)
+        limit = torch.minimum(limit, depths.long().clamp(min=1))
+    return _grow(tokens, gains, limit, roots, base, size)
 
 
-def _grow(scores: list, tokens: list, depth_limit: int, size: int):
-    """Best-first growth of one row: nodes as (parent, depth, slot, token, score), root first."""
-    nodes = [(-1, 0, 0, -1, 0.0)]
-    frontier: list = []
+def _grow(cand_tokens: torch.Tensor, gains: torch.Tensor, limit: torch.Tensor, roots: torch.Tensor,
+          base: torch.Tensor, size: int) -> TreeBatch:
+    """Best-first growth of every row at once, one node per iteration, on the tensors' device (no
+    host synchronisation: a CUDA graph can hold it). A candidate is (node, slot): the node's score
+    plus the slot's gain at the child depth; the best valid one -- the first in (node, slot) order
+    among equal scores, which is the spec's parent, slot, token order since slots rank tokens --
+    becomes the next node of its row; a row without a valid candidate stops growing."""
+    batch, _, k = gains.shape
+    device = gains.device
+    rows, ids = torch.arange(batch, device=device), torch.arange(size, device=device)
+    score = torch.full((batch, size), -math.inf, dtype=torch.float64, device=device)
+    score[:, 0] = 0.0
+    depth = torch.zeros(batch, size, dtype=torch.int64, device=device)
+    parent = torch.full((batch, size), -1, dtype=torch.int64, device=device)
+    token = roots.to(torch.int32)[:, None].repeat(1, size)
+    bits = (torch.ones(size, dtype=torch.int64, device=device) << ids).repeat(batch, 1)  # int64 ancestor masks
+    taken = torch.zeros(batch, size * k, dtype=torch.bool, device=device)
+    count = torch.ones(batch, dtype=torch.int64, device=device)
+    last_depth = gains.shape[1] - 1
+    for n in range(1, size):
+        open_ = (ids[None, :] < count[:, None]) & (depth < limit[:, None])
+        gain = gains[rows[:, None], depth.clamp(max=last_depth)]  # [B, S, K]: a node's children's gains
+        candidate = (score[..., None] + gain).view(batch, size * k)
+        valid = open_[..., None].expand(batch, size, k).reshape(batch, size * k) & ~taken
+        best = torch.where(valid, candidate, -math.inf).argmax(-1)  # the first of the highest
+        best = torch.where(valid.gather(1, best[:, None])[:, 0], best, valid.int().argmax(-1))  # all -inf
+        grows = valid.any(-1)
+        node, slot = best // k, best % k
+        node_depth = depth.gather(1, node[:, None])[:, 0]
+        score[:, n] = torch.where(grows, candidate.gather(1, best[:, None])[:, 0], score[:, n])
+        depth[:, n] = torch.where(grows, node_depth + 1, depth[:, n])
+        parent[:, n] = torch.where(grows, node, parent[:, n])
+        token[:, n] = torch.where(grows, cand_tokens[rows, node_depth.clamp(max=last_depth), slot], token[:, n])
+        bits[:, n] = torch.where(grows, bits.gather(1, node[:, None])[:, 0] | bits[:, n], bits[:, n])
+        taken.scatter_(1, best[:, None], taken.gather(1, best[:, None]) | grows[:, None])
+        count += grows.long()
+    ancestors = ((bits[..., None] >> ids) & 1).bool()  # [b, i, j]: bit j of node i
+    base32 = base.to(torch.int32)
+    return TreeBatch(token, parent.to(torch.int32), depth.to(torch.int32), ancestors,
+                     base32[:, None] + depth.to(torch.int32), count.to(torch.int32), base32 + size,
+                     torch.where(ids[None, :] < count[:, None], score, 0.0).float())
 
-    def offer(parent: int):
-        score, depth = nodes[parent][4], nodes[parent][1] + 1
-        if depth > depth_limit:
-            return
-        for slot, (token, gain) in enumerate(zip(tokens[depth - 1], scores[depth - 1])):
-            heapq.heappush(frontier, (-(score + gain), parent, slot, token, depth))
 
-    offer(0)
-    while frontier and len(nodes) < size:
-        neg, parent, slot, token, depth = heapq.heappop(frontier)
-        nodes.append((parent, depth, slot, token, -neg))
-        offer(len(nodes) - 1)
-    return nodes
-
-
-def _tree_batch(rows: list, roots: torch.Tensor, base: torch.Tensor, size: int, device) -> TreeBatch:
-    batch = len(rows)
-    tokens = roots.to(torch.int32)[:, None].repeat(1, size).cpu()
-    parents = torch.full((batch, size), -1, dtype=torch.int32)
-    depths = torch.zeros(batch, size, dtype=torch.int32)
-    scores = torch.zeros(batch, size, dtype=torch.float32)
-    ancestors = torch.eye(size, dtype=torch.bool).repeat(batch, 1, 1)
-    for b, nodes in enumerate(rows):
-        for i, (parent, depth, _, token, score) in enumerate(nodes[1:], start=1):
-            tokens[b, i], parents[b, i], depths[b, i], scores[b, i] = token, parent, depth, score
-            ancestors[b, i] |= ancestors[b, parent]
-    num_nodes = torch.tensor([len(n) for n in rows], dtype=torch.int32)
-    base32 = base.to(torch.int32).cpu()
-    return TreeBatch(tokens.to(device), parents.to(device), depths.to(device), ancestors.to(device),
-                     (base32[:, None] + depths).to(device), num_nodes.to(device), (base32 + size).to(device),
-                     scores.to(device))
-
-
-def greedy_tree_accept(target_logits, tree: TreeBatch):
+def greedy_tree_accept(target_logits, tree: TreeBatch, *, max_depth: int | None = None):
     """The longest root path whose every node is the target's argmax at its parent.
 
     ``target_logits`` f32 ``[B, S, V]``: the target's logits at each node (row i predicts node i's
-    child). Returns ``(accepted int32 [B, D+1], accepted_nodes int32 [B, D+1], accept_length int32
-    [B])`` with D the deepest node: row b emits ``accepted[b, :accept_length[b]]`` -- the accepted
-    nodes' tokens, then the target's token after the last one -- and ``accepted_nodes[b, :n-1]``
-    are those nodes' indices (root excluded; the rest -1), whose KV and hidden states stay.
+    child). Returns ``(accepted int32 [B, S], accepted_nodes int32 [B, S], accept_length int32
+    [B])``: row b emits ``accepted[b, :accept_length[b]]`` -- the accepted nodes' tokens, then the
+    target's token after the last one -- and ``accepted_nodes[b, :n-1]`` are those nodes' indices
+    (root excluded; the rest -1), whose KV and hidden states stay. ``max_depth`` (default ``S - 1``)
+    bounds the walk (the trees' deepest depth). On the tensors' device, without host
+    synchronisation; the lowest index wins among siblings with one token.
     """
     c = Checker("greedy_tree_accept")
     logits = c.tensor("target_logits", target_logits, dtype=torch.float32, ndim=3)
     batch, size = tree.tokens.shape
     if tuple(logits.shape[:2]) != (batch, size):
         c.fail(f"target_logits must have shape [{batch}, {size}, V] like the tree, got {list(logits.shape)}")
-    best = logits.argmax(-1).tolist()
-    tokens, parents, count = tree.tokens.tolist(), tree.parents.tolist(), tree.num_nodes.tolist()
-    depth = max(1, int(tree.depths.max()) + 1) if size else 1
-    accepted = torch.zeros(batch, depth, dtype=torch.int32)
-    nodes = torch.full((batch, depth), -1, dtype=torch.int32)
-    lengths = torch.zeros(batch, dtype=torch.int32)
-    for b in range(batch):
-        children: dict[int, dict[int, int]] = {}
-        for i in range(1, count[b]):
-            children.setdefault(parents[b][i], {}).setdefault(tokens[b][i], i)
-        node, path = 0, []
-        while (nxt := children.get(node, {}).get(best[b][node])) is not None:
-            path.append(nxt)
-            node = nxt
-        emitted = [tokens[b][i] for i in path] + [best[b][node]]
-        accepted[b, :len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
-        if path:
-            nodes[b, :len(path)] = torch.tensor(path, dtype=torch.int32)
-        lengths[b] = len(emitted)
+    steps = size - 1 if max_depth is None else min(c.integer("max_depth", max_depth, low=0), size - 1)
     device = logits.device
-    return accepted.to(device), nodes.to(device), lengths.to(device)
+    best = logits.argmax(-1).to(torch.int32)  # [B, S]: the target's token after each node
+    ids = torch.arange(size, device=device)
+    child_of = (ids[None, :] >= 1) & (ids[None, :] < tree.num_nodes.to(device)[:, None])
+    tokens, parents = tree.tokens.to(device), tree.parents.to(device).long()
+    node = torch.zeros(batch, dtype=torch.int64, device=device)
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    accepted = torch.zeros(batch, size, dtype=torch.int32, device=device)
+    nodes = torch.full((batch, size), -1, dtype=torch.int32, device=device)
+    length = torch.zeros(batch, dtype=torch.int64, device=device)
+    for step in range(steps):
+        want = best.gather(1, node[:, None])
+        match = child_of & (parents == node[:, None]) & (tokens == want)
+        walking = walking & match.any(-1)
+        child = match.int().argmax(-1)  # the first matching sibling
+        accepted[:, step] = torch.where(walking, tokens.gather(1, child[:, None])[:, 0], accepted[:, step])
+        nodes[:, step] = torch.where(walking, child.to(torch.int32), nodes[:, step])
+        node = torch.where(walking, child, node)
+        length += walking.long()
+    accepted.scatter_(1, length[:, None], best.gather(1, node[:, None]))
+    return accepted, nodes, (length + 1).to(torch.int32)
