@@ -194,3 +194,36 @@ def test_the_batched_builder_equals_the_heap_rules_with_ties(seed):
         got = list(zip(tree.parents[row, 1:n].tolist(), tree.depths[row, 1:n].tolist(), tree.tokens[row, 1:n].tolist()))
         assert got == expected[row]
         assert tree.parents[row, n:].tolist() == [-1] * (size - n)
+
+
+def test_sampled_tree_accept_emits_the_targets_distribution_at_every_node():
+    """testing.md §5: the first token follows the target at the root; given it is a child's token,
+    the walk is at that child and the next token follows the target there; any other first token
+    ends the round. One tree, 8 x draws_for(V) independent walks of it."""
+    from statistics_cases import assert_distribution, draws_for
+
+    g = torch.Generator().manual_seed(0)
+    v, p, k, size = 8, 4, 3, 10
+    target_logits = torch.randn(size, v, generator=g) * 1.5
+    draft = torch.cat([torch.zeros(1, 1, v), target_logits[None, 1:p + 1] + 0.3 * torch.randn(1, p, v, generator=g)], 1)
+    draft[0, 1] = target_logits[0]  # depth 1 guesses the root's distribution, so its children carry mass
+    tree = K.ddtree_build(draft, torch.tensor([5]), torch.tensor([0]), candidate_top_k=k, verify_size=size)
+    n = 8 * draws_for(v)
+    batch = K.TreeBatch(*(t.expand(n, *t.shape[1:]) for t in (tree.tokens, tree.parents, tree.depths)), None, None,
+                        tree.num_nodes.expand(n), None, None)
+    probs = torch.softmax(target_logits, -1)
+    uniforms = torch.rand(n, p + 1, k + 1, generator=g)
+    accepted, nodes, length = K.sampled_tree_accept(probs[None].expand(n, size, v), batch, uniforms, max_depth=p)
+    assert_distribution(accepted[:, 0], probs[0], "first token (root)")
+    parents, tokens = tree.parents[0].tolist(), tree.tokens[0].tolist()
+    children = [i for i in range(1, int(tree.num_nodes[0])) if parents[i] == 0]
+    checked = 0
+    for child in children:
+        rows = accepted[:, 0] == tokens[child]
+        assert bool((nodes[rows, 0] == child).all()) and bool((length[rows] >= 2).all())
+        if int(rows.sum()) >= draws_for(v):
+            assert_distribution(accepted[rows, 1], probs[child], f"token after child {child}")
+            checked += 1
+    assert checked >= 1
+    off_tree = ~torch.isin(accepted[:, 0], torch.tensor([tokens[c] for c in children]))
+    assert bool((length[off_tree] == 1).all()) and bool((nodes[off_tree, 0] == -1).all())

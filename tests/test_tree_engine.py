@@ -66,11 +66,7 @@ def test_tree_runs_to_exactly_the_context_limit(target, tmp_path):
     assert [r.finish_reason for r in results] == ["length", "length"]
 
 
-def test_tree_mode_refuses_what_it_cannot_do(target, tmp_path):
-    draft = load_draft(write_tiny_draft(target, tmp_path / "d", format="speculators"))
-    engine = LLMEngine(target, draft, EngineConfig(max_batch=2, draft_top_k=2))
-    with pytest.raises(ValueError, match="tree mode \\(draft_top_k 2\\) decodes greedily only"):
-        engine.add_request(Request(PROMPTS[0], 4, SamplingParams(temperature=0.8, seed=1)))
+def test_tree_mode_refuses_what_it_cannot_do(target):
     for bad, match in ((dict(draft_top_k=9), r"draft_top_k must be in \[1, 8\], got 9"),
                        (dict(tree_budget=65), r"tree_budget must be in \[0, 64\], got 65"),
                        (dict(tree_budget=1), "tree_budget must be 0 .* or in \\[2, 64\\], got 1"),
@@ -111,3 +107,20 @@ def test_cuda_tree_greedy_equals_plain_greedy(tmp_path):
     plain = engine.plain().generate([Request(p, NEW) for p in PROMPTS])
     assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == [r.token_ids for r in plain]
     assert engine.runner.graphs and not engine.runner.uncapturable  # tree rounds replay CUDA graphs
+
+
+def test_sampled_requests_in_tree_mode_are_request_stable(target, greedy, tmp_path):
+    """Sampled rows walk their trees with request-stable uniforms (seed, anchor position): the same
+    tokens alone and in a batch with greedy and other sampled rows, and the greedy rows beside them
+    still equal plain greedy decoding. (That each emitted token follows the target is
+    ``test_tree.test_sampled_tree_accept_emits_the_targets_distribution_at_every_node``.)"""
+    draft = load_draft(write_tiny_draft(target, tmp_path / "d", format="speculators"))
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=4, draft_top_k=3, tree_budget=10))
+    hot = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    alone = engine.generate([Request(PROMPTS[2], NEW, hot)])[0]
+    mixed = engine.generate([Request(PROMPTS[1], NEW, SamplingParams(temperature=1.0, top_k=5, seed=3)),
+                             Request(PROMPTS[2], NEW, hot), Request(PROMPTS[0], NEW)])
+    assert mixed[1].token_ids == alone.token_ids and mixed[2].token_ids == greedy[0]
+    assert alone.stats.rounds and len(alone.token_ids) == NEW
+    other = engine.generate([Request(PROMPTS[2], NEW, SamplingParams(temperature=0.9, top_p=0.9, seed=12))])[0]
+    assert other.token_ids != alone.token_ids

@@ -189,8 +189,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-top-k", type=int, default=1,
-                        help="candidates per depth; > 1: tree mode (DDTree: a token tree verified per round, greedy "
-                             "only, batched engine), 1: the chain")
+                        help="candidates per depth; > 1: tree mode (DDTree: a token tree verified per round, greedy or "
+                             "sampled, batched engine), 1: the chain")
     parser.add_argument("--tree-budget", type=int, default=0,
                         help="tree mode: nodes verified per round, the root included (2..64; 0: block size + 1); "
                              "--threshold with --scheduler threshold / sps is the survival floor of its depth")

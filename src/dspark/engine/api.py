@@ -129,7 +129,7 @@ class LLM:
     writes, or an ``SPSCostTable``) and ``min_predicted_gain``. ``allow_pickle`` lets a target with
     only pickled weights load (reference engine; only for a trusted checkpoint). ``device`` /
     ``dtype``: where directories are loaded (default: the device of a model passed in, else
-    transformers' default). ``draft_top_k`` > 1: tree mode (DDTree; batched, greedy only) with
+    transformers' default). ``draft_top_k`` > 1: tree mode (DDTree; batched engine) with
     ``tree_budget`` nodes per round (0: block size + 1), as ``EngineConfig``.
     """
 

@@ -58,7 +58,8 @@ class EngineConfig:
     verify length, so that every running row always fits); ``oracle_acceptance`` /
     ``oracle_replay`` (benchmarks only: drafts come from ``Request.oracle_ids``, each kept with this
     probability, or as many kept per round as ``Request.oracle_trace`` replays, its confidences too);
-    ``draft_top_k`` > 1: tree mode (DDTree, greedy only): each round verifies a token tree grown from
+    ``draft_top_k`` > 1: tree mode (DDTree; greedy requests walk the target's argmax, sampled ones
+    are verified losslessly by ``K.sampled_tree_accept``): each round verifies a token tree grown from
     that many drafter candidates per depth, ``tree_budget`` nodes per row with the root (default:
     block size + 1, as TensorRT-Edge-LLM), no deeper than ``threshold`` (the survival floor) allows
     under the threshold / sps schedulers, whose confidences also bias the tree's scores."""
@@ -213,10 +214,6 @@ class LLMEngine:
             c.fail(f"the prompt has {len(ids)} tokens; the context limit (max_model_len) is {self.max_model_len}, "
                    "which must leave room for at least one new token")
         self._check_oracle(c, request)
-        if self.runner.tree is not None and not request.sampling.greedy:
-            c.fail(f"tree mode (draft_top_k {self.config.draft_top_k}) decodes greedily only, as TensorRT-Edge-LLM; "
-                   f"this request samples (temperature {request.sampling.temperature}, top_k "
-                   f"{request.sampling.top_k}): use temperature 0, or chain mode (draft_top_k 1)")
         bad = next((i for i in request.stop_ids if i >= vocab), None)
         if bad is not None:
             c.fail(f"stop_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")

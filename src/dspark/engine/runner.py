@@ -149,6 +149,7 @@ class ModelRunner:
             self.state["tree_bits"] = (1 << torch.arange(size, device=dev)).repeat(r, 1)  # int64 ancestor masks
             self.state["tree_nodes"] = torch.ones(r, **i32)
             self.stacked = torch.zeros(b, p + 1, target.vocab_size, device=dev)  # the drafter's depth rows
+            self.tree_nodes_accepted = torch.full((b, size), -1, **i32)  # the last walk's path
         # benchmark drafts, per cache slot (staged once per request, read by slot: nothing moves with rows)
         self.oracle: dict[str, torch.Tensor] = {}
         if oracle_acceptance is not None or oracle_replay:
@@ -387,7 +388,7 @@ class ModelRunner:
         self.capture_rows.index_copy_(0, flat, capture)
         self.logit_rows.index_copy_(0, flat, logits)
         if self.tree is not None:
-            self._tree_commit(b)
+            self._tree_commit(b, rows, mode)
             return
         verified = s["verify_lens"][:b] - 1
         padded = self.logit_rows[: b * t].view(b, t, -1)
@@ -398,16 +399,28 @@ class ModelRunner:
         self.readout[:b, t + 1] = verified
         self._advance(b, t)
 
-    def _tree_commit(self, b: int) -> None:
-        """Greedy tree acceptance (the longest root path the target's argmax follows), then the
-        accepted path's K/V, captures and logits moved to consecutive positions, and advance."""
-        s, size = self.state, self.verify_len
-        tree = K.TreeBatch(s["tree_tokens"][:b], s["tree_parents"][:b], s["tree_depths"][:b], None, None,
-                           s["tree_nodes"][:b], None, None)
-        accepted, nodes, n = K.greedy_tree_accept(self.logit_rows[: b * size].view(b, size, -1), tree,
-                                                  max_depth=self.num_drafts)
-        s["accepted"][:b] = accepted
-        s["accept_length"][:b] = n
+    def _tree_commit(self, b: int, rows: int, mode) -> None:
+        """Tree acceptance -- greedy (the longest root path the target's argmax follows) or sampled
+        (``K.sampled_tree_accept``: lossless, keyed by seed and anchor position) by each row's
+        setting -- then the accepted path's K/V, captures and logits moved to consecutive
+        positions, and advance."""
+        s, size, p = self.state, self.verify_len, self.num_drafts
+        logits = self.logit_rows[: b * size].view(b, size, -1)
+        for index, sampling in self._groups(b, rows, mode):
+            tree = K.TreeBatch(s["tree_tokens"][index], s["tree_parents"][index], s["tree_depths"][index], None, None,
+                               s["tree_nodes"][index], None, None)
+            if sampling.greedy:
+                accepted, nodes, n = K.greedy_tree_accept(logits[index], tree, max_depth=p)
+            else:
+                count = tree.tokens.shape[0]
+                probs = sampling.probabilities(logits[index].reshape(count * size, -1), self.workspace)
+                uniforms = K.request_uniforms(s["seeds"][index], s["anchor_pos"][index], K.PURPOSE_TREE,
+                                              (p + 1) * (self.tree.top_k + 1)).view(count, p + 1, self.tree.top_k + 1)
+                accepted, nodes, n = K.sampled_tree_accept(probs.view(count, size, -1), tree, uniforms, max_depth=p)
+            s["accepted"][index] = accepted
+            s["accept_length"][index] = n
+            self.tree_nodes_accepted[index] = nodes
+        nodes = self.tree_nodes_accepted[:b]
         # path position i (0: the root) holds node index[:, i] (i <= P); fixed shapes, so a graph holds it
         width = min(size, self.num_drafts + 1)
         keep = self.offsets[:width].long()
@@ -457,12 +470,14 @@ class ModelRunner:
         hidden = self.draft.block(s["anchor"][:b], s["anchor_pos"][:b], s["slot_ids"][:b])
         logits = self.drafter.model.backbone_logits(hidden)
         n = self.drafter.block_size
-        for index, sampling in self._groups(b, rows, mode):
+        # a tree grows from the greedy chain's depth rows whatever the rows' settings
+        groups = [(slice(0, b), SamplingParams())] if self.tree is not None else self._groups(b, rows, mode)
+        for index, sampling in groups:
             rows_of = (lambda x: x.view(b, n, -1)[index].reshape(-1, x.shape[-1]))
             uniforms = None
             if not sampling.greedy:
                 uniforms = K.request_uniforms(s["seeds"][index], s["anchor_pos"][index], K.PURPOSE_PROPOSAL, p)
-            stacked = self.stacked[:b] if self.tree is not None else None  # greedy only: one group
+            stacked = self.stacked[:b] if self.tree is not None else None  # one group
             proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s["anchor"][index], sampling, uniforms,
                                                  stacked)
             s["draft_tokens"][index] = proposal.token_ids
@@ -502,8 +517,8 @@ class ModelRunner:
         tokens, chunk bucket, sampling) when the rows share one setting and so do the seated
         requests, else the same functions eagerly. Raises ``ForwardFailed`` when the forward raised
         (no row state changed yet)."""
-        if self.drafter is not None and any(not c.sampling.greedy for c in chunks):
-            self._ensure_probabilities()
+        if self.drafter is not None and self.tree is None and any(not c.sampling.greedy for c in chunks):
+            self._ensure_probabilities()  # sampled chain drafts keep the distributions they came from
         joined = [c for c in chunks if c.row >= 0]
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)

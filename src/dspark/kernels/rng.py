@@ -21,13 +21,14 @@ from ._backend import implementation
 from ._validate import Checker
 
 __all__ = ["request_uniforms", "PURPOSE_TARGET_SAMPLE", "PURPOSE_PROPOSAL", "PURPOSE_ACCEPT",
-           "PURPOSE_RESIDUAL", "PURPOSE_BONUS"]
+           "PURPOSE_RESIDUAL", "PURPOSE_BONUS", "PURPOSE_TREE"]
 
 PURPOSE_TARGET_SAMPLE = 0xD6E8FEB86659FD93
 PURPOSE_PROPOSAL = 0xA0761D6478BD642F
 PURPOSE_ACCEPT = 0xE7037ED1A0B428DB
 PURPOSE_RESIDUAL = 0x8EBC6AF09C88C6E3
 PURPOSE_BONUS = 0x589965CC75374CC3
+PURPOSE_TREE = 0x1D8E4E27C47D124F  # sampled tree verification: the sibling tests and the residual draws
 
 
 def request_uniforms(seeds, positions, purpose: int, count: int, *, first_lane: int = 0, out=None):

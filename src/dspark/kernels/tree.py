@@ -24,7 +24,7 @@ import torch
 
 from ._validate import Checker
 
-__all__ = ["TreeBatch", "ddtree_build", "greedy_tree_accept", "MAX_TREE_TOP_K"]
+__all__ = ["TreeBatch", "ddtree_build", "greedy_tree_accept", "sampled_tree_accept", "MAX_TREE_TOP_K"]
 
 MAX_TREE_TOP_K = 8  # candidates per depth (TensorRT-Edge-LLM's bound)
 CONFIDENCE_FLOOR = 1e-20  # log(max(conf, floor)): a zero confidence still orders
@@ -172,4 +172,77 @@ def greedy_tree_accept(target_logits, tree: TreeBatch, *, max_depth: int | None 
         node = torch.where(walking, child, node)
         length += walking.long()
     accepted.scatter_(1, length[:, None], best.gather(1, node[:, None]))
+    return accepted, nodes, (length + 1).to(torch.int32)
+
+
+def sampled_tree_accept(target_probs, tree: TreeBatch, uniforms, *, max_depth: int | None = None):
+    """Lossless sampled tree verification (a dspark addition; TensorRT-Edge-LLM refuses sampling in
+    tree mode): each emitted token is distributed exactly as the target's at its node.
+
+    From the root, a node's children are tested in index order (their rank among the drafter's
+    candidates): child ``c`` is accepted with probability ``p'(c)``, where ``p'`` is the target's
+    distribution at the node with the children already rejected removed and renormalised. An
+    accepted child's token is emitted and the walk goes on from it; when every child is rejected,
+    one token is drawn from the last ``p'`` and the walk ends; at a leaf (or ``max_depth``) the
+    token after it is drawn from the target's distribution there. Testing fixed candidates this way
+    is sampling from ``p`` one outcome at a time: ``P(c_i) = p(c_i)``, and ``P(x) = p(x)`` for a
+    token outside the candidates.
+
+    ``target_probs`` f32 ``[B, S, V]`` (the target's probabilities after temperature / top-k / top-p
+    at each node); ``uniforms`` f32 ``[B, D + 1, K + 1]`` with ``D = max_depth`` (default ``S - 1``):
+    row ``d`` holds depth ``d``'s sibling tests (``[:, d, :K]``, K >= the most children of a node)
+    and its draw (``[:, d, K]``). Returns what ``greedy_tree_accept`` returns. On the tensors'
+    device, without host synchronisation.
+    """
+    c = Checker("sampled_tree_accept")
+    probs = c.tensor("target_probs", target_probs, dtype=torch.float32, ndim=3)
+    batch, size = tree.tokens.shape
+    if tuple(probs.shape[:2]) != (batch, size):
+        c.fail(f"target_probs must have shape [{batch}, {size}, V] like the tree, got {list(probs.shape)}")
+    steps = size - 1 if max_depth is None else min(c.integer("max_depth", max_depth, low=0), size - 1)
+    u = c.tensor("uniforms", uniforms, dtype=torch.float32, ndim=3, device=probs.device)
+    if u.shape[0] != batch or u.shape[1] < steps + 1 or u.shape[2] < 2:
+        c.fail(f"uniforms must have shape [{batch}, >= {steps + 1}, K + 1 >= 2], got {list(u.shape)}")
+    k, device, vocab = u.shape[2] - 1, probs.device, probs.shape[2]
+    rows, ids = torch.arange(batch, device=device), torch.arange(size, device=device)
+    child_of = (ids[None, :] >= 1) & (ids[None, :] < tree.num_nodes.to(device)[:, None])
+    tokens, parents = tree.tokens.to(device).long(), tree.parents.to(device).long()
+    node = torch.zeros(batch, dtype=torch.int64, device=device)
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    accepted = torch.zeros(batch, size, dtype=torch.int32, device=device)
+    nodes = torch.full((batch, size), -1, dtype=torch.int32, device=device)
+    length = torch.zeros(batch, dtype=torch.int64, device=device)
+    final = torch.zeros(batch, dtype=torch.int64, device=device)
+    for step in range(steps + 1):
+        p = probs[rows, node].double()  # [B, V]: the target at the current node
+        siblings = child_of & (parents == node[:, None]) if step < steps else torch.zeros_like(child_of)
+        order = torch.where(siblings, ids[None, :], size).sort(-1).values[:, :k]  # the children, in index order
+        remaining = torch.ones(batch, dtype=torch.float64, device=device)
+        excluded = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        chosen = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        for j in range(order.shape[1]):
+            child = order[:, j]
+            present = (child < size) & (chosen < 0)
+            token = tokens.gather(1, child.clamp(max=size - 1)[:, None])[:, 0]
+            mass = p.gather(1, token[:, None])[:, 0]
+            take = present & (u[:, step, j].double() * remaining < mass)
+            chosen = torch.where(take, child, chosen)
+            rejected = present & ~take
+            remaining = torch.where(rejected, remaining - mass, remaining)
+            excluded[rows, token] |= rejected
+        moves = walking & (chosen >= 0)
+        stops = walking & ~moves
+        residual = torch.where(excluded, 0.0, p)
+        cdf = residual.cumsum(-1)
+        threshold = u[:, step, k].double() * cdf[:, -1]
+        drawn = torch.searchsorted(cdf, threshold[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+        drawn = torch.where(cdf[:, -1] > 0, drawn, p.argmax(-1))  # no mass left (rounding): the likeliest
+        final = torch.where(stops, drawn, final)
+        accepted[:, min(step, size - 1)] = torch.where(moves, tokens.gather(1, chosen.clamp(min=0)[:, None])[:, 0].int(),
+                                                       accepted[:, min(step, size - 1)])
+        nodes[:, min(step, size - 1)] = torch.where(moves, chosen.int(), nodes[:, min(step, size - 1)])
+        node = torch.where(moves, chosen, node)
+        length += moves.long()
+        walking = moves
+    accepted.scatter_(1, length.clamp(max=size - 1)[:, None], final[:, None].int())
     return accepted, nodes, (length + 1).to(torch.int32)
