@@ -124,3 +124,23 @@ def test_sampled_requests_in_tree_mode_are_request_stable(target, greedy, tmp_pa
     assert alone.stats.rounds and len(alone.token_ids) == NEW
     other = engine.generate([Request(PROMPTS[2], NEW, SamplingParams(temperature=0.9, top_p=0.9, seed=12))])[0]
     assert other.token_ids != alone.token_ids
+
+
+def test_the_tree_benchmark_runs_on_the_cpu(tmp_path):
+    """``python -m dspark.bench.tree``: the demo pair's τ grid and the round-time mode (a tiny shape)."""
+    import json
+
+    from dspark.bench import tree as bench
+
+    assert bench.main(["--out", str(tmp_path / "tau"), "--limit", "2", "--max-new-tokens", "12", "--budgets", "6",
+                       "--top-k", "2"]) == 0
+    report = json.loads((tmp_path / "tau" / "tree.json").read_text())
+    assert [r["mode"] for r in report["rows"]] == ["chain", "tree"] and all(r["identical"] == 2 for r in report["rows"])
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, tie_word_embeddings=False, capture=[1])
+    assert bench.main(["--out", str(tmp_path / "rt"), "--round-times", "--device", "cpu", "--vocab", "64",
+                       "--shape", json.dumps(shape), "--batches", "2", "--budgets", "6", "--max-new-tokens", "8",
+                       "--tau-from", str(tmp_path / "tau" / "tree.json"), "--round-top-k", "2"]) == 0
+    rows = json.loads((tmp_path / "rt" / "round-times.json").read_text())["rows"]
+    assert [(r["mode"], r["budget"]) for r in rows] == [("chain", None), ("tree", 6)]
+    assert all(r["step_ms"] > 0 and "est_speed_over_chain" in r for r in rows)
