@@ -352,7 +352,9 @@ def test_ctrl_c_prints_partial_statistics_and_exits_130(tmp_path):
     draft = write_tiny_draft(target, tmp_path / "draft", format="speculators")
     command = [sys.executable, "-m", "dspark", "generate", "--target", str(tmp_path / "target"), "--draft", str(draft),
                "--prompt-ids", "1,2,3", "--max-new-tokens", "1000000", "--ignore-eos", "--device", "cpu", "--quiet"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    # a shell's background job inherits SIGINT ignored (then Python installs no handler): restore it
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert process.stdout.read(12)  # "[1 2 3] " and the first generated ids: generation is running
         process.send_signal(signal.SIGINT)
