@@ -137,3 +137,23 @@ def test_appendix_a_retrospective_scheduler_is_not():
     p_value, tv, p_a = _fit(_first_emitted_token(_retrospective_schedule))
     assert p_a == pytest.approx(0.85, abs=0.01)  # the paper's distorted (0.85, 0.15)
     assert p_value < 1e-3 and tv > 0.1
+
+
+def test_batch_schedule_keeps_a_trim_only_when_it_pays():
+    """The engine's cost scheduler: Algorithm 1, at least one draft per row, and TensorRT-LLM's rule --
+    a trimmed schedule only when its predicted goodput beats verifying every draft by the margin."""
+    import numpy as np
+
+    from dspark.engine import batch_schedule
+
+    conf = np.array([[0.9, 0.9, 0.1], [0.5, 0.05, 0.5]])
+    steep = SPSCostTable((1, 2, 8), (1.0, 1.0, 100.0))  # every extra verify token costs a lot
+    assert batch_schedule(conf, steep, 0.04) == prefix_schedule_lengths(conf, steep)
+    flat = SPSCostTable((1, 8), (10.0, 10.0))  # verifying more is free: every draft
+    assert batch_schedule(conf, flat, 0.04) == [3, 3]
+    # a schedule that admits nothing for a row still verifies one draft there
+    assert min(batch_schedule(np.array([[0.99, 0.99, 0.99], [0.01, 0.01, 0.01]]), steep, 0.0)) == 1
+
+
+def prefix_schedule_lengths(conf, table):
+    return [max(1, n) for n in prefix_schedule(torch.tensor(conf), table)]

@@ -16,7 +16,7 @@ from .decoder import (FINISH_REASONS, GenerationInterrupted, GenerationResult, R
 from .drafting import SCHEDULERS, Drafter, Proposal, SamplingParams
 from .llm_engine import EngineConfig, LLMEngine, RequestResult
 from .request import Request, RequestOutput
-from .schedulers import SPSCostTable, prefix_schedule, prefix_survival
+from .schedulers import SPSCostTable, batch_schedule, prefix_schedule, prefix_survival
 from .stats import GenerationStats
 from .text import TextOutput, TextStream
 from .target import (TargetModel, TargetOutput, check_target_directory, eos_token_ids, load_target_model,
@@ -28,7 +28,7 @@ __all__ = [
     "autoregressive_generate", "generate_requests",
     "SCHEDULERS", "Drafter", "Proposal", "SamplingParams",
     "EngineConfig", "LLMEngine", "RequestResult", "Request", "RequestOutput",
-    "SPSCostTable", "prefix_schedule", "prefix_survival",
+    "SPSCostTable", "batch_schedule", "prefix_schedule", "prefix_survival",
     "GenerationStats",
     "TargetModel", "TargetOutput", "check_target_directory", "eos_token_ids", "load_target_model", "resolve_device",
 ]

@@ -30,7 +30,7 @@ from ..kernels.tree import MAX_TREE_TOP_K
 from ..model.hf_target import HFTarget
 from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
 from .drafting import SCHEDULERS, Drafter
-from .schedulers import SPSCostTable, prefix_schedule
+from .schedulers import SPSCostTable, batch_schedule
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk, TreeSettings
 
@@ -385,22 +385,9 @@ class LLMEngine:
 
     def _cost_schedule(self) -> list[int]:
         """The paper's Algorithm 1 across the batch on the rows' (STS-calibrated) confidences and the
-        profiled cost table; at least one draft per row (the accept kernels verify >= 1). A trimmed
-        schedule is kept only when its predicted goodput beats verifying every draft by
-        ``min_predicted_gain`` (TensorRT-LLM's rule)."""
-        p, table = self.num_drafts, self.cost_table
-        confidence = torch.stack([seq.confidence for seq in self.running])
-        lengths = np.maximum(prefix_schedule(confidence, table), 1)
-        # expected tokens of a schedule: each row's bonus plus the survivals of its verified prefix
-        kept = np.cumsum(np.cumprod(confidence.numpy().astype(np.float64), axis=-1), axis=-1)
-        kept = np.concatenate([np.zeros((len(lengths), 1)), kept], axis=1)
-
-        def goodput(ls):
-            expected = len(ls) + np.take_along_axis(kept, ls[:, None], axis=1).sum()
-            return expected * table.sps(int(ls.sum()) + len(ls))
-
-        full = np.full_like(lengths, p)
-        return (lengths if goodput(lengths) > (1 + self.config.min_predicted_gain) * goodput(full) else full).tolist()
+        profiled cost table (``batch_schedule``: at least one draft per row, TensorRT-LLM's rule)."""
+        confidence = np.stack([seq.confidence.numpy() for seq in self.running])
+        return batch_schedule(confidence, self.cost_table, self.config.min_predicted_gain)
 
     def _admit(self) -> None:
         """Give waiting requests a cache slot while rows are free (their prompts then run in chunks)."""

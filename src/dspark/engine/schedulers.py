@@ -18,7 +18,7 @@ import torch
 
 from ..kernels._validate import Checker
 
-__all__ = ["SPSCostTable", "prefix_schedule", "prefix_survival"]
+__all__ = ["SPSCostTable", "batch_schedule", "prefix_schedule", "prefix_survival"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class SPSCostTable:
         c.real("fixed_overhead_ms", self.fixed_overhead_ms, low=0.0)
         object.__setattr__(self, "token_counts", tuple(counts))
         object.__setattr__(self, "step_time_ms", tuple(times))
+        # the table as arrays once: the scheduler interpolates it every round
+        object.__setattr__(self, "_grid", (np.asarray(counts, dtype=np.float64), np.asarray(times, dtype=np.float64)))
 
     @classmethod
     def from_json(cls, path: str) -> "SPSCostTable":
@@ -72,7 +74,7 @@ class SPSCostTable:
 
     def step_times(self, tokens: np.ndarray) -> np.ndarray:
         """``step_time`` of every entry of an array of token counts (float64 milliseconds)."""
-        n, t = np.asarray(self.token_counts, dtype=np.float64), np.asarray(self.step_time_ms, dtype=np.float64)
+        n, t = self._grid
         tokens = np.asarray(tokens, dtype=np.float64)
         if len(n) == 1:
             return np.full(tokens.shape, t[0] + self.fixed_overhead_ms)
@@ -103,22 +105,42 @@ def prefix_schedule(confidences: torch.Tensor, sps: Callable[[int], float] | SPS
     """
     c = Checker("prefix_schedule")
     c.tensor("confidences", confidences, ndim=2)
-    # host arrays: this runs every round on the host, so the admission order is one sort
     survival = np.cumprod(confidences.detach().cpu().numpy().astype(np.float64), axis=-1)
+    return _admit(survival, sps).tolist()
+
+
+def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_gain: float) -> list[int]:
+    """The batched engine's ``cost`` scheduler, once per round on the host: Algorithm 1
+    (``prefix_schedule``) on f32/f64 confidences ``[R, P]``, at least one draft per row (the accept
+    kernels verify >= 1), kept only when its predicted goodput beats verifying every draft by
+    ``min_predicted_gain`` (TensorRT-LLM's rule; else every row verifies all P)."""
+    survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
+    rows, p = survival.shape
+    lengths = np.maximum(_admit(survival, table), 1)
+    # expected tokens of a schedule: each row's bonus plus the survivals of its verified prefix
+    kept = np.concatenate([np.zeros((rows, 1)), np.cumsum(survival, axis=-1)], axis=1)
+    expected = rows + np.array([np.take_along_axis(kept, lengths[:, None], axis=1).sum(), kept[:, p].sum()])
+    goodput = expected / table.step_times(np.array([lengths.sum() + rows, (p + 1) * rows]))
+    return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else [p] * rows
+
+
+def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable) -> np.ndarray:
+    """Algorithm 1 on prefix survivals float64 ``[R, P]``: int64 ``[R]`` lengths (one sort, one
+    interpolation of the cost curve)."""
     num_requests = survival.shape[0]
     r, j = np.nonzero(survival > 0)
     a = survival[r, j]
     # descending survival; ties by position then request so each request's prefix stays in order
     order = np.lexsort((r, j, -a))
     r, j, a = r[order], j[order], a[order]
-    tokens = num_requests + 1 + np.arange(a.size)
+    tokens = np.arange(num_requests, num_requests + a.size + 1)
     if isinstance(sps, SPSCostTable):
-        rates = 1000.0 / np.maximum(sps.step_times(np.concatenate([[num_requests], tokens])), 1e-9)
+        rates = 1000.0 / np.maximum(sps.step_times(tokens), 1e-9)
     else:
-        rates = np.array([sps(int(b)) for b in np.concatenate([[num_requests], tokens])], dtype=np.float64)
+        rates = np.array([sps(int(b)) for b in tokens], dtype=np.float64)
     goodput = np.concatenate([[float(num_requests)], num_requests + np.cumsum(a)]) * rates
     worse = np.nonzero(goodput[1:] <= goodput[:-1])[0]  # admission stops at the first candidate that does not pay
     admitted = int(worse[0]) if worse.size else a.size
     lengths = np.zeros(num_requests, dtype=np.int64)
     np.maximum.at(lengths, r[:admitted], j[:admitted] + 1)
-    return lengths.tolist()
+    return lengths
