@@ -221,9 +221,9 @@ class ModelRunner:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
         mode = self._batch_mode(rows)
-        graphed = mode is not None
-        self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode), graphed)
-        self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode), graphed)
+        self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode),
+                     mode is not None)
+        self._draft(b, rows, mode)
 
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
@@ -532,8 +532,14 @@ class ModelRunner:
             self.row_modes[c.row] = _mode(c.sampling)
         total = rows + len(joined)
         if self.drafter is not None and total:
-            b, mode = self.bucket(total), self._batch_mode(total)
-            self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, total, mode), graphed=mode is not None)
+            self._draft(self.bucket(total), total, self._batch_mode(total))
+
+    def _draft(self, b: int, rows: int, mode) -> None:
+        """The draft pass of ``rows`` rows in bucket ``b``: one graph per setting; tree mode drafts
+        greedily whatever the rows' settings (its trees grow from the greedy chain), so one graph."""
+        if self.tree is not None:
+            mode = SamplingParams()
+        self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode), mode is not None)
 
     def _chunk_bucket(self, n: int) -> int:
         """Padded chunk tokens of a step: a power of two >= 16 (one graph per bucket), within the
