@@ -146,33 +146,13 @@ def greedy_tree_accept(target_logits, tree: TreeBatch, *, max_depth: int | None 
     bounds the walk (the trees' deepest depth). On the tensors' device, without host
     synchronisation; the lowest index wins among siblings with one token.
     """
-    c = Checker("greedy_tree_accept")
-    logits = c.tensor("target_logits", target_logits, dtype=torch.float32, ndim=3)
-    batch, size = tree.tokens.shape
-    if tuple(logits.shape[:2]) != (batch, size):
-        c.fail(f"target_logits must have shape [{batch}, {size}, V] like the tree, got {list(logits.shape)}")
-    steps = size - 1 if max_depth is None else min(c.integer("max_depth", max_depth, low=0), size - 1)
-    device = logits.device
-    best = logits.argmax(-1).to(torch.int32)  # [B, S]: the target's token after each node
-    ids = torch.arange(size, device=device)
-    child_of = (ids[None, :] >= 1) & (ids[None, :] < tree.num_nodes.to(device)[:, None])
-    tokens, parents = tree.tokens.to(device), tree.parents.to(device).long()
-    node = torch.zeros(batch, dtype=torch.int64, device=device)
-    walking = torch.ones(batch, dtype=torch.bool, device=device)
-    accepted = torch.zeros(batch, size, dtype=torch.int32, device=device)
-    nodes = torch.full((batch, size), -1, dtype=torch.int32, device=device)
-    length = torch.zeros(batch, dtype=torch.int64, device=device)
-    for step in range(steps):
-        want = best.gather(1, node[:, None])
-        match = child_of & (parents == node[:, None]) & (tokens == want)
-        walking = walking & match.any(-1)
-        child = match.int().argmax(-1)  # the first matching sibling
-        accepted[:, step] = torch.where(walking, tokens.gather(1, child[:, None])[:, 0], accepted[:, step])
-        nodes[:, step] = torch.where(walking, child.to(torch.int32), nodes[:, step])
-        node = torch.where(walking, child, node)
-        length += walking.long()
-    accepted.scatter_(1, length[:, None], best.gather(1, node[:, None]))
-    return accepted, nodes, (length + 1).to(torch.int32)
+    logits, walk = _walk(Checker("greedy_tree_accept"), "target_logits", target_logits, tree, max_depth)
+    best = logits.argmax(-1)  # [B, S]: the target's token after each node
+    for step in range(walk.steps):
+        match = walk.children() & (walk.tokens == best.gather(1, walk.node[:, None]))
+        walk.walking &= match.any(-1)
+        walk.move(step, walk.walking, match.int().argmax(-1))  # the first matching sibling
+    return walk.finish(best.gather(1, walk.node[:, None])[:, 0])
 
 
 def sampled_tree_accept(target_probs, tree: TreeBatch, uniforms, *, max_depth: int | None = None):
@@ -195,54 +175,88 @@ def sampled_tree_accept(target_probs, tree: TreeBatch, uniforms, *, max_depth: i
     device, without host synchronisation.
     """
     c = Checker("sampled_tree_accept")
-    probs = c.tensor("target_probs", target_probs, dtype=torch.float32, ndim=3)
-    batch, size = tree.tokens.shape
-    if tuple(probs.shape[:2]) != (batch, size):
-        c.fail(f"target_probs must have shape [{batch}, {size}, V] like the tree, got {list(probs.shape)}")
-    steps = size - 1 if max_depth is None else min(c.integer("max_depth", max_depth, low=0), size - 1)
+    probs, walk = _walk(c, "target_probs", target_probs, tree, max_depth)
+    batch, size, vocab = probs.shape
     u = c.tensor("uniforms", uniforms, dtype=torch.float32, ndim=3, device=probs.device)
-    if u.shape[0] != batch or u.shape[1] < steps + 1 or u.shape[2] < 2:
-        c.fail(f"uniforms must have shape [{batch}, >= {steps + 1}, K + 1 >= 2], got {list(u.shape)}")
-    k, device, vocab = u.shape[2] - 1, probs.device, probs.shape[2]
-    rows, ids = torch.arange(batch, device=device), torch.arange(size, device=device)
-    child_of = (ids[None, :] >= 1) & (ids[None, :] < tree.num_nodes.to(device)[:, None])
-    tokens, parents = tree.tokens.to(device).long(), tree.parents.to(device).long()
-    node = torch.zeros(batch, dtype=torch.int64, device=device)
-    walking = torch.ones(batch, dtype=torch.bool, device=device)
-    accepted = torch.zeros(batch, size, dtype=torch.int32, device=device)
-    nodes = torch.full((batch, size), -1, dtype=torch.int32, device=device)
-    length = torch.zeros(batch, dtype=torch.int64, device=device)
+    if u.shape[0] != batch or u.shape[1] < walk.steps + 1 or u.shape[2] < 2:
+        c.fail(f"uniforms must have shape [{batch}, >= {walk.steps + 1}, K + 1 >= 2], got {list(u.shape)}")
+    k, device = u.shape[2] - 1, probs.device
+    rows = torch.arange(batch, device=device)
     final = torch.zeros(batch, dtype=torch.int64, device=device)
-    for step in range(steps + 1):
-        p = probs[rows, node].double()  # [B, V]: the target at the current node
-        siblings = child_of & (parents == node[:, None]) if step < steps else torch.zeros_like(child_of)
-        order = torch.where(siblings, ids[None, :], size).sort(-1).values[:, :k]  # the children, in index order
+    for step in range(walk.steps + 1):
+        p = probs[rows, walk.node].double()  # [B, V]: the target at the current node
+        siblings = walk.children() if step < walk.steps else torch.zeros_like(walk.child_of)
+        order = torch.where(siblings, walk.ids[None, :], size).sort(-1).values[:, :k]  # the children, in index order
         remaining = torch.ones(batch, dtype=torch.float64, device=device)
         excluded = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
         chosen = torch.full((batch,), -1, dtype=torch.int64, device=device)
         for j in range(order.shape[1]):
             child = order[:, j]
             present = (child < size) & (chosen < 0)
-            token = tokens.gather(1, child.clamp(max=size - 1)[:, None])[:, 0]
+            token = walk.tokens.gather(1, child.clamp(max=size - 1)[:, None])[:, 0]
             mass = p.gather(1, token[:, None])[:, 0]
             take = present & (u[:, step, j].double() * remaining < mass)
             chosen = torch.where(take, child, chosen)
             rejected = present & ~take
             remaining = torch.where(rejected, remaining - mass, remaining)
             excluded[rows, token] |= rejected
-        moves = walking & (chosen >= 0)
-        stops = walking & ~moves
+        moves = walk.walking & (chosen >= 0)
         residual = torch.where(excluded, 0.0, p)
         cdf = residual.cumsum(-1)
-        threshold = u[:, step, k].double() * cdf[:, -1]
-        drawn = torch.searchsorted(cdf, threshold[:, None], right=True)[:, 0].clamp(max=vocab - 1)
-        drawn = torch.where(cdf[:, -1] > 0, drawn, p.argmax(-1))  # no mass left (rounding): the likeliest
-        final = torch.where(stops, drawn, final)
-        accepted[:, min(step, size - 1)] = torch.where(moves, tokens.gather(1, chosen.clamp(min=0)[:, None])[:, 0].int(),
-                                                       accepted[:, min(step, size - 1)])
-        nodes[:, min(step, size - 1)] = torch.where(moves, chosen.int(), nodes[:, min(step, size - 1)])
-        node = torch.where(moves, chosen, node)
-        length += moves.long()
-        walking = moves
-    accepted.scatter_(1, length.clamp(max=size - 1)[:, None], final[:, None].int())
-    return accepted, nodes, (length + 1).to(torch.int32)
+        drawn = torch.searchsorted(cdf, (u[:, step, k].double() * cdf[:, -1])[:, None], right=True)[:, 0]
+        drawn = torch.where(cdf[:, -1] > 0, drawn.clamp(max=vocab - 1), p.argmax(-1))  # no mass left (rounding)
+        final = torch.where(walk.walking & ~moves, drawn, final)
+        if step < walk.steps:
+            walk.move(step, moves, chosen.clamp(min=0))
+        walk.walking = moves
+    return walk.finish(final)
+
+
+@dataclass
+class _Walk:
+    """What both tree walks keep per row: the current node, whether it still walks, the emitted
+    tokens, the accepted path and its length (``greedy_tree_accept``'s outputs)."""
+
+    steps: int
+    ids: torch.Tensor
+    child_of: torch.Tensor  # [B, S]: the node slots that are real non-root nodes
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    node: torch.Tensor
+    walking: torch.Tensor
+    accepted: torch.Tensor
+    nodes: torch.Tensor
+    length: torch.Tensor
+
+    def children(self) -> torch.Tensor:
+        return self.child_of & (self.parents == self.node[:, None])
+
+    def move(self, step: int, moves: torch.Tensor, child: torch.Tensor) -> None:
+        """Rows ``moves`` accept node ``child`` at path position ``step``."""
+        token = self.tokens.gather(1, child[:, None])[:, 0].to(torch.int32)
+        self.accepted[:, step] = torch.where(moves, token, self.accepted[:, step])
+        self.nodes[:, step] = torch.where(moves, child.to(torch.int32), self.nodes[:, step])
+        self.node = torch.where(moves, child, self.node)
+        self.length += moves.long()
+
+    def finish(self, last: torch.Tensor):
+        """The token after the path, then ``(accepted, accepted_nodes, accept_length)``."""
+        self.accepted.scatter_(1, self.length[:, None], last[:, None].to(torch.int32))
+        return self.accepted, self.nodes, (self.length + 1).to(torch.int32)
+
+
+def _walk(c: Checker, name: str, values, tree: TreeBatch, max_depth: int | None):
+    """``values`` f32 ``[B, S, V]`` checked against the tree, and a walk from every root."""
+    values = c.tensor(name, values, dtype=torch.float32, ndim=3)
+    batch, size = tree.tokens.shape
+    if tuple(values.shape[:2]) != (batch, size):
+        c.fail(f"{name} must have shape [{batch}, {size}, V] like the tree, got {list(values.shape)}")
+    steps = size - 1 if max_depth is None else min(c.integer("max_depth", max_depth, low=0), size - 1)
+    device = values.device
+    ids = torch.arange(size, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    return values, _Walk(
+        steps, ids, (ids[None, :] >= 1) & (ids[None, :] < tree.num_nodes.to(device)[:, None]),
+        tree.tokens.to(device).long(), tree.parents.to(device).long(), torch.zeros(batch, **i64),
+        torch.ones(batch, dtype=torch.bool, device=device), torch.zeros(batch, size, dtype=torch.int32, device=device),
+        torch.full((batch, size), -1, dtype=torch.int32, device=device), torch.zeros(batch, **i64))
