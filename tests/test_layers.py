@@ -107,26 +107,38 @@ def attention_inputs(layout: Layout, n_kv: int, rep: int, d: int, dtype, max_len
     return q, k_cache, v_cache
 
 
-def hf_attention(q, k_cache, v_cache, layout: Layout, causal: bool, scale: float):
-    """Hugging Face's eager attention per request, with an explicit additive mask."""
+def eager_reference(q, k_cache, v_cache, layout: Layout, visible, scale: float):
+    """Hugging Face's eager attention per request with an explicit additive mask: ``visible(b, count,
+    ctx)`` is request b's bool ``[count, ctx + count]`` (query t, key position k)."""
     rep = q.shape[1] // k_cache.shape[2]
     module = types.SimpleNamespace(num_key_value_groups=rep, training=False)
     out, row = torch.zeros_like(q), 0
-    for count, ctx, slot, b in zip(layout.counts, layout.ctx, layout.slots, range(len(layout.counts))):
+    for b, (count, ctx, slot) in enumerate(zip(layout.counts, layout.ctx, layout.slots)):
         if count == 0:
             continue
-        start = 0 if layout.windows is None else layout.windows[b]
-        keys = torch.arange(start, ctx + count, device=q.device)
-        query_pos = ctx + torch.arange(count, device=q.device)
-        hidden = keys[None, :] > query_pos[:, None] if causal else torch.zeros(count, keys.numel(), dtype=torch.bool)
-        mask = torch.zeros(count, keys.numel(), device=q.device).masked_fill(hidden.to(q.device), float("-inf"))
-        key = k_cache[slot, start:ctx + count].transpose(0, 1)[None]
-        value = v_cache[slot, start:ctx + count].transpose(0, 1)[None]
+        seen = visible(b, count, ctx).to(q.device)
+        mask = torch.zeros(count, ctx + count, device=q.device).masked_fill(~seen, float("-inf"))
+        key, value = (c[slot, :ctx + count].transpose(0, 1)[None] for c in (k_cache, v_cache))
         attn, _ = eager_attention_forward(module, q[row:row + count].transpose(0, 1)[None], key, value,
                                           mask[None, None], scale)
         out[row:row + count] = attn[0]
         row += count
     return out
+
+
+def _positions(count: int, ctx: int):
+    """(key positions ``[1, ctx+count]``, query positions ``[count, 1]``) of one request."""
+    return torch.arange(ctx + count)[None, :], ctx + torch.arange(count)[:, None]
+
+
+def hf_attention(q, k_cache, v_cache, layout: Layout, causal: bool, scale: float):
+    """``eager_reference`` with causal (or bidirectional) visibility and the layout's windows."""
+    def visible(b, count, ctx):
+        keys, query_pos = _positions(count, ctx)
+        start = 0 if layout.windows is None else layout.windows[b]
+        return (keys >= start) & ((keys <= query_pos) if causal else torch.ones(count, 1, dtype=torch.bool))
+
+    return eager_reference(q, k_cache, v_cache, layout, visible, scale)
 
 
 # Layouts: decode, verify/draft blocks, ragged with empty requests, windows, and a short prefill.
@@ -218,24 +230,13 @@ def test_reference_cached_attention_matches_hf_eager(layout, causal):
 
 
 def _sliding_reference(q, k_cache, v_cache, layout, window, scale):
-    """Hugging Face's eager attention per request with the sliding-window mask of masking_utils
-    (key k visible to the query at position p iff p - window < k <= p)."""
-    rep = q.shape[1] // k_cache.shape[2]
-    module = types.SimpleNamespace(num_key_value_groups=rep, training=False)
-    out, row = torch.zeros_like(q), 0
-    for count, ctx, slot in zip(layout.counts, layout.ctx, layout.slots):
-        if count == 0:
-            continue
-        keys = torch.arange(ctx + count, device=q.device)
-        query_pos = ctx + torch.arange(count, device=q.device)
-        hidden = (keys[None, :] > query_pos[:, None]) | (keys[None, :] <= query_pos[:, None] - window)
-        mask = torch.zeros(count, keys.numel(), device=q.device).masked_fill(hidden, float("-inf"))
-        key, value = (c[slot, :ctx + count].transpose(0, 1)[None] for c in (k_cache, v_cache))
-        attn, _ = eager_attention_forward(module, q[row:row + count].transpose(0, 1)[None], key, value,
-                                          mask[None, None], scale)
-        out[row:row + count] = attn[0]
-        row += count
-    return out
+    """The sliding-window mask of transformers' masking_utils: key k visible to the query at
+    position p iff p - window < k <= p."""
+    def visible(b, count, ctx):
+        keys, query_pos = _positions(count, ctx)
+        return (keys <= query_pos) & (keys > query_pos - window)
+
+    return eager_reference(q, k_cache, v_cache, layout, visible, scale)
 
 
 @pytest.mark.parametrize("layout, window", [(RAGGED, 4), (PREFILL, 6), (DECODE, 9), (PREFILL, 64)])
@@ -577,19 +578,11 @@ def _tree_masks(layout: Layout, seed: int) -> tuple[torch.Tensor, list[torch.Ten
 
 
 def _tree_reference(q, k_cache, v_cache, layout: Layout, seen, scale):
-    """Hugging Face's eager attention per request with the tree mask: context visible, new keys by ancestry."""
-    rep = q.shape[1] // k_cache.shape[2]
-    module = types.SimpleNamespace(num_key_value_groups=rep, training=False)
-    out, row = torch.zeros_like(q), 0
-    for count, ctx, slot, vis in zip(layout.counts, layout.ctx, layout.slots, seen):
-        visible = torch.cat([torch.ones(count, ctx, dtype=torch.bool), vis], dim=1).to(q.device)
-        mask = torch.zeros(count, ctx + count, device=q.device).masked_fill(~visible, float("-inf"))
-        key, value = (c[slot, :ctx + count].transpose(0, 1)[None] for c in (k_cache, v_cache))
-        attn, _ = eager_attention_forward(module, q[row:row + count].transpose(0, 1)[None], key, value,
-                                          mask[None, None], scale)
-        out[row:row + count] = attn[0]
-        row += count
-    return out
+    """The tree mask: context visible, new keys by ancestry (``seen[b]`` bool ``[count, count]``)."""
+    def visible(b, count, ctx):
+        return torch.cat([torch.ones(count, ctx, dtype=torch.bool), seen[b]], dim=1)
+
+    return eager_reference(q, k_cache, v_cache, layout, visible, scale)
 
 
 TREES = Layout([9, 1, 16], [12, 0, 30], [2, 0, 1])
