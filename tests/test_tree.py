@@ -125,7 +125,8 @@ def test_greedy_tree_accept_walks_the_targets_argmax():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(candidate_top_k=9), r"candidate_top_k must be in \[1, 8\]"),
-    (dict(verify_size=0), r"verify_size must be in \[1, inf\]"),
+    (dict(verify_size=0), r"verify_size must be in \[1, 64\]"),
+    (dict(verify_size=65), r"verify_size must be in \[1, 64\], got 65"),  # the ancestor bitmasks' width
     (dict(survival_threshold=1.0), r"survival_threshold must be in \[0, 1\)"),
     (dict(depth_confidence=torch.ones(1, 3)), "depth_confidence"),
 ])

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..kernels._validate import Checker
-from ..kernels.tree import MAX_TREE_TOP_K
+from ..kernels.tree import MAX_TREE_NODES, MAX_TREE_TOP_K
 from ..model.hf_target import HFTarget
 from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
 from .drafting import SCHEDULERS, Drafter
@@ -41,7 +41,6 @@ log = logging.getLogger("dspark.engine")
 DEFAULT_MAX_MODEL_LEN = 4096
 ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows first, prompt chunks after
-MAX_TREE_NODES = 64  # tree verification's ancestor masks are int64 bitmasks
 MIXED_STRIKES = 2  # failed mixed steps a request may sit in (its chunk alone passing) before it is failed
 
 

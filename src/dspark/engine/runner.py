@@ -422,7 +422,7 @@ class ModelRunner:
             self.tree_nodes_accepted[index] = nodes
         nodes = self.tree_nodes_accepted[:b]
         # path position i (0: the root) holds node index[:, i] (i <= P); fixed shapes, so a graph holds it
-        width = min(size, self.num_drafts + 1)
+        width = min(size, p + 1)
         keep = self.offsets[:width].long()
         index = keep.repeat(b, 1)
         index[:, 1:] = torch.where(nodes[:, :width - 1] >= 0, nodes[:, :width - 1].long(), index[:, 1:])
@@ -504,7 +504,7 @@ class ModelRunner:
                                survival_threshold=tree.threshold, max_depths=room)
         s["tree_tokens"][:b], s["tree_parents"][:b], s["tree_depths"][:b] = built.tokens, built.parents, built.depths
         s["tree_nodes"][:b] = built.num_nodes
-        s["tree_bits"][:b] = (built.ancestors.long() << self.offsets[:tree.budget].long()).sum(-1)
+        s["tree_bits"][:b] = built.ancestor_bits
 
     # ---- steps with prompt chunks -----------------------------------------------------------------
 

@@ -24,9 +24,10 @@ import torch
 
 from ._validate import Checker
 
-__all__ = ["TreeBatch", "ddtree_build", "greedy_tree_accept", "sampled_tree_accept", "MAX_TREE_TOP_K"]
+__all__ = ["TreeBatch", "ddtree_build", "greedy_tree_accept", "sampled_tree_accept", "MAX_TREE_TOP_K", "MAX_TREE_NODES"]
 
 MAX_TREE_TOP_K = 8  # candidates per depth (TensorRT-Edge-LLM's bound)
+MAX_TREE_NODES = 64  # node slots per tree: ancestor masks are int64 bitmasks
 CONFIDENCE_FLOOR = 1e-20  # log(max(conf, floor)): a zero confidence still orders
 
 
@@ -37,7 +38,9 @@ class TreeBatch:
     unused slots after ``num_nodes``); ``depths`` int32 ``[B, S]``; ``ancestors`` bool ``[B, S, S]``
     (``[b, i, j]``: node j is node i or one of its ancestors -- the verify attention mask);
     ``positions`` int32 ``[B, S]`` = base length + depth; ``num_nodes`` int32 ``[B]``;
-    ``context_lengths`` int32 ``[B]`` = base length + S; ``scores`` f32 ``[B, S]``."""
+    ``context_lengths`` int32 ``[B]`` = base length + S; ``scores`` f32 ``[B, S]``; ``ancestor_bits``
+    int64 ``[B, S]``: ``ancestors`` as bitmasks (bit j of node i), what ``cached_attention``'s
+    ``tree_mask`` takes (S <= 64)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -47,6 +50,7 @@ class TreeBatch:
     num_nodes: torch.Tensor
     context_lengths: torch.Tensor
     scores: torch.Tensor
+    ancestor_bits: torch.Tensor | None = None
 
 
 def ddtree_build(stacked_logits, root_tokens, base_lengths, *, candidate_top_k: int, verify_size: int,
@@ -55,7 +59,7 @@ def ddtree_build(stacked_logits, root_tokens, base_lengths, *, candidate_top_k: 
 
     ``stacked_logits`` f32 ``[B, P+1, V]`` (row 0 unused: the root's place); ``root_tokens`` int
     ``[B]``; ``base_lengths`` int ``[B]`` (positions before the root); ``candidate_top_k`` in
-    ``[1, 8]`` and ``<= V``; ``verify_size`` >= 1 node slots; ``depth_confidence`` f32 ``[B, P]``
+    ``[1, 8]`` and ``<= V``; ``verify_size`` in ``[1, 64]`` node slots; ``depth_confidence`` f32 ``[B, P]``
     (depth d uses ``[:, d-1]``) or None; ``survival_threshold`` in ``[0, 1)``; ``max_depths`` int
     ``[B]`` >= 1 or None: a deepest depth per row (the engine's context limit; a dspark addition).
     """
@@ -66,7 +70,7 @@ def ddtree_build(stacked_logits, root_tokens, base_lengths, *, candidate_top_k: 
         c.fail(f"stacked_logits must hold the root row and at least one depth, got shape {list(logits.shape)}")
     device, depth_max = logits.device, rows - 1
     k = c.integer("candidate_top_k", candidate_top_k, low=1, high=min(MAX_TREE_TOP_K, vocab))
-    size = c.integer("verify_size", verify_size, low=1)
+    size = c.integer("verify_size", verify_size, low=1, high=MAX_TREE_NODES)
     roots = c.tensor("root_tokens", root_tokens, ndim=1, shape=[batch], device=device)
     base = c.tensor("base_lengths", base_lengths, ndim=1, shape=[batch], device=device)
     threshold = c.real("survival_threshold", survival_threshold, low=0.0)
@@ -132,7 +136,7 @@ def _grow(cand_tokens: torch.Tensor, gains: torch.Tensor, limit: torch.Tensor, r
     base32 = base.to(torch.int32)
     return TreeBatch(token, parent.to(torch.int32), depth.to(torch.int32), ancestors,
                      base32[:, None] + depth.to(torch.int32), count.to(torch.int32), base32 + size,
-                     torch.where(ids[None, :] < count[:, None], score, 0.0).float())
+                     torch.where(ids[None, :] < count[:, None], score, 0.0).float(), bits)
 
 
 def greedy_tree_accept(target_logits, tree: TreeBatch, *, max_depth: int | None = None):
