@@ -104,7 +104,7 @@ class EngineConfig:
         c.integer("draft_top_k", self.draft_top_k, low=1, high=MAX_TREE_TOP_K)
         c.integer("tree_budget", self.tree_budget, low=0, high=MAX_TREE_NODES)
         if self.tree_budget == 1:
-            c.fail("tree_budget must be 0 (the block size + 1) or in [2, 64], got 1")
+            c.fail(f"tree_budget must be 0 (the block size + 1) or in [2, {MAX_TREE_NODES}], got 1")
         if self.draft_top_k > 1 and (self.scheduler == "cost" or self.oracle_acceptance is not None or self.oracle_replay):
             c.fail("tree mode (draft_top_k > 1) takes the off / threshold / sps schedulers and no benchmark drafts")
 

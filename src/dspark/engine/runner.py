@@ -350,7 +350,7 @@ class ModelRunner:
         ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens)
         capture = torch.empty(num_tokens, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
         logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
-                                     cache_positions=None if cache_rows is positions else cache_rows)
+                                     cache_positions=cache_rows if self.tree else None)
         self._verify_commit(b, rows, flat, capture, logits, mode)
 
     def _verify_inputs(self, b: int, num_tokens: int):
