@@ -5,12 +5,15 @@ The endpoints and JSON of vLLM's OpenAI server: POST /v1/completions, POST /v1/c
 --target/--draft it serves the demo pair shipped with the package. SIGTERM (or Ctrl-C) stops taking
 connections, lets the requests in flight finish (at most --drain-timeout seconds) and exits 0; if
 the engine fails for good (an exception escaping it: logged with its traceback) the server fails
-the requests in flight, shuts down and exits 1. Needs the serve extra: pip install "dspark[serve]".
+the requests in flight, shuts down and exits 1. The engine runs in a process of its own
+(``dspark.serve.engine_process``), so that its steps never wait for the HTTP side's Python. Needs
+the serve extra: pip install "dspark[serve]".
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import socket
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from dspark.serve import create_app
+        from dspark.serve import EngineClient, EngineStartError, create_app
     except ImportError as exc:
         print(f'dspark serve: {exc.name} is not installed; install the serve extra: pip install "dspark[serve]"',
               file=sys.stderr)
@@ -84,41 +87,37 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check(args)
         listener = _listen(args.host, args.port)  # before loading: a taken port fails at once
-        engine, tokenizer, name = _load(args)
+        tokenizer, name = _prepare(args)
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark serve: {exc}", file=sys.stderr)
         return 2
-    if engine.runner.use_graphs:
-        start = time.perf_counter()
-        graphs = engine.capture_graphs()
-        print(f"dspark serve: captured {graphs} CUDA graphs in {time.perf_counter() - start:.1f} s", file=sys.stderr,
-              flush=True)
     _log_to_stderr()
     servers: list = []  # the uvicorn server, once made: the engine may fail before
 
-    def engine_failed(exc: BaseException) -> None:  # on the engine thread
+    def engine_failed(exc: BaseException) -> None:  # on the engine client's reader thread
         print(f"dspark serve: the engine failed ({type(exc).__name__}: {exc}); shutting down", file=sys.stderr,
               flush=True)
         for server in servers:
             server.should_exit = True
 
-    app = create_app(engine, tokenizer, name, max_waiting=args.max_waiting, chat_template=args.chat_template,
-                     trust_request_chat_template=args.trust_request_chat_template, model_root=args.target,
-                     on_engine_failure=engine_failed)
+    try:  # the engine gets a process of its own (serve.engine_process: no GIL shared with the HTTP side)
+        engine = EngineClient(functools.partial(build_engine, args), args.max_waiting, engine_failed)
+    except EngineStartError as exc:
+        print(f"dspark serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(engine, tokenizer, name, chat_template=args.chat_template,
+                     trust_request_chat_template=args.trust_request_chat_template, model_root=args.target)
     port = listener.getsockname()[1]
     config = uvicorn.Config(app, host=args.host, port=port, timeout_graceful_shutdown=args.drain_timeout)
     server = uvicorn.Server(config)
     servers.append(server)
-    mode = "plain decoding" if engine.runner.drafter is None else f"DSpark, scheduler {args.scheduler}"
+    mode = "plain decoding" if not engine.info["drafter"] else f"DSpark, scheduler {args.scheduler}"
     print(f"dspark serve: {name!r} ({mode}, max batch {args.max_batch}, max model len {engine.max_model_len}) "
           f"on http://{args.host}:{port}", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it shut down on once it is done; with the default action that
     # would kill the process after a clean drain, so the restored handler ignores it and we exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    # The engine thread takes the GIL back from the event loop after every round's GPU wait; at the
-    # default 5 ms switch interval a busy loop (many streams) could hold it that long each round.
-    sys.setswitchinterval(0.0005)
     server.run(sockets=[listener])
     return exit_status(app)
 
@@ -163,19 +162,28 @@ def _check(args: argparse.Namespace) -> None:
         return
 
 
-def _load(args: argparse.Namespace):
-    """(engine, tokenizer or None, served model name)."""
+def _prepare(args: argparse.Namespace):
+    """(tokenizer or None, served model name); resolves ``--target`` / ``--draft`` (Hub names, the
+    demo pair by default) for ``build_engine``."""
+    from dspark.engine import load_tokenizer
+
+    if args.engine_factory is not None:
+        tokenizer = load_tokenizer(args.target) if args.target is not None else None
+        return tokenizer, args.served_model_name or args.engine_factory
+    demo = args.target is None
+    resolve_pair(args, no_draft=args.no_draft)
+    if args.no_draft:
+        args.draft = None
+    if demo:
+        args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
+    return load_tokenizer(args.target), args.served_model_name or args.target
+
+
+def build_engine(args: argparse.Namespace):
+    """The engine of ``args`` (after ``_prepare``), its CUDA graphs captured: what the engine
+    process runs."""
     from dspark.engine import EngineConfig, LLMEngine
 
-    from dspark.engine import load_tokenizer as _tokenizer
-
-    if args.engine_factory is None:
-        demo = args.target is None
-        resolve_pair(args, no_draft=args.no_draft)  # Hub names, the demo pair by default
-        if args.no_draft:
-            args.draft = None
-        if demo:
-            args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
     device, dtype = runtime(args)
     config = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, scheduler=args.scheduler,
                           threshold=args.threshold, device=device, dtype=dtype, cost_table=args.cost_table,
@@ -187,10 +195,14 @@ def _load(args: argparse.Namespace):
         if not isinstance(engine, LLMEngine):
             raise TypeError(f"--engine-factory {args.engine_factory} must return an LLMEngine, "
                             f"got {type(engine).__name__}")
-        tokenizer = _tokenizer(args.target) if args.target is not None else None
-        return engine, tokenizer, args.served_model_name or args.engine_factory
-    name = args.served_model_name or args.target
-    return LLMEngine(args.target, args.draft, config), _tokenizer(args.target), name
+    else:
+        engine = LLMEngine(args.target, args.draft, config)
+    if engine.runner.use_graphs:
+        start = time.perf_counter()
+        graphs = engine.capture_graphs()
+        print(f"dspark serve: captured {graphs} CUDA graphs in {time.perf_counter() - start:.1f} s", file=sys.stderr,
+              flush=True)
+    return engine
 
 
 def _factory(spec: str):

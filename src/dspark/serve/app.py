@@ -2,7 +2,7 @@
 
 Endpoints as vLLM's server: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 server-sent-event streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The engine runs
-on the ``EngineLoop`` thread; each HTTP request has an asyncio queue that the loop feeds (one per
+on the ``EngineLoop`` thread (or in its own process, ``EngineClient``); each HTTP request has an asyncio queue that the loop feeds (one per
 request, shared by its choices: a list of prompts and ``n`` samples each are one engine request per
 choice). Every refusal is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``
 with a 4xx status, unknown routes and methods included; a 500 names what failed: the engine failing
@@ -30,6 +30,7 @@ from ..engine.drafting import SamplingParams
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request, RequestOutput, TokenLogprobs
 from .engine_loop import ACCEPTED, EngineDead, EngineLoop, Handle, QueueFull, ServerClosing
+from .engine_process import EngineClient
 from .metrics import Latency, ServerCounters, registry
 from .protocol import (CHAT_DEFAULTS, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
@@ -59,11 +60,15 @@ class APIError(Exception):
         return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=self.status, headers=self.headers)
 
 
-def create_app(engine: LLMEngine, tokenizer, model_name: str, *, max_waiting: int | None = None,
+def create_app(engine: LLMEngine | EngineClient, tokenizer, model_name: str, *, max_waiting: int | None = None,
                chat_template: str | None = None, trust_request_chat_template: bool = False,
                model_root: str | None = None,
                on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (it starts the engine thread on startup, stops it on shutdown).
+
+    ``engine``: an ``LLMEngine`` (run on an ``EngineLoop`` thread of this process) or an
+    ``EngineClient`` (the engine in its own process, as ``dspark serve`` runs it; it was given its
+    own ``max_waiting`` and ``on_failure``, so these two arguments must stay unset).
 
     ``tokenizer``: a transformers tokenizer, or None (then prompts must be token ids, the text of
     every response is empty and ``return_token_ids`` carries the output); ``model_name``: the only
@@ -74,8 +79,13 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, *, max_waiting: in
     ``on_engine_failure(exc)``: called on the engine thread when an exception escaped the engine
     (``dspark serve`` shuts down then); ``app.state.server.loop.error`` keeps it.
     """
-    server = _Server(EngineLoop(engine, max_waiting, on_engine_failure), tokenizer, model_name, chat_template,
-                     trust_request_chat_template, model_root)
+    if isinstance(engine, EngineClient):
+        if max_waiting is not None or on_engine_failure is not None:
+            raise TypeError("create_app: an EngineClient takes max_waiting and on_failure itself")
+        loop = engine
+    else:
+        loop = EngineLoop(engine, max_waiting, on_engine_failure)
+    server = _Server(loop, tokenizer, model_name, chat_template, trust_request_chat_template, model_root)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -307,7 +317,7 @@ class _Server:
 
     @property
     def max_model_len(self) -> int:
-        return self.loop.engine.max_model_len
+        return self.loop.max_model_len
 
     # ---- endpoints ------------------------------------------------------------------------------
 

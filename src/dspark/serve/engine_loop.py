@@ -61,12 +61,16 @@ class EngineLoop:
     ``max_waiting``: how many requests may wait for a batch row beyond the ``max_batch`` running
     ones; ``submit`` raises ``QueueFull`` past that (None: unbounded). ``on_failure(exc)``: called on
     the engine thread once the engine failed for good (after every client heard of it).
+    ``after_pass()``: called on the engine thread once per pass of the loop, after that pass's items
+    went to their sinks and while its step runs on the device (the engine process sends them to its
+    parent in one message).
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None):
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 after_pass: Callable[[], None] | None = None):
         self.engine = engine
-        self.on_failure = on_failure
+        self.on_failure, self.after_pass = on_failure, after_pass
         self.capacity = None if max_waiting is None else engine.config.max_batch + max_waiting
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Handle]] = []
@@ -84,6 +88,15 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def metrics(self):
+        """The engine's counters (``LLMEngine.metrics``)."""
+        return self.engine.metrics
 
     @property
     def pending(self) -> int:
@@ -146,11 +159,17 @@ class EngineLoop:
                     # GIL) streams them while the GPU runs, not while this thread prepares the round.
                     engine.launch()
                     self._deliver_all(pending)
+                    self._passed()
                     pending = engine.finish()
                 else:
                     pending = self._deliver_all(pending)
+                    self._passed()
         except BaseException as exc:  # noqa: BLE001 -- every client must hear about it, then the loop ends
             self._fail(exc)
+
+    def _passed(self) -> None:
+        if self.after_pass is not None:
+            self.after_pass()
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:

@@ -1,6 +1,7 @@
 """Prometheus metrics of ``dspark serve``, named in the style of vLLM's (``vllm:`` -> ``dspark:``).
 
-A custom collector reads ``LLMEngine.metrics`` (and the loop's queue) at every scrape, so the values
+A custom collector reads ``LLMEngine.metrics`` (and the loop's queue) at every scrape (with the engine in
+its own process: the copy that came with its last outputs), so the values
 are always current and the engine keeps plain counters. Reading them from the HTTP thread while the
 engine thread writes is safe under the GIL (ints and list copies); a scrape may see one round's
 counters half-updated, which the next scrape corrects. The latency histograms (``Latency``) are
@@ -44,7 +45,7 @@ class DSparkCollector:
         self.loop, self.counters, self.model_name = loop, counters, model_name
 
     def collect(self):
-        m, labels = self.loop.engine.metrics, [self.model_name]
+        m, labels = self.loop.metrics, [self.model_name]
 
         def gauge(name, doc, value):
             family = GaugeMetricFamily(f"dspark:{name}", doc, labels=["model_name"])
