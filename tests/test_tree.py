@@ -176,9 +176,11 @@ def _heap_tree(logits, roots, k, size, conf=None, threshold=0.0, max_depths=None
     return out
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("seed", range(8))
-def test_the_batched_builder_equals_the_heap_rules_with_ties(seed):
-    """Integer logits (many exact ties), confidences, survival floors and per-row depth limits."""
+def test_the_batched_builder_equals_the_heap_rules_with_ties(seed, backend):
+    """Integer logits (many exact ties), confidences, survival floors and per-row depth limits, on
+    both backends' growth (Triton under ``TRITON_INTERPRET=1`` on the CPU)."""
     g = torch.Generator().manual_seed(seed)
     b, p, v = 4, 5, 9
     k, size = [(2, 12), (3, 7), (8, 20), (1, 4)][seed % 4]
@@ -187,14 +189,37 @@ def test_the_batched_builder_equals_the_heap_rules_with_ties(seed):
     threshold = 0.3 if seed % 4 == 2 else 0.0
     max_depths = torch.randint(1, p + 1, (b,), generator=g) if seed % 3 == 0 else None
     roots = torch.arange(b)
-    tree = K.ddtree_build(logits, roots, torch.zeros(b, dtype=torch.long), candidate_top_k=k, verify_size=size,
-                          depth_confidence=conf, survival_threshold=threshold, max_depths=max_depths)
+    with K.use_backend(backend):
+        tree = K.ddtree_build(logits, roots, torch.zeros(b, dtype=torch.long), candidate_top_k=k, verify_size=size,
+                              depth_confidence=conf, survival_threshold=threshold, max_depths=max_depths)
     expected = _heap_tree(logits, roots, k, size, conf, threshold, max_depths)
     for row in range(b):
         n = int(tree.num_nodes[row])
         got = list(zip(tree.parents[row, 1:n].tolist(), tree.depths[row, 1:n].tolist(), tree.tokens[row, 1:n].tolist()))
         assert got == expected[row]
         assert tree.parents[row, n:].tolist() == [-1] * (size - n)
+
+
+@pytest.mark.parametrize("size,k", [(64, 8), (33, 3), (1, 2)])
+def test_both_backends_grow_the_same_trees(size, k):
+    """Every output of the builder, bit for bit, Triton against the reference (float logits, the
+    widest tree, a one-node one)."""
+    g = torch.Generator().manual_seed(size)
+    b, p, v = 3, 7, 50
+    logits = torch.randn(b, p + 1, v, generator=g)
+    conf = torch.rand(b, p, generator=g)
+
+    def build():
+        return K.ddtree_build(logits, torch.tensor([3, 4, 5]), torch.tensor([0, 10, 20]), candidate_top_k=k,
+                              verify_size=size, depth_confidence=conf)
+
+    with K.use_backend("reference"):
+        expected = build()
+    with K.use_backend("triton"):
+        got = build()
+    for name in ("tokens", "parents", "depths", "ancestors", "positions", "num_nodes", "context_lengths", "scores",
+                 "ancestor_bits"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
 def test_sampled_tree_accept_emits_the_targets_distribution_at_every_node():

@@ -10,9 +10,10 @@ index, candidate slot and token ascending -- until ``verify_size`` nodes (the ro
 candidate is left; growth stops at the deepest depth whose prefix survival (the product of the
 confidences) is still at least ``survival_threshold`` (0: no limit), and is at least 1.
 
-One implementation serves both backends: PyTorch ops on the tensors' device, every row at once,
-without a host synchronisation (the engine captures them in its CUDA graphs); the growth takes one
-iteration per node and the walk one per depth.
+The candidates are PyTorch ops on the tensors' device; the best-first growth is the backend's
+``ddtree_grow`` (the reference: tensor ops over every row at once, one iteration per node; Triton:
+one program per row); the walks are PyTorch ops, one iteration per depth. Nothing synchronises with
+the host, so the engine captures all of it in its CUDA graphs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._backend import implementation
 from ._validate import Checker
 
 __all__ = ["TreeBatch", "ddtree_build", "greedy_tree_accept", "sampled_tree_accept", "MAX_TREE_TOP_K", "MAX_TREE_NODES"]
@@ -80,10 +82,9 @@ def ddtree_build(stacked_logits, root_tokens, base_lengths, *, candidate_top_k: 
     if depth_confidence is not None:
         conf = c.tensor("depth_confidence", depth_confidence, dtype=torch.float32, shape=[batch, depth_max],
                         device=device)
-    # per depth the top-k tokens (stable: the lower token first among equal logits) and log-softmax
     logprobs = torch.log_softmax(logits[:, 1:], dim=-1)
-    order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    tokens, gains = order.indices[..., :k].to(torch.int32), order.values[..., :k].double()
+    tokens = _top_k_tokens(logprobs, k)
+    gains = logprobs.gather(-1, tokens.long()).double()
     limit = torch.full((batch,), depth_max, dtype=torch.int64, device=device)
     if conf is not None:
         log_conf = conf.double().clamp(min=CONFIDENCE_FLOOR).log()
@@ -93,50 +94,25 @@ def ddtree_build(stacked_logits, root_tokens, base_lengths, *, candidate_top_k: 
     if max_depths is not None:
         depths = c.tensor("max_depths", max_depths, ndim=1, shape=[batch], device=device)
         limit = torch.minimum(limit, depths.long().clamp(min=1))
-    return _grow(tokens, gains, limit, roots, base, size)
-
-
-def _grow(cand_tokens: torch.Tensor, gains: torch.Tensor, limit: torch.Tensor, roots: torch.Tensor,
-          base: torch.Tensor, size: int) -> TreeBatch:
-    """Best-first growth of every row at once, one node per iteration, on the tensors' device (no
-    host synchronisation: a CUDA graph can hold it). A candidate is (node, slot): the node's score
-    plus the slot's gain at the child depth; the best valid one -- the first in (node, slot) order
-    among equal scores, which is the spec's parent, slot, token order since slots rank tokens --
-    becomes the next node of its row; a row without a valid candidate stops growing."""
-    batch, _, k = gains.shape
-    device = gains.device
-    rows, ids = torch.arange(batch, device=device), torch.arange(size, device=device)
-    score = torch.full((batch, size), -math.inf, dtype=torch.float64, device=device)
-    score[:, 0] = 0.0
-    depth = torch.zeros(batch, size, dtype=torch.int64, device=device)
-    parent = torch.full((batch, size), -1, dtype=torch.int64, device=device)
-    token = roots.to(torch.int32)[:, None].repeat(1, size)
-    bits = (torch.ones(size, dtype=torch.int64, device=device) << ids).repeat(batch, 1)  # int64 ancestor masks
-    taken = torch.zeros(batch, size * k, dtype=torch.bool, device=device)
-    count = torch.ones(batch, dtype=torch.int64, device=device)
-    last_depth = gains.shape[1] - 1
-    for n in range(1, size):
-        open_ = (ids[None, :] < count[:, None]) & (depth < limit[:, None])
-        gain = gains[rows[:, None], depth.clamp(max=last_depth)]  # [B, S, K]: a node's children's gains
-        candidate = (score[..., None] + gain).view(batch, size * k)
-        valid = open_[..., None].expand(batch, size, k).reshape(batch, size * k) & ~taken
-        best = torch.where(valid, candidate, -math.inf).argmax(-1)  # the first of the highest
-        best = torch.where(valid.gather(1, best[:, None])[:, 0], best, valid.int().argmax(-1))  # all -inf
-        grows = valid.any(-1)
-        node, slot = best // k, best % k
-        node_depth = depth.gather(1, node[:, None])[:, 0]
-        score[:, n] = torch.where(grows, candidate.gather(1, best[:, None])[:, 0], score[:, n])
-        depth[:, n] = torch.where(grows, node_depth + 1, depth[:, n])
-        parent[:, n] = torch.where(grows, node, parent[:, n])
-        token[:, n] = torch.where(grows, cand_tokens[rows, node_depth.clamp(max=last_depth), slot], token[:, n])
-        bits[:, n] = torch.where(grows, bits.gather(1, node[:, None])[:, 0] | bits[:, n], bits[:, n])
-        taken.scatter_(1, best[:, None], taken.gather(1, best[:, None]) | grows[:, None])
-        count += grows.long()
-    ancestors = ((bits[..., None] >> ids) & 1).bool()  # [b, i, j]: bit j of node i
+    grown = implementation("ddtree_grow", device)(tokens.contiguous(), gains.contiguous(), limit.contiguous(),
+                                                  roots.to(torch.int32).contiguous(), size)
+    token, parent, depth, bits, score, count = grown
+    ids = torch.arange(size, device=device)
     base32 = base.to(torch.int32)
-    return TreeBatch(token, parent.to(torch.int32), depth.to(torch.int32), ancestors,
-                     base32[:, None] + depth.to(torch.int32), count.to(torch.int32), base32 + size,
-                     torch.where(ids[None, :] < count[:, None], score, 0.0).float(), bits)
+    return TreeBatch(token, parent, depth, ((bits[..., None] >> ids) & 1).bool(), base32[:, None] + depth, count,
+                     base32 + size, score.float(), bits)
+
+
+def _top_k_tokens(logprobs: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 ``[..., k]``: each row's ``k`` largest entries, the lower token first among equal ones
+    (a stable descending sort's first ``k``), by ``topk`` on exact int64 keys (order-preserving f32
+    bits, then the complemented index) instead of sorting all V."""
+    vocab = logprobs.shape[-1]
+    bits = (logprobs + 0.0).contiguous().view(torch.int32)  # + 0.0: -0 -> +0, which compare equal
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order = the floats' order
+    index = torch.arange(vocab, device=logprobs.device)
+    keys = (ordered.long() << 32) | (vocab - 1 - index)
+    return (vocab - 1 - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)).to(torch.int32)
 
 
 def greedy_tree_accept(target_logits, tree: TreeBatch, *, max_depth: int | None = None):
