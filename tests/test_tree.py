@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dspark.kernels as K
+from conftest import DEVICE
 
 
 def _tree_of(tree, b=0):
@@ -189,9 +190,11 @@ def test_the_batched_builder_equals_the_heap_rules_with_ties(seed, backend):
     threshold = 0.3 if seed % 4 == 2 else 0.0
     max_depths = torch.randint(1, p + 1, (b,), generator=g) if seed % 3 == 0 else None
     roots = torch.arange(b)
+    dev = DEVICE if backend == "triton" else "cpu"  # Triton: the GPU, or its interpreter on the CPU
     with K.use_backend(backend):
-        tree = K.ddtree_build(logits, roots, torch.zeros(b, dtype=torch.long), candidate_top_k=k, verify_size=size,
-                              depth_confidence=conf, survival_threshold=threshold, max_depths=max_depths)
+        tree = K.ddtree_build(logits.to(dev), roots.to(dev), torch.zeros(b, dtype=torch.long, device=dev),
+                              candidate_top_k=k, verify_size=size, depth_confidence=None if conf is None else conf.to(dev),
+                              survival_threshold=threshold, max_depths=None if max_depths is None else max_depths.to(dev))
     expected = _heap_tree(logits, roots, k, size, conf, threshold, max_depths)
     for row in range(b):
         n = int(tree.num_nodes[row])
@@ -206,12 +209,12 @@ def test_both_backends_grow_the_same_trees(size, k):
     widest tree, a one-node one)."""
     g = torch.Generator().manual_seed(size)
     b, p, v = 3, 7, 50
-    logits = torch.randn(b, p + 1, v, generator=g)
-    conf = torch.rand(b, p, generator=g)
+    logits = torch.randn(b, p + 1, v, generator=g).to(DEVICE)
+    conf = torch.rand(b, p, generator=g).to(DEVICE)
 
     def build():
-        return K.ddtree_build(logits, torch.tensor([3, 4, 5]), torch.tensor([0, 10, 20]), candidate_top_k=k,
-                              verify_size=size, depth_confidence=conf)
+        return K.ddtree_build(logits, torch.tensor([3, 4, 5], device=DEVICE), torch.tensor([0, 10, 20], device=DEVICE),
+                              candidate_top_k=k, verify_size=size, depth_confidence=conf)
 
     with K.use_backend("reference"):
         expected = build()
