@@ -143,7 +143,8 @@ def _heap_tree(logits, roots, k, size, conf=None, threshold=0.0, max_depths=None
     per row the (parent, depth, token) of each node after the root."""
     import heapq
 
-    lp = torch.log_softmax(logits[:, 1:], -1)  # f32, as the builder's contract computes it
+    # f32 on the logits' device, as the builder computes it (the GPU's rounding makes other near-ties)
+    lp = torch.log_softmax(logits[:, 1:], -1).cpu()
     order = torch.sort(lp, dim=-1, descending=True, stable=True)
     out = []
     for b in range(logits.shape[0]):
@@ -195,7 +196,7 @@ def test_the_batched_builder_equals_the_heap_rules_with_ties(seed, backend):
         tree = K.ddtree_build(logits.to(dev), roots.to(dev), torch.zeros(b, dtype=torch.long, device=dev),
                               candidate_top_k=k, verify_size=size, depth_confidence=None if conf is None else conf.to(dev),
                               survival_threshold=threshold, max_depths=None if max_depths is None else max_depths.to(dev))
-    expected = _heap_tree(logits, roots, k, size, conf, threshold, max_depths)
+    expected = _heap_tree(logits.to(dev), roots, k, size, conf, threshold, max_depths)
     for row in range(b):
         n = int(tree.num_nodes[row])
         got = list(zip(tree.parents[row, 1:n].tolist(), tree.depths[row, 1:n].tolist(), tree.tokens[row, 1:n].tolist()))
