@@ -218,8 +218,6 @@ class ModelRunner:
         if self.tree is not None:
             num_tokens = b * self.verify_len  # every row's tree, padding rows' too
         if chunks:
-            if self.tree is None and b:  # tokens per row a power of two: fewer mixed graphs (each a lazy capture)
-                num_tokens = b * min(self.verify_len, 1 << (num_tokens // b - 1).bit_length())
             self._mixed_step(b, rows, num_tokens, chunks)
             return
         mode = self._batch_mode(rows)
