@@ -270,6 +270,47 @@ def test_block_hidden_equals_forward_block(layer_types, sample_from_anchor):
             torch.testing.assert_close(batched[b, a], expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layer_types", [("full_attention", "sliding_attention"), ("sliding_attention",)])
+def test_block_sparse_training_attention_equals_the_dense_mask(layer_types):
+    """FlexAttention over the ``BlockMask`` (the GPU's training attention) computes what SDPA over the
+    dense ``training_mask`` does: forward on the CPU (FlexAttention has no CPU backward), forward and
+    gradients on a GPU."""
+    cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=layer_types)
+    ids = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(2))
+    context, _ = trainer.target_states(TARGET, ids, cfg.capture_layer_ids)
+    anchors = torch.tensor([[1, 7, 12, 25], [3, 9, 10, 20]])
+    block_ids = torch.full((2, 4, 5), cfg.mask_token_id)
+    block_ids[..., 0] = ids.gather(1, anchors)
+    model = random_draft(cfg, target=TARGET)
+    with torch.no_grad():
+        dense = block_hidden(model, context, block_ids, anchors, attention="dense")
+        flex = block_hidden(model, context, block_ids, anchors, attention="flex")
+    torch.testing.assert_close(flex, dense, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attention must be"):
+        block_hidden(model, context, block_ids, anchors, attention="sparse")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_block_sparse_training_gradients_equal_the_dense_mask():
+    cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=("full_attention", "sliding_attention"))
+    target = TARGET.to("cuda")
+    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    context, _ = trainer.target_states(target, ids, cfg.capture_layer_ids)
+    anchors = torch.tensor([[1, 7, 12, 25], [3, 9, 10, 30]], device="cuda")
+    block_ids = torch.full((2, 4, 5), cfg.mask_token_id, device="cuda")
+    block_ids[..., 0] = ids.gather(1, anchors)
+    grads = []
+    for attention in ("dense", "flex"):
+        model = random_draft(cfg, target=TARGET).cuda()
+        hidden = block_hidden(model, context, block_ids, anchors, attention=attention)
+        hidden.square().sum().backward()
+        grads.append((hidden.detach(), [p.grad for p in model.parameters() if p.grad is not None]))
+    TARGET.cpu()
+    torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-4, rtol=1e-4)
+    for flex, dense in zip(grads[1][1], grads[0][1], strict=True):
+        torch.testing.assert_close(flex, dense, atol=1e-3, rtol=1e-3)
+
+
 def test_training_mask_small_case():
     mask = trainer.training_mask(torch.tensor([[2, 4]]), seq_len=5, block_size=2, causal=True, window=1)
     expected = torch.tensor([

@@ -8,7 +8,9 @@ One step on a batch of token rows ``[B, S]``:
 2. ``num_anchors`` anchor positions p per row are sampled; each block ``[x_p, mask, ...]`` sits at
    positions ``p .. p+N-1`` (``block_hidden``): one batched pass of the draft layers with the
    training mask of §2.5 -- context keys ``< p`` (``>= p - W`` on sliding layers), block keys of
-   the same block only, bidirectional or causal per layer type. This is exactly what
+   the same block only, bidirectional or causal per layer type -- block-sparse on a GPU
+   (FlexAttention's ``BlockMask``: the tiles no query sees are skipped, no mask tensor), a dense
+   mask tensor with SDPA on the CPU (FlexAttention has no backward there). This is exactly what
    ``DSparkDraftModel.forward_block`` computes at inference for one anchor (tested);
 3. slot logits = ``lm_head`` + Markov bias with teacher-forced previous tokens (the token at the
    row whose target logits the slot is trained on; without ``sample_from_anchor`` slot 0, which
@@ -58,7 +60,7 @@ from .state import LoopState, gather_state, load_optimizer_state, read_training_
 __all__ = [
     "TrainOptions", "optimize", "Progress", "default_capture_layer_ids", "resolve_mask_token_id",
     "draft_config", "new_draft", "target_states", "greedy_continuation", "regenerate", "target_head_logits",
-    "sample_anchors", "training_mask", "block_hidden", "markov_logits", "target_batch", "draft_objective", "draft_loss",
+    "sample_anchors", "training_mask", "training_block_mask", "block_hidden", "markov_logits", "target_batch", "draft_objective", "draft_loss",
     "DraftStep", "adamw", "train_draft", "save_checkpoint",
 ]
 
@@ -401,6 +403,43 @@ def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: 
     return torch.cat([context, block.expand(b, -1, -1)], dim=-1)
 
 
+def training_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool, window: int | None):
+    """``training_mask`` as FlexAttention's block-sparse ``BlockMask`` (no ``[Q, K]`` tensor): the
+    same visibility as a ``mask_mod``, so whole 128 x 128 tiles that no query sees are skipped --
+    most of the context keys past a block's anchor and every other block's slots."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, a = anchors.shape
+    n = block_size
+
+    def visible(batch, head, q, kv):
+        p = anchors[batch, q // n]
+        context = (kv < seq_len) & (kv < p)
+        if window is not None:
+            context &= kv >= p - window
+        slot = kv - seq_len
+        same = (kv >= seq_len) & (slot // n == q // n)
+        if causal:
+            same &= slot % n <= q % n
+        return context | same
+
+    return create_block_mask(visible, b, None, a * n, seq_len + a * n, device=anchors.device,
+                             _compile=anchors.device.type == "cuda")
+
+
+def _flex_attention():
+    """FlexAttention, compiled once on first use (eager FlexAttention materialises the scores)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+_FLEX = None
+
+
 def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """``[B, T, heads*d]`` -> ``[B, heads, T, d]``."""
     return x.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)
@@ -423,22 +462,40 @@ def _block_attention(attn, x, context, ctx_rope, block_rope, mask) -> torch.Tens
     q = apply_rope(attn.q_norm(_heads(attn.q_proj(x), attn.num_heads, d)), cos, sin)
     k_ctx, v_ctx = _key_value(attn, context, *ctx_rope)
     k_blk, v_blk = _key_value(attn, x, *block_rope)
-    k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(rep, dim=1)
-    v = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(rep, dim=1)
+    k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
     dtype = v.dtype  # under autocast the pieces may differ in precision
-    out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v, attn_mask=mask[:, None])
+    if isinstance(mask, torch.Tensor):
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v, attn_mask=mask[:, None])
+    else:
+        flex = _flex_attention() if q.device.type == "cuda" else _eager_flex()
+        out = flex(q.to(dtype), k.to(dtype), v, block_mask=mask, scale=attn.head_dim ** -0.5, enable_gqa=rep > 1)
     return attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
+def _eager_flex():
+    """Uncompiled FlexAttention: the CPU (forward only there; tests compare it with the dense path)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
 def block_hidden(model: DSparkDraftModel, context_hidden: torch.Tensor, block_ids: torch.Tensor,
-                 anchors: torch.Tensor) -> torch.Tensor:
+                 anchors: torch.Tensor, *, attention: str = "auto") -> torch.Tensor:
     """Final-norm hidden states ``[B, A, N, H]`` of A blocks per row in one batched pass.
 
     context_hidden: ``[B, S, m*H]`` captured target states of positions ``0..S-1``;
     block_ids: int64 ``[B, A, N]`` (anchor token, then mask tokens); anchors: int64 ``[B, A]``,
     the anchor positions p (slot k at ``p+k``). Block (b, a) equals
     ``forward_block(cache with positions < p, ...)`` at inference; gradients flow.
+    ``attention``: ``"flex"`` (block-sparse FlexAttention, compiled; ``"auto"`` on a GPU) or
+    ``"dense"`` (SDPA with the ``training_mask`` tensor; ``"auto"`` on the CPU, where FlexAttention
+    has no backward).
     """
+    if attention not in ("auto", "flex", "dense"):
+        Checker("block_hidden").fail(f"attention must be 'auto', 'flex' or 'dense', got {attention!r}")
+    flex = attention == "flex" or (attention == "auto" and context_hidden.device.type == "cuda")
+    make_mask = training_block_mask if flex else training_mask
     cfg = model.config
     b, s, _ = context_hidden.shape
     a, n = block_ids.shape[1:]
@@ -452,7 +509,7 @@ def block_hidden(model: DSparkDraftModel, context_hidden: torch.Tensor, block_id
     for i, layer in enumerate(model.layers):
         kind = (cfg.layer_is_causal(i), cfg.layer_window(i))
         if kind not in masks:
-            masks[kind] = training_mask(anchors, s, n, *kind)
+            masks[kind] = make_mask(anchors, s, n, *kind)
         h = h + _block_attention(layer.self_attn, layer.input_layernorm(h), context, ctx_rope, block_rope, masks[kind])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h).view(b, a, n, -1)
