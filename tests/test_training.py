@@ -553,3 +553,19 @@ def test_optimize_logs_the_last_step_and_ends_the_bar_at_100_percent():
                               torch.zeros(4, 2, dtype=torch.long), options, device="cpu", stream=stream)
     assert len(losses) == 4  # steps 1, 2, 4 and the last, 5
     assert stream.getvalue().splitlines()[-1].startswith("train [####################] 100% step 5 loss")
+
+
+def test_the_trainer_benchmark_runs_on_the_cpu(tmp_path, capsys):
+    """``python -m dspark.bench.train`` (a tiny shape, the dense attention: FlexAttention trains on GPUs only)."""
+    from dspark.bench import train as bench
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, tie_word_embeddings=False, capture=[0, 1])
+    assert bench.main(["--out", str(tmp_path), "--shape", json.dumps(shape), "--vocab", "256", "--seq-lens", "48",
+                       "--anchors", "4", "--attention", "dense", "--steps", "2", "--device", "cpu"]) == 0
+    row = json.loads((tmp_path / "train.json").read_text())["rows"][0]
+    assert row["tokens_per_s"] > 0 and row["tflops_per_step"] >= 0 and row["block_tokens"] == 4 * 7
+    assert "| 48 | 4 | dense |" in (tmp_path / "train.md").read_text()
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--attention", "flex", "--device", "cpu"])
+    assert "needs a GPU" in capsys.readouterr().err

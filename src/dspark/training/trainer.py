@@ -551,13 +551,13 @@ def target_batch(target, config: DSparkConfig, input_ids: torch.Tensor, anchors:
 def draft_objective(model: DSparkDraftModel, context: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor,
                     prev: torch.Tensor, target_logits: torch.Tensor, weights: torch.Tensor, *,
                     confidence_backprop: bool = False, greedy_confidence: bool = False,
-                    mean_over_ranks: Callable | None = None) -> DSparkLoss:
+                    mean_over_ranks: Callable | None = None, attention: str = "auto") -> DSparkLoss:
     """The draft's side of the objective on ``target_batch``'s tensors (steps 2-4 of the module
     docstring). The confidence head reads detached ``[h ; W1[prev]]`` unless
     ``confidence_backprop`` (see the module docstring); ``greedy_confidence`` and
-    ``mean_over_ranks`` as in ``dspark_loss``."""
+    ``mean_over_ranks`` as in ``dspark_loss``; ``attention`` as in ``block_hidden``."""
     n = model.config.block_size
-    hidden = block_hidden(model, context, block_ids, anchors)
+    hidden = block_hidden(model, context, block_ids, anchors, attention=attention)
     flat_hidden = hidden.reshape(-1, n, hidden.shape[-1])
     logits = markov_logits(model, flat_hidden, prev)
     confidence = None
@@ -587,12 +587,12 @@ class DraftStep(torch.nn.Module):
     the loss is normalised over the global batch (``World.mean``)."""
 
     def __init__(self, draft: DSparkDraftModel, weights: torch.Tensor, *, confidence_backprop: bool = False,
-                 greedy_confidence: bool = False, world: World = SINGLE):
+                 greedy_confidence: bool = False, world: World = SINGLE, attention: str = "auto"):
         super().__init__()
         self.draft = draft
         self.weights = weights  # a plain attribute: DDP would broadcast a buffer every step
         self.options = dict(confidence_backprop=confidence_backprop, greedy_confidence=greedy_confidence,
-                            mean_over_ranks=world.mean if world.distributed else None)
+                            mean_over_ranks=world.mean if world.distributed else None, attention=attention)
 
     def forward(self, context, block_ids, anchors, prev, target_logits) -> DSparkLoss:
         return draft_objective(self.draft, context, block_ids, anchors, prev, target_logits, self.weights,
