@@ -168,6 +168,7 @@ def test_frontier_summary_checks_the_targets_and_the_outputs(tmp_path):
     (["--shape", "nope"], "--shape must be one of"), (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--traces", "/nonexistent.json"], "--traces: traces '/nonexistent.json': not a readable JSON"),
     (["--concurrency", "1,x"], "--concurrency must be comma-separated"), (["--configs", "fast"], "--configs must name"),
+    (["--prompt-tokens", "128", "--prompt-tokens-max", "64"], "--prompt-tokens-max must be >= --prompt-tokens"),
 ])
 def test_frontier_flags_are_checked_before_anything_runs(tmp_path, capsys, flags, message):
     from dspark.bench.frontier import main
@@ -176,3 +177,22 @@ def test_frontier_flags_are_checked_before_anything_runs(tmp_path, capsys, flags
         main(["--out", str(tmp_path / "run"), *flags])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_mixed_settings_workload_mixes_every_batch_and_repeats_each_prompt():
+    """``bench.serve --mixed-settings``: prompt i always gets the i-th setting and seed i (so its
+    sampled tokens repeat: request-stable), and consecutive prompts cover greedy and the three
+    sampled settings; ``--random-prompts-max`` draws seeded lengths in the range."""
+    from dspark.bench import serve
+
+    args, _ = serve.parse_args(["--out", "x", "--mixed-settings", "--random-prompts", "8", "--random-prompts-max", "20",
+                                "--vocab", "50", "--num-prompts", "16"])
+    bodies = [serve.request_body([1], args, 4, i) for i in range(8)]
+    assert [b["temperature"] for b in bodies[:4]] == [0.0, 0.7, 1.0, 1.0] and "seed" not in bodies[0]
+    assert [b.get("seed") for b in bodies[4:]] == [None, 5, 6, 7] and bodies[5]["top_p"] == 0.9
+    assert serve.request_body([1], args, 4, 6) == bodies[6]
+    prompts = serve.make_prompts(args)
+    assert prompts == serve.make_prompts(args) and all(8 <= len(p) <= 20 for p in prompts)
+    assert len({len(p) for p in prompts}) > 1 and all(0 <= t < 50 for p in prompts for t in p)
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--out", "x", "--mixed-settings", "--temperature", "0.5"])

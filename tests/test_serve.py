@@ -484,7 +484,7 @@ def test_serve_benchmark_load_generator(served, prompts, tmp_path):
     from dspark.bench.serve import benchmark, plot
 
     args = argparse.Namespace(concurrency=[1, 3], requests_per_client=2, max_tokens=6, warmup_tokens=2,
-                              temperature=0.0, model=None, request_timeout=TIMEOUT)
+                              temperature=0.0, mixed_settings=False, model=None, request_timeout=TIMEOUT)
     levels, outputs = asyncio.run(benchmark(args, served[0].url, prompts[:4]))
     assert sorted(outputs) == [0, 1, 2, 3] and all(len(ids) == 6 for ids in outputs.values())  # each prompt's first answer
     assert [(lv["concurrency"], lv["requests"], lv["failed"], lv["mismatched"]) for lv in levels] == [(1, 2, 0, 0),

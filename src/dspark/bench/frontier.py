@@ -13,6 +13,13 @@ replay: ``python -m dspark.bench.frontier --out DIR`` (on a GPU; the paper's Fig
 3. ``DIR/frontier.md`` / ``frontier.json``: per concurrency and configuration total tokens/s, tokens/s
    per request, TTFT, inter-token latency p50 / p99, tau, failed requests; whether every prompt got
    the same tokens from all three (greedy: it must); the targets. ``DIR/frontier.png``: the frontier.
+
+``--prompt-tokens-max N``: prompt lengths drawn from ``[--prompt-tokens, N]`` (seeded), e.g. 128 to
+2048. ``--workload mixed``: instead of the three configurations, plain decoding and DSpark with a
+random drafter drafting for real (``bench.replay.random_engine``: tau ~ 1, since acceptance replay
+serves greedy requests only) are each driven twice, with greedy requests and with ``bench.serve
+--mixed-settings`` (every batch mixes greedy rows and three sampled settings, each request with its
+own seed); ``DIR/mixed.md`` / ``mixed.json`` put the two side by side per concurrency.
 """
 
 from __future__ import annotations
@@ -56,17 +63,68 @@ def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
     return path
 
 
-def run_config(label: str, args, spec: dict, cost_table: Path) -> int:
-    factory, scheduler = CONFIGS[label]
+def run_config(label: str, args, spec: dict, cost_table: Path | None, *, factory: str | None = None,
+               scheduler: list[str] | None = None, load_extra: tuple[str, ...] = ()) -> int:
+    """Serve one configuration (``CONFIGS[label]`` unless ``factory`` / ``scheduler`` are given) and
+    drive it with ``bench.serve``; ``load_extra``: more load-generator arguments."""
+    if factory is None:
+        factory, scheduler = CONFIGS[label]
+    longest = args.prompt_tokens_max or args.prompt_tokens
     server = ["--engine-factory", f"dspark.bench.replay:{factory}", "--max-batch", str(args.max_batch),
-              "--max-model-len", str(args.prompt_tokens + args.max_tokens + 64), "--device", args.device,
+              "--max-model-len", str(longest + args.max_tokens + 64), "--device", args.device,
               "--served-model-name", label] + [a.format(cost_table=cost_table) for a in scheduler]
     load = ["--out", args.out, "--label", label, "--concurrency", args.concurrency,
             "--requests-per-client", str(args.requests_per_client), "--max-tokens", str(args.max_tokens),
             "--random-prompts", str(args.prompt_tokens), "--vocab", str(spec["vocab"]),
-            "--num-prompts", str(args.num_prompts)]
+            "--num-prompts", str(args.num_prompts), *load_extra]
+    if args.prompt_tokens_max:
+        load += ["--random-prompts-max", str(args.prompt_tokens_max)]
     print(f"== {label}: python -m dspark.bench.serve {' '.join(load)} -- {' '.join(server)}", flush=True)
     return serve.main(load + ["--"] + server)
+
+
+MIXED_CONFIGS = {  # the mixed-settings workload: drafts for real (acceptance replay serves greedy requests only)
+    "plain": ("plain_engine", []),
+    "dspark-random": ("random_engine", ["--scheduler", "off"]),
+}
+
+
+def run_mixed(args, spec: dict) -> int:
+    """``--workload mixed``: each of ``MIXED_CONFIGS`` under greedy requests (``<label>``) and under
+    ``bench.serve --mixed-settings`` (``<label>-mixed``: greedy and three sampled settings in every
+    batch); ``DIR/mixed.md`` / ``mixed.json``: total tokens/s of the two side by side per
+    concurrency, and issue 22's target (mixed within 10 % of single-setting at every concurrency)."""
+    status, out = 0, Path(args.out)
+    for label, (factory, scheduler) in MIXED_CONFIGS.items():
+        status |= run_config(label, args, spec, None, factory=factory, scheduler=scheduler)
+        status |= run_config(f"{label}-mixed", args, spec, None, factory=factory, scheduler=scheduler,
+                             load_extra=("--mixed-settings",))
+    rows = []
+    for label in MIXED_CONFIGS:
+        runs = [{lv["concurrency"]: lv for lv in json.loads((out / f"{name}.json").read_text())["levels"]}
+                for name in (label, f"{label}-mixed")]
+        for c in sorted(set(runs[0]) & set(runs[1])):
+            single, mixed = (r[c]["total_tokens_per_s"] for r in runs)
+            rows.append(dict(config=label, concurrency=c, single_tokens_per_s=single, mixed_tokens_per_s=mixed,
+                             ratio=_ratio(mixed, single), single_step_ms=runs[0][c].get("engine_step_ms"),
+                             mixed_step_ms=runs[1][c].get("engine_step_ms"),
+                             failed=runs[0][c]["failed"] + runs[1][c]["failed"]))
+    result = {"spec": spec, "command": "python -m dspark.bench.frontier " + " ".join(sys.argv[1:]),
+              "environment": _environment(args.device), "settings": list(serve.MIXED_SETTINGS), "levels": rows,
+              "mixed within 10 % of single at every concurrency": all((r["ratio"] or 0) >= 0.9 for r in rows)}
+    (out / "mixed.json").write_text(json.dumps(result, indent=1))
+    lines = [f"Environment: {result['environment']}; mixed settings: {result['settings']}", "",
+             "| config | C | single-setting tok/s | mixed tok/s | mixed / single | step ms single / mixed | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        steps = "/".join("-" if x is None else f"{x:.2f}" for x in (r["single_step_ms"], r["mixed_step_ms"]))
+        lines.append(f"| {r['config']} | {r['concurrency']} | {r['single_tokens_per_s']:.1f} | "
+                     f"{r['mixed_tokens_per_s']:.1f} | {r['ratio']} | {steps} | {r['failed']} |")
+    lines += ["", f"Mixed within 10 % of single-setting at every concurrency: "
+                  f"**{result['mixed within 10 % of single at every concurrency']}**"]
+    (out / "mixed.md").write_text("\n".join(lines) + "\n")
+    print((out / "mixed.md").read_text())
+    return status
 
 
 def summarize(out: Path, labels: list[str]) -> dict:
@@ -176,6 +234,8 @@ def _check(parser, args) -> tuple:
     for name in ("requests_per_client", "max_tokens", "prompt_tokens", "num_prompts", "max_batch", "draft_rank"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prompt_tokens_max is not None and args.prompt_tokens_max < args.prompt_tokens:
+        parser.error(f"--prompt-tokens-max must be >= --prompt-tokens ({args.prompt_tokens}), got {args.prompt_tokens_max}")
     if args.vocab is not None and args.vocab < 2:
         parser.error(f"--vocab must be >= 2, got {args.vocab}")
     try:
@@ -215,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens-max", type=int, default=None,
+                        help="prompt lengths drawn from [--prompt-tokens, this] (default: all --prompt-tokens)")
+    parser.add_argument("--workload", choices=("single", "mixed"), default="single",
+                        help="single: greedy requests, plain / fixed / scheduled with acceptance replay; mixed: "
+                             "plain and a random drafter under greedy and under mixed greedy / sampled requests")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--summarize-only", action="store_true",
@@ -236,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     spec = {"shape": shape, "vocab": args.vocab or VOCAB, "device": args.device, "dtype": args.dtype,
             "draft_rank": args.draft_rank, "traces": args.traces, "num_prompts": args.num_prompts,
-            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}
+            "prompt_tokens": args.prompt_tokens, "prompt_tokens_max": args.prompt_tokens_max,
+            "max_tokens": args.max_tokens}
     os.environ["DSPARK_REPLAY"] = json.dumps(spec)  # the servers' engine factories read it
+    if args.workload == "mixed":
+        return run_mixed(args, spec)
     start = time.time()
     cost_table = profile(spec, out, num_drafts, args.max_batch)
     print(f"profiled the verify forward in {time.time() - start:.0f} s: {cost_table}", flush=True)

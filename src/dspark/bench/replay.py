@@ -21,8 +21,9 @@ pair's were, so that tau and the confidence-acceptance relation are real while t
   run (their cost), the target verifies for real, and the output is the target's own greedy output.
   When a scheduler verifies fewer drafts than the trace accepted, the round accepts that many; the
   next round replays the next recorded one.
-* ``plain_engine`` / ``replay_engine``: ``dspark serve --engine-factory`` functions; their settings
-  come from the JSON in ``$DSPARK_REPLAY`` (written by ``bench.frontier``).
+* ``plain_engine`` / ``replay_engine`` / ``random_engine`` (a random drafter drafting for real):
+  ``dspark serve --engine-factory`` functions; their settings come from the JSON in
+  ``$DSPARK_REPLAY`` (written by ``bench.frontier``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import torch
 
 from ..engine import EngineConfig, LLMEngine, Request
 
-__all__ = ["ReplayEngine", "TRACES", "load_traces", "peaked_target", "plain_engine", "record_traces", "replay_engine"]
+__all__ = ["ReplayEngine", "TRACES", "load_traces", "peaked_target", "plain_engine", "random_engine", "record_traces",
+           "replay_engine"]
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "demo" / "replay_traces.json"
 EMBED_SCALE = 1e4  # embeddings of std 0.02 * 1e4 = 200 against a residual stream of order 10 from the layers
@@ -177,6 +179,18 @@ def plain_engine(config: EngineConfig) -> LLMEngine:
     return LLMEngine(_target(_spec()), None, config)
 
 
+def random_engine(config: EngineConfig) -> LLMEngine:
+    """``--engine-factory dspark.bench.replay:random_engine``: the peaked target and a random DSpark
+    drafter of its shape, drafting for real (nearly every draft rejected, tau ~ 1): DSpark's
+    mechanics and cost under any request settings, greedy and sampled (the mixed-settings workload
+    of ``bench.frontier``; acceptance replay serves greedy requests only)."""
+    from .engine import random_drafter
+
+    spec = _spec()
+    target = _target(spec)
+    return LLMEngine(target, random_drafter(target, _shape(spec), rank=spec.get("draft_rank", 256)), config)
+
+
 def replay_engine(config: EngineConfig) -> ReplayEngine:
     """``--engine-factory dspark.bench.replay:replay_engine``: the peaked target and a random DSpark
     drafter of its shape (``bench.engine.random_drafter``, Markov rank ``draft_rank``) under
@@ -191,7 +205,8 @@ def replay_engine(config: EngineConfig) -> ReplayEngine:
     if traces["num_drafts"] != draft.config.num_draft_tokens:
         raise ValueError(f"the traces have {traces['num_drafts']} drafts per round, the drafter "
                          f"{draft.config.num_draft_tokens}")
-    prompts = random_prompts(spec["num_prompts"], spec["prompt_tokens"], target.config.vocab_size)
+    prompts = random_prompts(spec["num_prompts"], spec["prompt_tokens"], target.config.vocab_size,
+                             spec.get("prompt_tokens_max"))
     return ReplayEngine(target, draft, config, prompts, traces["traces"], spec["max_tokens"])
 
 

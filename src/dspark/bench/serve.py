@@ -3,7 +3,8 @@
 A bounded asyncio load generator (httpx, nothing else): at each concurrency C (``--concurrency``,
 default 1, 2, 4, ..., 64), C clients send streaming completion requests back to back,
 ``--requests-per-client`` each; every request asks for ``--max-tokens`` new tokens with
-``ignore_eos`` (greedy unless ``--temperature``). The server is ``--url``, or is started here as
+``ignore_eos`` (greedy unless ``--temperature``; ``--mixed-settings``: prompt i with the i-th of
+four settings, greedy and sampled, so that every batch mixes them). The server is ``--url``, or is started here as
 ``python -m dspark.cli serve --port 0 ARGS`` with the arguments after ``--``, e.g.::
 
     python -m dspark.bench.serve --out docs/serve --label dspark-sps -- --scheduler sps --max-batch 64
@@ -232,31 +233,41 @@ def wait_healthy(client_sync, url: str, timeout: float) -> None:
 # ---------------------------------------------------------------------------------------- prompts
 
 
-def random_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
-    """``count`` prompts of ``length`` random token ids in ``[0, vocab)`` (seeded: always the same)."""
+# --mixed-settings: prompt i is sent with MIXED_SETTINGS[i % 4] (seed i when sampled), so every prompt
+# repeats its own setting and tokens (request-stable) and every batch mixes greedy and sampled rows
+MIXED_SETTINGS = ({"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0, "top_p": 0.95},
+                  {"temperature": 1.0})
+
+
+def random_prompts(count: int, length: int, vocab: int, max_length: int | None = None) -> list[list[int]]:
+    """``count`` prompts of random token ids in ``[0, vocab)``, ``length`` tokens each or, with
+    ``max_length``, a length drawn uniformly from ``[length, max_length]`` (seeded: always the same)."""
     import random
 
     rng = random.Random(0)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+    lengths = [length if max_length is None else rng.randint(length, max_length) for _ in range(count)]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def make_prompts(args) -> list:
     """Text prompts (the demo pair's held-out files) or random token ids (``--random-prompts``)."""
     if args.random_prompts:
-        return random_prompts(args.num_prompts, args.random_prompts, args.vocab)
+        return random_prompts(args.num_prompts, args.random_prompts, args.vocab, args.random_prompts_max)
     from dspark.training.data import demo_pair, read_prompts
 
     records = read_prompts(str(demo_pair().prompts))
     return [records[i % len(records)]["text"][:args.prompt_chars] for i in range(args.num_prompts)]
 
 
-def request_body(prompt, args, max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature, "ignore_eos": True,
+def request_body(prompt, args, max_tokens: int, index: int = 0) -> dict:
+    """The request for prompt ``index``: ``--temperature`` for all, or its ``MIXED_SETTINGS`` entry."""
+    setting = MIXED_SETTINGS[index % len(MIXED_SETTINGS)] if args.mixed_settings else {"temperature": args.temperature}
+    body = {"prompt": prompt, "max_tokens": max_tokens, **setting, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     if args.model:
         body["model"] = args.model
-    if args.temperature > 0:
-        body["seed"] = 0  # every request repeats: a mismatch is then a bug, not chance
+    if setting["temperature"] > 0:
+        body["seed"] = index  # every request of a prompt repeats: a mismatch is then a bug, not chance
     return body
 
 
@@ -275,12 +286,13 @@ async def benchmark(args, url: str, prompts: list) -> tuple[list[dict], dict[int
     with httpx.Client(timeout=30) as sync:
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
             for c in args.concurrency:
-                warm = [request_body(prompts[i % len(prompts)], args, args.warmup_tokens) for i in range(c)]
+                warm = [request_body(prompts[i % len(prompts)], args, args.warmup_tokens, i % len(prompts))
+                        for i in range(c)]
                 await run_level(client, warm, c)
                 n = c * args.requests_per_client
                 which = [i % len(prompts) for i in range(n)]
                 before = scrape(sync, url)
-                bodies = [request_body(prompts[i], args, args.max_tokens) for i in which]
+                bodies = [request_body(prompts[i], args, args.max_tokens, i) for i in which]
                 records, wall, full_until = await run_level(client, bodies, c)
                 after = scrape(sync, url)
                 level = summarize(records, wall, c, full_until)
@@ -367,6 +379,11 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--prompt-chars", type=int, default=600, help="characters of each held-out file's start")
     parser.add_argument("--random-prompts", type=int, default=0, metavar="TOKENS",
                         help="random token-id prompts of this length instead (a target without a tokenizer)")
+    parser.add_argument("--random-prompts-max", type=int, default=None, metavar="TOKENS",
+                        help="with --random-prompts N: prompt lengths drawn from [N, TOKENS] (default: all N)")
+    parser.add_argument("--mixed-settings", action="store_true",
+                        help="prompt i with the i-th of greedy, T 0.7 / top-p 0.9, T 1 / top-p 0.95, T 1 (seed i); "
+                             "instead of --temperature")
     parser.add_argument("--vocab", type=int, default=0, help="vocabulary size for --random-prompts")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for the server to start")
@@ -382,6 +399,11 @@ def parse_args(argv: list[str] | None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.random_prompts and args.vocab < 1:
         parser.error("--random-prompts needs --vocab (the target's vocabulary size)")
+    if args.random_prompts_max is not None and not 1 <= args.random_prompts <= args.random_prompts_max:
+        parser.error(f"--random-prompts-max needs --random-prompts N with N <= it, got N = {args.random_prompts} "
+                     f"and {args.random_prompts_max}")
+    if args.mixed_settings and args.temperature:
+        parser.error("--mixed-settings sets each request's temperature: leave out --temperature")
     if args.url and server_args:
         parser.error("--url drives a running server: no server arguments after --")
     return args, server_args
@@ -409,7 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"label": args.label, "url": args.url, "server_args": server_args, "models": models,
               "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
               "temperature": args.temperature,
-              "prompts": f"random ids x {args.random_prompts}" if args.random_prompts
+              "sampling": list(MIXED_SETTINGS) if args.mixed_settings else [{"temperature": args.temperature}],
+              "prompts": (f"random ids x {args.random_prompts}" + (f"..{args.random_prompts_max}"
+                                                                    if args.random_prompts_max else ""))
+              if args.random_prompts
               else f"demo held-out files, first {args.prompt_chars} characters",
               "server_exit_status": status, "levels": levels,
               "outputs": {str(i): ids for i, ids in sorted(outputs.items())}}
