@@ -160,11 +160,12 @@ def test_commands_take_hub_names_from_the_cache(hub, tmp_path):
     done = subprocess.run(generate, capture_output=True, text=True, env=_env(cache), timeout=300)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["generated_ids"]) == 6
-    profile = [sys.executable, "-m", "dspark", "profile", "--target", "tiny/target", "--max-tokens", "2",
-               "--context", "4", "--out", str(tmp_path / "cost.json"), *common]
+    profile = [sys.executable, "-m", "dspark", "profile", "--target", "tiny/target", "--draft", "tiny/draft",
+               "--max-tokens", "2", "--context", "4", "--out", str(tmp_path / "cost.json"), *common]
     done = subprocess.run(profile, capture_output=True, text=True, env=_env(cache), timeout=300)
     assert done.returncode == 0, done.stderr
-    assert json.loads((tmp_path / "cost.json").read_text())["target"] == "tiny/target"
+    table = json.loads((tmp_path / "cost.json").read_text())
+    assert table["target"] == "tiny/target" and table["draft_rows"] == [1] and table["draft_time_ms"][0] > 0
     missing = [*generate[:4], "--target", "nobody/nothing", "--draft", "tiny/draft", *generate[8:]]
     done = subprocess.run(missing, capture_output=True, text=True, env=_env(cache), timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr

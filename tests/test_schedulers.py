@@ -33,6 +33,34 @@ def test_cost_table_reads_tensorrt_llm_json(tmp_path):
         SPSCostTable.from_json(str(path))
 
 
+def test_cost_table_draft_pass_curve(tmp_path):
+    table = SPSCostTable((1, 64), (2.0, 4.0), draft_rows=(1, 8, 64), draft_time_ms=(1.0, 1.5, 3.0))
+    assert table.draft_time(1) == pytest.approx(1.0) and table.draft_time(36) == pytest.approx(2.25)
+    assert table.draft_time(128) == pytest.approx(3.0 + 64 * 1.5 / 56)  # the last segment continued
+    assert SPSCostTable((1,), (1.0,)).draft_time(8) == 0.0  # no curve: no draft cost
+    path = tmp_path / "cost.json"
+    table.write_json(path, device="cpu")
+    assert SPSCostTable.from_json(str(path)) == table
+    with pytest.raises(ValueError, match="draft_rows must be strictly increasing"):
+        SPSCostTable((1,), (1.0,), draft_rows=(4, 2), draft_time_ms=(1.0, 1.0))
+    with pytest.raises(ValueError, match="as long as draft_time_ms"):
+        SPSCostTable((1,), (1.0,), draft_rows=(4,), draft_time_ms=())
+
+
+def test_the_draft_pass_makes_verifying_more_pay():
+    """A round's draft pass costs the same whatever it verifies, so with it in the step time one more
+    token's share of the step is smaller and Algorithm 1 admits drafts it stopped at before."""
+    from dspark.engine.schedulers import batch_schedule
+
+    confidences = torch.tensor([[0.9, 0.6, 0.5, 0.5]] * 2).numpy()
+    verify_only = SPSCostTable((2, 10), (2.0, 10.0))  # 1 ms a token
+    with_draft = SPSCostTable((2, 10), (2.0, 10.0), draft_rows=(1, 2), draft_time_ms=(20.0, 20.0))
+    fewer, more = (batch_schedule(confidences, t, 0.0) for t in (verify_only, with_draft))
+    # survivals 0.9, 0.54, 0.27, 0.135 per row; with the 20 ms pass the 0.27s still raise the goodput
+    # (5.42 tokens / 28 ms) and the 0.135s do not (5.555 / 29)
+    assert fewer == [1, 1] and more == [3, 3]
+
+
 @pytest.mark.parametrize(
     "counts, times, match",
     [((2, 2), (1.0, 2.0), "strictly increasing"), ((1, 2), (1.0,), "equal length"), ((0,), (1.0,), "token_counts"),

@@ -1,8 +1,8 @@
 """The throughput-interactivity frontier of ``dspark serve`` with an 8B-shaped target and acceptance
 replay: ``python -m dspark.bench.frontier --out DIR`` (on a GPU; the paper's Fig. 7).
 
-1. Profile the target's verify forward per total token count (``dspark profile``'s measurement) into
-   ``DIR/cost_table.json``.
+1. Profile the target's verify forward per total token count and the draft pass per batch size
+   (``dspark profile --draft``'s measurements) into ``DIR/cost_table.json``.
 2. Serve the target three times (``dspark serve --engine-factory dspark.bench.replay:...``) and drive
    each with ``python -m dspark.bench.serve`` at concurrency 1, 2, 4, ..., 64: ``plain`` decoding,
    ``dspark-fixed`` (DSpark verifying every draft: ``--scheduler off``) and ``dspark-scheduled``
@@ -54,6 +54,18 @@ def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
     context = spec["prompt_tokens"] + spec["max_tokens"] // 2
     table = profile_verify(target, default_token_counts(max_batch * (num_drafts + 1)), context=context,
                            tokens_per_row=num_drafts + 1)
+    # the round's draft pass per batch size: the same random drafter the DSpark servers build
+    from dataclasses import replace
+
+    from ..engine import EngineConfig, LLMEngine
+    from ..engine.profile import profile_draft
+    from .engine import random_drafter
+    from .replay import _shape
+
+    engine = LLMEngine(target, random_drafter(model, _shape(spec), rank=spec.get("draft_rank", 256)),
+                       EngineConfig(max_batch=max_batch, max_model_len=context + 64))
+    table = replace(table, **dict(zip(("draft_rows", "draft_time_ms"), profile_draft(engine))))
+    del engine
     path = out / "cost_table.json"
     table.write_json(path, device=spec["device"], target=f"bench.replay.peaked_target({spec['shape']!r})",
                      context=context)

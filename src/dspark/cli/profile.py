@@ -3,7 +3,8 @@
 Times one target forward per total verify token count (blocks of --tokens-per-row tokens over
 --context cached positions; CUDA graphs on a GPU) and writes TensorRT-LLM's cost-table JSON
 (``token_counts``, ``step_time_ms``), which ``dspark generate/serve --scheduler cost --cost-table``
-read.
+read. With --draft it also times the round's draft pass at each batch size of the engine
+(``draft_rows``, ``draft_time_ms``: a dspark addition the cost scheduler adds to every round).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="largest total verify token count")
     parser.add_argument("--context", type=int, default=512, help="cached positions per request")
     parser.add_argument("--tokens-per-row", type=int, default=8, help="verify tokens per request (P + 1)")
+    parser.add_argument("--draft", help="DSpark draft (a directory or a Hub name): also time its draft pass per "
+                                        "batch size (default: none, the verify forward only)")
     parser.add_argument("--out", default="cost_table.json", help="JSON file to write")
     add_runtime_arguments(parser)
 
@@ -34,13 +37,29 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         device, dtype = runtime(args)
-        resolve_pair(args, drafts="none")
+        resolve_pair(args, drafts="one" if args.draft else "none")
         target = TargetLM.from_pretrained(args.target, device=device, dtype=dtype)
-    except (ValueError, OSError) as exc:
+        engine = None
+        if args.draft:
+            from dspark.engine import EngineConfig, LLMEngine
+
+            engine = LLMEngine(target, args.draft, EngineConfig(
+                max_batch=max(1, args.max_tokens // args.tokens_per_row), max_model_len=args.context + 64,
+                device=device, dtype=dtype))
+    except (ValueError, OSError, TypeError) as exc:
         print(f"dspark profile: {exc}", file=sys.stderr)
         return 2
     table = profile_verify(target, default_token_counts(args.max_tokens), context=args.context,
                            tokens_per_row=args.tokens_per_row)
+    if engine is not None:
+        from dataclasses import replace
+
+        from dspark.engine.profile import profile_draft
+
+        rows, times = profile_draft(engine)
+        table = replace(table, draft_rows=rows, draft_time_ms=times)
+        for n, t in zip(rows, times):
+            print(f"{n:6d} rows    {t:8.3f} ms draft pass")
     table.write_json(args.out, device=str(device), target=args.target_name, context=args.context)
     for n, t in zip(table.token_counts, table.step_time_ms):
         print(f"{n:6d} tokens  {t:8.3f} ms")

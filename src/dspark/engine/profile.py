@@ -1,5 +1,5 @@
-"""Profile the target's verify forward per total token count: the cost table of the ``cost``
-scheduler (paper Algorithm 1, runtime.md "Cost tables").
+"""Profile the target's verify forward per total token count, and the round's draft pass per batch
+size: the cost table of the ``cost`` scheduler (paper Algorithm 1, runtime.md "Cost tables").
 
 Each point times one forward of ``N`` flat tokens spread over requests of at most ``tokens_per_row``
 tokens (a verify block), each with ``context`` cached positions, on the engine's own target runner:
@@ -14,9 +14,10 @@ import time
 import torch
 
 from ..model.llama import AttentionBatch, TargetLM
+from .drafting import SamplingParams
 from .schedulers import SPSCostTable
 
-__all__ = ["default_token_counts", "profile_verify"]
+__all__ = ["default_token_counts", "profile_draft", "profile_verify"]
 
 
 def default_token_counts(max_tokens: int) -> list[int]:
@@ -51,6 +52,16 @@ def profile_verify(target: TargetLM, token_counts: list[int], *, context: int = 
 
         times.append(_median_ms(forward, reps, dev))
     return SPSCostTable(tuple(token_counts), tuple(round(t, 4) for t in times))
+
+
+@torch.inference_mode()
+def profile_draft(engine, reps: int = 20) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Median milliseconds of a round's draft pass (draft context, block, Markov chain, confidence;
+    greedy) of ``engine`` (an ``LLMEngine`` with a draft, nothing running) at each of its batch
+    buckets: ``(draft_rows, draft_time_ms)`` of an ``SPSCostTable``."""
+    runner, greedy = engine.runner, SamplingParams()
+    times = [_median_ms(lambda b=b: runner._draft_rows(b, b, greedy), reps, runner.device) for b in runner.buckets]
+    return tuple(runner.buckets), tuple(round(t, 4) for t in times)
 
 
 def _median_ms(fn, reps: int, device: torch.device) -> float:

@@ -28,11 +28,16 @@ class SPSCostTable:
     ``token_counts`` strictly increasing, ``step_time_ms`` of the same length (> 0),
     ``fixed_overhead_ms`` added to every step. Between points the time is interpolated linearly;
     outside the table it is extrapolated from the nearest segment (a one-point table is flat).
+    ``draft_rows`` / ``draft_time_ms`` (a dspark addition; may be empty): the round's draft pass --
+    context, block, Markov chain, confidence -- per batch rows, interpolated the same way: a cost
+    every round pays whatever it verifies, so it moves where admitting one more draft stops paying.
     """
 
     token_counts: tuple[int, ...]
     step_time_ms: tuple[float, ...]
     fixed_overhead_ms: float = 0.0
+    draft_rows: tuple[int, ...] = ()
+    draft_time_ms: tuple[float, ...] = ()
 
     def __post_init__(self):
         c = Checker("SPSCostTable")
@@ -43,10 +48,17 @@ class SPSCostTable:
         if any(b <= a for a, b in zip(counts, counts[1:])):
             c.fail(f"token_counts must be strictly increasing, got {counts}")
         c.real("fixed_overhead_ms", self.fixed_overhead_ms, low=0.0)
+        rows = [c.integer("draft_rows[]", n, low=1) for n in self.draft_rows]
+        draft = [c.real("draft_time_ms[]", t, low=0.0) for t in self.draft_time_ms]
+        if len(rows) != len(draft) or any(b <= a for a, b in zip(rows, rows[1:])):
+            c.fail(f"draft_rows must be strictly increasing and as long as draft_time_ms, got {rows} and {draft}")
         object.__setattr__(self, "token_counts", tuple(counts))
         object.__setattr__(self, "step_time_ms", tuple(times))
-        # the table as arrays once: the scheduler interpolates it every round
+        object.__setattr__(self, "draft_rows", tuple(rows))
+        object.__setattr__(self, "draft_time_ms", tuple(draft))
+        # the curves as arrays once: the scheduler interpolates them every round
         object.__setattr__(self, "_grid", (np.asarray(counts, dtype=np.float64), np.asarray(times, dtype=np.float64)))
+        object.__setattr__(self, "_draft_grid", (np.asarray(rows, dtype=np.float64), np.asarray(draft, dtype=np.float64)))
 
     @classmethod
     def from_json(cls, path: str) -> "SPSCostTable":
@@ -57,7 +69,8 @@ class SPSCostTable:
         missing = [k for k in ("token_counts", "step_time_ms") if k not in d]
         if missing:
             Checker("SPSCostTable.from_json").fail(f"{path} is missing the key(s) {missing}")
-        return cls(tuple(d["token_counts"]), tuple(d["step_time_ms"]), d.get("fixed_overhead_ms", 0.0))
+        return cls(tuple(d["token_counts"]), tuple(d["step_time_ms"]), d.get("fixed_overhead_ms", 0.0),
+                   tuple(d.get("draft_rows", ())), tuple(d.get("draft_time_ms", ())))
 
     def write_json(self, path, **info) -> None:
         """Write the table as ``from_json`` reads it (TensorRT-LLM's keys), plus ``info`` (where and
@@ -65,6 +78,8 @@ class SPSCostTable:
         data = {"token_counts": list(self.token_counts), "step_time_ms": list(self.step_time_ms), **info}
         if self.fixed_overhead_ms:
             data["fixed_overhead_ms"] = self.fixed_overhead_ms
+        if self.draft_rows:
+            data.update(draft_rows=list(self.draft_rows), draft_time_ms=list(self.draft_time_ms))
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
 
@@ -81,6 +96,16 @@ class SPSCostTable:
         i = np.clip(np.searchsorted(n, tokens, side="left"), 1, len(n) - 1)
         slope = (t[i] - t[i - 1]) / (n[i] - n[i - 1])
         return t[i - 1] + slope * (tokens - n[i - 1]) + self.fixed_overhead_ms
+
+    def draft_time(self, rows: int) -> float:
+        """Milliseconds of the draft pass of a round of ``rows`` requests (0 without a draft curve)."""
+        n, t = self._draft_grid
+        if not len(n):
+            return 0.0
+        if len(n) == 1:
+            return float(t[0])
+        i = int(np.clip(np.searchsorted(n, rows, side="left"), 1, len(n) - 1))
+        return float(t[i - 1] + (t[i] - t[i - 1]) / (n[i] - n[i - 1]) * (rows - n[i - 1]))
 
     def sps(self, tokens: int) -> float:
         """Steps per second at ``tokens`` verify tokens: 1000 / step_time_ms."""
@@ -113,14 +138,15 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
     """The batched engine's ``cost`` scheduler, once per round on the host: Algorithm 1
     (``prefix_schedule``) on f32/f64 confidences ``[R, P]``, at least one draft per row (the accept
     kernels verify >= 1), kept only when its predicted goodput beats verifying every draft by
-    ``min_predicted_gain`` (TensorRT-LLM's rule; else every row verifies all P)."""
+    ``min_predicted_gain`` (TensorRT-LLM's rule; else every row verifies all P). A round's time is
+    the table's verify time plus its draft pass (``SPSCostTable.draft_time``)."""
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     rows, p = survival.shape
     lengths = np.maximum(_admit(survival, table), 1)
     # expected tokens of a schedule: each row's bonus plus the survivals of its verified prefix
     kept = np.concatenate([np.zeros((rows, 1)), np.cumsum(survival, axis=-1)], axis=1)
     expected = rows + np.array([np.take_along_axis(kept, lengths[:, None], axis=1).sum(), kept[:, p].sum()])
-    goodput = expected / table.step_times(np.array([lengths.sum() + rows, (p + 1) * rows]))
+    goodput = expected / (table.step_times(np.array([lengths.sum() + rows, (p + 1) * rows])) + table.draft_time(rows))
     return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else [p] * rows
 
 
@@ -134,8 +160,8 @@ def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable) -> 
     order = np.lexsort((r, j, -a))
     r, j, a = r[order], j[order], a[order]
     tokens = np.arange(num_requests, num_requests + a.size + 1)
-    if isinstance(sps, SPSCostTable):
-        rates = 1000.0 / np.maximum(sps.step_times(tokens), 1e-9)
+    if isinstance(sps, SPSCostTable):  # a round's time: its verify plus its draft pass
+        rates = 1000.0 / np.maximum(sps.step_times(tokens) + sps.draft_time(num_requests), 1e-9)
     else:
         rates = np.array([sps(int(b)) for b in tokens], dtype=np.float64)
     goodput = np.concatenate([[float(num_requests)], num_requests + np.cumsum(a)]) * rates
