@@ -18,6 +18,7 @@ either.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
@@ -63,6 +64,10 @@ class EngineClient:
         self._process = context.Process(target=_child_main, args=(child, build), name="dspark-engine", daemon=True)
         self._process.start()
         child.close()
+        # The child ignores SIGTERM (the parent decides when it ends), so multiprocessing's exit
+        # handler, which terminates daemon children and joins them, would wait for ever on one that
+        # is still building its engine: kill it first (atexit runs the later registration first).
+        atexit.register(self._kill)
         try:
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
@@ -128,6 +133,10 @@ class EngineClient:
         if self._reader.is_alive():
             self._reader.join(timeout)
         self._process.join(timeout)
+        self._kill()
+        atexit.unregister(self._kill)
+
+    def _kill(self) -> None:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
