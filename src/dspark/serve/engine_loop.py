@@ -25,7 +25,7 @@ from typing import Callable
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request, RequestOutput
 
-__all__ = ["ACCEPTED", "EngineDead", "EngineLoop", "Handle", "QueueFull", "ServerClosing"]
+__all__ = ["ACCEPTED", "EngineDead", "EngineLoop", "Handle", "QueueFull", "ServerClosing", "check_admission"]
 
 ACCEPTED = "accepted"
 
@@ -42,6 +42,19 @@ class ServerClosing(RuntimeError):
 
 class EngineDead(RuntimeError):
     """An engine step raised; the loop stopped (500 for requests in flight, 503 afterwards)."""
+
+
+def check_admission(error: BaseException | None, closing: bool, in_flight: int, capacity: int | None,
+                    max_batch: int) -> None:
+    """Raise what refuses a new request: ``EngineDead`` after a failure, ``ServerClosing`` while
+    shutting down, ``QueueFull`` with ``in_flight`` requests at ``capacity`` (``max_batch`` of them running)."""
+    if error is not None:
+        raise EngineDead(f"the engine stopped after an error: {error}")
+    if closing:
+        raise ServerClosing("the server is shutting down")
+    if capacity is not None and in_flight >= capacity:
+        raise QueueFull(f"the server is at capacity: {in_flight} requests in flight ({max_batch} running, "
+                        f"{capacity - max_batch} waiting at most); retry later")
 
 
 @dataclass(eq=False)
@@ -106,14 +119,7 @@ class EngineLoop:
 
     def submit(self, request: Request, sink: Callable[[object], None]) -> Handle:
         with self._cond:
-            if self.error is not None:
-                raise EngineDead(f"the engine stopped after an error: {self.error}")
-            if self._closing:
-                raise ServerClosing("the server is shutting down")
-            if self.capacity is not None and self._in_flight >= self.capacity:
-                running = self.engine.config.max_batch
-                raise QueueFull(f"the server is at capacity: {self._in_flight} requests in flight ({running} running, "
-                                f"{self.capacity - running} waiting at most); retry later")
+            check_admission(self.error, self._closing, self._in_flight, self.capacity, self.engine.config.max_batch)
             handle = Handle(request, sink)
             self._in_flight += 1
             self._inbox.append(("add", handle))

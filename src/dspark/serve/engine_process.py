@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine.request import Request, RequestOutput
-from .engine_loop import ACCEPTED, EngineDead, EngineLoop, QueueFull, ServerClosing
+from .engine_loop import ACCEPTED, EngineDead, EngineLoop, ServerClosing, check_admission
 
 __all__ = ["EngineClient", "EngineStartError"]
 
@@ -106,14 +106,7 @@ class EngineClient:
 
     def submit(self, request: Request, sink: Callable[[object], None]) -> _Handle:
         with self._cond:
-            if self.error is not None:
-                raise EngineDead(f"the engine stopped after an error: {self.error}")
-            if self._closing:
-                raise ServerClosing("the server is shutting down")
-            if self.capacity is not None and len(self._live) >= self.capacity:
-                running = self.capacity - self.info["max_batch"]
-                raise QueueFull(f"the server is at capacity: {len(self._live)} requests in flight "
-                                f"({self.info['max_batch']} running, {running} waiting at most); retry later")
+            check_admission(self.error, self._closing, len(self._live), self.capacity, self.info["max_batch"])
             handle = _Handle(request, sink, self._next_id)
             self._next_id += 1
             self._live[handle.id] = handle
