@@ -310,6 +310,26 @@ def test_cost_scheduler_trims_verification_when_tokens_are_expensive(target, gre
         EngineConfig(scheduler="cost")
 
 
+def test_a_graph_warm_up_leaves_the_row_state_as_it_was(target):
+    """``ModelRunner._snapshot`` (what a CUDA graph's warm-up run restores): every named row buffer
+    but the captures it rewrites, and the benchmark drafts' per-slot buffers."""
+    engine = LLMEngine(target, random_draft(tiny_draft_config(target.config), 0, target),
+                       EngineConfig(max_batch=3, oracle_acceptance=0.5))
+    runner = engine.runner
+    names = [name for name, _ in runner.state.tensors()]
+    assert {"anchor", "seeds", "verify_lens", "confidence", "capture"} <= set(names) and "tree_tokens" not in names
+    before = {name: t.clone() for name, t in runner.state.tensors()}
+    oracle = runner.oracle["ids"].clone()
+    restore = runner._snapshot()
+    for _, t in runner.state.tensors():
+        t.add_(1)
+    runner.oracle["ids"].add_(1)
+    restore()
+    for name, t in runner.state.tensors():
+        assert torch.equal(t, before[name] + (name == "capture")), name
+    assert torch.equal(runner.oracle["ids"], oracle)
+
+
 def test_profile_writes_a_cost_table_the_engine_reads(target, greedy, tmp_path):
     from dspark.engine.profile import default_token_counts, profile_verify
     from dspark.engine.schedulers import SPSCostTable

@@ -154,26 +154,26 @@ def breakdown(engine, prompts, oracle) -> dict:
     rows = len(engine.running)
     b, s, t = runner.bucket(rows), runner.state, runner.verify_len
     drafter, draft = runner.drafter, runner.draft
-    saved = {k: v.clone() for k, v in s.items()}
-    hidden = draft.block(s["anchor"][:b], s["anchor_pos"][:b], s["slot_ids"][:b])
+    restore = runner._snapshot()
+    hidden = draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
     logits = drafter.model.backbone_logits(hidden)
-    positions = (s["ctx_pos"][:b, None] + runner.offsets[:t]).view(-1)
+    positions = (s.ctx_pos[:b, None] + runner.offsets[:t]).view(-1)
 
     def draft_forward():
-        draft.context(s["capture"][:b].reshape(b * t, -1), positions, s["slot_ids"][:b].repeat_interleave(t))
-        drafter.model.backbone_logits(draft.block(s["anchor"][:b], s["anchor_pos"][:b], s["slot_ids"][:b]))
+        draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
+        drafter.model.backbone_logits(draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b]))
 
     from ..engine.drafting import SamplingParams
 
     greedy = SamplingParams()
-    tokens = drafter._vanilla(logits, s["anchor"][:b], greedy, None)[0]
+    tokens = drafter._vanilla(logits, s.anchor[:b], greedy, None)[0]
     verify_logits = torch.zeros(b * t, VOCAB, device="cuda")
     parts = {
         "draft forward": draft_forward,
-        "markov": lambda: drafter._vanilla(logits, s["anchor"][:b], greedy, None),
-        "confidence + schedule": lambda: drafter._schedule(hidden, s["anchor"][:b], tokens),
+        "markov": lambda: drafter._vanilla(logits, s.anchor[:b], greedy, None),
+        "confidence + schedule": lambda: drafter._schedule(hidden, s.anchor[:b], tokens),
         "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, rows, b * t, greedy),
-        "accept alone": lambda: K.greedy_accept(verify_logits, s["draft_tokens"][:b], s["proposal_lengths"][:b], t - 1),
+        "accept alone": lambda: K.greedy_accept(verify_logits, s.draft_tokens[:b], s.proposal_lengths[:b], t - 1),
     }
     result = {}
     for name, fn in parts.items():
@@ -183,8 +183,7 @@ def breakdown(engine, prompts, oracle) -> dict:
         with torch.cuda.graph(graph, pool=runner.pool):
             fn()
         result[name] = round(median_us(graph.replay, warmup=3, reps=20) / 1000, 4)
-        for k, v in saved.items():
-            s[k].copy_(v)
+        restore()
     for rid in list(engine.sequences):
         engine.abort(rid)
     return result

@@ -32,7 +32,7 @@ and run eagerly (the same functions, without graphs).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 import torch
@@ -44,7 +44,7 @@ from .drafting import Drafter, SamplingParams
 
 log = logging.getLogger("dspark.engine")
 
-__all__ = ["ChunkBuffers", "ModelRunner", "PrefillChunk", "ForwardFailed", "TreeSettings", "batch_buckets", "MAX_CHUNKS", "PURPOSE_ORACLE"]
+__all__ = ["ChunkBuffers", "ModelRunner", "PrefillChunk", "ForwardFailed", "RowState", "TreeSettings", "batch_buckets", "MAX_CHUNKS", "PURPOSE_ORACLE"]
 
 PURPOSE_ORACLE = 0x3C6EF372FE94F82B  # benchmarks' controlled acceptance: its own stream
 TRACE_ROUNDS = 512  # replayed rounds kept per request (a longer trace is cut; rounds cycle)
@@ -75,6 +75,46 @@ class TreeSettings:
     top_k: int
     budget: int
     threshold: float = 0.0
+
+
+@dataclass
+class RowState:
+    """The runner's per-row tensors, rows ``0 .. max_batch`` (the last: the scratch row that unused
+    seats write); a request's row moves as a whole when another leaves (``tensors``).
+
+    Every round: ``slot_ids`` (cache line; padding: the dummy line), ``active`` (1: a request),
+    ``anchor`` / ``anchor_pos`` (the last accepted token and its position), ``ctx_pos`` (where the
+    draft context resumes), ``seeds``, ``draft_tokens`` / ``proposal_lengths`` (the next round's
+    drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens).
+    With a draft: ``capture`` (the last verify's captured hidden states, ``[B, verify_len, width]``),
+    ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
+    ``draft_probs`` (allocated on first need); tree mode: the next round's tree per row
+    (``tree_tokens``, ``tree_parents``, ``tree_depths``, ``tree_bits``: int64 ancestor masks,
+    ``tree_nodes``)."""
+
+    slot_ids: torch.Tensor
+    active: torch.Tensor
+    anchor: torch.Tensor
+    anchor_pos: torch.Tensor
+    ctx_pos: torch.Tensor
+    seeds: torch.Tensor
+    draft_tokens: torch.Tensor
+    proposal_lengths: torch.Tensor
+    accepted: torch.Tensor
+    accept_length: torch.Tensor
+    capture: torch.Tensor | None = None
+    verify_lens: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+    tree_tokens: torch.Tensor | None = None
+    tree_parents: torch.Tensor | None = None
+    tree_depths: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
+    tree_nodes: torch.Tensor | None = None
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every buffer this runner has."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
 
 
 class ForwardFailed(RuntimeError):
@@ -124,30 +164,29 @@ class ModelRunner:
         i32 = dict(dtype=torch.int32, device=dev)
         b, p, t = max_batch, self.num_drafts, self.verify_len
         r = b + 1  # per-row state has a scratch row after the batch rows: padded seats write there
-        self.state = {  # every per-row tensor; rows move together when a request leaves
-            "slot_ids": torch.full((r,), self.dummy_slot, **i32), "active": torch.zeros(r, **i32),
-            "anchor": torch.zeros(r, **i32), "anchor_pos": torch.zeros(r, **i32), "ctx_pos": torch.zeros(r, **i32),
-            "seeds": torch.zeros(r, dtype=torch.int64, device=dev),
-            "draft_tokens": torch.zeros(r, max(p, 1), **i32), "proposal_lengths": torch.full((r,), max(p, 1), **i32),
-            "accepted": torch.zeros(r, t, **i32), "accept_length": torch.ones(r, **i32),
-        }
+        self.state = RowState(
+            slot_ids=torch.full((r,), self.dummy_slot, **i32), active=torch.zeros(r, **i32),
+            anchor=torch.zeros(r, **i32), anchor_pos=torch.zeros(r, **i32), ctx_pos=torch.zeros(r, **i32),
+            seeds=torch.zeros(r, dtype=torch.int64, device=dev),
+            draft_tokens=torch.zeros(r, max(p, 1), **i32), proposal_lengths=torch.full((r,), max(p, 1), **i32),
+            accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32))
         # flat [b*t + 1] rows: row*t + i is verify token i of a row (plain decoding: t = 1), the
         # last row takes padding tokens (and the scratch row's seat); read back for log-probabilities
         self.logit_rows = torch.zeros(b * t + 1, target.vocab_size, device=dev)
         if drafter is not None:
             width = drafter.config.num_capture_layers * drafter.config.hidden_size
             self.capture_rows = torch.zeros(b * t + 1, width, dtype=target.dtype, device=dev)
-            self.state["capture"] = self.capture_rows[: b * t].view(b, t, width)
-            self.state["verify_lens"] = torch.ones(r, **i32)
-            self.state["confidence"] = torch.zeros(r, p, device=dev)
+            self.state.capture = self.capture_rows[: b * t].view(b, t, width)
+            self.state.verify_lens = torch.ones(r, **i32)
+            self.state.confidence = torch.zeros(r, p, device=dev)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
         if tree is not None:  # the next round's tree of each row (node 0 the root: the anchor)
             size = tree.budget
-            self.state["tree_tokens"] = torch.zeros(r, size, **i32)
-            self.state["tree_parents"] = torch.full((r, size), -1, **i32)
-            self.state["tree_depths"] = torch.zeros(r, size, **i32)
-            self.state["tree_bits"] = (1 << torch.arange(size, device=dev)).repeat(r, 1)  # int64 ancestor masks
-            self.state["tree_nodes"] = torch.ones(r, **i32)
+            self.state.tree_tokens = torch.zeros(r, size, **i32)
+            self.state.tree_parents = torch.full((r, size), -1, **i32)
+            self.state.tree_depths = torch.zeros(r, size, **i32)
+            self.state.tree_bits = (1 << torch.arange(size, device=dev)).repeat(r, 1)  # int64 ancestor masks
+            self.state.tree_nodes = torch.ones(r, **i32)
             self.stacked = torch.zeros(b, p + 1, target.vocab_size, device=dev)  # the drafter's depth rows
             self.tree_nodes_accepted = torch.full((b, size), -1, **i32)  # the last walk's path
         # benchmark drafts, per cache slot (staged once per request, read by slot: nothing moves with rows)
@@ -179,15 +218,15 @@ class ModelRunner:
 
     def _ensure_probabilities(self) -> None:
         """The draft-probability rows of sampled drafting, allocated on first need (outside graphs)."""
-        if "draft_probs" not in self.state:
+        if self.state.draft_probs is None:
             v = self.target.vocab_size
-            self.state["draft_probs"] = torch.zeros(self.max_batch, self.num_drafts, v, device=self.device)
+            self.state.draft_probs = torch.zeros(self.max_batch, self.num_drafts, v, device=self.device)
             self.graphs.clear()  # graphs captured before do not write them
             self.pool = None  # their memory pool went with them
 
     def move_row(self, src: int, dst: int) -> None:
         """Move a running request's row (its cache slot stays where it is)."""
-        for t in self.state.values():
+        for _, t in self.state.tensors():
             t[dst] = t[src]
         self.row_modes[dst] = self.row_modes[src]
         self.clear_row(src)
@@ -195,9 +234,9 @@ class ModelRunner:
     def clear_row(self, row: int) -> None:
         """Turn ``row`` into padding: dummy slot, position 0."""
         s = self.state
-        s["slot_ids"][row] = self.dummy_slot
-        for name in ("active", "anchor", "anchor_pos", "ctx_pos"):
-            s[name][row] = 0
+        s.slot_ids[row] = self.dummy_slot
+        for t in (s.active, s.anchor, s.anchor_pos, s.ctx_pos):
+            t[row] = 0
         self.row_modes[row] = None
 
     def bucket(self, rows: int) -> int:
@@ -213,7 +252,7 @@ class ModelRunner:
         lens = self.host_lens
         lens.fill_(1)  # padding rows verify their anchor only
         lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
-        self.state["verify_lens"][: self.max_batch].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
+        self.state.verify_lens[: self.max_batch].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
         num_tokens = b * -(-sum(verify_lens + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
         if self.tree is not None:
             num_tokens = b * self.verify_len  # every row's tree, padding rows' too
@@ -258,7 +297,7 @@ class ModelRunner:
                 continue
             for k in ([self.verify_len] if self.tree else range(1, self.verify_len + 1)):  # b * k flat tokens
                 lens.fill_(k)
-                self.state["verify_lens"][: self.max_batch].copy_(lens)
+                self.state.verify_lens[: self.max_batch].copy_(lens)
                 self._replay(("verify", b, b * k, greedy), lambda: self._verify_rows(b, b, b * k, greedy))
             self._replay(("draft", b, 0, greedy), lambda: self._draft_rows(b, b, greedy))
         torch.cuda.synchronize(self.device)
@@ -289,13 +328,10 @@ class ModelRunner:
             return
         graph = self.graphs.get(key)
         if graph is None:
-            live = [(self.state, k) for k in self.state if k not in ("capture", "draft_probs")]
-            live += [(self.oracle, k) for k in self.oracle]
-            saved = [v[k].clone() for v, k in live]
+            restore = self._snapshot()
             fn()  # warm-up: compiles kernels and sizes their scratch; its writes are undone below
             torch.cuda.synchronize(self.device)
-            for (v, k), value in zip(live, saved):
-                v[k].copy_(value)
+            restore()
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
@@ -309,15 +345,29 @@ class ModelRunner:
             self.graphs[key] = graph
         graph.replay()
 
+    def _snapshot(self) -> Callable[[], None]:
+        """Copies of the row state a step writes (and the benchmark drafts' per-slot buffers), and a
+        function that puts them back: a graph's warm-up run must leave no trace. The captured
+        hidden states and draft probabilities are excluded: every step rewrites the rows it reads."""
+        live = [t for name, t in self.state.tensors() if name not in ("capture", "draft_probs")]
+        live += list(self.oracle.values())
+        saved = [t.clone() for t in live]
+
+        def restore() -> None:
+            for t, value in zip(live, saved):
+                t.copy_(value)
+
+        return restore
+
     # ---- device work (captured) -----------------------------------------------------------------
 
     def _attention_batch(self, b: int, query_len: int) -> AttentionBatch:
         s = self.state
-        return AttentionBatch(s["slot_ids"][:b], s["anchor_pos"][:b], self.cu[query_len][: b + 1], query_len)
+        return AttentionBatch(s.slot_ids[:b], s.anchor_pos[:b], self.cu[query_len][: b + 1], query_len)
 
     def _decode_rows(self, b: int, rows: int, mode) -> None:
         s = self.state
-        logits = self.target.forward(s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b],
+        logits = self.target.forward(s.anchor[:b].long(), s.anchor_pos[:b], s.slot_ids[:b],
                                      self._attention_batch(b, 1), self.cache)
         self._decode_commit(b, rows, logits, mode)
 
@@ -325,9 +375,9 @@ class ModelRunner:
         s = self.state
         self.logit_rows[:b].copy_(logits)
         for index, sampling in self._groups(b, rows, mode):
-            token = _sample_rows(logits[index], sampling, s["seeds"][index], s["anchor_pos"][index], self.workspace)
-            s["accepted"][index, 0] = token
-        s["accept_length"][:b] = 1
+            token = _sample_rows(logits[index], sampling, s.seeds[index], s.anchor_pos[index], self.workspace)
+            s.accepted[index, 0] = token
+        s.accept_length[:b] = 1
         self._advance(b, 1)
 
     def _verify_layout(self, b: int, num_tokens: int):
@@ -336,9 +386,9 @@ class ModelRunner:
         logit buffers; the requests' token offsets ``cu``."""
         s, t = self.state, self.verify_len
         n = b + _pad_requests(b, t)
-        pad = num_tokens - s["verify_lens"][:b].sum()
+        pad = num_tokens - s.verify_lens[:b].sum()
         pad_counts = (pad - t * self.offsets_rows[: n - b]).clamp(0, t)
-        counts = torch.cat([s["verify_lens"][:b], pad_counts])
+        counts = torch.cat([s.verify_lens[:b], pad_counts])
         cu = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
         cu[1:] = counts.cumsum(0)
         token_row = torch.repeat_interleave(self.offsets_rows[:n], counts, output_size=num_tokens)
@@ -362,9 +412,9 @@ class ModelRunner:
         s, t, p = self.state, self.verify_len, self.num_drafts
         token_row, index, flat, cu = self._verify_layout(b, num_tokens)
         pads = torch.zeros(_pad_requests(b, t), dtype=torch.int32, device=self.device)
-        slots = torch.cat([s["slot_ids"][:b], pads + self.dummy_slot])
-        starts = torch.cat([s["anchor_pos"][:b], pads])
-        tokens = torch.cat([K.build_verify_tokens(s["anchor"][:b], s["draft_tokens"][:b], p),
+        slots = torch.cat([s.slot_ids[:b], pads + self.dummy_slot])
+        starts = torch.cat([s.anchor_pos[:b], pads])
+        tokens = torch.cat([K.build_verify_tokens(s.anchor[:b], s.draft_tokens[:b], p),
                             pads[:, None].expand(-1, t)])
         ids = tokens[token_row, index]
         positions = starts[token_row] + index
@@ -374,12 +424,12 @@ class ModelRunner:
         """``_verify_inputs`` of tree rows: every row's ``budget`` nodes, RoPE at anchor position +
         depth, K/V at anchor position + node index, each node seeing its ancestors."""
         s, size = self.state, self.verify_len
-        base = s["anchor_pos"][:b, None]
-        positions = (base + s["tree_depths"][:b]).reshape(-1)
+        base = s.anchor_pos[:b, None]
+        positions = (base + s.tree_depths[:b]).reshape(-1)
         cache_rows = (base + self.offsets[:size]).reshape(-1)
-        batch = AttentionBatch(s["slot_ids"][:b], s["anchor_pos"][:b], self.cu[size][: b + 1], size,
-                               tree_mask=s["tree_bits"][:b].reshape(-1))
-        return (s["tree_tokens"][:b].reshape(-1).long(), positions, cache_rows, s["slot_ids"][:b].repeat_interleave(size),
+        batch = AttentionBatch(s.slot_ids[:b], s.anchor_pos[:b], self.cu[size][: b + 1], size,
+                               tree_mask=s.tree_bits[:b].reshape(-1))
+        return (s.tree_tokens[:b].reshape(-1).long(), positions, cache_rows, s.slot_ids[:b].repeat_interleave(size),
                 batch, self.flat_offsets[: b * size].long())
 
     def _verify_commit(self, b: int, rows: int, flat, capture, logits, mode) -> None:
@@ -390,12 +440,12 @@ class ModelRunner:
         if self.tree is not None:
             self._tree_commit(b, rows, mode)
             return
-        verified = s["verify_lens"][:b] - 1
+        verified = s.verify_lens[:b] - 1
         padded = self.logit_rows[: b * t].view(b, t, -1)
         for rows_of, sampling in self._groups(b, rows, mode):
             accepted, n = self._accept(padded[rows_of], rows_of, verified[rows_of], sampling)
-            s["accepted"][rows_of] = accepted
-            s["accept_length"][rows_of] = n
+            s.accepted[rows_of] = accepted
+            s.accept_length[rows_of] = n
         self.readout[:b, t + 1] = verified
         self._advance(b, t)
 
@@ -407,18 +457,18 @@ class ModelRunner:
         s, size, p = self.state, self.verify_len, self.num_drafts
         logits = self.logit_rows[: b * size].view(b, size, -1)
         for index, sampling in self._groups(b, rows, mode):
-            tree = K.TreeBatch(s["tree_tokens"][index], s["tree_parents"][index], s["tree_depths"][index], None, None,
-                               s["tree_nodes"][index], None, None)
+            tree = K.TreeBatch(s.tree_tokens[index], s.tree_parents[index], s.tree_depths[index], None, None,
+                               s.tree_nodes[index], None, None)
             if sampling.greedy:
                 accepted, nodes, n = K.greedy_tree_accept(logits[index], tree, max_depth=p)
             else:
                 count = tree.tokens.shape[0]
                 probs = sampling.probabilities(logits[index].reshape(count * size, -1), self.workspace)
-                uniforms = K.request_uniforms(s["seeds"][index], s["anchor_pos"][index], K.PURPOSE_TREE,
+                uniforms = K.request_uniforms(s.seeds[index], s.anchor_pos[index], K.PURPOSE_TREE,
                                               (p + 1) * (self.tree.top_k + 1)).view(count, p + 1, self.tree.top_k + 1)
                 accepted, nodes, n = K.sampled_tree_accept(probs.view(count, size, -1), tree, uniforms, max_depth=p)
-            s["accepted"][index] = accepted
-            s["accept_length"][index] = n
+            s.accepted[index] = accepted
+            s.accept_length[index] = n
             self.tree_nodes_accepted[index] = nodes
         nodes = self.tree_nodes_accepted[:b]
         # path position i (0: the root) holds node index[:, i] (i <= P); fixed shapes, so a graph holds it
@@ -426,48 +476,48 @@ class ModelRunner:
         keep = self.offsets[:width].long()
         index = keep.repeat(b, 1)
         index[:, 1:] = torch.where(nodes[:, :width - 1] >= 0, nodes[:, :width - 1].long(), index[:, 1:])
-        slots = s["slot_ids"][:b, None].expand(b, width).reshape(-1).long()
-        base = s["anchor_pos"][:b, None].long()
+        slots = s.slot_ids[:b, None].expand(b, width).reshape(-1).long()
+        base = s.anchor_pos[:b, None].long()
         src, dst = (base + index).reshape(-1), (base + keep).reshape(-1)
         for cache in (self.cache.k, self.cache.v):
             cache[:, slots, dst] = cache[:, slots, src]
         for rows in (self.capture_rows, self.logit_rows):
             view = rows[: b * size].view(b, size, -1)
             view[:, :width] = view.gather(1, index[..., None].expand(-1, -1, view.shape[-1]))
-        self.readout[:b, size + 1] = s["tree_nodes"][:b] - 1
+        self.readout[:b, size + 1] = s.tree_nodes[:b] - 1
         self._advance(b, size)
 
     def _accept(self, logits, index, verified, sampling: SamplingParams):
         """Accept rows ``index`` from their target logits ``[R, P+1, V]``, verifying ``verified``
         drafts each (rows past a row's length are never read)."""
         s, p = self.state, self.num_drafts
-        drafts = s["draft_tokens"][index]
+        drafts = s.draft_tokens[index]
         if sampling.greedy:
             return K.greedy_accept(logits, drafts, verified, p, workspace=self.workspace)
-        seeds, anchor_pos = s["seeds"][index], s["anchor_pos"][index]
+        seeds, anchor_pos = s.seeds[index], s.anchor_pos[index]
         uniforms = torch.empty(seeds.shape[0], 2 * p + 1, device=self.device)
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
         probs = sampling.probabilities(logits.reshape(-1, logits.shape[-1]), self.workspace).view(logits.shape)
-        return K.probabilistic_accept(probs, s["draft_probs"][index], drafts, verified, uniforms, p,
+        return K.probabilistic_accept(probs, s.draft_probs[index], drafts, verified, uniforms, p,
                                       workspace=self.workspace)
 
     def _advance(self, b: int, verify_len: int) -> None:
         """Commit the accepted prefix on the device: the caches' lengths are the anchor positions."""
         s = self.state
-        n = s["accept_length"][:b]
-        self.readout[:b, :verify_len] = s["accepted"][:b, :verify_len]
+        n = s.accept_length[:b]
+        self.readout[:b, :verify_len] = s.accepted[:b, :verify_len]
         self.readout[:b, self.verify_len] = n
-        s["ctx_pos"][:b] = s["anchor_pos"][:b]
-        s["anchor"][:b] = s["accepted"][:b].gather(1, (n - 1).long()[:, None]).squeeze(1)
-        s["anchor_pos"][:b] += n * s["active"][:b]  # padding rows stay at position 0
+        s.ctx_pos[:b] = s.anchor_pos[:b]
+        s.anchor[:b] = s.accepted[:b].gather(1, (n - 1).long()[:, None]).squeeze(1)
+        s.anchor_pos[:b] += n * s.active[:b]  # padding rows stay at position 0
 
     def _draft_rows(self, b: int, rows: int, mode) -> None:
         s, t, p = self.state, self.verify_len, self.num_drafts
-        positions = (s["ctx_pos"][:b, None] + self.offsets[:t]).view(-1)
-        self.draft.context(s["capture"][:b].reshape(b * t, -1), positions, s["slot_ids"][:b].repeat_interleave(t))
-        hidden = self.draft.block(s["anchor"][:b], s["anchor_pos"][:b], s["slot_ids"][:b])
+        positions = (s.ctx_pos[:b, None] + self.offsets[:t]).view(-1)
+        self.draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
+        hidden = self.draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
         logits = self.drafter.model.backbone_logits(hidden)
         n = self.drafter.block_size
         # a tree grows from the greedy chain's depth rows whatever the rows' settings
@@ -476,35 +526,35 @@ class ModelRunner:
             rows_of = (lambda x: x.view(b, n, -1)[index].reshape(-1, x.shape[-1]))
             uniforms = None
             if not sampling.greedy:
-                uniforms = K.request_uniforms(s["seeds"][index], s["anchor_pos"][index], K.PURPOSE_PROPOSAL, p)
+                uniforms = K.request_uniforms(s.seeds[index], s.anchor_pos[index], K.PURPOSE_PROPOSAL, p)
             stacked = self.stacked[:b] if self.tree is not None else None  # one group
-            proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s["anchor"][index], sampling, uniforms,
+            proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s.anchor[index], sampling, uniforms,
                                                  stacked)
-            s["draft_tokens"][index] = proposal.token_ids
-            s["proposal_lengths"][index] = proposal.proposal_lengths
+            s.draft_tokens[index] = proposal.token_ids
+            s.proposal_lengths[index] = proposal.proposal_lengths
             if proposal.confidence is not None:
-                s["confidence"][index] = proposal.confidence
+                s.confidence[index] = proposal.confidence
             if proposal.probabilities is not None:
-                s["draft_probs"][index] = proposal.probabilities
+                s.draft_probs[index] = proposal.probabilities
         if self.oracle_acceptance is not None or self.oracle_replay:
             self._oracle_drafts(b)
         if self.tree is not None:
             self._grow_trees(b)
-        self.readout[:b, t + 2] = s["proposal_lengths"][:b]
-        self.readout[:b, t + 3:] = s["confidence"][:b].view(torch.int32)
+        self.readout[:b, t + 2] = s.proposal_lengths[:b]
+        self.readout[:b, t + 3:] = s.confidence[:b].view(torch.int32)
 
     def _grow_trees(self, b: int) -> None:
         """Each row's next tree from the drafter's depth rows and confidences (kernels.md 4.4), no
         deeper than the context limit allows (RoPE positions stay below ``max_model_len``)."""
         s, tree = self.state, self.tree
-        confidence = s["confidence"][:b] if self.drafter.scheduler != "off" else None
-        room = (self.max_model_len - 1 - s["anchor_pos"][:b]).clamp(min=1)
-        built = K.ddtree_build(self.stacked[:b], s["anchor"][:b], s["anchor_pos"][:b], candidate_top_k=tree.top_k,
+        confidence = s.confidence[:b] if self.drafter.scheduler != "off" else None
+        room = (self.max_model_len - 1 - s.anchor_pos[:b]).clamp(min=1)
+        built = K.ddtree_build(self.stacked[:b], s.anchor[:b], s.anchor_pos[:b], candidate_top_k=tree.top_k,
                                verify_size=tree.budget, depth_confidence=confidence,
                                survival_threshold=tree.threshold, max_depths=room)
-        s["tree_tokens"][:b], s["tree_parents"][:b], s["tree_depths"][:b] = built.tokens, built.parents, built.depths
-        s["tree_nodes"][:b] = built.num_nodes
-        s["tree_bits"][:b] = built.ancestor_bits
+        s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b] = built.tokens, built.parents, built.depths
+        s.tree_nodes[:b] = built.num_nodes
+        s.tree_bits[:b] = built.ancestor_bits
 
     # ---- steps with prompt chunks -----------------------------------------------------------------
 
@@ -583,7 +633,7 @@ class ModelRunner:
             parts.append((ids, positions, slots, cache_rows))
             split = num_tokens
         elif b:
-            parts.append((s["anchor"][:b].long(), s["anchor_pos"][:b], s["slot_ids"][:b], s["anchor_pos"][:b]))
+            parts.append((s.anchor[:b].long(), s.anchor_pos[:b], s.slot_ids[:b], s.anchor_pos[:b]))
             batch, split = self._attention_batch(b, 1), b
         if b:
             groups.append((0, split, batch))
@@ -613,10 +663,10 @@ class ModelRunner:
         ones = torch.ones_like(tokens)  # device constants: a captured graph cannot copy host scalars
         for index, mode in seats:
             tokens[index] = _sample_rows(logits[index], mode, ch.seat_seeds[index], ends[index] - 1, self.workspace)
-        for name, value in (("slot_ids", slots), ("active", ones), ("anchor_pos", ends), ("ctx_pos", ends),
-                            ("anchor", tokens), ("seeds", ch.seat_seeds), ("accept_length", ones)):
-            s[name][rows] = value
-        s["accepted"][rows, 0] = tokens
+        for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
+                              (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones)):
+            buffer[rows] = value
+        s.accepted[rows, 0] = tokens
         self.logit_rows[rows * t] = logits
         self.readout[rows, 0] = tokens
         self.readout[rows, t] = ones
@@ -652,19 +702,19 @@ class ModelRunner:
         or, replaying a trace, the first ``accepted`` of the round's entry; the entry's confidences
         then replace the drafter's and the scheduler's lengths follow from them."""
         s, o, p = self.state, self.oracle, self.num_drafts
-        slots = s["slot_ids"][:b].long()
-        truth = o["ids"][slots].gather(1, (s["anchor_pos"][:b, None] + 1 + self.offsets[:p]).long())
+        slots = s.slot_ids[:b].long()
+        truth = o["ids"][slots].gather(1, (s.anchor_pos[:b, None] + 1 + self.offsets[:p]).long())
         wrong = (truth + 1) % self.target.vocab_size
         if self.oracle_replay:
             index = (o["trace_round"][slots] % o["trace_len"][slots]).long()
             entry = o["trace"][slots, index]
             keep = self.offsets[:p].float() < entry[:, :1]
-            s["confidence"][:b] = entry[:, 1:]
-            s["proposal_lengths"][:b] = self.drafter.proposal_lengths(entry[:, 1:].contiguous())
-            o["trace_round"].index_add_(0, slots, s["active"][:b])  # padding rows: the dummy slot's
+            s.confidence[:b] = entry[:, 1:]
+            s.proposal_lengths[:b] = self.drafter.proposal_lengths(entry[:, 1:].contiguous())
+            o["trace_round"].index_add_(0, slots, s.active[:b])  # padding rows: the dummy slot's
         else:
-            keep = K.request_uniforms(s["seeds"][:b], s["anchor_pos"][:b], PURPOSE_ORACLE, p) < self.oracle_acceptance
-        s["draft_tokens"][:b] = torch.where(keep, truth, wrong)
+            keep = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], PURPOSE_ORACLE, p) < self.oracle_acceptance
+        s.draft_tokens[:b] = torch.where(keep, truth, wrong)
 
 
 class ChunkBuffers:
