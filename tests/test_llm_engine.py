@@ -269,12 +269,21 @@ def test_context_limit_ends_with_length_and_long_prompts_are_refused(target, gre
 
 
 def test_oracle_acceptance_controls_tau(target, greedy):
+    """``bench.oracle.OracleEngine``: drafts replaced by the known continuation (acceptance 1) or by
+    rejected tokens (0); the output stays the target's own."""
+    from dspark.bench.oracle import OracleEngine
+
     draft = random_draft(tiny_draft_config(target.config), 0, target)
     for acceptance, tau in ((1.0, 5.0), (0.0, 1.0)):
-        engine = LLMEngine(target, draft, EngineConfig(max_batch=2, oracle_acceptance=acceptance))
-        results = engine.generate([Request(p, 13, oracle_ids=g + [0] * 8) for p, g in zip(PROMPTS[:2], greedy)])
-        assert [r.token_ids for r in results] == [g[:13] for g in greedy[:2]]
+        engine = OracleEngine(target, draft, EngineConfig(max_batch=2), acceptance=acceptance)
+        ids = [engine.add_request(Request(p, 13), g + [0] * 8) for p, g in zip(PROMPTS[:2], greedy)]
+        while engine.has_unfinished():
+            engine.step()
+        results = [engine.sequences[i] for i in ids]
+        assert [r.output_ids for r in results] == [g[:13] for g in greedy[:2]]
         assert all(a == tau for r in results for a in r.stats.accept_lengths[:-1])
+        with pytest.raises(ValueError, match="oracle_ids .* is required"):
+            engine.add_request(Request(PROMPTS[0], 4))
 
 
 @pytest.mark.slow
@@ -313,21 +322,23 @@ def test_cost_scheduler_trims_verification_when_tokens_are_expensive(target, gre
 def test_a_graph_warm_up_leaves_the_row_state_as_it_was(target):
     """``ModelRunner._snapshot`` (what a CUDA graph's warm-up run restores): every named row buffer
     but the captures it rewrites, and the benchmark drafts' per-slot buffers."""
-    engine = LLMEngine(target, random_draft(tiny_draft_config(target.config), 0, target),
-                       EngineConfig(max_batch=3, oracle_acceptance=0.5))
+    from dspark.bench.oracle import OracleEngine
+
+    engine = OracleEngine(target, random_draft(tiny_draft_config(target.config), 0, target),
+                          EngineConfig(max_batch=3), acceptance=0.5)
     runner = engine.runner
     names = [name for name, _ in runner.state.tensors()]
     assert {"anchor", "seeds", "verify_lens", "confidence", "capture"} <= set(names) and "tree_tokens" not in names
     before = {name: t.clone() for name, t in runner.state.tensors()}
-    oracle = runner.oracle["ids"].clone()
+    oracle = runner.draft_override.ids.clone()
     restore = runner._snapshot()
     for _, t in runner.state.tensors():
         t.add_(1)
-    runner.oracle["ids"].add_(1)
+    runner.draft_override.ids.add_(1)
     restore()
     for name, t in runner.state.tensors():
         assert torch.equal(t, before[name] + (name == "capture")), name
-    assert torch.equal(runner.oracle["ids"], oracle)
+    assert torch.equal(runner.draft_override.ids, oracle)
 
 
 def test_profile_writes_a_cost_table_the_engine_reads(target, greedy, tmp_path):

@@ -8,9 +8,10 @@ import torch
 
 import dspark.kernels as K
 from dspark.bench.engine import random_drafter
+from dspark.bench.oracle import OracleEngine
 from dspark.bench.replay import ReplayEngine, load_traces, peaked_target
 from dspark.bench.serve import random_prompts
-from dspark.engine import EngineConfig, LLMEngine, Request
+from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, tie_word_embeddings=False, capture=[0, 1])
@@ -83,17 +84,20 @@ def test_replay_refuses_unknown_prompts_and_bad_traces(models, prompts):
     engine = _replay(models, prompts)
     with pytest.raises(ValueError, match="prepared prompts"):
         engine.add_request(Request([1, 2, 3], 4))
-    bad = Request(prompts[0], 4, oracle_ids=[1] * 60, oracle_trace=[[8] + [0.5] * 7])
     with pytest.raises(ValueError, match=r"oracle_trace\[0\] must be \[accepted drafts in 0..7"):
-        engine.add_request(bad)
+        engine.add_request(Request(prompts[0], 4), [1] * 60, [[8] + [0.5] * 7])
     with pytest.raises(ValueError, match=r"oracle_trace\[1\] must be \[accepted drafts"):
-        engine.add_request(Request(prompts[0], 4, oracle_ids=[1] * 60, oracle_trace=[[1] + [0.5] * 7, "ab"]))
-    with pytest.raises(TypeError, match="oracle_trace must be a list of rounds, got int"):
-        engine.add_request(Request(prompts[0], 4, oracle_ids=[1] * 60, oracle_trace=3))
-    with pytest.raises(ValueError, match="oracle_acceptance and oracle_replay exclude each other"):
-        EngineConfig(oracle_acceptance=0.5, oracle_replay=True)
-    with pytest.raises(TypeError, match="oracle_replay must be a bool, got str"):
-        EngineConfig(oracle_replay="yes")
+        engine.add_request(Request(prompts[0], 4), [1] * 60, [[1] + [0.5] * 7, "ab"])
+    with pytest.raises(TypeError, match="oracle_trace must be a non-empty list of rounds, got int"):
+        engine.add_request(Request(prompts[0], 4), [1] * 60, 3)
+    with pytest.raises(ValueError, match="oracle_trace goes with replay=True"):
+        OracleEngine(models[0], models[1], EngineConfig(max_batch=2), acceptance=0.5).add_request(
+            Request(prompts[0], 4), [1] * 60, [[1] + [0.5] * 7])
+    with pytest.raises(ValueError, match="give acceptance .* or replay=True, one of the two"):
+        OracleEngine(models[0], models[1], EngineConfig(max_batch=2), acceptance=0.5, replay=True)
+    with pytest.raises(ValueError, match="need greedy sampling"):
+        engine.add_request(Request(prompts[0], 4, SamplingParams(1.0, seed=1)))
+    assert not engine.waiting  # nothing refused was queued
 
 
 def test_shipped_traces_are_the_demo_pairs_rounds():

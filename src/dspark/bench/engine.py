@@ -8,8 +8,9 @@ request, batch sizes ``--batches``. Per shape and batch size, side by side:
   "reduce-overhead")``: one decode step (median ms of the steps, CUDA-synchronised);
 * dspark's runner, plain decoding (``LLMEngine`` without a draft, CUDA graphs);
 * DSpark on the same runner with a random DSpark drafter (block 7, Markov rank 256) whose drafts are
-  replaced by the target's own greedy continuation (``oracle_acceptance`` 1: tau = P + 1) or kept
-  per position with probability ``--acceptance`` (else a token the target rejects);
+  replaced by the target's own greedy continuation (``bench.oracle.OracleEngine``, acceptance 1:
+  tau = P + 1) or kept per position with probability ``--acceptance`` (else a token the target
+  rejects);
 * at B = 1 and the largest B, a per-round breakdown: each piece of the round captured alone in a CUDA
   graph (draft context + block forward, Markov chain, confidence + schedule, target verify forward,
   accept) and the host's share of the step.
@@ -115,12 +116,17 @@ def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
     step time (steps without a prefill), tokens per step and the outputs."""
     from ..engine import Request
 
-    def requests():
-        return [Request(p, new_tokens, stop_ids=[], ignore_eos=True,
-                        oracle_ids=None if oracle is None else oracle[i]) for i, p in enumerate(prompts)]
+    def add_all() -> list[int]:  # with an OracleEngine, each request's known continuation too
+        requests = [Request(p, new_tokens, stop_ids=[], ignore_eos=True) for p in prompts]
+        return [engine.add_request(r) if oracle is None else engine.add_request(r, oracle[i])
+                for i, r in enumerate(requests)]
 
-    engine.generate(requests())
-    ids = [engine.add_request(r) for r in requests()]
+    warm_up = add_all()
+    while engine.has_unfinished():
+        engine.step()
+    for i in warm_up:
+        engine.sequences.pop(i, None)
+    ids = add_all()
     outputs = {i: [] for i in ids}
     step_times, step_tokens = [], []
     while engine.has_unfinished():
@@ -147,7 +153,7 @@ def breakdown(engine, prompts, oracle) -> dict:
 
     runner = engine.runner
     for i, p in enumerate(prompts):
-        engine.add_request(Request(p, 64, stop_ids=[], ignore_eos=True, oracle_ids=oracle[i]))
+        engine.add_request(Request(p, 64, stop_ids=[], ignore_eos=True), oracle[i])
     engine.step()  # prefill + first round: rows hold a real state
     while engine.waiting or engine.prefilling:  # prompts run in chunks: admit every request
         engine.step()
@@ -191,6 +197,7 @@ def breakdown(engine, prompts, oracle) -> dict:
 
 def run_shape(name: str, args, ceiling_gbps: float) -> dict:
     from ..engine import EngineConfig, LLMEngine
+    from .oracle import OracleEngine
 
     shape = SHAPES[name]
     target = random_target(shape)
@@ -210,7 +217,7 @@ def run_shape(name: str, args, ceiling_gbps: float) -> dict:
     length = args.prompt + args.new + 16
     plain = LLMEngine(target, None, EngineConfig(max_batch=max_b, max_model_len=length))
     report["kv_bytes_per_token"] = plain.target.kv_bytes_per_token
-    engines = {a: LLMEngine(target, drafter, EngineConfig(max_batch=max_b, max_model_len=length, oracle_acceptance=a))
+    engines = {a: OracleEngine(target, drafter, EngineConfig(max_batch=max_b, max_model_len=length), acceptance=a)
                for a in (1.0, args.acceptance)}
     # what fits beside the weights of one target and one drafter (this benchmark holds the HF copy too),
     # keeping 10 % of the device for activations, logits and graphs

@@ -13,10 +13,10 @@ pair's were, so that tau and the confidence-acceptance relation are real while t
   current token's embedding) and output row y is the (normalised) embedding of token perm[y], so the
   logit of the permuted token is about 100 and the others' ~N(0, 100 / sqrt(hidden)) (1.6 at the 8B
   shape's 4096). Shapes, dtypes and kernels -- the cost -- are those of the random target.
-* ``ReplayEngine``: an ``LLMEngine`` (``oracle_replay``) that knows the benchmark's prompts: it
-  computes their greedy continuations once (plain decoding on its own runner) and gives each request
-  that continuation as ``oracle_ids`` and a recorded trace (prompt i -> trace i mod traces) as
-  ``oracle_trace``. A round then drafts the continuation's first ``accepted`` tokens and a rejected one,
+* ``ReplayEngine``: an ``OracleEngine`` (``bench.oracle``, ``replay=True``) that knows the
+  benchmark's prompts: it computes their greedy continuations once (plain decoding on its own
+  runner) and gives each request that continuation as ``oracle_ids`` and a recorded trace (prompt i
+  -> trace i mod traces) as ``oracle_trace``. A round then drafts the continuation's first ``accepted`` tokens and a rejected one,
   with the recorded confidences; the real drafter's forward, Markov chain and confidence head still
   run (their cost), the target verifies for real, and the output is the target's own greedy output.
   When a scheduler verifies fewer drafts than the trace accepted, the round accepts that many; the
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..engine import EngineConfig, LLMEngine, Request
+from .oracle import OracleEngine
 
 __all__ = ["ReplayEngine", "TRACES", "load_traces", "peaked_target", "plain_engine", "random_engine", "record_traces",
            "replay_engine"]
@@ -121,34 +122,28 @@ def peaked_target(shape: dict, seed: int = 0, **settings):
 # ------------------------------------------------------------------------------ the engine
 
 
-class ReplayEngine(LLMEngine):
-    """``LLMEngine`` with ``oracle_replay`` for a known set of prompts (module docstring)."""
+class ReplayEngine(OracleEngine):
+    """``OracleEngine`` replaying recorded rounds for a known set of prompts (module docstring)."""
 
     def __init__(self, target, draft, config: EngineConfig, prompts: list[list[int]], traces: list, max_tokens: int):
-        super().__init__(target, draft, replace(config, oracle_replay=True))
+        super().__init__(target, draft, config, replay=True)
         plain = self.plain()
         continuation = max_tokens + self.num_drafts + 1  # the last round may draft past max_tokens
         results = plain.generate([Request(ids, continuation, ignore_eos=True) for ids in prompts])
-        self.oracle = {tuple(ids): (r.token_ids, traces[i % len(traces)]) for i, (ids, r) in
-                       enumerate(zip(prompts, results))}
+        self.known = {tuple(ids): (r.token_ids, traces[i % len(traces)]) for i, (ids, r) in
+                      enumerate(zip(prompts, results))}
         self._plain = None  # its KV cache is not needed any more
         if self.target.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _with_oracle(self, request: Request) -> Request:
-        if request.oracle_ids is not None:
-            return request
-        known = self.oracle.get(tuple(request.prompt_ids))
-        if known is None:
-            raise ValueError("this replay benchmark engine serves only its prepared prompts "
-                             f"({len(self.oracle)} of them); got another prompt of {len(request.prompt_ids)} tokens")
-        return replace(request, oracle_ids=known[0], oracle_trace=known[1])
-
-    def check_request(self, request: Request) -> frozenset[int]:
-        return super().check_request(self._with_oracle(request) if isinstance(request, Request) else request)
-
-    def add_request(self, request: Request) -> int:
-        return super().add_request(self._with_oracle(request) if isinstance(request, Request) else request)
+    def add_request(self, request: Request, oracle_ids=None, oracle_trace=None) -> int:
+        if oracle_ids is None and isinstance(request, Request):
+            known = self.known.get(tuple(request.prompt_ids))
+            if known is None:
+                raise ValueError("this replay benchmark engine serves only its prepared prompts "
+                                 f"({len(self.known)} of them); got another prompt of {len(request.prompt_ids)} tokens")
+            oracle_ids, oracle_trace = known
+        return super().add_request(request, oracle_ids, oracle_trace)
 
 
 def _spec() -> dict:

@@ -54,9 +54,7 @@ class EngineConfig:
     ``device`` / ``dtype`` for checkpoints loaded from directories; ``max_num_batched_tokens``
     tokens per step (vLLM's flag): the running rows' verify or decode tokens, then chunks of the
     prompts being admitted in the same forward (default: 2048, at least ``max_batch`` times the
-    verify length, so that every running row always fits); ``oracle_acceptance`` /
-    ``oracle_replay`` (benchmarks only: drafts come from ``Request.oracle_ids``, each kept with this
-    probability, or as many kept per round as ``Request.oracle_trace`` replays, its confidences too);
+    verify length, so that every running row always fits);
     ``draft_top_k`` > 1: tree mode (DDTree; greedy requests walk the target's argmax, sampled ones
     are verified losslessly by ``K.sampled_tree_accept``): each round verifies a token tree grown from
     that many drafter candidates per depth, ``tree_budget`` nodes per row with the root (default:
@@ -72,8 +70,6 @@ class EngineConfig:
     cuda_graphs: bool = True
     device: str | torch.device | None = None
     dtype: torch.dtype | None = None
-    oracle_acceptance: float | None = None
-    oracle_replay: bool = False
     cost_table: object = None
     min_predicted_gain: float = 0.04
     max_num_batched_tokens: int | None = None
@@ -95,18 +91,12 @@ class EngineConfig:
         c.real("min_predicted_gain", self.min_predicted_gain, low=0.0)
         if self.max_num_batched_tokens is not None:
             c.integer("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
-        if self.oracle_acceptance is not None:
-            c.real("oracle_acceptance", self.oracle_acceptance, low=0.0, high=1.0)
-            if self.oracle_replay:
-                c.fail("oracle_acceptance and oracle_replay exclude each other (two ways to choose benchmark drafts)")
-        if not isinstance(self.oracle_replay, bool):
-            c.fail(f"oracle_replay must be a bool, got {type(self.oracle_replay).__name__}", TypeError)
         c.integer("draft_top_k", self.draft_top_k, low=1, high=MAX_TREE_TOP_K)
         c.integer("tree_budget", self.tree_budget, low=0, high=MAX_TREE_NODES)
         if self.tree_budget == 1:
             c.fail(f"tree_budget must be 0 (the block size + 1) or in [2, {MAX_TREE_NODES}], got 1")
-        if self.draft_top_k > 1 and (self.scheduler == "cost" or self.oracle_acceptance is not None or self.oracle_replay):
-            c.fail("tree mode (draft_top_k > 1) takes the off / threshold / sps schedulers and no benchmark drafts")
+        if self.draft_top_k > 1 and self.scheduler == "cost":
+            c.fail("tree mode (draft_top_k > 1) takes the off / threshold / sps schedulers")
 
 
 @dataclass
@@ -166,9 +156,7 @@ class LLMEngine:
             c.fail(f"max_num_batched_tokens must be at least max_batch x verify length = {config.max_batch} x "
                    f"{verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
-                                  max_chunk_tokens=budget, cuda_graphs=config.cuda_graphs,
-                                  oracle_acceptance=config.oracle_acceptance, oracle_replay=config.oracle_replay,
-                                  tree=tree)
+                                  max_chunk_tokens=budget, cuda_graphs=config.cuda_graphs, tree=tree)
         self.max_num_batched_tokens = budget
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted (a cache slot), prompt partly run
@@ -212,36 +200,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             c.fail(f"the prompt has {len(ids)} tokens; the context limit (max_model_len) is {self.max_model_len}, "
                    "which must leave room for at least one new token")
-        self._check_oracle(c, request)
         bad = next((i for i in request.stop_ids if i >= vocab), None)
         if bad is not None:
             c.fail(f"stop_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")
         return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
-
-    def _check_oracle(self, c: Checker, request: Request) -> None:
-        """Benchmark drafts: ``oracle_ids`` exactly when the config chooses them, ``oracle_trace`` with
-        ``oracle_replay`` (rounds of ``[accepted drafts in 0..P, P confidences in [0, 1]]``)."""
-        oracle = self.config.oracle_acceptance is not None or self.config.oracle_replay
-        if (request.oracle_ids is not None) != oracle:
-            c.fail("Request.oracle_ids (benchmark drafts) and EngineConfig.oracle_acceptance / oracle_replay go together")
-        if request.oracle_ids is not None and not request.sampling.greedy:
-            c.fail("oracle_ids (benchmark drafts) need greedy sampling")
-        if (request.oracle_trace is not None) != self.config.oracle_replay:
-            c.fail("Request.oracle_trace and EngineConfig.oracle_replay go together")
-        if request.oracle_trace is None:
-            return
-        p = self.num_drafts
-        if not request.oracle_trace:
-            c.fail("oracle_trace must hold at least one round")
-        if isinstance(request.oracle_trace, (str, bytes)) or not isinstance(request.oracle_trace, (list, tuple)):
-            c.fail(f"oracle_trace must be a list of rounds, got {type(request.oracle_trace).__name__}", TypeError)
-        for r, entry in enumerate(request.oracle_trace):
-            numbers = isinstance(entry, (list, tuple)) and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in entry)
-            if not numbers or len(entry) != p + 1 or not 0 <= entry[0] <= p or entry[0] != int(entry[0]) \
-                    or not all(0.0 <= x <= 1.0 for x in entry[1:]):
-                c.fail(f"oracle_trace[{r}] must be [accepted drafts in 0..{p}, {p} confidences in [0, 1]], "
-                       f"got {list(entry)[:p + 2]}")
 
     def abort(self, request_id: int, reason: str = "abort") -> None:
         """Stop a request now (waiting or running) with finish reason ``reason``; its cache line is
@@ -407,8 +369,7 @@ class LLMEngine:
             n = min(seq.prompt_len - seq.prefilled, budget)
             request, ends = seq.request, seq.prefilled + n == seq.prompt_len
             plan.append((seq, PrefillChunk(seq.slot, request.prompt_ids[seq.prefilled:seq.prefilled + n], seq.prefilled,
-                                           row if ends else -1, request.sampling, request.oracle_ids,
-                                           request.oracle_trace)))
+                                           row if ends else -1, request.sampling)))
             row += ends
             budget -= n
         return plan
@@ -584,8 +545,8 @@ class LLMEngine:
         if self._plain is None:
             from dataclasses import replace
 
-            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", oracle_acceptance=None,
-                                                               oracle_replay=False, draft_top_k=1, tree_budget=0))
+            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
+                                                               tree_budget=0))
             self._plain.eos_ids = self.eos_ids
         return self._plain
 

@@ -26,10 +26,6 @@ class Request:
     ``logprobs``: None, or k >= 0: each output token comes with its log-probability under the
     target and the k most likely tokens' (``RequestOutput.logprobs``; the target's log-softmax before
     temperature / top-k / top-p, as vLLM reports by default -- under speculative decoding too).
-    ``oracle_ids`` (benchmarks only): a known continuation; the engine then replaces its drafted
-    tokens by it (``EngineConfig.oracle_acceptance``) or, with ``EngineConfig.oracle_replay``, keeps
-    as many of them per round as ``oracle_trace`` says: round r (cycling) is ``[accepted drafts,
-    confidence_1 .. confidence_P]`` -- a recorded round whose acceptance and confidences are replayed.
     """
 
     prompt_ids: list[int]
@@ -38,8 +34,6 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
-    oracle_ids: list[int] | None = None
-    oracle_trace: list[list[float]] | None = None
 
     def __post_init__(self):
         c = Checker("Request")

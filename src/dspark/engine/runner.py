@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -44,10 +44,8 @@ from .drafting import Drafter, SamplingParams
 
 log = logging.getLogger("dspark.engine")
 
-__all__ = ["ChunkBuffers", "ModelRunner", "PrefillChunk", "ForwardFailed", "RowState", "TreeSettings", "batch_buckets", "MAX_CHUNKS", "PURPOSE_ORACLE"]
-
-PURPOSE_ORACLE = 0x3C6EF372FE94F82B  # benchmarks' controlled acceptance: its own stream
-TRACE_ROUNDS = 512  # replayed rounds kept per request (a longer trace is cut; rounds cycle)
+__all__ = ["ChunkBuffers", "DraftOverride", "ModelRunner", "PrefillChunk", "ForwardFailed", "RowState", "TreeSettings",
+           "batch_buckets", "MAX_CHUNKS"]
 MAX_CHUNKS = 8  # prompt chunks per step (the static seats of a captured mixed step)
 
 
@@ -62,8 +60,6 @@ class PrefillChunk:
     start: int
     row: int = -1
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    oracle_ids: list[int] | None = None
-    oracle_trace: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +113,17 @@ class RowState:
         return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
 
 
+class DraftOverride(Protocol):
+    """What a benchmark puts in place of the drafter's proposals (``dspark.bench.oracle``):
+    ``apply(runner, b)`` runs after the drafter proposed rows ``0 .. b-1`` (device ops, captured in
+    the draft graphs); ``buffers()`` are the device tensors a round writes, restored after a graph's
+    warm-up run."""
+
+    def apply(self, runner: "ModelRunner", b: int) -> None: ...
+
+    def buffers(self) -> list[torch.Tensor]: ...
+
+
 class ForwardFailed(RuntimeError):
     """A step's target forward raised before any row state changed (its KV writes sit at positions
     the next forward rewrites): the step can be retried as it was, or without its chunks."""
@@ -138,8 +145,7 @@ class ModelRunner:
     """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, mode)."""
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
-                 max_chunk_tokens: int = 2048, cuda_graphs: bool = True, oracle_acceptance: float | None = None,
-                 oracle_replay: bool = False, tree: TreeSettings | None = None):
+                 max_chunk_tokens: int = 2048, cuda_graphs: bool = True, tree: TreeSettings | None = None):
         self.target, self.drafter = target, drafter
         self.device = dev = target.device
         self.max_batch, self.max_model_len = max_batch, max_model_len
@@ -159,7 +165,7 @@ class ModelRunner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
         self.pool = None
-        self.oracle_acceptance, self.oracle_replay = oracle_acceptance, oracle_replay
+        self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
 
         i32 = dict(dtype=torch.int32, device=dev)
         b, p, t = max_batch, self.num_drafts, self.verify_len
@@ -189,14 +195,6 @@ class ModelRunner:
             self.state.tree_nodes = torch.ones(r, **i32)
             self.stacked = torch.zeros(b, p + 1, target.vocab_size, device=dev)  # the drafter's depth rows
             self.tree_nodes_accepted = torch.full((b, size), -1, **i32)  # the last walk's path
-        # benchmark drafts, per cache slot (staged once per request, read by slot: nothing moves with rows)
-        self.oracle: dict[str, torch.Tensor] = {}
-        if oracle_acceptance is not None or oracle_replay:
-            self.oracle["ids"] = torch.zeros(b + 1, line + t, **i32)
-        if oracle_replay:  # per slot: its trace, the trace's length, the next round to replay
-            self.oracle["trace"] = torch.zeros(b + 1, TRACE_ROUNDS, p + 1, device=dev)
-            self.oracle["trace_len"] = torch.ones(b + 1, **i32)
-            self.oracle["trace_round"] = torch.zeros(b + 1, **i32)
         self.chunks = ChunkBuffers(max_chunk_tokens, MAX_CHUNKS, dev)
         # accepted | accept length | verified drafts | next proposal length | next confidences (f32 bits)
         self.readout = torch.zeros(r, t + 3 + p, **i32)
@@ -346,11 +344,12 @@ class ModelRunner:
         graph.replay()
 
     def _snapshot(self) -> Callable[[], None]:
-        """Copies of the row state a step writes (and the benchmark drafts' per-slot buffers), and a
+        """Copies of the row state a step writes (and the draft override's buffers), and a
         function that puts them back: a graph's warm-up run must leave no trace. The captured
         hidden states and draft probabilities are excluded: every step rewrites the rows it reads."""
         live = [t for name, t in self.state.tensors() if name not in ("capture", "draft_probs")]
-        live += list(self.oracle.values())
+        if self.draft_override is not None:
+            live += self.draft_override.buffers()
         saved = [t.clone() for t in live]
 
         def restore() -> None:
@@ -536,8 +535,8 @@ class ModelRunner:
                 s.confidence[index] = proposal.confidence
             if proposal.probabilities is not None:
                 s.draft_probs[index] = proposal.probabilities
-        if self.oracle_acceptance is not None or self.oracle_replay:
-            self._oracle_drafts(b)
+        if self.draft_override is not None:
+            self.draft_override.apply(self, b)
         if self.tree is not None:
             self._grow_trees(b)
         self.readout[:b, t + 2] = s.proposal_lengths[:b]
@@ -572,8 +571,6 @@ class ModelRunner:
         joined = [c for c in chunks if c.row >= 0]
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
-        for c in joined:
-            self._stage_oracle(c)
         mode, seats = self._batch_mode(rows), self._seat_groups(joined)
         key = ("mixed", b, num_tokens, bucket, mode, seats[0][1] if isinstance(seats[0][0], slice) else None)
         self._replay(key, lambda: self._mixed_rows(b, rows, num_tokens, bucket, mode, seats),
@@ -672,19 +669,6 @@ class ModelRunner:
         self.readout[rows, t] = ones
         self.readout[rows, t + 1] = ones - 1
 
-    def _stage_oracle(self, chunk: PrefillChunk) -> None:
-        """Benchmarks: a seated request's known continuation and trace into its slot's buffers."""
-        o, slot, dev = self.oracle, chunk.slot, self.device
-        if chunk.oracle_ids is not None:
-            prompt_len = chunk.start + len(chunk.token_ids)
-            known = torch.tensor(list(chunk.oracle_ids)[: o["ids"].shape[1] - prompt_len], dtype=torch.int32)
-            o["ids"][slot].zero_()
-            o["ids"][slot, prompt_len: prompt_len + known.numel()] = known.to(dev)
-        if chunk.oracle_trace is not None:
-            trace = torch.tensor(chunk.oracle_trace[:TRACE_ROUNDS], dtype=torch.float32)
-            o["trace"][slot, : trace.shape[0]] = trace.to(dev)
-            o["trace_len"][slot], o["trace_round"][slot] = trace.shape[0], 0
-
     def probe(self, chunk: PrefillChunk) -> None:
         """Run one prompt chunk alone (the target forward and its draft context writes, no row state):
         after a failed mixed step, whether this request's own tokens fail."""
@@ -695,27 +679,6 @@ class ModelRunner:
             self.draft.context(capture, positions, slots)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _oracle_drafts(self, b: int) -> None:
-        """Benchmarks: each draft is the known continuation (which the greedy target accepts) or a
-        token it rejects (the continuation's id + 1): per draft with probability ``oracle_acceptance``,
-        or, replaying a trace, the first ``accepted`` of the round's entry; the entry's confidences
-        then replace the drafter's and the scheduler's lengths follow from them."""
-        s, o, p = self.state, self.oracle, self.num_drafts
-        slots = s.slot_ids[:b].long()
-        truth = o["ids"][slots].gather(1, (s.anchor_pos[:b, None] + 1 + self.offsets[:p]).long())
-        wrong = (truth + 1) % self.target.vocab_size
-        if self.oracle_replay:
-            index = (o["trace_round"][slots] % o["trace_len"][slots]).long()
-            entry = o["trace"][slots, index]
-            keep = self.offsets[:p].float() < entry[:, :1]
-            s.confidence[:b] = entry[:, 1:]
-            s.proposal_lengths[:b] = self.drafter.proposal_lengths(entry[:, 1:].contiguous())
-            o["trace_round"].index_add_(0, slots, s.active[:b])  # padding rows: the dummy slot's
-        else:
-            keep = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], PURPOSE_ORACLE, p) < self.oracle_acceptance
-        s.draft_tokens[:b] = torch.where(keep, truth, wrong)
-
 
 class ChunkBuffers:
     """The prompt chunks of one step, staged on the host (pinned) and copied to the device in one
