@@ -25,6 +25,7 @@ from torch import nn
 
 from ..kernels._validate import Checker
 from .config import DSparkConfig
+from .draft_runner import DraftRunner
 from .heads import ConfidenceHead, MarkovHead, scatter_vocab
 
 __all__ = ["DSparkDraftModel", "DraftCache", "RMSNorm", "rope_cos_sin", "apply_rope"]
@@ -78,8 +79,6 @@ class DraftCache:
 
     def reserve(self, model, positions: int):
         """The runner, its line holding at least ``positions`` positions."""
-        from .draft_runner import DraftRunner
-
         if self.runner is None:
             self.runner = DraftRunner(model, 1, max(positions, 64))
         elif self.runner.max_len < positions:

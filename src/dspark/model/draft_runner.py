@@ -19,16 +19,11 @@ No host synchronisation, fixed shapes per batch size: both calls can be captured
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from .. import kernels as K
 from .llama import KVCache, decoder_layer
-
-if TYPE_CHECKING:  # draft.py builds a DraftRunner for its cache: import the model type for annotations only
-    from .draft import DSparkDraftModel
 
 __all__ = ["DraftRunner"]
 
@@ -36,7 +31,9 @@ __all__ = ["DraftRunner"]
 class DraftRunner:
     """Batched forward of a ``DSparkDraftModel`` (weights shared, merged projections built once)."""
 
-    def __init__(self, model: "DSparkDraftModel", num_slots: int, max_len: int):
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int):
+        """``model``: a ``DSparkDraftModel`` (``draft.py`` builds its caches' runners from this
+        module, so it is not imported here)."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.block_size = cfg.block_size
