@@ -288,6 +288,8 @@ def test_block_sparse_training_attention_equals_the_dense_mask(layer_types):
     torch.testing.assert_close(flex, dense, atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="attention must be"):
         block_hidden(model, context, block_ids, anchors, attention="sparse")
+    with pytest.raises(ValueError, match="trains on a GPU only"):
+        block_hidden(model, context, block_ids, anchors, attention="flex")  # gradients on: the CPU cannot
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "acceptance 1[draft argmax = target argmax] (for greedy decoding)")
     model.add_argument("--confidence-backprop", action="store_true",
                        help="let the confidence loss train the backbone and W1 too (the paper; default: head only)")
+    model.add_argument("--attention", choices=("auto", "flex", "dense"), default="auto",
+                       help="the draft's training attention: block-sparse FlexAttention or a dense mask with SDPA "
+                            "(default: auto, FlexAttention on a GPU and the dense mask on the CPU)")
     model.add_argument("--capture-layers", default=None,
                        help="target hidden_states indices, comma-separated (default: speculators' [2, L//2, L-3])")
     model.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token, ...")
@@ -133,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                                     confidence_backprop=args.confidence_backprop,
                                     greedy_confidence=args.confidence_target == "greedy", output=args.output,
                                     save_dtype=getattr(torch, args.save_dtype), world=world, fsdp=args.fsdp,
-                                    resume=args.resume,
+                                    resume=args.resume, attention=args.attention,
                                     stream=open(os.devnull, "w") if args.quiet and world.is_main else None)
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # RuntimeError: a diverged loss, out of memory,
         print(f"dspark train: {describe_failure(exc, world)}", file=sys.stderr)  # a failed collective

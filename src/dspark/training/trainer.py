@@ -495,6 +495,9 @@ def block_hidden(model: DSparkDraftModel, context_hidden: torch.Tensor, block_id
     if attention not in ("auto", "flex", "dense"):
         Checker("block_hidden").fail(f"attention must be 'auto', 'flex' or 'dense', got {attention!r}")
     flex = attention == "flex" or (attention == "auto" and context_hidden.device.type == "cuda")
+    if flex and context_hidden.device.type != "cuda" and torch.is_grad_enabled():
+        Checker("block_hidden").fail("attention 'flex' trains on a GPU only (FlexAttention has no backward on the "
+                                     "CPU): use 'dense' there")
     make_mask = training_block_mask if flex else training_mask
     cfg = model.config
     b, s, _ = context_hidden.shape
@@ -628,14 +631,15 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
                 device, num_anchors: int = 64, gamma: float = 4.0,
                 confidence_backprop: bool = False, greedy_confidence: bool = False, output=None,
                 save_dtype: torch.dtype = torch.bfloat16, stream=None, world: World = SINGLE, fsdp: bool = False,
-                resume: bool = False) -> tuple[DSparkDraftModel, list[float]]:
+                resume: bool = False, attention: str = "auto") -> tuple[DSparkDraftModel, list[float]]:
     """Train a draft for ``target`` (a Hugging Face causal LM, frozen, already on ``device``) on
     token rows ``sequences`` int64 ``[N, S]``. ``output``: checkpoint directory (speculators format,
     ``save_dtype`` weights, plus the resumable ``training_state/``), written by rank 0 every
     ``options.save_every`` steps and at the end, and ``training_log.json`` (``_write_log``);
     ``resume``: continue the run saved there (weights, optimizer, data position, generators; the
     same options and data, except ``options.steps`` / ``time_budget``, which may extend the run: the
-    learning-rate schedule is then stretched over the new length from the step reached). Returns the fp32 model (under ``fsdp`` its parameters are this rank's
+    learning-rate schedule is then stretched over the new length from the step reached);
+    ``attention``: the draft's training attention (``block_hidden``). Returns the fp32 model (under ``fsdp`` its parameters are this rank's
     DTensor shards) and the logged losses.
 
     Data parallel over ``world`` (every rank holds the target and all of ``sequences``): each step's
@@ -667,7 +671,7 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
     model.to(device)
     weights = position_weights(config.block_size, gamma, config.sample_from_anchor, device=device)
     step_module = DraftStep(model, weights, confidence_backprop=confidence_backprop,
-                            greedy_confidence=greedy_confidence, world=world)
+                            greedy_confidence=greedy_confidence, world=world, attention=attention)
     # FSDP units: the big modules the step calls through their forward (the rest is the root unit)
     units = [model.embed_tokens, model.lm_head, *(layer.mlp for layer in model.layers)]
     module = wrap(step_module, world, fsdp=fsdp, shard_units=units)
