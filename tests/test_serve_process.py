@@ -2,8 +2,6 @@
 runs it): the same tokens as the engine in this process, the refusals and limits of ``EngineLoop``,
 a start-up failure as one clear error, and a child that dies failing the requests in flight."""
 
-import threading
-
 import pytest
 
 pytest.importorskip("fastapi")
@@ -12,6 +10,7 @@ from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams  # no
 from dspark.engine.request import RequestOutput  # noqa: E402
 from dspark.serve.engine_loop import ACCEPTED, EngineDead, QueueFull, ServerClosing  # noqa: E402
 from dspark.serve.engine_process import EngineClient, EngineStartError  # noqa: E402
+from test_serve import Sink as ServeSink  # noqa: E402
 
 TIMEOUT = 60
 
@@ -33,23 +32,16 @@ def broken_engine() -> LLMEngine:
     raise ValueError("draft 'nowhere/config.json': no such file")
 
 
-class Sink(list):
-    def __init__(self):
-        super().__init__()
-        self.cond = threading.Condition()
-
-    def __call__(self, item):
-        with self.cond:
-            self.append(item)
-            self.cond.notify_all()
+class Sink(ServeSink):
+    """``test_serve.Sink`` that also waits for a request's end and collects its tokens."""
 
     def wait_end(self):
         def ended():
             return self and (isinstance(self[-1], BaseException)
                              or (isinstance(self[-1], RequestOutput) and self[-1].finished))
 
-        with self.cond:
-            assert self.cond.wait_for(ended, TIMEOUT)
+        with self.event:
+            assert self.event.wait_for(ended, TIMEOUT)
         return self
 
     def tokens(self):
@@ -112,8 +104,7 @@ def test_a_dead_engine_process_fails_the_requests_in_flight():
     client.start()
     sink = Sink()
     client.submit(Request([1, 2, 3], 200, ignore_eos=True), sink)
-    with sink.cond:
-        assert sink.cond.wait_for(lambda: len(sink) >= 2, TIMEOUT)  # accepted and running
+    sink.wait(2)  # accepted and running
     client._process.kill()
     assert isinstance(sink.wait_end()[-1], EngineDead) and "exited" in str(sink[-1])
     assert failures and not client.alive

@@ -111,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from .engine import SHAPES, random_target
 
+    try:
+        seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    except ValueError:
+        parser.error(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}")
+    for name, value in (("--seq-lens", min(seq_lens)), ("--anchors", args.anchors), ("--steps", args.steps)):
+        if value < 1:
+            parser.error(f"{name} must be >= 1, got {value}")
+    if set(args.attention.split(",")) - {"flex", "dense"}:
+        parser.error(f"--attention must name flex and/or dense, got {args.attention!r}")
+    if args.shape not in SHAPES and not args.shape.lstrip().startswith("{"):
+        parser.error(f"--shape must be one of {list(SHAPES)} or a shape as JSON, got {args.shape!r}")
     device = torch.device(args.device)
     attentions = args.attention.split(",")
     if device.type != "cuda" and "flex" in attentions:
@@ -119,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = random_target(shape, vocab=args.vocab, device=device, dtype=dtype)
     rows = []
-    for seq_len in (int(x) for x in args.seq_lens.split(",")):
+    for seq_len in seq_lens:
         for attention in attentions:
             row = run_one(target, seq_len, args.anchors, attention, args.steps, device)
             if "achieved_tflops" in row:

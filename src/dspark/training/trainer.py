@@ -38,6 +38,7 @@ Checkpoints and the resumable state (``state``) are gathered to rank 0 and writt
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import math
@@ -427,17 +428,12 @@ def training_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, ca
                              _compile=anchors.device.type == "cuda")
 
 
-def _flex_attention():
-    """FlexAttention, compiled once on first use (eager FlexAttention materialises the scores)."""
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
+@functools.cache
+def _compiled_flex_attention():
+    """FlexAttention compiled once (uncompiled, it materialises the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
-
-
-_FLEX = None
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -468,16 +464,12 @@ def _block_attention(attn, x, context, ctx_rope, block_rope, mask) -> torch.Tens
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v, attn_mask=mask[:, None])
     else:
-        flex = _flex_attention() if q.device.type == "cuda" else _eager_flex()
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # the CPU runs it uncompiled (forward only there: the tests compare it with the dense path)
+        flex = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
         out = flex(q.to(dtype), k.to(dtype), v, block_mask=mask, scale=attn.head_dim ** -0.5, enable_gqa=rep > 1)
     return attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-
-
-def _eager_flex():
-    """Uncompiled FlexAttention: the CPU (forward only there; tests compare it with the dense path)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention
 
 
 def block_hidden(model: DSparkDraftModel, context_hidden: torch.Tensor, block_ids: torch.Tensor,
