@@ -61,3 +61,18 @@ def filter_settings(temperature: float, top_k: int, top_p: float, vocab: int) ->
         return 1.0, 1, 1.0
     k = top_k if 0 < top_k < vocab else 0
     return inv_temperature(temperature), k, (top_p if top_p < NUCLEUS_OFF else 1.0)
+
+
+def row_filter_settings(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``filter_settings`` of every row at once: f32 ``[rows, 3]`` ``(inv_temp, k, p)`` from ``[rows]``
+    temperatures, top-k and top-p, computed with device ops (no host synchronisation; a CUDA graph
+    can hold it). ``inv_temp`` is the fp32 quotient ``1/T``, as ``inv_temperature``."""
+    t = temperature.float()
+    greedy = t < GREEDY_TEMPERATURE
+    inv_temp = torch.where(greedy, torch.ones_like(t), torch.div(torch.ones_like(t), t))
+    k = top_k.float()
+    k = torch.where(greedy, torch.ones_like(k), torch.where((k > 0) & (k < vocab), k, torch.zeros_like(k)))
+    p = top_p.float()
+    p = torch.where(greedy | (p >= NUCLEUS_OFF), torch.ones_like(p), p)
+    return torch.stack([inv_temp, k, p], dim=1)
+

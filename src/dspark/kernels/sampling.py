@@ -14,6 +14,12 @@ positive index, else 0 -- the reference reproduces the C++ choice bit for bit fo
 Filters (kernels.md 3.9): ``top_k`` 0, negative or ``>= V`` keeps every entry (vLLM's -1 works);
 ``top_p`` in ``(0, 1]``, ``>= 1 - 1e-6`` keeps every entry. Ops that need scratch on the Triton
 backend take ``workspace=`` (a ``dspark.kernels.Workspace``; a private default without one).
+
+Per-row settings: ``logits_to_probabilities``, ``markov_sample_step`` and ``vanilla_markov_sample``
+also take ``temperature``, ``top_k`` and ``top_p`` as tensors, one entry per batch row (f32, an
+integer dtype, f32), so that one launch -- and one CUDA graph -- serves rows of any settings. Their
+values are not range-checked (that would synchronise the host); each row's result is the one its
+own scalar settings define (exact, up to fp32 rounding of the sums).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import implementation
-from ._shared import MAX_TOKEN_ID
+from ._shared import MAX_TOKEN_ID, row_filter_settings
 from ._validate import Checker
 from .markov import markov_inputs, markov_step_inputs
 from .workspace import resolve
@@ -45,12 +51,28 @@ _UINT64_MAX = (1 << 64) - 1
 
 def _filters(c: Checker, temperature, top_k, top_p) -> tuple[float, int, float]:
     """``temperature >= 0``, ``top_k`` any int (``<= 0`` = off, passed on as 0), ``top_p`` in ``(0, 1]``."""
+    if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p)):
+        c.fail("temperature, top_k and top_p must be all numbers or all tensors [rows] (per-row settings), got "
+               f"{type(temperature).__name__}, {type(top_k).__name__}, {type(top_p).__name__}", TypeError)
     temperature = c.real("temperature", temperature, low=0.0)
     top_k = max(0, c.integer("top_k", top_k))
     top_p = c.real("top_p", top_p)
     if not 0 < top_p <= 1:
         c.fail(f"top_p must be in (0, 1], got {top_p}")
     return temperature, top_k, top_p
+
+
+def _per_row(temperature, top_k, top_p) -> bool:
+    """Whether the settings are per-row tensors (else numbers, checked by ``_filters``)."""
+    return all(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p))
+
+
+def _row_settings(c: Checker, temperature, top_k, top_p, rows: int, vocab: int, device) -> torch.Tensor:
+    """f32 ``[rows, 3]`` per-row ``(inv_temp, k, p)`` of ``[rows]`` tensors (``row_filter_settings``)."""
+    c.tensor("temperature", temperature, dtype=(torch.float32, torch.float64), shape=[rows], device=device)
+    c.tensor("top_k", top_k, dtype=(torch.int32, torch.int64), shape=[rows], device=device)
+    c.tensor("top_p", top_p, dtype=(torch.float32, torch.float64), shape=[rows], device=device)
+    return row_filter_settings(temperature, top_k, top_p, vocab)
 
 
 def _draft_ids(c: Checker, draft_token_ids, batch: int, device: torch.device) -> torch.Tensor:
@@ -102,7 +124,9 @@ def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0, *, workspac
     """Temperature, top-k and (mass-clipped) top-p probabilities (kernels.md 3.9).
 
     ``logits`` f32 ``[rows, V]`` (or ``[B, L, V]``, treated as ``B*L`` rows); returns f32 of the same
-    shape. ``x = logits * invTemp(T)`` with ``invTemp = 1/T`` (fp32), then:
+    shape. Settings are numbers, or per-row tensors (module docstring) with one entry per row of
+    ``[rows, V]`` or per batch row of ``[B, L, V]``. ``x = logits * invTemp(T)`` with ``invTemp = 1/T``
+    (fp32), then:
 
     * ``T < 1e-3``: one-hot at the argmax (ties to the lower index); ``top_k``/``top_p`` ignored.
     * ``top_k`` in ``(0, V)`` keeps the ``top_k`` largest ``x`` (ties to the lower index); 0, negative
@@ -122,9 +146,17 @@ def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0, *, workspac
     x = c.tensor("logits", logits, dtype=torch.float32, ndim=(2, 3))
     if x.shape[-1] < 1:
         c.fail(f"logits must have V >= 1 columns, got shape {list(x.shape)}")
-    temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
-    probs = implementation("logits_to_probabilities", x.device)(
-        x.reshape(-1, x.shape[-1]).contiguous(), temperature, top_k, top_p, resolve(c, workspace))
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    settings = None
+    if _per_row(temperature, top_k, top_p):
+        settings = _row_settings(c, temperature, top_k, top_p, x.shape[0], x.shape[-1], x.device)
+        if x.dim() == 3:
+            settings = settings.repeat_interleave(x.shape[1], dim=0)
+        temperature, top_k, top_p = 1.0, 0, 1.0
+    else:
+        temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
+    probs = implementation("logits_to_probabilities", x.device)(rows, temperature, top_k, top_p, resolve(c, workspace),
+                                                                settings)
     return probs.reshape(x.shape)
 
 
@@ -229,10 +261,17 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
     uniforms = _step_uniforms(c, proposal_uniforms, m.batch, width, m.device)
     probs = c.tensor("draft_probabilities", draft_probabilities, dtype=torch.float32, shape=[m.batch, width, m.vocab],
                      device=m.device, contiguous=True)
-    temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
+    temperature, top_k, top_p, settings = _step_filters(c, temperature, top_k, top_p, m.batch, m.vocab, m.device)
     implementation("markov_sample_step", m.device)(
         m.logits, *m.weights, first_prev_tokens.contiguous(), uniforms, draft, probs, step, temperature, top_k, top_p,
-        m.stride, m.offset, resolve(c, workspace))
+        m.stride, m.offset, resolve(c, workspace), settings)
+
+
+def _step_filters(c: Checker, temperature, top_k, top_p, batch: int, vocab: int, device):
+    """``(temperature, top_k, top_p, row settings or None)`` of a sampled Markov step's arguments."""
+    if _per_row(temperature, top_k, top_p):
+        return 1.0, 0, 1.0, _row_settings(c, temperature, top_k, top_p, batch, vocab, device)
+    return (*_filters(c, temperature, top_k, top_p), None)
 
 
 def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
@@ -251,11 +290,11 @@ def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_toke
     m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, width=width,
                       needed=width, logits_stride=logits_stride, logits_offset=logits_offset)
     uniforms = _step_uniforms(c, uniforms, m.batch, width, m.device)
-    temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
+    temperature, top_k, top_p, settings = _step_filters(c, temperature, top_k, top_p, m.batch, m.vocab, m.device)
     draft_token_ids = torch.zeros(m.batch, width, dtype=torch.int32, device=m.device)
     draft_probabilities = torch.empty(m.batch, width, m.vocab, dtype=torch.float32, device=m.device)
     step_fn, workspace = implementation("markov_sample_step", m.device), resolve(c, workspace)
     for step in range(width):  # the round is its steps on either backend
         step_fn(m.logits, *m.weights, first_prev_tokens.contiguous(), uniforms, draft_token_ids, draft_probabilities,
-                step, temperature, top_k, top_p, m.stride, m.offset, workspace)
+                step, temperature, top_k, top_p, m.stride, m.offset, workspace, settings)
     return draft_token_ids, draft_probabilities

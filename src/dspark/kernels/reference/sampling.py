@@ -242,9 +242,12 @@ def sample_from_sparse_probs(probs: torch.Tensor, ids: torch.Tensor, u: torch.Te
 
 def _scaled(values: torch.Tensor, temperature: float) -> torch.Tensor:
     """f32 ``values * invTemp(T)`` (kernels.md 3.9; ``invTemp`` is 1 for T < ``GREEDY_TEMPERATURE``)."""
-    if temperature < GREEDY_TEMPERATURE:
-        return values
-    return values * torch.tensor(inv_temperature(temperature), dtype=torch.float32, device=values.device)
+    return _times(values, inv_temperature(temperature))
+
+
+def _times(values: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """f32 ``values * inv_temp`` (an fp32 value; 1 leaves every value as it is)."""
+    return values * torch.tensor(inv_temp, dtype=torch.float32, device=values.device)
 
 
 def _softmax_weights(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,14 +282,27 @@ def _top_k_top_p(x: torch.Tensor, weights: torch.Tensor, top_k: int, top_p: floa
     return torch.zeros_like(weights).scatter_(-1, order, clipped), divisor
 
 
-def logits_to_probabilities(logits, temperature, top_k, top_p, workspace):
+def logits_to_probabilities(logits, temperature, top_k, top_p, workspace, row_settings=None):
     """``dspark.kernels.logits_to_probabilities``: a stable sort ranks the entries, float64 weights and
-    normalisers (accurate, not NVIDIA's sequential fp32 sum of Case C)."""
+    normalisers (accurate, not NVIDIA's sequential fp32 sum of Case C). Per-row settings (f32
+    ``[rows, 3]``) run each distinct setting's rows together (read on the host: no CUDA graph)."""
     vocab = logits.shape[1]
-    _, k, p = filter_settings(temperature, top_k, top_p, vocab)
+    if row_settings is None:
+        return _probabilities(logits, *filter_settings(temperature, top_k, top_p, vocab))
+    out = torch.empty_like(logits)
+    settings = [tuple(row) for row in row_settings.tolist()]
+    for inv_temp, k, p in dict.fromkeys(settings):
+        rows = torch.tensor([i for i, row in enumerate(settings) if row == (inv_temp, k, p)], device=logits.device)
+        out[rows] = _probabilities(logits[rows], inv_temp, int(k), p)
+    return out
+
+
+def _probabilities(logits: torch.Tensor, inv_temp: float, k: int, p: float) -> torch.Tensor:
+    """Probabilities of f32 ``logits`` ``[rows, V]`` for one ``filter_settings`` ``(inv_temp, k, p)``."""
+    vocab = logits.shape[1]
     k = k or vocab
     nucleus = None if p >= 1.0 else p
-    x = _scaled(logits, temperature)
+    x = _times(logits, inv_temp)
     weights, degenerate = _softmax_weights(x)
     if k < vocab or nucleus is not None:
         weights, divisor = _top_k_top_p(x, weights, k, nucleus)
@@ -327,10 +343,10 @@ def sample_top_k_rows_and_store(top_k_values, top_k_indices, proposal_uniforms, 
 
 def markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
                        draft_token_ids, draft_probabilities, step, temperature, top_k, top_p, logits_stride,
-                       logits_offset, workspace):
+                       logits_offset, workspace, row_settings=None):
     """``dspark.kernels.markov_sample_step``: correction, probabilities, draw, as separate steps."""
     rows = build_markov_logits(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, draft_token_ids,
                                step, logits_stride, logits_offset)
-    probs = logits_to_probabilities(rows, temperature, top_k, top_p, workspace)
+    probs = logits_to_probabilities(rows, temperature, top_k, top_p, workspace, row_settings)
     store_draft_step_probabilities(probs, draft_probabilities, step)
     sample_probability_rows(probs, proposal_uniforms, draft_token_ids, step, workspace)

@@ -39,6 +39,8 @@ SIGN32 = tl.constexpr(0x80000000)
 SENTINEL = tl.constexpr(-(2**63))  # filter key below every real entry's key
 MAX_KEY = tl.constexpr(2**63 - 1)
 NO_HIT = tl.constexpr(2**31 - 1)  # "no index" for min-reductions
+MAX_CANDIDATES = 128  # top-k up to it is selected exactly from the filter's candidates (NVIDIA's parallel limit)
+CANDIDATE_LIMIT = tl.constexpr(MAX_CANDIDATES)  # the same, inside kernels
 
 
 # ------------------------------------------------------------------------------ greedy keys
@@ -122,6 +124,24 @@ def tile_stats(x, AXIS: tl.constexpr):
 def is_degenerate(total):
     """Softmax normalisers that are not finite and positive: the row is uniform ``1/V``."""
     return (total != total) | (total <= 0.0) | (total == float("inf"))
+
+
+@triton.jit
+def row_filter(row, inv_temp, top_k, top_p, settings_ptr, PER_ROW: tl.constexpr):
+    """Row ``row``'s ``(inv_temp, top_k, top_p)``. ``PER_ROW`` 0: the launch's scalars; 1: row ``row``
+    of the f32 ``[rows, 3]`` settings ``(inv_temp, k, p)`` (``dspark.kernels._shared.row_filter_settings``);
+    2: its k and p with the launch's scalar inv_temp (the logits were scaled already)."""
+    # tensors either way: Triton folds an int argument of 1 into a constexpr, where ~ is not a logical not
+    inv_temp = inv_temp + tl.zeros([], tl.float32)
+    top_k = top_k + tl.zeros([], tl.int32)
+    top_p = top_p + tl.zeros([], tl.float32)
+    if PER_ROW > 0:
+        base = settings_ptr + row.to(tl.int64) * 3
+        top_k = tl.load(base + 1).to(tl.int32)
+        top_p = tl.load(base + 2)
+        if PER_ROW == 1:
+            inv_temp = tl.load(base)
+    return inv_temp, top_k, top_p
 
 
 @triton.jit

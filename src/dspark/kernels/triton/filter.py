@@ -25,14 +25,14 @@ from .._shared import filter_settings, next_pow2
 from . import draw as tdraw
 from . import search as tsearch
 from ._shared import MAX_KEY, NO_HIT, SENTINEL, TINY, claim, clamp_uniform, first_hit, is_degenerate, key_index
-from ._shared import key_value, merge, ord_image, order_key, positive, row_chunk, tile_stats
+from ._shared import CANDIDATE_LIMIT, MAX_CANDIDATES, key_value, merge, ord_image, order_key, positive, row_chunk
+from ._shared import row_filter, tile_stats
 from .search import NPROBE, store_cut_state
 
 __all__ = ["logits_to_probabilities"]
 
 GROUP = 32  # entries per group of the candidate pass
 NBINS = tl.constexpr(256)  # histogram bins of the candidate thresholds (1/8 wide)
-MAX_CANDIDATES = 128  # top-k up to this is selected exactly from candidates (NVIDIA's parallel limit)
 
 
 # ------------------------------------------------------------------------------ device helpers
@@ -71,12 +71,13 @@ def _filtered_prob(x, key, x0, denom, kappa, a_kappa):
 
 
 @triton.jit
-def _stats_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_chunks, n_groups,
-                  CHUNK: tl.constexpr, GROUP_SIZE: tl.constexpr, CANDIDATES: tl.constexpr):
+def _stats_kernel(x_ptr, x_stride, V, inv_temp, settings_ptr, m_ptr, s_ptr, group_ptr, n_chunks, n_groups,
+                  CHUNK: tl.constexpr, GROUP_SIZE: tl.constexpr, CANDIDATES: tl.constexpr, PER_ROW: tl.constexpr):
     """Per (row, chunk): softmax partials of ``x = logits * inv_temp`` and, with ``CANDIDATES``, the
     largest key of every group of ``GROUP_SIZE`` entries (the candidates' first stage)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    inv_temp, _, _ = row_filter(row, inv_temp, 0, 1.0, settings_ptr, PER_ROW)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = index < V
     x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=mask, other=float("-inf")) * inv_temp
@@ -152,22 +153,29 @@ def _candidates(keys, x0, take, scratch, OUT: tl.constexpr, NPROBE_: tl.constexp
 
 
 @triton.jit
-def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_stats, n_groups, take, top_k, top_p,
-                   par_ptr, kappa_ptr, state_ptr, kept_ptr, kept_p_ptr, bounds_ptr, cut_ptr, fill_ptr, scratch_ptr,
-                   u_ptr, u_stride, tok_ptr, tok_stride,
+def _select_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, m_ptr, s_ptr, group_ptr, n_stats,
+                   n_groups, par_ptr, kappa_ptr, state_ptr, kept_ptr, kept_p_ptr, bounds_ptr, cut_ptr, fill_ptr,
+                   scratch_ptr, u_ptr, u_stride, tok_ptr, tok_stride,
                    NC_PAD: tl.constexpr, NG_PAD: tl.constexpr, KT: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                   NPROBE_: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, BIG_K: tl.constexpr,
-                   SAMPLE: tl.constexpr):
-    """Per row: the exact best ``take <= KT // 2`` entries, the cut (``kappa``, its share ``a``, ``denom``),
-    the kept entries' ids and probabilities and, with ``SAMPLE``, the draw among them.
+                   NPROBE_: tl.constexpr, PER_ROW: tl.constexpr, SAMPLE: tl.constexpr):
+    """Per row: the exact best ``take <= KT // 2`` entries (``top_k``, or ``KT // 2`` for top-p), the
+    cut (``kappa``, its share ``a``, ``denom``), the kept entries' ids and probabilities and, with
+    ``SAMPLE``, the draw among them. The row's filter comes from ``row_filter`` (``PER_ROW``).
 
     The best ``take`` entries lie in the best ``take`` groups by group maximum; histogram thresholds
     (``_candidates``) narrow both the groups and their entries to ``KT`` candidates, ranked exactly by
     pairwise comparison. ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
-    (cut found; ``kept`` lists the kept entries), 1 (degenerate row: uniform ``1/V``) or 2 (cut beyond
-    the candidates: the value-space search starts from ``bounds``/``cut``).
+    (cut found; ``kept`` lists the kept entries), 1 (degenerate row: uniform ``1/V``), 2 (cut beyond
+    the candidates: the value-space search starts from ``bounds``/``cut``) or 3 (a per-row setting
+    without filter: every entry kept, ``exp(x - max) / S``, drawn after the write).
     """
     row = tl.program_id(0)
+    inv_temp, top_k, top_p = row_filter(row, inv_temp, top_k, top_p, settings_ptr, PER_ROW)
+    use_k = (top_k > 0) & (top_k <= CANDIDATE_LIMIT)
+    big_k = top_k > CANDIDATE_LIMIT  # the search finds the k-th entry
+    use_p = top_p < 1.0
+    unfiltered = (top_k <= 0) & (top_p >= 1.0)
+    take = tl.minimum(tl.where(use_k, top_k, KT // 2), V)
     _, _, big, total = _row_stats(m_ptr, s_ptr, row, n_stats, NC_PAD)
     degenerate = is_degenerate(total)
 
@@ -187,45 +195,35 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_stat
     x_top = tl.max(tl.where(keep, value, float("-inf")), axis=0)
     e = tl.where(keep, tl.exp(value - x_top), 0.0)
     excl = tl.sum(tl.where(above, e[None, :], 0.0), axis=1)  # mass ranked above
-    if USE_K:
-        kept = tl.sum(e, axis=0)
-    else:
-        kept = total  # top-p alone clips the whole row's mass (its max is x_top too)
-    if USE_P:
-        denom = tl.maximum(top_p * kept, TINY)
-        missing = denom - excl
-        live = keep & ((missing > TINY) | (rank == 0))  # the top entry is always taken
-        resolved = USE_K | (tl.sum((keep & (missing - e <= TINY)).to(tl.int32), axis=0) > 0)
-        a_share = tl.minimum(e, missing)
-    else:
-        denom = tl.maximum(kept, TINY)
-        live = keep
-        resolved = True
-        a_share = e
-    if BIG_K:
-        resolved = False  # top_k > MAX_CANDIDATES: the search finds the k-th entry
+    # top-p alone clips the whole row's mass (its max is x_top too)
+    kept = tl.where(use_k, tl.sum(e, axis=0), total)
+    nucleus = tl.maximum(top_p * kept, TINY)
+    missing = nucleus - excl
+    denom = tl.where(use_p, nucleus, tl.maximum(kept, TINY))
+    live = keep & tl.where(use_p, (missing > TINY) | (rank == 0), True)  # the top entry is always taken
+    clipped = tl.sum((keep & (missing - e <= TINY)).to(tl.int32), axis=0) > 0
+    resolved = tl.where(big_k, False, tl.where(use_p, use_k | clipped, True))
+    a_share = tl.where(use_p, tl.minimum(e, missing), e)
     kappa = tl.min(tl.where(live, top, MAX_KEY), axis=0)  # the last live entry in rank order
     a_cut = tl.sum(tl.where(top == kappa, a_share, 0.0), axis=0)
-    state = tl.where(degenerate, 1, tl.where(resolved, 0, 2))
+    state = tl.where(degenerate, 1, tl.where(unfiltered, 3, tl.where(resolved, 0, 2)))
     p = tl.where(live, _filtered_prob(value, top, x_top, denom, kappa, a_cut), 0.0)
     ids = key_index(top)
-    tl.store(par_ptr + row * 3, x_top)
-    tl.store(par_ptr + row * 3 + 1, denom)
+    # an unfiltered row keeps every entry: exp(x - max) / S, written through the cut (every key above)
+    tl.store(kappa_ptr + row, tl.where(unfiltered, SENTINEL, kappa))
+    tl.store(par_ptr + row * 3, tl.where(unfiltered, big, x_top))
+    tl.store(par_ptr + row * 3 + 1, tl.where(unfiltered, total, denom))
     tl.store(par_ptr + row * 3 + 2, a_cut)
-    tl.store(kappa_ptr + row, kappa)
     tl.store(state_ptr + row, state)
     slot = row * KT + tl.arange(0, KT)
     tl.store(kept_ptr + slot, tl.where(live, ids, -1))
     tl.store(kept_p_ptr + slot, p)
     # Where the value-space search starts: the k-th entry by count, or the nucleus cut by mass, which
     # lies at or above x0 + ln((1 - top_p) S / V) (the V entries below it hold less than (1 - top_p) S).
-    if BIG_K:
-        target = top_k * 1.0
-        olo = ord_image(tl.full([], float("-inf"), tl.float32))
-    else:
-        target = denom
-        floor = tl.log(tl.maximum((1.0 - top_p) * total / V, 1e-30)) - 0.01  # 1 % slack for rounding
-        olo = ord_image(x_top + tl.maximum(floor, -88.0))  # exp(-88) ~ 6e-39: the mass below is far under TINY
+    target = tl.where(big_k, top_k * 1.0, denom)
+    floor = tl.log(tl.maximum((1.0 - top_p) * total / V, 1e-30)) - 0.01  # 1 % slack for rounding
+    # exp(-88) ~ 6e-39: the mass below is far under TINY
+    olo = tl.where(big_k, ord_image(tl.full([], float("-inf"), tl.float32)), ord_image(x_top + tl.maximum(floor, -88.0)))
     tl.store(bounds_ptr + row * 2, olo)
     tl.store(bounds_ptr + row * 2 + 1, ord_image(x_top))
     store_cut_state(cut_ptr + row * 4, 0.0, 0.0, V * 1.0, target)
@@ -238,15 +236,15 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, m_ptr, s_ptr, group_ptr, n_stat
         token = tl.where(token == NO_HIT, tl.max(tl.where(p > 0.0, ids, -1), axis=0), token)
         uniform_token = tl.minimum((t * V).to(tl.int32), V - 1)  # degenerate row: p = 1/V everywhere
         token = tl.where(degenerate, uniform_token, tl.maximum(token, 0))
-        if state != 2:
+        if state < 2:  # searched and unfiltered rows are drawn after the write
             tl.store(tok_ptr + row.to(tl.int64) * tok_stride, token)
 
 
 @triton.jit
-def _write_kernel(x_ptr, x_stride, out_ptr, out_stride, V, inv_temp, m_ptr, s_ptr, n_stats,
+def _write_kernel(x_ptr, x_stride, out_ptr, out_stride, V, inv_temp, settings_ptr, m_ptr, s_ptr, n_stats,
                   par_ptr, kappa_ptr, state_ptr, kept_ptr, kept_p_ptr, u_ptr, u_stride, tok_ptr, tok_stride,
                   CHUNK: tl.constexpr, SC: tl.constexpr, NS_PAD: tl.constexpr, KT: tl.constexpr,
-                  FILTERED: tl.constexpr, SAMPLE: tl.constexpr):
+                  FILTERED: tl.constexpr, SAMPLE: tl.constexpr, PER_ROW: tl.constexpr):
     """Per (row, chunk): store the probabilities of ``x = logits * inv_temp`` (in place allowed).
 
     Unfiltered rows combine the ``n_stats`` softmax partials (chunks of ``SC`` entries). With ``SAMPLE``
@@ -257,6 +255,7 @@ def _write_kernel(x_ptr, x_stride, out_ptr, out_stride, V, inv_temp, m_ptr, s_pt
     """
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    inv_temp, _, _ = row_filter(row, inv_temp, 0, 1.0, settings_ptr, PER_ROW)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = index < V
     out_row = out_ptr + row.to(tl.int64) * out_stride
@@ -335,15 +334,25 @@ def plan(rows: int, vocab: int, k: int, p: float, *, stats_given: bool = False, 
     return out
 
 
+# The plan of per-row settings: every filter kind may occur (the most candidates, the search, its draws).
+ROW_PLAN = (0, 0.5)
+
+
 def probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, workspace, *, stats=None, groups=None,
-                  sample=None):
+                  sample=None, settings=None, per_row=1):
     """Store ``logits_to_probabilities`` of ``rows`` rows of ``x`` into ``out`` (in place allowed), for
-    ``filter_settings`` ``(inv_temp, k, p)``.
+    ``filter_settings`` ``(inv_temp, k, p)``, or each row's own: ``settings`` f32 ``[rows, 3]``
+    (``row_filter_settings``; ``per_row`` 2 takes its k and p only, the scalar ``inv_temp`` applying).
 
     ``stats = (m, s, n_stats, chunk)`` are softmax partials already computed and, filtered, ``groups``
     the maxima of every ``GROUP`` entries (both or neither, then the stats pass computes them).
     ``sample = (u, u_stride, tokens, token_stride)`` also draws one token per row.
     """
+    mode = 0 if settings is None else per_row
+    if mode:
+        k, p = ROW_PLAN  # per row, every row takes the filtered path (an unfiltered row is its state 3)
+    else:
+        settings = out  # not read
     buf = claim(workspace, plan(rows, vocab, k, p, stats_given=stats is not None, sample=sample is not None),
                out.device)
     chunk = row_chunk(vocab)
@@ -352,51 +361,49 @@ def probabilities(x, x_stride, out, out_stride, rows, vocab, inv_temp, k, p, wor
         if stats is None:
             n_stats = triton.cdiv(vocab, chunk)
             m, s = buf["m"], buf["s"]
-            _stats_kernel[(rows, n_stats)](x, x_stride, vocab, inv_temp, m, s, m, n_stats, 0, CHUNK=chunk,
-                                           GROUP_SIZE=GROUP, CANDIDATES=False, num_warps=4)
+            _stats_kernel[(rows, n_stats)](x, x_stride, vocab, inv_temp, settings, m, s, m, n_stats, 0, CHUNK=chunk,
+                                           GROUP_SIZE=GROUP, CANDIDATES=False, PER_ROW=0, num_warps=4)
             stats = (m, s, n_stats, chunk)
         m, s, n_stats, stats_chunk = stats
         chunk = max(chunk, stats_chunk)  # a write chunk covers whole stats chunks (both powers of two)
         _write_kernel[(rows, triton.cdiv(vocab, chunk))](
-            x, x_stride, out, out_stride, vocab, inv_temp, m, s, n_stats, m, m, m, m, m, u, u_stride, tok, tok_stride,
-            CHUNK=chunk, SC=stats_chunk, NS_PAD=next_pow2(n_stats), KT=1, FILTERED=False, SAMPLE=sample is not None,
-            num_warps=4)
+            x, x_stride, out, out_stride, vocab, inv_temp, settings, m, s, n_stats, m, m, m, m, m, u, u_stride, tok,
+            tok_stride, CHUNK=chunk, SC=stats_chunk, NS_PAD=next_pow2(n_stats), KT=1, FILTERED=False,
+            SAMPLE=sample is not None, PER_ROW=0, num_warps=4)
         return
     chunk = max(chunk, GROUP)
     n_chunks = triton.cdiv(vocab, chunk)
-    big_k = k > MAX_CANDIDATES
     n_groups = triton.cdiv(vocab, GROUP)
     kt = _candidate_slots(k)
     if stats is None:
         m, s, groups = buf["m"], buf["s"], buf["groups"]
-        _stats_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, m, s, groups, n_chunks, n_groups, CHUNK=chunk,
-                                        GROUP_SIZE=GROUP, CANDIDATES=True, num_warps=4)
+        _stats_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, settings, m, s, groups, n_chunks, n_groups,
+                                        CHUNK=chunk, GROUP_SIZE=GROUP, CANDIDATES=True, PER_ROW=mode, num_warps=4)
         stats = (m, s, n_chunks, chunk)
     m, s, n_stats, _ = stats
     state = buf["state"]
-    take = min(vocab, kt // 2 if big_k or k == 0 else k)
-    _select_kernel[(rows,)](x, x_stride, vocab, inv_temp, m, s, groups, n_stats, n_groups, take, k, p, buf["par"],
+    _select_kernel[(rows,)](x, x_stride, vocab, inv_temp, k, p, settings, m, s, groups, n_stats, n_groups, buf["par"],
                             buf["kappa"], state, buf["kept"], buf["kept_p"], buf["bounds"], buf["cut"], buf["fill"],
                             buf["compact"], u, u_stride, tok, tok_stride,
                             NC_PAD=next_pow2(n_stats), NG_PAD=next_pow2(n_groups), KT=kt, GROUP_SIZE=GROUP,
-                            NPROBE_=NPROBE, USE_K=k > 0 and not big_k, USE_P=p < 1.0, BIG_K=big_k,
-                            SAMPLE=sample is not None, num_warps=8)
+                            NPROBE_=NPROBE, PER_ROW=mode, SAMPLE=sample is not None, num_warps=8)
     searched = _searched(k, p)
     if searched:
-        tsearch.search(x, x_stride, rows, vocab, inv_temp, p, big_k, chunk, n_chunks, state, buf)
-    _write_kernel[(rows, n_chunks)](x, x_stride, out, out_stride, vocab, inv_temp, m, m, 0, buf["par"], buf["kappa"],
-                                    state, buf["kept"], buf["kept_p"], u, u_stride, tok, tok_stride, CHUNK=chunk,
-                                    SC=chunk, NS_PAD=1, KT=kt, FILTERED=True, SAMPLE=False, num_warps=4)
+        tsearch.search(x, x_stride, rows, vocab, inv_temp, k, p, settings, mode, chunk, n_chunks, state, buf)
+    _write_kernel[(rows, n_chunks)](x, x_stride, out, out_stride, vocab, inv_temp, settings, m, m, 0, buf["par"],
+                                    buf["kappa"], state, buf["kept"], buf["kept_p"], u, u_stride, tok, tok_stride,
+                                    CHUNK=chunk, SC=chunk, NS_PAD=1, KT=kt, FILTERED=True, SAMPLE=False, PER_ROW=mode,
+                                    num_warps=4)
     if searched and sample is not None:  # rows the select kernel could not draw from its candidates
         tdraw.draw_rows(out, rows, vocab, tok, tok_stride, workspace, p_stride=out_stride, u=u, u_stride=u_stride,
                         searched=state)
 
 
-def logits_to_probabilities(logits, temperature, top_k, top_p, workspace):
-    """``dspark.kernels.logits_to_probabilities``."""
+def logits_to_probabilities(logits, temperature, top_k, top_p, workspace, row_settings=None):
+    """``dspark.kernels.logits_to_probabilities`` (``row_settings``: its per-row form, f32 ``[rows, 3]``)."""
     rows, vocab = logits.shape
     out = torch.empty_like(logits)
     if rows:
-        inv_temp, k, p = filter_settings(temperature, top_k, top_p, vocab)
-        probabilities(logits, vocab, out, vocab, rows, vocab, inv_temp, k, p, workspace)
+        inv_temp, k, p = filter_settings(temperature, top_k, top_p, vocab) if row_settings is None else (1.0, 0, 1.0)
+        probabilities(logits, vocab, out, vocab, rows, vocab, inv_temp, k, p, workspace, settings=row_settings)
     return out

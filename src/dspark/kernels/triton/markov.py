@@ -86,12 +86,12 @@ def _markov_kernel(
     key_ptr, key_stride,  # ARGMAX: packed keys, merged with atomic max
     m_ptr, s_ptr, n_tiles,  # STATS: softmax partials [B, n_tiles]
     group_ptr, n_groups,  # GROUPS: int64 filter keys of group maxima [B, n_groups]
-    B, V, inv_temp,
+    B, V, inv_temp, settings_ptr,  # STATS: c * inv_temp, or each row's inv_temp (ROW_TEMP: settings [B, 3])
     R: tl.constexpr, BLOCK_R: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
     PREV_IS_KEY: tl.constexpr, FP8: tl.constexpr,
     ARGMAX: tl.constexpr, WRITE_ROWS: tl.constexpr, STATS: tl.constexpr, GROUPS: tl.constexpr,
     GROUP_SIZE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr,
-    INTERPRET_: tl.constexpr,
+    INTERPRET_: tl.constexpr, ROW_TEMP: tl.constexpr,
 ):
     """``c[b, v]`` over vocabulary tiles ``program_id(0) + i * num_programs(0)``, epilogues as flagged.
 
@@ -115,6 +115,10 @@ def _markov_kernel(
     prev = tl.minimum(tl.maximum(prev.to(tl.int32), 0), V - 1).to(tl.int64)
     if BLOCK_R >= R:  # one chunk covers R: gather W1[prev] once per program
         w1 = _w1_block(w1_ptr, prev, valid_b, 0, R, BLOCK_R)
+    if ROW_TEMP:
+        temp = tl.load(settings_ptr + rows_b * 3, mask=valid_b, other=1.0)[None, :]
+    else:
+        temp = inv_temp
 
     best = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.uint64)
     for i in tl.range(0, TILES_PER_PROGRAM, num_stages=NUM_STAGES):
@@ -136,7 +140,7 @@ def _markov_kernel(
             acc = acc * tl.load(scales_ptr + offs_v, mask=valid_v, other=0.0).to(tl.float32)[:, None]
         c = base + acc
         if STATS:
-            c = c * inv_temp
+            c = c * temp
         if WRITE_ROWS:
             tl.store(_row_entries(rows_ptr, rows_batch_stride, rows_b, offs_v), tl.trans(c), mask=tl.trans(valid))
         if STATS:
@@ -206,14 +210,15 @@ def markov_tiles(vocab: int, config: dict) -> int:
 
 
 def launch_markov(base, logits_stride, w1, w2, scales, prev, prev_is_key=False, *, rows_out=None, keys_out=None,
-                  stats=None, groups=None, inv_temp=1.0, config=None):
+                  stats=None, groups=None, inv_temp=1.0, row_settings=None, config=None):
     """Run the Markov GEMM over the whole vocabulary for ``prev.shape[0]`` batch rows.
 
     ``base``: the fp32 logit row of batch row 0 (a view; batch stride ``logits_stride`` rows);
     ``prev``: a 1-D view (any stride) of int32 ids or packed keys (``prev_is_key``). Epilogues:
     ``rows_out`` a ``[B, *]`` fp32 view receiving rows of V values; ``keys_out`` a 1-D int64 view of
-    zeroed/older keys; ``stats = (m, s)`` f32 ``[B * tiles]`` partials of ``c * inv_temp`` (and
-    ``groups`` int64 ``[B * ceil(V / GROUP)]``).
+    zeroed/older keys; ``stats = (m, s)`` f32 ``[B * tiles]`` partials of ``c * inv_temp`` (each row's
+    inv_temp from ``row_settings`` f32 ``[B, 3]`` when given; ``rows_out`` then holds the scaled rows)
+    and ``groups`` int64 ``[B * ceil(V / GROUP)]``.
     """
     batch = prev.shape[0]
     vocab, rank = w1.shape
@@ -230,10 +235,11 @@ def launch_markov(base, logits_stride, w1, w2, scales, prev, prev_is_key=False, 
         rows_out if rows_out is not None else base, rows_out.stride(0) if rows_out is not None else 0,
         keys_out if keys_out is not None else prev, keys_out.stride(0) if keys_out is not None else 0,
         m, s, tiles, groups if groups is not None else base, triton.cdiv(vocab, tfilter.GROUP),
-        batch, vocab, inv_temp,
+        batch, vocab, inv_temp, row_settings if row_settings is not None else base,
         R=rank, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), PREV_IS_KEY=prev_is_key, FP8=fp8,
         ARGMAX=keys_out is not None, WRITE_ROWS=rows_out is not None, STATS=stats is not None,
-        GROUPS=groups is not None, GROUP_SIZE=tfilter.GROUP, INTERPRET_=INTERPRET, **cfg,
+        GROUPS=groups is not None, GROUP_SIZE=tfilter.GROUP, INTERPRET_=INTERPRET,
+        ROW_TEMP=row_settings is not None, **cfg,
     )
 
 
@@ -361,15 +367,19 @@ def sample_step_plan(batch: int, vocab: int, rank: int, fp8: bool, filtered: boo
 
 def markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, proposal_uniforms,
                        draft_token_ids, draft_probabilities, step, temperature, top_k, top_p, logits_stride,
-                       logits_offset, workspace):
+                       logits_offset, workspace, row_settings=None):
     """``dspark.kernels.markov_sample_step``: Markov GEMM (statistics epilogue) -> filter -> probabilities
     -> draw. ``draft_probabilities[:, step]`` holds the logits first, so no other row buffer is needed;
-    no host synchronisation and, once the workspace is sized, no allocation. Unfiltered: two launches."""
+    no host synchronisation and, once the workspace is sized, no allocation. Unfiltered: two launches.
+    ``row_settings`` (f32 ``[B, 3]``): each row's own filter, the temperature applied in the epilogue."""
     batch, width = draft_token_ids.shape
     vocab, rank = markov_w1.shape
     if not batch:
         return
-    inv_temp, k, p = filter_settings(temperature, top_k, top_p, vocab)
+    if row_settings is None:
+        inv_temp, k, p = filter_settings(temperature, top_k, top_p, vocab)
+    else:
+        inv_temp, (k, p) = 1.0, tfilter.ROW_PLAN
     filtered = k > 0 or p < 1.0
     fp8 = markov_w2.dtype == torch.uint8
     buf = claim(workspace, sample_step_plan(batch, vocab, rank, fp8, filtered, k, p), draft_token_ids.device)
@@ -380,7 +390,8 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, w2_row_scales, fir
     groups = buf["markov_groups"] if filtered else None
     launch_markov(_base_row0(backbone_logits, step, logits_offset), logits_stride, markov_w1, markov_w2,
                   w2_row_scales, prev, rows_out=out, stats=(buf["markov_m"], buf["markov_s"]), groups=groups,
-                  inv_temp=inv_temp, config=config)
+                  inv_temp=inv_temp, row_settings=row_settings, config=config)
     tfilter.probabilities(out, out_stride, out, out_stride, batch, vocab, 1.0, k, p, workspace,
                           stats=(buf["markov_m"], buf["markov_s"], markov_tiles(vocab, config), config["BLOCK_V"]),
-                          groups=groups, sample=(proposal_uniforms[:, step], width, draft_token_ids[:, step], width))
+                          groups=groups, sample=(proposal_uniforms[:, step], width, draft_token_ids[:, step], width),
+                          settings=row_settings, per_row=2)

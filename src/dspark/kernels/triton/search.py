@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from .._shared import next_pow2
-from ._shared import INTERPRET, MAX_KEY, SENTINEL, TINY, key_value, ord_image, ord_value, order_key
+from ._shared import CANDIDATE_LIMIT, INTERPRET, MAX_KEY, SENTINEL, TINY, key_value, ord_image, ord_value, order_key
+from ._shared import row_filter
 
 NPROBE = 16  # thresholds tested per pass of the search
 SEARCH_PASSES = 3  # multi-program probe passes before one program per row takes over (flat rows need 2)
@@ -95,11 +96,11 @@ def _probe_sums(x_row, start, stop, V, inv_temp, x0, floor, probes, TILE: tl.con
 
 
 @triton.jit
-def _narrow(probes, mass_d, count_d, target, olo, ohi, above_mass, above_count,
-            BY_COUNT: tl.constexpr, NPROBE_: tl.constexpr):
-    """The probe interval holding the cut: new ``(olo, ohi, above_mass, above_count, count)``."""
+def _narrow(probes, mass_d, count_d, target, olo, ohi, above_mass, above_count, by_count, NPROBE_: tl.constexpr):
+    """The probe interval holding the cut (weights: counts where ``by_count``, else masses): new
+    ``(olo, ohi, above_mass, above_count, count)``."""
     d = tl.arange(0, NPROBE_)
-    weight = count_d if BY_COUNT else mass_d
+    weight = tl.where(by_count, count_d, mass_d)
     best = tl.max(tl.where((weight >= target) | (d == 0), d, 0), axis=0)
     has_next = best < NPROBE_ - 1
     nxt = d == best + 1
@@ -124,7 +125,7 @@ def _gather(x_row, start, stop, V, inv_temp, floor, olo, ohi, bucket_row, n, TIL
 
 
 @triton.jit
-def _cut_finish(keys, x0, target, above_mass, BY_COUNT: tl.constexpr, BUCKET: tl.constexpr):
+def _cut_finish(keys, x0, target, above_mass, by_count, BUCKET: tl.constexpr):
     """The cut among the gathered ``keys`` (``[BUCKET]``, ``SENTINEL`` = absent): the largest key whose
     at-or-above weight reaches ``target`` (the smallest key when none does). Sorted first, so the
     sums do not depend on the order the keys were gathered in. Returns ``(kappa, mass above, at)``."""
@@ -132,10 +133,7 @@ def _cut_finish(keys, x0, target, above_mass, BY_COUNT: tl.constexpr, BUCKET: tl
     valid = keys != SENTINEL
     e = tl.where(valid, tl.exp(key_value(keys) - x0), 0.0)
     mass = tl.cumsum(e, axis=0)
-    if BY_COUNT:
-        reach = tl.cumsum(valid.to(tl.float32), axis=0)
-    else:
-        reach = mass
+    reach = tl.where(by_count, tl.cumsum(valid.to(tl.float32), axis=0), mass)
     j = tl.arange(0, BUCKET)
     first = tl.min(tl.where(valid & (reach >= target), j, BUCKET), axis=0)
     pick = j == tl.minimum(first, tl.sum(valid.to(tl.int32), axis=0) - 1)
@@ -145,9 +143,9 @@ def _cut_finish(keys, x0, target, above_mass, BY_COUNT: tl.constexpr, BUCKET: tl
 
 @triton.jit
 def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, above_mass, above_count, count, gathered,
-         BY_COUNT: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
+         by_count, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
     """The largest key ``kappa`` of a row whose at-or-above weight reaches ``target`` (weights: 1 per
-    entry with ``BY_COUNT``, else ``exp(x - x0)``; only keys >= ``floor`` count).
+    entry where ``by_count``, else ``exp(x - x0)``; only keys >= ``floor`` count).
 
     Starts from the search state ``[olo, ohi]`` (ord interval holding the cut; ``above_*`` = weight
     above it; ``count`` = an upper bound of the entries inside). This program narrows it with
@@ -161,10 +159,10 @@ def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, above_mass
         probes = _probes(olo, ohi, NPROBE_)
         mass_d, count_d = _probe_sums(x_row, zero, V, V, inv_temp, x0, floor, probes, TILE, NPROBE_)
         olo, ohi, above_mass, above_count, count = _narrow(probes, mass_d, count_d, target, olo, ohi, above_mass,
-                                                           above_count, BY_COUNT, NPROBE_)
+                                                           above_count, by_count, NPROBE_)
         gathered = gathered * 0
-    above = above_count if BY_COUNT else above_mass
-    slack = 0.0 if BY_COUNT else TINY
+    above = tl.where(by_count, above_count, above_mass)
+    slack = tl.where(by_count, 0.0, TINY)
     if count <= BUCKET:
         if gathered == 0:
             tl.debug_barrier()
@@ -172,11 +170,11 @@ def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, above_mass
         tl.debug_barrier()
         jb = tl.arange(0, BUCKET)
         keys = tl.load(bucket_row + jb, mask=jb < count.to(tl.int32), other=SENTINEL)
-        kappa, mass_above, at = _cut_finish(keys, x0, target - slack - above, above_mass, BY_COUNT, BUCKET)
+        kappa, mass_above, at = _cut_finish(keys, x0, target - slack - above, above_mass, by_count, BUCKET)
     else:
         # More than BUCKET entries share one value: they rank by index, each with the same weight.
         at = tl.exp(ord_value(olo) - x0)
-        unit = 1.0 if BY_COUNT else at
+        unit = tl.where(by_count, 1.0, at)
         rank = tl.minimum(tl.maximum(tl.ceil((target - slack - above) / unit) - 1.0, 0.0), count - 1.0).to(tl.int32)
         seen = 0
         found = 0
@@ -202,13 +200,15 @@ def _searching(state_ptr, bounds_ptr, cut_ptr, row, BUCKET: tl.constexpr):
 
 
 @triton.jit
-def _probe_kernel(x_ptr, x_stride, V, inv_temp, par_ptr, state_ptr, bounds_ptr, cut_ptr, part_ptr, n_chunks,
-                  CHUNK: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
+def _probe_kernel(x_ptr, x_stride, V, inv_temp, settings_ptr, par_ptr, state_ptr, bounds_ptr, cut_ptr, part_ptr,
+                  n_chunks, CHUNK: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr,
+                  PER_ROW: tl.constexpr):
     """Per (row, chunk) of rows still searching: the chunk's weight and count at or above each probe."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     searching, olo, ohi = _searching(state_ptr, bounds_ptr, cut_ptr, row, BUCKET)
     if searching:
+        inv_temp, _, _ = row_filter(row, inv_temp, 0, 1.0, settings_ptr, PER_ROW)
         start = chunk * CHUNK
         mass_d, count_d = _probe_sums(x_ptr + row.to(tl.int64) * x_stride, start, start + CHUNK, V, inv_temp,
                                       tl.load(par_ptr + row * 3), SENTINEL, _probes(olo, ohi, NPROBE_),
@@ -219,12 +219,14 @@ def _probe_kernel(x_ptr, x_stride, V, inv_temp, par_ptr, state_ptr, bounds_ptr, 
 
 
 @triton.jit
-def _narrow_kernel(state_ptr, bounds_ptr, cut_ptr, part_ptr, n_chunks, NC_PAD: tl.constexpr, BUCKET: tl.constexpr,
-                   NPROBE_: tl.constexpr, BY_COUNT: tl.constexpr):
-    """Per row still searching: sum the chunks' probe partials and keep the probe interval holding the cut."""
+def _narrow_kernel(state_ptr, bounds_ptr, cut_ptr, part_ptr, n_chunks, top_k, settings_ptr, NC_PAD: tl.constexpr,
+                   BUCKET: tl.constexpr, NPROBE_: tl.constexpr, PER_ROW: tl.constexpr):
+    """Per row still searching: sum the chunks' probe partials and keep the probe interval holding the
+    cut (by count for ``top_k > MAX_CANDIDATES``, else by mass)."""
     row = tl.program_id(0)
     searching, olo, ohi = _searching(state_ptr, bounds_ptr, cut_ptr, row, BUCKET)
     if searching:
+        _, top_k, _ = row_filter(row, 1.0, top_k, 1.0, settings_ptr, PER_ROW)
         c = tl.arange(0, NC_PAD)[:, None]
         slot = part_ptr + (row * n_chunks + c).to(tl.int64) * (2 * NPROBE_) + tl.arange(0, NPROBE_)[None, :]
         mass_d = tl.sum(tl.load(slot, mask=c < n_chunks, other=0.0), axis=0)
@@ -232,15 +234,15 @@ def _narrow_kernel(state_ptr, bounds_ptr, cut_ptr, part_ptr, n_chunks, NC_PAD: t
         cut = cut_ptr + row * 4
         olo, ohi, above_mass, above_count, count = _narrow(_probes(olo, ohi, NPROBE_), mass_d, count_d,
                                                            tl.load(cut + 3), olo, ohi, tl.load(cut),
-                                                           tl.load(cut + 1), BY_COUNT, NPROBE_)
+                                                           tl.load(cut + 1), top_k > CANDIDATE_LIMIT, NPROBE_)
         tl.store(bounds_ptr + row * 2, olo)
         tl.store(bounds_ptr + row * 2 + 1, ohi)
         store_cut_state(cut, above_mass, above_count, count, tl.load(cut + 3))
 
 
 @triton.jit
-def _gather_kernel(x_ptr, x_stride, V, inv_temp, state_ptr, bounds_ptr, cut_ptr, fill_ptr, bucket_ptr,
-                   CHUNK: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr):
+def _gather_kernel(x_ptr, x_stride, V, inv_temp, settings_ptr, state_ptr, bounds_ptr, cut_ptr, fill_ptr, bucket_ptr,
+                   CHUNK: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr, PER_ROW: tl.constexpr):
     """Per (row, chunk) of rows whose interval holds at most ``BUCKET`` entries: append them to the
     row's bucket (space reserved with one atomic per chunk; ``_cut_finish`` sorts the bucket)."""
     row = tl.program_id(0)
@@ -248,6 +250,7 @@ def _gather_kernel(x_ptr, x_stride, V, inv_temp, state_ptr, bounds_ptr, cut_ptr,
     olo = tl.load(bounds_ptr + row * 2)
     ohi = tl.load(bounds_ptr + row * 2 + 1)
     if (tl.load(state_ptr + row) == 2) & (tl.load(cut_ptr + row * 4 + 2) <= BUCKET):
+        inv_temp, _, _ = row_filter(row, inv_temp, 0, 1.0, settings_ptr, PER_ROW)
         x_row = x_ptr + row.to(tl.int64) * x_stride
         start = chunk * CHUNK
         n = tl.zeros([], tl.int32)
@@ -263,13 +266,16 @@ def _gather_kernel(x_ptr, x_stride, V, inv_temp, state_ptr, bounds_ptr, cut_ptr,
 
 
 @triton.jit
-def _search_kernel(x_ptr, x_stride, V, inv_temp, top_p, par_ptr, kappa_ptr, state_ptr, bounds_ptr, cut_ptr,
-                   bucket_ptr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr,
-                   BIG_K: tl.constexpr, USE_P: tl.constexpr):
-    """Rows left at state 2 by ``_select_kernel``: finish the k-th key (``BIG_K``) and/or the nucleus cut
-    from the search state the multi-program passes left; state 3 marks them (drawn after the write)."""
+def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, par_ptr, kappa_ptr, state_ptr,
+                   bounds_ptr, cut_ptr, bucket_ptr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr,
+                   PER_ROW: tl.constexpr):
+    """Rows left at state 2 by ``_select_kernel``: finish the k-th key (``top_k > MAX_CANDIDATES``) and/or
+    the nucleus cut from the search state the multi-program passes left; state 3 marks them (drawn
+    after the write)."""
     row = tl.program_id(0)
     if tl.load(state_ptr + row) == 2:
+        inv_temp, top_k, top_p = row_filter(row, inv_temp, top_k, top_p, settings_ptr, PER_ROW)
+        big_k = top_k > CANDIDATE_LIMIT
         x_row = x_ptr + row.to(tl.int64) * x_stride
         bucket_row = bucket_ptr + row.to(tl.int64) * BUCKET
         x0 = tl.load(par_ptr + row * 3)
@@ -278,16 +284,16 @@ def _search_kernel(x_ptr, x_stride, V, inv_temp, top_p, par_ptr, kappa_ptr, stat
         gathered = (count <= BUCKET).to(tl.int32)
         kappa, above, at = _cut(x_row, V, inv_temp, x0, tl.load(cut + 3), tl.full([], SENTINEL, tl.int64), bucket_row,
                                 tl.load(bounds_ptr + row * 2), tl.load(bounds_ptr + row * 2 + 1), tl.load(cut),
-                                tl.load(cut + 1), count, gathered, BIG_K, TILE, BUCKET, NPROBE_)
-        if BIG_K:
+                                tl.load(cut + 1), count, gathered, big_k, TILE, BUCKET, NPROBE_)
+        if big_k:
             kept = above + at
             a_cut = at
-            if USE_P:
+            if top_p < 1.0:
                 denom = tl.maximum(top_p * kept, TINY)
                 olo = tl.maximum(ord_image(x0 - 88.0), (kappa >> 32).to(tl.int32))
                 nothing = tl.zeros([], tl.float32)  # a fresh search state (tensors: loop-carried in _cut)
                 kappa, above, at = _cut(x_row, V, inv_temp, x0, denom, kappa, bucket_row, olo, ord_image(x0), nothing,
-                                        nothing, nothing + V, gathered * 0, False, TILE, BUCKET, NPROBE_)
+                                        nothing, nothing + V, gathered * 0, big_k != big_k, TILE, BUCKET, NPROBE_)
                 a_cut = tl.minimum(at, tl.maximum(denom - above, 0.0))
             else:
                 denom = tl.maximum(kept, TINY)
@@ -311,21 +317,23 @@ def plan(rows: int, vocab: int, n_chunks: int) -> dict:
             "bucket": (rows * bucket_size(vocab), torch.int64)}
 
 
-def search(x, x_stride, rows, vocab, inv_temp, p, by_count, chunk, n_chunks, state, buf):
+def search(x, x_stride, rows, vocab, inv_temp, k, p, settings, per_row, chunk, n_chunks, state, buf):
     """Cut the rows at state 2 (-> 3): ``SEARCH_PASSES`` multi-program probe passes, a multi-program
-    gather of the remaining interval, then one program per row. ``by_count``: the k-th entry first
-    (``top_k > MAX_CANDIDATES``; a nucleus cut inside it is left to the row program). ``buf``: the
-    filter's row state (``par``, ``kappa``, ``bounds``, ``cut``, ``fill``) and this ``plan``'s buffers."""
+    gather of the remaining interval, then one program per row. A row with ``top_k > MAX_CANDIDATES``
+    finds the k-th entry first (a nucleus cut inside it is left to the row program). ``(inv_temp, k,
+    p)``, or each row's from ``settings`` (``per_row``), as the filter's. ``buf``: the filter's row
+    state (``par``, ``kappa``, ``bounds``, ``cut``, ``fill``) and this ``plan``'s buffers."""
     bucket = bucket_size(vocab)
     tile = min(256, chunk)
     par, kappa, bounds, cut, fill = (buf[name] for name in ("par", "kappa", "bounds", "cut", "fill"))
     part, scratch = buf["probe_partials"], buf["bucket"]
     for _ in range(SEARCH_PASSES):
-        _probe_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, par, state, bounds, cut, part, n_chunks,
-                                        CHUNK=chunk, TILE=tile, BUCKET=bucket, NPROBE_=NPROBE, num_warps=4)
-        _narrow_kernel[(rows,)](state, bounds, cut, part, n_chunks, NC_PAD=next_pow2(n_chunks), BUCKET=bucket,
-                                NPROBE_=NPROBE, BY_COUNT=by_count, num_warps=4)
-    _gather_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, state, bounds, cut, fill, scratch, CHUNK=chunk,
-                                     TILE=tile, BUCKET=bucket, num_warps=4)
-    _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, p, par, kappa, state, bounds, cut, scratch, TILE=tile,
-                            BUCKET=bucket, NPROBE_=NPROBE, BIG_K=by_count, USE_P=p < 1.0, num_warps=8)
+        _probe_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, settings, par, state, bounds, cut, part,
+                                        n_chunks, CHUNK=chunk, TILE=tile, BUCKET=bucket, NPROBE_=NPROBE,
+                                        PER_ROW=per_row, num_warps=4)
+        _narrow_kernel[(rows,)](state, bounds, cut, part, n_chunks, k, settings, NC_PAD=next_pow2(n_chunks),
+                                BUCKET=bucket, NPROBE_=NPROBE, PER_ROW=per_row, num_warps=4)
+    _gather_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, settings, state, bounds, cut, fill, scratch,
+                                     CHUNK=chunk, TILE=tile, BUCKET=bucket, PER_ROW=per_row, num_warps=4)
+    _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, k, p, settings, par, kappa, state, bounds, cut, scratch,
+                            TILE=tile, BUCKET=bucket, NPROBE_=NPROBE, PER_ROW=per_row, num_warps=8)
