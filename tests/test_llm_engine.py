@@ -375,8 +375,13 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
         hot = SamplingParams(temperature=0.8, top_k=20, seed=5)
         alone = engine.generate([Request(PROMPTS[2], 12, hot)])[0].token_ids
         batch = engine.generate([Request(PROMPTS[0], 12, hot), Request(PROMPTS[2], 12, hot), Request(PROMPTS[1], 12, hot)])
+        # any mix of settings replays the graphs (per-row settings); greedy rows among sampled ones stay greedy
+        mixed = engine.generate([Request(PROMPTS[0], 12, SamplingParams(temperature=0.7, top_p=0.9, seed=1)),
+                                 Request(PROMPTS[2], 12, hot), Request(PROMPTS[1], NEW)])
+        assert mixed[2].token_ids == greedy[1]
+        assert not engine.runner.uncapturable and any(key[-1] is True for key in engine.runner.graphs)
         if scheduler != "cost":  # Algorithm 1 couples rows: lossless, but a sample may depend on the batch
-            assert batch[1].token_ids == alone
+            assert batch[1].token_ids == alone == mixed[1].token_ids
 
 
 def test_generate_api_and_cli_run_the_batched_engine(tmp_path):

@@ -169,16 +169,13 @@ def breakdown(engine, prompts, oracle) -> dict:
         draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
         drafter.model.backbone_logits(draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b]))
 
-    from ..engine.drafting import SamplingParams
-
-    greedy = SamplingParams()
-    tokens = drafter._vanilla(logits, s.anchor[:b], greedy, None)[0]
+    tokens = drafter._vanilla(logits, s.anchor[:b], None, None)[0]
     verify_logits = torch.zeros(b * t, VOCAB, device="cuda")
     parts = {
         "draft forward": draft_forward,
-        "markov": lambda: drafter._vanilla(logits, s.anchor[:b], greedy, None),
+        "markov": lambda: drafter._vanilla(logits, s.anchor[:b], None, None),
         "confidence + schedule": lambda: drafter._schedule(hidden, s.anchor[:b], tokens),
-        "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, rows, b * t, greedy),
+        "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, b * t, False),
         "accept alone": lambda: K.greedy_accept(verify_logits, s.draft_tokens[:b], s.proposal_lengths[:b], t - 1),
     }
     result = {}

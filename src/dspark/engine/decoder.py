@@ -139,8 +139,9 @@ class SpeculativeDecoder:
                 stats.prefill_tokens = sink.add(anchor.tolist())
                 clock = _now(target.device)
                 stats.prefill_time = clock - start
+            draft_sampling = None if sampling.greedy else sampling.rows(1, target.device)
             while not sink.done:
-                proposal = drafter.propose(context, anchor, position, sampling,
+                proposal = drafter.propose(context, anchor, position, draft_sampling,
                                            _uniforms(sampling, [(K.PURPOSE_PROPOSAL, p)], position, target.device))
                 # never verify more drafts than the request can keep (the batched engine's rule)
                 num_verify = max(1, min(int(proposal.proposal_lengths.max().clamp(1, p)), sink.remaining - 1))

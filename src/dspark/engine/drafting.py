@@ -36,7 +36,7 @@ import torch
 from .. import kernels as K
 from ..kernels._validate import HALF_DTYPES, Checker
 
-__all__ = ["Drafter", "Proposal", "SamplingParams", "SCHEDULERS"]
+__all__ = ["Drafter", "Proposal", "RowSampling", "SamplingParams", "SCHEDULERS"]
 
 SCHEDULERS = ("off", "threshold", "sps")
 
@@ -73,8 +73,32 @@ class SamplingParams:
         """The seed as ``K.request_uniforms`` takes it: the int64 with its unsigned 64-bit pattern."""
         return self.seed - (1 << 64) if self.seed >= 1 << 63 else self.seed
 
+    def rows(self, batch: int, device) -> "RowSampling":
+        """These settings for ``batch`` rows, as the per-row tensors every sampling kernel call takes."""
+        return RowSampling(torch.full((batch,), self.temperature, dtype=torch.float32, device=device),
+                           torch.full((batch,), self.top_k, dtype=torch.int32, device=device),
+                           torch.full((batch,), self.top_p, dtype=torch.float32, device=device))
+
     def probabilities(self, logits: torch.Tensor, workspace=None) -> torch.Tensor:
         """f32 ``[rows, V]`` probabilities of fp32 logits ``[rows, V]`` under these settings."""
+        return self.rows(logits.shape[0], logits.device).probabilities(logits, workspace)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings of B rows as device tensors -- ``temperature`` f32 ``[B]``, ``top_k`` int32
+    ``[B]``, ``top_p`` f32 ``[B]`` (a greedy row: temperature 0) -- so that one kernel launch, and one
+    CUDA graph, serves rows of any settings; each row's result is the one its own settings give."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    def __getitem__(self, index) -> "RowSampling":
+        return RowSampling(self.temperature[index], self.top_k[index], self.top_p[index])
+
+    def probabilities(self, logits: torch.Tensor, workspace=None) -> torch.Tensor:
+        """f32 probabilities of fp32 logits ``[B, V]`` (or ``[B, L, V]``: row b's settings on its L rows)."""
         return K.logits_to_probabilities(logits, self.temperature, self.top_k, self.top_p, workspace=workspace)
 
 
@@ -137,28 +161,29 @@ class Drafter:
         self.cache = self.model.new_cache()
 
     def propose(self, context_hidden: torch.Tensor, anchor: torch.Tensor, anchor_position: int,
-                sampling: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+                sampling: "RowSampling | None", uniforms: torch.Tensor | None) -> Proposal:
         """Draft one round for one sequence (the single-request loop).
 
         ``context_hidden`` ``[T_new, m*H]``: captured target hidden states of the positions verified
         since the last call (``cache.length .. anchor_position-1``); ``anchor`` int32 ``[1]`` the last
-        committed token, at ``anchor_position``; ``uniforms`` f32 ``[1, P]`` draft uniforms (ignored
-        when greedy).
+        committed token, at ``anchor_position``; ``sampling`` its settings (None: greedy) and
+        ``uniforms`` f32 ``[1, P]`` draft uniforms (ignored when greedy).
         """
         hidden = self.model.forward_block(self.cache, context_hidden, anchor, anchor_position)
         return self.propose_rows(hidden, self.model.backbone_logits(hidden), anchor, sampling, uniforms)
 
     def propose_rows(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
-                     sampling: SamplingParams, uniforms: torch.Tensor | None, stacked_logits=None) -> Proposal:
+                     sampling: "RowSampling | None", uniforms: torch.Tensor | None, stacked_logits=None) -> Proposal:
         """Markov loop, confidence and schedule for B blocks drafted elsewhere.
 
         ``hidden`` ``[B*N, H]`` final-norm block hidden states and ``logits`` f32 ``[B*N, V]`` their
         backbone logits (row ``b*N + k`` = slot k of block b); ``anchors`` int32 ``[B]``;
-        ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy). ``stacked_logits`` f32
-        ``[B, P+1, V]`` (tree mode, greedy): depth row ``s + 1`` receives step ``s``'s Markov-corrected
-        logits along the greedy chain. No host synchronisation.
+        ``sampling`` the rows' settings (None: every row greedy; a greedy row among sampled ones draws
+        its one-hot argmax) and ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy).
+        ``stacked_logits`` f32 ``[B, P+1, V]`` (tree mode, greedy): depth row ``s + 1`` receives step
+        ``s``'s Markov-corrected logits along the greedy chain. No host synchronisation.
         """
-        if self.kernel_markov and (self.fused_greedy or not sampling.greedy):
+        if self.kernel_markov and (self.fused_greedy or sampling is not None):
             tokens, probs = self._vanilla(logits, anchors, sampling, uniforms, stacked_logits)
         else:
             tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms, stacked_logits)
@@ -167,7 +192,7 @@ class Drafter:
 
     def _vanilla(self, logits, anchors, sampling, uniforms, stacked_logits=None):
         rows = dict(logits_stride=self.block_size, logits_offset=self.slot_offset)
-        if sampling.greedy:
+        if sampling is None:
             tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchors,
                                            proposal_len=self.num_draft_tokens, stacked_logits=stacked_logits, **rows)
             return tokens, None
@@ -181,8 +206,9 @@ class Drafter:
         hidden = hidden.view(batch, self.block_size, -1)
         logits = logits.view(batch, self.block_size, -1)
         tokens = torch.zeros(batch, p, dtype=torch.int32, device=logits.device)
-        probs = None if sampling.greedy else torch.empty(batch, p, logits.shape[-1], device=logits.device)
-        if uniforms is None:  # greedy: the one-hot row is drawn whatever the uniform
+        probs = None if sampling is None else torch.empty(batch, p, logits.shape[-1], device=logits.device)
+        if sampling is None:  # greedy: the one-hot argmax row, drawn whatever the uniform
+            sampling = SamplingParams().rows(batch, logits.device)
             uniforms = torch.zeros(batch, p, device=logits.device)
         prev, state = anchors, self.model.markov_start_state(hidden[:, 0], anchors)
         for step in range(p):

@@ -14,7 +14,6 @@ import time
 import torch
 
 from ..model.llama import AttentionBatch, TargetLM
-from .drafting import SamplingParams
 from .schedulers import SPSCostTable
 
 __all__ = ["default_token_counts", "profile_draft", "profile_verify"]
@@ -59,8 +58,8 @@ def profile_draft(engine, reps: int = 20) -> tuple[tuple[int, ...], tuple[float,
     """Median milliseconds of a round's draft pass (draft context, block, Markov chain, confidence;
     greedy) of ``engine`` (an ``LLMEngine`` with a draft, nothing running) at each of its batch
     buckets: ``(draft_rows, draft_time_ms)`` of an ``SPSCostTable``."""
-    runner, greedy = engine.runner, SamplingParams()
-    times = [_median_ms(lambda b=b: runner._draft_rows(b, b, greedy), reps, runner.device) for b in runner.buckets]
+    runner = engine.runner
+    times = [_median_ms(lambda b=b: runner._draft_rows(b, False), reps, runner.device) for b in runner.buckets]
     return tuple(runner.buckets), tuple(round(t, 4) for t in times)
 
 

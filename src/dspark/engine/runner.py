@@ -24,9 +24,11 @@ one without replays the graphs.
 
 Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. All
 randomness is request-stable (``K.request_uniforms``, keyed by the request's seed and the round's
-anchor position), so a request's tokens do not depend on its batch. A batch whose rows share one
-sampling setting runs its whole round inside the graphs; rows with different settings are grouped
-and run eagerly (the same functions, without graphs).
+anchor position), so a request's tokens do not depend on its batch. Sampling settings live in
+per-row tensors (``RowSampling``: temperature, top-k, top-p), so a batch of any mix of settings
+replays the same graphs: one per shape for batches of greedy rows only (argmax paths), one per
+shape for batches with sampled rows (every row on the sampled path, a greedy row as its one-hot
+argmax, which gives the same tokens).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from .. import kernels as K
 from ..model.draft_runner import DraftRunner
 from ..model.llama import AttentionBatch, TargetLM
-from .drafting import Drafter, SamplingParams
+from .drafting import Drafter, RowSampling, SamplingParams
 
 log = logging.getLogger("dspark.engine")
 
@@ -80,7 +82,8 @@ class RowState:
 
     Every round: ``slot_ids`` (cache line; padding: the dummy line), ``active`` (1: a request),
     ``anchor`` / ``anchor_pos`` (the last accepted token and its position), ``ctx_pos`` (where the
-    draft context resumes), ``seeds``, ``draft_tokens`` / ``proposal_lengths`` (the next round's
+    draft context resumes), the request's ``seeds`` and sampling settings (``temperature``, 0 when
+    greedy; ``top_k``; ``top_p``), ``draft_tokens`` / ``proposal_lengths`` (the next round's
     drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens).
     With a draft: ``capture`` (the last verify's captured hidden states, ``[B, verify_len, width]``),
     ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
@@ -94,6 +97,9 @@ class RowState:
     anchor_pos: torch.Tensor
     ctx_pos: torch.Tensor
     seeds: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
     draft_tokens: torch.Tensor
     proposal_lengths: torch.Tensor
     accepted: torch.Tensor
@@ -111,6 +117,10 @@ class RowState:
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of every buffer this runner has."""
         return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
+
+    def sampling(self, b: int) -> RowSampling:
+        """Rows ``0 .. b-1``'s sampling settings."""
+        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b])
 
 
 class DraftOverride(Protocol):
@@ -136,13 +146,8 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def _mode(sampling: SamplingParams) -> SamplingParams:
-    """A row's sampling setting without its seed (the seed lives in a device tensor)."""
-    return SamplingParams() if sampling.greedy else replace(sampling, seed=0)
-
-
 class ModelRunner:
-    """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, mode)."""
+    """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, sampled or not)."""
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
                  max_chunk_tokens: int = 2048, cuda_graphs: bool = True, tree: TreeSettings | None = None):
@@ -173,7 +178,8 @@ class ModelRunner:
         self.state = RowState(
             slot_ids=torch.full((r,), self.dummy_slot, **i32), active=torch.zeros(r, **i32),
             anchor=torch.zeros(r, **i32), anchor_pos=torch.zeros(r, **i32), ctx_pos=torch.zeros(r, **i32),
-            seeds=torch.zeros(r, dtype=torch.int64, device=dev),
+            seeds=torch.zeros(r, dtype=torch.int64, device=dev), temperature=torch.zeros(r, device=dev),
+            top_k=torch.zeros(r, **i32), top_p=torch.ones(r, device=dev),
             draft_tokens=torch.zeros(r, max(p, 1), **i32), proposal_lengths=torch.full((r,), max(p, 1), **i32),
             accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32))
         # flat [b*t + 1] rows: row*t + i is verify token i of a row (plain decoding: t = 1), the
@@ -202,8 +208,7 @@ class ModelRunner:
         self.offsets_rows = torch.arange(b + _pad_requests(b, t), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
-        self.row_modes: list[SamplingParams | None] = [None] * b
-        self._group_cache: dict[tuple, list] = {}  # mixed-setting batches: the row groups of the last composition
+        self.row_sampled = [False] * b  # rows whose request samples (the host's copy of which graphs to run)
         # the kernels' scratch, owned here and sized once, so a captured graph's buffers never move
         self.workspace = K.Workspace()
         if dev.type == "cuda":  # the reference backend (CPU) needs no scratch
@@ -226,7 +231,7 @@ class ModelRunner:
         """Move a running request's row (its cache slot stays where it is)."""
         for _, t in self.state.tensors():
             t[dst] = t[src]
-        self.row_modes[dst] = self.row_modes[src]
+        self.row_sampled[dst] = self.row_sampled[src]
         self.clear_row(src)
 
     def clear_row(self, row: int) -> None:
@@ -235,7 +240,7 @@ class ModelRunner:
         s.slot_ids[row] = self.dummy_slot
         for t in (s.active, s.anchor, s.anchor_pos, s.ctx_pos):
             t[row] = 0
-        self.row_modes[row] = None
+        self.row_sampled[row] = False
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -257,10 +262,9 @@ class ModelRunner:
         if chunks:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
-        mode = self._batch_mode(rows)
-        self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode),
-                     mode is not None)
-        self._draft(b, rows, mode)
+        sampled = self._sampled(rows)
+        self._replay(("verify", b, num_tokens, sampled), lambda: self._verify_rows(b, num_tokens, sampled))
+        self._draft(b, sampled)
 
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
@@ -269,8 +273,8 @@ class ModelRunner:
             self._mixed_step(self.bucket(rows) if rows else 0, rows, None, chunks)
             return
         b = self.bucket(rows)
-        mode = self._batch_mode(rows)
-        self._replay(("decode", b, 1, mode), lambda: self._decode_rows(b, rows, mode), mode is not None)
+        sampled = self._sampled(rows)
+        self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
 
     def token_logits(self, flat_rows: list[int]) -> torch.Tensor:
         """The target's f32 logits of the last round at flat rows ``row * verify_len + i`` (verify
@@ -288,40 +292,26 @@ class ModelRunner:
         Call with no request running: the captures replay once on padding rows."""
         if not self.use_graphs:
             return 0
-        greedy, lens = SamplingParams(), self.host_lens if self.drafter is not None else None
+        lens = self.host_lens if self.drafter is not None else None
         for b in self.buckets:
             if self.drafter is None:
-                self._replay(("decode", b, 1, greedy), lambda: self._decode_rows(b, b, greedy))
+                self._replay(("decode", b, 1, False), lambda: self._decode_rows(b, False))
                 continue
             for k in ([self.verify_len] if self.tree else range(1, self.verify_len + 1)):  # b * k flat tokens
                 lens.fill_(k)
                 self.state.verify_lens[: self.max_batch].copy_(lens)
-                self._replay(("verify", b, b * k, greedy), lambda: self._verify_rows(b, b, b * k, greedy))
-            self._replay(("draft", b, 0, greedy), lambda: self._draft_rows(b, b, greedy))
+                self._replay(("verify", b, b * k, False), lambda: self._verify_rows(b, b * k, False))
+            self._replay(("draft", b, 0, False), lambda: self._draft_rows(b, False))
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
 
-    def _batch_mode(self, rows: int) -> SamplingParams | None:
-        """The rows' shared sampling setting (greedy for no rows), or None when they differ (grouped, eager)."""
-        modes = set(self.row_modes[:rows])
-        return modes.pop() if len(modes) == 1 else SamplingParams() if not modes else None
+    def _sampled(self, rows: int) -> bool:
+        """Whether any of the first ``rows`` rows samples (then every row takes the sampled path)."""
+        return any(self.row_sampled[:rows])
 
-    def _groups(self, b: int, rows: int, mode: SamplingParams | None):
-        """(row index or slice, sampling) pairs covering rows ``0 .. b-1``; padding rows go greedy."""
-        if mode is not None:
-            return [(slice(0, b), mode)]
-        key = (b, tuple(self.row_modes[:rows]))
-        if key not in self._group_cache:  # uploaded once per batch composition (an H2D copy syncs)
-            by_mode: dict[SamplingParams, list[int]] = {}
-            for row in range(b):
-                by_mode.setdefault(self.row_modes[row] if row < rows else SamplingParams(), []).append(row)
-            self._group_cache = {key: [(torch.tensor(idx, device=self.device), m) for m, idx in by_mode.items()]}
-        return self._group_cache[key]
-
-    def _replay(self, key: tuple, fn: Callable[[], None], graphed: bool = True) -> None:
-        """Replay the graph of ``key`` (captured on first use), or run ``fn`` eagerly when graphs are
-        off or not ``graphed`` (rows of several sampling settings)."""
-        if not self.use_graphs or not graphed or key in self.uncapturable:
+    def _replay(self, key: tuple, fn: Callable[[], None]) -> None:
+        """Replay the graph of ``key`` (captured on first use), or run ``fn`` eagerly when graphs are off."""
+        if not self.use_graphs or key in self.uncapturable:
             fn()
             return
         graph = self.graphs.get(key)
@@ -364,18 +354,17 @@ class ModelRunner:
         s = self.state
         return AttentionBatch(s.slot_ids[:b], s.anchor_pos[:b], self.cu[query_len][: b + 1], query_len)
 
-    def _decode_rows(self, b: int, rows: int, mode) -> None:
+    def _decode_rows(self, b: int, sampled: bool) -> None:
         s = self.state
         logits = self.target.forward(s.anchor[:b].long(), s.anchor_pos[:b], s.slot_ids[:b],
                                      self._attention_batch(b, 1), self.cache)
-        self._decode_commit(b, rows, logits, mode)
+        self._decode_commit(b, logits, sampled)
 
-    def _decode_commit(self, b: int, rows: int, logits, mode) -> None:
+    def _decode_commit(self, b: int, logits, sampled: bool) -> None:
         s = self.state
         self.logit_rows[:b].copy_(logits)
-        for index, sampling in self._groups(b, rows, mode):
-            token = _sample_rows(logits[index], sampling, s.seeds[index], s.anchor_pos[index], self.workspace)
-            s.accepted[index, 0] = token
+        s.accepted[:b, 0] = _sample_rows(logits, s.sampling(b) if sampled else None, s.seeds[:b], s.anchor_pos[:b],
+                                         self.workspace)
         s.accept_length[:b] = 1
         self._advance(b, 1)
 
@@ -395,12 +384,12 @@ class ModelRunner:
         flat = torch.where(token_row < b, token_row * t + index, self.max_batch * t).long()
         return token_row, index, flat, cu
 
-    def _verify_rows(self, b: int, rows: int, num_tokens: int, mode) -> None:
+    def _verify_rows(self, b: int, num_tokens: int, sampled: bool) -> None:
         ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens)
         capture = torch.empty(num_tokens, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
         logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
                                      cache_positions=cache_rows if self.tree else None)
-        self._verify_commit(b, rows, flat, capture, logits, mode)
+        self._verify_commit(b, flat, capture, logits, sampled)
 
     def _verify_inputs(self, b: int, num_tokens: int):
         """Token ids, positions, cache rows (the positions, except for tree nodes) and cache lines of
@@ -431,45 +420,38 @@ class ModelRunner:
         return (s.tree_tokens[:b].reshape(-1).long(), positions, cache_rows, s.slot_ids[:b].repeat_interleave(size),
                 batch, self.flat_offsets[: b * size].long())
 
-    def _verify_commit(self, b: int, rows: int, flat, capture, logits, mode) -> None:
+    def _verify_commit(self, b: int, flat, capture, logits, sampled: bool) -> None:
         """Accept each row's prefix from the verify forward's captures and logits and advance."""
         s, t = self.state, self.verify_len
         self.capture_rows.index_copy_(0, flat, capture)
         self.logit_rows.index_copy_(0, flat, logits)
         if self.tree is not None:
-            self._tree_commit(b, rows, mode)
+            self._tree_commit(b, sampled)
             return
         verified = s.verify_lens[:b] - 1
-        padded = self.logit_rows[: b * t].view(b, t, -1)
-        for rows_of, sampling in self._groups(b, rows, mode):
-            accepted, n = self._accept(padded[rows_of], rows_of, verified[rows_of], sampling)
-            s.accepted[rows_of] = accepted
-            s.accept_length[rows_of] = n
+        s.accepted[:b], s.accept_length[:b] = self._accept(self.logit_rows[: b * t].view(b, t, -1), b, verified,
+                                                           sampled)
         self.readout[:b, t + 1] = verified
         self._advance(b, t)
 
-    def _tree_commit(self, b: int, rows: int, mode) -> None:
-        """Tree acceptance -- greedy (the longest root path the target's argmax follows) or sampled
-        (``K.sampled_tree_accept``: lossless, keyed by seed and anchor position) by each row's
-        setting -- then the accepted path's K/V, captures and logits moved to consecutive
-        positions, and advance."""
+    def _tree_commit(self, b: int, sampled: bool) -> None:
+        """Tree acceptance -- greedy (the longest root path the target's argmax follows) or, with
+        sampled rows, sampled (``K.sampled_tree_accept``: lossless, keyed by seed and anchor position;
+        a greedy row's one-hot distribution walks its argmax path) -- then the accepted path's K/V,
+        captures and logits moved to consecutive positions, and advance."""
         s, size, p = self.state, self.verify_len, self.num_drafts
         logits = self.logit_rows[: b * size].view(b, size, -1)
-        for index, sampling in self._groups(b, rows, mode):
-            tree = K.TreeBatch(s.tree_tokens[index], s.tree_parents[index], s.tree_depths[index], None, None,
-                               s.tree_nodes[index], None, None)
-            if sampling.greedy:
-                accepted, nodes, n = K.greedy_tree_accept(logits[index], tree, max_depth=p)
-            else:
-                count = tree.tokens.shape[0]
-                probs = sampling.probabilities(logits[index].reshape(count * size, -1), self.workspace)
-                uniforms = K.request_uniforms(s.seeds[index], s.anchor_pos[index], K.PURPOSE_TREE,
-                                              (p + 1) * (self.tree.top_k + 1)).view(count, p + 1, self.tree.top_k + 1)
-                accepted, nodes, n = K.sampled_tree_accept(probs.view(count, size, -1), tree, uniforms, max_depth=p)
-            s.accepted[index] = accepted
-            s.accept_length[index] = n
-            self.tree_nodes_accepted[index] = nodes
-        nodes = self.tree_nodes_accepted[:b]
+        tree = K.TreeBatch(s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b], None, None, s.tree_nodes[:b],
+                           None, None)
+        if sampled:
+            probs = s.sampling(b).probabilities(logits, self.workspace)
+            uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_TREE,
+                                          (p + 1) * (self.tree.top_k + 1)).view(b, p + 1, self.tree.top_k + 1)
+            accepted, nodes, n = K.sampled_tree_accept(probs, tree, uniforms, max_depth=p)
+        else:
+            accepted, nodes, n = K.greedy_tree_accept(logits, tree, max_depth=p)
+        s.accepted[:b], s.accept_length[:b] = accepted, n
+        self.tree_nodes_accepted[:b] = nodes
         # path position i (0: the root) holds node index[:, i] (i <= P); fixed shapes, so a graph holds it
         width = min(size, p + 1)
         keep = self.offsets[:width].long()
@@ -486,20 +468,22 @@ class ModelRunner:
         self.readout[:b, size + 1] = s.tree_nodes[:b] - 1
         self._advance(b, size)
 
-    def _accept(self, logits, index, verified, sampling: SamplingParams):
-        """Accept rows ``index`` from their target logits ``[R, P+1, V]``, verifying ``verified``
-        drafts each (rows past a row's length are never read)."""
+    def _accept(self, logits, b: int, verified, sampled: bool):
+        """Accept rows ``0 .. b-1`` from their target logits ``[b, P+1, V]``, verifying ``verified``
+        drafts each (rows past a row's length are never read). With sampled rows every row takes
+        speculative sampling: a greedy row's one-hot target distribution accepts exactly the drafts
+        that equal its argmax and then emits the argmax, whatever its drafts' q."""
         s, p = self.state, self.num_drafts
-        drafts = s.draft_tokens[index]
-        if sampling.greedy:
+        drafts = s.draft_tokens[:b]
+        if not sampled:
             return K.greedy_accept(logits, drafts, verified, p, workspace=self.workspace)
-        seeds, anchor_pos = s.seeds[index], s.anchor_pos[index]
-        uniforms = torch.empty(seeds.shape[0], 2 * p + 1, device=self.device)
+        seeds, anchor_pos = s.seeds[:b], s.anchor_pos[:b]
+        uniforms = torch.empty(b, 2 * p + 1, device=self.device)
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
-        probs = sampling.probabilities(logits.reshape(-1, logits.shape[-1]), self.workspace).view(logits.shape)
-        return K.probabilistic_accept(probs, s.draft_probs[index], drafts, verified, uniforms, p,
+        probs = s.sampling(b).probabilities(logits, self.workspace)
+        return K.probabilistic_accept(probs, s.draft_probs[:b], drafts, verified, uniforms, p,
                                       workspace=self.workspace)
 
     def _advance(self, b: int, verify_len: int) -> None:
@@ -512,29 +496,24 @@ class ModelRunner:
         s.anchor[:b] = s.accepted[:b].gather(1, (n - 1).long()[:, None]).squeeze(1)
         s.anchor_pos[:b] += n * s.active[:b]  # padding rows stay at position 0
 
-    def _draft_rows(self, b: int, rows: int, mode) -> None:
+    def _draft_rows(self, b: int, sampled: bool) -> None:
         s, t, p = self.state, self.verify_len, self.num_drafts
         positions = (s.ctx_pos[:b, None] + self.offsets[:t]).view(-1)
         self.draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
         hidden = self.draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
         logits = self.drafter.model.backbone_logits(hidden)
-        n = self.drafter.block_size
-        # a tree grows from the greedy chain's depth rows whatever the rows' settings
-        groups = [(slice(0, b), SamplingParams())] if self.tree is not None else self._groups(b, rows, mode)
-        for index, sampling in groups:
-            rows_of = (lambda x: x.view(b, n, -1)[index].reshape(-1, x.shape[-1]))
-            uniforms = None
-            if not sampling.greedy:
-                uniforms = K.request_uniforms(s.seeds[index], s.anchor_pos[index], K.PURPOSE_PROPOSAL, p)
-            stacked = self.stacked[:b] if self.tree is not None else None  # one group
-            proposal = self.drafter.propose_rows(rows_of(hidden), rows_of(logits), s.anchor[index], sampling, uniforms,
-                                                 stacked)
-            s.draft_tokens[index] = proposal.token_ids
-            s.proposal_lengths[index] = proposal.proposal_lengths
-            if proposal.confidence is not None:
-                s.confidence[index] = proposal.confidence
-            if proposal.probabilities is not None:
-                s.draft_probs[index] = proposal.probabilities
+        sampling = uniforms = None  # greedy; a tree grows from the greedy chain's depth rows whatever the settings
+        if sampled and self.tree is None:
+            sampling = s.sampling(b)
+            uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_PROPOSAL, p)
+        stacked = self.stacked[:b] if self.tree is not None else None
+        proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked)
+        s.draft_tokens[:b] = proposal.token_ids
+        s.proposal_lengths[:b] = proposal.proposal_lengths
+        if proposal.confidence is not None:
+            s.confidence[:b] = proposal.confidence
+        if proposal.probabilities is not None:
+            s.draft_probs[:b] = proposal.probabilities
         if self.draft_override is not None:
             self.draft_override.apply(self, b)
         if self.tree is not None:
@@ -563,48 +542,35 @@ class ModelRunner:
         prompt chunks, staged into ``self.chunks`` and padded to a chunk bucket; then accept / sample
         as a round does, write the chunks' draft context, seat the requests whose prompt ended
         (first token, row state) and draft every row. One CUDA graph per (rows bucket, verify
-        tokens, chunk bucket, sampling) when the rows share one setting and so do the seated
-        requests, else the same functions eagerly. Raises ``ForwardFailed`` when the forward raised
+        tokens, chunk bucket, sampled rows or not). Raises ``ForwardFailed`` when the forward raised
         (no row state changed yet)."""
-        if self.drafter is not None and self.tree is None and any(not c.sampling.greedy for c in chunks):
-            self._ensure_probabilities()  # sampled chain drafts keep the distributions they came from
         joined = [c for c in chunks if c.row >= 0]
+        seats_sample = any(not c.sampling.greedy for c in joined)
+        if self.drafter is not None and self.tree is None and seats_sample:
+            self._ensure_probabilities()  # sampled chain drafts keep the distributions they came from
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
-        mode, seats = self._batch_mode(rows), self._seat_groups(joined)
-        key = ("mixed", b, num_tokens, bucket, mode, seats[0][1] if isinstance(seats[0][0], slice) else None)
-        self._replay(key, lambda: self._mixed_rows(b, rows, num_tokens, bucket, mode, seats),
-                     graphed=None not in key[-2:])
+        sampled = self._sampled(rows) or seats_sample
+        self._replay(("mixed", b, num_tokens, bucket, sampled),
+                     lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         for c in joined:
-            self.row_modes[c.row] = _mode(c.sampling)
+            self.row_sampled[c.row] = not c.sampling.greedy
         total = rows + len(joined)
         if self.drafter is not None and total:
-            self._draft(self.bucket(total), total, self._batch_mode(total))
+            self._draft(self.bucket(total), self._sampled(total))
 
-    def _draft(self, b: int, rows: int, mode) -> None:
-        """The draft pass of ``rows`` rows in bucket ``b``: one graph per setting; tree mode drafts
-        greedily whatever the rows' settings (its trees grow from the greedy chain), so one graph."""
-        if self.tree is not None:
-            mode = SamplingParams()
-        self._replay(("draft", b, 0, mode), lambda: self._draft_rows(b, rows, mode), mode is not None)
+    def _draft(self, b: int, sampled: bool) -> None:
+        """The draft pass of the rows in bucket ``b``: tree mode drafts greedily whatever the rows'
+        settings (its trees grow from the greedy chain), so one graph."""
+        sampled = sampled and self.tree is None
+        self._replay(("draft", b, 0, sampled), lambda: self._draft_rows(b, sampled))
 
     def _chunk_bucket(self, n: int) -> int:
         """Padded chunk tokens of a step: a power of two >= 16 (one graph per bucket), within the
         step's chunk capacity, with at most a cache line of padding (the padding request's tokens)."""
         return min(max(16, 1 << max(n - 1, 0).bit_length()), self.chunks.capacity, n + self.line)
 
-    def _seat_groups(self, joined: list[PrefillChunk]) -> list:
-        """(seat index or slice, sampling) pairs of the first-token draws: every seat at once when
-        the seated requests share one setting (padded seats draw with it too, into the scratch row)."""
-        modes = [_mode(c.sampling) for c in joined]
-        if len(set(modes)) <= 1:
-            return [(slice(0, self.chunks.max_chunks), modes[0] if modes else SamplingParams())]
-        groups: dict[SamplingParams, list[int]] = {}
-        for i, m in enumerate(modes):
-            groups.setdefault(m, []).append(i)
-        return [(torch.tensor(idx, device=self.device), m) for m, idx in groups.items()]
-
-    def _mixed_rows(self, b: int, rows: int, num_tokens: int | None, bucket: int, mode, seats) -> None:
+    def _mixed_rows(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
         """The device work of a mixed step (captured): forward, commit of the running rows, the
         chunks' draft context, the seats."""
         try:
@@ -612,12 +578,12 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001
             raise ForwardFailed(f"{type(exc).__name__}: {exc}") from exc
         if b and num_tokens is not None:
-            self._verify_commit(b, rows, flat, capture[:split], logits[:split], mode)
+            self._verify_commit(b, flat, capture[:split], logits[:split], sampled)
         elif b:
-            self._decode_commit(b, rows, logits[:split], mode)
+            self._decode_commit(b, logits[:split], sampled)
         if self.draft is not None:
             self.draft.context(capture[split:], positions[split:], slots[split:])
-        self._seat(logits[split:], seats)
+        self._seat(logits[split:], sampled)
 
     def _mixed_forward(self, b: int, num_tokens: int | None, bucket: int):
         """The target forward of a mixed step (no row state changes): ``(positions, token slots,
@@ -648,7 +614,7 @@ class ModelRunner:
                                      logits_rows=logit_rows, cache_positions=cache_rows if self.tree else None)
         return positions, slots, flat, split, capture, logits
 
-    def _seat(self, logits: torch.Tensor, seats) -> None:
+    def _seat(self, logits: torch.Tensor, sampled: bool) -> None:
         """Rows for requests whose prompt ended (``self.chunks``' seats; padded seats go to the
         scratch row): the first token from the last position's logits ``[max_chunks, V]`` (keyed as
         a round's draw: seed, position), row state, the readout as a one-token round, the logits
@@ -656,12 +622,13 @@ class ModelRunner:
         s, t, ch = self.state, self.verify_len, self.chunks
         meta = ch.device_meta()
         rows, ends, slots = ch.seat_rows, meta["seat_ends"], meta["seat_slots"]
-        tokens = torch.zeros(ch.max_chunks, dtype=torch.int32, device=self.device)
-        ones = torch.ones_like(tokens)  # device constants: a captured graph cannot copy host scalars
-        for index, mode in seats:
-            tokens[index] = _sample_rows(logits[index], mode, ch.seat_seeds[index], ends[index] - 1, self.workspace)
+        ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
+        tokens = _sample_rows(logits, ch.seat_sampling if sampled else None, ch.seat_seeds, ends - 1, self.workspace)
+        settings = ch.seat_sampling
         for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
-                              (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones)):
+                              (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones),
+                              (s.temperature, settings.temperature), (s.top_k, settings.top_k),
+                              (s.top_p, settings.top_p)):
             buffer[rows] = value
         s.accepted[rows, 0] = tokens
         self.logit_rows[rows * t] = logits
@@ -687,25 +654,29 @@ class ChunkBuffers:
     Up to ``max_chunks`` chunks of ``capacity`` tokens in all, padded to the step's chunk bucket
     by one padding request on the dummy line; per chunk its request (slot, first position, token
     offsets ``cu``); per seat (a chunk that ends its prompt) its row, the offset of its last token,
-    the prompt length, seed and slot -- unused seats name the scratch row.
+    the prompt length, seed, slot and sampling settings -- unused seats name the scratch row.
     """
 
     def __init__(self, capacity: int, max_chunks: int, device):
         self.capacity, self.max_chunks, self.device = capacity, max_chunks, device
         m = max_chunks
         self.sizes = {"positions": capacity, "slots": capacity, "request_slots": m + 1, "request_starts": m + 1,
-                      "cu": m + 2, "seat_ends": m, "seat_slots": m}
+                      "cu": m + 2, "seat_ends": m, "seat_slots": m, "seat_top_k": m}
         width = sum(self.sizes.values())
         pinned = device.type == "cuda"
-        # int64 ids, seats' rows / last offsets / seeds; int32 metadata the kernels read
+        # int64 ids, seats' rows / last offsets / seeds; int32 metadata the kernels read (and the seats'
+        # top-k); the seats' f32 temperatures and top-p
         self.host64 = torch.zeros(capacity + 3 * m, dtype=torch.int64, pin_memory=pinned)
         self.host32 = torch.zeros(width, dtype=torch.int32, pin_memory=pinned)
+        self.hostf = torch.zeros(2 * m, dtype=torch.float32, pin_memory=pinned)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
+        self.devf = torch.zeros_like(self.hostf, device=device)
         self.ids = self.dev64[:capacity]
         self.seat_rows, self.seat_last = self.dev64[capacity:capacity + m], self.dev64[capacity + m:capacity + 2 * m]
         self.seat_seeds = self.dev64[capacity + 2 * m:]
         self._meta = self._views(self.dev32)
+        self.seat_sampling = RowSampling(self.devf[:m], self._meta["seat_top_k"], self.devf[m:])
         self._copied = None  # the event of the last transfer: the pinned rows are reused after it
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -746,15 +717,18 @@ class ChunkBuffers:
         seats = [(c, offsets[i + 1] - 1) for i, c in enumerate(chunks) if c.row >= 0]
         for i, c in enumerate(chunks):
             h["request_slots"][i], h["request_starts"][i] = c.slot, c.start
-        rows, last, seeds = h64[cap:cap + m], h64[cap + m:cap + 2 * m], h64[cap + 2 * m:]
-        rows.fill_(scratch_row), last.zero_(), seeds.zero_()
+        rows, last, seeds = (h64[cap + i * m:cap + (i + 1) * m] for i in range(3))
+        temperature, top_k, top_p = self.hostf[:m], h["seat_top_k"], self.hostf[m:]
+        rows.fill_(scratch_row), last.zero_(), seeds.zero_(), top_k.zero_(), temperature.zero_(), top_p.fill_(1.0)
         h["seat_ends"].fill_(1), h["seat_slots"].fill_(dummy_slot)
         for j, (c, end) in enumerate(seats):
             rows[j], last[j], seeds[j] = c.row, end, c.sampling.seed_bits
+            temperature[j], top_k[j], top_p[j] = c.sampling.temperature, c.sampling.top_k, c.sampling.top_p
             h["seat_ends"][j], h["seat_slots"][j] = c.start + len(c.token_ids), c.slot
         blocking = self.device.type != "cuda"
         self.dev64.copy_(self.host64, non_blocking=not blocking)
         self.dev32.copy_(self.host32, non_blocking=not blocking)
+        self.devf.copy_(self.hostf, non_blocking=not blocking)
         if not blocking:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -767,11 +741,12 @@ def _pad_requests(b: int, t: int) -> int:
     return -(-b // t)
 
 
-def _sample_rows(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, positions: torch.Tensor,
+def _sample_rows(logits: torch.Tensor, sampling: RowSampling | None, seeds: torch.Tensor, positions: torch.Tensor,
                  workspace=None):
-    """One target token per row (int32 ``[R]``) from f32 logits ``[R, V]``: the argmax when greedy,
-    else an inverse-CDF draw keyed by (seed, position)."""
-    if sampling.greedy:
+    """One target token per row (int32 ``[R]``) from f32 logits ``[R, V]``: the argmax when every row
+    is greedy (``sampling`` None), else an inverse-CDF draw keyed by (seed, position) from each row's
+    distribution (a greedy row's is its one-hot argmax)."""
+    if sampling is None:
         return logits.argmax(-1).to(torch.int32)
     uniforms = K.request_uniforms(seeds, positions, K.PURPOSE_TARGET_SAMPLE, 1)
     token = torch.zeros(logits.shape[0], 1, dtype=torch.int32, device=logits.device)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .._shared import GREEDY_TEMPERATURE, TINY, UNIFORM_MAX, filter_settings, inv_temperature
+from .._shared import TINY, UNIFORM_MAX, filter_settings, inv_temperature
 from .markov import build_markov_logits
 
 __all__ = [
