@@ -24,9 +24,21 @@ def _accept_case(batch: int):
     return lambda: K.probabilistic_accept(*args)
 
 
-def _probabilities_case(rows: int, top_k: int, top_p: float, flat: bool):
+# the mixed-settings workload's settings (bench.serve.MIXED_SETTINGS), one per row in turn
+MIXED = ((0.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 0, 0.95), (1.0, 0, 1.0))
+
+
+def _per_row(rows: int):
+    """Per-row ``(temperature, top_k, top_p)`` tensors cycling through ``MIXED``."""
+    t, k, p = zip(*(MIXED[i % len(MIXED)] for i in range(rows)))
+    return (torch.tensor(t, device="cuda"), torch.tensor(k, dtype=torch.int32, device="cuda"),
+            torch.tensor(p, device="cuda"))
+
+
+def _probabilities_case(rows: int, top_k: int, top_p: float, flat: bool, per_row: bool = False):
     logits = _logits(rows, flat, seed=rows)
-    return lambda: K.logits_to_probabilities(logits, TEMPERATURE, top_k, top_p)
+    settings = _per_row(rows) if per_row else (TEMPERATURE, top_k, top_p)
+    return lambda: K.logits_to_probabilities(logits, *settings)
 
 
 def _draw_case(batch: int):
@@ -34,9 +46,10 @@ def _draw_case(batch: int):
     return lambda: K.sample_probability_rows(probs, uniforms, tokens, 3)
 
 
-def _sample_step_case(batch: int, rank: int, top_k: int, top_p: float):
+def _sample_step_case(batch: int, rank: int, top_k: int, top_p: float, per_row: bool = False):
     backbone, w1, w2, first, uniforms, tokens, probs = round_inputs(rank, batch)
-    return lambda: K.markov_sample_step(backbone, w1, w2, first, uniforms, tokens, probs, 0, TEMPERATURE, top_k, top_p)
+    settings = _per_row(batch) if per_row else (TEMPERATURE, top_k, top_p)
+    return lambda: K.markov_sample_step(backbone, w1, w2, first, uniforms, tokens, probs, 0, *settings)
 
 
 CASES = {
@@ -52,6 +65,11 @@ CASES = {
     "markov_sample_step B=1 R=256 top-p 0.9": lambda: _sample_step_case(1, 256, 0, 0.9),
     "markov_sample_step B=64 R=256 none": lambda: _sample_step_case(64, 256, 0, 1.0),
     "markov_sample_step B=64 R=256 top-k 50": lambda: _sample_step_case(64, 256, 50, 1.0),
+    # per-row settings (the engine's sampled rows) beside one setting for all rows
+    "logits_to_probabilities rows=512 top-p 0.9": lambda: _probabilities_case(512, 0, 0.9, False),
+    "logits_to_probabilities rows=512 per-row mixed": lambda: _probabilities_case(512, 0, 1.0, False, True),
+    "markov_sample_step B=64 R=256 top-p 0.9": lambda: _sample_step_case(64, 256, 0, 0.9),
+    "markov_sample_step B=64 R=256 per-row mixed": lambda: _sample_step_case(64, 256, 0, 1.0, True),
 }
 
 
