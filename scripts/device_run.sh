@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
+# steps named on the command line, each with its own time limit, logs under $OUT.
+#   scripts/device_run.sh STEP...   steps: tests, breakdown, mixed, frontier, train, hf
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 || exit 1
+OUT=${OUT:-/tmp/out}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/steps.txt"
+for step in "$@"; do
+  start=$SECONDS
+  case $step in
+    tests) timeout 330 python -m pytest -q -n 8 -p no:cacheprovider tests/test_row_filters.py tests/test_sampling.py \
+             tests/test_markov.py tests/test_verify.py tests/test_llm_engine.py tests/test_tree_engine.py \
+             tests/test_hf_target.py tests/test_lossless_sampling.py tests/test_kernel_workspace.py \
+             tests/test_engine_limits.py tests/test_replay.py > "$OUT/pytest.log" 2>&1 ;;
+    breakdown) timeout 90 python -m dspark.bench.breakdown --case "logits_to_probabilities rows=512 top-p 0.9" \
+             --case "logits_to_probabilities rows=512 per-row mixed" --case "markov_sample_step B=64 R=256 top-p 0.9" \
+             --case "markov_sample_step B=64 R=256 per-row mixed" > "$OUT/breakdown.txt" 2>&1 ;;
+    mixed) timeout "${MIXED_LIMIT:-300}" python -m dspark.bench.frontier --out "$OUT/mixed" --workload mixed \
+             --prompt-tokens-max 2048 ${MIXED_ARGS:-} > "$OUT/mixed.log" 2>&1 ;;
+    frontier) timeout "${FRONTIER_LIMIT:-420}" python -m dspark.bench.frontier --out "$OUT/frontier" \
+             ${FRONTIER_ARGS:-} > "$OUT/frontier.log" 2>&1 ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+  echo "$step: exit $? in $((SECONDS - start)) s" | tee -a "$OUT/steps.txt"
+done
+# at most 8 files come back: the runs' folders as one archive
+dirs=$(cd "$OUT" && ls -d */ 2>/dev/null)
+[ -n "$dirs" ] && tar czf "$OUT/runs.tgz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)
+tail -3 "$OUT/pytest.log" 2>/dev/null
