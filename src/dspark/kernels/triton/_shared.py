@@ -145,6 +145,14 @@ def row_filter(row, inv_temp, top_k, top_p, settings_ptr, PER_ROW: tl.constexpr)
 
 
 @triton.jit
+def row_inv_temp(row, inv_temp, settings_ptr, PER_ROW: tl.constexpr):
+    """Row ``row``'s inverse temperature (``row_filter``'s first value)."""
+    if PER_ROW == 1:
+        inv_temp = tl.load(settings_ptr + row.to(tl.int64) * 3)
+    return inv_temp
+
+
+@triton.jit
 def clamp_uniform(u):
     """NVIDIA's ``clampUniform``: ``min(max(u, 0), 1 - 2^-24)``, NaN -> 0 as fmaxf does."""
     return tl.minimum(tl.where(u > 0.0, u, 0.0), UNIFORM_MAX)

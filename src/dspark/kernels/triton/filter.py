@@ -26,7 +26,7 @@ from . import draw as tdraw
 from . import search as tsearch
 from ._shared import MAX_KEY, NO_HIT, SENTINEL, TINY, claim, clamp_uniform, first_hit, is_degenerate, key_index
 from ._shared import CANDIDATE_LIMIT, MAX_CANDIDATES, key_value, merge, ord_image, order_key, positive, row_chunk
-from ._shared import row_filter, tile_stats
+from ._shared import row_filter, row_inv_temp, tile_stats
 from .search import NPROBE, store_cut_state
 
 __all__ = ["logits_to_probabilities"]
@@ -77,7 +77,7 @@ def _stats_kernel(x_ptr, x_stride, V, inv_temp, settings_ptr, m_ptr, s_ptr, grou
     largest key of every group of ``GROUP_SIZE`` entries (the candidates' first stage)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    inv_temp, _, _ = row_filter(row, inv_temp, 0, 1.0, settings_ptr, PER_ROW)
+    inv_temp = row_inv_temp(row, inv_temp, settings_ptr, PER_ROW)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = index < V
     x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=mask, other=float("-inf")) * inv_temp
@@ -255,7 +255,7 @@ def _write_kernel(x_ptr, x_stride, out_ptr, out_stride, V, inv_temp, settings_pt
     """
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    inv_temp, _, _ = row_filter(row, inv_temp, 0, 1.0, settings_ptr, PER_ROW)
+    inv_temp = row_inv_temp(row, inv_temp, settings_ptr, PER_ROW)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = index < V
     out_row = out_ptr + row.to(tl.int64) * out_stride

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .._shared import next_pow2
 from ._shared import CANDIDATE_LIMIT, INTERPRET, MAX_KEY, SENTINEL, TINY, key_value, ord_image, ord_value, order_key
-from ._shared import row_filter
+from ._shared import row_filter, row_inv_temp
 
 NPROBE = 16  # thresholds tested per pass of the search
 SEARCH_PASSES = 3  # multi-program probe passes before one program per row takes over (flat rows need 2)
@@ -208,9 +208,9 @@ def _probe_kernel(x_ptr, x_stride, V, inv_temp, settings_ptr, par_ptr, state_ptr
     chunk = tl.program_id(1)
     searching, olo, ohi = _searching(state_ptr, bounds_ptr, cut_ptr, row, BUCKET)
     if searching:
-        inv_temp, _, _ = row_filter(row, inv_temp, 0, 1.0, settings_ptr, PER_ROW)
+        row_temp = row_inv_temp(row, inv_temp, settings_ptr, PER_ROW)
         start = chunk * CHUNK
-        mass_d, count_d = _probe_sums(x_ptr + row.to(tl.int64) * x_stride, start, start + CHUNK, V, inv_temp,
+        mass_d, count_d = _probe_sums(x_ptr + row.to(tl.int64) * x_stride, start, start + CHUNK, V, row_temp,
                                       tl.load(par_ptr + row * 3), SENTINEL, _probes(olo, ohi, NPROBE_),
                                       TILE, NPROBE_)
         slot = part_ptr + (row * n_chunks + chunk).to(tl.int64) * (2 * NPROBE_) + tl.arange(0, NPROBE_)
@@ -226,7 +226,7 @@ def _narrow_kernel(state_ptr, bounds_ptr, cut_ptr, part_ptr, n_chunks, top_k, se
     row = tl.program_id(0)
     searching, olo, ohi = _searching(state_ptr, bounds_ptr, cut_ptr, row, BUCKET)
     if searching:
-        _, top_k, _ = row_filter(row, 1.0, top_k, 1.0, settings_ptr, PER_ROW)
+        _row_temp, row_k, _row_p = row_filter(row, 1.0, top_k, 1.0, settings_ptr, PER_ROW)
         c = tl.arange(0, NC_PAD)[:, None]
         slot = part_ptr + (row * n_chunks + c).to(tl.int64) * (2 * NPROBE_) + tl.arange(0, NPROBE_)[None, :]
         mass_d = tl.sum(tl.load(slot, mask=c < n_chunks, other=0.0), axis=0)
@@ -234,7 +234,7 @@ def _narrow_kernel(state_ptr, bounds_ptr, cut_ptr, part_ptr, n_chunks, top_k, se
         cut = cut_ptr + row * 4
         olo, ohi, above_mass, above_count, count = _narrow(_probes(olo, ohi, NPROBE_), mass_d, count_d,
                                                            tl.load(cut + 3), olo, ohi, tl.load(cut),
-                                                           tl.load(cut + 1), top_k > CANDIDATE_LIMIT, NPROBE_)
+                                                           tl.load(cut + 1), row_k > CANDIDATE_LIMIT, NPROBE_)
         tl.store(bounds_ptr + row * 2, olo)
         tl.store(bounds_ptr + row * 2 + 1, ohi)
         store_cut_state(cut, above_mass, above_count, count, tl.load(cut + 3))
@@ -250,18 +250,18 @@ def _gather_kernel(x_ptr, x_stride, V, inv_temp, settings_ptr, state_ptr, bounds
     olo = tl.load(bounds_ptr + row * 2)
     ohi = tl.load(bounds_ptr + row * 2 + 1)
     if (tl.load(state_ptr + row) == 2) & (tl.load(cut_ptr + row * 4 + 2) <= BUCKET):
-        inv_temp, _, _ = row_filter(row, inv_temp, 0, 1.0, settings_ptr, PER_ROW)
+        row_temp = row_inv_temp(row, inv_temp, settings_ptr, PER_ROW)
         x_row = x_ptr + row.to(tl.int64) * x_stride
         start = chunk * CHUNK
         n = tl.zeros([], tl.int32)
         at = start
         while at < start + CHUNK:
-            _, valid, _, o, _ = _row_entry(x_row, at, V, inv_temp, SENTINEL, TILE)
+            _, valid, _, o, _ = _row_entry(x_row, at, V, row_temp, SENTINEL, TILE)
             n += tl.sum((valid & (o >= olo) & (o <= ohi)).to(tl.int32), axis=0)
             at += TILE
         if n > 0:
             base = tl.atomic_add(fill_ptr + row, n)
-            _gather(x_row, start, start + CHUNK, V, inv_temp, SENTINEL, olo, ohi,
+            _gather(x_row, start, start + CHUNK, V, row_temp, SENTINEL, olo, ohi,
                     bucket_ptr + row.to(tl.int64) * BUCKET, base, TILE)
 
 
@@ -274,25 +274,25 @@ def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, par
     after the write)."""
     row = tl.program_id(0)
     if tl.load(state_ptr + row) == 2:
-        inv_temp, top_k, top_p = row_filter(row, inv_temp, top_k, top_p, settings_ptr, PER_ROW)
-        big_k = top_k > CANDIDATE_LIMIT
+        row_temp, row_k, row_p = row_filter(row, inv_temp, top_k, top_p, settings_ptr, PER_ROW)
+        big_k = row_k > CANDIDATE_LIMIT
         x_row = x_ptr + row.to(tl.int64) * x_stride
         bucket_row = bucket_ptr + row.to(tl.int64) * BUCKET
         x0 = tl.load(par_ptr + row * 3)
         cut = cut_ptr + row * 4
         count = tl.load(cut + 2)
         gathered = (count <= BUCKET).to(tl.int32)
-        kappa, above, at = _cut(x_row, V, inv_temp, x0, tl.load(cut + 3), tl.full([], SENTINEL, tl.int64), bucket_row,
+        kappa, above, at = _cut(x_row, V, row_temp, x0, tl.load(cut + 3), tl.full([], SENTINEL, tl.int64), bucket_row,
                                 tl.load(bounds_ptr + row * 2), tl.load(bounds_ptr + row * 2 + 1), tl.load(cut),
                                 tl.load(cut + 1), count, gathered, big_k, TILE, BUCKET, NPROBE_)
         if big_k:
             kept = above + at
             a_cut = at
-            if top_p < 1.0:
-                denom = tl.maximum(top_p * kept, TINY)
+            if row_p < 1.0:
+                denom = tl.maximum(row_p * kept, TINY)
                 olo = tl.maximum(ord_image(x0 - 88.0), (kappa >> 32).to(tl.int32))
                 nothing = tl.zeros([], tl.float32)  # a fresh search state (tensors: loop-carried in _cut)
-                kappa, above, at = _cut(x_row, V, inv_temp, x0, denom, kappa, bucket_row, olo, ord_image(x0), nothing,
+                kappa, above, at = _cut(x_row, V, row_temp, x0, denom, kappa, bucket_row, olo, ord_image(x0), nothing,
                                         nothing, nothing + V, gathered * 0, big_k != big_k, TILE, BUCKET, NPROBE_)
                 a_cut = tl.minimum(at, tl.maximum(denom - above, 0.0))
             else:
