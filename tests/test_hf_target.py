@@ -167,14 +167,16 @@ def test_graphability_is_declared_from_the_config():
         assert not target.graphable and f"RoPE type '{kind}'" in target.eager_reason
 
 
+# a value read on the host, a shape from device values, a tensor made from host data (a copy in the graph)
 _SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
-          "unique_consecutive", "repeat_interleave"}  # a value read on the host, or a shape from device values
+          "unique_consecutive", "repeat_interleave", "lift_fresh", "lift_fresh_copy"}
 
 
 def test_the_forward_of_graphable_families_reads_nothing_on_the_host(monkeypatch):
     """What a CUDA graph cannot hold, seen on the CPU: no op of a graphable family's forward (ours
     and transformers', dspark's attention kernel aside) reads a device value on the host or sizes
-    a tensor from one -- a mixed two-request forward with captures and selected logits."""
+    a tensor from one, nor makes a tensor from host data -- a mixed two-request forward with
+    captures and selected logits."""
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     from dspark.model import hf_target
@@ -205,11 +207,11 @@ def test_the_forward_of_graphable_families_reads_nothing_on_the_host(monkeypatch
             continue
         i32 = dict(dtype=torch.int32)
         batch = AttentionBatch(torch.tensor([1, 2], **i32), torch.tensor([0, 3], **i32), torch.tensor([0, 3, 6], **i32), 3)
-        recorder = Recorder()
+        inputs = (torch.arange(6), torch.arange(6, **i32), torch.tensor([1, 1, 1, 2, 2, 2], **i32), batch,
+                  target.new_cache(3, 16))
+        capture, rows, recorder = torch.empty(6, 64), torch.tensor([2, 5]), Recorder()
         with recorder:
-            target.forward(torch.arange(6), torch.tensor([0, 1, 2, 3, 4, 5], **i32), torch.tensor([1, 1, 1, 2, 2, 2], **i32),
-                           batch, target.new_cache(3, 16), capture_out=torch.empty(6, 64),
-                           logits_rows=torch.tensor([2, 5]))
+            target.forward(*inputs, capture_out=capture, logits_rows=rows)
         assert not recorder.ops, (name, recorder.ops)
 
 
