@@ -8,6 +8,11 @@ parallel residual), OLMo-2 (norms after attention and MLP), and sliding-window M
 built for them and with plain decoding: greedy output identical to ``generate()``, each request the
 same alone and in a batch, prompts chunked into running steps; a sampled request is the same alone
 and in a batch. Attention soft-capping is refused with an error naming it.
+
+CUDA graphs: the families whose transformers code synchronises the host are declared from the
+config; the others' forwards read no device value on the host (checked on the CPU op by op); a
+capture that fails runs that graph eagerly with the same tokens (a simulated capture on the CPU, a
+forward calling ``.item()`` on CUDA); on CUDA every family with graphs on equals ``generate()``.
 """
 
 from types import SimpleNamespace
