@@ -297,9 +297,9 @@ def test_cuda_graphs_greedy_equals_transformers_generate(name):
     tokens as transformers' ``generate()`` on the same device, with a draft and without; the
     families declared graphable replay graphs and none failed its capture (fp32 Qwen3-MoE: eager,
     declared)."""
-    model = _model(name).to("cuda")
+    model = _model(name)
     draft = _drafter(model).to("cuda")
-    expected = _cuda_expected(model)
+    expected = _cuda_expected(model.to("cuda"))
     for draft in (draft, None):
         engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_num_batched_tokens=3 * 5 + 4))
         assert engine.runner.device.type == "cuda"
@@ -317,9 +317,9 @@ def test_cuda_a_capture_that_synchronises_falls_back_eagerly():
     """A forward that reads a device value on the host (``.item()``, as some transformers code
     does) cannot be captured: those graphs run eagerly, with the same tokens as ``generate()``, and
     the engine's stream stays the default one."""
-    model = _model("mistral").to("cuda")
+    model = _model("mistral")
     draft = _drafter(model).to("cuda")
-    expected = _cuda_expected(model)
+    expected = _cuda_expected(model.to("cuda"))
 
     def synchronise(module, args):
         args[0].sum().item()
