@@ -11,8 +11,9 @@ and in a batch. Attention soft-capping is refused with an error naming it.
 
 CUDA graphs: the families whose transformers code synchronises the host are declared from the
 config; the others' forwards read no device value on the host (checked on the CPU op by op); a
-capture that fails runs that graph eagerly with the same tokens (a simulated capture on the CPU, a
-forward calling ``.item()`` on CUDA); on CUDA every family with graphs on equals ``generate()``.
+forward that fails inside a capture makes the target eager, any other failed capture that graph,
+with the same tokens (a simulated capture on the CPU, a forward calling ``.item()`` on CUDA); on
+CUDA every family with graphs on equals ``generate()``.
 """
 
 from types import SimpleNamespace
@@ -256,15 +257,19 @@ class _FakeGraphs:
             monkeypatch.setattr(torch.cuda, attr, value)
 
 
-def test_a_failed_capture_runs_eagerly_with_the_same_tokens(monkeypatch):
+@pytest.mark.parametrize("noticed", [True, False], ids=["in-the-forward", "elsewhere"])
+def test_a_failed_capture_runs_eagerly_with_the_same_tokens(monkeypatch, noticed):
     """A target forward that raises inside a capture (as transformers' code does when it reads a
-    device value) makes that graph eager: the same tokens as ``generate()``, the model's own
-    attention and hooks restored, the capture stream given back."""
+    device value) makes the target eager after that one capture (``eager_reason`` set, no graph
+    from then on); a capture that fails where the target cannot tell makes that graph eager. Either
+    way: the same tokens as ``generate()``, the model's own attention and hooks restored, the
+    capture stream given back."""
     from dspark.model import hf_target
 
     model = _model("mistral")
     expected = [_generate(model, p, NEW) for p in PROMPTS]
     fakes = _FakeGraphs(monkeypatch)
+    monkeypatch.setattr(hf_target, "_capturing", lambda device: noticed and fakes.capturing)
 
     def sync_inside_capture(module, args):
         if fakes.capturing:
@@ -275,7 +280,9 @@ def test_a_failed_capture_runs_eagerly_with_the_same_tokens(monkeypatch):
     engine.runner.use_graphs = True
     assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected
     runner = engine.runner
-    assert fakes.captures == len(runner.uncapturable) > 0 and not runner.graphs
+    assert fakes.captures == len(runner.uncapturable) and not runner.graphs
+    assert (len(runner.uncapturable) == 1) == noticed and runner.use_graphs != noticed
+    assert noticed == ("failed inside a CUDA graph capture (RuntimeError" in (engine.target.eager_reason or ""))
     assert {key[0] for key in runner.uncapturable} <= {"decode", "mixed"} and fakes.stream == "main"
     assert hf_target._STEP.get(None) is None and model.config._attn_implementation != hf_target.ATTENTION
     assert [len(layer._forward_pre_hooks) for layer in model.model.layers] == [0, 1, 0, 0]
@@ -315,8 +322,9 @@ def test_cuda_graphs_greedy_equals_transformers_generate(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_a_capture_that_synchronises_falls_back_eagerly():
     """A forward that reads a device value on the host (``.item()``, as some transformers code
-    does) cannot be captured: those graphs run eagerly, with the same tokens as ``generate()``, and
-    the engine's stream stays the default one."""
+    does) cannot be captured: after that one failed capture the target is eager (``eager_reason``)
+    and every step runs without graphs, with the same tokens as ``generate()``; the engine's
+    stream stays the default one."""
     model = _model("mistral")
     draft = _drafter(model).to("cuda")
     expected = _cuda_expected(model.to("cuda"))
@@ -330,8 +338,8 @@ def test_cuda_a_capture_that_synchronises_falls_back_eagerly():
         assert engine.target.graphable
         assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected
         runner = engine.runner
-        assert runner.uncapturable and {key[0] for key in runner.uncapturable} <= {"verify", "decode", "mixed"}
-        assert all(key[0] == "draft" for key in runner.graphs)  # the draft's graphs hold no target forward
+        assert len(runner.uncapturable) == 1 and not runner.use_graphs, runner.uncapturable
+        assert "failed inside a CUDA graph capture" in engine.target.eager_reason
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
 
 

@@ -340,6 +340,8 @@ class ModelRunner:
                 torch.cuda.set_stream(stream)
                 log.warning("the CUDA graph %s could not be captured; it runs eagerly", key, exc_info=True)
                 self.uncapturable.add(key)
+                # a target whose forward failed inside the capture says so (HFTarget): no more captures
+                self.use_graphs = getattr(self.target, "graphable", True)
                 fn()
                 return
             self.pool = graph.pool()

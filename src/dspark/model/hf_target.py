@@ -16,8 +16,9 @@ soft-capping, chunked attention, attention sinks, non-causal layers.
 The forward is capturable in a CUDA graph (static shapes per call, no host synchronisation in
 dspark's part; transformers builds no mask for the ragged attention) unless the model's own code
 synchronises the host: ``HFTarget.eager_reason`` names the cases known from the config (dynamic and
-LongRoPE frequencies, mixture-of-experts loops), and the runner runs those eagerly; any other
-capture that fails falls back to eager per graph (``ModelRunner._replay``).
+LongRoPE frequencies, mixture-of-experts loops), and the runner runs those eagerly. A forward that
+fails inside a capture sets it too: the runner runs that step and every later one eagerly
+(``ModelRunner._replay``), after one failed capture.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class _HFShape:
 class HFTarget(CachedTarget):
     """A loaded Hugging Face causal LM behind ``TargetLM``'s runner contract (``forward``,
     ``new_cache``, ``shape``, ``device``, ``dtype``, ``vocab_size``, ``config``, ``graphable``).
-    ``eager_reason``: why the model's modeling code cannot run in a CUDA graph (None: it can)."""
+    ``eager_reason``: why the model's modeling code cannot run in a CUDA graph (None: it can) --
+    known from the config, or set when the forward failed inside a capture."""
 
     def __init__(self, model: torch.nn.Module, capture_layer_ids: Sequence[int] = ()):
         c = Checker("HFTarget")
@@ -160,6 +162,12 @@ class HFTarget(CachedTarget):
             keep = 0 if logits_rows is None else logits_rows.long()
             out = self.model(input_ids=input_ids.long()[None], position_ids=positions.long()[None], use_cache=False,
                              logits_to_keep=keep)
+        except Exception as exc:
+            if _capturing(self.device):  # the modeling code read a device value on the host: no graph will hold it
+                self.eager_reason = (f"{type(self.model).__name__}'s forward failed inside a CUDA graph capture "
+                                     f"({type(exc).__name__}: {str(exc)[:200]})")
+                _log_eager(self.eager_reason)
+            raise
         finally:
             for c, name in zip(configs, previous):
                 c._attn_implementation = name
@@ -237,6 +245,11 @@ def _rope_types(config) -> set[str]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     sets = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
     return {str(p.get("rope_type", p.get("type", "default"))) for p in sets}
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph capture is under way on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @functools.cache
