@@ -212,7 +212,8 @@ def test_the_forward_of_graphable_families_reads_nothing_on_the_host(monkeypatch
         if not target.graphable:
             continue
         i32 = dict(dtype=torch.int32)
-        batch = AttentionBatch(torch.tensor([1, 2], **i32), torch.tensor([0, 3], **i32), torch.tensor([0, 3, 6], **i32), 3)
+        batch = AttentionBatch(torch.tensor([1, 2], **i32), torch.tensor([0, 3], **i32), torch.tensor([0, 3, 6], **i32),
+                               3)
         inputs = (torch.arange(6), torch.arange(6, **i32), torch.tensor([1, 1, 1, 2, 2, 2], **i32), batch,
                   target.new_cache(3, 16))
         capture, rows, recorder = torch.empty(6, 64), torch.tensor([2, 5]), Recorder()
@@ -305,9 +306,9 @@ def test_cuda_graphs_greedy_equals_transformers_generate(name):
     families declared graphable replay graphs and none failed its capture (fp32 Qwen3-MoE: eager,
     declared)."""
     model = _model(name)
-    draft = _drafter(model).to("cuda")
+    drafter = _drafter(model).to("cuda")
     expected = _cuda_expected(model.to("cuda"))
-    for draft in (draft, None):
+    for draft in (drafter, None):
         engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_num_batched_tokens=3 * 5 + 4))
         assert engine.runner.device.type == "cuda"
         assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected, name
@@ -326,14 +327,14 @@ def test_cuda_a_capture_that_synchronises_falls_back_eagerly():
     and every step runs without graphs, with the same tokens as ``generate()``; the engine's
     stream stays the default one."""
     model = _model("mistral")
-    draft = _drafter(model).to("cuda")
+    drafter = _drafter(model).to("cuda")
     expected = _cuda_expected(model.to("cuda"))
 
     def synchronise(module, args):
         args[0].sum().item()
 
     model.model.layers[1].register_forward_pre_hook(synchronise)
-    for draft in (draft, None):
+    for draft in (drafter, None):
         engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_num_batched_tokens=3 * 5 + 4))
         assert engine.target.graphable
         assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected

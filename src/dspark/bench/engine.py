@@ -275,7 +275,7 @@ def backend_target(backend: str, model):
 
 def run_backends(name: str, args) -> dict:
     """The step times of each backend of ``args.backends`` on one random ``name``-shaped model
-    (bf16 on CUDA, f32 on the CPU), through ``LLMEngine`` with CUDA graphs: plain decoding steps and
+    (bf16 on CUDA, f32 on the CPU), through ``LLMEngine`` (CUDA graphs on a GPU): plain decoding steps and
     DSpark rounds (a random drafter, scheduler off: every row verifies its whole block, the drafts
     rejected) for each batch size on the same prompts; each backend's tokens compared with the
     first backend's."""
@@ -317,15 +317,29 @@ def backends_markdown(report: dict) -> str:
     for shape in report["shapes"]:
         backends = list(dict.fromkeys(r["backend"] for r in shape["rows"]))
         ms = {(r["backend"], r["mode"], r["batch"]): r["step_ms"] for r in shape["rows"]}
+        ratios = [f"{b} / {backends[0]}" for b in backends[1:]]
         lines += [f"### {shape['shape']} ({shape['dtype']}, {report['device']}): ms per engine step", "",
-                  "| mode | B | " + " | ".join(backends) + " | " + " | ".join(f"{b} / {backends[0]}" for b in backends[1:])
-                  + " |", "|---" * (2 + 2 * len(backends) - 1) + "|"]
+                  "| mode | B | " + " | ".join(backends + ratios) + " |", "|---" * (2 + len(backends + ratios)) + "|"]
         for mode, batch in dict.fromkeys((r["mode"], r["batch"]) for r in shape["rows"]):
             times = [ms[(b, mode, batch)] for b in backends]
             lines.append(f"| {mode} | {batch} | " + " | ".join(map(str, times)) + " | "
                          + " | ".join(f"{t / times[0]:.2f}" for t in times[1:]) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def backends_report(args, shapes: list[str], out: Path, command: str) -> None:
+    """``run_backends`` for each shape into ``out / "backends.json"`` (rewritten after each shape),
+    then the tables on stdout."""
+    import transformers
+
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = dict(device=device, torch=torch.__version__, transformers=transformers.__version__, prompt=args.prompt,
+                  new=args.new, command=command, shapes=[])
+    for name in shapes:
+        report["shapes"].append(run_backends(name, args))
+        (out / "backends.json").write_text(json.dumps(report, indent=1))
+    print(backends_markdown(report))
 
 
 def markdown(report: dict) -> str:
@@ -395,7 +409,8 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dspark.bench.engine", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out", default="engine-bench", help="directory for engine.json / .md / .png")
+    parser.add_argument("--out", default="engine-bench",
+                        help="directory for engine.json / .md / .png (backends.json with --backends)")
     parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b",
                         help="comma-separated: " + ", ".join(SHAPES) + " (and tiny with --backends)")
     parser.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
@@ -429,15 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m dspark.bench.engine " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.backends is not None:
-        import transformers
-
-        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        report = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
-                      prompt=args.prompt, new=args.new, command=command, shapes=[])
-        for name in shapes:
-            report["shapes"].append(run_backends(name, args))
-            (out / "backends.json").write_text(json.dumps(report, indent=1))
-        print(backends_markdown(report))
+        backends_report(args, shapes, out, command)
         return 0
     ceiling = measure_copy_ceiling_gbps()
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_gbps=round(ceiling, 1),

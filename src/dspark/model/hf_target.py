@@ -229,7 +229,7 @@ def _eager_reason(model, config, dtype: torch.dtype) -> str | None:
     if dynamic:  # the frequencies are chosen by comparing the largest position on the host
         return f"{name}: RoPE type {dynamic[0]!r} picks its frequencies on the host from the positions"
     if any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
-        can_set = getattr(type(model), "_can_set_experts_implementation", None)  # the experts interface (transformers 5)
+        can_set = getattr(type(model), "_can_set_experts_implementation", None)  # transformers 5's experts interface
         experts = getattr(config, "_experts_implementation", None) if can_set is not None and can_set() else "eager"
         if experts == "grouped_mm" and dtype != torch.bfloat16:
             # torch's grouped GEMM is one kernel in bf16 only; other dtypes loop over offsets copied to the host
