@@ -159,9 +159,11 @@ def test_graphability_is_declared_from_the_config():
 
     assert all(HFTarget(_model(name)).graphable for name in FAMILIES if name != "qwen3-moe")
     moe = _model("qwen3-moe")
-    assert moe.config._experts_implementation == "grouped_mm"  # transformers' default where it can run
+    moe.config._experts_implementation = "grouped_mm"  # transformers 5's default where torch has the kernel
     assert "'grouped_mm' in torch.float32" in HFTarget(moe).eager_reason
-    assert HFTarget(_model("qwen3-moe").to(torch.bfloat16)).graphable  # one grouped GEMM kernel in bf16
+    assert HFTarget(moe.to(torch.bfloat16)).graphable  # one grouped GEMM kernel in bf16
+    moe.config._experts_implementation = "batched_mm"
+    assert HFTarget(moe).graphable
     moe.config._experts_implementation = "eager"
     assert "'eager' loops over the experts" in HFTarget(moe).eager_reason
     longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
