@@ -352,6 +352,7 @@ def test_cuda_bf16_mixture_of_experts_replays_graphs():
     """Qwen3-MoE in bf16 (transformers' grouped GEMM experts, one kernel): declared graphable, its
     graphs captured and replayed, the same tokens as the same engine without graphs."""
     model = _model("qwen3-moe").to("cuda", torch.bfloat16)
+    model.config._experts_implementation = "grouped_mm"  # transformers 5's default on this device
     eager = LLMEngine(model, None, EngineConfig(max_batch=3, cuda_graphs=False))
     expected = [r.token_ids for r in eager.generate([Request(p, NEW) for p in PROMPTS])]
     engine = LLMEngine(model, None, EngineConfig(max_batch=3))
