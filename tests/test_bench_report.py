@@ -1,10 +1,13 @@
-"""``dspark.bench.report``: markdown tables printed from a benchmark JSON (no GPU needed)."""
+"""``dspark.bench.report``: markdown tables printed from a benchmark JSON; ``dspark.bench.engine
+--backends`` on the CPU (no GPU needed)."""
 
 from __future__ import annotations
 
 import json
 
-from dspark.bench import report
+import pytest
+
+from dspark.bench import engine, report
 from dspark.bench.common import row
 
 
@@ -24,3 +27,21 @@ def test_tables_group_rows_by_kernel_with_their_ratios(tmp_path, capsys):
     assert report.main([str(path)]) == 0 and "### accept" in capsys.readouterr().out
     assert report.main([str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_the_backend_comparison_runs_on_the_cpu(tmp_path, capsys):
+    """``--backends fused,hf --device cpu --shapes tiny``: every backend, mode and batch size in
+    ``backends.json`` and the printed table, both backends' tokens the same (fp32); bad flags are
+    errors naming them."""
+    assert engine.main(["--backends", "fused,hf", "--device", "cpu", "--shapes", "tiny", "--batches", "2",
+                        "--prompt", "8", "--new", "4", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "backends.json").read_text())["shapes"][0]["rows"]
+    assert [(r["backend"], r["mode"], r["batch"]) for r in rows] == [
+        ("fused", "plain", 2), ("fused", "dspark", 2), ("hf", "plain", 2), ("hf", "dspark", 2)]
+    assert all(r["same_tokens_as_first"] == 2 and r["step_ms"] > 0 and not r["uncapturable"] for r in rows)
+    assert "| mode | B | fused | hf | hf / fused |" in capsys.readouterr().out
+    for flags, name in ((["--backends", "fused,vllm"], "--backends"), (["--device", "cpu"], "--device"),
+                        (["--shapes", "tiny"], "--shapes")):
+        with pytest.raises(SystemExit) as error:
+            engine.main(flags + ["--out", str(tmp_path)])
+        assert error.value.code == 2 and name in capsys.readouterr().err, name

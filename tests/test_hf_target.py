@@ -8,6 +8,12 @@ parallel residual), OLMo-2 (norms after attention and MLP), and sliding-window M
 built for them and with plain decoding: greedy output identical to ``generate()``, each request the
 same alone and in a batch, prompts chunked into running steps; a sampled request is the same alone
 and in a batch. Attention soft-capping is refused with an error naming it.
+
+CUDA graphs: the families whose transformers code synchronises the host are declared from the
+config; the others' forwards read no device value on the host (checked on the CPU op by op); a
+forward that fails inside a capture makes the target eager, any other failed capture that graph,
+with the same tokens (a simulated capture on the CPU, a forward calling ``.item()`` on CUDA); on
+CUDA every family with graphs on equals ``generate()``.
 """
 
 from types import SimpleNamespace
@@ -146,20 +152,210 @@ def test_unsupported_attention_is_refused_by_name():
         LLMEngine(model, None, EngineConfig(max_batch=2))
 
 
+def test_graphability_is_declared_from_the_config():
+    """Families whose transformers code synchronises the host say so up front (the runner then
+    never tries a capture): dynamic / LongRoPE frequencies, experts that loop on the host."""
+    import transformers as t
+
+    assert all(HFTarget(_model(name)).graphable for name in FAMILIES if name != "qwen3-moe")
+    moe = _model("qwen3-moe")
+    moe.config._experts_implementation = "grouped_mm"  # transformers 5's default where torch has the kernel
+    assert "'grouped_mm' in torch.float32" in HFTarget(moe).eager_reason
+    assert HFTarget(moe.to(torch.bfloat16)).graphable  # one grouped GEMM kernel in bf16
+    moe.config._experts_implementation = "batched_mm"
+    assert HFTarget(moe).graphable
+    moe.config._experts_implementation = "eager"
+    assert "'eager' loops over the experts" in HFTarget(moe).eager_reason
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    for kind, model in (("dynamic", t.MistralForCausalLM(t.MistralConfig(**COMMON, rope_parameters={
+                            "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))),
+                        ("longrope", t.Phi3ForCausalLM(t.Phi3Config(**COMMON, rope_parameters=longrope)))):
+        target = HFTarget(model)
+        assert not target.graphable and f"RoPE type '{kind}'" in target.eager_reason
+
+
+# a value read on the host, a shape from device values, a tensor made from host data (a copy in the graph)
+_SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
+          "unique_consecutive", "repeat_interleave", "lift_fresh", "lift_fresh_copy"}
+
+
+def test_the_forward_of_graphable_families_reads_nothing_on_the_host(monkeypatch):
+    """What a CUDA graph cannot hold, seen on the CPU: no op of a graphable family's forward (ours
+    and transformers', dspark's attention kernel aside) reads a device value on the host or sizes
+    a tensor from one, nor makes a tensor from host data -- a mixed two-request forward with
+    captures and selected logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    from dspark.model import hf_target
+    from dspark.model.llama import AttentionBatch
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            boolean_index = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+            if name in _SYNCS and "output_size" not in (kwargs or {}) or boolean_index:
+                self.ops.add(name)
+            return func(*args, **(kwargs or {}))
+
+    attention = hf_target.K.cached_attention
+
+    def kernel(*args, **kwargs):  # the CPU reference of dspark's kernel checks its inputs on the host
+        with _disable_current_modes():
+            return attention(*args, **kwargs)
+
+    monkeypatch.setattr(hf_target.K, "cached_attention", kernel)
+    for name in FAMILIES:
+        target = HFTarget(_model(name), [0, 2])
+        if not target.graphable:
+            continue
+        i32 = dict(dtype=torch.int32)
+        batch = AttentionBatch(torch.tensor([1, 2], **i32), torch.tensor([0, 3], **i32), torch.tensor([0, 3, 6], **i32),
+                               3)
+        inputs = (torch.arange(6), torch.arange(6, **i32), torch.tensor([1, 1, 1, 2, 2, 2], **i32), batch,
+                  target.new_cache(3, 16))
+        capture, rows, recorder = torch.empty(6, 64), torch.tensor([2, 5]), Recorder()
+        with recorder:
+            target.forward(*inputs, capture_out=capture, logits_rows=rows)
+        assert not recorder.ops, (name, recorder.ops)
+
+
+class _FakeGraphs:
+    """``torch.cuda``'s graph API on the CPU: a capture runs nothing (it records: the runner's
+    ``fn`` inside it is discarded) and leaves its capture stream current when it fails, as
+    ``torch.cuda.graph`` does when ``capture_end`` raises."""
+
+    def __init__(self, monkeypatch):
+        self.capturing, self.stream, self.captures = False, "main", 0
+        fakes = self
+
+        class Graph:
+            def pool(self):
+                return None
+
+            def replay(self):
+                raise AssertionError("no capture succeeded, so nothing replays")
+
+        class capture:
+            def __init__(self, graph, pool=None):
+                pass
+
+            def __enter__(self):
+                fakes.capturing, fakes.stream = True, "capture"
+                fakes.captures += 1
+
+            def __exit__(self, kind, *rest):
+                fakes.capturing = False
+                if kind is None:
+                    fakes.stream = "main"
+                return False
+
+        for attr, value in (("CUDAGraph", Graph), ("graph", capture), ("synchronize", lambda device=None: None),
+                            ("current_stream", lambda device=None: fakes.stream),
+                            ("set_stream", lambda stream: setattr(fakes, "stream", stream))):
+            monkeypatch.setattr(torch.cuda, attr, value)
+
+
+@pytest.mark.parametrize("noticed", [True, False], ids=["in-the-forward", "elsewhere"])
+def test_a_failed_capture_runs_eagerly_with_the_same_tokens(monkeypatch, noticed):
+    """A target forward that raises inside a capture (as transformers' code does when it reads a
+    device value) makes the target eager after that one capture (``eager_reason`` set, no graph
+    from then on); a capture that fails where the target cannot tell makes that graph eager. Either
+    way: the same tokens as ``generate()``, the model's own attention and hooks restored, the
+    capture stream given back."""
+    from dspark.model import hf_target
+
+    model = _model("mistral")
+    expected = [_generate(model, p, NEW) for p in PROMPTS]
+    fakes = _FakeGraphs(monkeypatch)
+    monkeypatch.setattr(hf_target, "_capturing", lambda device: noticed and fakes.capturing)
+
+    def sync_inside_capture(module, args):
+        if fakes.capturing:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    model.model.layers[1].register_forward_pre_hook(sync_inside_capture)
+    engine = LLMEngine(model, None, EngineConfig(max_batch=3, max_num_batched_tokens=3 * 5 + 4))
+    engine.runner.use_graphs = True
+    assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected
+    runner = engine.runner
+    assert fakes.captures == len(runner.uncapturable) and not runner.graphs
+    assert (len(runner.uncapturable) == 1) == noticed and runner.use_graphs != noticed
+    assert noticed == ("failed inside a CUDA graph capture (RuntimeError" in (engine.target.eager_reason or ""))
+    assert {key[0] for key in runner.uncapturable} <= {"decode", "mixed"} and fakes.stream == "main"
+    assert hf_target._STEP.get(None) is None and model.config._attn_implementation != hf_target.ATTENTION
+    assert [len(layer._forward_pre_hooks) for layer in model.model.layers] == [0, 1, 0, 0]
+
+
+def _cuda_expected(model):
+    """transformers' greedy ``generate()`` of every prompt on the GPU."""
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in PROMPTS]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["mistral-sliding", "gemma3-sliding", "qwen3-moe"])
-def test_cuda_greedy_equals_transformers_generate(name):
-    """On the GPU (fp32, the Triton kernels: sliding windows included): the same tokens as
-    transformers' ``generate()`` on the same device."""
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cuda_graphs_greedy_equals_transformers_generate(name):
+    """On the GPU (fp32, the Triton kernels: sliding windows included, CUDA graphs on): the same
+    tokens as transformers' ``generate()`` on the same device, with a draft and without; the
+    families declared graphable replay graphs and none failed its capture (fp32 Qwen3-MoE: eager,
+    declared)."""
     model = _model(name)
-    draft = _drafter(model).to("cuda")
-    model.to("cuda")
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW,
-                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                    for p in PROMPTS]
-    for draft in (draft, None):
+    drafter = _drafter(model).to("cuda")
+    expected = _cuda_expected(model.to("cuda"))
+    for draft in (drafter, None):
         engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_num_batched_tokens=3 * 5 + 4))
         assert engine.runner.device.type == "cuda"
         assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected, name
+        runner = engine.runner
+        assert engine.target.graphable == (name != "qwen3-moe"), engine.target.eager_reason
+        assert bool(runner.graphs) == engine.target.graphable and not runner.uncapturable, (name, runner.uncapturable)
+        if engine.target.graphable:
+            assert {key[0] for key in runner.graphs} >= ({"verify", "draft"} if draft is not None else {"decode"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_capture_that_synchronises_falls_back_eagerly():
+    """A forward that reads a device value on the host (``.item()``, as some transformers code
+    does) cannot be captured: after that one failed capture the target is eager (``eager_reason``)
+    and every step runs without graphs, with the same tokens as ``generate()``; the engine's
+    stream stays the default one."""
+    model = _model("mistral")
+    drafter = _drafter(model).to("cuda")
+    expected = _cuda_expected(model.to("cuda"))
+
+    def synchronise(module, args):
+        args[0].sum().item()
+
+    model.model.layers[1].register_forward_pre_hook(synchronise)
+    for draft in (drafter, None):
+        engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_num_batched_tokens=3 * 5 + 4))
+        assert engine.target.graphable
+        assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected
+        runner = engine.runner
+        assert len(runner.uncapturable) == 1 and not runner.use_graphs, runner.uncapturable
+        assert "failed inside a CUDA graph capture" in engine.target.eager_reason
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_mixture_of_experts_replays_graphs():
+    """Qwen3-MoE in bf16 (transformers' grouped GEMM experts, one kernel): declared graphable, its
+    graphs captured and replayed, the same tokens as the same engine without graphs."""
+    model = _model("qwen3-moe").to("cuda", torch.bfloat16)
+    model.config._experts_implementation = "grouped_mm"  # transformers 5's default on this device
+    eager = LLMEngine(model, None, EngineConfig(max_batch=3, cuda_graphs=False))
+    expected = [r.token_ids for r in eager.generate([Request(p, NEW) for p in PROMPTS])]
+    engine = LLMEngine(model, None, EngineConfig(max_batch=3))
+    assert engine.target.graphable, engine.target.eager_reason
+    assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected
+    assert engine.runner.graphs and not engine.runner.uncapturable, engine.runner.uncapturable

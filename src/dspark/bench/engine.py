@@ -16,6 +16,12 @@ request, batch sizes ``--batches``. Per shape and batch size, side by side:
   accept) and the host's share of the step.
 
 Writes ``engine.json``, ``engine.md`` (tables) and ``engine.png`` (tok/s against batch size).
+
+``--backends fused,hf`` runs instead the target backends side by side (``run_backends``): one random
+model per shape, wrapped as ``TargetLM`` (fused) and as ``HFTarget`` (transformers' own modeling
+code) on the same weights, each through ``LLMEngine`` with CUDA graphs: the median step of plain
+decoding and of DSpark rounds (a random drafter, every row verifying its whole block) per batch
+size, into ``backends.json``. ``--device cpu --shapes tiny`` runs the same on the CPU (fp32).
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ SHAPES = {  # Qwen3 model shapes (config.json of the public models)
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, capture=[1, 9, 17, 25, 33]),
 }
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=False, capture=[0, 1], vocab=1024)  # --backends on the CPU: the plumbing
+BACKENDS = ("fused", "hf")  # TargetLM, HFTarget
 VOCAB = 151936
 
 
@@ -45,7 +54,7 @@ def random_target(shape: dict, seed: int = 0, *, vocab: int = VOCAB, device="cud
     """A random-weight Qwen3ForCausalLM (std 0.02, as HF initialises; bf16 on the GPU by default)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    settings = {k: v for k, v in shape.items() if k != "capture"}
+    settings = {k: v for k, v in shape.items() if k not in ("capture", "vocab")}
     config = Qwen3Config(vocab_size=vocab, max_position_embeddings=40960, rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                          bos_token_id=None, eos_token_id=None, pad_token_id=None, **settings)
@@ -252,6 +261,84 @@ def run_shape(name: str, args, ceiling_gbps: float) -> dict:
     return report
 
 
+def backend_target(backend: str, model):
+    """``model`` (a Qwen3ForCausalLM) as the engine's target: ``TargetLM`` (fused) or ``HFTarget``
+    (its transformers modeling code), sharing its weights."""
+    from ..model.hf_target import HFTarget
+    from ..model.llama import TargetLM
+
+    return TargetLM.from_hf_model(model) if backend == "fused" else HFTarget(model)
+
+
+def run_backends(name: str, args) -> dict:
+    """The step times of each backend of ``args.backends`` on one random ``name``-shaped model
+    (bf16 on CUDA, f32 on the CPU), through ``LLMEngine`` (CUDA graphs on a GPU): plain decoding steps and
+    DSpark rounds (a random drafter, scheduler off: every row verifies its whole block, the drafts
+    rejected) for each batch size on the same prompts; each backend's tokens compared with the
+    first backend's."""
+    from ..engine import EngineConfig, LLMEngine
+
+    shape, device = {**SHAPES, "tiny": TINY}[name], torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    vocab = shape.get("vocab", VOCAB)
+    model = random_target(shape, vocab=vocab, device=device, dtype=dtype)
+    drafter = random_drafter(model, shape)
+    generator = torch.Generator().manual_seed(0)
+    prompts = {b: [torch.randint(0, vocab - 1, (args.prompt,), generator=generator).tolist() for _ in range(b)]
+               for b in args.batches}
+    config = EngineConfig(max_batch=max(args.batches), max_model_len=args.prompt + args.new + 16)
+    rows, first = [], {}
+    for backend in args.backends:
+        target = backend_target(backend, model)
+        for mode, draft in (("plain", None), ("dspark", drafter)):
+            engine = LLMEngine(target, draft, config)
+            for b in args.batches:
+                result = engine_run(engine, prompts[b], args.new)
+                outputs = result.pop("outputs")
+                reference = first.setdefault((mode, b), outputs)
+                rows.append(dict(backend=backend, mode=mode, batch=b, **result,
+                                 same_tokens_as_first=sum(o == r for o, r in zip(outputs, reference)),
+                                 cuda_graphs=engine.runner.use_graphs,
+                                 uncapturable=sorted(str(k) for k in engine.runner.uncapturable)))
+                print(name, rows[-1], flush=True)
+            del engine  # its caches before the next engine's
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return dict(shape=name, dtype=str(dtype).replace("torch.", ""), rows=rows)
+
+
+def backends_markdown(report: dict) -> str:
+    """One table per shape of ``run_backends``' rows: step ms of each backend per mode and batch
+    size, and each backend's ratio to the first."""
+    lines = []
+    for shape in report["shapes"]:
+        backends = list(dict.fromkeys(r["backend"] for r in shape["rows"]))
+        ms = {(r["backend"], r["mode"], r["batch"]): r["step_ms"] for r in shape["rows"]}
+        ratios = [f"{b} / {backends[0]}" for b in backends[1:]]
+        lines += [f"### {shape['shape']} ({shape['dtype']}, {report['device']}): ms per engine step", "",
+                  "| mode | B | " + " | ".join(backends + ratios) + " |", "|---" * (2 + len(backends + ratios)) + "|"]
+        for mode, batch in dict.fromkeys((r["mode"], r["batch"]) for r in shape["rows"]):
+            times = [ms[(b, mode, batch)] for b in backends]
+            lines.append(f"| {mode} | {batch} | " + " | ".join(map(str, times)) + " | "
+                         + " | ".join(f"{t / times[0]:.2f}" for t in times[1:]) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def backends_report(args, shapes: list[str], out: Path, command: str) -> None:
+    """``run_backends`` for each shape into ``out / "backends.json"`` (rewritten after each shape),
+    then the tables on stdout."""
+    import transformers
+
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = dict(device=device, torch=torch.__version__, transformers=transformers.__version__, prompt=args.prompt,
+                  new=args.new, command=command, shapes=[])
+    for name in shapes:
+        report["shapes"].append(run_backends(name, args))
+        (out / "backends.json").write_text(json.dumps(report, indent=1))
+    print(backends_markdown(report))
+
+
 def markdown(report: dict) -> str:
     lines = [f"Device: {report['device']}, copy ceiling {report['copy_ceiling_gbps']:.0f} GB/s; prompt "
              f"{report['prompt']}, {report['new']} new tokens, bf16, random weights.", ""]
@@ -319,28 +406,47 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dspark.bench.engine", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out", default="engine-bench", help="directory for engine.json / .md / .png")
-    parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--out", default="engine-bench",
+                        help="directory for engine.json / .md / .png (backends.json with --backends)")
+    parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b",
+                        help="comma-separated: " + ", ".join(SHAPES) + " (and tiny with --backends)")
     parser.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=256, help="new tokens per request")
     parser.add_argument("--acceptance", type=float, default=0.8, help="per-position acceptance of the controlled drafter")
     parser.add_argument("--hf", default="eager,compiled", help="Hugging Face baselines to run (eager, compiled, none)")
     parser.add_argument("--hf-compiled-batches", default="1,8,32,64", help="batch sizes of the compiled baseline")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated target backends (fused: TargetLM, hf: HFTarget) to time side by side "
+                             "instead of the full benchmark; writes backends.json")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu with --backends (e.g. --shapes tiny)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("python -m dspark.bench.engine: needs a CUDA device", file=sys.stderr)
+    shapes = args.shapes.split(",")
+    if any(name not in SHAPES and (name != "tiny" or args.backends is None) for name in shapes):
+        parser.error(f"--shapes takes {', '.join(SHAPES)} (and tiny with --backends), got {args.shapes!r}")
+    if args.backends is not None:
+        args.backends = args.backends.split(",")
+        if not args.backends or any(b not in BACKENDS for b in args.backends):
+            parser.error(f"--backends takes a comma-separated subset of {', '.join(BACKENDS)}, got {args.backends!r}")
+    if args.device not in ("cuda", "cpu") or args.device == "cpu" and args.backends is None:
+        parser.error(f"--device must be cuda, or cpu with --backends, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("python -m dspark.bench.engine: needs a CUDA device (--device cpu with --backends runs on the CPU)",
+              file=sys.stderr)
         return 2
     args.batches = [int(b) for b in args.batches.split(",")]
     args.hf_compiled_batches = [int(b) for b in args.hf_compiled_batches.split(",")]
     args.hf = args.hf.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    command = "python -m dspark.bench.engine " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.backends is not None:
+        backends_report(args, shapes, out, command)
+        return 0
     ceiling = measure_copy_ceiling_gbps()
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_gbps=round(ceiling, 1),
-                  prompt=args.prompt, new=args.new, acceptance=args.acceptance, command="python -m dspark.bench.engine "
-                  + " ".join(argv if argv is not None else sys.argv[1:]), shapes=[])
-    for name in args.shapes.split(","):
+                  prompt=args.prompt, new=args.new, acceptance=args.acceptance, command=command, shapes=[])
+    for name in shapes:
         report["shapes"].append(run_shape(name, args, ceiling))
         (out / "engine.json").write_text(json.dumps(report, indent=1))
     (out / "engine.md").write_text(markdown(report))

@@ -321,12 +321,17 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             restore()
             graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.current_stream(self.device)
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
                     fn()
             except Exception:  # noqa: BLE001 -- a capture records, it runs nothing: run it eagerly from now on
+                # a failed capture_end leaves torch.cuda.graph's capture stream current: step back to ours
+                torch.cuda.set_stream(stream)
                 log.warning("the CUDA graph %s could not be captured; it runs eagerly", key, exc_info=True)
                 self.uncapturable.add(key)
+                # a target whose forward failed inside the capture says so (HFTarget): no more captures
+                self.use_graphs = getattr(self.target, "graphable", True)
                 fn()
                 return
             self.pool = graph.pool()

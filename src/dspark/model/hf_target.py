@@ -12,11 +12,20 @@ for the rows asked for (``logits_to_keep``).
 Sliding-window layers mask per query (the window the modeling code passes). Attention variants
 the ragged op cannot express exactly are refused with an error naming them: attention-logit
 soft-capping, chunked attention, attention sinks, non-causal layers.
+
+The forward is capturable in a CUDA graph (static shapes per call, no host synchronisation in
+dspark's part; transformers builds no mask for the ragged attention) unless the model's own code
+synchronises the host: ``HFTarget.eager_reason`` names the cases known from the config (dynamic and
+LongRoPE frequencies, mixture-of-experts loops), and the runner runs those eagerly. A forward that
+fails inside a capture sets it too: the runner runs that step and every later one eagerly
+(``ModelRunner._replay``), after one failed capture.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +37,7 @@ from ..kernels._validate import Checker
 from .llama import AttentionBatch, CachedTarget, KVCache
 
 __all__ = ["ATTENTION", "HFTarget"]
+log = logging.getLogger("dspark.engine")
 
 ATTENTION = "dspark_ragged"
 
@@ -63,19 +73,13 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling=None, d
     return out[None].to(query.dtype), None
 
 
-def _no_mask(*args, **kwargs):
-    return None  # the ragged op masks by position: transformers need not build one
-
-
 def _register() -> None:
+    """Register the ragged attention -- and no mask function: transformers skips building a mask
+    for an implementation its mask interface does not know (the ragged op masks by position),
+    and with it the packed-sequence check on ``position_ids``, a host synchronisation."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _ragged_attention)
-    try:
-        from transformers.masking_utils import AttentionMaskInterface
-    except ImportError:  # transformers 4.x before the mask interface: masks are built, then ignored
-        return
-    AttentionMaskInterface.register(ATTENTION, _no_mask)
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,9 @@ class _HFShape:
 
 class HFTarget(CachedTarget):
     """A loaded Hugging Face causal LM behind ``TargetLM``'s runner contract (``forward``,
-    ``new_cache``, ``shape``, ``device``, ``dtype``, ``vocab_size``, ``config``); eager only
-    (``graphable`` False: modeling code may synchronise the host)."""
-
-    graphable = False
+    ``new_cache``, ``shape``, ``device``, ``dtype``, ``vocab_size``, ``config``, ``graphable``).
+    ``eager_reason``: why the model's modeling code cannot run in a CUDA graph (None: it can) --
+    known from the config, or set when the forward failed inside a capture."""
 
     def __init__(self, model: torch.nn.Module, capture_layer_ids: Sequence[int] = ()):
         c = Checker("HFTarget")
@@ -109,6 +112,9 @@ class HFTarget(CachedTarget):
             max_positions=int(getattr(config, "max_position_embeddings", 0) or 0) or 4096)
         self.capture_layer_ids = [c.integer("capture_layer_ids[]", i, low=0, high=self.shape.num_layers - 1)
                                   for i in capture_layer_ids]
+        self.eager_reason = _eager_reason(model, config, self.dtype)
+        if self.eager_reason is not None:
+            _log_eager(self.eager_reason)
         _register()
 
     @classmethod
@@ -118,6 +124,11 @@ class HFTarget(CachedTarget):
 
         model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype or "auto", use_safetensors=True)
         return cls(model.to(device or "cpu"), capture_layer_ids)
+
+    @property
+    def graphable(self) -> bool:
+        """Whether the runner may capture this target's forwards in CUDA graphs."""
+        return self.eager_reason is None
 
     @property
     def device(self) -> torch.device:
@@ -151,6 +162,12 @@ class HFTarget(CachedTarget):
             keep = 0 if logits_rows is None else logits_rows.long()
             out = self.model(input_ids=input_ids.long()[None], position_ids=positions.long()[None], use_cache=False,
                              logits_to_keep=keep)
+        except Exception as exc:
+            if _capturing(self.device):  # the modeling code read a device value on the host: no graph will hold it
+                self.eager_reason = (f"{type(self.model).__name__}'s forward failed inside a CUDA graph capture "
+                                     f"({type(exc).__name__}: {str(exc)[:200]})")
+                _log_eager(self.eager_reason)
+            raise
         finally:
             for c, name in zip(configs, previous):
                 c._attn_implementation = name
@@ -201,3 +218,41 @@ def _check_attention(c: Checker, config, layers) -> None:
             c.fail(f"{name}: layer {i} attention is not causal")
         if getattr(attention, "sinks", None) is not None:
             c.fail(f"{name}: attention sinks (layer {i}) are not supported by the Hugging Face backend")
+
+
+def _eager_reason(model, config, dtype: torch.dtype) -> str | None:
+    """Why transformers' forward of ``model`` (weights in ``dtype``) cannot be captured in a CUDA
+    graph -- a host synchronisation or a shape read from device values, known from the config --
+    or None."""
+    name = type(config).__name__
+    dynamic = sorted(t for t in _rope_types(config) if "dynamic" in t or t == "longrope")
+    if dynamic:  # the frequencies are chosen by comparing the largest position on the host
+        return f"{name}: RoPE type {dynamic[0]!r} picks its frequencies on the host from the positions"
+    if any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        can_set = getattr(type(model), "_can_set_experts_implementation", None)  # transformers 5's experts interface
+        experts = getattr(config, "_experts_implementation", None) if can_set is not None and can_set() else "eager"
+        if experts == "grouped_mm" and dtype != torch.bfloat16:
+            # torch's grouped GEMM is one kernel in bf16 only; other dtypes loop over offsets copied to the host
+            return f"{name}: experts_implementation 'grouped_mm' in {dtype} loops over the experts on the host"
+        if experts not in ("grouped_mm", "batched_mm"):
+            return f"{name}: experts_implementation {experts!r} loops over the experts each batch hits"
+    return None
+
+
+def _rope_types(config) -> set[str]:
+    """The RoPE types of ``config``: ``rope_parameters`` (one set, or one per layer type) or the
+    older ``rope_scaling``; ``{"default"}`` when it has none."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    sets = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    return {str(p.get("rope_type", p.get("type", "default"))) for p in sets}
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph capture is under way on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _log_eager(reason: str) -> None:
+    """Say once per reason (targets are re-wrapped per engine) that a target runs without CUDA graphs."""
+    log.info("the Hugging Face target runs without CUDA graphs: %s", reason)
