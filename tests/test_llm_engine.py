@@ -301,20 +301,29 @@ def test_batched_sampled_tokens_follow_the_target_distribution():
     assert_first_tokens_follow_the_target(out, target, prompt, top_k)
 
 
-def test_cost_scheduler_trims_verification_when_tokens_are_expensive(target, greedy):
+def test_cost_scheduler_trims_verification_and_falls_back_to_plain_rounds(target, greedy):
     """Algorithm 1 across the batch: with a cost table where every verify token is expensive the
-    engine verifies fewer drafts than with a flat one; greedy output stays exact either way."""
+    engine verifies fewer drafts than with a flat one; where no draft pays for its verify and draft
+    pass it decodes plainly (rounds verifying no draft, without the draft pass), drafting again
+    every ``REDRAFT_STEPS`` plain rounds; greedy output stays exact every way."""
+    from dspark.engine.llm_engine import REDRAFT_STEPS
     from dspark.engine.schedulers import SPSCostTable
 
     draft = random_draft(tiny_draft_config(target.config), 0, target)
     verified = {}
-    for name, table in (("flat", SPSCostTable((1, 64), (1.0, 1.0))), ("steep", SPSCostTable((1, 64), (1.0, 64.0)))):
+    tables = {"flat": SPSCostTable((1, 64), (1.0, 1.0)), "steep": SPSCostTable((1, 64), (1.0, 64.0)),
+              "drafting never pays": SPSCostTable((1, 64), (1.0, 64.0), draft_rows=(1,), draft_time_ms=(50.0,))}
+    for name, table in tables.items():
         engine = LLMEngine(target, draft, EngineConfig(max_batch=4, scheduler="cost", cost_table=table))
         results = engine.generate([Request(p, NEW) for p in PROMPTS])
-        assert [r.token_ids for r in results] == greedy
+        assert [r.token_ids for r in results] == greedy, name
         verified[name] = [s for r in results for s in r.stats.scheduled_lengths]
-        assert all(1 <= s <= engine.num_drafts for s in verified[name])
+        assert all(0 <= s <= engine.num_drafts for s in verified[name])
+    assert min(verified["flat"]) >= 1  # drafting pays: every round verifies drafts
     assert sum(verified["steep"]) / len(verified["steep"]) < sum(verified["flat"]) / len(verified["flat"])
+    plain = verified["drafting never pays"].count(0)
+    # after a prompt's step (which drafts) every round is plain but one in REDRAFT_STEPS + 1
+    assert plain >= len(verified["drafting never pays"]) * REDRAFT_STEPS / (REDRAFT_STEPS + 1) - len(PROMPTS)
     with pytest.raises(ValueError, match="scheduler 'cost' needs cost_table"):
         EngineConfig(scheduler="cost")
 

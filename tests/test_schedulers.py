@@ -183,5 +183,25 @@ def test_batch_schedule_keeps_a_trim_only_when_it_pays():
     assert min(batch_schedule(np.array([[0.99, 0.99, 0.99], [0.01, 0.01, 0.01]]), steep, 0.0)) == 1
 
 
+def test_drafting_pays_compares_the_best_round_with_plain_decoding():
+    """The cost scheduler's fallback: draft the next round only when the round Algorithm 1 would run
+    (verify, draft pass, host time) is predicted to beat a plain round (one token per row) by the margin."""
+    import numpy as np
+
+    from dspark.engine.schedulers import drafting_pays
+
+    table = SPSCostTable((1, 64, 128, 512), (5.0, 6.0, 7.0, 15.0), draft_rows=(1, 64), draft_time_ms=(0.3, 1.0))
+    sure, unsure = np.full((64, 7), 0.9), np.full((64, 7), 0.05)
+    assert drafting_pays(sure, table, 0.04)
+    assert not drafting_pays(unsure, table, 0.04)  # ~1.05 tokens a row for a dearer round
+    assert not drafting_pays(unsure[:1], table, 0.04)
+    # 5.69 expected tokens a row: 364 over 36 ms beats 64 over 7 ms; a slower host per round turns it
+    assert drafting_pays(sure, table, 0.04, (20.0, 1.0))
+    assert not drafting_pays(sure, table, 0.04, (40.0, 1.0))
+    # the margin: a round 3 % better than plain does not pay at 4 %
+    one = SPSCostTable((1, 2), (1.0, 1.0))
+    assert drafting_pays(np.array([[0.03]]), one, 0.0) and not drafting_pays(np.array([[0.03]]), one, 0.04)
+
+
 def prefix_schedule_lengths(conf, table):
     return [max(1, n) for n in prefix_schedule(torch.tensor(conf), table)]

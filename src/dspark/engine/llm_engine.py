@@ -30,7 +30,7 @@ from ..kernels.tree import MAX_TREE_NODES, MAX_TREE_TOP_K
 from ..model.hf_target import HFTarget
 from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
 from .drafting import SCHEDULERS, Drafter
-from .schedulers import SPSCostTable, batch_schedule
+from .schedulers import SPSCostTable, batch_schedule, drafting_pays
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk, TreeSettings
 
@@ -42,6 +42,8 @@ DEFAULT_MAX_MODEL_LEN = 4096
 ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows first, prompt chunks after
 MIXED_STRIKES = 2  # failed mixed steps a request may sit in (its chunk alone passing) before it is failed
+REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
+HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
 
 
 @dataclass
@@ -165,6 +167,10 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self._launched: tuple | None = None  # (outputs so far, rows) of a round between launch and finish
+        self._drafted = True  # whether the running rows hold drafts (the last step drafted them)
+        self._plain_rounds = 0  # plain rounds in a row (the cost scheduler's fallback)
+        self._host_ms = [0.0, 0.0]  # average host time of a drafting round and of a plain one (measured)
+        self._step_host = 0.0
         self.metrics = EngineMetrics(self.runner.num_drafts)
         self.cost_table = config.cost_table
         self._plain: LLMEngine | None = None
@@ -249,20 +255,23 @@ class LLMEngine:
         start, outputs = time.perf_counter(), []
         self._admit()
         rows = len(self.running)
-        lens = self._verify_lens() if rows and self.runner.drafter is not None else None
+        lens = self._verify_lens() if rows and self.runner.drafter is not None and self._drafted else None
         plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
-        joined = self._run_step(rows, lens, plan, outputs)
-        self._launched = (outputs, len(self.running) - len(joined), joined)
+        joined = self._run_step(rows, lens, plan, outputs, self._drafting_pays())
+        self._launched = (outputs, len(self.running) - len(joined), joined, self.runner.drafted)
         elapsed = time.perf_counter() - start
         self.metrics.step_time += elapsed
         self.metrics.host_time += elapsed
+        self._step_host = elapsed
 
-    def _run_step(self, rows: int, lens, plan: list[tuple[Sequence, PrefillChunk]], outputs) -> list[Sequence]:
-        """Launch the step; returns the requests whose prompt ended (now running, last rows). A
-        failed forward with chunks is retried without them, and each chunk is probed alone: a
-        request whose own tokens fail ends with ``"error"``, the others run again next step."""
+    def _run_step(self, rows: int, lens, plan: list[tuple[Sequence, PrefillChunk]], outputs,
+                  draft: bool = True) -> list[Sequence]:
+        """Launch the step (``lens`` None: a plain round; ``draft``: whether it drafts the next);
+        returns the requests whose prompt ended (now running, last rows). A failed forward with
+        chunks is retried without them, and each chunk is probed alone: a request whose own tokens
+        fail ends with ``"error"``, the others run again next step."""
         launch = self.runner.launch_decode if self.runner.drafter is None else \
-            (lambda r, chunks: self.runner.launch_round(r, lens, chunks))
+            (lambda r, chunks: self.runner.launch_round(r, lens, chunks, draft))
         chunks = [chunk for _, chunk in plan]
         if not rows and not chunks:
             return []
@@ -312,7 +321,7 @@ class LLMEngine:
         if self._launched is None:
             Checker("finish").fail("finish() without launch()")
         start = time.perf_counter()
-        (outputs, rows, joined), self._launched = self._launched, None
+        (outputs, rows, joined, drafted), self._launched = self._launched, None
         waited = 0.0
         if rows or joined:
             try:
@@ -321,12 +330,35 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001
                 self._fail_round(exc, outputs)
             else:
-                self._commit(readout, outputs, {seq.request_id for seq in joined})
+                self._commit(readout, outputs, {seq.request_id for seq in joined}, drafted)
         elapsed = time.perf_counter() - start
         self.metrics.step_time += elapsed
         self.metrics.host_time += elapsed - waited
         self.metrics.steps += 1
+        self._count_round(drafted, self._step_host + elapsed - waited)
         return outputs
+
+    def _count_round(self, drafted: bool, host_s: float) -> None:
+        """After a step: whether the rows hold drafts, the run of plain rounds, and (on a GPU) the
+        average host time of the step's kind (drafting or plain) that the cost scheduler prices."""
+        self._drafted = drafted
+        self._plain_rounds = 0 if drafted else self._plain_rounds + 1
+        if self.runner.device.type != "cuda":  # no device apart from the host: the table prices the compute
+            return
+        kind = 0 if drafted else 1
+        average = self._host_ms[kind]
+        self._host_ms[kind] = 1000 * host_s if not average else (1 - HOST_EMA) * average + HOST_EMA * 1000 * host_s
+
+    def _drafting_pays(self) -> bool:
+        """Whether this step drafts the next round: always, except under the ``cost`` scheduler when
+        no round Algorithm 1 would run on the rows' latest confidences is predicted to beat plain
+        decoding (``drafting_pays``: verify, draft pass and measured host times) -- then the engine
+        decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the confidences."""
+        if (self.runner.drafter is None or self.config.scheduler != "cost" or not self.running
+                or self._plain_rounds >= REDRAFT_STEPS):
+            return True
+        confidence = np.stack([seq.confidence.numpy() for seq in self.running])
+        return drafting_pays(confidence, self.cost_table, self.config.min_predicted_gain, tuple(self._host_ms))
 
     def _verify_lens(self) -> list[int]:
         """Verify tokens per running row (drafts + 1): the drafter's scheduled length, or Algorithm 1
@@ -348,7 +380,7 @@ class LLMEngine:
         """The paper's Algorithm 1 across the batch on the rows' (STS-calibrated) confidences and the
         profiled cost table (``batch_schedule``: at least one draft per row, TensorRT-LLM's rule)."""
         confidence = np.stack([seq.confidence.numpy() for seq in self.running])
-        return batch_schedule(confidence, self.cost_table, self.config.min_predicted_gain)
+        return batch_schedule(confidence, self.cost_table, self.config.min_predicted_gain, self._host_ms[0])
 
     def _admit(self) -> None:
         """Give waiting requests a cache slot while rows are free (their prompts then run in chunks)."""
@@ -374,8 +406,9 @@ class LLMEngine:
             budget -= n
         return plan
 
-    def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput], joined: set[int]) -> None:
-        """Commit each row's tokens (``joined``: requests whose first token this is)."""
+    def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput], joined: set[int], drafted: bool) -> None:
+        """Commit each row's tokens (``joined``: requests whose first token this is; ``drafted``:
+        the step drafted every row's next round, whose proposal and confidences it read out)."""
         t, now = self.runner.verify_len, time.perf_counter()
         confidence = readout[:, t + 3:].view(torch.float32)
         running, kept_of = list(self.running), []  # a failure below retires rows: keep this round's order
@@ -383,7 +416,7 @@ class LLMEngine:
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], self.max_model_len)
             kept_of.append(kept)
-            if self.runner.drafter is not None:  # the proposal of the next round
+            if self.runner.drafter is not None and drafted:  # the proposal of the next round
                 seq.next_length, seq.confidence = row[t + 2], conf
             if seq.request_id in joined:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at

@@ -19,10 +19,13 @@ Prompts are run in chunks inside the same step (``PrefillChunk``: extra requests
 forward, after the running rows' verify or decode tokens, each group with its own attention
 launch); a request whose prompt ends in a step takes the next row, gets its first token from the
 prompt's last logits and is drafted by that step's draft pass with the others -- nothing is
-re-drafted on admission. A step with chunks runs eagerly (the Triton kernels; prompt lengths vary),
-one without replays the graphs.
+re-drafted on admission. Steps with chunks replay graphs too (chunk tokens padded to power-of-two
+buckets, staged at fixed addresses: ``ChunkBuffers``), captured on first use.
 
-Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. All
+Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. A
+DSpark runner can run plain rounds too (``launch_round(rows, None, ...)``: the cost scheduler's
+choice when no draft is predicted to pay): the target's token per row, the draft context kept up,
+the draft pass skipped until a round drafts again. All
 randomness is request-stable (``K.request_uniforms``, keyed by the request's seed and the round's
 anchor position), so a request's tokens do not depend on its batch. Sampling settings live in
 per-row tensors (``RowSampling``: temperature, top-k, top-p), so a batch of any mix of settings
@@ -171,6 +174,7 @@ class ModelRunner:
         self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
         self.pool = None
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
+        self.drafted = True  # whether the last launched step drafted its rows' next round
 
         i32 = dict(dtype=torch.int32, device=dev)
         b, p, t = max_batch, self.num_drafts, self.verify_len
@@ -247,11 +251,20 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def launch_round(self, rows: int, verify_lens: list[int], chunks: list[PrefillChunk] = ()) -> None:
+    def launch_round(self, rows: int, verify_lens: list[int] | None, chunks: list[PrefillChunk] = (),
+                     draft: bool = True) -> None:
         """Start one speculative round for the first ``rows`` rows (no wait; ``read`` collects it):
-        row i verifies ``verify_lens[i] - 1`` drafts (1 .. P); ``chunks`` run in the same forward,
-        and those that end their prompt join at rows ``rows, rows + 1, ...`` (read them too)."""
-        b, verify_lens = (self.bucket(rows) if rows else 0), list(verify_lens or [])
+        row i verifies ``verify_lens[i] - 1`` drafts (1 .. P), or, with ``verify_lens`` None, none
+        (a plain round: one token per row from the target, as plain decoding). ``chunks`` run in the
+        same forward, and those that end their prompt join at rows ``rows, rows + 1, ...`` (read
+        them too). ``draft``: whether the round drafts the next one (block, Markov chain,
+        confidences); without it only the draft context advances and the next round is plain. A
+        step with chunks always drafts. ``self.drafted`` says whether this step did."""
+        self.drafted = draft or bool(chunks)
+        if verify_lens is None:
+            self._launch_plain(rows, chunks)
+            return
+        b, verify_lens = (self.bucket(rows) if rows else 0), list(verify_lens)
         lens = self.host_lens
         lens.fill_(1)  # padding rows verify their anchor only
         lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
@@ -264,7 +277,26 @@ class ModelRunner:
             return
         sampled = self._sampled(rows)
         self._replay(("verify", b, num_tokens, sampled), lambda: self._verify_rows(b, num_tokens, sampled))
-        self._draft(b, sampled)
+        self._draft_or_context(b, sampled)
+
+    def _launch_plain(self, rows: int, chunks: list[PrefillChunk]) -> None:
+        """A plain round of a DSpark runner: the target's token per row, the anchors' captured
+        states kept for the draft context, then the draft pass (full, or the context only)."""
+        b = self.bucket(rows) if rows else 0
+        if chunks:
+            self._mixed_step(b, rows, None, chunks)
+            return
+        sampled = self._sampled(rows)
+        self._replay(("plain", b, sampled), lambda: self._decode_rows(b, sampled))
+        self._draft_or_context(b, sampled)
+
+    def _draft_or_context(self, b: int, sampled: bool) -> None:
+        """The round's draft pass when it drafts the next round (``self.drafted``), else only the
+        draft context of its verify."""
+        if self.drafted:
+            self._draft(b, sampled)
+        else:
+            self._replay(("context", b), lambda: self._context_rows(b))
 
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
@@ -360,14 +392,24 @@ class ModelRunner:
         return AttentionBatch(s.slot_ids[:b], s.anchor_pos[:b], self.cu[query_len][: b + 1], query_len)
 
     def _decode_rows(self, b: int, sampled: bool) -> None:
+        """One target token per row (plain decoding; a DSpark runner's plain round keeps the anchors'
+        captured states, the next draft context)."""
         s = self.state
+        capture = None
+        if self.drafter is not None:
+            capture = torch.empty(b, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
         logits = self.target.forward(s.anchor[:b].long(), s.anchor_pos[:b], s.slot_ids[:b],
-                                     self._attention_batch(b, 1), self.cache)
-        self._decode_commit(b, logits, sampled)
+                                     self._attention_batch(b, 1), self.cache, capture_out=capture)
+        self._decode_commit(b, logits, sampled, capture)
 
-    def _decode_commit(self, b: int, logits, sampled: bool) -> None:
-        s = self.state
-        self.logit_rows[:b].copy_(logits)
+    def _decode_commit(self, b: int, logits, sampled: bool, capture=None) -> None:
+        """Commit one token per row from the logits ``[b, V]`` of the anchors (and, in a DSpark
+        runner, their captured states ``[b, width]``: verify token 0 of a round that verified none)."""
+        s, t = self.state, self.verify_len
+        self.logit_rows[: b * t].view(b, t, -1)[:, 0] = logits
+        if capture is not None:
+            s.capture[:b, 0] = capture
+            self.readout[:b, t + 1] = 0  # drafts verified
         s.accepted[:b, 0] = _sample_rows(logits, s.sampling(b) if sampled else None, s.seeds[:b], s.anchor_pos[:b],
                                          self.workspace)
         s.accept_length[:b] = 1
@@ -501,10 +543,16 @@ class ModelRunner:
         s.anchor[:b] = s.accepted[:b].gather(1, (n - 1).long()[:, None]).squeeze(1)
         s.anchor_pos[:b] += n * s.active[:b]  # padding rows stay at position 0
 
-    def _draft_rows(self, b: int, sampled: bool) -> None:
-        s, t, p = self.state, self.verify_len, self.num_drafts
+    def _context_rows(self, b: int) -> None:
+        """The draft context of the last verify: each row's captured states at their positions
+        (those past the accepted prefix lie beyond the anchor, unseen, and are rewritten later)."""
+        s, t = self.state, self.verify_len
         positions = (s.ctx_pos[:b, None] + self.offsets[:t]).view(-1)
         self.draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
+
+    def _draft_rows(self, b: int, sampled: bool) -> None:
+        s, t, p = self.state, self.verify_len, self.num_drafts
+        self._context_rows(b)
         hidden = self.draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
         logits = self.drafter.model.backbone_logits(hidden)
         sampling = uniforms = None  # greedy; a tree grows from the greedy chain's depth rows whatever the settings
@@ -585,7 +633,7 @@ class ModelRunner:
         if b and num_tokens is not None:
             self._verify_commit(b, flat, capture[:split], logits[:split], sampled)
         elif b:
-            self._decode_commit(b, logits[:split], sampled)
+            self._decode_commit(b, logits[:split], sampled, None if capture is None else capture[:split])
         if self.draft is not None:
             self.draft.context(capture[split:], positions[split:], slots[split:])
         self._seat(logits[split:], sampled)
