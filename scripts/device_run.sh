@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
 # steps named on the command line, each with its own time limit, logs under $OUT.
-#   scripts/device_run.sh STEP...   steps: tests, breakdown, mixed, frontier, train, hf
+#   scripts/device_run.sh STEP...   steps: tests, backends, breakdown, mixed, frontier
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -11,10 +11,13 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/ste
 for step in "$@"; do
   start=$SECONDS
   case $step in
-    tests) timeout 330 python -m pytest -q -n 8 -p no:cacheprovider tests/test_row_filters.py tests/test_sampling.py \
-             tests/test_markov.py tests/test_verify.py tests/test_llm_engine.py tests/test_tree_engine.py \
-             tests/test_hf_target.py tests/test_lossless_sampling.py tests/test_kernel_workspace.py \
-             tests/test_engine_limits.py tests/test_replay.py > "$OUT/pytest.log" 2>&1 ;;
+    tests) timeout "${TESTS_LIMIT:-300}" python -m pytest -v -n 8 -p no:cacheprovider --timeout 150 \
+             ${TESTS:-tests/test_row_filters.py tests/test_sampling.py tests/test_markov.py tests/test_verify.py \
+             tests/test_llm_engine.py tests/test_tree_engine.py tests/test_hf_target.py tests/test_lossless_sampling.py \
+             tests/test_kernel_workspace.py tests/test_engine_limits.py tests/test_replay.py tests/test_schedulers.py} \
+             > "$OUT/pytest.log" 2>&1; grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -40 ;;
+    backends) timeout 175 python -m dspark.bench.engine --backends fused,hf --shapes qwen3-8b --batches 1,8,64 \
+             --prompt 128 --new 64 --out "$OUT/backends" > "$OUT/backends.log" 2>&1 ;;
     breakdown) timeout 90 python -m dspark.bench.breakdown --case "logits_to_probabilities rows=512 top-p 0.9" \
              --case "logits_to_probabilities rows=512 per-row mixed" --case "markov_sample_step B=64 R=256 top-p 0.9" \
              --case "markov_sample_step B=64 R=256 per-row mixed" > "$OUT/breakdown.txt" 2>&1 ;;

@@ -171,7 +171,7 @@ def test_sts_temperatures_scale_the_confidence_logits(target, greedy):
     proposals = []
     for drafter in (plain, identity, calibrated):
         drafter.reset()
-        proposals.append(drafter.propose(hidden, anchor, len(PROMPT), SamplingParams(), None))
+        proposals.append(drafter.propose(hidden, anchor, len(PROMPT), None, None))
     assert torch.equal(proposals[0].token_ids, proposals[2].token_ids)
     assert torch.equal(proposals[1].confidence, proposals[0].confidence)  # T = 1 changes nothing
     logit = torch.logit(proposals[1].confidence.double())
@@ -322,7 +322,7 @@ def test_fp32_drafts_run_their_heads_in_fp32(target):
     assert not drafter.kernel_markov and not drafter.kernel_confidence
     context = _forward(target, PROMPT, config.capture_layer_ids)[1]
     anchor = torch.tensor([7], dtype=torch.int32)
-    proposal = drafter.propose(context, anchor, len(PROMPT), SamplingParams(), None)
+    proposal = drafter.propose(context, anchor, len(PROMPT), None, None)
     hidden = draft.forward_block(draft.new_cache(), context, 7, len(PROMPT))
     logits, prev, state, chain = draft.backbone_logits(hidden), anchor, None, []
     for k in range(config.num_draft_tokens):

@@ -154,7 +154,7 @@ def drafter_rounds(model, expected, sampling=SamplingParams()):
     for j, (p, anchor) in enumerate(zip(expected["anchor_positions"].tolist(), expected["anchor_tokens"].tolist())):
         uniforms = None if sampling.greedy else K.fill_uniforms(p_drafts, sampling.seed, j * p_drafts).view(1, -1)
         proposal = drafter.propose(context[start:p].to(model.dtype), torch.tensor([anchor], dtype=torch.int32), p,
-                                   sampling, uniforms)
+                                   None if sampling.greedy else sampling.rows(1, model.device), uniforms)
         start = p
         rounds.append(proposal)
     tokens = torch.stack([r.token_ids[0].long() for r in rounds])

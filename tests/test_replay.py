@@ -118,14 +118,14 @@ def test_replay_in_cuda_graphs_captured_up_front(prompts):
     draft = random_drafter(target, TINY, rank=64)
     config = EngineConfig(max_batch=4, max_model_len=128, scheduler="threshold", threshold=0.5)
     engine = ReplayEngine(target, draft, config, prompts, TRACES, NEW)
-    assert engine.capture_graphs() == len(engine.runner.buckets) * (P + 2)
+    assert engine.capture_graphs() == 2 * len(engine.runner.buckets) * (P + 2)  # greedy and with sampled rows
     captured = set(engine.runner.graphs)
     results = engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])
     # every round replayed a graph captured up front; steps with prompt chunks capture theirs on first use
     assert {k for k in engine.runner.graphs if k[0] != "mixed"} == captured
     assert any(k[0] == "mixed" for k in engine.runner.graphs) and not engine.runner.uncapturable
     plain = LLMEngine(target, None, EngineConfig(max_batch=4, max_model_len=128))
-    assert plain.capture_graphs() == len(plain.runner.buckets)
+    assert plain.capture_graphs() == 2 * len(plain.runner.buckets)
     expected = [r.token_ids for r in plain.generate([Request(p, NEW, ignore_eos=True) for p in prompts])]
     assert [r.token_ids for r in results] == expected
     for i, r in enumerate(results):
@@ -200,3 +200,26 @@ def test_the_mixed_settings_workload_mixes_every_batch_and_repeats_each_prompt()
     assert len({len(p) for p in prompts}) > 1 and all(0 <= t < 50 for p in prompts for t in p)
     with pytest.raises(SystemExit):
         serve.parse_args(["--out", "x", "--mixed-settings", "--temperature", "0.5"])
+
+
+def test_the_mixed_workload_summary_pairs_each_config_with_its_mixed_run(tmp_path):
+    """``--workload mixed --summarize-only``: each config whose greedy and mixed runs are in the
+    folder, side by side per concurrency (runs of separate invocations combine); ``--configs``
+    names mixed-workload configs."""
+    import json
+
+    from dspark.bench.frontier import main
+
+    def run(rates):
+        return {"levels": [{"concurrency": c, "total_tokens_per_s": r, "engine_step_ms": 5.0, "failed": 0}
+                           for c, r in rates.items()]}
+
+    for name, rates in {"plain": {1: 100.0, 8: 800.0}, "plain-mixed": {1: 95.0, 8: 600.0}}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(run(rates)))
+    assert main(["--out", str(tmp_path), "--workload", "mixed", "--summarize-only", "--device", "cpu"]) == 0
+    result = json.loads((tmp_path / "mixed.json").read_text())
+    assert [(r["config"], r["concurrency"], r["ratio"]) for r in result["levels"]] == [("plain", 1, 0.95),
+                                                                                      ("plain", 8, 0.75)]
+    assert result["mixed within 10 % of single at every concurrency"] is False
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--workload", "mixed", "--configs", "dspark-fixed"])

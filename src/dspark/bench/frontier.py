@@ -107,12 +107,17 @@ def run_mixed(args, spec: dict) -> int:
     batch); ``DIR/mixed.md`` / ``mixed.json``: total tokens/s of the two side by side per
     concurrency, and issue 22's target (mixed within 10 % of single-setting at every concurrency)."""
     status, out = 0, Path(args.out)
-    for label, (factory, scheduler) in MIXED_CONFIGS.items():
-        status |= run_config(label, args, spec, None, factory=factory, scheduler=scheduler)
-        status |= run_config(f"{label}-mixed", args, spec, None, factory=factory, scheduler=scheduler,
-                             load_extra=("--mixed-settings",))
+    labels = [x for x in (args.configs or ",".join(MIXED_CONFIGS)).split(",") if x]
+    for label in labels:
+        factory, scheduler = MIXED_CONFIGS[label]
+        if not args.summarize_only:
+            status |= run_config(label, args, spec, None, factory=factory, scheduler=scheduler)
+            status |= run_config(f"{label}-mixed", args, spec, None, factory=factory, scheduler=scheduler,
+                                 load_extra=("--mixed-settings",))
     rows = []
     for label in MIXED_CONFIGS:
+        if not (out / f"{label}.json").is_file() or not (out / f"{label}-mixed.json").is_file():
+            continue
         runs = [{lv["concurrency"]: lv for lv in json.loads((out / f"{name}.json").read_text())["levels"]}
                 for name in (label, f"{label}-mixed")]
         for c in sorted(set(runs[0]) & set(runs[1])):
@@ -282,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--draft-rank", type=int, default=256, help="Markov rank of the random drafter")
     parser.add_argument("--traces", default=str(TRACES), help="recorded rounds (python -m dspark.bench.replay)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    parser.add_argument("--configs", default=None,
+                        help=f"subset of {','.join(CONFIGS)} (--workload mixed: of {','.join(MIXED_CONFIGS)})")
     parser.add_argument("--concurrency", default=serve.DEFAULT_CONCURRENCY)
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -297,12 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarize-only", action="store_true",
                         help="only redo frontier.md/.json/.png from the runs already in --out")
     args = parser.parse_args(argv)
-    labels = [x for x in args.configs.split(",") if x]
-    unknown = [x for x in labels if x not in CONFIGS]
+    known = MIXED_CONFIGS if args.workload == "mixed" else CONFIGS
+    labels = [x for x in (args.configs or ",".join(known)).split(",") if x]
+    unknown = [x for x in labels if x not in known]
     if unknown or not labels:
-        parser.error(f"--configs must name some of {list(CONFIGS)}, got {args.configs!r}")
+        parser.error(f"--configs must name some of {list(known)}, got {args.configs!r}")
     out = Path(args.out)
-    if args.summarize_only:
+    if args.summarize_only and args.workload != "mixed":
         missing = [str(out / f) for f in ["frontier.json"] + [f"{x}.json" for x in labels] if not (out / f).is_file()]
         if missing:
             parser.error(f"--summarize-only needs a finished run in --out; missing {missing}")

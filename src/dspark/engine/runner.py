@@ -319,23 +319,30 @@ class ModelRunner:
         return self.readout[:rows].cpu()
 
     def capture_graphs(self) -> int:
-        """Capture the greedy graphs of every batch bucket now (verify at every token multiple, draft;
-        or decode), so that no request waits for a capture later; returns the number of graphs.
-        Call with no request running: the captures replay once on padding rows."""
+        """Capture the graphs of every batch bucket now, greedy and with sampled rows (verify at
+        every token multiple, draft; or decode), so that no request waits for a capture later;
+        returns the number of graphs. Call with no request running: the captures replay once on
+        padding rows."""
         if not self.use_graphs:
             return 0
+        if self.drafter is not None and self.tree is None:
+            self._ensure_probabilities()  # sampled drafts keep their distributions
         lens = self.host_lens if self.drafter is not None else None
         for b in self.buckets:
-            if self.drafter is None:
-                self._replay(("decode", b, 1, False), lambda: self._decode_rows(b, False))
-                continue
-            for k in ([self.verify_len] if self.tree else range(1, self.verify_len + 1)):  # b * k flat tokens
-                lens.fill_(k)
-                self.state.verify_lens[: self.max_batch].copy_(lens)
-                self._replay(("verify", b, b * k, False), lambda: self._verify_rows(b, b * k, False))
-            self._replay(("draft", b, 0, False), lambda: self._draft_rows(b, False))
+            for sampled in (False, True):
+                self._capture_bucket(b, sampled, lens)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
+
+    def _capture_bucket(self, b: int, sampled: bool, lens) -> None:
+        if self.drafter is None:
+            self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
+            return
+        for k in ([self.verify_len] if self.tree else range(1, self.verify_len + 1)):  # b * k flat tokens
+            lens.fill_(k)
+            self.state.verify_lens[: self.max_batch].copy_(lens)
+            self._replay(("verify", b, b * k, sampled), lambda: self._verify_rows(b, b * k, sampled))
+        self._draft(b, sampled)
 
     def _sampled(self, rows: int) -> bool:
         """Whether any of the first ``rows`` rows samples (then every row takes the sampled path)."""
