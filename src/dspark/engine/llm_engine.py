@@ -255,9 +255,9 @@ class LLMEngine:
         start, outputs = time.perf_counter(), []
         self._admit()
         rows = len(self.running)
-        lens = self._verify_lens() if rows and self.runner.drafter is not None and self._drafted else None
+        lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
         plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
-        joined = self._run_step(rows, lens, plan, outputs, self._drafting_pays())
+        joined = self._run_step(rows, lens, plan, outputs, draft)
         self._launched = (outputs, len(self.running) - len(joined), joined, self.runner.drafted)
         elapsed = time.perf_counter() - start
         self.metrics.step_time += elapsed
@@ -349,38 +349,35 @@ class LLMEngine:
         average = self._host_ms[kind]
         self._host_ms[kind] = 1000 * host_s if not average else (1 - HOST_EMA) * average + HOST_EMA * 1000 * host_s
 
-    def _drafting_pays(self) -> bool:
-        """Whether this step drafts the next round: always, except under the ``cost`` scheduler when
-        no round Algorithm 1 would run on the rows' latest confidences is predicted to beat plain
+    def _plan_round(self) -> tuple[list[int] | None, bool]:
+        """This round's verify tokens per running row (None: a plain round, the rows hold no drafts)
+        and whether it drafts the next round: always, except under the ``cost`` scheduler when no
+        round Algorithm 1 would run on the rows' latest confidences is predicted to beat plain
         decoding (``drafting_pays``: verify, draft pass and measured host times) -- then the engine
         decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the confidences."""
-        if (self.runner.drafter is None or self.config.scheduler != "cost" or not self.running
-                or self._plain_rounds >= REDRAFT_STEPS):
-            return True
+        if self.config.scheduler != "cost":
+            return (self._verify_lens(self._scheduled_drafts()) if self._drafted else None), True
+        # Algorithm 1 across the batch on the (STS-calibrated) confidences and the profiled cost table
         confidence = np.stack([seq.confidence.numpy() for seq in self.running])
-        return drafting_pays(confidence, self.cost_table, self.config.min_predicted_gain, tuple(self._host_ms))
+        drafts = batch_schedule(confidence, self.cost_table, self.config.min_predicted_gain, self._host_ms[0])
+        draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(
+            confidence, self.cost_table, self.config.min_predicted_gain, tuple(self._host_ms), drafts)
+        return (self._verify_lens(drafts) if self._drafted else None), draft
 
-    def _verify_lens(self) -> list[int]:
-        """Verify tokens per running row (drafts + 1): the drafter's scheduled length, or Algorithm 1
-        over the whole batch with the ``cost`` scheduler. Never past what the row may still produce (its
-        ``max_new_tokens``, the context limit): a draft there could not be kept, and its position
-        would lie beyond the context. At least one draft (the accept kernels verify >= 1)."""
-        p = self.num_drafts
-        if self.runner.tree is not None:  # a tree's depth is bounded where it is grown
-            return [self.runner.verify_len] * len(self.running)
+    def _scheduled_drafts(self) -> list[int]:
+        """Drafts per running row under the ``off`` / ``threshold`` / ``sps`` schedulers."""
         if self.config.scheduler == "off":
-            drafts = [p] * len(self.running)
-        elif self.config.scheduler == "cost":
-            drafts = self._cost_schedule()
-        else:
-            drafts = [seq.next_length for seq in self.running]
-        return [1 + max(1, min(n, seq.room(self.max_model_len) - 1)) for n, seq in zip(drafts, self.running)]
+            return [self.num_drafts] * len(self.running)
+        return [seq.next_length for seq in self.running]
 
-    def _cost_schedule(self) -> list[int]:
-        """The paper's Algorithm 1 across the batch on the rows' (STS-calibrated) confidences and the
-        profiled cost table (``batch_schedule``: at least one draft per row, TensorRT-LLM's rule)."""
-        confidence = np.stack([seq.confidence.numpy() for seq in self.running])
-        return batch_schedule(confidence, self.cost_table, self.config.min_predicted_gain, self._host_ms[0])
+    def _verify_lens(self, drafts: list[int]) -> list[int]:
+        """Verify tokens per running row (drafts + 1), never past what the row may still produce (its
+        ``max_new_tokens``, the context limit): a draft there could not be kept, and its position
+        would lie beyond the context. At least one draft (the accept kernels verify >= 1); a tree
+        verifies all its nodes (its depth is bounded where it is grown)."""
+        if self.runner.tree is not None:
+            return [self.runner.verify_len] * len(self.running)
+        return [1 + max(1, min(n, seq.room(self.max_model_len) - 1)) for n, seq in zip(drafts, self.running)]
 
     def _admit(self) -> None:
         """Give waiting requests a cache slot while rows are free (their prompts then run in chunks)."""

@@ -153,14 +153,17 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
 
 
 def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_gain: float,
-                  host_ms: tuple[float, float] = (0.0, 0.0)) -> bool:
+                  host_ms: tuple[float, float] = (0.0, 0.0), lengths: list[int] | None = None) -> bool:
     """Whether the next round should draft: the round ``batch_schedule`` would run on the rows'
-    latest confidences ``[R, P]`` -- its expected tokens over its verify, draft pass and host time
-    ``host_ms[0]`` -- beats a plain round (R tokens: the target's one per row, over the verify of R
-    tokens and ``host_ms[1]``) by ``min_predicted_gain``. Else the engine decodes without drafting."""
+    latest confidences ``[R, P]`` (``lengths``, when already scheduled) -- its expected tokens over
+    its verify, draft pass and host time ``host_ms[0]`` -- beats a plain round (R tokens: the
+    target's one per row, over the verify of R tokens and ``host_ms[1]``) by ``min_predicted_gain``.
+    Else the engine decodes without drafting."""
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     rows = survival.shape[0]
-    lengths = np.asarray(batch_schedule(confidences, table, min_predicted_gain, host_ms[0]))
+    if lengths is None:
+        lengths = batch_schedule(confidences, table, min_predicted_gain, host_ms[0])
+    lengths = np.asarray(lengths)
     round_ms = table.step_time(int(lengths.sum()) + rows) + table.draft_time(rows) + host_ms[0]
     plain_ms = table.step_time(rows) + host_ms[1]
     return _expected_tokens(survival, lengths) / round_ms > (1 + min_predicted_gain) * rows / plain_ms
