@@ -62,17 +62,15 @@ def _filters(c: Checker, temperature, top_k, top_p) -> tuple[float, int, float]:
     return temperature, top_k, top_p
 
 
-def _per_row(temperature, top_k, top_p) -> bool:
-    """Whether the settings are per-row tensors (else numbers, checked by ``_filters``)."""
-    return all(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p))
-
-
-def _row_settings(c: Checker, temperature, top_k, top_p, rows: int, vocab: int, device) -> torch.Tensor:
-    """f32 ``[rows, 3]`` per-row ``(inv_temp, k, p)`` of ``[rows]`` tensors (``row_filter_settings``)."""
+def _settings(c: Checker, temperature, top_k, top_p, rows: int, vocab: int, device):
+    """``(temperature, top_k, top_p, None)`` checked numbers, or for per-row ``[rows]`` tensors
+    ``(1.0, 0, 1.0, f32 [rows, 3] (inv_temp, k, p))`` (``row_filter_settings``)."""
+    if not all(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p)):
+        return (*_filters(c, temperature, top_k, top_p), None)
     c.tensor("temperature", temperature, dtype=(torch.float32, torch.float64), shape=[rows], device=device)
     c.tensor("top_k", top_k, dtype=(torch.int32, torch.int64), shape=[rows], device=device)
     c.tensor("top_p", top_p, dtype=(torch.float32, torch.float64), shape=[rows], device=device)
-    return row_filter_settings(temperature, top_k, top_p, vocab)
+    return 1.0, 0, 1.0, row_filter_settings(temperature, top_k, top_p, vocab)
 
 
 def _draft_ids(c: Checker, draft_token_ids, batch: int, device: torch.device) -> torch.Tensor:
@@ -147,14 +145,9 @@ def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0, *, workspac
     if x.shape[-1] < 1:
         c.fail(f"logits must have V >= 1 columns, got shape {list(x.shape)}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    settings = None
-    if _per_row(temperature, top_k, top_p):
-        settings = _row_settings(c, temperature, top_k, top_p, x.shape[0], x.shape[-1], x.device)
-        if x.dim() == 3:
-            settings = settings.repeat_interleave(x.shape[1], dim=0)
-        temperature, top_k, top_p = 1.0, 0, 1.0
-    else:
-        temperature, top_k, top_p = _filters(c, temperature, top_k, top_p)
+    temperature, top_k, top_p, settings = _settings(c, temperature, top_k, top_p, x.shape[0], x.shape[-1], x.device)
+    if settings is not None and x.dim() == 3:
+        settings = settings.repeat_interleave(x.shape[1], dim=0)
     probs = implementation("logits_to_probabilities", x.device)(rows, temperature, top_k, top_p, resolve(c, workspace),
                                                                 settings)
     return probs.reshape(x.shape)
@@ -261,17 +254,10 @@ def markov_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens,
     uniforms = _step_uniforms(c, proposal_uniforms, m.batch, width, m.device)
     probs = c.tensor("draft_probabilities", draft_probabilities, dtype=torch.float32, shape=[m.batch, width, m.vocab],
                      device=m.device, contiguous=True)
-    temperature, top_k, top_p, settings = _step_filters(c, temperature, top_k, top_p, m.batch, m.vocab, m.device)
+    temperature, top_k, top_p, settings = _settings(c, temperature, top_k, top_p, m.batch, m.vocab, m.device)
     implementation("markov_sample_step", m.device)(
         m.logits, *m.weights, first_prev_tokens.contiguous(), uniforms, draft, probs, step, temperature, top_k, top_p,
         m.stride, m.offset, resolve(c, workspace), settings)
-
-
-def _step_filters(c: Checker, temperature, top_k, top_p, batch: int, vocab: int, device):
-    """``(temperature, top_k, top_p, row settings or None)`` of a sampled Markov step's arguments."""
-    if _per_row(temperature, top_k, top_p):
-        return 1.0, 0, 1.0, _row_settings(c, temperature, top_k, top_p, batch, vocab, device)
-    return (*_filters(c, temperature, top_k, top_p), None)
 
 
 def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
@@ -290,7 +276,7 @@ def vanilla_markov_sample(backbone_logits, markov_w1, markov_w2, first_prev_toke
     m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, w2_row_scales, first_prev_tokens, width=width,
                       needed=width, logits_stride=logits_stride, logits_offset=logits_offset)
     uniforms = _step_uniforms(c, uniforms, m.batch, width, m.device)
-    temperature, top_k, top_p, settings = _step_filters(c, temperature, top_k, top_p, m.batch, m.vocab, m.device)
+    temperature, top_k, top_p, settings = _settings(c, temperature, top_k, top_p, m.batch, m.vocab, m.device)
     draft_token_ids = torch.zeros(m.batch, width, dtype=torch.int32, device=m.device)
     draft_probabilities = torch.empty(m.batch, width, m.vocab, dtype=torch.float32, device=m.device)
     step_fn, workspace = implementation("markov_sample_step", m.device), resolve(c, workspace)
