@@ -192,6 +192,22 @@ def test_a_request_alone_equals_the_same_request_in_a_batch(engine):
     assert other[0].token_ids != alone
 
 
+def test_a_sampled_request_joining_greedy_rows_leaves_them_greedy(engine, greedy):
+    """Rows drafted greedily (no draft distributions) are verified greedily in the step a sampled
+    request joins; from the next round every row takes the sampled path, the greedy ones exactly."""
+    first = engine.add_request(Request(PROMPTS[0], NEW))
+    done: dict[int, list[int]] = {first: []}
+    for _ in range(3):
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    hot = engine.add_request(Request(PROMPTS[2], 12, SamplingParams(temperature=0.9, top_p=0.9, seed=11)))
+    done[hot] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    assert done[first] == greedy[0] and len(done[hot]) == 12
+
+
 def test_requests_join_and_leave_between_steps(engine, greedy):
     first = engine.add_request(Request(PROMPTS[0], NEW))
     done: dict[int, list[int]] = {first: []}

@@ -602,7 +602,9 @@ class ModelRunner:
         prompt chunks, staged into ``self.chunks`` and padded to a chunk bucket; then accept / sample
         as a round does, write the chunks' draft context, seat the requests whose prompt ended
         (first token, row state) and draft every row. One CUDA graph per (rows bucket, verify
-        tokens, chunk bucket, sampled rows or not). Raises ``ForwardFailed`` when the forward raised
+        tokens, chunk bucket, running rows sampled or not, seats sampled or not): the running rows
+        are verified in the mode they were drafted in (a greedy batch's drafts carry no
+        distributions), the seats drawn in theirs. Raises ``ForwardFailed`` when the forward raised
         (no row state changed yet)."""
         joined = [c for c in chunks if c.row >= 0]
         seats_sample = any(not c.sampling.greedy for c in joined)
@@ -610,9 +612,9 @@ class ModelRunner:
             self._ensure_probabilities()  # sampled chain drafts keep the distributions they came from
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
-        sampled = self._sampled(rows) or seats_sample
-        self._replay(("mixed", b, num_tokens, bucket, sampled),
-                     lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
+        sampled = self._sampled(rows)
+        self._replay(("mixed", b, num_tokens, bucket, sampled, seats_sample),
+                     lambda: self._mixed_rows(b, num_tokens, bucket, sampled, seats_sample))
         for c in joined:
             self.row_sampled[c.row] = not c.sampling.greedy
         total = rows + len(joined)
@@ -630,7 +632,7 @@ class ModelRunner:
         step's chunk capacity, with at most a cache line of padding (the padding request's tokens)."""
         return min(max(16, 1 << max(n - 1, 0).bit_length()), self.chunks.capacity, n + self.line)
 
-    def _mixed_rows(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
+    def _mixed_rows(self, b: int, num_tokens: int | None, bucket: int, sampled: bool, seats_sample: bool) -> None:
         """The device work of a mixed step (captured): forward, commit of the running rows, the
         chunks' draft context, the seats."""
         try:
@@ -643,7 +645,7 @@ class ModelRunner:
             self._decode_commit(b, logits[:split], sampled, None if capture is None else capture[:split])
         if self.draft is not None:
             self.draft.context(capture[split:], positions[split:], slots[split:])
-        self._seat(logits[split:], sampled)
+        self._seat(logits[split:], seats_sample)
 
     def _mixed_forward(self, b: int, num_tokens: int | None, bucket: int):
         """The target forward of a mixed step (no row state changes): ``(positions, token slots,
