@@ -39,7 +39,7 @@ def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``K.rms_norm`` (fused residual add when ``residual`` is given) with ``x`` first cast to the
     weight's dtype: a no-op at inference; under training's autocast the GEMMs give bf16 rows while
-    the parameters and the residual stream stay fp32, as before the kernels existed."""
+    the parameters, hence the normed rows and the residual stream, stay fp32."""
     return K.rms_norm(x.to(weight.dtype), weight, eps, residual=residual)
 
 
