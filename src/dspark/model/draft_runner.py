@@ -7,14 +7,11 @@ every layer's context K/V (``RoPE(k_norm(k_proj c))``, ``v_proj c``); ``run_bloc
 block's K/V and then attending through ``attend``, the one op the mode chooses:
 
 * inference (``DraftRunner``, the engine's batched draft; ``forward_block`` on one line): a per-slot
-  cache, row = position, ``attend`` = ``cached_attention`` (context ``< p``, on sliding layers
-  ``>= p - W``; the block bidirectional, or causal on sliding layers unless
-  ``sliding_window_non_causal``). Rows a verification rejects may be written: they sit at or after
-  the next anchor, where the next block overwrites them before anything reads them (vLLM's rule). No
-  host synchronisation, fixed shapes per batch size: CUDA-graph capturable;
+  cache, row = position, ``attend`` = ``cached_attention`` (the visibility of ``draft.py``'s step 2).
+  Rows a verification rejects may be written: the next block overwrites them before anything reads
+  them (vLLM's rule). No host synchronisation, fixed shapes per batch size: CUDA-graph capturable;
 * training (``trainer.block_hidden``): a line per token row, its context then its A blocks (rows
-  ``S + a*N + k``), ``attend`` = SDPA or FlexAttention under the training mask (§2.5); the kernels
-  run their PyTorch reference, which autograd differentiates.
+  ``S + a*N + k``), ``attend`` = SDPA or FlexAttention under the training mask (§2.5).
 """
 
 from __future__ import annotations

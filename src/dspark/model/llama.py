@@ -177,8 +177,7 @@ class TargetLM(CachedTarget):
         return F.linear(x, self.lm_head).float()
 
     def _attend(self, batch, k_cache, v_cache):
-        """``attend(q)``: causal attention over each request's line, one launch per row group when
-        ``batch`` is a list (attention tiles sized for verify rows or for prompt chunks)."""
+        """``attend(q)``: causal, one launch per row group of a list (tiles sized for verify or prefill)."""
         if isinstance(batch, AttentionBatch):
             return lambda q: _causal_attention(q, k_cache, v_cache, batch)
         return lambda q: torch.cat([_causal_attention(q[lo:hi], k_cache, v_cache, g) for lo, hi, g in batch])
