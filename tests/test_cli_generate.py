@@ -427,12 +427,12 @@ def test_a_bad_config_json_names_the_file_and_line(checkpoints, capsys, tmp_path
     draft = shutil.copytree(drafts["speculators"], tmp_path / "draft")
     (draft / "config.json").write_text('{"speculators_model_type": "dspark",\n}\n')
     status, _, err = _run(capsys, "--target", str(root / "target"), "--draft", str(draft), "--prompt-ids", "1")
-    assert status == 2 and err.strip() == (f"dspark generate: {draft / 'config.json'} is not valid JSON: Expecting "
-                                           f"property name enclosed in double quotes (line 2 column 1)")
+    assert status == 2 and err.strip() == (f"dspark generate: {str(draft / 'config.json')!r} is not valid JSON: "
+                                           f"Expecting property name enclosed in double quotes (line 2, column 1)")
     target = shutil.copytree(root / "target", tmp_path / "target")
     (target / "config.json").write_text("[1, 2]")
     status, _, err = _run(capsys, "--target", str(target), "--draft", drafts["speculators"], "--prompt-ids", "1")
-    assert status == 2 and f"{target / 'config.json'} must hold a JSON object, got list" in err
+    assert status == 2 and f"{str(target / 'config.json')!r} must hold a JSON object, got list" in err
 
 
 def test_help_imports_neither_torch_nor_transformers():

@@ -3,6 +3,7 @@ strings, and the argument errors (raised before anything runs)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from test_engine import _greedy
 
 import dspark
 from dspark.engine import TextStream, encode_prompts
+from dspark.model import load_draft
 
 PROMPT = [3, 17, 42, 8]
 
@@ -169,6 +171,19 @@ def test_llm_bad_models_are_clear_errors(pair, models, kwargs, error, message):
     models = tuple({"T": target, "D": draft}.get(m, m) if isinstance(m, str) else m for m in models)
     with pytest.raises(error, match=message.replace("'T'", repr(str(target))).replace("'D'", repr(str(draft)))):
         dspark.LLM(*models, **kwargs)
+
+
+def test_a_bad_config_json_names_the_file_and_line(pair, tmp_path):
+    target, _, draft, _, _ = pair
+    bad = shutil.copytree(draft, tmp_path / "draft")
+    (bad / "config.json").write_text('{"speculators_model_type": "dspark",\n}\n')
+    message = (f"{str(bad / 'config.json')!r} is not valid JSON: Expecting property name enclosed in double quotes "
+               f"(line 2, column 1)")
+    for call, where in ((lambda: dspark.LLM(target, bad), "LLM"), (lambda: dspark.generate(target, bad, [1]), "generate"),
+                        (lambda: load_draft(bad), "load_draft")):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == f"{where}: {message}"
 
 
 def test_generate_function_names_its_bad_models():

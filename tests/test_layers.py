@@ -271,6 +271,37 @@ def test_reference_silu_and_mul_matches_hf_activation():
 
 
 @requires_triton
+def test_a_gradient_to_carry_runs_the_reference_on_every_backend():
+    """Training runs the engine's draft forward: with an input requiring grad (grad mode on) the ops
+    run their PyTorch reference, which autograd differentiates, even with Triton forced."""
+    x = torch.randn(4, 16, device=DEVICE, requires_grad=True)
+    weight = torch.randn(16, device=DEVICE)
+    k_cache, v_cache = (torch.zeros(2, 8, 2, 8, device=DEVICE) for _ in range(2))
+    table = rope_table(8, 8)
+    with K.use_backend("triton"):
+        y, summed = K.rms_norm(x, weight, EPS, residual=x.detach())
+        kv = K.silu_and_mul(y).view(4, 1, 8).expand(4, 2, 8)
+        K.qk_norm_rope_store(None, kv, kv, torch.arange(4, device=DEVICE), torch.tensor([0, 0, 1, 1], device=DEVICE),
+                             table, k_cache, v_cache, k_norm_weight=torch.ones(8, device=DEVICE), eps=EPS)
+        (k_cache.sum() + v_cache.square().sum() + summed.sum()).backward()
+        with torch.no_grad():
+            assert K.rms_norm(x, weight, EPS).grad_fn is None
+    with K.use_backend("reference"):
+        expected = torch.autograd.grad(_layer_ops_loss(x, weight, table), x)[0]
+    torch.testing.assert_close(x.grad, expected)
+
+
+def _layer_ops_loss(x, weight, table):
+    """The same ops as above, spelled out in PyTorch."""
+    y = weight * torch.nn.functional.rms_norm(x + x.detach(), (16,), eps=EPS)
+    kv = torch.nn.functional.silu(y[:, :8]) * y[:, 8:]
+    k = torch.nn.functional.rms_norm(kv, (8,), eps=EPS)
+    cos, sin = (torch.cat([table[:4, i], table[:4, i]], dim=-1) for i in (0, 1))
+    rotated = k * cos + torch.cat([-k[:, 4:], k[:, :4]], dim=-1) * sin
+    return 2 * rotated.sum() + 2 * kv.square().sum() + (x + x.detach()).sum()
+
+
+@requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, hidden", [(1, 64), (5, 100), (3, 1024)])
 def test_triton_rms_norm_matches_reference(rows, hidden, dtype):

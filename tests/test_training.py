@@ -1,5 +1,5 @@
 """Training: data, the DSpark objective (against hand computation), the batched training block
-(against ``forward_block``), tiny CPU training runs of the drafter and of the demo target, and the
+(its attention against the engine's), tiny CPU training runs of the drafter and of the demo target, and the
 ``dspark train`` command.
 
 ``tiny_pair`` (a saved tiny target with its own BPE tokenizer + a briefly trained draft) is shared
@@ -18,6 +18,7 @@ import torch
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from safetensors.torch import load_file
 
+import dspark.kernels as K
 from dspark.cli import train as train_cli
 from dspark.engine import SpeculativeDecoder, autoregressive_generate
 from dspark.model import load_draft
@@ -246,28 +247,37 @@ def test_expected_accepted_length():
     assert expected_accepted_length(torch.ones(7)) == pytest.approx(8.0)
 
 
-# ---- the training block equals inference ----------------------------------------------------------
+# ---- the training block: inference's forward, training's attention ----------------------------------
 
 
-@pytest.mark.parametrize("layer_types", [("full_attention", "sliding_attention"), ("sliding_attention",)])
-@pytest.mark.parametrize("sample_from_anchor", [True, False])
-def test_block_hidden_equals_forward_block(layer_types, sample_from_anchor):
-    cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=layer_types,
-                            sample_from_anchor=sample_from_anchor)
-    model = random_draft(cfg, target=TARGET)
-    ids = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(1))
-    context, _ = trainer.target_states(TARGET, ids, cfg.capture_layer_ids)
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 8), (False, 3)])
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_training_attention_sees_what_inference_attention_sees(causal, window, attention):
+    """The draft's forward is one (``draft_runner``) in both modes but for the attention op: over
+    the same keys, training's (a row's line ``[context; blocks]`` under ``training_mask`` /
+    ``training_block_mask``) equals the engine's ``cached_attention`` of each block over its own
+    cache line (context ``< p``, the window, the block)."""
+    b, s, n, heads, kv_heads, d = 2, 30, 5, 4, 2, 8
     anchors = torch.tensor([[1, 7, 12, 25], [3, 9, 10, 20]])  # window 8: the far anchors cut context
-    block_ids = torch.full((2, 4, 5), cfg.mask_token_id)
-    block_ids[..., 0] = ids.gather(1, anchors)
-    batched = block_hidden(model, context, block_ids, anchors)
-    for b in range(2):
-        for a in range(4):
-            p = int(anchors[b, a])
-            cache = model.new_cache()  # two rounds: context appended incrementally
-            model.forward_block(cache, context[b, : p // 2], int(ids[b, p // 2]), p // 2)
-            expected = model.forward_block(cache, context[b, p // 2: p], int(ids[b, p]), p)
-            torch.testing.assert_close(batched[b, a], expected, atol=2e-5, rtol=1e-5)
+    a = anchors.shape[1]
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(b, heads, a * n, d, generator=g)
+    k, v = (torch.randn(b, kv_heads, s + a * n, d, generator=g) for _ in range(2))
+    make_mask = trainer.training_mask if attention == "dense" else trainer.training_block_mask
+    out = trainer._training_attention(q, k, v, make_mask(anchors, s, n, causal, window))
+    # inference: one cache line per block, its context rows then its block at positions p .. p+N-1
+    lines = torch.zeros(2, b * a, s + n, kv_heads, d)
+    for line, (row, i) in enumerate((row, i) for row in range(b) for i in range(a)):
+        p = int(anchors[row, i])
+        for cache, keys in zip(lines, (k, v)):
+            cache[line, :p] = keys[row, :, :p].transpose(0, 1)
+            cache[line, p:p + n] = keys[row, :, s + i * n:s + (i + 1) * n].transpose(0, 1)
+    flat = anchors.reshape(-1).int()
+    expected = K.cached_attention(q.view(b, heads, a, n, d).permute(0, 2, 3, 1, 4).reshape(-1, heads, d), *lines,
+                                  torch.arange(b * a, dtype=torch.int32), flat,
+                                  torch.arange(0, (b * a + 1) * n, n, dtype=torch.int32), n, causal=causal,
+                                  window_starts=None if window is None else (flat - window).clamp(min=0))
+    torch.testing.assert_close(out.transpose(1, 2).reshape(-1, heads, d), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layer_types", [("full_attention", "sliding_attention"), ("sliding_attention",)])
@@ -311,6 +321,36 @@ def test_cuda_block_sparse_training_gradients_equal_the_dense_mask():
     torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-4, rtol=1e-4)
     for flex, dense in zip(grads[1][1], grads[0][1], strict=True):
         torch.testing.assert_close(flex, dense, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_training_forward_under_autocast_is_the_bf16_engine_forward():
+    """A GPU step's draft forward (bf16 autocast over the fp32 draft; FlexAttention; the kernels'
+    PyTorch reference, since a gradient flows) stays within bf16 rounding of the engine's forward
+    (Triton) of the same weights in bf16, its gradients are finite, and ``train_draft`` runs there."""
+    cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=("full_attention", "sliding_attention"))
+    target = TARGET.to("cuda")
+    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    context, _ = trainer.target_states(target, ids, cfg.capture_layer_ids)
+    anchors = torch.tensor([[1, 7, 12, 25], [3, 9, 10, 30]], device="cuda")
+    block_ids = torch.full((2, 4, 5), cfg.mask_token_id, device="cuda")
+    block_ids[..., 0] = ids.gather(1, anchors)
+    model = random_draft(cfg, target=TARGET).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        hidden = block_hidden(model, context, block_ids, anchors)
+    hidden.float().square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    half = random_draft(cfg, target=TARGET).to("cuda", torch.bfloat16)
+    half.load_state_dict(model.state_dict())
+    for b in range(2):
+        for a in range(4):
+            p = int(anchors[b, a])
+            expected = half.forward_block(half.new_cache(), context[b, :p].bfloat16(), int(ids[b, p]), p)
+            torch.testing.assert_close(hidden[b, a].float(), expected.float(), atol=0.1, rtol=0.05)
+    _, losses = train_draft(target, _rows(8, 32).cuda(), cfg, TrainOptions(steps=3, batch_size=4, log_every=1),
+                            device="cuda", num_anchors=4)
+    TARGET.cpu()
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
 
 def test_training_mask_small_case():

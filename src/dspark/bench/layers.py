@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import dspark.kernels as K
 from dspark.kernels.triton.layers import _attention_config
+from dspark.model.layers import rope_inv_freq
 
 from .common import capture_graph, cold_l2_us, graph_us, row
 
@@ -95,7 +96,7 @@ def _bench_qk_norm_rope_store(ceiling: float, quick: bool) -> list[dict]:
     rows = []
     for name, cfg in MODELS.items():
         n_q, n_kv, d = cfg["n_q"], cfg["n_kv"], cfg["d"]
-        table = K.rope_cos_sin_table(1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d)), MAX_LEN)
+        table = K.rope_cos_sin_table(rope_inv_freq(d, 1e6, "cuda"), MAX_LEN)
         norms = dict(q_norm_weight=torch.ones(d, device="cuda", dtype=DTYPE),
                      k_norm_weight=torch.ones(d, device="cuda", dtype=DTYPE))
         for n in _token_counts(quick):

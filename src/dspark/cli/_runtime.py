@@ -8,7 +8,6 @@ Nothing here imports torch or transformers at module level: ``dspark --help`` an
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -64,11 +63,11 @@ def auto_dtype(device, target: str | None):
 
     if device.type != "cuda":
         return torch.float32
-    try:
-        config = json.loads((Path(target) / "config.json").read_text()) if target is not None else {}
-    except (OSError, ValueError):
-        config = {}
-    name = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    from dspark.model.checkpoint import CONFIG_NAME, read_json_object
+
+    file = None if target is None else Path(target) / CONFIG_NAME
+    config = read_json_object(file) if file is not None and file.is_file() else {}
+    name = config.get("torch_dtype") or config.get("dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
@@ -140,17 +139,9 @@ def resolve_pair(args: argparse.Namespace, *, drafts: str = "one", no_draft: boo
         args.draft = [resolve_checkpoint(d, "--draft") for d in draft]
     elif draft is not None:
         args.draft = resolve_checkpoint(draft, "--draft")
-    check_configs([args.target, *(args.draft if drafts == "several" else [args.draft] if draft is not None else [])])
+    from dspark.model.checkpoint import check_config_files
 
-
-def check_configs(directories) -> None:
-    """ValueError naming the file, line and column when a checkpoint directory's ``config.json`` is
-    not a JSON object (before the loaders, whose own JSON errors name no file)."""
-    from dspark.model.checkpoint import CONFIG_NAME, read_json_object
-
-    for directory in directories:
-        if directory is not None and (Path(directory) / CONFIG_NAME).is_file():
-            read_json_object(Path(directory) / CONFIG_NAME)
+    check_config_files([args.target, *(args.draft if drafts == "several" else [args.draft] if draft is not None else [])])
 
 
 def load_target(args: argparse.Namespace, device, dtype):

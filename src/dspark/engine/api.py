@@ -222,7 +222,7 @@ def _models(c: Checker, target, draft, no_draft: bool):
     model; both None the demo pair (its target alone with ``no_draft``); ``draft`` None only with
     ``no_draft``. TypeError / ValueError naming the argument, what it takes and what was given."""
     from ..model import DSparkDraftModel
-    from ..model.checkpoint import CONFIG_NAME, read_json_object
+    from ..model.checkpoint import check_config_files
 
     target, draft = (os.fspath(m) if isinstance(m, os.PathLike) else m for m in (target, draft))
     if not isinstance(no_draft, bool):
@@ -245,9 +245,7 @@ def _models(c: Checker, target, draft, no_draft: bool):
     if draft is None and not no_draft:
         c.fail(f"target {_describe(target)} needs a draft: draft is None (pass a DSpark checkpoint directory or "
                f"DSparkDraftModel, no_draft=True for plain decoding, or neither model for the demo pair)")
-    for directory in (m for m in (target, draft) if isinstance(m, str)):  # before the loaders, whose JSON
-        if (Path(directory) / CONFIG_NAME).is_file():                       # errors name no file
-            read_json_object(Path(directory) / CONFIG_NAME)
+    check_config_files((m for m in (target, draft) if isinstance(m, str)), c)  # before the loaders
     return target, draft
 
 

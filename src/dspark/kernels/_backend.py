@@ -102,8 +102,12 @@ def _triton_table() -> dict[str, Callable] | None:
         return None
 
 
-def implementation(name: str, device: torch.device) -> Callable:
-    """The backend function ``name`` to run for tensors on ``device``."""
+def implementation(name: str, device: torch.device, *inputs) -> Callable:
+    """The backend function ``name`` to run for tensors on ``device``: the reference whenever a
+    gradient must flow through it (grad mode on and one of ``inputs`` requires grad; autograd
+    differentiates the PyTorch ops, not the Triton kernels), whatever the backend chosen."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _table("reference")[name]
     forced = forced_backend()
     if forced == "triton":
         table = _triton_table()

@@ -15,6 +15,9 @@ cache memory, and rolling back to an accepted prefix is only a length change.
   bidirectional), optionally only keys at or after a per-request window start;
 * ``silu_and_mul(x)`` -- SwiGLU activation of a merged gate/up projection.
 
+With a gradient to carry, ``rms_norm``, ``qk_norm_rope_store`` and ``silu_and_mul`` run their PyTorch
+reference, which autograd differentiates (training runs the engine's draft forward, ``model.draft_runner``).
+
 Values are not checked on CUDA tensors (that would need a host sync and break CUDA-graph capture):
 slot ids, positions and lengths there must come from the engine, which owns them.
 """
@@ -46,7 +49,7 @@ def rms_norm(x, weight, eps: float, residual=None):
     if residual is not None:
         c.tensor("residual", residual, dtype=x.dtype, shape=list(x.shape), device=x.device)
         residual = residual.contiguous()
-    return implementation("rms_norm", x.device)(x.contiguous(), weight.contiguous(), eps, residual)
+    return implementation("rms_norm", x.device, x, weight, residual)(x.contiguous(), weight.contiguous(), eps, residual)
 
 
 def rope_cos_sin_table(inv_freq: torch.Tensor, max_positions: int, attention_scaling: float = 1.0) -> torch.Tensor:
@@ -108,7 +111,7 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
         if w is not None:
             c.tensor(name, w, dtype=dtype, shape=[d], device=device)
     eps = c.real("eps", eps, low=0.0)
-    return implementation("qk_norm_rope_store", device)(
+    return implementation("qk_norm_rope_store", device, q, k, v, q_norm_weight, k_norm_weight)(
         q, k, v, positions.contiguous(), cache_positions.contiguous(), slot_ids.contiguous(), cos_sin.contiguous(),
         k_cache, v_cache, q_norm_weight, k_norm_weight, eps)
 
@@ -173,7 +176,7 @@ def silu_and_mul(x):
     x = c.tensor("x", x, dtype=_FLOAT, ndim=2)
     if x.shape[1] % 2:
         c.fail(f"x must have an even number of columns (gate and up halves), got {x.shape[1]}")
-    return implementation("silu_and_mul", x.device)(x.contiguous())
+    return implementation("silu_and_mul", x.device, x)(x.contiguous())
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -24,7 +24,7 @@ from .heads import check_vocab_mapping
 from .safetensors_io import load_tensors, save_tensors
 
 __all__ = ["load_draft", "save_draft", "save_heads_sidecar", "load_heads_sidecar", "check_target_compatible",
-           "read_json_object", "CONFIG_NAME", "WEIGHTS_NAME", "HEADS_SIDECAR_NAME"]
+           "read_json_object", "check_config_files", "CONFIG_NAME", "WEIGHTS_NAME", "HEADS_SIDECAR_NAME"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -223,18 +223,32 @@ def _read_json(c: Checker, file: Path) -> dict:
 
 
 def read_json_object(file) -> dict:
-    """The JSON object in ``file`` (a checkpoint's ``config.json``). ValueError naming the file and
-    what is wrong: not UTF-8, not valid JSON (the parser's message, with the line and column), or
-    JSON that is not an object."""
+    """The JSON object in ``file`` (a checkpoint's ``config.json``: every reader of one goes through
+    here). ValueError naming the file and what is wrong: not UTF-8, not valid JSON (the parser's
+    message, with the line and column), or JSON that is not an object."""
     try:
         value = json.loads(Path(file).read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{file} is not UTF-8 text (byte {exc.start})") from None
+        raise ValueError(f"{str(file)!r} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})") from None
+        raise ValueError(f"{str(file)!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(value).__name__}")
+        raise ValueError(f"{str(file)!r} must hold a JSON object, got {type(value).__name__}")
     return value
+
+
+def check_config_files(directories, c: Checker | None = None) -> None:
+    """``read_json_object`` of each checkpoint directory's ``config.json`` that exists (None entries
+    skipped), its ValueError prefixed by ``c``'s function name when given: run before loaders whose
+    own JSON errors name no file (transformers')."""
+    for directory in directories:
+        if directory is not None and (Path(directory) / CONFIG_NAME).is_file():
+            try:
+                read_json_object(Path(directory) / CONFIG_NAME)
+            except ValueError as exc:
+                if c is None:
+                    raise
+                c.fail(str(exc))
 
 
 def _read_weights(c: Checker, directory: Path) -> dict[str, torch.Tensor]:

@@ -17,51 +17,25 @@ checkpoint.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels._validate import Checker
 from .config import DSparkConfig
 from .draft_runner import DraftRunner
 from .heads import ConfidenceHead, MarkovHead, scatter_vocab
+from .layers import swiglu
 
-__all__ = ["DSparkDraftModel", "DraftCache", "RMSNorm", "rope_cos_sin", "apply_rope"]
+__all__ = ["DSparkDraftModel", "DraftCache", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in float32, cast back, then scale (same op order as HF)."""
+    """A Qwen3 RMSNorm's ``weight`` ``[size]`` (the draft forward, ``draft_runner``, applies it with
+    ``layers.rms_norm`` and the config's ``rms_norm_eps``)."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-@lru_cache(maxsize=16)
-def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exponent)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """Default RoPE tables ``(cos, sin)`` ``[T, head_dim]`` for int positions ``[T]``, computed in
-    float32 and cast to ``dtype`` as Hugging Face does."""
-    freqs = positions.float()[:, None] * _inv_freq(head_dim, theta, positions.device)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX / HF ``rotate_half`` rotation of ``x`` ``[heads, T, d]`` by tables ``[T, d]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class DraftCache:
@@ -96,22 +70,13 @@ class DraftAttention(nn.Module):
 
     def __init__(self, config: DSparkConfig):
         super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(x.shape[0], n, self.head_dim).transpose(0, 1)
-
-    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated keys and values ``[n_kv, T, d]`` of inputs ``x`` ``[T, H]``."""
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
-        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+        h, d, kv_heads = config.hidden_size, config.head_dim, config.num_key_value_heads
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d)
+        self.k_norm = RMSNorm(d)
 
 
 class DraftMLP(nn.Module):
@@ -122,15 +87,16 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """``swiglu`` of rows ``[N, H]`` (training's MLP: a module call, which FSDP gathers around)."""
+        return swiglu(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]), self.down_proj.weight)
 
 
 class DraftLayer(nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size)
         self.self_attn = DraftAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size)
         self.mlp = DraftMLP(config)
 
 
@@ -149,9 +115,9 @@ class DSparkDraftModel(nn.Module):
         h, v_t, v_d, r = config.hidden_size, config.vocab_size, config.draft_vocab_size, config.markov_rank
         self.embed_tokens = nn.Embedding(v_t, h)
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h)
         self.fc = nn.Linear(config.num_capture_layers * h, h, bias=False)
-        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h)
         self.lm_head = nn.Linear(h, v_d, bias=False)
         self.markov_head = MarkovHead(h, v_t, v_d, r, config.markov_head_type) if r > 0 else None
         self.confidence_head = (ConfidenceHead(h, r, config.confidence_uses_markov)

@@ -1,35 +1,79 @@
-"""The draft model's forward for many requests at once, over a per-slot KV cache.
+"""The draft model's one forward (runtime.md §2.4-2.6), for inference and training alike.
 
-The draft's one inference forward (runtime.md §2.4-2.6), batched and flat, through the
-``dspark.kernels.layers`` ops with merged QKV / gate-up projections; ``DSparkDraftModel.forward_block``
-(the single-request loop) runs it on one cache line:
+Over K/V lines (``[lines, rows, n_kv, d]`` per layer) and flat rows, with the ``layers`` pieces:
+``write_context`` projects captured target states (``c = hidden_norm(fc(concat h))``) and writes
+every layer's context K/V (``RoPE(k_norm(k_proj c))``, ``v_proj c``); ``run_block`` runs blocks
+``[anchor, mask, ...]`` (anchor p's at positions ``p .. p+N-1``) through the layers, each writing the
+block's K/V and then attending through ``attend``, the one op the mode chooses:
 
-* ``context(hidden, positions, token_slots)`` projects captured target hidden states
-  (``c = hidden_norm(fc(concat h))``) and writes every layer's context K/V (``RoPE(k_norm(k_proj c))``,
-  ``v_proj c``) at each token's (slot, position). Rows the verification later rejects may be written
-  too: they sit at or after the request's next anchor, where the next block overwrites them before
-  anything reads them (vLLM's rule);
-* ``block(anchors, anchor_positions, slot_ids)`` runs each request's ``[anchor, mask, ...]`` block at
-  positions ``p .. p+N-1``: its K/V are written at those positions and its queries attend to the
-  context ``< p`` (on sliding layers only ``>= p - W``) and to the block (bidirectional, or causal on
-  sliding layers unless ``sliding_window_non_causal``). Returns the final-norm hidden states.
-
-No host synchronisation, fixed shapes per batch size: both calls can be captured in CUDA graphs.
+* inference (``DraftRunner``, the engine's batched draft; ``forward_block`` on one line): a per-slot
+  cache, row = position, ``attend`` = ``cached_attention`` (the visibility of ``draft.py``'s step 2).
+  Rows a verification rejects may be written: the next block overwrites them before anything reads
+  them (vLLM's rule). No host synchronisation, fixed shapes per batch size: CUDA-graph capturable;
+* training (``trainer.block_hidden``): a line per token row, its context then its A blocks (rows
+  ``S + a*N + k``), ``attend`` = SDPA or FlexAttention under the training mask (§2.5).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels as K
-from .llama import KVCache, decoder_layer
+from .layers import KVCache, attention, decoder_layer, rms_norm, rope_inv_freq, swiglu
 
-__all__ = ["DraftRunner"]
+__all__ = ["DraftRunner", "layer_weights", "write_context", "run_block"]
+
+
+def layer_weights(layer: torch.nn.Module, mlp) -> dict:
+    """The merged weights of a ``DraftLayer`` that the forward reads: norms ``[H]``, ``qkv``
+    ``[(n_q + 2 n_kv) d, H]`` (``kv`` its K/V rows), ``o``, ``q_norm``/``k_norm`` ``[d]``, and
+    ``mlp(x)``: the layer's MLP (training calls the module, whose forward merges gate/up each call,
+    so that FSDP gathers it; inference merges them once)."""
+    attn = layer.self_attn
+    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    return dict(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                qkv=qkv, kv=qkv[attn.q_proj.weight.shape[0]:], o=attn.o_proj.weight,
+                q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, mlp=mlp)
+
+
+def write_context(model, weights: list[dict], hidden, positions, lines, k_lines, v_lines, cos_sin) -> None:
+    """Write the context K/V of ``M`` tokens: ``hidden`` ``[M, m*H]`` captured target states,
+    ``positions`` / ``lines`` int ``[M]`` (RoPE position = row, and line); ``k_lines[i]`` /
+    ``v_lines[i]`` layer i's ``[lines, rows, n_kv, d]``; ``cos_sin`` from ``K.rope_cos_sin_table``."""
+    cfg = model.config
+    c = rms_norm(F.linear(hidden.to(model.dtype), model.fc.weight), model.hidden_norm.weight, cfg.rms_norm_eps)
+    m, d, kv_size = c.shape[0], cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for i, w in enumerate(weights):
+        k, v = (t.view(m, cfg.num_key_value_heads, d) for t in F.linear(c, w["kv"]).split(kv_size, 1))
+        K.qk_norm_rope_store(None, k, v, positions, lines, cos_sin, k_lines[i], v_lines[i],
+                             k_norm_weight=w["k_norm"].to(k.dtype), eps=cfg.rms_norm_eps)
+
+
+def run_block(model, weights: list[dict], ids, positions, lines, k_lines, v_lines, cos_sin, attend,
+              rows=None) -> torch.Tensor:
+    """Final-norm hidden states ``[R, H]`` of block rows ``ids`` int ``[R]`` at ``positions`` int
+    ``[R]`` of lines ``lines`` int ``[R]`` (their K/V written at row ``rows`` int ``[R]``, default the
+    position). ``attend(i, q, k_line, v_line)`` -> ``[R, n_q, d]``: layer i's attention of the
+    rotated queries ``q`` ``[R, n_q, d]`` over its lines (the block's K/V already in them)."""
+    cfg = model.config
+    h, residual = model.embed_tokens(ids), None
+    for i, w in enumerate(weights):
+        h, residual = decoder_layer(
+            w, h, residual, cfg.rms_norm_eps,
+            lambda x, i=i, w=w: attention(w, x, cfg.num_attention_heads, positions, lines, cos_sin, k_lines[i],
+                                          v_lines[i], cfg.rms_norm_eps,
+                                          lambda q: attend(i, q, k_lines[i], v_lines[i]), rows),
+            w["mlp"])
+    x, _ = rms_norm(h, model.norm.weight, cfg.rms_norm_eps, residual=residual)
+    return x
 
 
 class DraftRunner:
-    """Batched forward of a ``DSparkDraftModel`` (weights shared, merged projections built once)."""
+    """The batched inference forward of a ``DSparkDraftModel`` over a per-slot KV cache (weights
+    shared, merged projections built once)."""
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int):
         """``model``: a ``DSparkDraftModel`` (``draft.py`` builds its caches' runners from this
@@ -39,20 +83,9 @@ class DraftRunner:
         self.block_size = cfg.block_size
         self.cache = KVCache(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
                              model.dtype, model.device)
-        self.q_size = cfg.num_attention_heads * cfg.head_dim
-        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
-        self.layers = []
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-            self.layers.append(dict(
-                input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
-                qkv=qkv, kv=qkv[self.q_size:], o=attn.o_proj.weight.detach(),
-                q_norm=attn.q_norm.weight.detach(), k_norm=attn.k_norm.weight.detach(),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), down=mlp.down_proj.weight.detach()))
-        head_dim = cfg.head_dim
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=model.device).float() / head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** exponent)
+        with torch.no_grad():
+            self.layers = [layer_weights(layer, _merged_mlp(layer.mlp)) for layer in model.layers]
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, model.device)
         self.cos_sin = K.rope_cos_sin_table(self.inv_freq, max_len)
         self.block_offsets = torch.arange(self.block_size, dtype=torch.int32, device=model.device)
 
@@ -75,47 +108,30 @@ class DraftRunner:
     def context(self, hidden: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor) -> None:
         """Write the context K/V of ``M`` tokens: ``hidden`` ``[M, m*H]`` captured target states,
         ``positions`` / ``token_slots`` int ``[M]``."""
-        model, cfg = self.model, self.config
-        c = model.hidden_norm(model.fc(hidden.to(model.dtype)))
-        m, d = c.shape[0], cfg.head_dim
-        for i, layer in enumerate(self.layers):
-            kv = F.linear(c, layer["kv"])
-            k = kv[:, :self.kv_size].view(m, cfg.num_key_value_heads, d)
-            v = kv[:, self.kv_size:].view(m, cfg.num_key_value_heads, d)
-            K.qk_norm_rope_store(None, k, v, positions, token_slots, self.cos_sin, self.cache.k[i], self.cache.v[i],
-                                 k_norm_weight=layer["k_norm"], eps=cfg.rms_norm_eps)
-
-    def _attention(self, i: int, layer: dict, x, positions, token_slots, anchor_positions, slot_ids, cu):
-        """Layer ``i``'s attention of the block rows ``x``: their K/V into the cache, then the queries over
-        the context (``< p``, or the window) and the block (causal on causal layers)."""
-        cfg, d, n = self.config, self.config.head_dim, self.block_size
-        qkv = F.linear(x, layer["qkv"])
-        q = qkv[:, :self.q_size].view(-1, cfg.num_attention_heads, d)
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, cfg.num_key_value_heads, d)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, cfg.num_key_value_heads, d)
-        q = K.qk_norm_rope_store(q, k, v, positions, token_slots, self.cos_sin, self.cache.k[i], self.cache.v[i],
-                                 q_norm_weight=layer["q_norm"], k_norm_weight=layer["k_norm"], eps=cfg.rms_norm_eps)
-        window = cfg.layer_window(i)
-        starts = None if window is None else (anchor_positions - window).clamp(min=0)
-        out = K.cached_attention(q, self.cache.k[i], self.cache.v[i], slot_ids, anchor_positions, cu, n,
-                                 causal=cfg.layer_is_causal(i), window_starts=starts)
-        return F.linear(out.view(-1, self.q_size), layer["o"])
+        write_context(self.model, self.layers, hidden, positions, token_slots, self.cache.k, self.cache.v,
+                      self.cos_sin)
 
     @torch.inference_mode()
     def block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states ``[B*N, H]`` (model dtype) of each request's block; ``anchors``,
         ``anchor_positions``, ``slot_ids`` int32 ``[B]``. Row ``b*N + k`` is slot k of request b."""
-        model, cfg = self.model, self.config
+        cfg = self.config
         batch, n = anchors.shape[0], self.block_size
         ids = torch.full((batch, n), cfg.mask_token_id, dtype=torch.int64, device=anchors.device)
         ids[:, 0] = anchors
         positions = (anchor_positions[:, None] + self.block_offsets).view(-1)
-        token_slots = slot_ids.repeat_interleave(n)
         cu = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=anchors.device)
-        h, residual = model.embed_tokens(ids.view(-1)), None
-        for i, layer in enumerate(self.layers):
-            h, residual = decoder_layer(layer, h, residual, cfg.rms_norm_eps,
-                                        lambda x, i=i, layer=layer: self._attention(i, layer, x, positions, token_slots,
-                                                                                    anchor_positions, slot_ids, cu))
-        x, _ = K.rms_norm(h, model.norm.weight, cfg.rms_norm_eps, residual=residual)
-        return x
+
+        def attend(i, q, k_line, v_line):
+            window = cfg.layer_window(i)
+            starts = None if window is None else (anchor_positions - window).clamp(min=0)
+            return K.cached_attention(q, k_line, v_line, slot_ids, anchor_positions, cu, n,
+                                      causal=cfg.layer_is_causal(i), window_starts=starts)
+
+        return run_block(self.model, self.layers, ids.view(-1), positions, slot_ids.repeat_interleave(n),
+                         self.cache.k, self.cache.v, self.cos_sin, attend)
+
+
+def _merged_mlp(mlp: torch.nn.Module):
+    """``swiglu`` with the gate/up weights merged once (inference: the weights do not change)."""
+    return partial(swiglu, gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight)

@@ -34,7 +34,8 @@ import torch
 
 from .. import kernels as K
 from ..kernels._validate import Checker
-from .llama import AttentionBatch, CachedTarget, KVCache
+from .layers import KVCache
+from .llama import AttentionBatch, CachedTarget
 
 __all__ = ["ATTENTION", "HFTarget"]
 log = logging.getLogger("dspark.engine")

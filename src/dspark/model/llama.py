@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from .. import kernels as K
 from ..kernels._validate import Checker
+from .layers import KVCache, attention, decoder_layer, rms_norm, rope_inv_freq, swiglu
 
-__all__ = ["AttentionBatch", "CachedTarget", "KVCache", "TargetLM", "SUPPORTED_MODEL_TYPES", "decoder_layer"]
+__all__ = ["AttentionBatch", "CachedTarget", "TargetLM", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -39,22 +40,6 @@ class AttentionBatch:
     max_query_len: int
     window_starts: torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None  # int64 [N]: per query, the new tokens it sees (tree verification)
-
-
-class KVCache:
-    """K and V lines of ``num_slots`` requests for every layer: ``k[layer]``/``v[layer]``
-    ``[num_slots, max_len, n_kv, d]``. Allocated once; a request owns one slot while it runs."""
-
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device):
-        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots, self.max_len = num_slots, max_len
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 class CachedTarget:
@@ -178,55 +163,29 @@ class TargetLM(CachedTarget):
         """
         s = self.shape
         h, residual = F.embedding(input_ids, self.embed), None
-        rows = positions if cache_positions is None else cache_positions
         for i, layer in enumerate(self.layers):
             h, residual = decoder_layer(
                 layer, h, residual, s.eps,
-                lambda x, i=i, layer=layer: self._attention(layer, x, positions, rows, token_slots, batch, cache.k[i],
-                                                            cache.v[i]),
+                lambda x, i=i, layer=layer: attention(layer, x, s.num_heads, positions, token_slots, self.cos_sin,
+                                                      cache.k[i], cache.v[i], s.eps,
+                                                      self._attend(batch, cache.k[i], cache.v[i]), cache_positions),
+                lambda x, layer=layer: swiglu(x, layer["gate_up"], layer["down"]),
                 on_input=lambda hidden, i=i: self._capture(capture_out, i, hidden))
-        x, _ = K.rms_norm(h, self.norm, s.eps, residual=residual)
+        x, _ = rms_norm(h, self.norm, s.eps, residual=residual)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
         return F.linear(x, self.lm_head).float()
 
-    def _attention(self, layer, x, positions, rows, token_slots, batch: AttentionBatch, k_cache, v_cache):
-        s = self.shape
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
-        n = qkv.shape[0]
-        q = qkv[:, :q_size].view(n, s.num_heads, s.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
-        v = qkv[:, q_size + kv_size:].view(n, s.num_kv_heads, s.head_dim)
-        q = K.qk_norm_rope_store(q, k, v, positions, token_slots, self.cos_sin, k_cache, v_cache,
-                                 q_norm_weight=layer.get("q_norm"), k_norm_weight=layer.get("k_norm"), eps=s.eps,
-                                 cache_positions=None if rows is positions else rows)
+    def _attend(self, batch, k_cache, v_cache):
+        """``attend(q)``: causal, one launch per row group of a list (tiles sized for verify or prefill)."""
         if isinstance(batch, AttentionBatch):
-            out = _causal_attention(q, k_cache, v_cache, batch)
-        else:  # row groups, each its own launch: attention tiles sized for verify rows or for prompt chunks
-            out = torch.cat([_causal_attention(q[lo:hi], k_cache, v_cache, g) for lo, hi, g in batch])
-        return F.linear(out.view(n, q_size), layer["o"])
+            return lambda q: _causal_attention(q, k_cache, v_cache, batch)
+        return lambda q: torch.cat([_causal_attention(q[lo:hi], k_cache, v_cache, g) for lo, hi, g in batch])
 
 
 def _causal_attention(q, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
     return K.cached_attention(q, k_cache, v_cache, batch.slot_ids, batch.context_lens, batch.cu_query_lens,
                               batch.max_query_len, causal=True, tree_mask=batch.tree_mask)
-
-
-def decoder_layer(layer: dict, h: torch.Tensor, residual: torch.Tensor | None, eps: float, attention,
-                  on_input=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pre-norm decoder layer on flat rows (the target's and the draft's): ``(h, residual)`` of the
-    previous layer (``residual`` None for the first) -> this layer's. The residual adds are fused into
-    the RMSNorms (HF op order); ``attention(x)`` maps the normed rows ``[N, H]`` to ``[N, H]``;
-    ``on_input(hidden)`` sees the layer's input hidden states (HF ``hidden_states[i]``)."""
-    if residual is None:
-        residual, x = h, K.rms_norm(h, layer["input_norm"], eps)
-    else:
-        x, residual = K.rms_norm(h, layer["input_norm"], eps, residual=residual)
-    if on_input is not None:
-        on_input(residual)
-    x, residual = K.rms_norm(attention(x), layer["post_norm"], eps, residual=residual)
-    return F.linear(K.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"]), residual
 
 
 # ------------------------------------------------------------------------------------ config & io
@@ -270,9 +229,7 @@ def _rope_frequencies(c: Checker, config) -> tuple[torch.Tensor, float]:
                "supported: default, linear, llama3, yarn")
     if rope_type == "default":
         s = _shape_of(c, config)
-        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        exponent = torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim
-        return 1.0 / (base ** exponent), 1.0
+        return rope_inv_freq(s.head_dim, params.get("rope_theta", getattr(config, "rope_theta", 10000.0))), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         c.fail(f"unknown RoPE type {rope_type!r}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")

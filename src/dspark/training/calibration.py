@@ -30,6 +30,7 @@ import torch
 
 from ..kernels._validate import Checker
 from ..model import DSparkDraftModel
+from ..model.checkpoint import read_json_object
 from .trainer import block_hidden, greedy_continuation, target_states
 
 __all__ = [
@@ -224,7 +225,7 @@ def save_calibration(draft_dir, temperatures: list[float], report: list[dict] | 
     values = [c.real("temperatures[]", t, low=1e-6) for t in temperatures]
     file = directory / CALIBRATION_FILE
     file.write_text(json.dumps({"sts_temperatures": values, "report": report or []}, indent=2) + "\n")
-    config = json.loads(config_file.read_text())
+    config = read_json_object(config_file)
     config["sts_temperatures"] = values
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     return file
@@ -239,7 +240,7 @@ def load_calibration(path) -> list[float]:
         file = file / CALIBRATION_FILE
     if not file.is_file():
         c.fail(f"no calibration file at {str(file)!r}")
-    data = json.loads(file.read_text())
+    data = read_json_object(file)
     values = data.get("sts_temperatures", data.get("temperatures"))
     if not isinstance(values, list) or not values:
         c.fail(f"{file.name} has no non-empty 'sts_temperatures' (or 'temperatures') list")

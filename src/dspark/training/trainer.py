@@ -6,12 +6,9 @@ One step on a batch of token rows ``[B, S]``:
    context ``[B, S, m*H]``, the final (post-norm) hidden state through the target's ``lm_head``
    gives the target distributions;
 2. ``num_anchors`` anchor positions p per row are sampled; each block ``[x_p, mask, ...]`` sits at
-   positions ``p .. p+N-1`` (``block_hidden``): one batched pass of the draft layers with the
-   training mask of §2.5 -- context keys ``< p`` (``>= p - W`` on sliding layers), block keys of
-   the same block only, bidirectional or causal per layer type -- block-sparse on a GPU
-   (FlexAttention's ``BlockMask``: the tiles no query sees are skipped, no mask tensor), a dense
-   mask tensor with SDPA on the CPU (FlexAttention has no backward there). This is exactly what
-   ``DSparkDraftModel.forward_block`` computes at inference for one anchor (tested);
+   positions ``p .. p+N-1`` (``block_hidden``): one batched pass of the draft's inference forward
+   (``model.draft_runner``) whose attention sees what the engine's does (the training mask of §2.5)
+   -- block-sparse on a GPU (FlexAttention's ``BlockMask``), a dense mask with SDPA on the CPU;
 3. slot logits = ``lm_head`` + Markov bias with teacher-forced previous tokens (the token at the
    row whose target logits the slot is trained on; without ``sample_from_anchor`` slot 0, which
    drafts nothing, gets the anchor, so an rnn head's state steps through it as speculators'
@@ -51,9 +48,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import kernels as K
 from ..kernels._validate import Checker
 from ..model import DSparkConfig, DSparkDraftModel, save_draft
-from ..model.draft import apply_rope, rope_cos_sin
+from ..model.draft_runner import layer_weights, run_block, write_context
+from ..model.layers import rope_inv_freq
 from .distributed import SINGLE, World, wrap
 from .objective import DSparkLoss, dspark_loss, expected_accepted_length, position_weights
 from .state import LoopState, gather_state, load_optimizer_state, read_training_state, write_training_state
@@ -385,32 +384,10 @@ def sample_anchors(batch: int, seq_len: int, num_anchors: int, block_size: int,
     return order.sort(dim=-1).values + 1
 
 
-def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool,
-                  window: int | None) -> torch.Tensor:
-    """bool ``[B, A*N, S + A*N]``: which keys (context positions ``0..S-1``, then the A blocks'
-    slots) each block query sees -- runtime.md §2.5 for anchors ``[B, A]``."""
-    b, a = anchors.shape
-    n, device = block_size, anchors.device
-    p = anchors[:, :, None, None]
-    j = torch.arange(seq_len, device=device)
-    context = j < p
-    if window is not None:
-        context &= j >= p - window
-    context = context.expand(b, a, n, seq_len).reshape(b, a * n, seq_len)
-    inside = torch.ones(n, n, dtype=torch.bool, device=device)
-    if causal:
-        inside = inside.tril()
-    block = torch.block_diag(*[inside] * a)
-    return torch.cat([context, block.expand(b, -1, -1)], dim=-1)
-
-
-def training_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool, window: int | None):
-    """``training_mask`` as FlexAttention's block-sparse ``BlockMask`` (no ``[Q, K]`` tensor): the
-    same visibility as a ``mask_mod``, so whole 128 x 128 tiles that no query sees are skipped --
-    most of the context keys past a block's anchor and every other block's slots."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, a = anchors.shape
+def _visible(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool, window: int | None):
+    """The training mask of runtime.md §2.5 for anchors ``[B, A]`` as a FlexAttention ``mask_mod``:
+    whether block query q (block ``q // N``, slot ``q % N``) of row ``batch`` sees key kv (context
+    positions ``0..S-1``, then the A blocks' slots)."""
     n = block_size
 
     def visible(batch, head, q, kv):
@@ -424,8 +401,26 @@ def training_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, ca
             same &= slot % n <= q % n
         return context | same
 
-    return create_block_mask(visible, b, None, a * n, seq_len + a * n, device=anchors.device,
-                             _compile=anchors.device.type == "cuda")
+    return visible
+
+
+def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool,
+                  window: int | None) -> torch.Tensor:
+    """bool ``[B, A*N, S + A*N]``: the training mask (``_visible``) as a tensor, for SDPA."""
+    b, a = anchors.shape
+    batch, q, kv = (torch.arange(size, device=anchors.device) for size in (b, a * block_size, seq_len + a * block_size))
+    return _visible(anchors, seq_len, block_size, causal, window)(batch[:, None, None], None, q[:, None], kv)
+
+
+def training_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool, window: int | None):
+    """The training mask (``_visible``) as FlexAttention's block-sparse ``BlockMask`` (no ``[Q, K]``
+    tensor): whole 128 x 128 tiles that no query sees are skipped -- most of the context keys past a
+    block's anchor and every other block's slots."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, a = anchors.shape
+    return create_block_mask(_visible(anchors, seq_len, block_size, causal, window), b, None, a * block_size,
+                             seq_len + a * block_size, device=anchors.device, _compile=anchors.device.type == "cuda")
 
 
 @functools.cache
@@ -436,53 +431,17 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """``[B, T, heads*d]`` -> ``[B, heads, T, d]``."""
-    return x.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)
-
-
-def _key_value(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The layer's own ``key_value`` (k_proj, k_norm, RoPE; v_proj) over ``[B, T, H]`` with tables
-    ``[B*T, d]`` -> keys and values ``[B, n_kv, T, d]``."""
-    b, t, _ = x.shape
-    k, v = attn.key_value(x.reshape(b * t, -1), cos, sin)
-    return (y.view(y.shape[0], b, t, y.shape[2]).transpose(0, 1) for y in (k, v))
-
-
-def _block_attention(attn, x, context, ctx_rope, block_rope, mask) -> torch.Tensor:
-    """One draft attention over context + blocks: queries ``x`` ``[B, Q, H]``, ``context`` ``[B, S, H]``
-    (the projected target states), RoPE tables ``(cos, sin)`` ``[B*S, d]`` / ``[B*Q, d]``."""
-    b, q_len, _ = x.shape
-    d, rep = attn.head_dim, attn.num_heads // attn.num_kv_heads
-    cos, sin = (t.view(b, 1, q_len, d) for t in block_rope)
-    q = apply_rope(attn.q_norm(_heads(attn.q_proj(x), attn.num_heads, d)), cos, sin)
-    k_ctx, v_ctx = _key_value(attn, context, *ctx_rope)
-    k_blk, v_blk = _key_value(attn, x, *block_rope)
-    k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-    dtype = v.dtype  # under autocast the pieces may differ in precision
-    if isinstance(mask, torch.Tensor):
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v, attn_mask=mask[:, None])
-    else:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        # the CPU runs it uncompiled (forward only there: the tests compare it with the dense path)
-        flex = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
-        out = flex(q.to(dtype), k.to(dtype), v, block_mask=mask, scale=attn.head_dim ** -0.5, enable_gqa=rep > 1)
-    return attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-
-
 def block_hidden(model: DSparkDraftModel, context_hidden: torch.Tensor, block_ids: torch.Tensor,
                  anchors: torch.Tensor, *, attention: str = "auto") -> torch.Tensor:
     """Final-norm hidden states ``[B, A, N, H]`` of A blocks per row in one batched pass.
 
     context_hidden: ``[B, S, m*H]`` captured target states of positions ``0..S-1``;
     block_ids: int64 ``[B, A, N]`` (anchor token, then mask tokens); anchors: int64 ``[B, A]``,
-    the anchor positions p (slot k at ``p+k``). Block (b, a) equals
-    ``forward_block(cache with positions < p, ...)`` at inference; gradients flow.
-    ``attention``: ``"flex"`` (block-sparse FlexAttention, compiled; ``"auto"`` on a GPU) or
-    ``"dense"`` (SDPA with the ``training_mask`` tensor; ``"auto"`` on the CPU, where FlexAttention
-    has no backward).
+    the anchor positions p (slot k at ``p+k``). The draft's one forward (``model.draft_runner``) over
+    one K/V line per row (its context, then its blocks), gradients flowing; only the attention is
+    training's: ``"flex"`` (block-sparse FlexAttention over ``training_block_mask``, compiled;
+    ``"auto"`` on a GPU) or ``"dense"`` (SDPA with the ``training_mask`` tensor; ``"auto"`` on the
+    CPU, where FlexAttention has no backward).
     """
     if attention not in ("auto", "flex", "dense"):
         Checker("block_hidden").fail(f"attention must be 'auto', 'flex' or 'dense', got {attention!r}")
@@ -490,24 +449,49 @@ def block_hidden(model: DSparkDraftModel, context_hidden: torch.Tensor, block_id
     if flex and context_hidden.device.type != "cuda" and torch.is_grad_enabled():
         Checker("block_hidden").fail("attention 'flex' trains on a GPU only (FlexAttention has no backward on the "
                                      "CPU): use 'dense' there")
-    make_mask = training_block_mask if flex else training_mask
     cfg = model.config
     b, s, _ = context_hidden.shape
     a, n = block_ids.shape[1:]
-    dtype, device = model.dtype, context_hidden.device
-    context = model.hidden_norm(model.fc(context_hidden.to(dtype)))
-    ctx_rope = rope_cos_sin(torch.arange(s, device=device).repeat(b), cfg.head_dim, cfg.rope_theta, dtype)
-    positions = anchors[:, :, None] + torch.arange(n, device=device)
-    block_rope = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta, dtype)
-    h = model.embed_tokens(block_ids).reshape(b, a * n, -1)
+    device = context_hidden.device
+    # the K/V dtype: the GEMMs' (bf16 under a GPU step's autocast), one tensor per layer so autograd
+    # sees each layer's writes apart
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else model.dtype
+    shape = (b, s + a * n, cfg.num_key_value_heads, cfg.head_dim)
+    k_lines, v_lines = ([torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers] for _ in range(2))
+    cos_sin = K.rope_cos_sin_table(rope_inv_freq(cfg.head_dim, cfg.rope_theta, device), s)
+    weights = [layer_weights(layer, layer.mlp) for layer in model.layers]
+    lines = torch.arange(b, device=device)  # row b's line
+    write_context(model, weights, context_hidden.reshape(b * s, -1), torch.arange(s, device=device).repeat(b),
+                  lines.repeat_interleave(s), k_lines, v_lines, cos_sin)
+    make_mask = training_block_mask if flex else training_mask
     masks: dict[tuple, torch.Tensor] = {}
-    for i, layer in enumerate(model.layers):
+
+    def attend(i, q, k_line, v_line):  # [R, n_q, d] over the rows' lines [B, L, n_kv, d]
         kind = (cfg.layer_is_causal(i), cfg.layer_window(i))
         if kind not in masks:
             masks[kind] = make_mask(anchors, s, n, *kind)
-        h = h + _block_attention(layer.self_attn, layer.input_layernorm(h), context, ctx_rope, block_rope, masks[kind])
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.norm(h).view(b, a, n, -1)
+        out = _training_attention(q.view(b, a * n, *q.shape[1:]).transpose(1, 2), k_line.transpose(1, 2),
+                                  v_line.transpose(1, 2), masks[kind])
+        return out.transpose(1, 2).reshape(q.shape)
+
+    positions = (anchors[:, :, None] + torch.arange(n, device=device)).reshape(-1)
+    hidden = run_block(model, weights, block_ids.reshape(-1), positions, lines.repeat_interleave(a * n),
+                       k_lines, v_lines, cos_sin, attend, rows=(s + torch.arange(a * n, device=device)).repeat(b))
+    return hidden.view(b, a, n, -1)
+
+
+def _training_attention(q, k, v, mask) -> torch.Tensor:
+    """Queries ``[B, n_q, Q, d]`` over keys / values ``[B, n_kv, L, d]`` under ``mask`` (bool
+    ``[B, Q, L]``: SDPA; a ``BlockMask``: FlexAttention) -> ``[B, n_q, Q, d]``."""
+    rep = q.shape[1] // k.shape[1]
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                              attn_mask=mask[:, None])
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # the CPU runs it uncompiled (forward only there: the tests compare it with the dense mask)
+    flex = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
+    return flex(q, k, v, block_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=rep > 1)
 
 
 def markov_logits(model: DSparkDraftModel, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
