@@ -32,6 +32,7 @@ and run eagerly (the same functions, without graphs).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Protocol
 
@@ -166,6 +167,9 @@ class ModelRunner:
         self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
         self.pool = None
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
+        # (verify s, draft s) of the last round without prompt chunks, on a device that runs as it is
+        # called (the CPU); None elsewhere (a GPU round is timed only as a whole, at its readout)
+        self.round_times: tuple[float, float] | None = None
 
         i32 = dict(dtype=torch.int32, device=dev)
         b, p, t = max_batch, self.num_drafts, self.verify_len
@@ -254,13 +258,18 @@ class ModelRunner:
         num_tokens = b * -(-sum(verify_lens + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
         if self.tree is not None:
             num_tokens = b * self.verify_len  # every row's tree, padding rows' too
+        self.round_times = None
         if chunks:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
         mode = self._batch_mode(rows)
+        start = time.perf_counter()
         self._replay(("verify", b, num_tokens, mode), lambda: self._verify_rows(b, rows, num_tokens, mode),
                      mode is not None)
+        verified = time.perf_counter()
         self._draft(b, rows, mode)
+        if self.device.type == "cpu":
+            self.round_times = (verified - start, time.perf_counter() - verified)
 
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
