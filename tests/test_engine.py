@@ -128,9 +128,9 @@ def test_sts_temperatures_scale_the_confidence_logits(target, greedy):
     hidden = _forward(target, PROMPT, config.capture_layer_ids)[1]
     anchor = torch.tensor([greedy[0]], dtype=torch.int32)
     proposals = []
+    block = draft.forward_block(draft.new_cache(), hidden, anchor, len(PROMPT))
     for drafter in (plain, identity, calibrated):
-        drafter.reset()
-        proposals.append(drafter.propose(hidden, anchor, len(PROMPT), SamplingParams(), None))
+        proposals.append(drafter.propose_rows(block, draft.backbone_logits(block), anchor, SamplingParams(), None))
     assert torch.equal(proposals[0].token_ids, proposals[2].token_ids)
     assert torch.equal(proposals[1].confidence, proposals[0].confidence)  # T = 1 changes nothing
     logit = torch.logit(proposals[1].confidence.double())
@@ -244,8 +244,8 @@ def test_fp32_drafts_run_their_heads_in_fp32(target):
     assert not drafter.kernel_markov and not drafter.kernel_confidence
     context = _forward(target, PROMPT, config.capture_layer_ids)[1]
     anchor = torch.tensor([7], dtype=torch.int32)
-    proposal = drafter.propose(context, anchor, len(PROMPT), SamplingParams(), None)
     hidden = draft.forward_block(draft.new_cache(), context, 7, len(PROMPT))
+    proposal = drafter.propose_rows(hidden, draft.backbone_logits(hidden), anchor, SamplingParams(), None)
     logits, prev, state, chain = draft.backbone_logits(hidden), anchor, None, []
     for k in range(config.num_draft_tokens):
         bias, state = draft.markov_bias(hidden[k:k + 1], prev, state)

@@ -154,11 +154,12 @@ def drafter_rounds(model, expected, sampling=SamplingParams()):
     scheduler = "threshold" if model.confidence_head is not None else "off"
     drafter = Drafter(model, scheduler=scheduler, threshold=0.0)
     p_drafts = model.config.num_draft_tokens
-    context, start, rounds = expected["context_hidden"], 0, []
+    context, start, rounds, cache = expected["context_hidden"], 0, [], model.new_cache()
     for j, (p, anchor) in enumerate(zip(expected["anchor_positions"].tolist(), expected["anchor_tokens"].tolist())):
         uniforms = None if sampling.greedy else K.fill_uniforms(p_drafts, sampling.seed, j * p_drafts).view(1, -1)
-        proposal = drafter.propose(context[start:p].to(model.dtype), torch.tensor([anchor], dtype=torch.int32), p,
-                                   sampling, uniforms)
+        anchor = torch.tensor([anchor], dtype=torch.int32)
+        hidden = model.forward_block(cache, context[start:p].to(model.dtype), anchor, p)
+        proposal = drafter.propose_rows(hidden, model.backbone_logits(hidden), anchor, sampling, uniforms)
         start = p
         rounds.append(proposal)
     tokens = torch.stack([r.token_ids[0].long() for r in rounds])

@@ -14,7 +14,7 @@ user-facing ``generate``: text or token-id prompts, one or many, decoded text, s
 from .api import encode_prompts, generate, generate_texts, load_tokenizer
 from .decoder import SpeculativeDecoder
 from .drafting import SCHEDULERS, Drafter, Proposal, SamplingParams
-from .llm_engine import ENGINES, EngineConfig, LLMEngine, RequestResult, engine_config
+from .llm_engine import ENGINES, EngineConfig, LLMEngine, engine_config
 from .request import FINISH_REASONS, GenerationInterrupted, GenerationResult, Request, RequestOutput
 from .schedulers import SPSCostTable, batch_schedule, prefix_schedule, prefix_survival
 from .stats import GenerationStats
@@ -25,7 +25,7 @@ __all__ = [
     "TextOutput", "TextStream", "encode_prompts", "generate", "generate_texts", "load_tokenizer",
     "FINISH_REASONS", "GenerationInterrupted", "GenerationResult", "SpeculativeDecoder",
     "SCHEDULERS", "Drafter", "Proposal", "SamplingParams",
-    "ENGINES", "EngineConfig", "LLMEngine", "RequestResult", "engine_config", "Request", "RequestOutput",
+    "ENGINES", "EngineConfig", "LLMEngine", "engine_config", "Request", "RequestOutput",
     "SPSCostTable", "batch_schedule", "prefix_schedule", "prefix_survival",
     "GenerationStats",
     "check_target_directory", "eos_token_ids", "load_target_model", "resolve_device",

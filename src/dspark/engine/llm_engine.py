@@ -35,7 +35,7 @@ from .request import (GenerationInterrupted, GenerationResult, Request, RequestO
                       TokenLogprobs)
 from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk, TreeSettings
 
-__all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "RequestResult", "engine_config", "token_logprobs"]
+__all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "engine_config", "token_logprobs"]
 
 log = logging.getLogger("dspark.engine")
 
@@ -114,18 +114,6 @@ def engine_config(engine: str, on_device, *, name: str = "engine", **fields) -> 
     if engine == "reference" or engine == "auto" and not on_cuda:
         fields.update(max_batch=1, cuda_graphs=False)
     return EngineConfig(**fields)
-
-
-@dataclass
-class RequestResult:
-    """A finished request: ``token_ids`` (prompt excluded), ``finish_reason``, per-request stats;
-    ``error`` when the engine failed it (finish reason ``"error"``)."""
-
-    request_id: int
-    token_ids: list[int]
-    finish_reason: str
-    stats: object
-    error: str | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -505,12 +493,12 @@ class LLMEngine:
     # ---- convenience --------------------------------------------------------------------------
 
     def generate(self, requests: list[Request],
-                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestResult]:
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[GenerationResult]:
         """Run ``requests`` to completion (together with any already queued); results in input order."""
         ids = [self.add_request(r) for r in requests]
         seqs = {i: self.sequences[i] for i in ids}
         self._drive(set(ids), on_output)
-        return [RequestResult(i, s.output_ids, s.finish_reason, s.stats, s.error) for i, s in seqs.items()]
+        return [GenerationResult(s.output_ids, s.stats, s.finish_reason, error=s.error) for s in seqs.values()]
 
     def generate_requests(self, requests: list[Request], *,
                           on_tokens: Callable[[int, list[int]], "bool | None"] | None = None) -> list[GenerationResult]:

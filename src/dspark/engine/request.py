@@ -67,15 +67,17 @@ def _describe(value) -> str:
 
 @dataclass
 class GenerationResult:
-    """Generated token ids (prompt excluded; the EOS / stop id included when it ended the output),
-    statistics, why the output ended (``FINISH_REASONS``: ``"stop"`` an EOS / stop id / stop
-    string, ``"length"`` ``max_new_tokens`` or the context limit, ``"interrupted"`` Ctrl-C) and,
+    """A finished request: generated token ids (prompt excluded; the EOS / stop id included when it
+    ended the output), statistics, why the output ended (``FINISH_REASONS``: ``"stop"`` an EOS /
+    stop id / stop string, ``"length"`` ``max_new_tokens`` or the context limit, ``"interrupted"``
+    Ctrl-C; ``LLMEngine.generate`` also ``"abort"`` and ``"error"``, with ``error`` saying why) and,
     when a tokenizer is known, the decoded continuation ``text``."""
 
     token_ids: list[int]
     stats: GenerationStats
     finish_reason: str = "length"
     text: str | None = None
+    error: str | None = None
 
 
 class GenerationInterrupted(KeyboardInterrupt):

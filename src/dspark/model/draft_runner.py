@@ -2,7 +2,7 @@
 
 The draft's one inference forward (runtime.md §2.4-2.6), batched and flat, through the
 ``dspark.kernels.layers`` ops with merged QKV / gate-up projections; ``DSparkDraftModel.forward_block``
-(the single-request loop) runs it on one cache line:
+(one request, the tests' and the trainer's reference) runs it on one cache line:
 
 * ``context(hidden, positions, token_slots)`` projects captured target hidden states
   (``c = hidden_norm(fc(concat h))``) and writes every layer's context K/V (``RoPE(k_norm(k_proj c))``,
