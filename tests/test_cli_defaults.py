@@ -25,13 +25,11 @@ def test_eval_defaults_to_the_demo_pair_and_takes_the_cost_scheduler(tmp_path, c
     common = ["eval", "--prompts", str(pair.prompts), "--num-prompts", "1", "--max-new-tokens", "8", "--device", "cpu",
               "--quiet"]
     assert main([*common, "--json", str(tmp_path / "off.json")]) == 0
-    assert main([*common, "--engine", "batched", "--scheduler", "cost", "--cost-table", str(table),
+    assert main([*common, "--scheduler", "cost", "--cost-table", str(table),  # auto on the CPU: reference
                  "--json", str(tmp_path / "cost.json.report")]) == 0
     for name in ("off.json", "cost.json.report"):
         report = json.loads((tmp_path / name).read_text())
         assert report["target"] == str(pair.target) and report["drafts"][0]["identical"] == 1  # greedy: lossless
-    assert main([*common, "--scheduler", "cost", "--cost-table", str(table)]) == 2  # auto on the CPU: reference
-    assert "--scheduler cost needs the batched engine" in capsys.readouterr().err
     assert main([*common, "--target", str(pair.target)]) == 2
     assert "--target needs --draft" in capsys.readouterr().err
 

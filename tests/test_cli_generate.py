@@ -99,8 +99,8 @@ def test_sampled_generation_is_reproducible_per_seed(checkpoints, capsys):
     (["--prompt-ids", "1", "--max-new-tokens", "-1"], "max_new_tokens must be in [0, inf], got -1"),
     (["--prompt-ids", "1", "--stop", "x"], "--stop needs the target's tokenizer"),
     (["--prompt-ids", "1,2,3,4,5", "--max-model-len", "5"],
-     "the prompt has 5 tokens, but the target's context is 5 tokens (prompt + output): at most 4 prompt tokens"),
-    (["--prompt-ids", "1", "--max-model-len", "5000"], "max_model_len=5000 exceeds the target's context of 1024 tokens"),
+     "the prompt has 5 tokens; the context limit (max_model_len) is 5, which must leave room for at least one new"),
+    (["--prompt-ids", "1", "--max-model-len", "5000"], "max_model_len 5000 exceeds the target's max_position_embeddings 1024"),
 ])
 def test_bad_options_are_one_line_errors(checkpoints, capsys, args, message):
     status, out, err = _run(capsys, *_pair(checkpoints, target="bare"), *args)
@@ -141,7 +141,7 @@ def test_broken_target_checkpoints_are_named(checkpoints, capsys, tmp_path):
     del tensors["model.layers.2.self_attn.q_proj.weight"]
     save_file(tensors, str(weights), metadata={"format": "pt"})
     status, _, err = _run(capsys, "--target", str(broken), *draft)
-    assert status == 2 and "lacks tensor 'model.layers.2.self_attn.q_proj.weight'" in err
+    assert status == 2 and "has no tensor 'model.layers.2.self_attn.q_proj.weight'" in err
 
     weights.unlink()
     torch.save(load_file(str(root / "target" / "model.safetensors")), broken / "pytorch_model.bin")
@@ -195,7 +195,7 @@ def test_prompt_file_text_stdin_and_jsonl(checkpoints, greedy, capsys, monkeypat
     (b'\n{"prompt_ids": [1], "top_k": "5"}\n', "requests.jsonl:2: 'top_k' must be an integer, got '5'"),
     (b'{"prompt_ids": [1]}\n{"prompt_ids": [1], "top_p": 2.0}\n', "requests.jsonl:2: SamplingParams: top_p must be in"),
     (b'{"prompt_ids": [1]}\n\n{"prompt": "t1 \xff"}\n', "requests.jsonl:3 is not UTF-8 text (byte 0xff)"),
-    (b'{"prompt_ids": [1, 99]}\n', "requests.jsonl:1: generate: prompt_ids holds token id 99"),
+    (b'{"prompt_ids": [1, 99]}\n', "requests.jsonl:1: add_request: prompt_ids holds token id 99"),
     (b'["t1"]\n', "requests.jsonl:1: a request must be a JSON object, got list"),
     (b"\n\n", "requests.jsonl holds no request"),
 ])
@@ -255,8 +255,8 @@ def test_quiet_silences_the_loading_bars(checkpoints, capsys):
 
     args = [*_pair(checkpoints), "--prompt-ids", "1", "--max-new-tokens", "2"]
     try:
-        assert "Loading weights" in _run(capsys, *args)[2]
-        assert "Loading weights" not in _run(capsys, *args, "--quiet")[2]
+        assert _run(capsys, *args, "--quiet")[0] == 0
+        assert not logging.is_progress_bar_enabled() and logging.get_verbosity() == logging.ERROR
     finally:
         logging.enable_progress_bar()
         logging.set_verbosity_warning()
@@ -392,8 +392,7 @@ def test_no_draft_decodes_with_the_target_alone(checkpoints, greedy, capsys):
     report = json.loads(out)
     assert status == 0 and report["generated_ids"] == greedy[:10]
     assert report["stats"]["acceptance_per_position"] == [] and report["stats"]["mean_scheduled_length"] == 0  # no drafts
-    for extra, message in [(["--engine", "reference"], "--no-draft needs --engine batched or auto"),
-                           (["--compare"], "--compare runs plain decoding beside speculative decoding"),
+    for extra, message in [(["--compare"], "--compare runs plain decoding beside speculative decoding"),
                            (["--draft", str(root / "speculators")], "--no-draft and --draft exclude each other")]:
         status, _, err = _run(capsys, "--target", str(root / "target"), "--no-draft", "--prompt-ids", ids, *extra)
         assert status == 2 and message in err
@@ -412,8 +411,6 @@ def test_cost_scheduler_with_a_cost_table(checkpoints, greedy, capsys, tmp_path)
     assert status == 0 and json.loads(out)["generated_ids"] == greedy[:12]
     for extra, message in [
         (["--scheduler", "cost", "--engine", "batched"], "--scheduler cost needs --cost-table FILE"),
-        (["--scheduler", "cost", "--cost-table", str(table), "--engine", "reference"],
-         "--scheduler cost needs the batched engine"),
         (["--scheduler", "cost", "--cost-table", str(tmp_path / "none.json"), "--engine", "batched"],
          f"--cost-table {tmp_path / 'none.json'} not found"),
         (["--cost-table", str(table)], f"--cost-table {table} is read only by --scheduler cost, got --scheduler off"),

@@ -181,8 +181,8 @@ def test_a_failing_round_fails_its_rows_and_the_engine_goes_on(target, draft, mo
 
 
 @pytest.mark.parametrize("scheduler", ["off", "threshold"])
-def test_the_reference_loop_runs_to_exactly_the_context_limit(target, draft, scheduler):
-    """The single-request loop (``SpeculativeDecoder``, the lossless reference) at the same limit."""
+def test_one_request_at_a_time_runs_to_exactly_the_context_limit(target, draft, scheduler):
+    """``SpeculativeDecoder`` (the reference engine: max batch 1, no CUDA graphs) at the same limit."""
     from dspark.engine import SpeculativeDecoder
 
     decoder = SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=0.3)
@@ -193,21 +193,18 @@ def test_the_reference_loop_runs_to_exactly_the_context_limit(target, draft, sch
 
 
 @pytest.mark.parametrize("with_draft", [True, False], ids=["dspark", "plain"])
-def test_one_seed_gives_the_same_tokens_in_both_engines(target, draft, with_draft):
-    """One random stream: the single-request loop draws the batched engine's request-stable
-    uniforms (seed, position, purpose) and verifies what it would, so a sampled request's tokens do
-    not depend on which engine runs it (here up to the context limit, the last rounds trimmed)."""
-    from dspark.engine import SamplingParams, SpeculativeDecoder, TargetModel, autoregressive_generate
+def test_one_seed_gives_the_same_tokens_alone_and_in_a_batch(target, draft, with_draft):
+    """One random stream: every draw is request-stable (seed, position, purpose), so a sampled
+    request's tokens are the same run alone on the reference engine (max batch 1, no CUDA graphs) as
+    beside other requests in a batch (here up to the context limit, the last rounds trimmed)."""
+    from dspark.engine import SamplingParams
 
-    engine = LLMEngine(target, draft if with_draft else None, EngineConfig(max_batch=3))
+    draft = draft if with_draft else None
+    batched = LLMEngine(target, draft, EngineConfig(max_batch=3))
+    alone = LLMEngine(target, draft, EngineConfig(max_batch=1, cuda_graphs=False))
+    other = Request([9, 1], 30, SamplingParams(temperature=1.0, seed=1), ignore_eos=True)
     for seed, sampling in enumerate([SamplingParams(temperature=1.0, seed=5), SamplingParams(0.8, top_k=20, seed=2**63 + 9),
                                      SamplingParams(0.9, top_p=0.9, seed=77)]):
-        prompt = [3, 17, 42][: seed + 1]
-        batched = engine.generate([Request(prompt, 30, sampling, ignore_eos=True)])[0].token_ids
-        if with_draft:
-            alone = SpeculativeDecoder.from_models(target, draft).generate(torch.tensor(prompt), max_new_tokens=30,
-                                                                            sampling=sampling, eos_token_id=[])
-        else:
-            alone = autoregressive_generate(TargetModel(target, [1], max_model_len=LIMIT), torch.tensor(prompt),
-                                            max_new_tokens=30, sampling=sampling, eos_token_id=[])
-        assert alone.token_ids == batched and len(batched) == LIMIT - len(prompt)
+        request = Request([3, 17, 42][: seed + 1], 30, sampling, ignore_eos=True)
+        together = batched.generate([other, request])[1].token_ids
+        assert alone.generate([request])[0].token_ids == together and len(together) == LIMIT - seed - 1

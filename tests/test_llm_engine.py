@@ -411,7 +411,7 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
 
 def test_generate_api_and_cli_run_the_batched_engine(tmp_path):
     """``dspark.generate(..., engine="batched")`` and ``dspark generate --engine batched`` decode a
-    list of prompts together; greedy output equals the single-request reference loop."""
+    list of prompts together; each request's output equals its own run alone (the reference engine)."""
     import json
     import subprocess
     import sys
@@ -432,8 +432,8 @@ def test_generate_api_and_cli_run_the_batched_engine(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["generated_ids"] for r in rows] == [r.token_ids for r in reference[:2]]
-    # one step drafts and verifies every row: the batched engine reports no draft / verify split
-    assert rows[0]["stats"]["draft_time_s"] is None and rows[0]["stats"]["total_time_s"] > 0
+    # on the CPU a round's draft and verify parts are timed apart, a batch's as one reference's
+    assert rows[0]["stats"]["draft_time_s"] > 0 and rows[0]["stats"]["total_time_s"] > 0
     assert reference[0].stats.as_dict()["draft_time_s"] > 0
 
 
@@ -444,5 +444,5 @@ def test_evaluate_runs_on_the_batched_engine(target):
     report = evaluate(target, {"d": draft}, PROMPTS[:2], max_new_tokens=8, engine="batched")
     row = report["drafts"][0]
     assert row["identical"] == 2 and row["rounds"] > 0 and report["plain"]["tokens"] == 16
-    with pytest.raises(ValueError, match="engine must be 'reference' or 'batched'"):
+    with pytest.raises(ValueError, match="evaluate: engine must be 'auto', 'batched' or 'reference', got 'fast'"):
         evaluate(target, {"d": draft}, PROMPTS[:1], engine="fast")

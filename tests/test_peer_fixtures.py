@@ -20,11 +20,12 @@ import pytest
 import torch
 from model_cases import tiny_qwen3_target
 from safetensors.torch import load_file
+from test_engine import _greedy
 
 import dspark
 import dspark.kernels as K
 from dspark.cli import main
-from dspark.engine import Drafter, SamplingParams, SpeculativeDecoder, TargetModel, autoregressive_generate
+from dspark.engine import Drafter, EngineConfig, LLMEngine, Request, SamplingParams, SpeculativeDecoder
 from dspark.model import load_draft, save_draft
 from dspark.training import trainer
 from dspark.training.objective import position_weights
@@ -113,9 +114,12 @@ def check_config(config, expected):
 
 
 def check_capture(target, config, expected, tol):
-    """The engine's target adapter captures what the peer fed its draft."""
+    """The draft's capture_layer_ids name (as Hugging Face ``hidden_states`` indices) what the peer
+    fed its draft; test_llm_engine checks that the engine captures those hidden states."""
     peer = expected["context_hidden"]
-    ours = TargetModel(target, config.capture_layer_ids).prefill(expected["input_ids"]).hidden
+    with torch.no_grad():
+        states = target(input_ids=expected["input_ids"].view(1, -1), output_hidden_states=True).hidden_states
+    ours = torch.cat([states[i][0] for i in config.capture_layer_ids], dim=-1)
     assert_logits("context_hidden", ours.to(peer.dtype), peer, tol["captured_target_hidden_rel"])
 
 
@@ -150,11 +154,13 @@ def drafter_rounds(model, expected, sampling=SamplingParams()):
     scheduler = "threshold" if model.confidence_head is not None else "off"
     drafter = Drafter(model, scheduler=scheduler, threshold=0.0)
     p_drafts = model.config.num_draft_tokens
-    context, start, rounds = expected["context_hidden"], 0, []
+    context, start, rounds, cache = expected["context_hidden"], 0, [], model.new_cache()
     for j, (p, anchor) in enumerate(zip(expected["anchor_positions"].tolist(), expected["anchor_tokens"].tolist())):
         uniforms = None if sampling.greedy else K.fill_uniforms(p_drafts, sampling.seed, j * p_drafts).view(1, -1)
-        proposal = drafter.propose(context[start:p].to(model.dtype), torch.tensor([anchor], dtype=torch.int32), p,
-                                   None if sampling.greedy else sampling.rows(1, model.device), uniforms)
+        anchor = torch.tensor([anchor], dtype=torch.int32)
+        hidden = model.forward_block(cache, context[start:p].to(model.dtype), anchor, p)
+        proposal = drafter.propose_rows(hidden, model.backbone_logits(hidden), anchor,
+                                       None if sampling.greedy else sampling.rows(1, model.device), uniforms)
         start = p
         rounds.append(proposal)
     tokens = torch.stack([r.token_ids[0].long() for r in rounds])
@@ -262,21 +268,19 @@ def check_decode_loop(model, target, meta, expected):
     evaluator's ``generate_one_sample``: same output, accept lengths and drafted blocks. The engine
     stops once the limit is committed (the prefill's token included); the evaluator counts only its
     rounds' tokens, so it may verify one more round whose tokens the limit cuts."""
-    decoder = SpeculativeDecoder.from_models(target, model)
-    rounds = []
-    propose = decoder.drafter.propose
-
-    def recording(context, anchor, position, sampling, uniforms):
-        proposal = propose(context, anchor, position, sampling, uniforms)
-        rounds.append((position, proposal.token_ids[0].tolist()))
-        return proposal
-
-    decoder.drafter.propose = recording
-    result = decoder.generate(expected["input_ids"], max_new_tokens=meta["decode"]["max_new_tokens"])
-    assert result.token_ids == expected["decode_output_ids"].tolist()
+    engine = LLMEngine(target, model, EngineConfig(max_batch=1, cuda_graphs=False))
+    seq = engine.sequences[engine.add_request(Request(expected["input_ids"], meta["decode"]["max_new_tokens"]))]
+    rounds = []  # (anchor position, drafts) of each next round, as the step that drafted it left them
+    while engine.has_unfinished():
+        engine.step()
+        state = engine.runner.state
+        rounds.append((int(state.anchor_pos[0]), state.draft_tokens[0].tolist()))
+    result = seq
+    assert result.output_ids == expected["decode_output_ids"].tolist()
     ours, accept = result.stats.accept_lengths, expected["decode_accept_lengths"].tolist()
     assert len(accept) == meta["decode"]["rounds"] and len(ours) in (len(accept), len(accept) - 1)
     assert ours[:-1] == accept[:len(ours) - 1]
+    rounds = rounds[:len(ours)]  # the last step drafted a round that never ran
     assert [p for p, _ in rounds] == expected["decode_anchor_positions"][:len(ours)].tolist()
     assert [d for _, d in rounds] == expected["decode_draft_tokens"][:len(ours)].tolist()
 
@@ -290,8 +294,8 @@ def test_rank0_and_dflash_drafters_decode_losslessly(name, target):
     assert draft.markov_head is None
     prompt = read_case(name)[2]["input_ids"][:12].tolist()
     decoder = SpeculativeDecoder.from_models(target, draft, scheduler="off")
-    result = decoder.generate(prompt, max_new_tokens=32)
-    assert result.token_ids == autoregressive_generate(decoder.target, prompt, max_new_tokens=32).token_ids
+    result = decoder.generate(prompt, max_new_tokens=32, eos_token_id=[])
+    assert result.token_ids == _greedy(target, prompt, 32)
     sampled = SamplingParams(temperature=0.8, top_k=-1, seed=3)
     first = decoder.generate(prompt, max_new_tokens=16, sampling=sampled).token_ids
     assert decoder.generate(prompt, max_new_tokens=16, sampling=sampled).token_ids == first
@@ -365,9 +369,9 @@ def test_dspark_output_carries_every_key_the_peers_write(fmt, peer_case, target,
 def test_entry_points_give_the_draft_its_target(target, capsys):
     """``dspark.generate`` and ``dspark generate`` load a speculators 0.9 draft with their target."""
     draft, prompt = PEERS / "speculators-gated" / "draft", [5, 17, 42, 8, 61]
-    plain = autoregressive_generate(TargetModel(target, [1]), prompt, max_new_tokens=12).token_ids
-    assert dspark.generate(str(PEERS / "target"), str(draft), prompt, max_new_tokens=12).token_ids == plain
-    assert dspark.generate(target, str(draft), prompt, max_new_tokens=12).token_ids == plain
+    plain = _greedy(target, prompt, 12)
+    assert dspark.generate(str(PEERS / "target"), str(draft), prompt, max_new_tokens=12, ignore_eos=True).token_ids == plain
+    assert dspark.generate(target, str(draft), prompt, max_new_tokens=12, ignore_eos=True).token_ids == plain
     status = main(["generate", "--target", str(PEERS / "target"), "--draft", str(draft), "--prompt-ids",
-                   ",".join(map(str, prompt)), "--max-new-tokens", "12", "--device", "cpu", "--json"])
+                   ",".join(map(str, prompt)), "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu", "--json"])
     assert status == 0 and json.loads(capsys.readouterr().out)["generated_ids"] == plain

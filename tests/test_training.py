@@ -17,10 +17,11 @@ import pytest
 import torch
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from safetensors.torch import load_file
+from test_engine import _greedy
 
 import dspark.kernels as K
 from dspark.cli import train as train_cli
-from dspark.engine import SpeculativeDecoder, autoregressive_generate
+from dspark.engine import SpeculativeDecoder
 from dspark.model import load_draft
 from dspark.training import data, target_lm, trainer
 from dspark.training.data import pack_sequences, read_corpus, tokenize, train_tokenizer
@@ -479,8 +480,7 @@ def test_dflash_ablation_is_saved_at_rank_0(tmp_path):
     assert bias.shape == (3, V) and not bias.any()
     decoder = SpeculativeDecoder.from_models(TARGET, loaded)
     prompt = [3, 14, 15, 92, 65]
-    assert decoder.generate(prompt, max_new_tokens=20).token_ids == \
-        autoregressive_generate(decoder.target, prompt, max_new_tokens=20).token_ids
+    assert decoder.generate(prompt, max_new_tokens=20, eos_token_id=[]).token_ids == _greedy(TARGET, prompt, 20)
 
 
 def test_trained_checkpoint_runs_losslessly_in_the_engine(tmp_path):
@@ -492,8 +492,7 @@ def test_trained_checkpoint_runs_losslessly_in_the_engine(tmp_path):
     draft = load_draft(tmp_path, dtype=torch.float32)
     decoder = SpeculativeDecoder.from_models(TARGET, draft)
     prompt = [3, 14, 15, 92, 65]
-    assert decoder.generate(prompt, max_new_tokens=20).token_ids == \
-        autoregressive_generate(decoder.target, prompt, max_new_tokens=20).token_ids
+    assert decoder.generate(prompt, max_new_tokens=20, eos_token_id=[]).token_ids == _greedy(TARGET, prompt, 20)
 
 
 def test_train_options_and_schedule():

@@ -1,8 +1,8 @@
 """Evaluation of drafts on a prompt set: τ, per-position acceptance, speedup over plain decoding.
 
-For every prompt, plain target decoding (``engine.autoregressive_generate``) and speculative
-decoding with each draft (``engine.SpeculativeDecoder``) run back to back on the same target, so
-all timings see the same machine state. Per draft, the prompts' ``GenerationStats`` are merged
+For every prompt, plain target decoding and speculative decoding with each draft (an ``LLMEngine``
+per draft and its plain twin, ``LLMEngine.plain``) run back to back on the same target, one prompt
+at a time, so all timings see the same machine state. Per draft, the prompts' ``GenerationStats`` are merged
 (rounds concatenated, times summed) and the engine's own statistics give τ (mean accepted length,
 bonus included) and the conditional acceptance of each draft position; the speedup is the ratio of
 the rates, speculative tokens per second over plain decoding's, totalled over the prompts (a ratio
@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Callable
 
-from .engine import GenerationStats, SamplingParams, SpeculativeDecoder, autoregressive_generate
+from .engine import GenerationStats, LLMEngine, Request, SamplingParams, engine_config
 from .kernels._validate import Checker
 
-__all__ = ["merge_stats", "speedup", "warm_up", "evaluate", "format_table", "format_per_prompt"]
+__all__ = ["merge_stats", "speedup", "evaluate", "format_table", "format_per_prompt"]
 
 _WARMUP_TOKENS = 8
 
@@ -45,42 +45,30 @@ def speedup(stats: GenerationStats, plain: GenerationStats) -> float | None:
     return stats.tokens_per_second / plain.tokens_per_second
 
 
-def warm_up(decoders: list[SpeculativeDecoder], prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
-    """Run each decoder, then plain decoding of their target, for a few tokens, before anything is timed:
-    first calls pay one-off costs (thread pools, allocations, kernel compilation and selection)."""
-    for decoder in decoders:
-        decoder.generate(prompt_ids, max_new_tokens=_WARMUP_TOKENS, sampling=sampling)
-    autoregressive_generate(decoders[0].target, prompt_ids, max_new_tokens=_WARMUP_TOKENS, sampling=sampling)
-
-
 def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: int = 128,
              sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0,
-             progress: Callable[[int, int], None] | None = None, engine: str = "reference", cost_table=None,
+             progress: Callable[[int, int], None] | None = None, engine: str = "auto", cost_table=None,
              min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0) -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
     ``tokens``, ``time_s`` (with its draft / verify split), ``tokens_per_second``, ``speedup`` and
     ``identical`` (prompts whose output equals plain decoding; None when sampling).
-    ``progress(done, total)`` is called after each prompt. ``engine``: ``"reference"`` (the
-    single-request loop over the Hugging Face model) or ``"batched"`` (an ``LLMEngine`` per draft and
-    its plain-decoding twin, one prompt at a time so that per-prompt speedups stay comparable;
-    ``scheduler="cost"`` with ``cost_table`` and ``min_predicted_gain``, and tree mode with
-    ``draft_top_k`` > 1 and ``tree_budget``, as ``EngineConfig``)."""
+    ``progress(done, total)`` is called after each prompt. ``engine``: as ``engine_config`` (one
+    prompt at a time either way, so that per-prompt speedups stay comparable; ``"batched"`` adds CUDA
+    graphs on a GPU); ``scheduler="cost"`` with ``cost_table`` and ``min_predicted_gain``, and tree
+    mode with ``draft_top_k`` > 1 and ``tree_budget``, as ``EngineConfig``."""
     c = Checker("evaluate")
     if not drafts:
         c.fail("drafts must name at least one draft model")
     if not prompts or not all(prompts):
         c.fail("prompts must be a non-empty list of non-empty token id lists")
-    if engine not in ("reference", "batched"):
-        c.fail(f"engine must be 'reference' or 'batched', got {engine!r}")
-    if scheduler == "cost" and engine != "batched":
-        c.fail("scheduler 'cost' needs engine='batched' (it schedules across the batch)")
-    if draft_top_k != 1 and engine != "batched":
-        c.fail("tree mode (draft_top_k > 1) needs engine='batched'")
-    cost = dict(cost_table=cost_table, min_predicted_gain=min_predicted_gain, draft_top_k=draft_top_k,
-                tree_budget=tree_budget)
-    speculative, baseline = _runners(engine, target, drafts, scheduler, threshold, sampling, cost)
+    config = engine_config(engine, next(target.parameters()).device, name="evaluate", max_batch=1,
+                           scheduler=scheduler, threshold=threshold, cost_table=cost_table,
+                           min_predicted_gain=min_predicted_gain, draft_top_k=draft_top_k, tree_budget=tree_budget)
+    engines = {name: LLMEngine(target, draft, config) for name, draft in drafts.items()}
+    speculative = {name: _runner(e, sampling) for name, e in engines.items()}
+    baseline = _runner(next(iter(engines.values())).plain(), sampling)
     for run in [*speculative.values(), baseline]:  # first calls pay one-off costs: not timed
         run(prompts[0], _WARMUP_TOKENS)
 
@@ -122,30 +110,9 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     return report
 
 
-def _runners(engine: str, target, drafts: dict, scheduler: str, threshold: float, sampling: SamplingParams,
-             cost: dict):
-    """``({name: run}, plain run)``: ``run(prompt_ids, max_new_tokens) -> GenerationResult``; ``cost``:
-    the ``EngineConfig`` fields of the cost scheduler and tree mode."""
-    if engine == "reference":
-        decoders = {name: SpeculativeDecoder.from_models(target, draft, scheduler=scheduler, threshold=threshold)
-                    for name, draft in drafts.items()}
-        plain_target = next(iter(decoders.values())).target
-
-        def reference(decoder):
-            return lambda ids, n: decoder.generate(ids, max_new_tokens=n, sampling=sampling)
-
-        return ({name: reference(d) for name, d in decoders.items()},
-                lambda ids, n: autoregressive_generate(plain_target, ids, max_new_tokens=n, sampling=sampling))
-    from .engine import EngineConfig, LLMEngine, Request
-
-    engines = {name: LLMEngine(target, draft, EngineConfig(max_batch=1, scheduler=scheduler, threshold=threshold,
-                                                                **cost))
-               for name, draft in drafts.items()}
-
-    def batched(e):
-        return lambda ids, n: e.generate_requests([Request(ids, n, sampling)])[0]
-
-    return {name: batched(e) for name, e in engines.items()}, batched(next(iter(engines.values())).plain())
+def _runner(engine: LLMEngine, sampling: SamplingParams):
+    """``run(prompt_ids, max_new_tokens) -> GenerationResult`` on ``engine``."""
+    return lambda ids, n: engine.generate_requests([Request(ids, n, sampling)])[0]
 
 
 def _prompt_row(result, plain, sampling: SamplingParams) -> dict:

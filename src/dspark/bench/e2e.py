@@ -2,13 +2,15 @@
 
 Builds a random-weight target (28 layers, H = 1024, V = 151 936, Qwen3-0.6B's shape) and random DSpark
 drafts (speculators format, block 7, ``--draft-layers``) in a temporary directory, loads them back
-and times greedy generation against plain target decoding (``dspark generate --compare``'s timing:
-wall clock with CUDA syncs; one warm-up run, then the median of ``--reps`` runs).
+and times greedy generation of one request on ``LLMEngine`` against plain target decoding on its
+runner (``dspark generate --compare``'s timing: wall clock; one warm-up run, then the median of
+``--reps`` runs).
 
 Random weights make the random draft's proposals almost always wrong, so two drafters are timed:
 ``random`` (the real draft; tau near 1, the engine's overhead) and ``oracle_tokens`` (the real draft
-runs -- same cost -- but its tokens are replaced by the target's own greedy continuation, so every
-draft is accepted: the speed at tau = P + 1). Prints one JSON object (and writes it with ``--out``).
+runs -- same cost -- but its tokens are replaced by the target's own greedy continuation,
+``bench.oracle.OracleEngine`` at acceptance 1: the speed at tau = P + 1). Prints one JSON object
+(and writes it with ``--out``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import argparse
 import json
 import sys
 import tempfile
-from functools import partial
+import time
 from pathlib import Path
 
 import torch
 
-from ..engine import Drafter, SpeculativeDecoder, autoregressive_generate
-from ..engine.decoder import GenerationResult
+from ..engine import EngineConfig, GenerationResult, LLMEngine, Request
+from .oracle import OracleEngine
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
@@ -69,22 +71,16 @@ def build_draft(directory: Path, target_dir: Path, shape: dict, num_layers: int,
     save_draft(draft, directory, format="speculators")
 
 
-class OracleTokens:
-    """Runs the real drafter (for its cost), then proposes the known greedy continuation instead."""
-
-    def __init__(self, drafter: Drafter, sequence: list[int]):
-        self.drafter, self.num_draft_tokens = drafter, drafter.num_draft_tokens
-        padded = sequence + [0] * (self.num_draft_tokens + 1)
-        self.sequence = torch.tensor(padded, dtype=torch.int32, device=drafter.model.device)
-
-    def reset(self) -> None:
-        self.drafter.reset()
-
-    def propose(self, context_hidden, anchor, anchor_position, sampling, uniforms):
-        proposal = self.drafter.propose(context_hidden, anchor, anchor_position, sampling, uniforms)
-        start = anchor_position + 1
-        proposal.token_ids = self.sequence[start:start + self.num_draft_tokens].view(1, -1)
-        return proposal
+def _oracle_run(engine: OracleEngine, request: Request, continuation: list[int]) -> GenerationResult:
+    """``request`` on ``engine`` with its drafts replaced by the known ``continuation``."""
+    start = time.perf_counter()
+    rid = engine.add_request(request, continuation + [0] * (engine.num_drafts + 1))
+    seq = engine.sequences[rid]
+    while engine.has_unfinished():
+        engine.step()
+    engine.sequences.pop(rid)
+    seq.stats.total_time = time.perf_counter() - start
+    return GenerationResult(seq.output_ids, seq.stats, seq.finish_reason)
 
 
 def _row(name: str, layers: int, dtype: str, result: GenerationResult, baseline: GenerationResult) -> dict:
@@ -116,7 +112,8 @@ def run(*, quick: bool = False, draft_layers=(1, 3), dtypes=("bfloat16", "float3
 
     shape = QUICK if quick else QWEN3_0_6B
     prompt = torch.randint(0, shape["vocab_size"] - 1, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    options = dict(max_new_tokens=max_new_tokens, eos_token_id=[])
+    request = Request(prompt, max_new_tokens, ignore_eos=True)
+    config = EngineConfig(max_batch=1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -127,15 +124,16 @@ def run(*, quick: bool = False, draft_layers=(1, 3), dtypes=("bfloat16", "float3
             target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=getattr(torch, dtype)).to(device)
             for layers in draft_layers:
                 draft = load_draft(root / f"draft{layers}", device=device, dtype=getattr(torch, dtype))
-                decoder = SpeculativeDecoder.from_models(target, draft)
-                plain = partial(autoregressive_generate, decoder.target, prompt, **options)
-                speculative = partial(decoder.generate, prompt, **options)
-                plain(), speculative()  # warm-up: CUDA context, cuBLAS heuristics, Triton compilation
+                engine = LLMEngine(target, draft, config)
+                oracle = OracleEngine(target, draft, config, acceptance=1.0)
+                plain = lambda: engine.plain().generate_requests([request])[0]  # noqa: E731
+                speculative = lambda: engine.generate_requests([request])[0]  # noqa: E731
+                baseline = plain()  # warm-up: CUDA context, cuBLAS heuristics, Triton compilation, graphs
+                speculative(), _oracle_run(oracle, request, baseline.token_ids)
                 baseline = _median(plain, reps)
-                oracle = SpeculativeDecoder(decoder.target, OracleTokens(decoder.drafter, prompt + baseline.token_ids))
                 rows.append(_row("random", layers, dtype, _median(speculative, reps), baseline))
-                rows.append(_row("oracle_tokens", layers, dtype, _median(partial(oracle.generate, prompt, **options), reps),
-                                 baseline))
+                rows.append(_row("oracle_tokens", layers, dtype,
+                                 _median(lambda: _oracle_run(oracle, request, baseline.token_ids), reps), baseline))
                 print(json.dumps(rows[-2]), json.dumps(rows[-1]), sep="\n", file=sys.stderr, flush=True)
             del target
     return {

@@ -198,16 +198,13 @@ def sampling_params(args: argparse.Namespace, command: str):
     return sampling
 
 
-def check_scheduler_arguments(args: argparse.Namespace, *, batched: bool) -> None:
+def check_scheduler_arguments(args: argparse.Namespace) -> None:
     """ValueError for a ``--threshold`` out of [0, 1] or given while the scheduler is off or cost,
-    ``--scheduler cost`` without ``--cost-table`` or on the reference engine (``batched`` False:
-    the cost scheduler decides across a batch), and a ``--cost-table`` nothing reads."""
+    ``--scheduler cost`` without ``--cost-table``, and a ``--cost-table`` nothing reads."""
     if not 0.0 <= args.threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1] (a survival probability), got {args.threshold}")
     if args.draft_top_k == 1 and args.tree_budget:
         raise ValueError(f"--tree-budget {args.tree_budget} needs tree mode: add --draft-top-k K (2..8)")
-    if args.draft_top_k != 1 and not batched:
-        raise ValueError("--draft-top-k (tree mode) needs the batched engine: add --engine batched")
     if args.scheduler in ("off", "cost") and args.threshold != 0.0:
         raise ValueError(f"--threshold {args.threshold} does nothing with --scheduler {args.scheduler}: "
                          f"add --scheduler threshold or --scheduler sps")
@@ -219,9 +216,6 @@ def check_scheduler_arguments(args: argparse.Namespace, *, batched: bool) -> Non
     if args.cost_table is None:
         raise ValueError("--scheduler cost needs --cost-table FILE: the cost table JSON that `dspark profile` "
                          "writes for this target and device")
-    if not batched:
-        raise ValueError("--scheduler cost needs the batched engine (it schedules across the batch): "
-                         "add --engine batched (the default on CUDA)")
     if not Path(args.cost_table).is_file():
         raise ValueError(f"--cost-table {args.cost_table} not found (write it with dspark profile --out FILE)")
 

@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scheduler_arguments(parser)
     parser.add_argument("--per-prompt", action="store_true", help="also print each prompt's tau and speedup")
     parser.add_argument("--engine", choices=("auto", "batched", "reference"), default="auto",
-                        help="batched: the LLMEngine (CUDA graphs on a GPU) and its plain twin; reference: the "
-                             "single-request loop; auto: batched on CUDA, else reference")
+                        help="the LLMEngine and its plain twin, one prompt at a time: batched with CUDA graphs (on a "
+                             "GPU), reference eagerly; auto: batched on CUDA, else reference")
     parser.add_argument("--json", default=None, help="write the report to this JSON file")
     add_runtime_arguments(parser)
 
@@ -50,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
         if args.num_prompts < 0:
             raise ValueError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
         device, dtype = runtime(args)
-        batched = args.engine == "batched" or args.engine == "auto" and (device.type == "cuda" or args.draft_top_k != 1)
-        check_scheduler_arguments(args, batched=batched)
+        check_scheduler_arguments(args)
         sampling = sampling_params(args, "eval")
         records = read_prompts(args.prompts)
         records = records[: args.num_prompts] if args.num_prompts else records
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         bar = progress_bar(args, "dspark eval")
         report = evaluate(target, drafts, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                           scheduler=args.scheduler, threshold=args.threshold, cost_table=args.cost_table,
-                          min_predicted_gain=args.min_predicted_gain, engine="batched" if batched else "reference",
+                          min_predicted_gain=args.min_predicted_gain, engine=args.engine,
                           draft_top_k=args.draft_top_k, tree_budget=args.tree_budget,
                           progress=None if bar is None else lambda done, total: bar.update(
                               done / total, f"prompt {done}/{total}"))

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="DSpark draft, speculators or DeepSpec format: a directory or a Hub name "
                                         "(default: the demo pair's draft)")
     parser.add_argument("--no-draft", action="store_true",
-                        help="plain decoding with the target alone (the baseline; batched engine)")
+                        help="plain decoding with the target alone (the baseline)")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer; "
                                          "default with the demo pair: the start of a held-out file)")
@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scheduler_arguments(parser)
     add_runtime_arguments(parser)
     parser.add_argument("--engine", choices=("auto", "batched", "reference"), default="auto",
-                        help="batched: the LLMEngine (all requests together; CUDA graphs on a GPU); reference: the "
-                             "single-request loop over the Hugging Face model; auto: batched on CUDA, else reference")
+                        help="both run the LLMEngine: batched decodes up to --max-batch requests together (CUDA "
+                             "graphs on a GPU); reference one request at a time, eagerly (max batch 1, no CUDA "
+                             "graphs); auto: batched on CUDA, else reference")
     parser.add_argument("--max-batch", type=int, default=64, help="batched engine: requests decoded together")
     parser.add_argument("--compare", action="store_true", help="also run plain target decoding and report the speedup")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
@@ -60,13 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dspark.engine import GenerationInterrupted, generate_texts
-    from dspark.evaluation import warm_up
 
     try:
         decoder, tokenizer, requests, dtype = _prepare(args)
         printer = None if args.json or len(requests) > 1 else _Printer(tokenizer, requests[0].prompt_ids)
         if args.compare:  # time both paths warm, or the first one pays the process's one-off costs
-            _warm_up(decoder, requests[0], warm_up)
+            _warm_up(decoder, requests[0])
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark generate: {exc}", file=sys.stderr)
         return 2
@@ -97,18 +97,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace):
-    """``(decoder, tokenizer, requests, dtype)``: options checked, models loaded (``LLM``), every
+    """``(engine, tokenizer, requests, dtype)``: options checked, models loaded (``LLM``), every
     request built and checked against the target (an over-long prompt is refused before anything runs)."""
-    from dspark.engine import SpeculativeDecoder, check_target_directory, load_tokenizer
+    from dspark.engine import check_target_directory, load_tokenizer
     from dspark.engine.api import LLM
-    from dspark.engine.decoder import check_prompt
 
     sampling = sampling_params(args, "generate")
     device, dtype = runtime(args)
-    batched = _batched(args, device)
-    check_scheduler_arguments(args, batched=batched)
+    check_scheduler_arguments(args)
     if args.no_draft and args.compare:
         raise ValueError("--compare runs plain decoding beside speculative decoding: not with --no-draft")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     _use_demo_pair_by_default(args)
     check_target_directory(args.target)
     tokenizer = load_tokenizer(args.target)
@@ -116,47 +116,23 @@ def _prepare(args: argparse.Namespace):
         raise ValueError(f"--stop needs the target's tokenizer, but {args.target_name} has none")
     records = _prompt_records(args)
     requests = [_request(args, tokenizer, sampling, where, record) for where, record in records]
-    if batched:
-        if args.allow_pickle:
-            raise ValueError("--allow-pickle needs --engine reference (the batched engine reads safetensors only)")
-        if args.max_batch < 1:
-            raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    llm = LLM(args.target, args.draft, no_draft=args.no_draft, tokenizer=tokenizer,
-              engine="batched" if batched else "reference", max_batch=min(args.max_batch, len(requests)),
-              max_model_len=args.max_model_len, scheduler=args.scheduler, threshold=args.threshold,
-              cost_table=args.cost_table, min_predicted_gain=args.min_predicted_gain,
-              allow_pickle=args.allow_pickle, device=device, dtype=dtype, draft_top_k=args.draft_top_k,
-              tree_budget=args.tree_budget)
-    decoder = llm.decoder
+    llm = LLM(args.target, args.draft, no_draft=args.no_draft, tokenizer=tokenizer, engine=args.engine,
+              max_batch=min(args.max_batch, len(requests)), max_model_len=args.max_model_len,
+              scheduler=args.scheduler, threshold=args.threshold, cost_table=args.cost_table,
+              min_predicted_gain=args.min_predicted_gain, allow_pickle=args.allow_pickle, device=device, dtype=dtype,
+              draft_top_k=args.draft_top_k, tree_budget=args.tree_budget)
     for (where, _), request in zip(records, requests):
-        if isinstance(decoder, SpeculativeDecoder):
-            _named(where, check_prompt, decoder.target, request.prompt_ids)
-        else:
-            _named(where, decoder.check_request, request)
-    return decoder, tokenizer, requests, dtype
+        _named(where, llm.decoder.check_request, request)
+    return llm.decoder, tokenizer, requests, dtype
 
 
-def _batched(args: argparse.Namespace, device) -> bool:
-    """Which engine runs: ``--engine``, or for ``auto`` the batched one on CUDA, with ``--no-draft``
-    (the reference loop always drafts) or in tree mode. ValueError for ``--engine reference --no-draft``."""
-    if args.no_draft and args.engine == "reference":
-        raise ValueError("--no-draft needs --engine batched or auto (the reference loop always drafts)")
-    tree = args.draft_top_k != 1
-    return args.engine == "batched" or args.engine == "auto" and (device.type == "cuda" or args.no_draft or tree)
-
-
-def _warm_up(decoder, request, warm_up) -> None:
+def _warm_up(engine, request) -> None:
     """A few tokens through both paths before anything is timed (one-off costs: kernels, graphs)."""
     from dataclasses import replace
 
-    from dspark.engine import SpeculativeDecoder
-
-    if isinstance(decoder, SpeculativeDecoder):
-        warm_up([decoder], request.prompt_ids, request.sampling)
-        return
     short = replace(request, max_new_tokens=8)
-    decoder.generate_requests([short])
-    decoder.plain().generate_requests([short])
+    engine.generate_requests([short])
+    engine.plain().generate_requests([short])
 
 
 # The demo pair's default prompt: the held-out file whose τ (2.37) is nearest the whole held-out set's
@@ -218,21 +194,14 @@ def _named(where: str, function, *args, **kwargs):
         raise type(exc)(message if message.startswith(where) else f"{where}: {message}") from None
 
 
-def _baseline(decoder, request, tokenizer, stop):
-    """Plain target decoding of ``request`` under the same stopping rules (stop strings included)."""
-    from dspark.engine import TextStream, autoregressive_generate
-
-    from dspark.engine import SpeculativeDecoder
-    from dspark.engine.decoder import end_ids
+def _baseline(engine, request, tokenizer, stop):
+    """Plain target decoding of ``request`` on ``engine``'s target under the same stopping rules
+    (stop strings included)."""
+    from dspark.engine import TextStream
 
     text = None if tokenizer is None or not stop else TextStream(tokenizer, request.prompt_ids, stop)
-    if not isinstance(decoder, SpeculativeDecoder):  # the batched engine: plain decoding on its own runner
-        stream = None if text is None else (lambda _i, tokens: text.add(tokens))
-        result = decoder.plain().generate_requests([request], on_tokens=stream)[0]
-    else:
-        result = autoregressive_generate(decoder.target, request.prompt_ids, max_new_tokens=request.max_new_tokens,
-                                         sampling=request.sampling, eos_token_id=end_ids(request, decoder.target),
-                                         on_tokens=None if text is None else text.add)
+    stream = None if text is None else (lambda _i, tokens: text.add(tokens))
+    result = engine.plain().generate_requests([request], on_tokens=stream)[0]
     if text is not None:
         text.finish(result)
     return result

@@ -2,11 +2,10 @@
 
 ``LLM(target, draft, ...)`` loads the models once; its ``generate(prompts, ...)`` (and the one-call
 ``generate(target, draft, prompts, ...)`` built on it) turns each prompt into a ``Request`` (a string is
-tokenized with the target's tokenizer), runs them through ``generate_requests`` and decodes each
+tokenized with the target's tokenizer), runs them through its ``LLMEngine`` and decodes each
 continuation into ``GenerationResult.text``. Stop strings end a request once its decoded text
 contains one: the text is cut before it, the token ids end with the token that completed it, and
-the finish reason is ``"stop"`` (statistics count every token the engine committed). Nothing here
-depends on how ``generate_requests`` executes the requests.
+the finish reason is ``"stop"`` (statistics count every token the engine committed).
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ from typing import Callable, Sequence
 import torch
 
 from ..kernels._validate import Checker
-from .decoder import (GenerationInterrupted, GenerationResult, Request, SpeculativeDecoder, check_token_ids,
-                      generate_requests)
-from .llm_engine import EngineConfig, LLMEngine
-from .target import resolve_device
+from .decoder import check_token_ids
+from .llm_engine import LLMEngine, engine_config
+from .request import GenerationInterrupted, GenerationResult, Request
+from .target import load_target_model, resolve_device
 from .drafting import SamplingParams
 from .text import TextStream
 
@@ -79,10 +78,10 @@ def encode_prompts(prompts, tokenizer, *, name: str = "generate") -> tuple[list[
     return batch, False
 
 
-def generate_texts(decoder: SpeculativeDecoder, requests: Sequence[Request], tokenizer, *, stop: Sequence[str] = (),
+def generate_texts(engine: LLMEngine, requests: Sequence[Request], tokenizer, *, stop: Sequence[str] = (),
                    on_tokens: Callable[[int, list[int]], "bool | None"] | None = None,
                    on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
-    """``generate_requests`` with text: with a ``tokenizer`` every result carries ``.text`` and the
+    """``engine.generate_requests`` with text: with a ``tokenizer`` every result carries ``.text`` and the
     ``stop`` strings end requests (see the module docstring). ``on_tokens(i, tokens)`` streams
     request i's tokens (returning True ends it); ``on_text(i, text)`` its newly final text.
     ``GenerationInterrupted`` carries partial results with their text."""
@@ -105,7 +104,7 @@ def generate_texts(decoder: SpeculativeDecoder, requests: Sequence[Request], tok
 
     live = on_tokens is not None or on_text is not None or bool(stop)
     try:
-        results = generate_requests(decoder, requests, on_tokens=callback if live else None)
+        results = engine.generate_requests(requests, on_tokens=callback if live else None)
     except GenerationInterrupted as exc:
         _finish(streams, exc.results, None)
         raise
@@ -119,18 +118,17 @@ class LLM:
     ``target``: a Hugging Face causal-LM directory (str or path) or loaded model; ``draft``: a
     DSpark checkpoint directory (speculators or DeepSpec format) or a ``DSparkDraftModel``; both
     None: the demo pair shipped with the package. ``no_draft=True`` decodes with the target alone
-    (plain decoding, the baseline; batched engine). ``tokenizer``: default the target directory's
-    own (results then carry ``.text``). ``engine``: ``"batched"`` -- an ``LLMEngine`` decoding up to
-    ``max_batch`` prompts together (CUDA graphs on a GPU) -- or ``"reference"`` -- the single-request
-    loop over the Hugging Face model, one prompt after another -- or ``"auto"`` (default): batched on
-    CUDA or without a draft, reference elsewhere. ``max_model_len``: the context, prompt + output
-    (default the target's ``max_position_embeddings``). Scheduling: ``scheduler`` / ``threshold`` as
-    ``Drafter``, or ``"cost"`` (batched only) with ``cost_table`` (the JSON ``dspark profile``
-    writes, or an ``SPSCostTable``) and ``min_predicted_gain``. ``allow_pickle`` lets a target with
-    only pickled weights load (reference engine; only for a trusted checkpoint). ``device`` /
-    ``dtype``: where directories are loaded (default: the device of a model passed in, else
-    transformers' default). ``draft_top_k`` > 1: tree mode (DDTree; batched engine) with
-    ``tree_budget`` nodes per round (0: block size + 1), as ``EngineConfig``.
+    (plain decoding, the baseline). ``tokenizer``: default the target directory's own (results then
+    carry ``.text``). ``engine`` (``engine_config``): ``"batched"`` -- up to ``max_batch`` prompts
+    decoded together, CUDA graphs on a GPU -- or ``"reference"`` -- one prompt at a time, eagerly --
+    or ``"auto"`` (default): batched on CUDA, reference elsewhere; both are the same ``LLMEngine``
+    (``self.decoder``), so outputs agree. ``max_model_len``: the context, prompt + output (default
+    the target's ``max_position_embeddings``, at most 4096). Scheduling: ``scheduler`` / ``threshold``
+    as ``Drafter``, or ``"cost"`` with ``cost_table`` (the JSON ``dspark profile`` writes, or an
+    ``SPSCostTable``) and ``min_predicted_gain``. ``allow_pickle`` lets a target with only pickled
+    weights load (only for a trusted checkpoint). ``device`` / ``dtype``: where directories are
+    loaded (default: the device of a model passed in, else the CPU). ``draft_top_k`` > 1: tree mode
+    (DDTree) with ``tree_budget`` nodes per round (0: block size + 1), as ``EngineConfig``.
     """
 
     def __init__(self, target=None, draft=None, *, no_draft: bool = False, tokenizer=None, engine: str = "auto",
@@ -140,28 +138,14 @@ class LLM:
         c = Checker("LLM")
         target, draft = _models(c, target, draft, no_draft)
         self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
-        if engine not in ("auto", "batched", "reference"):
-            c.fail(f"engine must be 'auto', 'batched' or 'reference', got {engine!r}")
-        if no_draft and engine == "reference":
-            c.fail("no_draft needs engine='batched' or 'auto' (the reference loop always drafts)")
-        on_cuda = resolve_device(device).type == "cuda" if device is not None else _model_device(target, draft) == "cuda"
-        batched = engine == "batched" or engine == "auto" and (on_cuda or no_draft)
-        if scheduler == "cost" and not batched:
-            c.fail("scheduler='cost' needs engine='batched' (it schedules across the batch)")
-        if (draft_top_k != 1 or tree_budget) and not batched:
-            c.fail("tree mode (draft_top_k, tree_budget) needs engine='batched'")
-        if batched:
-            if allow_pickle:
-                c.fail("allow_pickle needs engine='reference' (the batched engine reads safetensors only)")
-            config = EngineConfig(max_batch=c.integer("max_batch", max_batch, low=1), max_model_len=max_model_len,
-                                  scheduler=scheduler, threshold=threshold, cost_table=cost_table,
-                                  min_predicted_gain=min_predicted_gain, device=device, dtype=dtype,
-                                  draft_top_k=draft_top_k, tree_budget=tree_budget)
-            self.decoder = LLMEngine(target, draft, config)
-        else:
-            self.decoder = SpeculativeDecoder.from_pretrained(target, draft, device=device, dtype=dtype,
-                                                              max_model_len=max_model_len, allow_pickle=allow_pickle,
-                                                              scheduler=scheduler, threshold=threshold)
+        device = resolve_device(device) if device is not None else _model_device(target, draft)
+        config = engine_config(engine, device, name="LLM", max_batch=c.integer("max_batch", max_batch, low=1),
+                               max_model_len=max_model_len, scheduler=scheduler, threshold=threshold,
+                               cost_table=cost_table, min_predicted_gain=min_predicted_gain, device=device,
+                               dtype=dtype, draft_top_k=draft_top_k, tree_budget=tree_budget)
+        if allow_pickle and isinstance(target, str):  # the engine's own loader reads safetensors only
+            target = load_target_model(target, device=device, dtype=dtype, allow_pickle=True)
+        self.decoder = LLMEngine(target, draft, config)
 
     def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, eos_token_id: int | Sequence[int] | None = None,
@@ -183,9 +167,8 @@ class LLM:
         batch, single = encode_prompts(prompts, self.tokenizer)
         if on_tokens is not None and not single:
             c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
-        stop_ids = () if eos_token_id is None else check_token_ids(c, "eos_token_id", eos_token_id)
-        if isinstance(self.decoder, SpeculativeDecoder):  # the batched engine checks them with each request
-            check_token_ids(c, "eos_token_id", stop_ids, self.decoder.target.vocab_size)
+        stop_ids = () if eos_token_id is None else check_token_ids(c, "eos_token_id", eos_token_id,
+                                                                   self.decoder.target.vocab_size)
         requests = [Request(ids, max_new_tokens, sampling, stop_ids, ignore_eos or eos_token_id is not None)
                     for ids in batch]
         stream = None if on_tokens is None else (lambda _i, tokens: on_tokens(tokens))
@@ -258,11 +241,11 @@ def _default_tokenizer(target):
     return load_tokenizer(target if isinstance(target, str) else getattr(target, "name_or_path", None))
 
 
-def _model_device(target, draft) -> str | None:
-    """The device type of whichever of ``target`` / ``draft`` is a loaded model (None for paths)."""
+def _model_device(target, draft) -> torch.device | None:
+    """The device of whichever of ``target`` / ``draft`` is a loaded model (None for paths)."""
     for model in (target, draft):
         if isinstance(model, torch.nn.Module):
-            return next(model.parameters()).device.type
+            return next(model.parameters()).device
     return None
 
 

@@ -104,7 +104,7 @@ class RowSampling:
 
 @dataclass
 class Proposal:
-    """Drafted chains of B rows (B = 1 in the single-request loop).
+    """Drafted chains of B rows.
 
     ``token_ids`` int32 ``[B, P]`` (target ids); ``probabilities`` f32 ``[B, P, V]`` the distribution
     each token was drawn from (``None`` when greedy); ``proposal_lengths`` int32 ``[B]`` drafts to
@@ -119,7 +119,8 @@ class Proposal:
 
 
 class Drafter:
-    """Drafts P tokens per round with a ``DSparkDraftModel`` and keeps its context KV cache.
+    """Drafts P tokens per round from the blocks of a ``DSparkDraftModel`` (the engine's runner
+    runs the blocks: ``model.draft_runner.DraftRunner``).
 
     ``scheduler``: ``"off"``, ``"threshold"`` (``threshold`` = minimum prefix survival) or
     ``"sps"`` (``threshold`` = survival floor); the latter two need the confidence head.
@@ -153,24 +154,7 @@ class Drafter:
             self.markov_w1, self.markov_w2 = model.markov_w1.detach(), model.markov_w2_target.detach()
         if self.kernel_confidence:
             self.confidence_weight, self.confidence_bias = model.confidence_weight.detach(), model.confidence_bias.detach()
-        self.cache = model.new_cache()
         self.workspace = None  # a K.Workspace owned by the caller (the engine's runner), else the kernels' default
-
-    def reset(self) -> None:
-        """Forget the context (start of a new sequence)."""
-        self.cache = self.model.new_cache()
-
-    def propose(self, context_hidden: torch.Tensor, anchor: torch.Tensor, anchor_position: int,
-                sampling: "RowSampling | None", uniforms: torch.Tensor | None) -> Proposal:
-        """Draft one round for one sequence (the single-request loop).
-
-        ``context_hidden`` ``[T_new, m*H]``: captured target hidden states of the positions verified
-        since the last call (``cache.length .. anchor_position-1``); ``anchor`` int32 ``[1]`` the last
-        committed token, at ``anchor_position``; ``sampling`` its settings (None: greedy) and
-        ``uniforms`` f32 ``[1, P]`` draft uniforms (ignored when greedy).
-        """
-        hidden = self.model.forward_block(self.cache, context_hidden, anchor, anchor_position)
-        return self.propose_rows(hidden, self.model.backbone_logits(hidden), anchor, sampling, uniforms)
 
     def propose_rows(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
                      sampling: "RowSampling | None", uniforms: torch.Tensor | None, stacked_logits=None) -> Proposal:

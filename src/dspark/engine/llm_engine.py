@@ -31,10 +31,11 @@ from ..model.hf_target import HFTarget
 from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
 from .drafting import SCHEDULERS, Drafter
 from .schedulers import SPSCostTable, batch_schedule, drafting_pays
-from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
+from .request import (GenerationInterrupted, GenerationResult, Request, RequestOutput, Sequence, SequenceStatus,
+                      TokenLogprobs)
 from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk, TreeSettings
 
-__all__ = ["EngineConfig", "EngineDeadError", "LLMEngine", "RequestResult", "token_logprobs"]
+__all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "engine_config", "token_logprobs"]
 
 log = logging.getLogger("dspark.engine")
 
@@ -44,6 +45,7 @@ DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows 
 MIXED_STRIKES = 2  # failed mixed steps a request may sit in (its chunk alone passing) before it is failed
 REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
 HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
+ENGINES = ("auto", "batched", "reference")
 
 
 @dataclass
@@ -101,16 +103,19 @@ class EngineConfig:
             c.fail("tree mode (draft_top_k > 1) takes the off / threshold / sps schedulers")
 
 
-@dataclass
-class RequestResult:
-    """A finished request: ``token_ids`` (prompt excluded), ``finish_reason``, per-request stats;
-    ``error`` when the engine failed it (finish reason ``"error"``)."""
-
-    request_id: int
-    token_ids: list[int]
-    finish_reason: str
-    stats: object
-    error: str | None = None
+def engine_config(engine: str, on_device, *, name: str = "engine", **fields) -> "EngineConfig":
+    """The one engine choice of ``dspark.generate`` / ``LLM``, ``dspark generate`` and ``dspark eval``:
+    the ``EngineConfig`` (``fields`` as there) of ``engine`` -- ``"batched"``: up to ``max_batch``
+    requests decoded together, CUDA graphs on a GPU; ``"reference"``: one request at a time, eagerly
+    (``max_batch`` 1, no CUDA graphs: the simplest run of the same engine, and on a CPU the
+    fastest); ``"auto"``: batched on CUDA, reference elsewhere. ``on_device``: where the models run
+    (None: the CPU). ValueError naming ``name`` for another engine."""
+    if engine not in ENGINES:
+        Checker(name).fail(f"engine must be 'auto', 'batched' or 'reference', got {engine!r}")
+    on_cuda = on_device is not None and torch.device(on_device).type == "cuda"
+    if engine == "reference" or engine == "auto" and not on_cuda:
+        fields.update(max_batch=1, cuda_graphs=False)
+    return EngineConfig(**fields)
 
 
 class EngineDeadError(RuntimeError):
@@ -420,6 +425,9 @@ class LLMEngine:
             elif self.runner.drafter is not None:
                 seq.stats.record_round(verified, n, len(kept))
                 self.metrics.record_round(verified, n)
+                if self.runner.round_times is not None:  # each row's round took the whole step
+                    seq.stats.verify_time += self.runner.round_times[0]
+                    seq.stats.draft_time += self.runner.round_times[1]
             else:
                 seq.stats.record_round(0, 1, len(kept))
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
@@ -515,21 +523,21 @@ class LLMEngine:
     # ---- convenience --------------------------------------------------------------------------
 
     def generate(self, requests: list[Request],
-                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestResult]:
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[GenerationResult]:
         """Run ``requests`` to completion (together with any already queued); results in input order."""
         ids = [self.add_request(r) for r in requests]
         seqs = {i: self.sequences[i] for i in ids}
         self._drive(set(ids), on_output)
-        return [RequestResult(i, s.output_ids, s.finish_reason, s.stats, s.error) for i, s in seqs.items()]
+        return [GenerationResult(s.output_ids, s.stats, s.finish_reason, error=s.error) for s in seqs.values()]
 
     def generate_requests(self, requests: list[Request], *,
-                          on_tokens: Callable[[int, list[int]], "bool | None"] | None = None) -> list:
-        """``decoder.generate_requests``'s contract on this engine: every request checked before any
-        runs, all decoded together; ``on_tokens(i, tokens)`` streams request i's tokens (returning True
-        ends it with finish reason ``"stop"``); Ctrl-C raises ``GenerationInterrupted`` with every
-        request's output so far. Returns ``GenerationResult`` s in request order."""
-        from .decoder import GenerationInterrupted, GenerationResult
-
+                          on_tokens: Callable[[int, list[int]], "bool | None"] | None = None) -> list[GenerationResult]:
+        """Run ``requests`` to completion; one ``GenerationResult`` per request, in order. Every
+        request is checked before any runs; ``on_tokens(i, tokens)`` streams request i's tokens as
+        they are committed (returning True ends it with finish reason ``"stop"``); Ctrl-C raises
+        ``GenerationInterrupted`` with every request's output so far."""
+        if on_tokens is not None and not callable(on_tokens):
+            Checker("generate_requests").fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
         for request in requests:
             self.check_request(request)
         ids = [self.add_request(r) for r in requests]
@@ -548,8 +556,10 @@ class LLMEngine:
         try:
             self._drive(set(ids), forward)
         except KeyboardInterrupt:
-            for rid in ids:
-                self.abort(rid, "interrupted")
+            for seq in seqs:
+                if seq.status is not SequenceStatus.FINISHED:
+                    _stop_clock(seq)
+                    self.abort(seq.request_id, "interrupted")
             raise GenerationInterrupted(results(True)) from None
         failed = next((i for i, s in enumerate(seqs) if s.finish_reason == "error"), None)
         if failed is not None:
@@ -559,14 +569,13 @@ class LLMEngine:
     def _drive(self, wanted: set[int], on_output: Callable[[RequestOutput], None] | None) -> None:
         """Step until every request in ``wanted`` has finished (aborted ones included)."""
         seqs = {i: self.sequences[i] for i in wanted}
-        start = time.perf_counter()
         while any(s.status is not SequenceStatus.FINISHED for s in seqs.values()):
             for out in self.step():
                 if out.request_id in wanted:
                     if on_output is not None:
                         on_output(out)
-                    if out.finished:
-                        seqs[out.request_id].stats.total_time = time.perf_counter() - start
+                    if seqs[out.request_id].status is SequenceStatus.FINISHED:  # on_output may abort it
+                        _stop_clock(seqs[out.request_id])
         for i in wanted:
             self.sequences.pop(i, None)
 
@@ -623,12 +632,20 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list
     return [TokenLogprobs(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, index.tolist(), values.tolist())]
 
 
+def _stop_clock(seq: Sequence) -> None:
+    """A request's total time: from its admission (its time queued is not its own) until now."""
+    if seq.admitted_at:
+        seq.stats.total_time = time.perf_counter() - seq.admitted_at
+
+
 def _load_models(c: Checker, target, draft, config: EngineConfig):
     """(TargetLM, draft model or None, EOS ids) from directories or loaded models."""
     from ..model import check_target_compatible, load_draft
-    from .target import eos_token_ids
+    from .target import check_target_checkpoint, eos_token_ids
 
     device = torch.device(config.device) if config.device is not None else None
+    if isinstance(target, (str, Path)):
+        check_target_checkpoint(target)  # missing, a file, pickle-only, truncated: said before any loader runs
     draft_model = draft
     if isinstance(draft, (str, Path)):  # weights a speculators 0.9 draft leaves out come from the target
         draft_model = load_draft(draft, target=target if isinstance(target, (str, Path, torch.nn.Module)) else None,

@@ -1,4 +1,5 @@
-"""Requests, their running state in the engine and what each engine step reports."""
+"""Requests, their running state in the engine, what each engine step reports and what a finished
+request returns (``GenerationResult``)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from ..kernels._validate import Checker
 from .drafting import SamplingParams
 from .stats import GenerationStats
 
-__all__ = ["Request", "RequestOutput", "Sequence", "SequenceStatus", "TokenLogprobs", "MAX_LOGPROBS"]
+__all__ = ["FINISH_REASONS", "GenerationInterrupted", "GenerationResult", "Request", "RequestOutput", "Sequence",
+           "SequenceStatus", "TokenLogprobs", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for (OpenAI's limit)
+FINISH_REASONS = ("stop", "length", "interrupted")
 
 
 @dataclass
 class Request:
-    """One generation request (``LLMEngine`` and ``generate_requests``).
+    """One generation request (``LLMEngine.add_request`` / ``generate_requests``).
 
     ``prompt_ids``: the prompt's token ids (a sequence or a 1-D tensor); the output ends after the
     target's EOS (unless ``ignore_eos``) or any of ``stop_ids``, or after ``max_new_tokens``.
@@ -60,6 +63,30 @@ class Request:
 def _describe(value) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+@dataclass
+class GenerationResult:
+    """A finished request: generated token ids (prompt excluded; the EOS / stop id included when it
+    ended the output), statistics, why the output ended (``FINISH_REASONS``: ``"stop"`` an EOS /
+    stop id / stop string, ``"length"`` ``max_new_tokens`` or the context limit, ``"interrupted"``
+    Ctrl-C; ``LLMEngine.generate`` also ``"abort"`` and ``"error"``, with ``error`` saying why) and,
+    when a tokenizer is known, the decoded continuation ``text``."""
+
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str = "length"
+    text: str | None = None
+    error: str | None = None
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during generation: ``results`` holds every request's output so far (finish reason
+    ``"interrupted"`` for those not finished), in request order."""
+
+    def __init__(self, results: list[GenerationResult]):
+        super().__init__(f"generation interrupted after {len(results)} request(s)")
+        self.results = results
 
 
 class SequenceStatus(enum.Enum):

@@ -37,6 +37,7 @@ argmax, which gives the same tokens).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Protocol
 
@@ -175,6 +176,9 @@ class ModelRunner:
         self.pool = None
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
         self.drafted = True  # whether the last launched step drafted its rows' next round
+        # (verify s, draft s) of the last round without prompt chunks, on a device that runs as it is
+        # called (the CPU); None elsewhere (a GPU round is timed only as a whole, at its readout)
+        self.round_times: tuple[float, float] | None = None
 
         i32 = dict(dtype=torch.int32, device=dev)
         b, p, t = max_batch, self.num_drafts, self.verify_len
@@ -260,7 +264,7 @@ class ModelRunner:
         them too). ``draft``: whether the round drafts the next one (block, Markov chain,
         confidences); without it only the draft context advances and the next round is plain. A
         step with chunks always drafts. ``self.drafted`` says whether this step did."""
-        self.drafted = draft or bool(chunks)
+        self.drafted, self.round_times = draft or bool(chunks), None
         if verify_lens is None:
             self._launch_plain(rows, chunks)
             return
@@ -272,12 +276,17 @@ class ModelRunner:
         num_tokens = b * -(-sum(verify_lens + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
         if self.tree is not None:
             num_tokens = b * self.verify_len  # every row's tree, padding rows' too
+        self.round_times = None
         if chunks:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
         sampled = self._sampled(rows)
+        start = time.perf_counter()
         self._replay(("verify", b, num_tokens, sampled), lambda: self._verify_rows(b, num_tokens, sampled))
+        verified = time.perf_counter()
         self._draft_or_context(b, sampled)
+        if self.device.type == "cpu":
+            self.round_times = (verified - start, time.perf_counter() - verified)
 
     def _launch_plain(self, rows: int, chunks: list[PrefillChunk]) -> None:
         """A plain round of a DSpark runner: the target's token per row, the anchors' captured
@@ -287,8 +296,12 @@ class ModelRunner:
             self._mixed_step(b, rows, None, chunks)
             return
         sampled = self._sampled(rows)
+        start = time.perf_counter()
         self._replay(("plain", b, sampled), lambda: self._decode_rows(b, sampled))
+        verified = time.perf_counter()
         self._draft_or_context(b, sampled)
+        if self.device.type == "cpu":
+            self.round_times = (verified - start, time.perf_counter() - verified)
 
     def _draft_or_context(self, b: int, sampled: bool) -> None:
         """The round's draft pass when it drafts the next round (``self.drafted``), else only the

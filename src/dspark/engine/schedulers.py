@@ -3,8 +3,8 @@
 ``prefix_schedule`` is the paper's Algorithm 1: the hardware-aware prefix scheduler that picks how
 many drafted tokens each request verifies from the confidence head's prefix survivals and a
 profiled steps-per-second curve SPS(B). ``SPSCostTable`` is that curve in TensorRT-LLM's JSON
-cost-table form. The single-request engine uses the per-row kernels of ``dspark.kernels``; these
-serve batched decoding.
+cost-table form. Per-row scheduling uses the kernels of ``dspark.kernels``; these serve the
+batch-level ``"cost"`` scheduler.
 """
 
 from __future__ import annotations

@@ -61,8 +61,9 @@ class GenerationStats:
 
     @property
     def parts_timed(self) -> bool:
-        """Whether draft and verify time were measured apart: the single-request loop times them; the
-        batched engine runs both in one step for every row, so it leaves them at 0."""
+        """Whether draft and verify time were measured apart: on the CPU the engine times both parts
+        of each round (steps that also ran prompt chunks excepted); a GPU round runs both without a
+        host synchronisation between them, so they stay 0 there."""
         return bool(self.draft_time or self.verify_time) or not self.rounds
 
     def _part(self, seconds: float) -> float | None:

@@ -48,6 +48,9 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     counts = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
     if batch == 0 or q.shape[0] == 0:
         return torch.zeros_like(q)
+    if batch == 1 and window_starts is None and sliding_window is None and tree_mask is None:
+        return _one_request_attention(q, k_cache[int(slot_ids[0])], v_cache[int(slot_ids[0])], int(context_lens[0]),
+                                      causal, scale)
     ctx = context_lens.long()
     width = int((ctx + counts).max())
     # queries padded to [B, max_q]: row b, query t sits at flat row cu[b] + t
@@ -68,15 +71,29 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         bits = tree_mask.long()[flat][:, :, None]
         ancestor = ((bits >> rel.clamp(0, 63)) & 1) == 1
         visible = visible & ((rel < 0) | ancestor)
-    k = k_cache[slot_ids.long(), :width].float().repeat_interleave(n_q // n_kv, dim=2)   # [B, L, n_q, d]
-    v = v_cache[slot_ids.long(), :width].float().repeat_interleave(n_q // n_kv, dim=2)
-    scores = torch.einsum("bthd,blhd->bhtl", queries, k) * scale
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)                  # padded queries see nothing
-    out = torch.einsum("bhtl,blhd->bthd", weights, v)
+    # SDPA (GQA without repeating K/V; f32 math) -- a few fused ops where the step is latency-bound on the CPU
+    k = k_cache[slot_ids.long(), :width].float().transpose(1, 2)             # [B, n_kv, L, d]
+    v = v_cache[slot_ids.long(), :width].float().transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale,
+                                         enable_gqa=n_q != n_kv).transpose(1, 2)
+    out = out.nan_to_num(0.0)                                                 # a query that sees nothing: 0
     result = torch.zeros_like(q)
     result[flat[valid_q]] = out[valid_q].to(q.dtype)
     return result
+
+
+def _one_request_attention(q, k_line, v_line, context_len: int, causal: bool, scale: float):
+    """``cached_attention`` of one request with no window or tree (a decode or verify step at batch 1):
+    its ``N`` queries ``[N, n_q, d]`` over cache line positions ``[0, context_len + N)``
+    (``[max_len, n_kv, d]``), without the padded batch layout -- a CPU step at batch 1 is latency-bound."""
+    n, n_q, n_kv = q.shape[0], q.shape[1], k_line.shape[1]
+    width = context_len + n
+    k, v = (line[:width].float().transpose(0, 1) for line in (k_line, v_line))   # [n_kv, L, d]
+    # query t (position context_len + t) sees keys up to its own position: a bottom-right causal mask
+    mask = torch.ones(n, width, dtype=torch.bool, device=q.device).tril(context_len) if causal and n > 1 else None
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=n_q != n_kv)
+    return out.transpose(0, 1).to(q.dtype).contiguous()
 
 
 def silu_and_mul(x):
