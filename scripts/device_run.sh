@@ -28,8 +28,7 @@ for step in "$@"; do
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
   echo "$step: exit $? in $((SECONDS - start)) s" | tee -a "$OUT/steps.txt"
+  # at most 8 files come back: each step's folder as one archive, made as soon as the step ends
+  [ -d "$OUT/$step" ] && tar czf "$OUT/$step.tgz" -C "$OUT" "$step" && rm -rf "$OUT/$step"
 done
-# at most 8 files come back: the runs' folders as one archive
-dirs=$(cd "$OUT" && ls -d */ 2>/dev/null)
-[ -n "$dirs" ] && tar czf "$OUT/runs.tgz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)
 tail -3 "$OUT/pytest.log" 2>/dev/null
