@@ -365,8 +365,10 @@ class LLMEngine:
         # Algorithm 1 across the batch on the (STS-calibrated) confidences and the profiled cost table
         confidence = np.stack([seq.confidence.numpy() for seq in self.running])
         drafts = batch_schedule(confidence, self.cost_table, self.config.min_predicted_gain, self._host_ms[0])
+        # until a plain round is measured, price its host time as a drafting round's (keep drafting)
+        host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
         draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(
-            confidence, self.cost_table, self.config.min_predicted_gain, tuple(self._host_ms), drafts)
+            confidence, self.cost_table, self.config.min_predicted_gain, host, drafts)
         return (self._verify_lens(drafts) if self._drafted else None), draft
 
     def _scheduled_drafts(self) -> list[int]:
