@@ -203,5 +203,19 @@ def test_drafting_pays_compares_the_best_round_with_plain_decoding():
     assert drafting_pays(np.array([[0.03]]), one, 0.0) and not drafting_pays(np.array([[0.03]]), one, 0.04)
 
 
+def test_prompt_tokens_in_the_step_price_the_verify_further_up_the_curve():
+    """Prompt chunks share the step's forward: Algorithm 1 prices each verify token where the step
+    already is -- free on the flat part of the curve, dear once a prefill has taken it up the steep one."""
+    import numpy as np
+
+    from dspark.engine.schedulers import batch_schedule, drafting_pays
+
+    curve = SPSCostTable((1, 1024, 2048), (5.0, 5.0, 200.0))
+    conf = np.full((8, 7), 0.6)
+    assert batch_schedule(conf, curve, 0.0) == [7] * 8
+    assert sum(batch_schedule(conf, curve, 0.0, prefill_tokens=1500)) < 7 * 8
+    assert drafting_pays(conf, curve, 0.04) and drafting_pays(conf, curve, 0.04, prefill_tokens=1500)
+
+
 def prefix_schedule_lengths(conf, table):
     return [max(1, n) for n in prefix_schedule(torch.tensor(conf), table)]

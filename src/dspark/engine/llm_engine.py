@@ -362,13 +362,17 @@ class LLMEngine:
         decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the confidences."""
         if self.config.scheduler != "cost":
             return (self._verify_lens(self._scheduled_drafts()) if self._drafted else None), True
-        # Algorithm 1 across the batch on the (STS-calibrated) confidences and the profiled cost table
+        # Algorithm 1 across the batch on the (STS-calibrated) confidences and the profiled cost table,
+        # the step's prompt chunks in its forward (at most what the budget leaves the longest verify)
         confidence = np.stack([seq.confidence.numpy() for seq in self.running])
-        drafts = batch_schedule(confidence, self.cost_table, self.config.min_predicted_gain, self._host_ms[0])
+        pending = sum(seq.prompt_len - seq.prefilled for seq in self.prefilling)
+        prefill = min(pending, max(0, self.max_num_batched_tokens - len(self.running) * (self.num_drafts + 1)))
+        gain = self.config.min_predicted_gain
+        drafts = batch_schedule(confidence, self.cost_table, gain, self._host_ms[0], prefill)
         # until a plain round is measured, price its host time as a drafting round's (keep drafting)
         host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
-        draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(
-            confidence, self.cost_table, self.config.min_predicted_gain, host, drafts)
+        draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(confidence, self.cost_table, gain, host, drafts,
+                                                                     prefill)
         return (self._verify_lens(drafts) if self._drafted else None), draft
 
     def _scheduled_drafts(self) -> list[int]:

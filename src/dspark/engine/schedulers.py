@@ -135,37 +135,40 @@ def prefix_schedule(confidences: torch.Tensor, sps: Callable[[int], float] | SPS
 
 
 def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_gain: float,
-                   host_ms: float = 0.0) -> list[int]:
+                   host_ms: float = 0.0, prefill_tokens: int = 0) -> list[int]:
     """The batched engine's ``cost`` scheduler, once per round on the host: Algorithm 1
     (``prefix_schedule``) on f32/f64 confidences ``[R, P]``, at least one draft per row (the accept
     kernels verify >= 1), kept only when its predicted goodput beats verifying every draft by
     ``min_predicted_gain`` (TensorRT-LLM's rule; else every row verifies all P). A round's time is
     the table's verify time plus its draft pass (``SPSCostTable.draft_time``) plus ``host_ms``, the
-    engine's own time per drafting round."""
+    engine's own time per drafting round; ``prefill_tokens`` prompt tokens share the step's forward
+    (the verify is priced from there on the curve)."""
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     rows, p = survival.shape
-    lengths = np.maximum(_admit(survival, table, host_ms), 1)
+    lengths = np.maximum(_admit(survival, table, host_ms, prefill_tokens), 1)
     full = np.full(rows, p)
     expected = _expected_tokens(survival, lengths), _expected_tokens(survival, full)
-    goodput = np.array(expected) / (table.step_times(np.array([lengths.sum() + rows, (p + 1) * rows]))
-                                    + table.draft_time(rows) + host_ms)
+    tokens = np.array([lengths.sum() + rows, (p + 1) * rows]) + prefill_tokens
+    goodput = np.array(expected) / (table.step_times(tokens) + table.draft_time(rows) + host_ms)
     return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else full.tolist()
 
 
 def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_gain: float,
-                  host_ms: tuple[float, float] = (0.0, 0.0), lengths: list[int] | None = None) -> bool:
+                  host_ms: tuple[float, float] = (0.0, 0.0), lengths: list[int] | None = None,
+                  prefill_tokens: int = 0) -> bool:
     """Whether the next round should draft: the round ``batch_schedule`` would run on the rows'
     latest confidences ``[R, P]`` (``lengths``, when already scheduled) -- its expected tokens over
     its verify, draft pass and host time ``host_ms[0]`` -- beats a plain round (R tokens: the
-    target's one per row, over the verify of R tokens and ``host_ms[1]``) by ``min_predicted_gain``.
-    Else the engine decodes without drafting."""
+    target's one per row, over the verify of R tokens and ``host_ms[1]``) by ``min_predicted_gain``,
+    both forwards also running ``prefill_tokens`` prompt tokens. Else the engine decodes without
+    drafting."""
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     rows = survival.shape[0]
     if lengths is None:
-        lengths = batch_schedule(confidences, table, min_predicted_gain, host_ms[0])
+        lengths = batch_schedule(confidences, table, min_predicted_gain, host_ms[0], prefill_tokens)
     lengths = np.asarray(lengths)
-    round_ms = table.step_time(int(lengths.sum()) + rows) + table.draft_time(rows) + host_ms[0]
-    plain_ms = table.step_time(rows) + host_ms[1]
+    round_ms = table.step_time(int(lengths.sum()) + rows + prefill_tokens) + table.draft_time(rows) + host_ms[0]
+    plain_ms = table.step_time(rows + prefill_tokens) + host_ms[1]
     return _expected_tokens(survival, lengths) / round_ms > (1 + min_predicted_gain) * rows / plain_ms
 
 
@@ -176,9 +179,11 @@ def _expected_tokens(survival: np.ndarray, lengths: np.ndarray) -> float:
     return float(survival.shape[0] + np.take_along_axis(kept, lengths[:, None], axis=1).sum())
 
 
-def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable, host_ms: float = 0.0) -> np.ndarray:
+def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable, host_ms: float = 0.0,
+           prefill_tokens: int = 0) -> np.ndarray:
     """Algorithm 1 on prefix survivals float64 ``[R, P]``: int64 ``[R]`` lengths (one sort, one
-    interpolation of the cost curve; a table's round adds its draft pass and ``host_ms``)."""
+    interpolation of the cost curve; a table's round adds its draft pass and ``host_ms``, and its
+    verify shares the forward with ``prefill_tokens`` prompt tokens)."""
     num_requests = survival.shape[0]
     r, j = np.nonzero(survival > 0)
     a = survival[r, j]
@@ -187,7 +192,8 @@ def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable, hos
     r, j, a = r[order], j[order], a[order]
     tokens = np.arange(num_requests, num_requests + a.size + 1)
     if isinstance(sps, SPSCostTable):  # a round's time: its verify plus its draft pass and host time
-        rates = 1000.0 / np.maximum(sps.step_times(tokens) + sps.draft_time(num_requests) + host_ms, 1e-9)
+        rates = 1000.0 / np.maximum(sps.step_times(tokens + prefill_tokens) + sps.draft_time(num_requests) + host_ms,
+                                    1e-9)
     else:
         rates = np.array([sps(int(b)) for b in tokens], dtype=np.float64)
     goodput = np.concatenate([[float(num_requests)], num_requests + np.cumsum(a)]) * rates
