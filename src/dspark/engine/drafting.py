@@ -79,10 +79,6 @@ class SamplingParams:
                            torch.full((batch,), self.top_k, dtype=torch.int32, device=device),
                            torch.full((batch,), self.top_p, dtype=torch.float32, device=device))
 
-    def probabilities(self, logits: torch.Tensor, workspace=None) -> torch.Tensor:
-        """f32 ``[rows, V]`` probabilities of fp32 logits ``[rows, V]`` under these settings."""
-        return self.rows(logits.shape[0], logits.device).probabilities(logits, workspace)
-
 
 @dataclass(frozen=True)
 class RowSampling:
@@ -93,9 +89,6 @@ class RowSampling:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
-
-    def __getitem__(self, index) -> "RowSampling":
-        return RowSampling(self.temperature[index], self.top_k[index], self.top_p[index])
 
     def probabilities(self, logits: torch.Tensor, workspace=None) -> torch.Tensor:
         """f32 probabilities of fp32 logits ``[B, V]`` (or ``[B, L, V]``: row b's settings on its L rows)."""
