@@ -303,8 +303,9 @@ def test_block_sparse_training_attention_equals_the_dense_mask(layer_types):
         block_hidden(model, context, block_ids, anchors, attention="flex")  # gradients on: the CPU cannot
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_block_sparse_training_gradients_equal_the_dense_mask():
+def _cuda_blocks():
+    """A sliding + full draft config and the target moved to CUDA, with a batch's captured context,
+    anchors and blocks (the CUDA training tests' inputs; the caller moves ``TARGET`` back)."""
     cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=("full_attention", "sliding_attention"))
     target = TARGET.to("cuda")
     ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
@@ -312,6 +313,12 @@ def test_cuda_block_sparse_training_gradients_equal_the_dense_mask():
     anchors = torch.tensor([[1, 7, 12, 25], [3, 9, 10, 30]], device="cuda")
     block_ids = torch.full((2, 4, 5), cfg.mask_token_id, device="cuda")
     block_ids[..., 0] = ids.gather(1, anchors)
+    return cfg, target, ids, context, anchors, block_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_block_sparse_training_gradients_equal_the_dense_mask():
+    cfg, target, ids, context, anchors, block_ids = _cuda_blocks()
     grads = []
     for attention in ("dense", "flex"):
         model = random_draft(cfg, target=TARGET).cuda()
@@ -329,13 +336,7 @@ def test_cuda_training_forward_under_autocast_is_the_bf16_engine_forward():
     """A GPU step's draft forward (bf16 autocast over the fp32 draft; FlexAttention; the kernels'
     PyTorch reference, since a gradient flows) stays within bf16 rounding of the engine's forward
     (Triton) of the same weights in bf16, its gradients are finite, and ``train_draft`` runs there."""
-    cfg = tiny_draft_config(TARGET.config, block_size=5, layer_types=("full_attention", "sliding_attention"))
-    target = TARGET.to("cuda")
-    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
-    context, _ = trainer.target_states(target, ids, cfg.capture_layer_ids)
-    anchors = torch.tensor([[1, 7, 12, 25], [3, 9, 10, 30]], device="cuda")
-    block_ids = torch.full((2, 4, 5), cfg.mask_token_id, device="cuda")
-    block_ids[..., 0] = ids.gather(1, anchors)
+    cfg, target, ids, context, anchors, block_ids = _cuda_blocks()
     model = random_draft(cfg, target=TARGET).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         hidden = block_hidden(model, context, block_ids, anchors)
