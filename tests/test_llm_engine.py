@@ -179,6 +179,20 @@ def engine(target):
     return LLMEngine(target, draft, EngineConfig(max_batch=4, scheduler="threshold", threshold=0.2))
 
 
+def test_a_step_with_prompt_chunks_verifies_on_a_grid_of_few_shapes(engine):
+    """``verify_grid``: the step's verify tokens become the bucket times a power of two (or the
+    verify length), the padding rows taking the difference first and the running rows up to their
+    caps; when they cannot take it all, the lengths stay as they were."""
+    runner = engine.runner
+    assert runner.verify_len == 5 and runner.bucket(3) == 4  # grid: 4 rows x 2, 4 or 5 tokens
+    assert runner.verify_grid([2, 3, 2], [5, 5, 5]) == [2, 3, 2, 1]  # 8 = 4 x 2: only the padding row added
+    assert runner.verify_grid([5, 5, 4], [5, 5, 5]) == [5, 5, 4, 2]  # 15 -> 16: the padding row first
+    assert runner.verify_grid([3, 2, 2, 2], [5, 5, 5, 5]) == [5, 5, 4, 2]  # no padding row: the rows, in order
+    assert runner.verify_grid([5, 5, 5, 2], [5, 5, 5, 5]) == [5, 5, 5, 5]  # 17 -> 20 = 4 x the verify length
+    assert runner.verify_grid([3, 2, 2, 2], [3, 2, 2, 2]) == [3, 2, 2, 2]  # 9 -> 16 does not fit the caps
+    assert runner.verify_grid([], []) == []
+
+
 def test_a_request_alone_equals_the_same_request_in_a_batch(engine):
     hot = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
     alone = engine.generate([Request(PROMPTS[2], 12, hot)])[0].token_ids

@@ -261,6 +261,8 @@ class LLMEngine:
         self._admit()
         rows = len(self.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
+        if lens is not None and self.prefilling:  # prompt chunks join: few mixed-step graph shapes
+            lens = self.runner.verify_grid(lens, self._verify_lens([self.num_drafts] * rows))
         plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
         joined = self._run_step(rows, lens, plan, outputs, draft)
         self._launched = (outputs, len(self.running) - len(joined), joined, self.runner.drafted)

@@ -259,7 +259,8 @@ class ModelRunner:
                      draft: bool = True) -> None:
         """Start one speculative round for the first ``rows`` rows (no wait; ``read`` collects it):
         row i verifies ``verify_lens[i] - 1`` drafts (1 .. P), or, with ``verify_lens`` None, none
-        (a plain round: one token per row from the target, as plain decoding). ``chunks`` run in the
+        (a plain round: one token per row from the target, as plain decoding); entries past ``rows``
+        (up to the bucket) are padding rows' tokens (``verify_grid``; default 1). ``chunks`` run in the
         same forward, and those that end their prompt join at rows ``rows, rows + 1, ...`` (read
         them too). ``draft``: whether the round drafts the next one (block, Markov chain,
         confidences); without it only the draft context advances and the next round is plain. A
@@ -270,10 +271,10 @@ class ModelRunner:
             return
         b, verify_lens = (self.bucket(rows) if rows else 0), list(verify_lens)
         lens = self.host_lens
-        lens.fill_(1)  # padding rows verify their anchor only
-        lens[:rows] = torch.tensor(verify_lens, dtype=torch.int32)
+        lens.fill_(1)  # padding rows verify their anchor only, unless given more (verify_grid)
+        lens[:len(verify_lens)] = torch.tensor(verify_lens, dtype=torch.int32)
         self.state.verify_lens[: self.max_batch].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
-        num_tokens = b * -(-sum(verify_lens + [1] * (b - rows)) // b) if b else 0  # a multiple of b: t graphs per b
+        num_tokens = b * -(-(sum(verify_lens) + b - len(verify_lens)) // b) if b else 0  # a multiple of b: t graphs per b
         if self.tree is not None:
             num_tokens = b * self.verify_len  # every row's tree, padding rows' too
         self.round_times = None
@@ -330,6 +331,28 @@ class ModelRunner:
         """The launched round's readout ``[rows, P + 4 + P]`` on the host (see ``readout``): its one
         host synchronisation."""
         return self.readout[:rows].cpu()
+
+    def verify_grid(self, lens: list[int], caps: list[int]) -> list[int]:
+        """Verify tokens of a step with prompt chunks, raised so that the step's total is the bucket
+        times a power of two (or the verify length): a mixed step's graph is captured on first use
+        per (rows, verify tokens, chunk) shape, and a scheduler's varying totals would meet a new
+        shape at every other admission. The extra tokens go to the padding rows first, then to the
+        running rows up to ``caps`` (their most: a longer verify only checks more drafts). Returns
+        ``lens`` extended over the padding rows, or ``lens`` unchanged when the rows cannot take
+        the difference."""
+        rows, t = len(lens), self.verify_len
+        if not rows or self.tree is not None:
+            return lens
+        b = self.bucket(rows)
+        out, room = list(lens) + [1] * (b - rows), list(caps) + [t] * (b - rows)
+        need = sum(out)
+        grid = [k for k in (2, 4, 8, 16, 32) if k < t] + [t]
+        extra = b * next((k for k in grid if b * k >= need), t) - need
+        for i in list(range(rows, b)) + list(range(rows)):
+            add = min(extra, room[i] - out[i])
+            out[i] += add
+            extra -= add
+        return out if extra == 0 else lens
 
     def capture_graphs(self) -> int:
         """Capture the graphs of every batch bucket now, greedy and with sampled rows (verify at

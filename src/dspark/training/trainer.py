@@ -390,15 +390,15 @@ def _visible(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool,
     positions ``0..S-1``, then the A blocks' slots)."""
     n = block_size
 
-    def visible(batch, head, q, kv):
+    def visible(batch, head, q, kv):  # no in-place ops: inductor cannot lower them in a mask_mod
         p = anchors[batch, q // n]
         context = (kv < seq_len) & (kv < p)
         if window is not None:
-            context &= kv >= p - window
+            context = context & (kv >= p - window)
         slot = kv - seq_len
         same = (kv >= seq_len) & (slot // n == q // n)
         if causal:
-            same &= slot % n <= q % n
+            same = same & (slot % n <= q % n)
         return context | same
 
     return visible
