@@ -358,6 +358,24 @@ def test_cost_scheduler_trims_verification_and_falls_back_to_plain_rounds(target
         EngineConfig(scheduler="cost")
 
 
+def test_a_step_that_captures_a_graph_is_left_out_of_the_host_time_average(target):
+    """The cost scheduler prices a round's host time from the steps' average (on a GPU); a step
+    that captured a CUDA graph (a one-off of tens of ms) must not move it, or drafting would look
+    unprofitable for many steps after."""
+    from dspark.engine.schedulers import SPSCostTable
+
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=2, scheduler="cost",
+                                                   cost_table=SPSCostTable((1, 64), (1.0, 1.0))))
+    engine.runner.device = torch.device("cuda")  # the average is kept on a GPU only; nothing runs here
+    engine._count_round(True, 0.002)
+    engine._count_round(True, 0.080, captured=True)
+    engine._count_round(False, 0.001)
+    assert engine._host_ms == pytest.approx([2.0, 1.0])
+    engine._count_round(True, 0.012)
+    assert engine._host_ms[0] == pytest.approx(3.0)  # 0.9 x 2 + 0.1 x 12
+
+
 def test_a_graph_warm_up_leaves_the_row_state_as_it_was(target):
     """``ModelRunner._snapshot`` (what a CUDA graph's warm-up run restores): every named row buffer
     but the captures it rewrites, and the benchmark drafts' per-slot buffers."""
@@ -408,6 +426,9 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
     for d in (draft, None):
         engine = LLMEngine(cuda_target, d, EngineConfig(max_batch=3, scheduler=scheduler if d is not None else "off",
                                                         threshold=0.2, cost_table=table))
+        if d is not None and scheduler == "cost":  # the server's start-up capture, plain rounds included
+            engine.capture_graphs()
+            assert ("plain", 3, False) in engine.runner.graphs and ("context", 3) in engine.runner.graphs
         results = engine.generate([Request(p, NEW) for p in PROMPTS])
         assert [r.token_ids for r in results] == greedy
         assert engine.runner.graphs, "the CUDA path must replay graphs"

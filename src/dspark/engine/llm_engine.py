@@ -176,6 +176,7 @@ class LLMEngine:
         self._plain_rounds = 0  # plain rounds in a row (the cost scheduler's fallback)
         self._host_ms = [0.0, 0.0]  # average host time of a drafting round and of a plain one (measured)
         self._step_host = 0.0
+        self._step_captures = 0  # the runner's capture count when the step was launched
         self.metrics = EngineMetrics(self.runner.num_drafts)
         self.cost_table = config.cost_table
         self._plain: LLMEngine | None = None
@@ -234,7 +235,7 @@ class LLMEngine:
         without CUDA graphs). Only while no request runs."""
         if self.running:
             Checker("capture_graphs").fail(f"capture_graphs needs an idle engine, but {len(self.running)} requests run")
-        return self.runner.capture_graphs()
+        return self.runner.capture_graphs(plain_rounds=self.config.scheduler == "cost")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -258,6 +259,7 @@ class LLMEngine:
         if self._launched is not None:
             Checker("launch").fail("launch() was called twice: finish() collects the launched round first")
         start, outputs = time.perf_counter(), []
+        self._step_captures = self.runner.captures
         self._admit()
         rows = len(self.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
@@ -342,15 +344,17 @@ class LLMEngine:
         self.metrics.step_time += elapsed
         self.metrics.host_time += elapsed - waited
         self.metrics.steps += 1
-        self._count_round(drafted, self._step_host + elapsed - waited)
+        self._count_round(drafted, self._step_host + elapsed - waited, self.runner.captures != self._step_captures)
         return outputs
 
-    def _count_round(self, drafted: bool, host_s: float) -> None:
+    def _count_round(self, drafted: bool, host_s: float, captured: bool = False) -> None:
         """After a step: whether the rows hold drafts, the run of plain rounds, and (on a GPU) the
-        average host time of the step's kind (drafting or plain) that the cost scheduler prices."""
+        average host time of the step's kind (drafting or plain) that the cost scheduler prices --
+        not from a step that captured a graph (a one-off of tens of milliseconds, which would make
+        drafting look unprofitable for many steps after)."""
         self._drafted = drafted
         self._plain_rounds = 0 if drafted else self._plain_rounds + 1
-        if self.runner.device.type != "cuda":  # no device apart from the host: the table prices the compute
+        if self.runner.device.type != "cuda" or captured:  # on the CPU the table prices the compute
             return
         kind = 0 if drafted else 1
         average = self._host_ms[kind]

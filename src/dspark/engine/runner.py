@@ -173,6 +173,7 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
+        self.captures = 0  # graphs captured so far (a step that captures is no measure of host time)
         self.pool = None
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
         self.drafted = True  # whether the last launched step drafted its rows' next round
@@ -354,11 +355,12 @@ class ModelRunner:
             extra -= add
         return out if extra == 0 else lens
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, plain_rounds: bool = False) -> int:
         """Capture the graphs of every batch bucket now, greedy and with sampled rows (verify at
-        every token multiple, draft; or decode), so that no request waits for a capture later;
-        returns the number of graphs. Call with no request running: the captures replay once on
-        padding rows."""
+        every token multiple, draft; or decode; with ``plain_rounds``, a DSpark runner's plain round
+        and context-only pass too: the cost scheduler's), so that no request waits for a capture
+        later; returns the number of graphs. Call with no request running: the captures replay
+        once on padding rows."""
         if not self.use_graphs:
             return 0
         if self.drafter is not None and self.tree is None:
@@ -366,11 +368,11 @@ class ModelRunner:
         lens = self.host_lens if self.drafter is not None else None
         for b in self.buckets:
             for sampled in (False, True):
-                self._capture_bucket(b, sampled, lens)
+                self._capture_bucket(b, sampled, lens, plain_rounds)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
 
-    def _capture_bucket(self, b: int, sampled: bool, lens) -> None:
+    def _capture_bucket(self, b: int, sampled: bool, lens, plain_rounds: bool) -> None:
         if self.drafter is None:
             self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
             return
@@ -379,6 +381,9 @@ class ModelRunner:
             self.state.verify_lens[: self.max_batch].copy_(lens)
             self._replay(("verify", b, b * k, sampled), lambda: self._verify_rows(b, b * k, sampled))
         self._draft(b, sampled)
+        if plain_rounds:
+            self._replay(("plain", b, sampled), lambda: self._decode_rows(b, sampled))
+            self._replay(("context", b), lambda: self._context_rows(b))
 
     def _sampled(self, rows: int) -> bool:
         """Whether any of the first ``rows`` rows samples (then every row takes the sampled path)."""
@@ -411,6 +416,7 @@ class ModelRunner:
                 return
             self.pool = graph.pool()
             self.graphs[key] = graph
+            self.captures += 1
         graph.replay()
 
     def _snapshot(self) -> Callable[[], None]:
