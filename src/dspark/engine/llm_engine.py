@@ -370,7 +370,7 @@ class LLMEngine:
             return (self._verify_lens(self._scheduled_drafts()) if self._drafted else None), True
         # Algorithm 1 across the batch on the (STS-calibrated) confidences and the profiled cost table,
         # the step's prompt chunks in its forward (at most what the budget leaves the longest verify)
-        confidence = np.stack([seq.confidence.numpy() for seq in self.running])
+        confidence = np.stack([seq.confidence for seq in self.running])
         pending = sum(seq.prompt_len - seq.prefilled for seq in self.prefilling)
         prefill = min(pending, max(0, self.max_num_batched_tokens - len(self.running) * (self.num_drafts + 1)))
         gain = self.config.min_predicted_gain
@@ -424,7 +424,7 @@ class LLMEngine:
         """Commit each row's tokens (``joined``: requests whose first token this is; ``drafted``:
         the step drafted every row's next round, whose proposal and confidences it read out)."""
         t, now = self.runner.verify_len, time.perf_counter()
-        confidence = readout[:, t + 3:].view(torch.float32)
+        confidence = readout[:, t + 3:].view(torch.float32).numpy()  # rows of one array: the cost scheduler stacks them
         running, kept_of = list(self.running), []  # a failure below retires rows: keep this round's order
         for seq, row, conf in zip(running, readout.tolist(), confidence):
             n, verified = row[t], row[t + 1]

@@ -134,7 +134,7 @@ class Sequence:
     slot: int = -1
     finish_reason: str | None = None
     next_length: int = 0  # drafts the next round verifies (the scheduler's choice, read back each round)
-    confidence: object = None  # f32 [P] confidences of the pending proposal (read back each round)
+    confidence: object = None  # numpy f32 [P] confidences of the pending proposal (read back each round)
     error: str | None = None  # why the engine failed this request (finish reason "error")
     prefilled: int = 0  # prompt tokens already in the cache
     admitted_at: float = 0.0  # perf_counter when it got its slot (prefill time: until its first token)
