@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import operator
 import os
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -91,15 +91,6 @@ class Checker:
         if contiguous and not t.is_contiguous():
             self.fail(f"{name} is written in place and must be contiguous, got strides {list(t.stride())}")
         return t
-
-    def same_device(self, **tensors: torch.Tensor | None) -> torch.device:
-        """All given (non-None) tensors share one device; returns it."""
-        items = [(n, t) for n, t in tensors.items() if t is not None]
-        first_name, first = items[0]
-        for name, t in items[1:]:
-            if t.device != first.device:
-                self.fail(f"{name} is on {t.device} but {first_name} is on {first.device}; all inputs must share one device")
-        return first.device
 
     def integer(self, name: str, value, *, low: int | None = None, high: int | None = None) -> int:
         """An int argument in ``[low, high]`` (inclusive bounds, either optional)."""
@@ -185,13 +176,3 @@ class Checker:
         if offset < 0 or offset + needed > stride:
             self.fail(f"offset {offset} + {needed} rows per batch entry exceed the row stride {stride} of {name}")
         return t.contiguous()
-
-
-def all_none_or_all_given(checker: Checker, names: Iterable[str], values: Iterable) -> bool:
-    """Arguments that only make sense together; returns True when all are given."""
-    names, values = list(names), list(values)
-    given = [v is not None for v in values]
-    if any(given) and not all(given):
-        missing = [n for n, g in zip(names, given) if not g]
-        checker.fail(f"{', '.join(names)} must be given together; missing {', '.join(missing)}")
-    return all(given)
