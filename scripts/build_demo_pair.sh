@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# Build the demo pair shipped as dspark/data/demo: a small Qwen3 target trained from scratch on this
-# Python's standard library (its own BPE tokenizer), a DSpark drafter for it (block 7), the DFlash
-# ablation trained the same way (Markov rank 0), STS calibration on held-out files, and evaluation.
+# Build the demo pair shipped as dspark/data/demo: a Qwen3 target trained from scratch on all the Python
+# source of the build machine (its standard library's train split and every installed package; its own
+# BPE tokenizer), a DSpark drafter for it (block 7) trained twice -- with and without the confidence
+# loss's gradient reaching the backbone (--confidence-backprop), the better by greedy tau ships -- the
+# DFlash ablation trained the same way (Markov rank 0), STS calibration on held-out files, evaluation,
+# and the acceptance-replay traces of the serving benchmark.
 #
-#   scripts/build_demo_pair.sh OUT_DIR          # one H200: about 9 minutes end to end
+#   scripts/build_demo_pair.sh OUT_DIR          # one H200, in groups of stages (below)
 #   scripts/build_demo_pair.sh OUT_DIR --tiny   # CPU smoke run of every stage (a few minutes)
 #
+# STAGES (environment; default all, in order) picks groups, so that the build runs in device calls of
+# under 10 minutes that resume from each other's saved artifacts:
+#   target   the held-out prompts and the target (TARGET_SECONDS of training, default 420)
+#   drafts   three drafters at once on the one GPU (DRAFT_SECONDS each, default 330): draft (confidence
+#            loss on the heads only), draft_bp (--confidence-backprop), dflash (the ablation)
+#   finish   greedy tau of draft and draft_bp, the better becomes OUT_DIR/draft; STS calibration;
+#            evaluation against the ablation; replay traces; the CPU evaluation CI checks; the size limit
+# A group needs the artifacts of the ones before it in OUT_DIR (and WORK_DIR for finish).
+#
 # OUT_DIR receives what ships: target/ (Hugging Face model + tokenizer), draft/ (speculators DSpark
-# checkpoint with its STS temperatures), prompts.jsonl (the starts of the held-out stdlib:test files),
-# eval.json / eval_ci.json / calibration.json (measurements), build.log and a copy of this script.
-# The DFlash ablation goes to $WORK_DIR (default out/demo_work in the repository, git-ignored).
-# Every stage saves its artifacts before the next starts, so a late failure leaves the earlier ones;
-# the optional stages (ablation, calibration, evaluations) do not stop the others.
-# Training time budgets (seconds) can be overridden: TARGET_SECONDS, DRAFT_SECONDS; ROWS: regenerated rows.
+# checkpoint with its STS temperatures), dflash/, prompts.jsonl (the starts of the held-out stdlib:test
+# files), replay_traces.json, eval.json / eval_ci.json / calibration.json / choice.json (measurements),
+# build.log and a copy of this script. The other drafter and the training states go to $WORK_DIR
+# (default out/demo_work in the repository, git-ignored). ROWS: regenerated rows per drafter.
 set -uo pipefail
 
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
@@ -24,33 +34,37 @@ TINY=0
 [ "${2:-}" = "--tiny" ] && TINY=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK="${WORK_DIR:-$REPO/out/demo_work}"
+STAGES="${STAGES:-target drafts finish}"
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"
 LOG="$OUT/build.log"
-: > "$LOG"
+touch "$LOG"
 cp "$0" "$OUT/build_demo_pair.sh"
 
 if [ "$TINY" = 1 ]; then
-  TARGET_ARGS=(--preset tiny --max-docs 40 --seq-len 128 --batch-size 8 --steps 40 --save-every 0)
+  TARGET_ARGS=(--preset tiny --corpus stdlib:train --max-docs 40 --seq-len 128 --batch-size 8 --steps 40 --save-every 0)
   DRAFT_ARGS=(--layers 1 --markov-rank 16 --max-docs 40 --seq-len 128 --corpus-rows 64 --regenerate 16
               --confidence-target greedy --batch-size 4 --anchors 16 --steps 30 --save-every 0)
   CALIBRATE_ARGS=(--num-prompts 8 --prompt-tokens 32 --new-tokens 48)
   EVAL_ARGS=(--num-prompts 3 --max-new-tokens 32)
+  TRACE_TOKENS=32
   DEVICE=(--device cpu)
 else
-  TARGET_ARGS=(--preset demo --seq-len 512 --batch-size 64 --lr 2e-3 --time-budget "${TARGET_SECONDS:-150}"
-               --save-every 1000)
+  TARGET_ARGS=(--preset demo --corpus python:train --seq-len 512 --batch-size 128 --lr 2e-3
+               --time-budget "${TARGET_SECONDS:-420}" --save-every 2000)
   # half corpus rows, half the target's own greedy continuations (what greedy decoding drafts for)
-  DRAFT_ARGS=(--layers 2 --markov-rank 64 --capture-layers 2,8,15 --seq-len 512 --corpus-rows "${ROWS:-8192}"
-              --regenerate "${ROWS:-8192}" --regenerate-batch 1024 --confidence-target greedy --batch-size 32
-              --anchors 64 --lr 6e-4 --time-budget "${DRAFT_SECONDS:-150}" --steps 100000 --save-every 1000)
+  DRAFT_ARGS=(--layers 2 --markov-rank 64 --capture-layers 1,5,9 --seq-len 512 --corpus-rows "${ROWS:-16384}"
+              --regenerate "${ROWS:-16384}" --regenerate-batch 1024 --confidence-target greedy --batch-size 32
+              --anchors 64 --lr 6e-4 --time-budget "${DRAFT_SECONDS:-330}" --steps 1000000 --save-every 2000)
   CALIBRATE_ARGS=(--num-prompts 512 --prompt-tokens 64 --new-tokens 96 --batch-size 128)
-  EVAL_ARGS=(--num-prompts 16 --max-new-tokens 128)
+  EVAL_ARGS=(--num-prompts 0 --max-new-tokens 128)
+  TRACE_TOKENS=320
   DEVICE=()
 fi
 
 log() { echo "[$(date '+%H:%M:%S')] $*" | tee -a "$LOG"; }
 dspark() { python -c 'import sys; from dspark.cli import main; sys.exit(main())' "$@"; }
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 FAILED=()
 # stage NAME required|optional COMMAND...: run, log with timestamps; a required failure ends the build
 stage() {
@@ -70,51 +84,90 @@ stage() {
     log "done $name in $((SECONDS - start)) s"
   fi
 }
+# train_draft NAME DIR EXTRA...: one drafter in the background, its log in $WORK/NAME.log
+train_draft() {
+  local name=$1 dir=$2
+  shift 2
+  log "start $name in the background (log $WORK/$name.log)"
+  dspark train --target "$OUT/target" --data stdlib:train --output "$dir" --block-size 7 --overwrite \
+    "${DRAFT_ARGS[@]}" "$@" "${DEVICE[@]}" > "$WORK/$name.log" 2>&1 &
+}
 
-log "building the demo pair in $OUT (tiny=$TINY), work files in $WORK"
-stage prompts required python -m dspark.training.data --split test --output "$OUT/prompts.jsonl"
-stage target required python -m dspark.training.target_lm --corpus stdlib:train --output "$OUT/target" \
-  "${TARGET_ARGS[@]}" "${DEVICE[@]}"
-# the DFlash ablation trains beside the DSpark drafter (same budget, same GPU share: a fair comparison,
-# and small models leave most of an H200 idle); its log goes to $WORK/dflash.log
-stage dflash optional dspark train --target "$OUT/target" --data stdlib:train --output "$WORK/dflash" --block-size 7 \
-  "${DRAFT_ARGS[@]}" --markov-rank 0 "${DEVICE[@]}" > "$WORK/dflash.log" 2>&1 &
-DFLASH_PID=$!
-stage draft required dspark train --target "$OUT/target" --data stdlib:train --output "$OUT/draft" --block-size 7 \
-  "${DRAFT_ARGS[@]}" "${DEVICE[@]}"
-wait "$DFLASH_PID" || FAILED+=(dflash)
-# what ships is the checkpoint alone: the resumable training state and the log stay in $WORK
-rm -rf "$WORK/draft_training" && mkdir -p "$WORK/draft_training" \
-  && mv "$OUT/draft/training_state" "$OUT/draft/training_log.json" "$WORK/draft_training/" 2>/dev/null
-stage calibrate optional dspark calibrate --target "$OUT/target" --draft "$OUT/draft" --data stdlib:valid \
-  "${CALIBRATE_ARGS[@]}" --json "$OUT/calibration.json" "${DEVICE[@]}"
-DRAFTS=("$OUT/draft")
-[ -f "$WORK/dflash/config.json" ] && DRAFTS+=("$WORK/dflash")
-stage eval optional dspark eval --target "$OUT/target" --draft "${DRAFTS[@]}" --prompts "$OUT/prompts.jsonl" --dtype float32 \
-  "${EVAL_ARGS[@]}" --json "$OUT/eval.json" "${DEVICE[@]}"
-# the configuration tests/test_eval.py checks in CI (CPU, float32): its floor comes from this measurement
-stage eval_ci optional dspark eval --target "$OUT/target" --draft "$OUT/draft" --prompts "$OUT/prompts.jsonl" \
-  --num-prompts 4 --max-new-tokens 64 --device cpu --dtype float32 --json "$OUT/eval_ci.json"
+log "building the demo pair in $OUT (tiny=$TINY, stages: $STAGES), work files in $WORK"
+if want target; then
+  stage prompts required python -m dspark.training.data --split test --output "$OUT/prompts.jsonl"
+  stage target required python -m dspark.training.target_lm --output "$OUT/target" "${TARGET_ARGS[@]}" "${DEVICE[@]}"
+fi
 
-SIZE=$(du -cb "$OUT/target" "$OUT/draft" "$OUT/prompts.jsonl" | tail -1 | cut -f1)
-log "shipped pair (target + draft + prompts): $SIZE bytes (limit 25000000)"
-[ "$SIZE" -le 25000000 ] || { log "FAILED size: the pair exceeds 25 MB"; FAILED+=(size); }
-python - "$OUT" <<'PY' 2>&1 | tee -a "$LOG"
+if want drafts; then
+  [ -f "$OUT/target/config.json" ] || { log "FAILED drafts: no target in $OUT (run STAGES=target first)"; exit 1; }
+  # three small trainings leave an H200 mostly idle one at a time: they share it, same budget each
+  train_draft draft "$WORK/draft"
+  pid_draft=$!
+  train_draft draft_bp "$WORK/draft_bp" --confidence-backprop
+  pid_bp=$!
+  train_draft dflash "$OUT/dflash" --markov-rank 0
+  pid_dflash=$!
+  for job in draft:$pid_draft draft_bp:$pid_bp dflash:$pid_dflash; do
+    if wait "${job#*:}"; then log "done ${job%%:*}"; else log "FAILED ${job%%:*}"; FAILED+=("${job%%:*}"); fi
+    tail -3 "$WORK/${job%%:*}.log" | tee -a "$LOG"
+  done
+  # what ships is the checkpoint alone: the resumable training state and the log stay in $WORK
+  for dir in "$WORK/draft" "$WORK/draft_bp" "$OUT/dflash"; do
+    mkdir -p "$dir.training" && mv "$dir/training_state" "$dir/training_log.json" "$dir.training/" 2>/dev/null
+  done
+fi
+
+if want finish; then
+  # the confidence loss's gradient: the drafter with the higher greedy tau on held-out prompts ships
+  CANDIDATES=()
+  for dir in "$WORK/draft" "$WORK/draft_bp"; do [ -f "$dir/config.json" ] && CANDIDATES+=("$dir"); done
+  [ ${#CANDIDATES[@]} -gt 0 ] || { log "FAILED finish: no drafter in $WORK (run STAGES=drafts first)"; exit 1; }
+  stage choose required dspark eval --target "$OUT/target" --draft "${CANDIDATES[@]}" --prompts stdlib:valid \
+    "${EVAL_ARGS[@]}" --json "$OUT/choice.json" "${DEVICE[@]}"
+  BEST=$(python - "$OUT/choice.json" <<'PY'
+import json, sys
+drafts = json.load(open(sys.argv[1]))["drafts"]
+print(max(drafts, key=lambda d: d["tau"])["name"])
+PY
+  )
+  log "shipping $BEST (greedy tau on stdlib:valid: $OUT/choice.json)"
+  rm -rf "$OUT/draft" && cp -r "$BEST" "$OUT/draft"
+  stage calibrate optional dspark calibrate --target "$OUT/target" --draft "$OUT/draft" --data stdlib:valid \
+    "${CALIBRATE_ARGS[@]}" --json "$OUT/calibration.json" "${DEVICE[@]}"
+  DRAFTS=("$OUT/draft")
+  [ -f "$OUT/dflash/config.json" ] && DRAFTS+=("$OUT/dflash")
+  stage eval optional dspark eval --target "$OUT/target" --draft "${DRAFTS[@]}" --prompts "$OUT/prompts.jsonl" \
+    --dtype float32 "${EVAL_ARGS[@]}" --json "$OUT/eval.json" "${DEVICE[@]}"
+  stage traces optional python -m dspark.bench.replay --pair "$OUT" --out "$OUT/replay_traces.json" \
+    --max-new-tokens "$TRACE_TOKENS" --device "$([ "$TINY" = 1 ] && echo cpu || echo cuda)"
+  # the configuration tests/test_eval.py checks in CI (CPU, float32): its floor comes from this measurement
+  stage eval_ci optional dspark eval --target "$OUT/target" --draft "$OUT/draft" --prompts "$OUT/prompts.jsonl" \
+    --num-prompts 4 --max-new-tokens 64 --device cpu --dtype float32 --json "$OUT/eval_ci.json"
+
+  SIZE=$(du -cb "$OUT/target" "$OUT/draft" "$OUT/dflash" "$OUT/prompts.jsonl" "$OUT/replay_traces.json" 2>/dev/null \
+         | tail -1 | cut -f1)
+  log "shipped files (target, draft, dflash, prompts, traces): $SIZE bytes (limit 40000000)"
+  [ "$SIZE" -le 40000000 ] || { log "FAILED size: the pair exceeds 40 MB"; FAILED+=(size); }
+  python - "$OUT" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-if (out / "eval.json").is_file():
-    drafts = json.loads((out / "eval.json").read_text())["drafts"]
-    for d in drafts:
-        print(f"tau {d['tau']:.3f} speedup {d['speedup']:.2f}x identical {d['identical']}  {d['name']}")
-    if len(drafts) > 1:
-        print(f"DSpark tau / DFlash tau = {drafts[0]['tau'] / drafts[1]['tau']:.3f} (target >= 1.10)")
+for name in ("choice.json", "eval.json"):
+    if (out / name).is_file():
+        drafts = json.loads((out / name).read_text())["drafts"]
+        for d in drafts:
+            print(f"{name}: tau {d['tau']:.3f} speedup {d['speedup']:.2f}x identical {d['identical']}  {d['name']}")
+        if name == "eval.json" and len(drafts) > 1:
+            print(f"DSpark tau / DFlash tau = {drafts[0]['tau'] / drafts[1]['tau']:.3f} (target >= 1.10)")
 if (out / "calibration.json").is_file():
     report = json.loads((out / "calibration.json").read_text())["report"]
-    print("ECE after STS per position: " + " ".join(f"{100 * r['ece_after']:.2f}%" for r in report))
+    print("ECE before / after STS per position: "
+          + " ".join(f"{100 * r['ece_before']:.2f}/{100 * r['ece_after']:.2f}%" for r in report))
 PY
+fi
 if [ ${#FAILED[@]} -gt 0 ]; then
   log "finished with failures: ${FAILED[*]}"
   exit 1
 fi
-log "finished: the pair is in $OUT"
+log "finished stages: $STAGES; the pair is in $OUT"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
 # steps named on the command line, each with its own time limit, logs under $OUT.
-#   scripts/device_run.sh STEP...   steps: tests, backends, breakdown, mixed, frontier
+#   scripts/device_run.sh STEP...   steps: tests, backends, breakdown, mixed, frontier, demo
+# demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target), out/demo sent back
+# as demo.tgz.part-* (15 MiB pieces; here: cat demo.tgz.part-* | tar xzf - -C out); a later call that
+# runs the next stages carries out/demo.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -23,6 +26,8 @@ for step in "$@"; do
              --case "markov_sample_step B=64 R=256 per-row mixed" > "$OUT/breakdown.txt" 2>&1 ;;
     mixed) timeout "${MIXED_LIMIT:-300}" python -m dspark.bench.frontier --out "$OUT/mixed" --workload mixed \
              --prompt-tokens-max 2048 ${MIXED_ARGS:-} > "$OUT/mixed.log" 2>&1 ;;
+    demo) timeout "${DEMO_LIMIT:-560}" env STAGES="${DEMO_STAGES:-target}" bash scripts/build_demo_pair.sh out/demo \
+             > "$OUT/demo.log" 2>&1; tar czf - -C out demo | split -b 15m - "$OUT/demo.tgz.part-" ;;
     frontier) timeout "${FRONTIER_LIMIT:-420}" python -m dspark.bench.frontier --out "$OUT/frontier" \
              ${FRONTIER_ARGS:-} > "$OUT/frontier.log" 2>&1 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -114,6 +114,34 @@ def test_stdlib_split_is_deterministic_and_partitions(tmp_path):
             assert split == ("test" if bucket < 2 else "valid" if bucket < 4 else "train")
 
 
+def test_python_corpus_adds_the_packages_and_keeps_the_held_out_files_out(tmp_path):
+    stdlib, packages = tmp_path / "lib", tmp_path / "site-packages"
+    names = [f"pkg{i // 10}/mod{i}.py" for i in range(200)]
+    for i, name in enumerate(names):
+        for root in (stdlib, packages):
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(f"x = {i}\n")  # a package file here is a copy of the library's
+    (packages / "vendored_other.py").write_text("y = 2\n")
+    test_texts = {p.read_text() for p in data.stdlib_files("test", stdlib)}
+    assert test_texts
+    train, valid = (data.python_files(s, stdlib, [packages]) for s in ("train", "valid"))
+    assert not set(train) & set(valid)
+    # every library file of the split, and every package file but the copies of held-out library files
+    assert {p for p in train if p.is_relative_to(stdlib)} == set(data.stdlib_files("train", stdlib))
+    assert packages / "vendored_other.py" in train + valid
+    assert not test_texts & {p.read_text() for p in train + valid}
+    assert len(train) + len(valid) == 2 * 200 + 1 - 2 * len(test_texts)
+    with pytest.raises(ValueError, match="python_files: split must be 'train' or 'valid'"):
+        data.python_files("test", stdlib, [packages])
+
+
+def test_tokenizer_sample_spreads_over_the_corpus():
+    texts = [f"{i:03d}" * 10 for i in range(100)]  # 30 characters each, 3000 in all
+    assert target_lm.tokenizer_sample(texts, 10_000) == texts
+    sample = target_lm.tokenizer_sample(texts, 600)  # every 5th
+    assert sample == texts[::5] and sum(map(len, sample)) == 600
+
+
 def test_stdlib_corpus_has_held_out_files():
     counts = {s: len(data.stdlib_files(s)) for s in data.STDLIB_SPLITS}
     total = sum(counts.values())

@@ -51,13 +51,14 @@ MARGIN = 100.0  # the greedy token's logit; the others' are ~N(0, MARGIN / sqrt(
 
 
 @torch.inference_mode()
-def record_traces(max_new_tokens: int = 320, *, device: str = "cpu") -> dict:
-    """Greedy rounds of the demo pair on its held-out prompts, every draft verified (the drafter's
-    threshold scheduler at 0 computes the calibrated confidences and schedules all P)."""
+def record_traces(max_new_tokens: int = 320, *, device: str = "cpu", pair_dir=None) -> dict:
+    """Greedy rounds of the demo pair (``pair_dir``: one ``scripts/build_demo_pair.sh`` wrote; default
+    the package's) on its held-out prompts, every draft verified (the drafter's threshold scheduler
+    at 0 computes the calibrated confidences and schedules all P)."""
     from ..engine import load_tokenizer
     from ..training.data import demo_pair, read_prompts
 
-    pair = demo_pair()
+    pair = demo_pair() if pair_dir is None else demo_pair(pair_dir)
     tokenizer = load_tokenizer(pair.target)
     records = read_prompts(str(pair.prompts))
     engine = LLMEngine(str(pair.target), str(pair.draft),
@@ -72,8 +73,9 @@ def record_traces(max_new_tokens: int = 320, *, device: str = "cpu") -> dict:
         engine.step()
         for rid, confidence in pending.items():
             seq = engine.sequences[rid]
-            if confidence is not None:  # a request's first round: the host has not seen its confidences
-                assert seq.stats.scheduled_lengths[-1] == p, "the recording verifies every draft"
+            # a request's first round (the host has not seen its confidences yet) and its last ones,
+            # which verify fewer drafts than remain before max_new_tokens, are not recorded
+            if confidence is not None and seq.stats.scheduled_lengths[-1] == p:
                 traces[ids[rid]].append([seq.stats.accept_lengths[-1] - 1] + [round(float(c), 6) for c in confidence])
     rounds = [entry for trace in traces for entry in trace]
     return {"source": "the demo pair (dspark/data/demo: target + draft) on its held-out prompts, greedy, fp32, "
@@ -210,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(TRACES), help="JSON file to write (default: the package's)")
     parser.add_argument("--max-new-tokens", type=int, default=320)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--pair", default=None, help="a demo pair's directory (default: the package's)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    data = record_traces(args.max_new_tokens, device=args.device)
+    try:
+        data = record_traces(args.max_new_tokens, device=args.device, pair_dir=args.pair)
+    except ValueError as exc:  # an incomplete pair directory: say which, no traceback
+        parser.error(str(exc))
     Path(args.out).write_text(json.dumps(data, separators=(",", ":")))
     print(f"wrote {args.out}: {data['rounds']} rounds of {len(data['traces'])} prompts, tau {data['tau']}")
     return 0

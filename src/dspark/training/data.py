@@ -7,6 +7,10 @@ A corpus is named by a *spec* string:
   path relative to the library root, so the same file lands in the same split on every machine and
   Python version: 4 % ``test`` (held out for evaluation and the demo prompts), 4 % ``valid``
   (held out for calibration), the rest ``train``;
+* ``python:train`` / ``python:valid`` -- all the Python source this interpreter has: the standard
+  library's files of that split and every installed package's ``.py`` file (below ``site-packages`` /
+  ``dist-packages``), split the same way by the path below that directory, their ``test`` share
+  joining ``train``; a package file whose text equals a held-out ``stdlib:test`` file's is left out;
 * a text file, a directory (every UTF-8 file below it, sorted; hidden entries skipped), or a
   ``.jsonl`` file whose records hold ``"text"`` (a string) or ``"turns"`` (a list of strings, joined
   by blank lines; the format of ``../shared/data/eval``).
@@ -30,7 +34,7 @@ from ..kernels._validate import Checker
 __all__ = [
     "STDLIB_SPLITS", "EOS_TOKEN", "MASK_TOKEN", "DEMO_DIR", "DemoPair",
     "stdlib_root", "stdlib_split", "stdlib_files", "read_corpus", "train_tokenizer", "save_tokenizer", "tokenize",
-    "pack_sequences", "heldout_prompts", "write_prompts", "read_prompts", "prompt_token_ids", "demo_pair",
+    "python_files", "pack_sequences", "heldout_prompts", "write_prompts", "read_prompts", "prompt_token_ids", "demo_pair",
 ]
 
 STDLIB_SPLITS = ("train", "valid", "test")
@@ -70,6 +74,29 @@ def stdlib_files(split: str, root: Path | None = None) -> list[Path]:
     return files
 
 
+def package_roots() -> list[Path]:
+    """The installed packages' directories of this interpreter (``site-packages`` / ``dist-packages``)."""
+    paths = sysconfig.get_paths()
+    return sorted({Path(paths[k]) for k in ("purelib", "platlib") if Path(paths[k]).is_dir()})
+
+
+def python_files(split: str, stdlib: Path | None = None, packages: list[Path] | None = None) -> list[Path]:
+    """Sorted ``.py`` files of the ``python:`` corpus in ``split`` (``"train"`` or ``"valid"``; the
+    module docstring): the standard library's and the installed packages'."""
+    c = Checker("python_files")
+    if split not in ("train", "valid"):
+        c.fail(f"split must be 'train' or 'valid' (the held-out files are stdlib:test), got {split!r}")
+    heldout = {zlib.crc32(p.read_bytes()) for p in stdlib_files("test", stdlib)}
+    files = stdlib_files(split, stdlib)
+    for root in package_roots() if packages is None else packages:
+        for path in sorted(Path(root).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if path.is_file() and (stdlib_split(rel) == "valid") == (split == "valid") \
+                    and zlib.crc32(path.read_bytes()) not in heldout:
+                files.append(path)
+    return files
+
+
 def read_corpus(spec: str) -> list[str]:
     """The documents (one string each) of a corpus spec (see the module docstring). Empty
     documents are dropped; a spec that yields no document raises ValueError."""
@@ -77,8 +104,9 @@ def read_corpus(spec: str) -> list[str]:
     if not isinstance(spec, (str, Path)):
         c.fail(f"spec must be a corpus name or path, got {type(spec).__name__}", TypeError)
     spec = str(spec)
-    if spec.startswith("stdlib:"):
-        texts = [_read_text(p) for p in stdlib_files(spec.split(":", 1)[1])]
+    if spec.startswith(("stdlib:", "python:")):
+        kind, split = spec.split(":", 1)
+        texts = [_read_text(p) for p in (stdlib_files if kind == "stdlib" else python_files)(split)]
     else:
         path = Path(spec)
         if path.is_dir():
@@ -90,7 +118,7 @@ def read_corpus(spec: str) -> list[str]:
         elif path.is_file():
             texts = [_read_text(path)]
         else:
-            c.fail(f"spec must be stdlib:train|valid|test, a file, a directory or a .jsonl file; "
+            c.fail(f"spec must be stdlib:train|valid|test, python:train|valid, a file, a directory or a .jsonl file; "
                    f"{spec!r} is none of these")
     texts = [t for t in texts if t]
     if not texts:
@@ -176,7 +204,9 @@ def pack_sequences(token_lists: list[list[int]], seq_len: int, eos_id: int) -> t
     span a document boundary, which the EOS marks)."""
     c = Checker("pack_sequences")
     c.integer("seq_len", seq_len, low=2)
-    stream = torch.tensor([t for ids in token_lists for t in (*ids, eos_id)], dtype=torch.int64)
+    # one tensor per document, then one concatenation: a corpus of 10^8 tokens never becomes one Python list
+    stream = torch.cat([torch.tensor([*ids, eos_id], dtype=torch.int64) for ids in token_lists] or
+                       [torch.zeros(0, dtype=torch.int64)])
     rows = stream.numel() // seq_len
     if rows == 0:
         c.fail(f"the corpus has {stream.numel()} tokens, fewer than one row of seq_len={seq_len}")
