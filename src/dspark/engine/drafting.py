@@ -184,9 +184,6 @@ class Drafter:
         logits = logits.view(batch, self.block_size, -1)
         tokens = torch.zeros(batch, p, dtype=torch.int32, device=logits.device)
         probs = None if sampling is None else torch.empty(batch, p, logits.shape[-1], device=logits.device)
-        if sampling is None:  # greedy: the one-hot argmax row, drawn whatever the uniform
-            sampling = SamplingParams().rows(batch, logits.device)
-            uniforms = torch.zeros(batch, p, device=logits.device)
         prev, state = anchors, self.model.markov_start_state(hidden[:, 0], anchors)
         for step in range(p):
             row = step + self.slot_offset
@@ -194,9 +191,11 @@ class Drafter:
             corrected = logits[:, row] + bias
             if stacked_logits is not None:
                 stacked_logits[:, step + 1] = corrected
-            q = sampling.probabilities(corrected, self.workspace)
-            K.sample_probability_rows(q, uniforms, tokens, step, workspace=self.workspace)
-            if probs is not None:
+            if sampling is None:  # greedy: the argmax (no distribution to build: a sort of V per step)
+                tokens[:, step] = corrected.argmax(-1)
+            else:
+                q = sampling.probabilities(corrected, self.workspace)
+                K.sample_probability_rows(q, uniforms, tokens, step, workspace=self.workspace)
                 K.store_draft_step_probabilities(q, probs, step)
             prev = tokens[:, step]
         return tokens, probs
