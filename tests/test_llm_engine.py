@@ -191,6 +191,11 @@ def test_a_step_with_prompt_chunks_verifies_on_a_grid_of_few_shapes(engine):
     assert runner.verify_grid([5, 5, 5, 2], [5, 5, 5, 5]) == [5, 5, 5, 5]  # 17 -> 20 = 4 x the verify length
     assert runner.verify_grid([3, 2, 2, 2], [3, 2, 2, 2]) == [3, 2, 2, 2]  # 9 -> 16 does not fit the caps
     assert runner.verify_grid([], []) == []
+    runner.row_sampled[1] = True  # a sampled row keeps its length: its tokens may not depend on its batch
+    try:
+        assert runner.verify_grid([3, 2, 2, 2], [5, 5, 5, 5]) == [5, 2, 5, 4]
+    finally:
+        runner.row_sampled[1] = False
 
 
 def test_a_request_alone_equals_the_same_request_in_a_batch(engine):
@@ -204,6 +209,25 @@ def test_a_request_alone_equals_the_same_request_in_a_batch(engine):
     assert same[0].token_ids == same[1].token_ids == alone  # one seed, one output
     other = engine.generate([Request(PROMPTS[2], 12, SamplingParams(temperature=0.9, top_p=0.9, seed=12))])
     assert other[0].token_ids != alone
+
+
+def test_a_sampled_request_stays_request_stable_through_steps_where_prompts_join(engine):
+    """Steps with prompt chunks verify on a grid (``verify_grid``): the extra verify tokens may go to
+    greedy rows only, so a sampled request's tokens are the same whoever joins beside it."""
+    hot = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    alone = engine.generate([Request(PROMPTS[2], 24, hot)])[0]
+    running = engine.add_request(Request(PROMPTS[2], 24, hot))
+    seq, done = engine.sequences[running], {running: []}
+    for i in range(12):  # greedy requests join one by one, each a step with a prompt chunk
+        if i < 3:
+            done[engine.add_request(Request(PROMPTS[i % 2], 4 + 2 * i))] = []
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    # the same drafts verified round by round (a raised length would verify more), the same tokens
+    assert seq.stats.scheduled_lengths == alone.stats.scheduled_lengths and done[running] == alone.token_ids
 
 
 def test_a_sampled_request_joining_greedy_rows_leaves_them_greedy(engine, greedy):

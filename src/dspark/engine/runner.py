@@ -338,14 +338,16 @@ class ModelRunner:
         times a power of two (or the verify length): a mixed step's graph is captured on first use
         per (rows, verify tokens, chunk) shape, and a scheduler's varying totals would meet a new
         shape at every other admission. The extra tokens go to the padding rows first, then to the
-        running rows up to ``caps`` (their most: a longer verify only checks more drafts). Returns
-        ``lens`` extended over the padding rows, or ``lens`` unchanged when the rows cannot take
-        the difference."""
+        greedy running rows up to ``caps`` (their most: a longer verify only checks more drafts, and
+        a greedy row's tokens do not depend on how many it verifies; a sampled row's would, and its
+        tokens must not depend on its batch). Returns ``lens`` extended over the padding rows, or
+        ``lens`` unchanged when the rows cannot take the difference."""
         rows, t = len(lens), self.verify_len
         if not rows or self.tree is not None:
             return lens
         b = self.bucket(rows)
-        out, room = list(lens) + [1] * (b - rows), list(caps) + [t] * (b - rows)
+        caps = [n if self.row_sampled[i] else cap for i, (n, cap) in enumerate(zip(lens, caps))]
+        out, room = list(lens) + [1] * (b - rows), caps + [t] * (b - rows)
         need = sum(out)
         grid = [k for k in (2, 4, 8, 16, 32) if k < t] + [t]
         extra = b * next((k for k in grid if b * k >= need), t) - need
