@@ -114,7 +114,8 @@ if want drafts; then
   done
   # what ships is the checkpoint alone: the resumable training state and the log stay in $WORK
   for dir in "$WORK/draft" "$WORK/draft_bp" "$OUT/dflash"; do
-    mkdir -p "$dir.training" && mv "$dir/training_state" "$dir/training_log.json" "$dir.training/" 2>/dev/null
+    name=$(basename "$dir")
+    mkdir -p "$WORK/$name.training" && mv "$dir/training_state" "$dir/training_log.json" "$WORK/$name.training/" 2>/dev/null
   done
 fi
 
