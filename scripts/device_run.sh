@@ -2,9 +2,11 @@
 # One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
 # steps named on the command line, each with its own time limit, logs under $OUT.
 #   scripts/device_run.sh STEP...   steps: tests, backends, breakdown, mixed, frontier, demo
-# demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target), out/demo sent back
-# as demo.tgz.part-* (15 MiB pieces; here: cat demo.tgz.part-* | tar xzf - -C out); a later call that
-# runs the next stages carries out/demo.
+# demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target); out/demo and the
+# candidate drafters (out/demo_work/draft, draft_bp; not their training states) sent back as
+# demo.tgz.part-* (15 MiB pieces; here: cat demo.tgz.part-* | tar xzf - -C out); a later call that runs
+# the next stages carries out/demo (and out/demo_work for finish). One group per call: target (~8.5 min),
+# drafts (~7), finish (~3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -27,7 +29,8 @@ for step in "$@"; do
     mixed) timeout "${MIXED_LIMIT:-300}" python -m dspark.bench.frontier --out "$OUT/mixed" --workload mixed \
              --prompt-tokens-max 2048 ${MIXED_ARGS:-} > "$OUT/mixed.log" 2>&1 ;;
     demo) timeout "${DEMO_LIMIT:-560}" env STAGES="${DEMO_STAGES:-target}" bash scripts/build_demo_pair.sh out/demo \
-             > "$OUT/demo.log" 2>&1; tar czf - -C out demo | split -b 15m - "$OUT/demo.tgz.part-" ;;
+             > "$OUT/demo.log" 2>&1; tar czf - -C out demo $(cd out && ls -d demo_work/draft demo_work/draft_bp 2>/dev/null) \
+             | split -b 15m - "$OUT/demo.tgz.part-" ;;
     frontier) timeout "${FRONTIER_LIMIT:-420}" python -m dspark.bench.frontier --out "$OUT/frontier" \
              ${FRONTIER_ARGS:-} > "$OUT/frontier.log" 2>&1 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
