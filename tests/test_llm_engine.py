@@ -375,6 +375,7 @@ def test_cost_scheduler_trims_verification_and_falls_back_to_plain_rounds(target
         assert all(0 <= s <= engine.num_drafts for s in verified[name])
     assert min(verified["flat"]) >= 1  # drafting pays: every round verifies drafts
     assert sum(verified["steep"]) / len(verified["steep"]) < sum(verified["flat"]) / len(verified["flat"])
+    assert engine.metrics.plain_steps > 0  # the last engine's table: drafting never pays
     plain = verified["drafting never pays"].count(0)
     # after a prompt's step (which drafts) every round is plain but one in REDRAFT_STEPS + 1
     assert plain >= len(verified["drafting never pays"]) * REDRAFT_STEPS / (REDRAFT_STEPS + 1) - len(PROMPTS)
@@ -456,6 +457,7 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
         results = engine.generate([Request(p, NEW) for p in PROMPTS])
         assert [r.token_ids for r in results] == greedy
         assert engine.runner.graphs, "the CUDA path must replay graphs"
+        assert engine.metrics.graph_captures >= len(engine.runner.graphs)
         hot = SamplingParams(temperature=0.8, top_k=20, seed=5)
         alone = engine.generate([Request(PROMPTS[2], 12, hot)])[0].token_ids
         batch = engine.generate([Request(PROMPTS[0], 12, hot), Request(PROMPTS[2], 12, hot), Request(PROMPTS[1], 12, hot)])

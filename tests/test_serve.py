@@ -475,6 +475,9 @@ def test_metrics(served, client, http, tokenizer, prompts):
     assert sum(per_pos) == m.accepted_tokens and per_pos == sorted(per_pos, reverse=True)
     assert value("dspark:spec_decode_mean_accepted_length") == pytest.approx(m.mean_accepted_length)
     assert m.mean_accepted_length > 1
+    # the served engine drafts every round (no cost scheduler) and runs eagerly on the CPU
+    assert value("dspark:engine_plain_steps") == m.plain_steps == 0
+    assert value("dspark:engine_graph_captures") == m.graph_captures == 0
 
 
 def test_serve_benchmark_load_generator(served, prompts, tmp_path):
@@ -493,6 +496,7 @@ def test_serve_benchmark_load_generator(served, prompts, tmp_path):
     for lv in levels:
         assert lv["total_tokens_per_s"] > 0 and lv["ttft_s"]["p50"] <= lv["ttft_s"]["p99"]
         assert lv["itl_s"]["p50"] > 0 and lv["tokens_per_chunk"] >= 1 and lv["tau"] >= 1
+        assert lv["engine_plain_steps"] == 0 and lv["engine_graph_captures"] == 0
     if importlib.util.find_spec("matplotlib") is not None:
         (tmp_path / "run.json").write_text(json.dumps({"label": "run", "levels": levels}))
         assert plot(tmp_path).stat().st_size > 0

@@ -305,8 +305,10 @@ async def benchmark(args, url: str, prompts: list) -> tuple[list[dict], dict[int
                                     - before.get(f"dspark:spec_decode_num_{k}_total", 0)
                                     for k in ("drafts", "accepted_tokens"))
                 level["tau"] = 1 + accepted / rounds if rounds else None
-                steps, busy, host = (after.get(f"dspark:engine_{k}_total", 0) - before.get(f"dspark:engine_{k}_total", 0)
-                                     for k in ("steps", "step_seconds", "host_seconds"))
+                steps, busy, host, plain, captures = (
+                    after.get(f"dspark:engine_{k}_total", 0) - before.get(f"dspark:engine_{k}_total", 0)
+                    for k in ("steps", "step_seconds", "host_seconds", "plain_steps", "graph_captures"))
+                level["engine_plain_steps"], level["engine_graph_captures"] = int(plain), int(captures)
                 level["engine_steps"] = int(steps)
                 level["engine_step_ms"] = 1000 * busy / steps if steps else None
                 level["engine_host_ms"] = 1000 * host / steps if steps else None
@@ -325,7 +327,8 @@ def _line(level: dict) -> str:
     return (f"C={level['concurrency']:<3d} total {level['total_tokens_per_s'] or 0:9.1f} tok/s  per request "
             f"{rate or 0:7.1f} tok/s  TTFT p50 {ms(level['ttft_s']['p50'])} p99 {ms(level['ttft_s']['p99'])} ms  "
             f"ITL p50 {ms(level['itl_s']['p50'])} p99 {ms(level['itl_s']['p99'])} ms  "
-            f"tau {'-' if tau is None else f'{tau:.2f}'}  failed {level['failed']}  mismatched {level['mismatched']}")
+            f"tau {'-' if tau is None else f'{tau:.2f}'}  failed {level['failed']}  mismatched {level['mismatched']}"
+            f"  plain steps {level.get('engine_plain_steps', 0)}  captures {level.get('engine_graph_captures', 0)}")
 
 
 def plot(out: Path) -> Path | None:

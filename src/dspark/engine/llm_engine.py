@@ -354,6 +354,8 @@ class LLMEngine:
         drafting look unprofitable for many steps after)."""
         self._drafted = drafted
         self._plain_rounds = 0 if drafted else self._plain_rounds + 1
+        self.metrics.plain_steps += not drafted and self.runner.drafter is not None
+        self.metrics.graph_captures = self.runner.captures
         if self.runner.device.type != "cuda" or captured:  # on the CPU the table prices the compute
             return
         kind = 0 if drafted else 1
@@ -619,6 +621,8 @@ class EngineMetrics:
         self.host_time = 0.0  # of step_time: all but waiting for the device's readout
         self.prompt_tokens = 0  # prompt tokens run in steps (chunks)
         self.errors = 0  # requests the engine failed (finish reason "error")
+        self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)
+        self.graph_captures = 0  # CUDA graphs captured (a capture while serving stalls its step)
 
     def record_round(self, verified: int, accept_length: int) -> None:
         self.rounds += 1

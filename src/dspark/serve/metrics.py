@@ -73,6 +73,9 @@ class DSparkCollector:
         yield counter("engine_host_seconds", "Seconds of engine steps on the host: everything but waiting for the "
                                              "device's readout (scheduling, admission, launches, commits).", m.host_time)
         yield counter("engine_prompt_tokens", "Prompt tokens run inside engine steps (chunked prefill).", m.prompt_tokens)
+        yield counter("engine_plain_steps", "DSpark steps that did not draft the next round (the cost scheduler "
+                                            "found no draft worth its cost).", m.plain_steps)
+        yield counter("engine_graph_captures", "CUDA graphs captured, at start-up and while serving.", m.graph_captures)
         yield counter("spec_decode_num_drafts", "Speculative rounds (one per request per step).", m.rounds)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", m.draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", m.accepted_tokens)
