@@ -35,6 +35,9 @@ TINY=0
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK="${WORK_DIR:-$REPO/out/demo_work}"
 STAGES="${STAGES:-target drafts finish}"
+for name in $STAGES; do
+  case $name in target|drafts|finish) ;; *) echo "STAGES: expected target, drafts or finish, got '$name'" >&2; exit 2 ;; esac
+done
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"
 LOG="$OUT/build.log"

@@ -328,7 +328,7 @@ def _line(level: dict) -> str:
             f"{rate or 0:7.1f} tok/s  TTFT p50 {ms(level['ttft_s']['p50'])} p99 {ms(level['ttft_s']['p99'])} ms  "
             f"ITL p50 {ms(level['itl_s']['p50'])} p99 {ms(level['itl_s']['p99'])} ms  "
             f"tau {'-' if tau is None else f'{tau:.2f}'}  failed {level['failed']}  mismatched {level['mismatched']}"
-            f"  plain steps {level.get('engine_plain_steps', 0)}  captures {level.get('engine_graph_captures', 0)}")
+            f"  plain steps {level['engine_plain_steps']}  captures {level['engine_graph_captures']}")
 
 
 def plot(out: Path) -> Path | None:

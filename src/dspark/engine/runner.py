@@ -278,17 +278,11 @@ class ModelRunner:
         num_tokens = b * -(-(sum(verify_lens) + b - len(verify_lens)) // b) if b else 0  # a multiple of b: t graphs per b
         if self.tree is not None:
             num_tokens = b * self.verify_len  # every row's tree, padding rows' too
-        self.round_times = None
         if chunks:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
         sampled = self._sampled(rows)
-        start = time.perf_counter()
-        self._replay(("verify", b, num_tokens, sampled), lambda: self._verify_rows(b, num_tokens, sampled))
-        verified = time.perf_counter()
-        self._draft_or_context(b, sampled)
-        if self.device.type == "cpu":
-            self.round_times = (verified - start, time.perf_counter() - verified)
+        self._round(b, sampled, ("verify", b, num_tokens, sampled), lambda: self._verify_rows(b, num_tokens, sampled))
 
     def _launch_plain(self, rows: int, chunks: list[PrefillChunk]) -> None:
         """A plain round of a DSpark runner: the target's token per row, the anchors' captured
@@ -298,20 +292,21 @@ class ModelRunner:
             self._mixed_step(b, rows, None, chunks)
             return
         sampled = self._sampled(rows)
-        start = time.perf_counter()
-        self._replay(("plain", b, sampled), lambda: self._decode_rows(b, sampled))
-        verified = time.perf_counter()
-        self._draft_or_context(b, sampled)
-        if self.device.type == "cpu":
-            self.round_times = (verified - start, time.perf_counter() - verified)
+        self._round(b, sampled, ("plain", b, sampled), lambda: self._decode_rows(b, sampled))
 
-    def _draft_or_context(self, b: int, sampled: bool) -> None:
-        """The round's draft pass when it drafts the next round (``self.drafted``), else only the
-        draft context of its verify."""
+    def _round(self, b: int, sampled: bool, key: tuple, target_pass: Callable[[], None]) -> None:
+        """A round without prompt chunks: the target's pass (graph ``key``), then the draft pass when
+        the round drafts the next one (``self.drafted``), else only the draft context of its verify;
+        on the CPU, where the device runs as it is called, both timed (``round_times``)."""
+        start = time.perf_counter()
+        self._replay(key, target_pass)
+        verified = time.perf_counter()
         if self.drafted:
             self._draft(b, sampled)
         else:
             self._replay(("context", b), lambda: self._context_rows(b))
+        if self.device.type == "cpu":
+            self.round_times = (verified - start, time.perf_counter() - verified)
 
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),

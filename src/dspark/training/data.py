@@ -74,7 +74,7 @@ def stdlib_files(split: str, root: Path | None = None) -> list[Path]:
     return files
 
 
-def package_roots() -> list[Path]:
+def _package_roots() -> list[Path]:
     """The installed packages' directories of this interpreter (``site-packages`` / ``dist-packages``)."""
     paths = sysconfig.get_paths()
     return sorted({Path(paths[k]) for k in ("purelib", "platlib") if Path(paths[k]).is_dir()})
@@ -86,13 +86,18 @@ def python_files(split: str, stdlib: Path | None = None, packages: list[Path] | 
     c = Checker("python_files")
     if split not in ("train", "valid"):
         c.fail(f"split must be 'train' or 'valid' (the held-out files are stdlib:test), got {split!r}")
-    heldout = {zlib.crc32(p.read_bytes()) for p in stdlib_files("test", stdlib)}
+    heldout = {(p.stat().st_size, zlib.crc32(p.read_bytes())) for p in stdlib_files("test", stdlib)}
+    sizes = {size for size, _ in heldout}
+
+    def copy_of_heldout(path: Path) -> bool:  # read only the files as large as a held-out one
+        size = path.stat().st_size
+        return size in sizes and (size, zlib.crc32(path.read_bytes())) in heldout
+
     files = stdlib_files(split, stdlib)
-    for root in package_roots() if packages is None else packages:
+    for root in _package_roots() if packages is None else packages:
         for path in sorted(Path(root).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
-            if path.is_file() and (stdlib_split(rel) == "valid") == (split == "valid") \
-                    and zlib.crc32(path.read_bytes()) not in heldout:
+            if path.is_file() and (stdlib_split(rel) == "valid") == (split == "valid") and not copy_of_heldout(path):
                 files.append(path)
     return files
 

@@ -120,7 +120,7 @@ def tokenizer_sample(texts: list[str], max_chars: int) -> list[str]:
     """Every k-th document, k = ceil(total characters / ``max_chars``): a sample of about ``max_chars`` (BPE
     training time grows with the text; its merges settle long before a corpus of 10^8 characters)."""
     total = sum(len(t) for t in texts)
-    step = max(1, -(-total // max(max_chars, 1)))
+    step = max(1, -(-total // max_chars))
     return texts[::step]
 
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="demo")
     parser.add_argument("--max-docs", type=int, default=0, help="use only the first N documents (0 = all)")
     parser.add_argument("--tokenizer-chars", type=int, default=32_000_000,
-                        help="train the tokenizer on evenly spaced documents of at most this many characters")
+                        help="train the tokenizer on evenly spaced documents of about this many characters")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20000)
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.tokenizer_chars < 1:
+        parser.error(f"--tokenizer-chars must be >= 1, got {args.tokenizer_chars}")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = PRESETS[args.preset]
