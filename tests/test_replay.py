@@ -110,6 +110,33 @@ def test_shipped_traces_are_the_demo_pairs_rounds():
     assert abs(sum(e[1] for e in rounds) / len(rounds) - sum(e[0] > 0 for e in rounds) / len(rounds)) < 0.1
 
 
+def test_recorded_traces_leave_out_a_prompt_answered_in_its_first_round(tmp_path):
+    """A prompt whose first token is end-of-text has no full round: it is left out with its file
+    (an empty trace made the frontier refuse the whole file)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dspark.bench.replay import record_traces
+    from dspark.training import data
+
+    pair = data.demo_pair()
+    for name in ("target", "draft"):
+        (tmp_path / name).symlink_to(getattr(pair, name))
+    records = {r["file"]: r for r in data.read_prompts(str(pair.prompts))}
+    # a bare final line break: where this target's training files end (docs/demo-pair.md)
+    ending = dict(records["asyncio/subprocess.py"], text=records["asyncio/subprocess.py"]["text"] + "\n")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(ending) + "\n" + json.dumps(records["hmac.py"]) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(pair.target)
+    target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
+    ids = tokenizer(ending["text"], return_tensors="pt").input_ids
+    assert int(target(ids).logits[0, -1].argmax()) == tokenizer.eos_token_id  # the case under test
+    out = record_traces(16, pair_dir=tmp_path)
+    assert out["files"] == ["hmac.py"] and len(out["traces"]) == 1 and out["traces"][0]
+    (tmp_path / "traces.json").write_text(json.dumps(out))
+    assert load_traces(tmp_path / "traces.json")["rounds"] == len(out["traces"][0])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_replay_in_cuda_graphs_captured_up_front(prompts):

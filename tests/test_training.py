@@ -147,7 +147,12 @@ def test_stdlib_corpus_has_held_out_files():
     total = sum(counts.values())
     assert total > 200 and 0.01 < counts["test"] / total < 0.08 and 0.01 < counts["valid"] / total < 0.08
     prompts = data.heldout_prompts("test", max_chars=300)
-    assert prompts and all(len(p["text"]) <= 300 and p["text"].endswith("\n") for p in prompts)
+    # cut before the whitespace that ends a line: a prefix of its file followed there by whitespace
+    root = data.stdlib_root()
+    assert prompts and all(len(p["text"]) < 300 and p["text"] == p["text"].rstrip() for p in prompts)
+    for p in prompts:
+        text = (root / p["file"]).read_text()
+        assert text.startswith(p["text"]) and text[len(p["text"])].isspace()
     assert all(data.stdlib_split(p["file"]) == "test" for p in prompts)
 
 

@@ -77,11 +77,14 @@ def record_traces(max_new_tokens: int = 320, *, device: str = "cpu", pair_dir=No
             # which verify fewer drafts than remain before max_new_tokens, are not recorded
             if confidence is not None and seq.stats.scheduled_lengths[-1] == p:
                 traces[ids[rid]].append([seq.stats.accept_lengths[-1] - 1] + [round(float(c), 6) for c in confidence])
+    # a prompt answered within its first round (e.g. an immediate end of text) leaves no full round
+    kept = [i for i, trace in enumerate(traces) if trace]
+    traces = [traces[i] for i in kept]
     rounds = [entry for trace in traces for entry in trace]
     return {"source": "the demo pair (dspark/data/demo: target + draft) on its held-out prompts, greedy, fp32, "
                       f"every draft verified, {max_new_tokens} new tokens per prompt",
             "command": f"python -m dspark.bench.replay --out FILE --max-new-tokens {max_new_tokens}",
-            "num_drafts": p, "files": [r.get("file") for r in records],
+            "num_drafts": p, "files": [records[i].get("file") for i in kept],
             "tau": round(1 + sum(e[0] for e in rounds) / len(rounds), 4), "rounds": len(rounds), "traces": traces}
 
 

@@ -224,7 +224,10 @@ def pack_sequences(token_lists: list[list[int]], seq_len: int, eos_id: int) -> t
 def heldout_prompts(split: str = "test", *, max_chars: int = 600, min_chars: int = 200,
                     root: Path | None = None) -> list[dict]:
     """The start of each standard-library file of ``split``: records ``{"file", "text"}``, the text
-    cut at the last line break within ``max_chars``; files shorter than ``min_chars`` are skipped."""
+    cut at the last line break within ``max_chars`` with the whitespace before it (blank lines too)
+    removed; files shorter than ``min_chars`` are skipped. The line breaks are left to the model: the
+    byte-level tokenizer joins them with the next line's indentation, and a bare final line break is
+    where its training files end (end-of-text)."""
     root = stdlib_root() if root is None else Path(root)
     records = []
     for path in stdlib_files(split, root):
@@ -232,8 +235,8 @@ def heldout_prompts(split: str = "test", *, max_chars: int = 600, min_chars: int
         if len(text) < min_chars:
             continue
         head = text[:max_chars]
-        cut = head.rfind("\n") + 1
-        records.append({"file": path.relative_to(root).as_posix(), "text": head[:cut] if cut > 0 else head})
+        cut = head.rfind("\n")
+        records.append({"file": path.relative_to(root).as_posix(), "text": (head[:cut] if cut > 0 else head).rstrip()})
     return records
 
 
