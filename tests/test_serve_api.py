@@ -311,7 +311,8 @@ def _serve_parser():
 
 
 def test_cli_flags(tmp_path):
-    from dspark.cli._runtime import HelpFormatter, auto_dtype
+    from dspark.cli._runtime import HelpFormatter
+    from dspark.engine import default_dtype
 
     parser = _serve_parser()
     assert parser.parse_args(["--max-num-seqs", "4"]).max_batch == 4 == parser.parse_args(["--max-batch", "4"]).max_batch
@@ -323,8 +324,8 @@ def test_cli_flags(tmp_path):
             assert action.help and "default" in formatter._get_help_string(action), action.option_strings
     # --dtype auto: the checkpoint's half precision on a GPU, float32 on a CPU
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert auto_dtype(cuda, str(demo_pair().target)) is torch.bfloat16  # the demo's config.json: "dtype"
+    assert default_dtype(cuda, str(demo_pair().target)) is torch.bfloat16  # the demo's config.json: "dtype"
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
-    assert auto_dtype(cuda, str(tmp_path)) is torch.float16 and auto_dtype(cpu, str(tmp_path)) is torch.float32
+    assert default_dtype(cuda, str(tmp_path)) is torch.float16 and default_dtype(cpu, str(tmp_path)) is torch.float32
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
-    assert auto_dtype(cuda, str(tmp_path)) is torch.bfloat16 and auto_dtype(cuda, str(tmp_path / "none")) is torch.bfloat16
+    assert default_dtype(cuda, str(tmp_path)) is torch.bfloat16 and default_dtype(cuda, str(tmp_path / "none")) is torch.bfloat16

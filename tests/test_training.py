@@ -164,7 +164,8 @@ def test_tokenizer_round_trip_and_special_tokens(tmp_path):
     text = "def f(x):\n    return x  # ünïcödé ✓\n"
     assert tokenizer.decode(tokenize(tokenizer, [text])[0]) == text
     data.save_tokenizer(tokenizer, tmp_path)
-    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["chat_template"] == data.CHAT_TEMPLATE
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenize(loaded, [CODE]) == tokenize(tokenizer, [CODE])
     with pytest.raises(ValueError, match="vocab_size"):

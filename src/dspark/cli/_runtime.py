@@ -42,7 +42,7 @@ def runtime(args: argparse.Namespace):
     lacks); with ``--quiet`` also silences transformers' loading bars and reports."""
     import torch
 
-    from dspark.engine import resolve_device
+    from dspark.engine import default_dtype, resolve_device
 
     if args.quiet:
         from transformers.utils import logging
@@ -51,25 +51,8 @@ def runtime(args: argparse.Namespace):
         logging.set_verbosity_error()
     device = resolve_device(args.device, name="--device")
     if args.dtype == "auto":
-        return device, auto_dtype(device, getattr(args, "target", None))
+        return device, default_dtype(device, getattr(args, "target", None))
     return device, getattr(torch, args.dtype)
-
-
-def auto_dtype(device, target: str | None):
-    """``--dtype auto``: on a GPU the target checkpoint's half precision (``torch_dtype`` / ``dtype``
-    in its config.json; bf16 when it names none or a full precision); on a CPU float32, where half
-    precision is slow and rounds greedy near-ties differently from ``dspark generate``'s reference."""
-    import torch
-
-    if device.type != "cuda":
-        return torch.float32
-    from dspark.model.checkpoint import CONFIG_NAME, read_json_object
-
-    file = None if target is None else Path(target) / CONFIG_NAME
-    config = read_json_object(file) if file is not None and file.is_file() else {}
-    name = config.get("torch_dtype") or config.get("dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 # ---- checkpoint names: local directories, Hugging Face Hub names, the demo pair -------------------

@@ -19,7 +19,7 @@ from .request import FINISH_REASONS, GenerationInterrupted, GenerationResult, Re
 from .schedulers import SPSCostTable, batch_schedule, prefix_schedule, prefix_survival
 from .stats import GenerationStats
 from .text import TextOutput, TextStream
-from .target import check_target_directory, eos_token_ids, load_target_model, resolve_device
+from .target import check_target_directory, default_dtype, eos_token_ids, load_target_model, resolve_device
 
 __all__ = [
     "TextOutput", "TextStream", "encode_prompts", "generate", "generate_texts", "load_tokenizer",
@@ -28,5 +28,5 @@ __all__ = [
     "ENGINES", "EngineConfig", "LLMEngine", "engine_config", "Request", "RequestOutput",
     "SPSCostTable", "batch_schedule", "prefix_schedule", "prefix_survival",
     "GenerationStats",
-    "check_target_directory", "eos_token_ids", "load_target_model", "resolve_device",
+    "check_target_directory", "default_dtype", "eos_token_ids", "load_target_model", "resolve_device",
 ]

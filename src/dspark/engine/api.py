@@ -127,7 +127,8 @@ class LLM:
     as ``Drafter``, or ``"cost"`` with ``cost_table`` (the JSON ``dspark profile`` writes, or an
     ``SPSCostTable``) and ``min_predicted_gain``. ``allow_pickle`` lets a target with only pickled
     weights load (only for a trusted checkpoint). ``device`` / ``dtype``: where directories are
-    loaded (default: the device of a model passed in, else the CPU). ``draft_top_k`` > 1: tree mode
+    loaded (default: the device of a model passed in, else the CPU; dtype: float32 on a CPU, the
+    checkpoint's half precision on a GPU, as ``default_dtype``). ``draft_top_k`` > 1: tree mode
     (DDTree) with ``tree_budget`` nodes per round (0: block size + 1), as ``EngineConfig``.
     """
 

@@ -55,7 +55,8 @@ class EngineConfig:
     / ``min_proposal_len`` / ``max_proposal_len`` as ``Drafter``, or ``scheduler="cost"``: the paper's
     Algorithm 1 across the batch with ``cost_table`` (an ``SPSCostTable`` or the JSON path that
     ``dspark profile`` writes) and ``min_predicted_gain``; ``cuda_graphs`` (CUDA only);
-    ``device`` / ``dtype`` for checkpoints loaded from directories; ``max_num_batched_tokens``
+    ``device`` / ``dtype`` for checkpoints loaded from directories (dtype None: ``default_dtype``,
+    float32 on a CPU, the checkpoint's half precision on a GPU); ``max_num_batched_tokens``
     tokens per step (vLLM's flag): the running rows' verify or decode tokens, then chunks of the
     prompts being admitted in the same forward (default: 2048, at least ``max_batch`` times the
     verify length, so that every running row always fits);
@@ -657,22 +658,26 @@ def _stop_clock(seq: Sequence) -> None:
 def _load_models(c: Checker, target, draft, config: EngineConfig):
     """(TargetLM, draft model or None, EOS ids) from directories or loaded models."""
     from ..model import check_target_compatible, load_draft
-    from .target import check_target_checkpoint, eos_token_ids
+    from .target import check_target_checkpoint, default_dtype, eos_token_ids
 
     device = torch.device(config.device) if config.device is not None else None
+    dtype = config.dtype
     if isinstance(target, (str, Path)):
         check_target_checkpoint(target)  # missing, a file, pickle-only, truncated: said before any loader runs
+        if dtype is None:  # the CLI's --dtype auto: float32 on a CPU, the checkpoint's half precision on a GPU
+            on = device or (draft.device if isinstance(draft, torch.nn.Module) else torch.device("cpu"))
+            dtype = default_dtype(on, target)
     draft_model = draft
     if isinstance(draft, (str, Path)):  # weights a speculators 0.9 draft leaves out come from the target
         draft_model = load_draft(draft, target=target if isinstance(target, (str, Path, torch.nn.Module)) else None,
-                                 device=device, dtype=config.dtype)
+                                 device=device, dtype=dtype)
     capture = list(draft_model.config.capture_layer_ids) if draft_model is not None else []
     # TargetLM: the fused forward of the families it knows; any other causal LM runs its own
     # modeling code through the same runner contract (HFTarget)
     if isinstance(target, (str, Path)):
         dev = device or (draft_model.device if draft_model is not None else torch.device("cpu"))
         runner = TargetLM if _model_type(c, Path(target)) in SUPPORTED_MODEL_TYPES else HFTarget
-        lm = runner.from_pretrained(target, capture, device=dev, dtype=config.dtype)
+        lm = runner.from_pretrained(target, capture, device=dev, dtype=dtype)
         eos = frozenset(_directory_eos(Path(target)) or _config_eos(lm.config))
     elif isinstance(target, torch.nn.Module):
         fused = getattr(target.config, "model_type", None) in SUPPORTED_MODEL_TYPES

@@ -17,7 +17,7 @@ import torch
 from ..kernels._validate import Checker
 
 __all__ = ["eos_token_ids", "load_target_model", "check_target_checkpoint", "check_target_directory",
-           "resolve_device"]
+           "resolve_device", "default_dtype"]
 
 PICKLE_HINT = ("; convert them to safetensors, or, only for a checkpoint you trust (unpickling can run code), "
                "pass allow_pickle=True (dspark: --allow-pickle)")
@@ -118,3 +118,19 @@ def check_target_checkpoint(path) -> Path:
     directory = check_target_directory(path)
     checkpoint_shapes(Checker("load_target"), directory, pickle_hint=PICKLE_HINT)
     return directory
+
+
+def default_dtype(device: torch.device, target=None) -> torch.dtype:
+    """The dtype a target directory runs in when none is given (the CLI's ``--dtype auto``): on a GPU
+    the checkpoint's half precision (``torch_dtype`` / ``dtype`` in its config.json; bf16 when it
+    names none or a full precision); on a CPU float32, where half precision is slow and rounds greedy
+    near-ties differently from one batch to another."""
+    from ..model.checkpoint import CONFIG_NAME, read_json_object
+
+    if device.type != "cuda":
+        return torch.float32
+    file = None if target is None else Path(target) / CONFIG_NAME
+    config = read_json_object(file) if file is not None and file.is_file() else {}
+    name = config.get("torch_dtype") or config.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

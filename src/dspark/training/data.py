@@ -186,14 +186,22 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                    mask_token=MASK_TOKEN)
 
 
+# a plain role-tagged chat format for a target trained from scratch (the server's /v1/chat/completions)
+CHAT_TEMPLATE = ("{%- for message in messages %}{{- '<|' + message['role'] + '|>\\n' + (message['content'] or '') + "
+                 "'\\n' }}{%- if message['role'] == 'assistant' %}{{- eos_token }}{%- endif %}{%- endfor %}"
+                 "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}")
+
+
 def save_tokenizer(tokenizer, directory) -> Path:
-    """``save_pretrained`` with ``tokenizer_class`` "PreTrainedTokenizerFast": the name every
-    transformers version resolves (5.x writes its new "TokenizersBackend", unknown to 4.x)."""
+    """``save_pretrained`` with ``tokenizer_class`` "PreTrainedTokenizerFast" (the name every
+    transformers version resolves; 5.x writes its new "TokenizersBackend", unknown to 4.x) and, when
+    the tokenizer has none, the role-tagged ``CHAT_TEMPLATE``."""
     directory = Path(directory)
     tokenizer.save_pretrained(directory)
     config_file = directory / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.setdefault("chat_template", CHAT_TEMPLATE)
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     return directory
 

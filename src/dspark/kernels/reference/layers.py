@@ -44,22 +44,26 @@ def qk_norm_rope_store(q, k, v, positions, cache_positions, slot_ids, cos_sin, k
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len, causal,
                      window_starts, sliding_window, tree_mask, scale):
-    batch, n_q, n_kv = slot_ids.shape[0], q.shape[1], k_cache.shape[2]
+    n_q, n_kv = q.shape[1], k_cache.shape[2]
     counts = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
-    if batch == 0 or q.shape[0] == 0:
+    # requests without queries (padding seats of a step) are dropped: on the CPU the padded layout
+    # below costs in proportion to the requests it holds
+    asking = (counts > 0).nonzero().flatten()
+    if asking.numel() == 0 or q.shape[0] == 0:
         return torch.zeros_like(q)
-    if batch == 1 and window_starts is None and sliding_window is None and tree_mask is None:
-        return _one_request_attention(q, k_cache[int(slot_ids[0])], v_cache[int(slot_ids[0])], int(context_lens[0]),
+    if asking.numel() == 1 and window_starts is None and sliding_window is None and tree_mask is None:
+        b = int(asking[0])  # a batch-1 decode or verify step, latency-bound on the CPU
+        return _one_request_attention(q, k_cache[int(slot_ids[b])], v_cache[int(slot_ids[b])], int(context_lens[b]),
                                       causal, scale)
-    ctx = context_lens.long()
+    slots, ctx, counts = slot_ids.long()[asking], context_lens.long()[asking], counts[asking]
     width = int((ctx + counts).max())
     # queries padded to [B, max_q]: row b, query t sits at flat row cu[b] + t
-    t = torch.arange(max(int(counts.max()), 1), device=q.device)
+    t = torch.arange(int(counts.max()), device=q.device)
     valid_q = t[None, :] < counts[:, None]
-    flat = (cu_query_lens[:-1].long()[:, None] + t[None, :]).clamp(max=q.shape[0] - 1)
+    flat = (cu_query_lens[:-1].long()[asking][:, None] + t[None, :]).clamp(max=q.shape[0] - 1)
     queries = q[flat].float()                                                # [B, Tq, n_q, d]
     keys = torch.arange(width, device=q.device)
-    start = torch.zeros_like(ctx) if window_starts is None else window_starts.long().clamp(min=0)
+    start = torch.zeros_like(ctx) if window_starts is None else window_starts.long()[asking].clamp(min=0)
     query_pos = ctx[:, None] + t[None, :]                                    # [B, Tq]
     last = query_pos if causal else (ctx + counts)[:, None] - 1
     visible = (keys[None, None, :] >= start[:, None, None]) & (keys[None, None, :] <= last[:, :, None])
@@ -72,8 +76,8 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         ancestor = ((bits >> rel.clamp(0, 63)) & 1) == 1
         visible = visible & ((rel < 0) | ancestor)
     # SDPA (GQA without repeating K/V; f32 math) -- a few fused ops where the step is latency-bound on the CPU
-    k = k_cache[slot_ids.long(), :width].float().transpose(1, 2)             # [B, n_kv, L, d]
-    v = v_cache[slot_ids.long(), :width].float().transpose(1, 2)
+    k = k_cache[slots, :width].float().transpose(1, 2)                       # [B, n_kv, L, d]
+    v = v_cache[slots, :width].float().transpose(1, 2)
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale,
                                          enable_gqa=n_q != n_kv).transpose(1, 2)
     out = out.nan_to_num(0.0)                                                 # a query that sees nothing: 0
