@@ -13,7 +13,8 @@
 # under 10 minutes that resume from each other's saved artifacts:
 #   target   the held-out prompts and the target (TARGET_SECONDS of training, default 420)
 #   drafts   three drafters at once on the one GPU (DRAFT_SECONDS each, default 330): draft (confidence
-#            loss on the heads only), draft_bp (--confidence-backprop), dflash (the ablation)
+#            loss on the heads only), draft_bp (--confidence-backprop), dflash (the ablation); DRAFTERS
+#            (a subset of those names) trains fewer, each with a larger share of the GPU
 #   finish   greedy tau of draft and draft_bp, the better becomes OUT_DIR/draft; STS calibration;
 #            evaluation against the ablation; replay traces; the CPU evaluation CI checks; the size limit
 # A group needs the artifacts of the ones before it in OUT_DIR (and WORK_DIR for finish).
@@ -37,6 +38,10 @@ WORK="${WORK_DIR:-$REPO/out/demo_work}"
 STAGES="${STAGES:-target drafts finish}"
 for name in $STAGES; do
   case $name in target|drafts|finish) ;; *) echo "STAGES: expected target, drafts or finish, got '$name'" >&2; exit 2 ;; esac
+done
+DRAFTERS="${DRAFTERS:-draft draft_bp dflash}"
+for name in $DRAFTERS; do
+  case $name in draft|draft_bp|dflash) ;; *) echo "DRAFTERS: expected draft, draft_bp or dflash, got '$name'" >&2; exit 2 ;; esac
 done
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"
@@ -104,20 +109,24 @@ fi
 
 if want drafts; then
   [ -f "$OUT/target/config.json" ] || { log "FAILED drafts: no target in $OUT (run STAGES=target first)"; exit 1; }
-  # three small trainings leave an H200 mostly idle one at a time: they share it, same budget each
-  train_draft draft "$WORK/draft"
-  pid_draft=$!
-  train_draft draft_bp "$WORK/draft_bp" --confidence-backprop
-  pid_bp=$!
-  train_draft dflash "$OUT/dflash" --markov-rank 0
-  pid_dflash=$!
-  for job in draft:$pid_draft draft_bp:$pid_bp dflash:$pid_dflash; do
+  # small trainings leave an H200 mostly idle one at a time: they share it, same budget each
+  JOBS=()
+  for name in $DRAFTERS; do
+    case $name in
+      draft) train_draft draft "$WORK/draft" ;;
+      draft_bp) train_draft draft_bp "$WORK/draft_bp" --confidence-backprop ;;
+      dflash) train_draft dflash "$OUT/dflash" --markov-rank 0 ;;
+    esac
+    JOBS+=("$name:$!")
+  done
+  for job in "${JOBS[@]}"; do
     if wait "${job#*:}"; then log "done ${job%%:*}"; else log "FAILED ${job%%:*}"; FAILED+=("${job%%:*}"); fi
     tail -3 "$WORK/${job%%:*}.log" | tee -a "$LOG"
   done
   # what ships is the checkpoint alone: the resumable training state and the log stay in $WORK
-  for dir in "$WORK/draft" "$WORK/draft_bp" "$OUT/dflash"; do
-    name=$(basename "$dir")
+  for name in $DRAFTERS; do
+    dir="$WORK/$name"
+    [ "$name" = dflash ] && dir="$OUT/dflash"
     mkdir -p "$WORK/$name.training" && mv "$dir/training_state" "$dir/training_log.json" "$WORK/$name.training/" 2>/dev/null
   done
 fi
