@@ -481,6 +481,9 @@ def test_generate_api_and_cli_run_the_batched_engine(tmp_path):
     from dspark.training.data import demo_pair
 
     pair = demo_pair()
+    # a directory loads in float32 on a CPU, as the CLI's --dtype auto (the checkpoint is bf16, whose
+    # rounding would let a batch of three and a batch of one part at a near-tie)
+    assert dspark.LLM(pair.target, pair.draft).decoder.target.dtype == torch.float32
     prompts = ["def add(a, b):", [5, 6, 7, 8], "import os\n"]
     batched = dspark.generate(pair.target, pair.draft, prompts, max_new_tokens=16, engine="batched")
     reference = dspark.generate(pair.target, pair.draft, prompts, max_new_tokens=16, engine="reference")
