@@ -92,6 +92,8 @@ stage() {
     log "done $name in $((SECONDS - start)) s"
   fi
 }
+# drafter_dir NAME: where a drafter is written (the ablation ships; the DSpark candidates wait in $WORK)
+drafter_dir() { if [ "$1" = dflash ]; then echo "$OUT/dflash"; else echo "$WORK/$1"; fi; }
 # train_draft NAME DIR EXTRA...: one drafter in the background, its log in $WORK/NAME.log
 train_draft() {
   local name=$1 dir=$2
@@ -113,9 +115,9 @@ if want drafts; then
   JOBS=()
   for name in $DRAFTERS; do
     case $name in
-      draft) train_draft draft "$WORK/draft" ;;
-      draft_bp) train_draft draft_bp "$WORK/draft_bp" --confidence-backprop ;;
-      dflash) train_draft dflash "$OUT/dflash" --markov-rank 0 ;;
+      draft) train_draft draft "$(drafter_dir draft)" ;;
+      draft_bp) train_draft draft_bp "$(drafter_dir draft_bp)" --confidence-backprop ;;
+      dflash) train_draft dflash "$(drafter_dir dflash)" --markov-rank 0 ;;
     esac
     JOBS+=("$name:$!")
   done
@@ -125,8 +127,7 @@ if want drafts; then
   done
   # what ships is the checkpoint alone: the resumable training state and the log stay in $WORK
   for name in $DRAFTERS; do
-    dir="$WORK/$name"
-    [ "$name" = dflash ] && dir="$OUT/dflash"
+    dir=$(drafter_dir "$name")
     mkdir -p "$WORK/$name.training" && mv "$dir/training_state" "$dir/training_log.json" "$WORK/$name.training/" 2>/dev/null
   done
 fi

@@ -661,12 +661,13 @@ def _load_models(c: Checker, target, draft, config: EngineConfig):
     from .target import check_target_checkpoint, default_dtype, eos_token_ids
 
     device = torch.device(config.device) if config.device is not None else None
+    # where a target directory loads: the device asked for, else a loaded draft's, else the CPU (load_draft's)
+    dev = device or (draft.device if isinstance(draft, torch.nn.Module) else torch.device("cpu"))
     dtype = config.dtype
     if isinstance(target, (str, Path)):
         check_target_checkpoint(target)  # missing, a file, pickle-only, truncated: said before any loader runs
         if dtype is None:  # the CLI's --dtype auto: float32 on a CPU, the checkpoint's half precision on a GPU
-            on = device or (draft.device if isinstance(draft, torch.nn.Module) else torch.device("cpu"))
-            dtype = default_dtype(on, target)
+            dtype = default_dtype(dev, target)
     draft_model = draft
     if isinstance(draft, (str, Path)):  # weights a speculators 0.9 draft leaves out come from the target
         draft_model = load_draft(draft, target=target if isinstance(target, (str, Path, torch.nn.Module)) else None,
@@ -675,7 +676,6 @@ def _load_models(c: Checker, target, draft, config: EngineConfig):
     # TargetLM: the fused forward of the families it knows; any other causal LM runs its own
     # modeling code through the same runner contract (HFTarget)
     if isinstance(target, (str, Path)):
-        dev = device or (draft_model.device if draft_model is not None else torch.device("cpu"))
         runner = TargetLM if _model_type(c, Path(target)) in SUPPORTED_MODEL_TYPES else HFTarget
         lm = runner.from_pretrained(target, capture, device=dev, dtype=dtype)
         eos = frozenset(_directory_eos(Path(target)) or _config_eos(lm.config))
