@@ -69,6 +69,9 @@ else
   TRACE_TOKENS=320
   DEVICE=()
 fi
+# the traces record on the GPU where there is one (the finish group also runs on a CPU, only slower)
+TRACE_DEVICE=$([ "$TINY" = 0 ] && python -c 'import torch; print(torch.cuda.is_available())' | grep -q True \
+               && echo cuda || echo cpu)
 
 log() { echo "[$(date '+%H:%M:%S')] $*" | tee -a "$LOG"; }
 dspark() { python -c 'import sys; from dspark.cli import main; sys.exit(main())' "$@"; }
@@ -154,7 +157,7 @@ PY
   stage eval optional dspark eval --target "$OUT/target" --draft "${DRAFTS[@]}" --prompts "$OUT/prompts.jsonl" \
     --dtype float32 "${EVAL_ARGS[@]}" --json "$OUT/eval.json" "${DEVICE[@]}"
   stage traces optional python -m dspark.bench.replay --pair "$OUT" --out "$OUT/replay_traces.json" \
-    --max-new-tokens "$TRACE_TOKENS" --device "$([ "$TINY" = 1 ] && echo cpu || echo cuda)"
+    --max-new-tokens "$TRACE_TOKENS" --device "$TRACE_DEVICE"
   # the configuration tests/test_eval.py checks in CI (CPU, float32): its floor comes from this measurement
   stage eval_ci optional dspark eval --target "$OUT/target" --draft "$OUT/draft" --prompts "$OUT/prompts.jsonl" \
     --num-prompts 4 --max-new-tokens 64 --device cpu --dtype float32 --json "$OUT/eval_ci.json"

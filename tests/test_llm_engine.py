@@ -179,23 +179,37 @@ def engine(target):
     return LLMEngine(target, draft, EngineConfig(max_batch=4, scheduler="threshold", threshold=0.2))
 
 
-def test_a_step_with_prompt_chunks_verifies_on_a_grid_of_few_shapes(engine):
-    """``verify_grid``: the step's verify tokens become the bucket times a power of two (or the
-    verify length), the padding rows taking the difference first and the running rows up to their
-    caps; when they cannot take it all, the lengths stay as they were."""
+@pytest.mark.parametrize("scheduler", ["off", "cost"])
+def test_the_start_up_capture_covers_the_steps_where_prompts_join(target, greedy, scheduler):
+    """``capture_graphs`` captures the steps with prompt chunks up front (``mixed_shapes``): every
+    such step that greedy requests joining running rows meet has its shape among them, and each
+    shape's capture (here its eager warm-up, its writes undone as on a GPU) leaves the decoding as it
+    was."""
+    from dspark.engine.schedulers import SPSCostTable
+
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler=scheduler, max_num_batched_tokens=24,
+                                                   cost_table=SPSCostTable((1, 64), (1.0, 8.0))))
     runner = engine.runner
-    assert runner.verify_len == 5 and runner.bucket(3) == 4  # grid: 4 rows x 2, 4 or 5 tokens
-    assert runner.verify_grid([2, 3, 2], [5, 5, 5]) == [2, 3, 2, 1]  # 8 = 4 x 2: only the padding row added
-    assert runner.verify_grid([5, 5, 4], [5, 5, 5]) == [5, 5, 4, 2]  # 15 -> 16: the padding row first
-    assert runner.verify_grid([3, 2, 2, 2], [5, 5, 5, 5]) == [5, 5, 4, 2]  # no padding row: the rows, in order
-    assert runner.verify_grid([5, 5, 5, 2], [5, 5, 5, 5]) == [5, 5, 5, 5]  # 17 -> 20 = 4 x the verify length
-    assert runner.verify_grid([3, 2, 2, 2], [3, 2, 2, 2]) == [3, 2, 2, 2]  # 9 -> 16 does not fit the caps
-    assert runner.verify_grid([], []) == []
-    runner.row_sampled[1] = True  # a sampled row keeps its length: its tokens may not depend on its batch
+    shapes = runner.mixed_shapes(plain_rounds=scheduler == "cost")
+    assert (0, None, 16) in shapes and (2, 2 * 3, 24) in shapes and (3, 3 * 5, 16) in shapes
+    assert ((3, None, 16) in shapes) == (scheduler == "cost")  # a plain round with chunks: the cost scheduler's
+    runner._ensure_probabilities()  # as capture_graphs: sampled drafts keep their distributions
+    runner.state.draft_probs.fill_(1 / target.config.vocab_size)  # the CPU's kernels check them
+    for b, num_tokens, bucket in shapes:
+        restore = runner._snapshot()
+        runner._capture_mixed(b, num_tokens, bucket, sampled=b > 0)
+        restore()
+    met, replay = [], runner._replay
+    runner._replay = lambda key, fn: (met.append(key), replay(key, fn))
     try:
-        assert runner.verify_grid([3, 2, 2, 2], [5, 5, 5, 5]) == [5, 2, 5, 4]
+        lengths = [NEW, 3, NEW, NEW]  # the second ends early: the last joins running rows
+        results = engine.generate([Request(p, n) for p, n in zip(PROMPTS, lengths)])
     finally:
-        runner.row_sampled[1] = False
+        del runner._replay
+    assert [r.token_ids for r in results] == [g[:n] for g, n in zip(greedy, lengths)]
+    mixed = {key[1:4] for key in met if key[0] == "mixed"}
+    assert len(mixed) > 1 and any(b > 0 for b, _, _ in mixed) and mixed <= set(shapes)
 
 
 def test_a_request_alone_equals_the_same_request_in_a_batch(engine):
@@ -212,8 +226,7 @@ def test_a_request_alone_equals_the_same_request_in_a_batch(engine):
 
 
 def test_a_sampled_request_stays_request_stable_through_steps_where_prompts_join(engine):
-    """Steps with prompt chunks verify on a grid (``verify_grid``): the extra verify tokens may go to
-    greedy rows only, so a sampled request's tokens are the same whoever joins beside it."""
+    """A sampled request's tokens are the same whoever joins beside it in steps with prompt chunks."""
     hot = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
     alone = engine.generate([Request(PROMPTS[2], 24, hot)])[0]
     running = engine.add_request(Request(PROMPTS[2], 24, hot))
@@ -442,7 +455,8 @@ def test_profile_writes_a_cost_table_the_engine_reads(target, greedy, tmp_path):
 @pytest.mark.parametrize("scheduler", ["off", "sps", "cost"])
 def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, greedy, scheduler):
     """On CUDA (Triton kernels, CUDA graphs per bucket), fp32: greedy output per request equals plain
-    greedy decoding through joins and leaves; a sampled request alone equals it inside a batch."""
+    greedy decoding through joins and leaves; a sampled request alone equals it inside a batch; after
+    the server's start-up capture no step captures a graph (prompt chunks joining running rows included)."""
     from dspark.engine.schedulers import SPSCostTable
 
     cuda_target = tiny_qwen3_target().cuda()
@@ -451,9 +465,12 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
     for d in (draft, None):
         engine = LLMEngine(cuda_target, d, EngineConfig(max_batch=3, scheduler=scheduler if d is not None else "off",
                                                         threshold=0.2, cost_table=table))
-        if d is not None and scheduler == "cost":  # the server's start-up capture, plain rounds included
-            engine.capture_graphs()
+        engine.capture_graphs()  # the server's start-up capture
+        captured = engine.runner.captures
+        assert ("mixed", 0, None, 16, False) in engine.runner.graphs
+        if d is not None and scheduler == "cost":  # plain rounds included
             assert ("plain", 3, False) in engine.runner.graphs and ("context", 3) in engine.runner.graphs
+            assert ("mixed", 2, None, 16, True) in engine.runner.graphs
         results = engine.generate([Request(p, NEW) for p in PROMPTS])
         assert [r.token_ids for r in results] == greedy
         assert engine.runner.graphs, "the CUDA path must replay graphs"
@@ -466,6 +483,7 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
                                  Request(PROMPTS[2], 12, hot), Request(PROMPTS[1], NEW)])
         assert mixed[2].token_ids == greedy[1]
         assert not engine.runner.uncapturable and any(key[-1] is True for key in engine.runner.graphs)
+        assert engine.runner.captures == captured, "a step met a graph shape capture_graphs left out"
         if scheduler != "cost":  # Algorithm 1 couples rows: lossless, but a sample may depend on the batch
             assert batch[1].token_ids == alone == mixed[1].token_ids
 

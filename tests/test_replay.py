@@ -145,14 +145,17 @@ def test_replay_in_cuda_graphs_captured_up_front(prompts):
     draft = random_drafter(target, TINY, rank=64)
     config = EngineConfig(max_batch=4, max_model_len=128, scheduler="threshold", threshold=0.5)
     engine = ReplayEngine(target, draft, config, prompts, TRACES, NEW)
-    assert engine.capture_graphs() == 2 * len(engine.runner.buckets) * (P + 2)  # greedy and with sampled rows
+    def mixed(runner):  # steps with prompt chunks: greedy and with sampled rows, but no rows' only greedy
+        return sum(2 if b else 1 for b, _, _ in runner.mixed_shapes())
+
+    # greedy and with sampled rows: verify at every length, draft; the steps with prompt chunks
+    assert engine.capture_graphs() == 2 * len(engine.runner.buckets) * (P + 2) + mixed(engine.runner)
     captured = set(engine.runner.graphs)
     results = engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])
-    # every round replayed a graph captured up front; steps with prompt chunks capture theirs on first use
-    assert {k for k in engine.runner.graphs if k[0] != "mixed"} == captured
-    assert any(k[0] == "mixed" for k in engine.runner.graphs) and not engine.runner.uncapturable
+    # every step, prompt chunks included, replayed a graph captured up front
+    assert set(engine.runner.graphs) == captured and not engine.runner.uncapturable
     plain = LLMEngine(target, None, EngineConfig(max_batch=4, max_model_len=128))
-    assert plain.capture_graphs() == 2 * len(plain.runner.buckets)
+    assert plain.capture_graphs() == 2 * len(plain.runner.buckets) + mixed(plain.runner)
     expected = [r.token_ids for r in plain.generate([Request(p, NEW, ignore_eos=True) for p in prompts])]
     assert [r.token_ids for r in results] == expected
     for i, r in enumerate(results):

@@ -105,8 +105,11 @@ def test_cuda_tree_greedy_equals_plain_greedy(tmp_path):
     target.to("cuda")
     engine = LLMEngine(target, draft, EngineConfig(max_batch=3, draft_top_k=4, tree_budget=16))
     plain = engine.plain().generate([Request(p, NEW) for p in PROMPTS])
+    assert engine.capture_graphs() and ("mixed", 2, 2 * 16, 16, False) in engine.runner.graphs
+    captured = engine.runner.captures
     assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == [r.token_ids for r in plain]
-    assert engine.runner.graphs and not engine.runner.uncapturable  # tree rounds replay CUDA graphs
+    # tree rounds and the steps where prompts join replay CUDA graphs captured up front
+    assert engine.runner.captures == captured and not engine.runner.uncapturable
 
 
 def test_sampled_requests_in_tree_mode_are_request_stable(target, greedy, tmp_path):

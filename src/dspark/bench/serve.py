@@ -12,8 +12,8 @@ four settings, greedy and sampled, so that every batch mixes them). The server i
     python -m dspark.bench.serve --out DIR --label 8b --random-prompts 128 --vocab 151936 \\
         -- --engine-factory my_module:make_engine --max-batch 64
 
-Before each level, C short requests warm the server up (CUDA graphs are captured per batch size on
-first use). Per level:
+Before each level, C short requests warm the server up (a server that did not capture its CUDA graphs
+at start-up captures them on first use). Per level:
 
 * total tokens/s: output tokens of the level / its wall time;
 * tokens/s per request: (tokens - 1) / (last token - first token) of each request (1 / TPOT; its

@@ -231,9 +231,10 @@ class LLMEngine:
         self.sequences.pop(request_id, None)
 
     def capture_graphs(self) -> int:
-        """Capture every greedy CUDA graph (each batch bucket and verify length) before serving, so
-        the first requests of each batch size do not wait for captures; returns how many exist (0
-        without CUDA graphs). Only while no request runs."""
+        """Capture the CUDA graphs before serving -- each batch bucket and verify length, greedy and
+        sampled, and the steps with prompt chunks (``ModelRunner.mixed_shapes``) -- so that no
+        request waits for a capture later; returns how many exist (0 without CUDA graphs). Only
+        while no request runs."""
         if self.running:
             Checker("capture_graphs").fail(f"capture_graphs needs an idle engine, but {len(self.running)} requests run")
         return self.runner.capture_graphs(plain_rounds=self.config.scheduler == "cost")
@@ -264,8 +265,6 @@ class LLMEngine:
         self._admit()
         rows = len(self.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
-        if lens is not None and self.prefilling:  # prompt chunks join: few mixed-step graph shapes
-            lens = self.runner.verify_grid(lens, self._verify_lens([self.num_drafts] * rows))
         plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
         joined = self._run_step(rows, lens, plan, outputs, draft)
         self._launched = (outputs, len(self.running) - len(joined), joined, self.runner.drafted)

@@ -20,7 +20,8 @@ forward, after the running rows' verify or decode tokens, each group with its ow
 launch); a request whose prompt ends in a step takes the next row, gets its first token from the
 prompt's last logits and is drafted by that step's draft pass with the others -- nothing is
 re-drafted on admission. Steps with chunks replay graphs too (chunk tokens padded to power-of-two
-buckets, staged at fixed addresses: ``ChunkBuffers``), captured on first use.
+buckets, staged at fixed addresses: ``ChunkBuffers``), captured up front with the rest
+(``capture_graphs``: ``mixed_shapes``) or, for a shape outside them, on first use.
 
 Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. A
 DSpark runner can run plain rounds too (``launch_round(rows, None, ...)``: the cost scheduler's
@@ -261,7 +262,7 @@ class ModelRunner:
         """Start one speculative round for the first ``rows`` rows (no wait; ``read`` collects it):
         row i verifies ``verify_lens[i] - 1`` drafts (1 .. P), or, with ``verify_lens`` None, none
         (a plain round: one token per row from the target, as plain decoding); entries past ``rows``
-        (up to the bucket) are padding rows' tokens (``verify_grid``; default 1). ``chunks`` run in the
+        (up to the bucket) are padding rows' tokens (default 1). ``chunks`` run in the
         same forward, and those that end their prompt join at rows ``rows, rows + 1, ...`` (read
         them too). ``draft``: whether the round drafts the next one (block, Markov chain,
         confidences); without it only the draft context advances and the next round is plain. A
@@ -272,7 +273,7 @@ class ModelRunner:
             return
         b, verify_lens = (self.bucket(rows) if rows else 0), list(verify_lens)
         lens = self.host_lens
-        lens.fill_(1)  # padding rows verify their anchor only, unless given more (verify_grid)
+        lens.fill_(1)  # padding rows verify their anchor only
         lens[:len(verify_lens)] = torch.tensor(verify_lens, dtype=torch.int32)
         self.state.verify_lens[: self.max_batch].copy_(lens, non_blocking=True)  # pinned: no sync; the last readout freed it
         num_tokens = b * -(-(sum(verify_lens) + b - len(verify_lens)) // b) if b else 0  # a multiple of b: t graphs per b
@@ -328,36 +329,12 @@ class ModelRunner:
         host synchronisation."""
         return self.readout[:rows].cpu()
 
-    def verify_grid(self, lens: list[int], caps: list[int]) -> list[int]:
-        """Verify tokens of a step with prompt chunks, raised so that the step's total is the bucket
-        times a power of two (or the verify length): a mixed step's graph is captured on first use
-        per (rows, verify tokens, chunk) shape, and a scheduler's varying totals would meet a new
-        shape at every other admission. The extra tokens go to the padding rows first, then to the
-        greedy running rows up to ``caps`` (their most: a longer verify only checks more drafts, and
-        a greedy row's tokens do not depend on how many it verifies; a sampled row's would, and its
-        tokens must not depend on its batch). Returns ``lens`` extended over the padding rows, or
-        ``lens`` unchanged when the rows cannot take the difference."""
-        rows, t = len(lens), self.verify_len
-        if not rows or self.tree is not None:
-            return lens
-        b = self.bucket(rows)
-        caps = [n if self.row_sampled[i] else cap for i, (n, cap) in enumerate(zip(lens, caps))]
-        out, room = list(lens) + [1] * (b - rows), caps + [t] * (b - rows)
-        need = sum(out)
-        grid = [k for k in (2, 4, 8, 16, 32) if k < t] + [t]
-        extra = b * next((k for k in grid if b * k >= need), t) - need
-        for i in list(range(rows, b)) + list(range(rows)):
-            add = min(extra, room[i] - out[i])
-            out[i] += add
-            extra -= add
-        return out if extra == 0 else lens
-
     def capture_graphs(self, plain_rounds: bool = False) -> int:
         """Capture the graphs of every batch bucket now, greedy and with sampled rows (verify at
         every token multiple, draft; or decode; with ``plain_rounds``, a DSpark runner's plain round
-        and context-only pass too: the cost scheduler's), so that no request waits for a capture
-        later; returns the number of graphs. Call with no request running: the captures replay
-        once on padding rows."""
+        and context-only pass too: the cost scheduler's), and of the steps with prompt chunks
+        (``mixed_shapes``), so that no request waits for a capture later; returns the number of
+        graphs. Call with no request running: the captures replay once on padding rows."""
         if not self.use_graphs:
             return 0
         if self.drafter is not None and self.tree is None:
@@ -366,8 +343,42 @@ class ModelRunner:
         for b in self.buckets:
             for sampled in (False, True):
                 self._capture_bucket(b, sampled, lens, plain_rounds)
+        for b, num_tokens, bucket in self.mixed_shapes(plain_rounds):
+            for sampled in (False, True) if b else (False,):
+                self._capture_mixed(b, num_tokens, bucket, sampled)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
+
+    def mixed_shapes(self, plain_rounds: bool = False) -> list[tuple[int, int | None, int]]:
+        """(rows bucket, running rows' tokens or None for one decode token per row, chunk bucket) of
+        the steps with prompt chunks a server meets: no running rows or any bucket's; every verify
+        total of a round without chunks (the bucket times 1 .. verify length; a tree's full
+        budget), or a plain round's one token per row (a plain runner's, or with ``plain_rounds``);
+        every power-of-two chunk bucket and the capacity. A chunk bucket cut to a chunk's tokens
+        plus a cache line (``_chunk_bucket``) is captured on first use."""
+        cap = self.chunks.capacity
+        chunk_buckets = [c for c in (1 << k for k in range(4, cap.bit_length())) if c < cap] + [cap]
+        chunk_buckets = [c for c in chunk_buckets if c <= (MAX_CHUNKS + 1) * self.line]  # staged on the dummy line
+        running: list[int | None] = []
+        if self.drafter is None or plain_rounds:
+            running.append(None)
+        shapes = [(0, None, c) for c in chunk_buckets]
+        for b in self.buckets:
+            per_row = [] if self.drafter is None else [self.verify_len] if self.tree else range(1, self.verify_len + 1)
+            totals = running + [b * k for k in per_row]
+            shapes += [(b, n, c) for n in totals for c in chunk_buckets]
+        return shapes
+
+    def _capture_mixed(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
+        """Capture one step with prompt chunks: ``bucket`` tokens of chunks on the dummy line (each at
+        most a line long), no seat; the running rows verify ``num_tokens / b`` tokens each."""
+        if num_tokens is not None:
+            self.host_lens.fill_(num_tokens // b)
+            self.state.verify_lens[: self.max_batch].copy_(self.host_lens)
+        lengths = [min(self.line, bucket - at) for at in range(0, bucket, self.line)][:MAX_CHUNKS]
+        chunks = [PrefillChunk(slot=self.dummy_slot, start=0, token_ids=[0] * n, row=-1) for n in lengths]
+        self.chunks.stage(chunks, bucket, self.dummy_slot, self.scratch_row)
+        self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
 
     def _capture_bucket(self, b: int, sampled: bool, lens, plain_rounds: bool) -> None:
         if self.drafter is None:
@@ -641,19 +652,18 @@ class ModelRunner:
         prompt chunks, staged into ``self.chunks`` and padded to a chunk bucket; then accept / sample
         as a round does, write the chunks' draft context, seat the requests whose prompt ended
         (first token, row state) and draft every row. One CUDA graph per (rows bucket, verify
-        tokens, chunk bucket, running rows sampled or not, seats sampled or not): the running rows
-        are verified in the mode they were drafted in (a greedy batch's drafts carry no
-        distributions), the seats drawn in theirs. Raises ``ForwardFailed`` when the forward raised
-        (no row state changed yet)."""
+        tokens, chunk bucket, running rows sampled or not): the running rows are verified in the
+        mode they were drafted in (a greedy batch's drafts carry no distributions); the seats are
+        drawn by their own settings (a greedy seat: temperature 0, its argmax), so a mix of seats
+        needs no graph of its own. Raises ``ForwardFailed`` when the forward raised (no row state
+        changed yet)."""
         joined = [c for c in chunks if c.row >= 0]
-        seats_sample = any(not c.sampling.greedy for c in joined)
-        if self.drafter is not None and self.tree is None and seats_sample:
+        if self.drafter is not None and self.tree is None and any(not c.sampling.greedy for c in joined):
             self._ensure_probabilities()  # sampled chain drafts keep the distributions they came from
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
         sampled = self._sampled(rows)
-        self._replay(("mixed", b, num_tokens, bucket, sampled, seats_sample),
-                     lambda: self._mixed_rows(b, num_tokens, bucket, sampled, seats_sample))
+        self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         for c in joined:
             self.row_sampled[c.row] = not c.sampling.greedy
         total = rows + len(joined)
@@ -671,7 +681,7 @@ class ModelRunner:
         step's chunk capacity, with at most a cache line of padding (the padding request's tokens)."""
         return min(max(16, 1 << max(n - 1, 0).bit_length()), self.chunks.capacity, n + self.line)
 
-    def _mixed_rows(self, b: int, num_tokens: int | None, bucket: int, sampled: bool, seats_sample: bool) -> None:
+    def _mixed_rows(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
         """The device work of a mixed step (captured): forward, commit of the running rows, the
         chunks' draft context, the seats."""
         try:
@@ -684,7 +694,7 @@ class ModelRunner:
             self._decode_commit(b, logits[:split], sampled, None if capture is None else capture[:split])
         if self.draft is not None:
             self.draft.context(capture[split:], positions[split:], slots[split:])
-        self._seat(logits[split:], seats_sample)
+        self._seat(logits[split:])
 
     def _mixed_forward(self, b: int, num_tokens: int | None, bucket: int):
         """The target forward of a mixed step (no row state changes): ``(positions, token slots,
@@ -715,16 +725,16 @@ class ModelRunner:
                                      logits_rows=logit_rows, cache_positions=cache_rows if self.tree else None)
         return positions, slots, flat, split, capture, logits
 
-    def _seat(self, logits: torch.Tensor, sampled: bool) -> None:
+    def _seat(self, logits: torch.Tensor) -> None:
         """Rows for requests whose prompt ended (``self.chunks``' seats; padded seats go to the
-        scratch row): the first token from the last position's logits ``[max_chunks, V]`` (keyed as
-        a round's draw: seed, position), row state, the readout as a one-token round, the logits
-        kept for log-probabilities."""
+        scratch row): the first token from the last position's logits ``[max_chunks, V]`` by each
+        seat's settings (keyed as a round's draw: seed, position; a greedy seat's is the argmax), row
+        state, the readout as a one-token round, the logits kept for log-probabilities."""
         s, t, ch = self.state, self.verify_len, self.chunks
         meta = ch.device_meta()
         rows, ends, slots = ch.seat_rows, meta["seat_ends"], meta["seat_slots"]
         ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
-        tokens = _sample_rows(logits, ch.seat_sampling if sampled else None, ch.seat_seeds, ends - 1, self.workspace)
+        tokens = _sample_rows(logits, ch.seat_sampling, ch.seat_seeds, ends - 1, self.workspace)
         settings = ch.seat_sampling
         for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
                               (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones),
