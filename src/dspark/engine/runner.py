@@ -20,8 +20,9 @@ forward, after the running rows' verify or decode tokens, each group with its ow
 launch); a request whose prompt ends in a step takes the next row, gets its first token from the
 prompt's last logits and is drafted by that step's draft pass with the others -- nothing is
 re-drafted on admission. Steps with chunks replay graphs too (chunk tokens padded to power-of-two
-buckets, staged at fixed addresses: ``ChunkBuffers``), captured up front with the rest
-(``capture_graphs``: ``mixed_shapes``) or, for a shape outside them, on first use.
+buckets up to ``GRAPH_CHUNK_TOKENS``, staged at fixed addresses: ``ChunkBuffers``), captured up
+front with the rest (``capture_graphs``: ``mixed_shapes``); a step with more chunk tokens runs
+eagerly.
 
 Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. A
 DSpark runner can run plain rounds too (``launch_round(rows, None, ...)``: the cost scheduler's
@@ -54,6 +55,9 @@ log = logging.getLogger("dspark.engine")
 __all__ = ["ChunkBuffers", "DraftOverride", "ModelRunner", "PrefillChunk", "ForwardFailed", "RowState", "TreeSettings",
            "batch_buckets", "MAX_CHUNKS"]
 MAX_CHUNKS = 8  # prompt chunks per step (the static seats of a captured mixed step)
+# a step with more chunk tokens runs eagerly: its forward outlasts its launches, and its graphs (one
+# per rows bucket x verify total x sampling) would be the slowest to capture
+GRAPH_CHUNK_TOKENS = 256
 
 
 @dataclass
@@ -354,11 +358,10 @@ class ModelRunner:
         the steps with prompt chunks a server meets: no running rows or any bucket's; every verify
         total of a round without chunks (the bucket times 1 .. verify length; a tree's full
         budget), or a plain round's one token per row (a plain runner's, or with ``plain_rounds``);
-        every power-of-two chunk bucket and the capacity. A chunk bucket cut to a chunk's tokens
-        plus a cache line (``_chunk_bucket``) is captured on first use."""
-        cap = self.chunks.capacity
-        chunk_buckets = [c for c in (1 << k for k in range(4, cap.bit_length())) if c < cap] + [cap]
-        chunk_buckets = [c for c in chunk_buckets if c <= (MAX_CHUNKS + 1) * self.line]  # staged on the dummy line
+        every power-of-two chunk bucket up to ``GRAPH_CHUNK_TOKENS`` or the capacity (a chunk
+        bucket cut to a chunk's tokens plus a cache line, ``_chunk_bucket``, is captured on first use)."""
+        limit = min(GRAPH_CHUNK_TOKENS, self.chunks.capacity)
+        chunk_buckets = [c for c in (1 << k for k in range(4, limit.bit_length())) if c < limit] + [limit]
         running: list[int | None] = []
         if self.drafter is None or plain_rounds:
             running.append(None)
@@ -651,8 +654,9 @@ class ModelRunner:
         bucket ``b`` (None: one decode token per row), exactly as a round without chunks -- and the
         prompt chunks, staged into ``self.chunks`` and padded to a chunk bucket; then accept / sample
         as a round does, write the chunks' draft context, seat the requests whose prompt ended
-        (first token, row state) and draft every row. One CUDA graph per (rows bucket, verify
-        tokens, chunk bucket, running rows sampled or not): the running rows are verified in the
+        (first token, row state) and draft every row. Up to ``GRAPH_CHUNK_TOKENS`` chunk tokens, one
+        CUDA graph per (rows bucket, verify tokens, chunk bucket, running rows sampled or not),
+        else eagerly: the running rows are verified in the
         mode they were drafted in (a greedy batch's drafts carry no distributions); the seats are
         drawn by their own settings (a greedy seat: temperature 0, its argmax), so a mix of seats
         needs no graph of its own. Raises ``ForwardFailed`` when the forward raised (no row state
@@ -663,7 +667,10 @@ class ModelRunner:
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
         sampled = self._sampled(rows)
-        self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
+        if bucket > GRAPH_CHUNK_TOKENS:
+            self._mixed_rows(b, num_tokens, bucket, sampled)
+        else:
+            self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         for c in joined:
             self.row_sampled[c.row] = not c.sampling.greedy
         total = rows + len(joined)
