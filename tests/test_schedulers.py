@@ -219,3 +219,29 @@ def test_prompt_tokens_in_the_step_price_the_verify_further_up_the_curve():
 
 def prefix_schedule_lengths(conf, table):
     return [max(1, n) for n in prefix_schedule(torch.tensor(conf), table)]
+
+
+def test_batch_schedule_skips_algorithm_1_only_where_its_answer_is_every_draft(monkeypatch):
+    """On the flat start of a cost curve (few rows) ``batch_schedule`` answers "verify every draft"
+    without running Algorithm 1; it is the answer the full computation gives, on random noisy curves,
+    confidences, draft passes, host times and prompt tokens alike -- and the shortcut does fire."""
+    import numpy as np
+
+    from dspark.engine import schedulers
+
+    rng = np.random.default_rng(0)
+    fired = 0
+    for _ in range(300):
+        counts = np.unique(rng.integers(1, 600, size=8))
+        times = 4.0 + np.sort(rng.uniform(0, 10, counts.size)) * rng.uniform(0, 1) + rng.uniform(0, 0.3, counts.size)
+        table = SPSCostTable(tuple(counts.tolist()), tuple(times.tolist()), draft_rows=(1, 64),
+                             draft_time_ms=(0.6, rng.uniform(0.6, 2.0)))
+        rows, p = int(rng.integers(1, 65)), int(rng.integers(1, 8))
+        confidences = rng.uniform(0, 1, (rows, p)) ** rng.uniform(0.2, 3)
+        args = (confidences, table, float(rng.uniform(0, 0.1)), float(rng.uniform(0, 1)), int(rng.integers(0, 200)))
+        quick = schedulers.batch_schedule(*args)
+        fired += schedulers._full_verify_wins(table, rows, p, *args[2:])
+        with monkeypatch.context() as m:
+            m.setattr(schedulers, "_full_verify_wins", lambda *a: False)
+            assert quick == schedulers.batch_schedule(*args)
+    assert 10 < fired < 290

@@ -143,14 +143,31 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
     the table's verify time plus its draft pass (``SPSCostTable.draft_time``) plus ``host_ms``, the
     engine's own time per drafting round; ``prefill_tokens`` prompt tokens share the step's forward
     (the verify is priced from there on the curve)."""
-    survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
-    rows, p = survival.shape
-    lengths = np.maximum(_admit(survival, table, host_ms, prefill_tokens), 1)
+    rows, p = np.shape(confidences)
     full = np.full(rows, p)
+    if _full_verify_wins(table, rows, p, min_predicted_gain, host_ms, prefill_tokens):
+        return full.tolist()
+    survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
+    lengths = np.maximum(_admit(survival, table, host_ms, prefill_tokens), 1)
     expected = _expected_tokens(survival, lengths), _expected_tokens(survival, full)
     tokens = np.array([lengths.sum() + rows, (p + 1) * rows]) + prefill_tokens
     goodput = np.array(expected) / (table.step_times(tokens) + table.draft_time(rows) + host_ms)
     return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else full.tolist()
+
+
+def _full_verify_wins(table: SPSCostTable, rows: int, p: int, min_predicted_gain: float, host_ms: float,
+                      prefill_tokens: int) -> bool:
+    """Whether verifying every draft is ``batch_schedule``'s answer whatever the confidences (then
+    it need not run Algorithm 1): a shorter schedule expects no more tokens, and its round -- at
+    least one draft per row -- takes no less than the fastest on the curve between ``2 * rows`` and
+    ``(p + 1) * rows`` verify tokens, plus the same draft pass and host time; when the full round
+    is within ``min_predicted_gain`` of that, none beats it by the gain. (The flat start of a GPU's
+    curve: a few rows.)"""
+    low, high = 2 * rows + prefill_tokens, (p + 1) * rows + prefill_tokens
+    counts = np.asarray(table.token_counts)
+    points = np.concatenate([[low, high], counts[(counts > low) & (counts < high)]])
+    fixed = table.draft_time(rows) + host_ms
+    return bool(table.step_time(high) + fixed <= (table.step_times(points).min() + fixed) * (1 + min_predicted_gain))
 
 
 def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_gain: float,
