@@ -188,11 +188,12 @@ def test_the_start_up_capture_covers_the_steps_where_prompts_join(target, greedy
     from dspark.engine.schedulers import SPSCostTable
 
     draft = random_draft(tiny_draft_config(target.config), 0, target)
-    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler=scheduler, max_num_batched_tokens=24,
-                                                   cost_table=SPSCostTable((1, 64), (1.0, 8.0))))
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler=scheduler, max_num_batched_tokens=48,
+                                                   max_model_len=32, cost_table=SPSCostTable((1, 64), (1.0, 8.0))))
     runner = engine.runner
     shapes = runner.mixed_shapes(plain_rounds=scheduler == "cost")
-    assert (0, None, 16) in shapes and (2, 2 * 3, 24) in shapes and (3, 3 * 5, 16) in shapes
+    assert (0, None, 16) in shapes and (2, 2 * 3, 48) in shapes and (3, 3 * 5, 32) in shapes
+    assert runner.line < 48  # a capture stages its chunk tokens as several chunks of the dummy line
     assert ((3, None, 16) in shapes) == (scheduler == "cost")  # a plain round with chunks: the cost scheduler's
     runner._ensure_probabilities()  # as capture_graphs: sampled drafts keep their distributions
     runner.state.draft_probs.fill_(1 / target.config.vocab_size)  # the CPU's kernels check them

@@ -164,10 +164,13 @@ def _full_verify_wins(table: SPSCostTable, rows: int, p: int, min_predicted_gain
     is within ``min_predicted_gain`` of that, none beats it by the gain. (The flat start of a GPU's
     curve: a few rows.)"""
     low, high = 2 * rows + prefill_tokens, (p + 1) * rows + prefill_tokens
-    counts = np.asarray(table.token_counts)
-    points = np.concatenate([[low, high], counts[(counts > low) & (counts < high)]])
     fixed = table.draft_time(rows) + host_ms
-    return bool(table.step_time(high) + fixed <= (table.step_times(points).min() + fixed) * (1 + min_predicted_gain))
+    ends = table.step_times(np.array([low, high])) + fixed
+    if ends[1] > ends[0] * (1 + min_predicted_gain):  # the usual case past a few rows: one interpolation
+        return False
+    counts = np.asarray(table.token_counts)
+    inner = counts[(counts > low) & (counts < high)]
+    return bool(not inner.size or ends[1] <= (table.step_times(inner).min() + fixed) * (1 + min_predicted_gain))
 
 
 def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_gain: float,
