@@ -367,8 +367,7 @@ class ModelRunner:
             running.append(None)
         shapes = [(0, None, c) for c in chunk_buckets]
         for b in self.buckets:
-            per_row = [] if self.drafter is None else [self.verify_len] if self.tree else range(1, self.verify_len + 1)
-            totals = running + [b * k for k in per_row]
+            totals = running + ([] if self.drafter is None else [b * k for k in self._verify_tokens_per_row()])
             shapes += [(b, n, c) for n in totals for c in chunk_buckets]
         return shapes
 
@@ -383,11 +382,15 @@ class ModelRunner:
         self.chunks.stage(chunks, bucket, self.dummy_slot, self.scratch_row)
         self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
 
+    def _verify_tokens_per_row(self) -> list[int]:
+        """The verify lengths a round's graphs are captured for: a tree's full budget, a chain's 1 .. P + 1."""
+        return [self.verify_len] if self.tree else list(range(1, self.verify_len + 1))
+
     def _capture_bucket(self, b: int, sampled: bool, lens, plain_rounds: bool) -> None:
         if self.drafter is None:
             self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
             return
-        for k in ([self.verify_len] if self.tree else range(1, self.verify_len + 1)):  # b * k flat tokens
+        for k in self._verify_tokens_per_row():  # b * k flat tokens
             lens.fill_(k)
             self.state.verify_lens[: self.max_batch].copy_(lens)
             self._replay(("verify", b, b * k, sampled), lambda: self._verify_rows(b, b * k, sampled))
