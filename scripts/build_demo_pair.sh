@@ -14,7 +14,9 @@
 #   target   the held-out prompts and the target (TARGET_SECONDS of training, default 420)
 #   drafts   three drafters at once on the one GPU (DRAFT_SECONDS each, default 330): draft (confidence
 #            loss on the heads only), draft_bp (--confidence-backprop), dflash (the ablation); DRAFTERS
-#            (a subset of those names) trains fewer, each with a larger share of the GPU
+#            (a subset of those names) trains fewer, each with a larger share of the GPU; DRAFT_INIT (a
+#            pair directory, e.g. src/dspark/data/demo) starts draft / draft_bp from its draft/ and
+#            dflash from its dflash/ (--init-from: a longer training over several device calls)
 #   finish   greedy tau of draft and draft_bp, the better becomes OUT_DIR/draft; STS calibration;
 #            evaluation against the ablation; replay traces; the CPU evaluation CI checks; the size limit
 # A group needs the artifacts of the ones before it in OUT_DIR (and WORK_DIR for finish).
@@ -101,7 +103,10 @@ drafter_dir() { if [ "$1" = dflash ]; then echo "$OUT/dflash"; else echo "$WORK/
 train_draft() {
   local name=$1 dir=$2
   shift 2
-  log "start $name in the background (log $WORK/$name.log)"
+  if [ -n "${DRAFT_INIT:-}" ]; then
+    set -- "$@" --init-from "$DRAFT_INIT/$([ "$name" = dflash ] && echo dflash || echo draft)"
+  fi
+  log "start $name in the background (log $WORK/$name.log)${DRAFT_INIT:+, from the weights in $DRAFT_INIT}"
   dspark train --target "$OUT/target" --data stdlib:train --output "$dir" --block-size 7 --overwrite \
     "${DRAFT_ARGS[@]}" "$@" "${DEVICE[@]}" > "$WORK/$name.log" 2>&1 &
 }

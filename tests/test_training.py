@@ -607,6 +607,34 @@ def test_train_command(tmp_path, capsys):
     assert "dspark train: read_corpus" in capsys.readouterr().err
 
 
+def test_train_starts_from_a_drafts_weights_with_init_from(tmp_path, capsys):
+    """``--init-from``: a new run starts from a checkpoint's weights (with learning rate 0 it writes
+    them back unchanged); a draft of another shape, or with ``--resume``, is refused naming it."""
+    from safetensors.torch import load_file
+
+    target_dir, _ = tiny_pair(tmp_path, target_steps=1, draft_steps=1)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CODE * 6)
+    common = dict(target=str(target_dir), data=str(corpus), batch_size=2, seq_len=32, anchors=4, block_size=3,
+                  markov_rank=4, corpus_rows=3, device="cpu")
+    assert train_cli.run(_train_args(output=str(tmp_path / "first"), steps=3, **common)) == 0
+    assert train_cli.run(_train_args(output=str(tmp_path / "again"), steps=1, lr=0.0, seed=7,
+                                     init_from=str(tmp_path / "first"), **common)) == 0
+    first, again = (load_file(tmp_path / d / "model.safetensors") for d in ("first", "again"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    fresh = tmp_path / "fresh"
+    assert train_cli.run(_train_args(output=str(fresh), steps=1, lr=0.0, seed=7, **common)) == 0
+    assert not torch.equal(load_file(fresh / "model.safetensors")["fc.weight"], first["fc.weight"])
+    capsys.readouterr()
+    other = dict(common, markov_rank=8)
+    assert train_cli.run(_train_args(output=str(tmp_path / "x"), init_from=str(tmp_path / "first"), **other)) == 2
+    err = capsys.readouterr().err
+    assert f"--init-from {tmp_path / 'first'} is a draft of another shape: markov_rank 4 (this run: 8)" in err
+    assert train_cli.run(_train_args(output=str(tmp_path / "first"), init_from=str(tmp_path / "first"),
+                                     resume=True, **common)) == 2
+    assert "--init-from starts a new run" in capsys.readouterr().err
+
+
 def test_train_refuses_a_non_empty_output_unless_overwrite(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.json").write_text("{}")

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     train.add_argument("--save-every", type=int, default=500, help="write a checkpoint every N steps (0 = only at the end)")
     train.add_argument("--seed", type=int, default=0, help="seed of the data order, anchors and initialisation")
+    train.add_argument("--init-from", default=None, metavar="DRAFT",
+                       help="start from this draft checkpoint's weights (same architecture; a new optimizer and "
+                            "schedule): a longer training in several runs, or fine-tuning a published draft")
     train.add_argument("--resume", action="store_true",
                        help="continue the run saved in --output (weights, optimizer, data position): the same "
                             "options, except --steps / --time-budget, which may extend it")
@@ -130,13 +133,14 @@ def run(args: argparse.Namespace) -> int:
                   f"{sequences.numel()} tokens in {sequences.shape[0]} rows of {args.seq_len}; "
                   f"draft: {config.num_hidden_layers} layer(s), block {config.block_size}, "
                   f"Markov rank {args.markov_rank} ({config.markov_head_type}), capture {config.capture_layer_ids}, "
-                  f"mask token {config.mask_token_id}{parallel}", flush=True)
+                  f"mask token {config.mask_token_id}{parallel}"
+                  + (f"; starting from the weights of {args.init_from}" if args.init_from else ""), flush=True)
         model, losses = train_draft(target, sequences, config, options, device=device,
                                     num_anchors=args.anchors, gamma=args.gamma,
                                     confidence_backprop=args.confidence_backprop,
                                     greedy_confidence=args.confidence_target == "greedy", output=args.output,
                                     save_dtype=getattr(torch, args.save_dtype), world=world, fsdp=args.fsdp,
-                                    resume=args.resume, attention=args.attention,
+                                    resume=args.resume, attention=args.attention, init_from=args.init_from,
                                     stream=open(os.devnull, "w") if args.quiet and world.is_main else None)
     except (ValueError, TypeError, OSError, RuntimeError) as exc:  # RuntimeError: a diverged loss, out of memory,
         print(f"dspark train: {describe_failure(exc, world)}", file=sys.stderr)  # a failed collective

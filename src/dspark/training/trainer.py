@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from .. import kernels as K
 from ..kernels._validate import Checker
-from ..model import DSparkConfig, DSparkDraftModel, save_draft
+from ..model import DSparkConfig, DSparkDraftModel, load_draft, save_draft
 from ..model.draft_runner import layer_weights, run_block, write_context
 from ..model.layers import rope_inv_freq
 from .distributed import SINGLE, World, wrap
@@ -288,6 +288,33 @@ def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_
         dtype="float32",
         verifier=dict(verifier or {}),
     )
+
+
+# config keys that do not shape a draft's weights or what they compute (where it came from, its
+# saved dtype, its calibration): a warm start may differ in them
+_PROVENANCE_KEYS = ("dtype", "sts_temperatures", "speculators_config", "speculators_version", "auto_map")
+
+
+def warm_start(model: DSparkDraftModel, path, target) -> None:
+    """Load the weights of the draft checkpoint at ``path`` into ``model`` (a fresh ``new_draft``)
+    to train on from them: the same architecture (every config key but ``_PROVENANCE_KEYS``) and
+    frozen embedding / head rows, else ValueError naming ``--init-from`` and what differs."""
+    c = Checker("train_draft")
+    try:
+        start = load_draft(path, target=target, dtype=torch.float32)
+    except (ValueError, OSError) as exc:
+        c.fail(f"--init-from {path}: {exc}")
+    ours, theirs = (m.config.to_speculators_dict() for m in (model, start))
+    differ = sorted(k for k in set(ours) | set(theirs) if k not in _PROVENANCE_KEYS and ours.get(k) != theirs.get(k))
+    if differ:
+        what = ", ".join(f"{k} {theirs.get(k)!r} (this run: {ours.get(k)!r})" for k in differ)
+        c.fail(f"--init-from {path} is a draft of another shape: {what}")
+    state, frozen = start.state_dict(), ("embed_tokens.weight", "lm_head.weight")
+    for name in frozen:  # the target's own rows stay (the checkpoint's may be rounded to its dtype)
+        ours = model.state_dict()[name]
+        if not torch.allclose(state.pop(name), ours, rtol=1e-2, atol=1e-2 * float(ours.abs().max())):
+            c.fail(f"--init-from {path}: its {name} is not this target's (a draft of another target)")
+    model.load_state_dict(state, strict=False)
 
 
 @torch.no_grad()
@@ -607,7 +634,7 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
                 device, num_anchors: int = 64, gamma: float = 4.0,
                 confidence_backprop: bool = False, greedy_confidence: bool = False, output=None,
                 save_dtype: torch.dtype = torch.bfloat16, stream=None, world: World = SINGLE, fsdp: bool = False,
-                resume: bool = False, attention: str = "auto") -> tuple[DSparkDraftModel, list[float]]:
+                resume: bool = False, attention: str = "auto", init_from=None) -> tuple[DSparkDraftModel, list[float]]:
     """Train a draft for ``target`` (a Hugging Face causal LM, frozen, already on ``device``) on
     token rows ``sequences`` int64 ``[N, S]``. ``output``: checkpoint directory (speculators format,
     ``save_dtype`` weights, plus the resumable ``training_state/``), written by rank 0 every
@@ -615,7 +642,9 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
     ``resume``: continue the run saved there (weights, optimizer, data position, generators; the
     same options and data, except ``options.steps`` / ``time_budget``, which may extend the run: the
     learning-rate schedule is then stretched over the new length from the step reached);
-    ``attention``: the draft's training attention (``block_hidden``). Returns the fp32 model (under ``fsdp`` its parameters are this rank's
+    ``init_from``: a draft checkpoint of the same architecture to start from (``warm_start``: its
+    weights, a new optimizer and schedule -- a longer training in several runs, or fine-tuning a
+    published draft); ``attention``: the draft's training attention (``block_hidden``). Returns the fp32 model (under ``fsdp`` its parameters are this rank's
     DTensor shards) and the logged losses.
 
     Data parallel over ``world`` (every rank holds the target and all of ``sequences``): each step's
@@ -627,6 +656,11 @@ def train_draft(target, sequences: torch.Tensor, config: DSparkConfig, options: 
     device = torch.device(device)
     target.eval().requires_grad_(False)
     model = new_draft(target, config, seed=options.seed)
+    if init_from is not None:
+        if resume:
+            Checker("train_draft").fail("--init-from starts a new run from a draft's weights; --resume continues "
+                                        "a run with its optimizer: give one of them")
+        warm_start(model, init_from, target)
     # what the resumed run must share; how long it runs (steps, time budget) may grow on resuming
     fingerprint = {"options": {k: v for k, v in vars(options).items()
                                if k not in ("log_every", "save_every", "steps", "time_budget")},
