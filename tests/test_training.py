@@ -633,6 +633,9 @@ def test_train_starts_from_a_drafts_weights_with_init_from(tmp_path, capsys):
     assert train_cli.run(_train_args(output=str(tmp_path / "first"), init_from=str(tmp_path / "first"),
                                      resume=True, **common)) == 2
     assert "--init-from starts a new run" in capsys.readouterr().err
+    assert train_cli.run(_train_args(output=str(tmp_path / "y"), init_from=str(corpus), **common)) == 2
+    assert f"--init-from {corpus}: expected a draft checkpoint directory (with a config.json), got a file" in \
+        capsys.readouterr().err
 
 
 def test_train_refuses_a_non_empty_output_unless_overwrite(tmp_path, capsys):

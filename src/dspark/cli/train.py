@@ -93,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
     world = SINGLE
     try:
         _check_output(args)
+        if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
+            # said before the corpus is read and regenerated (minutes), not after
+            raise ValueError(f"--init-from {args.init_from}: expected a draft checkpoint directory (with a "
+                             f"config.json), got {'a file' if Path(args.init_from).is_file() else 'no such directory'}")
         resolve_pair(args, drafts="none")
         device, dtype = runtime(args)
         world, device = init_world(device, args.dist_timeout)
