@@ -311,8 +311,8 @@ def warm_start(model: DSparkDraftModel, path, target) -> None:
         c.fail(f"--init-from {path} is a draft of another shape: {what}")
     state, frozen = start.state_dict(), ("embed_tokens.weight", "lm_head.weight")
     for name in frozen:  # the target's own rows stay (the checkpoint's may be rounded to its dtype)
-        ours = model.state_dict()[name]
-        if not torch.allclose(state.pop(name), ours, rtol=1e-2, atol=1e-2 * float(ours.abs().max())):
+        own = model.state_dict()[name]
+        if not torch.allclose(state.pop(name), own, rtol=1e-2, atol=1e-2 * float(own.abs().max())):
             c.fail(f"--init-from {path}: its {name} is not this target's (a draft of another target)")
     model.load_state_dict(state, strict=False)
 
