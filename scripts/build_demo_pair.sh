@@ -25,7 +25,9 @@
 # checkpoint with its STS temperatures), dflash/, prompts.jsonl (the starts of the held-out stdlib:test
 # files), replay_traces.json, eval.json / eval_ci.json / calibration.json / choice.json (measurements),
 # build.log and a copy of this script. The other drafter and the training states go to $WORK_DIR
-# (default out/demo_work in the repository, git-ignored). ROWS: regenerated rows per drafter.
+# (default out/demo_work in the repository, git-ignored). ROWS: regenerated rows per drafter; DRAFT_SEED
+# (default 0) picks the corpus rows, their regenerations and the data order (a continued training with
+# DRAFT_INIT and a new seed sees rows it has not seen).
 set -uo pipefail
 
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
@@ -65,7 +67,8 @@ else
   # half corpus rows, half the target's own greedy continuations (what greedy decoding drafts for)
   DRAFT_ARGS=(--layers 2 --markov-rank 64 --capture-layers 1,5,9 --seq-len 512 --corpus-rows "${ROWS:-16384}"
               --regenerate "${ROWS:-16384}" --regenerate-batch 1024 --confidence-target greedy --batch-size 32
-              --anchors 64 --lr 6e-4 --time-budget "${DRAFT_SECONDS:-330}" --steps 1000000 --save-every 2000)
+              --anchors 64 --lr 6e-4 --time-budget "${DRAFT_SECONDS:-330}" --steps 1000000 --save-every 2000
+              --seed "${DRAFT_SEED:-0}")
   CALIBRATE_ARGS=(--num-prompts 512 --prompt-tokens 64 --new-tokens 96 --batch-size 128)
   EVAL_ARGS=(--num-prompts 0 --max-new-tokens 128)
   TRACE_TOKENS=320
