@@ -180,19 +180,27 @@ def engine(target):
 
 
 @pytest.mark.parametrize("scheduler", ["off", "cost"])
-def test_the_start_up_capture_covers_the_steps_where_prompts_join(target, greedy, scheduler):
+@pytest.mark.parametrize("graph_chunk_tokens", [256, 16])
+def test_the_start_up_capture_covers_the_steps_where_prompts_join(target, greedy, scheduler, graph_chunk_tokens,
+                                                                  monkeypatch):
     """``capture_graphs`` captures the steps with prompt chunks up front (``mixed_shapes``): every
     such step that greedy requests joining running rows meet has its shape among them, and each
     shape's capture (here its eager warm-up, its writes undone as on a GPU) leaves the decoding as it
-    was."""
+    was. With ``GRAPH_CHUNK_TOKENS`` 16, the steps with more chunk tokens pad their verify to every
+    row's full length (one graph per rows bucket), and the tokens stay the same."""
+    from dspark.engine import runner as runner_module
     from dspark.engine.schedulers import SPSCostTable
+
+    monkeypatch.setattr(runner_module, "GRAPH_CHUNK_TOKENS", graph_chunk_tokens)
 
     draft = random_draft(tiny_draft_config(target.config), 0, target)
     engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler=scheduler, max_num_batched_tokens=48,
                                                    max_model_len=32, cost_table=SPSCostTable((1, 64), (1.0, 8.0))))
     runner = engine.runner
     shapes = runner.mixed_shapes(plain_rounds=scheduler == "cost")
-    assert (0, None, 16) in shapes and (2, 2 * 3, 48) in shapes and (3, 3 * 5, 32) in shapes
+    full = runner.verify_len
+    assert (0, None, 16) in shapes and (2, 2 * full, 48) in shapes and (3, 3 * 5, 16) in shapes
+    assert ((3, 3 * 2, 32) in shapes) == (graph_chunk_tokens == 256)  # else only the full verify
     assert runner.line < 48  # a capture stages its chunk tokens as several chunks of the dummy line
     assert ((3, None, 16) in shapes) == (scheduler == "cost")  # a plain round with chunks: the cost scheduler's
     runner._ensure_probabilities()  # as capture_graphs: sampled drafts keep their distributions
@@ -201,16 +209,21 @@ def test_the_start_up_capture_covers_the_steps_where_prompts_join(target, greedy
         restore = runner._snapshot()
         runner._capture_mixed(b, num_tokens, bucket, sampled=b > 0)
         restore()
+    prompts = PROMPTS[:3] + [PROMPTS[2] + PROMPTS[0]]
+    expected = greedy[:3] + [_greedy(target, prompts[3], NEW)]
     met, replay = [], runner._replay
     runner._replay = lambda key, fn: (met.append(key), replay(key, fn))
     try:
-        lengths = [NEW, 3, NEW, NEW]  # the second ends early: the last joins running rows
-        results = engine.generate([Request(p, n) for p, n in zip(PROMPTS, lengths)])
+        lengths = [NEW, 3, NEW, NEW]  # the second ends early: the last (17 prompt tokens) joins running rows
+        results = engine.generate([Request(p, n) for p, n in zip(prompts, lengths)])
     finally:
         del runner._replay
-    assert [r.token_ids for r in results] == [g[:n] for g, n in zip(greedy, lengths)]
+    assert [r.token_ids for r in results] == [g[:n] for g, n in zip(expected, lengths)]
     mixed = {key[1:4] for key in met if key[0] == "mixed"}
     assert len(mixed) > 1 and any(b > 0 for b, _, _ in mixed) and mixed <= set(shapes)
+    padded = {(b, n) for b, n, bucket in mixed if b and n is not None and bucket > graph_chunk_tokens}
+    assert bool(padded) == (graph_chunk_tokens == 16)
+    assert all(n == b * runner.verify_len for b, n in padded)
 
 
 def test_a_request_alone_equals_the_same_request_in_a_batch(engine):

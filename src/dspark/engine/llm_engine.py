@@ -427,8 +427,8 @@ class LLMEngine:
         the step drafted every row's next round, whose proposal and confidences it read out)."""
         t, now = self.runner.verify_len, time.perf_counter()
         confidence = readout[:, t + 3:].view(torch.float32).numpy()  # rows of one array: the cost scheduler stacks them
-        running, kept_of = list(self.running), []  # a failure below retires rows: keep this round's order
-        for seq, row, conf in zip(running, readout.tolist(), confidence):
+        running, kept_of, rounds = list(self.running), [], []  # a failure below retires rows: keep this round's order
+        for i, (seq, row, conf) in enumerate(zip(running, readout.tolist(), confidence)):
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], self.max_model_len)
             kept_of.append(kept)
@@ -438,12 +438,14 @@ class LLMEngine:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
             elif self.runner.drafter is not None:
                 seq.stats.record_round(verified, n, len(kept))
-                self.metrics.record_round(verified, n)
+                rounds.append(i)
                 if self.runner.round_times is not None:  # each row's round took the whole step
                     seq.stats.verify_time += self.runner.round_times[0]
                     seq.stats.draft_time += self.runner.round_times[1]
             else:
                 seq.stats.record_round(0, 1, len(kept))
+        if rounds:
+            self.metrics.record_rounds(readout[rounds, t + 1].numpy(), readout[rounds, t].numpy())
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
         lps = {}
         if wanted:
@@ -624,14 +626,19 @@ class EngineMetrics:
         self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)
         self.graph_captures = 0  # CUDA graphs captured (a capture while serving stalls its step)
 
-    def record_round(self, verified: int, accept_length: int) -> None:
-        self.rounds += 1
-        accepted = min(accept_length - 1, verified)
-        self.draft_tokens += verified
-        self.accepted_tokens += accepted
-        for k in range(min(verified, accepted + 1, self.num_drafts)):  # a tree verifies more nodes than depths
-            self.position_trials[k] += 1
-            self.position_accepts[k] += k < accepted
+    def record_rounds(self, verified: np.ndarray, accept_length: np.ndarray) -> None:
+        """Count one step's speculative rounds: per row the drafts (tree nodes) it verified and its
+        accept length (bonus included), int arrays ``[R]``."""
+        accepted = np.minimum(accept_length - 1, verified)
+        self.rounds += len(verified)
+        self.draft_tokens += int(verified.sum())
+        self.accepted_tokens += int(accepted.sum())
+        # position k was verified with k drafts accepted before it (a tree verifies more nodes than depths)
+        k = np.arange(self.num_drafts)[None, :]
+        tried = k < np.minimum(verified, accepted + 1)[:, None]
+        for i, (trials, accepts) in enumerate(zip(tried.sum(0).tolist(), (tried & (k < accepted[:, None])).sum(0).tolist())):
+            self.position_trials[i] += trials
+            self.position_accepts[i] += accepts
 
     @property
     def mean_accepted_length(self) -> float:

@@ -20,9 +20,10 @@ forward, after the running rows' verify or decode tokens, each group with its ow
 launch); a request whose prompt ends in a step takes the next row, gets its first token from the
 prompt's last logits and is drafted by that step's draft pass with the others -- nothing is
 re-drafted on admission. Steps with chunks replay graphs too (chunk tokens padded to power-of-two
-buckets up to ``GRAPH_CHUNK_TOKENS``, staged at fixed addresses: ``ChunkBuffers``), captured up
-front with the rest (``capture_graphs``: ``mixed_shapes``); a step with more chunk tokens runs
-eagerly.
+buckets, staged at fixed addresses: ``ChunkBuffers``), captured up front with the rest
+(``capture_graphs``: ``mixed_shapes``): up to ``GRAPH_CHUNK_TOKENS`` chunk tokens for every verify
+total the scheduler may choose; above it the running rows' verify is padded to every row's full
+length, so that each larger chunk bucket needs one graph per rows bucket.
 
 Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. A
 DSpark runner can run plain rounds too (``launch_round(rows, None, ...)``: the cost scheduler's
@@ -55,8 +56,9 @@ log = logging.getLogger("dspark.engine")
 __all__ = ["ChunkBuffers", "DraftOverride", "ModelRunner", "PrefillChunk", "ForwardFailed", "RowState", "TreeSettings",
            "batch_buckets", "MAX_CHUNKS"]
 MAX_CHUNKS = 8  # prompt chunks per step (the static seats of a captured mixed step)
-# a step with more chunk tokens runs eagerly: its forward outlasts its launches, and its graphs (one
-# per rows bucket x verify total x sampling) would be the slowest to capture
+# chunk buckets with a graph per verify total (rows bucket x 1 .. P + 1 tokens per row); a step with
+# more chunk tokens verifies every row's full length (the padding is small beside its chunks), so
+# that the larger buckets -- the slowest graphs to capture -- need one verify total each
 GRAPH_CHUNK_TOKENS = 256
 
 
@@ -219,7 +221,7 @@ class ModelRunner:
         # accepted | accept length | verified drafts | next proposal length | next confidences (f32 bits)
         self.readout = torch.zeros(r, t + 3 + p, **i32)
         self.offsets = torch.arange(max(t, block), **i32)
-        self.offsets_rows = torch.arange(b + _pad_requests(b, t), **i32)
+        self.offsets_rows = torch.arange(b + _pad_requests(b, t, full=True), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
         self.row_sampled = [False] * b  # rows whose request samples (the host's copy of which graphs to run)
@@ -358,17 +360,21 @@ class ModelRunner:
         the steps with prompt chunks a server meets: no running rows or any bucket's; every verify
         total of a round without chunks (the bucket times 1 .. verify length; a tree's full
         budget), or a plain round's one token per row (a plain runner's, or with ``plain_rounds``);
-        every power-of-two chunk bucket up to ``GRAPH_CHUNK_TOKENS`` or the capacity (a chunk
-        bucket cut to a chunk's tokens plus a cache line, ``_chunk_bucket``, is captured on first use)."""
-        limit = min(GRAPH_CHUNK_TOKENS, self.chunks.capacity)
-        chunk_buckets = [c for c in (1 << k for k in range(4, limit.bit_length())) if c < limit] + [limit]
+        every power-of-two chunk bucket up to ``GRAPH_CHUNK_TOKENS``; the larger buckets up to the
+        capacity with the running rows' full verify only (``_mixed_step`` pads to it). A chunk bucket
+        cut to a chunk's tokens plus a cache line (``_chunk_bucket``) is captured on first use."""
+        cap = self.chunks.capacity
+        buckets = [c for c in (1 << k for k in range(4, cap.bit_length())) if c < cap] + [cap]
+        small = [c for c in buckets if c <= GRAPH_CHUNK_TOKENS]
+        large = [c for c in buckets if c > GRAPH_CHUNK_TOKENS]
         running: list[int | None] = []
         if self.drafter is None or plain_rounds:
             running.append(None)
-        shapes = [(0, None, c) for c in chunk_buckets]
+        shapes = [(0, None, c) for c in buckets]
         for b in self.buckets:
-            totals = running + ([] if self.drafter is None else [b * k for k in self._verify_tokens_per_row()])
-            shapes += [(b, n, c) for n in totals for c in chunk_buckets]
+            totals = [] if self.drafter is None else [b * k for k in self._verify_tokens_per_row()]
+            shapes += [(b, n, c) for n in running + totals for c in small]
+            shapes += [(b, n, c) for n in running + totals[-1:] for c in large]
         return shapes
 
     def _capture_mixed(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
@@ -478,12 +484,12 @@ class ModelRunner:
         s.accept_length[:b] = 1
         self._advance(b, 1)
 
-    def _verify_layout(self, b: int, num_tokens: int):
+    def _verify_layout(self, b: int, num_tokens: int, full: bool = False):
         """Flat layout of a ragged verify: request of each token (rows ``0 .. b-1``, then the padding
         requests on the dummy line), its index in the request, and its row in the flat capture /
-        logit buffers; the requests' token offsets ``cu``."""
+        logit buffers; the requests' token offsets ``cu``. ``full``: padded to ``b * t`` tokens."""
         s, t = self.state, self.verify_len
-        n = b + _pad_requests(b, t)
+        n = b + _pad_requests(b, t, full)
         pad = num_tokens - s.verify_lens[:b].sum()
         pad_counts = (pad - t * self.offsets_rows[: n - b]).clamp(0, t)
         counts = torch.cat([s.verify_lens[:b], pad_counts])
@@ -501,15 +507,15 @@ class ModelRunner:
                                      cache_positions=cache_rows if self.tree else None)
         self._verify_commit(b, flat, capture, logits, sampled)
 
-    def _verify_inputs(self, b: int, num_tokens: int):
+    def _verify_inputs(self, b: int, num_tokens: int, full: bool = False):
         """Token ids, positions, cache rows (the positions, except for tree nodes) and cache lines of
-        a verify's ``num_tokens`` flat tokens, its ``AttentionBatch`` and each token's row in the flat
-        capture / logit buffers."""
+        a verify's ``num_tokens`` flat tokens (``full``: padded to ``b * t``), its ``AttentionBatch``
+        and each token's row in the flat capture / logit buffers."""
         if self.tree is not None:
             return self._tree_inputs(b)
         s, t, p = self.state, self.verify_len, self.num_drafts
-        token_row, index, flat, cu = self._verify_layout(b, num_tokens)
-        pads = torch.zeros(_pad_requests(b, t), dtype=torch.int32, device=self.device)
+        token_row, index, flat, cu = self._verify_layout(b, num_tokens, full)
+        pads = torch.zeros(_pad_requests(b, t, full), dtype=torch.int32, device=self.device)
         slots = torch.cat([s.slot_ids[:b], pads + self.dummy_slot])
         starts = torch.cat([s.anchor_pos[:b], pads])
         tokens = torch.cat([K.build_verify_tokens(s.anchor[:b], s.draft_tokens[:b], p),
@@ -658,8 +664,9 @@ class ModelRunner:
         prompt chunks, staged into ``self.chunks`` and padded to a chunk bucket; then accept / sample
         as a round does, write the chunks' draft context, seat the requests whose prompt ended
         (first token, row state) and draft every row. Up to ``GRAPH_CHUNK_TOKENS`` chunk tokens, one
-        CUDA graph per (rows bucket, verify tokens, chunk bucket, running rows sampled or not),
-        else eagerly: the running rows are verified in the
+        CUDA graph per (rows bucket, verify tokens, chunk bucket, running rows sampled or not);
+        with more, the running rows' verify is padded to every row's full length (one verify total per
+        rows bucket: ``mixed_shapes``). The running rows are verified in the
         mode they were drafted in (a greedy batch's drafts carry no distributions); the seats are
         drawn by their own settings (a greedy seat: temperature 0, its argmax), so a mix of seats
         needs no graph of its own. Raises ``ForwardFailed`` when the forward raised (no row state
@@ -670,10 +677,9 @@ class ModelRunner:
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
         sampled = self._sampled(rows)
-        if bucket > GRAPH_CHUNK_TOKENS:
-            self._mixed_rows(b, num_tokens, bucket, sampled)
-        else:
-            self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
+        if num_tokens is not None and bucket > GRAPH_CHUNK_TOKENS:
+            num_tokens = b * self.verify_len
+        self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         for c in joined:
             self.row_sampled[c.row] = not c.sampling.greedy
         total = rows + len(joined)
@@ -713,7 +719,8 @@ class ModelRunner:
         s, ch = self.state, self.chunks
         groups, flat, split, parts = [], None, 0, []
         if b and num_tokens is not None:
-            ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens)
+            full = bucket > GRAPH_CHUNK_TOKENS  # _mixed_step padded the verify
+            ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens, full)
             parts.append((ids, positions, slots, cache_rows))
             split = num_tokens
         elif b:
@@ -856,10 +863,12 @@ class ChunkBuffers:
         return bucket
 
 
-def _pad_requests(b: int, t: int) -> int:
-    """Padding requests of a ragged verify in bucket ``b``: its padding tokens (fewer than ``b``) go
-    to requests of at most ``t`` tokens on the dummy line, so attention sees rows of <= t queries."""
-    return -(-b // t)
+def _pad_requests(b: int, t: int, full: bool = False) -> int:
+    """Padding requests of a ragged verify in bucket ``b``: its padding tokens go to requests of at
+    most ``t`` tokens on the dummy line, so attention sees rows of <= t queries. A verify of a
+    multiple of ``b`` tokens pads fewer than ``b``; one padded to the ``full`` ``b * t`` (a mixed
+    step with many chunk tokens) up to ``b * (t - 1)``."""
+    return b if full else -(-b // t)
 
 
 def _sample_rows(logits: torch.Tensor, sampling: RowSampling | None, seeds: torch.Tensor, positions: torch.Tensor,
