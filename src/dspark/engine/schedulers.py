@@ -9,6 +9,7 @@ batch-level ``"cost"`` scheduler.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from typing import Callable
@@ -84,8 +85,9 @@ class SPSCostTable:
             json.dump(data, f, indent=1)
 
     def step_time(self, tokens: int) -> float:
-        """Milliseconds of one target step verifying ``tokens`` tokens."""
-        return float(self.step_times(np.array([tokens]))[0])
+        """Milliseconds of one target step verifying ``tokens`` tokens (``step_times`` of one count,
+        in plain floats: the scheduler asks for a few every round, where numpy's overhead would show)."""
+        return _interpolate(self.token_counts, self.step_time_ms, tokens) + self.fixed_overhead_ms
 
     def step_times(self, tokens: np.ndarray) -> np.ndarray:
         """``step_time`` of every entry of an array of token counts (float64 milliseconds)."""
@@ -99,17 +101,20 @@ class SPSCostTable:
 
     def draft_time(self, rows: int) -> float:
         """Milliseconds of the draft pass of a round of ``rows`` requests (0 without a draft curve)."""
-        n, t = self._draft_grid
-        if not len(n):
-            return 0.0
-        if len(n) == 1:
-            return float(t[0])
-        i = int(np.clip(np.searchsorted(n, rows, side="left"), 1, len(n) - 1))
-        return float(t[i - 1] + (t[i] - t[i - 1]) / (n[i] - n[i - 1]) * (rows - n[i - 1]))
+        return _interpolate(self.draft_rows, self.draft_time_ms, rows) if self.draft_rows else 0.0
 
     def sps(self, tokens: int) -> float:
         """Steps per second at ``tokens`` verify tokens: 1000 / step_time_ms."""
         return 1000.0 / max(self.step_time(tokens), 1e-9)
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
+    """The piecewise-linear curve through (``xs``, ``ys``) at ``x`` (extrapolated from the nearest
+    segment; a one-point curve is flat), as ``SPSCostTable.step_times`` computes it."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]) * (x - xs[i - 1])
 
 
 def prefix_survival(confidences: torch.Tensor) -> torch.Tensor:
@@ -144,15 +149,14 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
     engine's own time per drafting round; ``prefill_tokens`` prompt tokens share the step's forward
     (the verify is priced from there on the curve)."""
     rows, p = np.shape(confidences)
-    full = np.full(rows, p)
     if _full_verify_wins(table, rows, p, min_predicted_gain, host_ms, prefill_tokens):
-        return full.tolist()
+        return [p] * rows
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     lengths = np.maximum(_admit(survival, table, host_ms, prefill_tokens), 1)
-    expected = _expected_tokens(survival, lengths), _expected_tokens(survival, full)
-    tokens = np.array([lengths.sum() + rows, (p + 1) * rows]) + prefill_tokens
-    goodput = np.array(expected) / (table.step_times(tokens) + table.draft_time(rows) + host_ms)
-    return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else full.tolist()
+    fixed = table.draft_time(rows) + host_ms
+    goodput = (_expected_tokens(survival, lengths) / (table.step_time(int(lengths.sum()) + rows + prefill_tokens) + fixed),
+               _expected_tokens(survival, None) / (table.step_time((p + 1) * rows + prefill_tokens) + fixed))
+    return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else [p] * rows
 
 
 def _full_verify_wins(table: SPSCostTable, rows: int, p: int, min_predicted_gain: float, host_ms: float,
@@ -165,12 +169,11 @@ def _full_verify_wins(table: SPSCostTable, rows: int, p: int, min_predicted_gain
     curve: a few rows.)"""
     low, high = 2 * rows + prefill_tokens, (p + 1) * rows + prefill_tokens
     fixed = table.draft_time(rows) + host_ms
-    ends = table.step_times(np.array([low, high])) + fixed
-    if ends[1] > ends[0] * (1 + min_predicted_gain):  # the usual case past a few rows: one interpolation
+    full = table.step_time(high) + fixed
+    if full > (table.step_time(low) + fixed) * (1 + min_predicted_gain):  # the usual case past a few rows
         return False
-    counts = np.asarray(table.token_counts)
-    inner = counts[(counts > low) & (counts < high)]
-    return bool(not inner.size or ends[1] <= (table.step_times(inner).min() + fixed) * (1 + min_predicted_gain))
+    inner = [table.step_time(n) for n in table.token_counts if low < n < high]
+    return not inner or full <= (min(inner) + fixed) * (1 + min_predicted_gain)
 
 
 def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_gain: float,
@@ -183,20 +186,23 @@ def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_ga
     both forwards also running ``prefill_tokens`` prompt tokens. Else the engine decodes without
     drafting."""
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
-    rows = survival.shape[0]
+    rows, p = survival.shape
     if lengths is None:
         lengths = batch_schedule(confidences, table, min_predicted_gain, host_ms[0], prefill_tokens)
-    lengths = np.asarray(lengths)
-    round_ms = table.step_time(int(lengths.sum()) + rows + prefill_tokens) + table.draft_time(rows) + host_ms[0]
+    every = all(n == p for n in lengths)
+    round_ms = table.step_time(sum(lengths) + rows + prefill_tokens) + table.draft_time(rows) + host_ms[0]
     plain_ms = table.step_time(rows + prefill_tokens) + host_ms[1]
-    return _expected_tokens(survival, lengths) / round_ms > (1 + min_predicted_gain) * rows / plain_ms
+    expected = _expected_tokens(survival, None if every else np.asarray(lengths))
+    return expected / round_ms > (1 + min_predicted_gain) * rows / plain_ms
 
 
-def _expected_tokens(survival: np.ndarray, lengths: np.ndarray) -> float:
-    """Expected tokens of a round verifying ``lengths[r]`` drafts of each row: its bonus plus the
-    survivals of its verified prefix (prefix survivals float64 ``[R, P]``)."""
-    kept = np.concatenate([np.zeros((survival.shape[0], 1)), np.cumsum(survival, axis=-1)], axis=1)
-    return float(survival.shape[0] + np.take_along_axis(kept, lengths[:, None], axis=1).sum())
+def _expected_tokens(survival: np.ndarray, lengths: np.ndarray | None) -> float:
+    """Expected tokens of a round verifying ``lengths[r]`` drafts of each row (None: all of them):
+    its bonus plus the survivals of its verified prefix (prefix survivals float64 ``[R, P]``)."""
+    if lengths is None:
+        return float(survival.shape[0] + survival.sum())
+    verified = np.arange(survival.shape[1]) < lengths[:, None]
+    return float(survival.shape[0] + survival[verified].sum())
 
 
 def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable, host_ms: float = 0.0,
@@ -205,11 +211,13 @@ def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable, hos
     interpolation of the cost curve; a table's round adds its draft pass and ``host_ms``, and its
     verify shares the forward with ``prefill_tokens`` prompt tokens)."""
     num_requests = survival.shape[0]
-    r, j = np.nonzero(survival > 0)
-    a = survival[r, j]
-    # descending survival; ties by position then request so each request's prefix stays in order
-    order = np.lexsort((r, j, -a))
-    r, j, a = r[order], j[order], a[order]
+    # candidates position-major (ties then stay by position, then request, so that each request's
+    # prefix keeps its order), sorted by descending survival
+    flat = survival.T.ravel()
+    index = np.flatnonzero(flat > 0)
+    index = index[np.argsort(-flat[index], kind="stable")]
+    j, r = np.divmod(index, num_requests)
+    a = flat[index]
     tokens = np.arange(num_requests, num_requests + a.size + 1)
     if isinstance(sps, SPSCostTable):  # a round's time: its verify plus its draft pass and host time
         rates = 1000.0 / np.maximum(sps.step_times(tokens + prefill_tokens) + sps.draft_time(num_requests) + host_ms,
