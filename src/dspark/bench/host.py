@@ -1,0 +1,95 @@
+"""The engine's own host time per step, without a device: ``python -m dspark.bench.host``.
+
+What a GPU step waits for besides the device -- admission, the scheduler, the commit of each row's
+tokens, the outputs (``dspark:engine_host_seconds_total``) -- timed alone: the runner's launches do
+nothing and its readout is drawn at random (accepted tokens, accept lengths, the next proposals'
+confidences), so each ``LLMEngine.step`` runs only the engine's Python. Per number of running rows R
+it prints microseconds per step for plain decoding, DSpark with ``--scheduler off`` and with
+``--scheduler cost`` (Algorithm 1 on ``--cost-table``), and cost minus off: the scheduler's own
+price per step. The demo pair's checkpoints set the shapes (block 7); the figures are the host's,
+so any CPU measures them (best of ``--repeats`` runs of ``--steps`` steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from ..engine import EngineConfig, LLMEngine
+from ..engine.request import Request
+from ..training.data import demo_pair
+
+CONFIGS = ("plain", "off", "cost")
+
+
+def fake_device(engine: LLMEngine, seed: int = 0) -> None:
+    """Make ``engine``'s runner launch nothing and read back a random readout: per row its accepted
+    tokens, accept length (1 .. verify length), verified drafts, next proposal length and
+    confidences, in the runner's readout layout."""
+    runner, rng = engine.runner, np.random.default_rng(seed)
+    t, p, vocab = runner.verify_len, runner.num_drafts, engine.target.vocab_size
+
+    def read(rows: int) -> torch.Tensor:
+        out = torch.zeros(rows, t + 3 + p, dtype=torch.int32)
+        out[:, :t] = torch.from_numpy(rng.integers(0, vocab, (rows, t), dtype=np.int32))
+        out[:, t] = torch.from_numpy(rng.integers(1, t + 1, rows, dtype=np.int32))
+        out[:, t + 1], out[:, t + 2] = t - 1, p
+        out[:, t + 3:] = torch.from_numpy(rng.uniform(0.5, 0.99, (rows, p)).astype(np.float32)).view(torch.int32)
+        return out
+
+    def nothing(*args, **kwargs) -> None:
+        return None
+
+    runner.read = read
+    runner.launch_round = runner.launch_decode = runner.move_row = runner.clear_row = nothing
+
+
+def host_time(config: str, rows: int, *, cost_table=None, steps: int = 50, repeats: int = 4) -> float:
+    """Microseconds per step of ``config`` (``CONFIGS``) at ``rows`` running rows on a fake device
+    (best of ``repeats`` runs of ``steps`` steps; no request finishes meanwhile)."""
+    fields = dict(max_batch=rows, cuda_graphs=False, device="cpu", dtype=torch.float32)
+    if config == "cost":
+        fields.update(scheduler="cost", cost_table=cost_table)
+    pair = demo_pair()
+    engine = LLMEngine(pair.target, None if config == "plain" else pair.draft, EngineConfig(**fields))
+    fake_device(engine)
+    prompt, budget = [1] * 16, engine.max_model_len - 16
+    for _ in range(rows):
+        engine.add_request(Request(prompt, max_new_tokens=budget, ignore_eos=True))
+    while len(engine.running) < rows:
+        engine.step()
+    room = budget - max(len(seq.output_ids) for seq in engine.running)
+    if repeats * steps * engine.runner.verify_len > room:
+        raise ValueError(f"{repeats} x {steps} steps may run past the context ({engine.max_model_len}); take fewer")
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        best = min(best, (time.perf_counter() - start) / steps)
+    assert len(engine.running) == rows and not engine.metrics.errors
+    return 1e6 * best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.host", description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,16,64", help="running rows, comma-separated")
+    parser.add_argument("--cost-table", default=None, help="the cost scheduler's table (`dspark profile`); "
+                                                          "without it the cost column is left out")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=4)
+    args = parser.parse_args(argv)
+    configs = CONFIGS if args.cost_table else CONFIGS[:2]
+    print("rows  " + "  ".join(f"{c:>8s}" for c in configs) + ("  cost - off" if args.cost_table else "") + "  (us per step)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        us = {c: host_time(c, rows, cost_table=args.cost_table, steps=args.steps, repeats=args.repeats) for c in configs}
+        extra = f"  {us['cost'] - us['off']:10.1f}" if args.cost_table else ""
+        print(f"{rows:4d}  " + "  ".join(f"{us[c]:8.1f}" for c in configs) + extra, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
