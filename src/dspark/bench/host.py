@@ -25,20 +25,21 @@ from ..training.data import demo_pair
 CONFIGS = ("plain", "off", "cost")
 
 
-def fake_device(engine: LLMEngine, seed: int = 0) -> None:
-    """Make ``engine``'s runner launch nothing and read back a random readout: per row its accepted
-    tokens, accept length (1 .. verify length), verified drafts, next proposal length and
-    confidences, in the runner's readout layout."""
+def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
+    """Make ``engine``'s runner launch nothing and read back random readouts (drawn up front, so that
+    drawing them is not timed): per row its accepted tokens, accept length (1 .. verify length),
+    verified drafts, next proposal length and confidences, in the runner's readout layout."""
     runner, rng = engine.runner, np.random.default_rng(seed)
-    t, p, vocab = runner.verify_len, runner.num_drafts, engine.target.vocab_size
+    t, p, vocab, b = runner.verify_len, runner.num_drafts, engine.target.vocab_size, runner.max_batch
+    pool = torch.zeros(variants, b, t + 3 + p, dtype=torch.int32)
+    pool[..., :t] = torch.from_numpy(rng.integers(0, vocab, (variants, b, t), dtype=np.int32))
+    pool[..., t] = torch.from_numpy(rng.integers(1, t + 1, (variants, b), dtype=np.int32))
+    pool[..., t + 1], pool[..., t + 2] = t - 1, p
+    pool[..., t + 3:] = torch.from_numpy(rng.uniform(0.5, 0.99, (variants, b, p)).astype(np.float32)).view(torch.int32)
+    reads = iter(range(1 << 62))
 
     def read(rows: int) -> torch.Tensor:
-        out = torch.zeros(rows, t + 3 + p, dtype=torch.int32)
-        out[:, :t] = torch.from_numpy(rng.integers(0, vocab, (rows, t), dtype=np.int32))
-        out[:, t] = torch.from_numpy(rng.integers(1, t + 1, rows, dtype=np.int32))
-        out[:, t + 1], out[:, t + 2] = t - 1, p
-        out[:, t + 3:] = torch.from_numpy(rng.uniform(0.5, 0.99, (rows, p)).astype(np.float32)).view(torch.int32)
-        return out
+        return pool[next(reads) % variants, :rows]
 
     def nothing(*args, **kwargs) -> None:
         return None
