@@ -13,6 +13,7 @@ so any CPU measures them (best of ``--repeats`` runs of ``--steps`` steps).
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -36,7 +37,7 @@ def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
     pool[..., t] = torch.from_numpy(rng.integers(1, t + 1, (variants, b), dtype=np.int32))
     pool[..., t + 1], pool[..., t + 2] = t - 1, p
     pool[..., t + 3:] = torch.from_numpy(rng.uniform(0.5, 0.99, (variants, b, p)).astype(np.float32)).view(torch.int32)
-    reads = iter(range(1 << 62))
+    reads = itertools.count()
 
     def read(rows: int) -> torch.Tensor:
         return pool[next(reads) % variants, :rows]
@@ -83,9 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args(argv)
+    try:
+        rows_list = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        rows_list = []
+    if not rows_list or min(rows_list) < 1:
+        parser.error(f"--rows must be positive integers separated by commas, got {args.rows!r}")
+    if args.steps < 1 or args.repeats < 1:
+        parser.error(f"--steps and --repeats must be at least 1, got {args.steps} and {args.repeats}")
     configs = CONFIGS if args.cost_table else CONFIGS[:2]
     print("rows  " + "  ".join(f"{c:>8s}" for c in configs) + ("  cost - off" if args.cost_table else "") + "  (us per step)")
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in rows_list:
         us = {c: host_time(c, rows, cost_table=args.cost_table, steps=args.steps, repeats=args.repeats) for c in configs}
         extra = f"  {us['cost'] - us['off']:10.1f}" if args.cost_table else ""
         print(f"{rows:4d}  " + "  ".join(f"{us[c]:8.1f}" for c in configs) + extra, flush=True)

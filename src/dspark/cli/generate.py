@@ -135,8 +135,8 @@ def _warm_up(engine, request) -> None:
     engine.plain().generate_requests([short])
 
 
-# The demo pair's default prompt: the held-out file whose τ (3.34) is nearest the whole held-out set's
-# (3.19, docs/demo-pair.md) -- a representative prompt; per-file τ ranges from 1.8 to 7.9.
+# The demo pair's default prompt: the held-out file whose τ (3.63) is nearest the whole held-out set's
+# (3.62, docs/demo-pair.md) -- a representative prompt; per-file τ ranges from 2.0 to 7.9.
 DEMO_PROMPT_FILE = "test/support/_hypothesis_stubs/strategies.py"
 
 

@@ -427,7 +427,7 @@ class LLMEngine:
         the step drafted every row's next round, whose proposal and confidences it read out)."""
         t, now = self.runner.verify_len, time.perf_counter()
         confidence = readout[:, t + 3:].view(torch.float32).numpy()  # rows of one array: the cost scheduler stacks them
-        running, kept_of, rounds = list(self.running), [], []  # a failure below retires rows: keep this round's order
+        running, kept_of, drafted_rows = list(self.running), [], []  # a failure below retires rows: keep this round's order
         for i, (seq, row, conf) in enumerate(zip(running, readout.tolist(), confidence)):
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], self.max_model_len)
@@ -438,14 +438,14 @@ class LLMEngine:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
             elif self.runner.drafter is not None:
                 seq.stats.record_round(verified, n, len(kept))
-                rounds.append(i)
+                drafted_rows.append(i)
                 if self.runner.round_times is not None:  # each row's round took the whole step
                     seq.stats.verify_time += self.runner.round_times[0]
                     seq.stats.draft_time += self.runner.round_times[1]
             else:
                 seq.stats.record_round(0, 1, len(kept))
-        if rounds:
-            self.metrics.record_rounds(readout[rounds, t + 1].numpy(), readout[rounds, t].numpy())
+        if drafted_rows:
+            self.metrics.record_rounds(readout[drafted_rows, t + 1].numpy(), readout[drafted_rows, t].numpy())
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
         lps = {}
         if wanted:
@@ -636,9 +636,9 @@ class EngineMetrics:
         # position k was verified with k drafts accepted before it (a tree verifies more nodes than depths)
         k = np.arange(self.num_drafts)[None, :]
         tried = k < np.minimum(verified, accepted + 1)[:, None]
-        for i, (trials, accepts) in enumerate(zip(tried.sum(0).tolist(), (tried & (k < accepted[:, None])).sum(0).tolist())):
-            self.position_trials[i] += trials
-            self.position_accepts[i] += accepts
+        trials, accepts = tried.sum(0).tolist(), (tried & (k < accepted[:, None])).sum(0).tolist()
+        self.position_trials = [n + m for n, m in zip(self.position_trials, trials)]
+        self.position_accepts = [n + m for n, m in zip(self.position_accepts, accepts)]
 
     @property
     def mean_accepted_length(self) -> float:

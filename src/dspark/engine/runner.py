@@ -365,8 +365,8 @@ class ModelRunner:
         cut to a chunk's tokens plus a cache line (``_chunk_bucket``) is captured on first use."""
         cap = self.chunks.capacity
         buckets = [c for c in (1 << k for k in range(4, cap.bit_length())) if c < cap] + [cap]
-        small = [c for c in buckets if c <= GRAPH_CHUNK_TOKENS]
-        large = [c for c in buckets if c > GRAPH_CHUNK_TOKENS]
+        small = [c for c in buckets if not _pads_verify(c)]
+        large = [c for c in buckets if _pads_verify(c)]
         running: list[int | None] = []
         if self.drafter is None or plain_rounds:
             running.append(None)
@@ -677,7 +677,7 @@ class ModelRunner:
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
         sampled = self._sampled(rows)
-        if num_tokens is not None and bucket > GRAPH_CHUNK_TOKENS:
+        if num_tokens is not None and _pads_verify(bucket):
             num_tokens = b * self.verify_len
         self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         for c in joined:
@@ -719,8 +719,7 @@ class ModelRunner:
         s, ch = self.state, self.chunks
         groups, flat, split, parts = [], None, 0, []
         if b and num_tokens is not None:
-            full = bucket > GRAPH_CHUNK_TOKENS  # _mixed_step padded the verify
-            ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens, full)
+            ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens, _pads_verify(bucket))
             parts.append((ids, positions, slots, cache_rows))
             split = num_tokens
         elif b:
@@ -861,6 +860,11 @@ class ChunkBuffers:
             self._copied = torch.cuda.Event()
             self._copied.record()
         return bucket
+
+
+def _pads_verify(bucket: int) -> bool:
+    """Whether a step with ``bucket`` chunk tokens pads its running rows' verify to their full length."""
+    return bucket > GRAPH_CHUNK_TOKENS
 
 
 def _pad_requests(b: int, t: int, full: bool = False) -> int:
