@@ -478,6 +478,8 @@ def test_metrics(served, client, http, tokenizer, prompts):
     # the served engine drafts every round (no cost scheduler) and runs eagerly on the CPU
     assert value("dspark:engine_plain_steps") == m.plain_steps == 0
     assert value("dspark:engine_graph_captures") == m.graph_captures == 0
+    phases = [value("dspark:engine_host_phase_seconds", phase=p) for p in ("plan", "launch", "commit")]
+    assert all(s > 0 for s in phases) and sum(phases) == pytest.approx(value("dspark:engine_host_seconds"))
 
 
 def test_serve_benchmark_load_generator(served, prompts, tmp_path):
@@ -497,6 +499,8 @@ def test_serve_benchmark_load_generator(served, prompts, tmp_path):
         assert lv["total_tokens_per_s"] > 0 and lv["ttft_s"]["p50"] <= lv["ttft_s"]["p99"]
         assert lv["itl_s"]["p50"] > 0 and lv["tokens_per_chunk"] >= 1 and lv["tau"] >= 1
         assert lv["engine_plain_steps"] == 0 and lv["engine_graph_captures"] == 0
+        assert sorted(lv["engine_host_phase_ms"]) == ["commit", "launch", "plan"]
+        assert sum(lv["engine_host_phase_ms"].values()) == pytest.approx(lv["engine_host_ms"])
     if importlib.util.find_spec("matplotlib") is not None:
         (tmp_path / "run.json").write_text(json.dumps({"label": "run", "levels": levels}))
         assert plot(tmp_path).stat().st_size > 0

@@ -161,7 +161,8 @@ def summarize(out: Path, labels: list[str]) -> dict:
                           "itl_p50_s": lv["itl_s"]["p50"], "itl_p99_s": lv["itl_s"]["p99"], "tau": lv["tau"],
                           "failed": lv["failed"], "mismatched": lv["mismatched"], "requests": lv["requests"],
                           "engine_step_ms": lv.get("engine_step_ms"), "engine_busy": lv.get("engine_busy"),
-                          "engine_host_ms": lv.get("engine_host_ms")}
+                          "engine_host_ms": lv.get("engine_host_ms"),
+                          "engine_host_phase_ms": lv.get("engine_host_phase_ms")}
         table.append(row)
     outputs = [run.get("outputs", {}) for run in runs.values()]
     same = all(o == outputs[0] for o in outputs[1:]) and bool(outputs[0])
@@ -218,7 +219,7 @@ def markdown(result: dict, environment: str) -> str:
 
     lines = [f"Environment: {environment}", "",
              "| C | config | total tok/s | steady tok/s | tok/s per request (median) | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-             "| τ | engine step ms (busy) | host ms | failed |",
+             "| τ | engine step ms (busy) | host ms (plan / launch / commit) | failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["levels"]:
         for label in labels:
@@ -228,12 +229,17 @@ def markdown(result: dict, environment: str) -> str:
                          f"{num(x['per_request_tokens_per_s'])} | {ms(x['ttft_p50_s'])} / {ms(x['ttft_p99_s'])} | "
                          f"{ms(x['itl_p50_s'])} / {ms(x['itl_p99_s'])} | {num(x['tau'], 2)} | "
                          f"{num(x['engine_step_ms'], 2)} ({num(x['engine_busy'] and 100 * x['engine_busy'], 0)} %) | "
-                         f"{num(x.get('engine_host_ms'), 2)} | {x['failed']} of {x['requests']} |")
+                         f"{num(x.get('engine_host_ms'), 2)}{_phases(x.get('engine_host_phase_ms'))} | "
+                         f"{x['failed']} of {x['requests']} |")
     lines += ["", f"Outputs identical across {', '.join(labels)} for every prompt: "
                   f"**{result['outputs_identical_across_configs']}**; failed requests: "
                   f"{result['failed_requests']} of {result['requests']}.", "", "Targets:", ""]
     lines += [f"- {name}: {value}" for name, value in result["targets"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _phases(phases: dict | None) -> str:
+    return "" if not phases else " (" + " / ".join(f"{v:.2f}" for v in phases.values()) + ")"
 
 
 def _environment(device: str) -> str:

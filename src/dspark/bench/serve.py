@@ -175,8 +175,11 @@ def scrape(client_sync, url: str) -> dict[str, float]:
     except Exception:  # noqa: BLE001 -- metrics are optional
         return {}
     totals: dict[str, float] = {}
-    for name, value in re.findall(r"^(dspark:[a-z_:]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M):
+    for name, labels, value in re.findall(r"^(dspark:[a-z_:]+)(\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M):
         totals[name] = totals.get(name, 0.0) + float(value)
+        phase = re.search(r'phase="([a-z]+)"', labels)
+        if phase:  # the host time by phase, kept apart
+            totals[f"{name}:{phase[1]}"] = float(value)
     return totals
 
 
@@ -312,6 +315,10 @@ async def benchmark(args, url: str, prompts: list) -> tuple[list[dict], dict[int
                 level["engine_steps"] = int(steps)
                 level["engine_step_ms"] = 1000 * busy / steps if steps else None
                 level["engine_host_ms"] = 1000 * host / steps if steps else None
+                key = "dspark:engine_host_phase_seconds_total"
+                level["engine_host_phase_ms"] = {
+                    name[len(key) + 1:]: 1000 * (value - before.get(name, 0)) / steps
+                    for name, value in after.items() if name.startswith(key + ":")} if steps else None
                 level["engine_busy"] = busy / wall if steps else None
                 levels.append(level)
                 print(_line(level), flush=True)

@@ -46,6 +46,7 @@ MIXED_STRIKES = 2  # failed mixed steps a request may sit in (its chunk alone pa
 REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
 HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
 ENGINES = ("auto", "batched", "reference")
+HOST_PHASES = ("plan", "launch", "commit")  # EngineMetrics.host_phases
 
 
 @dataclass
@@ -266,12 +267,15 @@ class LLMEngine:
         rows = len(self.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
         plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
+        planned = time.perf_counter()
         joined = self._run_step(rows, lens, plan, outputs, draft)
         self._launched = (outputs, len(self.running) - len(joined), joined, self.runner.drafted)
-        elapsed = time.perf_counter() - start
-        self.metrics.step_time += elapsed
-        self.metrics.host_time += elapsed
-        self._step_host = elapsed
+        end = time.perf_counter()
+        self.metrics.step_time += end - start
+        self.metrics.host_time += end - start
+        self.metrics.host_phases["plan"] += planned - start
+        self.metrics.host_phases["launch"] += end - planned
+        self._step_host = end - start
 
     def _run_step(self, rows: int, lens, plan: list[tuple[Sequence, PrefillChunk]], outputs,
                   draft: bool = True) -> list[Sequence]:
@@ -343,6 +347,7 @@ class LLMEngine:
         elapsed = time.perf_counter() - start
         self.metrics.step_time += elapsed
         self.metrics.host_time += elapsed - waited
+        self.metrics.host_phases["commit"] += elapsed - waited
         self.metrics.steps += 1
         self._count_round(drafted, self._step_host + elapsed - waited, self.runner.captures != self._step_captures)
         return outputs
@@ -621,6 +626,9 @@ class EngineMetrics:
         self.position_accepts = [0] * num_drafts
         self.step_time = 0.0
         self.host_time = 0.0  # of step_time: all but waiting for the device's readout
+        # host_time by phase: scheduling and admission (plan), the runner's staging and graph
+        # launches (launch), committing the readout and retiring (commit)
+        self.host_phases = dict.fromkeys(HOST_PHASES, 0.0)
         self.prompt_tokens = 0  # prompt tokens run in steps (chunks)
         self.errors = 0  # requests the engine failed (finish reason "error")
         self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)

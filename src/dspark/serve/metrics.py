@@ -72,6 +72,12 @@ class DSparkCollector:
         yield counter("engine_step_seconds", "Seconds spent inside engine steps (busy fraction: its rate).", m.step_time)
         yield counter("engine_host_seconds", "Seconds of engine steps on the host: everything but waiting for the "
                                              "device's readout (scheduling, admission, launches, commits).", m.host_time)
+        phases = CounterMetricFamily("dspark:engine_host_phase_seconds", "engine_host_seconds by phase: plan "
+                                     "(scheduling, admission), launch (staging, graph launches), commit (the "
+                                     "readout's tokens, retiring).", labels=["model_name", "phase"])
+        for phase, seconds in m.host_phases.items():
+            phases.add_metric(labels + [phase], seconds)
+        yield phases
         yield counter("engine_prompt_tokens", "Prompt tokens run inside engine steps (chunked prefill).", m.prompt_tokens)
         yield counter("engine_plain_steps", "DSpark steps that did not draft the next round (the cost scheduler "
                                             "found no draft worth its cost).", m.plain_steps)
