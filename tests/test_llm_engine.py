@@ -428,6 +428,21 @@ def test_a_step_that_captures_a_graph_is_left_out_of_the_host_time_average(targe
     assert engine._host_ms[0] == pytest.approx(3.0)  # 0.9 x 2 + 0.1 x 12
 
 
+@pytest.mark.parametrize("scheduler", ["off", "threshold"])
+def test_a_step_waits_for_its_draft_pass_only_where_the_scheduler_reads_the_proposals(target, greedy, scheduler):
+    """A step's tokens are committed from the target pass's readout; the draft pass's (proposal
+    lengths, confidences) is waited for only by schedulers that pick verify lengths from it -- under
+    ``off`` the next step is launched behind the running draft pass -- and greedy output stays exact."""
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler=scheduler, threshold=0.3))
+    real, reads = engine.runner.read_proposals, []
+    engine.runner.read_proposals = lambda rows: reads.append(rows) or real(rows)
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
+    assert [r.token_ids for r in results] == greedy
+    assert (reads == []) == (scheduler == "off")
+    assert scheduler == "off" or len(reads) == engine.metrics.steps and max(reads) == 3
+
+
 def test_a_graph_warm_up_leaves_the_row_state_as_it_was(target):
     """``ModelRunner._snapshot`` (what a CUDA graph's warm-up run restores): every named row buffer
     but the captures it rewrites, and the benchmark drafts' per-slot buffers."""

@@ -38,14 +38,19 @@ def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
     pool[..., t + 1], pool[..., t + 2] = t - 1, p
     pool[..., t + 3:] = torch.from_numpy(rng.uniform(0.5, 0.99, (variants, b, p)).astype(np.float32)).view(torch.int32)
     reads = itertools.count()
+    last = [0]
 
     def read(rows: int) -> torch.Tensor:
-        return pool[next(reads) % variants, :rows]
+        last[0] = next(reads) % variants
+        return pool[last[0], :rows]
+
+    def read_proposals(rows: int) -> torch.Tensor:
+        return pool[last[0], :rows]
 
     def nothing(*args, **kwargs) -> None:
         return None
 
-    runner.read = read
+    runner.read, runner.read_proposals = read, read_proposals
     runner.launch_round = runner.launch_decode = runner.move_row = runner.clear_row = nothing
 
 

@@ -181,6 +181,10 @@ class LLMEngine:
         self._step_captures = 0  # the runner's capture count when the step was launched
         self.metrics = EngineMetrics(self.runner.num_drafts)
         self.cost_table = config.cost_table
+        # whether the host picks verify lengths from the drafter's proposals (threshold / sps / cost
+        # on chains: a step waits for its draft pass), or only from what rows may still produce
+        # (off, trees: the next step is launched behind the running draft pass)
+        self._reads_proposals = drafter is not None and tree is None and config.scheduler != "off"
         self._plain: LLMEngine | None = None
 
     # ---- requests -----------------------------------------------------------------------------
@@ -328,28 +332,35 @@ class LLMEngine:
 
     @torch.inference_mode()
     def finish(self) -> list[RequestOutput]:
-        """The second half of ``step``: wait for the launched step, commit its tokens (a request
-        whose prompt ended gets its first token), retire the finished requests; returns the
-        step's outputs."""
+        """The second half of ``step``: wait for the launched step's target pass, commit its tokens
+        (a request whose prompt ended gets its first token) and retire the finished requests while
+        its draft pass runs, then, where the scheduler picks the next verify lengths from them, wait
+        for the next round's proposals; returns the step's outputs."""
         if self._launched is None:
             Checker("finish").fail("finish() without launch()")
         start = time.perf_counter()
         (outputs, rows, joined, drafted), self._launched = self._launched, None
-        waited = 0.0
+        waited = hidden = 0.0
         if rows or joined:
+            step_rows = list(self.running)  # the readout's rows (retiring reorders self.running)
             try:
-                readout = self.runner.read(rows + len(joined))
-                waited = time.perf_counter() - start
+                readout = self.runner.read(len(step_rows))
             except Exception as exc:  # noqa: BLE001
                 self._fail_round(exc, outputs)
             else:
-                self._commit(readout, outputs, {seq.request_id for seq in joined}, drafted)
+                waited = time.perf_counter() - start
+                committed = self._commit(readout, outputs, {seq.request_id for seq in joined})
+                if drafted and self._reads_proposals:
+                    wait = self._await_proposals(step_rows, outputs)
+                    waited += wait
+                    hidden = committed if wait > 0 else 0.0  # the commit ran while the draft pass did
         elapsed = time.perf_counter() - start
         self.metrics.step_time += elapsed
         self.metrics.host_time += elapsed - waited
         self.metrics.host_phases["commit"] += elapsed - waited
         self.metrics.steps += 1
-        self._count_round(drafted, self._step_host + elapsed - waited, self.runner.captures != self._step_captures)
+        self._count_round(drafted, self._step_host + elapsed - waited - hidden,
+                          self.runner.captures != self._step_captures)
         return outputs
 
     def _count_round(self, drafted: bool, host_s: float, captured: bool = False) -> None:
@@ -427,18 +438,15 @@ class LLMEngine:
             budget -= n
         return plan
 
-    def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput], joined: set[int], drafted: bool) -> None:
-        """Commit each row's tokens (``joined``: requests whose first token this is; ``drafted``:
-        the step drafted every row's next round, whose proposal and confidences it read out)."""
+    def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput], joined: set[int]) -> float:
+        """Commit each row's tokens (``joined``: requests whose first token this is), report them and
+        retire the finished requests; returns the seconds it took."""
         t, now = self.runner.verify_len, time.perf_counter()
-        confidence = readout[:, t + 3:].view(torch.float32).numpy()  # rows of one array: the cost scheduler stacks them
         running, kept_of, drafted_rows = list(self.running), [], []  # a failure below retires rows: keep this round's order
-        for i, (seq, row, conf) in enumerate(zip(running, readout.tolist(), confidence)):
+        for i, (seq, row) in enumerate(zip(running, readout[:, :t + 2].tolist())):
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], self.max_model_len)
             kept_of.append(kept)
-            if self.runner.drafter is not None and drafted:  # the proposal of the next round
-                seq.next_length, seq.confidence = row[t + 2], conf
             if seq.request_id in joined:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
             elif self.runner.drafter is not None:
@@ -461,6 +469,24 @@ class LLMEngine:
             if seq.finish_reason != "error":
                 self._report(seq, kept, outputs, lps.get(seq.request_id))
         self._retire([s for s in self.running if s.finish_reason is not None])
+        return time.perf_counter() - now
+
+    def _await_proposals(self, rows: list[Sequence], outputs: list[RequestOutput]) -> float:
+        """Wait for the step's draft pass and take the next round's proposal of each of the step's
+        ``rows`` (retired ones too: harmless): how many drafts the drafter proposes, their
+        confidences (numpy f32 rows of one array, which the cost scheduler stacks). Returns the
+        seconds waited; a failed draft pass fails the rows still running."""
+        start, t = time.perf_counter(), self.runner.verify_len
+        try:
+            readout = self.runner.read_proposals(len(rows))
+        except Exception as exc:  # noqa: BLE001
+            self._fail_round(exc, outputs)
+            return time.perf_counter() - start
+        waited = time.perf_counter() - start
+        confidence = readout[:, t + 3:].view(torch.float32).numpy()
+        for seq, n, conf in zip(rows, readout[:, t + 2].tolist(), confidence):
+            seq.next_length, seq.confidence = n, conf
+        return waited
 
     def _logprobs(self, seqs: list[Sequence], logits, tokens: list[list[int]],
                   outputs: list[RequestOutput]) -> dict[int, list[TokenLogprobs]]:

@@ -6,14 +6,16 @@ probabilities, proposal lengths, the captured hidden states of the last verifica
 the CUDA graphs. Rows ``0 .. n-1`` of a batch bucket ``B`` are the running requests, rows ``n .. B-1``
 padding that reads and writes only the dummy line.
 
-One speculative round is two graph replays (``launch_round``) and one host synchronisation (``read``)::
+One speculative round is two graph replays (``launch_round``) and its readout in two parts::
 
     verify(B, N)  target forward over each row's [anchor, d_1 .. d_l] (l chosen by the host, ragged:
                   N flat tokens, a multiple of B) -> accept -> advance
     draft(B)      draft context K/V of the verified rows -> draft block -> Markov chain -> confidence
                   -> proposal lengths and confidences of the next round
-    readout       accepted tokens, accept lengths, next proposal lengths and confidences to the host
-                  (the sync), from which the host picks the next round's verify lengths
+    readout       accepted tokens and accept lengths to the host as soon as the verify ends (``read``),
+                  so that the host commits them while the draft pass runs; the next proposal lengths and
+                  confidences after it (``read_proposals``: only a scheduler that picks the next round's
+                  verify lengths from them waits for it)
 
 Prompts are run in chunks inside the same step (``PrefillChunk``: extra requests of the ragged
 forward, after the running rows' verify or decode tokens, each group with its own attention
@@ -218,8 +220,12 @@ class ModelRunner:
             self.stacked = torch.zeros(b, p + 1, target.vocab_size, device=dev)  # the drafter's depth rows
             self.tree_nodes_accepted = torch.full((b, size), -1, **i32)  # the last walk's path
         self.chunks = ChunkBuffers(max_chunk_tokens, MAX_CHUNKS, dev)
-        # accepted | accept length | verified drafts | next proposal length | next confidences (f32 bits)
+        # accepted | accept length | verified drafts (the target pass's) | next proposal length | next
+        # confidences (f32 bits; the draft pass's), sent to pinned host copies as each pass ends
         self.readout = torch.zeros(r, t + 3 + p, **i32)
+        on_cuda = dev.type == "cuda"
+        self.host_readouts = [torch.zeros(r, t + 3 + p, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
+        self.readout_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
         self.offsets = torch.arange(max(t, block), **i32)
         self.offsets_rows = torch.arange(b + _pad_requests(b, t, full=True), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
@@ -307,11 +313,13 @@ class ModelRunner:
         on the CPU, where the device runs as it is called, both timed (``round_times``)."""
         start = time.perf_counter()
         self._replay(key, target_pass)
+        self._send_readout(0)
         verified = time.perf_counter()
         if self.drafted:
             self._draft(b, sampled)
         else:
             self._replay(("context", b), lambda: self._context_rows(b))
+        self._send_readout(1)
         if self.device.type == "cpu":
             self.round_times = (verified - start, time.perf_counter() - verified)
 
@@ -324,6 +332,7 @@ class ModelRunner:
         b = self.bucket(rows)
         sampled = self._sampled(rows)
         self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
+        self._send_readout(0)
 
     def token_logits(self, flat_rows: list[int]) -> torch.Tensor:
         """The target's f32 logits of the last round at flat rows ``row * verify_len + i`` (verify
@@ -331,9 +340,30 @@ class ModelRunner:
         return self.logit_rows[torch.tensor(flat_rows, device=self.device)]
 
     def read(self, rows: int) -> torch.Tensor:
-        """The launched round's readout ``[rows, P + 4 + P]`` on the host (see ``readout``): its one
-        host synchronisation."""
-        return self.readout[:rows].cpu()
+        """The launched step's readout ``[rows, P + 4 + P]`` on the host once its target pass ended
+        (its draft pass may still run): columns ``0 .. P + 2`` (see ``readout``) hold this round's
+        accepted tokens, accept lengths and verified drafts."""
+        return self._received(0, rows)
+
+    def read_proposals(self, rows: int) -> torch.Tensor:
+        """The launched step's readout once its draft pass ended too: columns ``P + 3 ..`` hold the
+        next round's proposal lengths and confidences."""
+        return self._received(1, rows)
+
+    def _send_readout(self, part: int) -> None:
+        """Start the readout's copy to the host after the target pass (``part`` 0) or the draft pass
+        (1), in stream order; on the CPU the readout is read where it is."""
+        if self.readout_sent is not None:
+            self.host_readouts[part].copy_(self.readout, non_blocking=True)
+            self.readout_sent[part].record()
+
+    def _received(self, part: int, rows: int) -> torch.Tensor:
+        """A copy of the first ``rows`` rows of readout ``part`` once it reached the host (the next
+        step's copy reuses the pinned buffer)."""
+        if self.readout_sent is None:
+            return self.readout[:rows].clone()
+        self.readout_sent[part].synchronize()
+        return self.host_readouts[part][:rows].clone()
 
     def capture_graphs(self, plain_rounds: bool = False) -> int:
         """Capture the graphs of every batch bucket now, greedy and with sampled rows (verify at
@@ -680,11 +710,13 @@ class ModelRunner:
         if num_tokens is not None and _pads_verify(bucket):
             num_tokens = b * self.verify_len
         self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
+        self._send_readout(0)
         for c in joined:
             self.row_sampled[c.row] = not c.sampling.greedy
         total = rows + len(joined)
         if self.drafter is not None and total:
             self._draft(self.bucket(total), self._sampled(total))
+            self._send_readout(1)
 
     def _draft(self, b: int, sampled: bool) -> None:
         """The draft pass of the rows in bucket ``b``: tree mode drafts greedily whatever the rows'

@@ -57,8 +57,12 @@ class SPSCostTable:
         object.__setattr__(self, "step_time_ms", tuple(times))
         object.__setattr__(self, "draft_rows", tuple(rows))
         object.__setattr__(self, "draft_time_ms", tuple(draft))
-        # the curves as arrays once: the scheduler interpolates them every round
-        object.__setattr__(self, "_grid", (np.asarray(counts, dtype=np.float64), np.asarray(times, dtype=np.float64)))
+        # the step-time curve once as per-segment lines (intercept, slope; the first and last
+        # segments extended): the scheduler interpolates it every round
+        n, t = np.asarray(counts, dtype=np.float64), np.asarray(times, dtype=np.float64)
+        slope = np.diff(t) / np.diff(n) if len(n) > 1 else np.zeros(1)
+        intercept = (t[:-1] if len(n) > 1 else t) - slope * n[:len(slope)] + self.fixed_overhead_ms
+        object.__setattr__(self, "_grid", (n[1:-1], intercept, slope))
         object.__setattr__(self, "_draft_grid", (np.asarray(rows, dtype=np.float64), np.asarray(draft, dtype=np.float64)))
 
     @classmethod
@@ -91,13 +95,9 @@ class SPSCostTable:
 
     def step_times(self, tokens: np.ndarray) -> np.ndarray:
         """``step_time`` of every entry of an array of token counts (float64 milliseconds)."""
-        n, t = self._grid
-        tokens = np.asarray(tokens, dtype=np.float64)
-        if len(n) == 1:
-            return np.full(tokens.shape, t[0] + self.fixed_overhead_ms)
-        i = np.clip(np.searchsorted(n, tokens, side="left"), 1, len(n) - 1)
-        slope = (t[i] - t[i - 1]) / (n[i] - n[i - 1])
-        return t[i - 1] + slope * (tokens - n[i - 1]) + self.fixed_overhead_ms
+        inner, intercept, slope = self._grid
+        i = np.searchsorted(inner, tokens, side="left")  # the segment: as _interpolate's bisect_left
+        return intercept[i] + slope[i] * tokens
 
     def draft_time(self, rows: int) -> float:
         """Milliseconds of the draft pass of a round of ``rows`` requests (0 without a draft curve)."""
@@ -227,6 +227,6 @@ def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable, hos
     goodput = np.concatenate([[float(num_requests)], num_requests + np.cumsum(a)]) * rates
     worse = np.nonzero(goodput[1:] <= goodput[:-1])[0]  # admission stops at the first candidate that does not pay
     admitted = int(worse[0]) if worse.size else a.size
-    lengths = np.zeros(num_requests, dtype=np.int64)
-    np.maximum.at(lengths, r[:admitted], j[:admitted] + 1)
-    return lengths
+    # a request's admitted candidates are a prefix of its drafts (survivals never grow along a
+    # prefix, and ties keep position order): its length is their count
+    return np.bincount(r[:admitted], minlength=num_requests)
