@@ -441,20 +441,21 @@ class LLMEngine:
     def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput], joined: set[int]) -> float:
         """Commit each row's tokens (``joined``: requests whose first token this is), report them and
         retire the finished requests; returns the seconds it took."""
-        t, now = self.runner.verify_len, time.perf_counter()
+        t, now, max_len = self.runner.verify_len, time.perf_counter(), self.max_model_len
+        speculative, times = self.runner.drafter is not None, self.runner.round_times
         running, kept_of, drafted_rows = list(self.running), [], []  # a failure below retires rows: keep this round's order
         for i, (seq, row) in enumerate(zip(running, readout[:, :t + 2].tolist())):
             n, verified = row[t], row[t + 1]
-            kept = seq.commit(row[:n], self.max_model_len)
+            kept = seq.commit(row[:n], max_len)
             kept_of.append(kept)
             if seq.request_id in joined:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
-            elif self.runner.drafter is not None:
+            elif speculative:
                 seq.stats.record_round(verified, n, len(kept))
                 drafted_rows.append(i)
-                if self.runner.round_times is not None:  # each row's round took the whole step
-                    seq.stats.verify_time += self.runner.round_times[0]
-                    seq.stats.draft_time += self.runner.round_times[1]
+                if times is not None:  # each row's round took the whole step (a CPU's timing)
+                    seq.stats.verify_time += times[0]
+                    seq.stats.draft_time += times[1]
             else:
                 seq.stats.record_round(0, 1, len(kept))
         if drafted_rows:

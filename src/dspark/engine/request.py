@@ -151,17 +151,18 @@ class Sequence:
 
     def room(self, max_len: int) -> int:
         """Tokens this sequence may still produce: ``max_new_tokens`` and the context limit ``max_len``."""
-        return min(self.request.max_new_tokens - len(self.output_ids), max_len - self.num_tokens)
+        request, produced = self.request, len(self.output_ids)
+        return min(request.max_new_tokens, max_len - len(request.prompt_ids)) - produced
 
     def commit(self, tokens: list[int], max_len: int) -> list[int]:
         """Append what fits (``max_new_tokens``, the first stop token, the context limit
         ``max_len``); returns the tokens kept and sets ``finish_reason`` when the sequence ends."""
-        kept = tokens[:max(0, self.room(max_len))]
-        for i, t in enumerate(kept):
-            if t in self.stop_ids:
-                kept, self.finish_reason = kept[: i + 1], "stop"
-                break
+        room = self.room(max_len)
+        kept = tokens[:max(0, room)]
+        if not self.stop_ids.isdisjoint(kept):  # once per request at most: the scan only then
+            end = next(i for i, t in enumerate(kept) if t in self.stop_ids) + 1
+            kept, self.finish_reason = kept[:end], "stop"
         self.output_ids.extend(kept)
-        if self.finish_reason is None and self.room(max_len) <= 0:
+        if self.finish_reason is None and room <= len(kept):
             self.finish_reason = "length"
         return kept
