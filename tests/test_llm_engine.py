@@ -443,6 +443,23 @@ def test_a_step_waits_for_its_draft_pass_only_where_the_scheduler_reads_the_prop
     assert scheduler == "off" or len(reads) == engine.metrics.steps and max(reads) == 3
 
 
+@pytest.mark.parametrize("busy", [False, True])
+def test_host_work_done_while_a_draft_pass_runs_is_counted_as_overlapped(target, busy):
+    """The scheduling of a step launched while the last draft pass still runs, and the commit of a
+    step whose draft pass outlasts it, are host work off the critical path (on a GPU the runner asks
+    its last readout event; a CPU runs as called, so never)."""
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=2))
+    engine.runner.device_busy = lambda: busy
+    engine.generate([Request(p, max_new_tokens=6) for p in PROMPTS[:3]])
+    m = engine.metrics
+    if not busy:
+        assert m.host_overlapped_time == 0
+    else:
+        assert m.host_phases["plan"] <= m.host_overlapped_time <= m.host_phases["plan"] + m.host_phases["commit"]
+        assert m.host_overlapped_time > m.host_phases["plan"]
+
+
 def test_a_graph_warm_up_leaves_the_row_state_as_it_was(target):
     """``ModelRunner._snapshot`` (what a CUDA graph's warm-up run restores): every named row buffer
     but the captures it rewrites, and the benchmark drafts' per-slot buffers."""

@@ -172,13 +172,14 @@ def test_frontier_summary_checks_the_targets_and_the_outputs(tmp_path):
     """``bench.frontier`` side by side: ratios, targets and the cross-configuration output check."""
     import json
 
-    from dspark.bench.frontier import summarize
+    from dspark.bench.frontier import markdown, summarize
 
     def level(c, total, per_request):
         stats = {"mean": per_request, "p50": per_request, "p99": per_request}
         return {"concurrency": c, "total_tokens_per_s": total, "steady_tokens_per_s": 1.1 * total,
                 "per_request_tokens_per_s": stats, "ttft_s": stats, "itl_s": {**stats, "p99": 0.01 * c},
-                "tau": 2.0, "failed": 0, "mismatched": 0, "requests": 4}
+                "tau": 2.0, "failed": 0, "mismatched": 0, "requests": 4, "engine_host_ms": 0.6,
+                "engine_host_phase_ms": {"plan": 0.1, "launch": 0.2, "commit": 0.3}, "engine_host_overlapped_ms": 0.25}
 
     runs = {"plain": [(1, 100, 100), (64, 1000, 20)], "dspark-fixed": [(1, 200, 160), (64, 1000, 20)],
             "dspark-scheduled": [(1, 210, 170), (64, 1400, 25)]}
@@ -196,6 +197,7 @@ def test_frontier_summary_checks_the_targets_and_the_outputs(tmp_path):
     assert targets["scheduled p99 ITL / plain at 64"] == 1.0 and targets["scheduled p99 ITL <= 1.2x plain at 64"]
     assert targets["dspark-fixed per request / plain at 1"] == 1.6 and targets["dspark-fixed >= 1.5x plain per request at 1"]
     assert result["outputs_identical_across_configs"] is False  # prompt 1 differs under dspark-fixed
+    assert "| 0.60 (0.10 / 0.20 / 0.30; 0.25) |" in markdown(result, "test")  # host ms by phase; behind a draft
 
 
 @pytest.mark.parametrize("flags, message", [

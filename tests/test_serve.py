@@ -480,6 +480,7 @@ def test_metrics(served, client, http, tokenizer, prompts):
     assert value("dspark:engine_graph_captures") == m.graph_captures == 0
     phases = [value("dspark:engine_host_phase_seconds", phase=p) for p in ("plan", "launch", "commit")]
     assert all(s > 0 for s in phases) and sum(phases) == pytest.approx(value("dspark:engine_host_seconds"))
+    assert value("dspark:engine_host_overlapped_seconds") == m.host_overlapped_time == 0  # a CPU runs as called
 
 
 def test_serve_benchmark_load_generator(served, prompts, tmp_path):
@@ -501,6 +502,7 @@ def test_serve_benchmark_load_generator(served, prompts, tmp_path):
         assert lv["engine_plain_steps"] == 0 and lv["engine_graph_captures"] == 0
         assert sorted(lv["engine_host_phase_ms"]) == ["commit", "launch", "plan"]
         assert sum(lv["engine_host_phase_ms"].values()) == pytest.approx(lv["engine_host_ms"])
+        assert lv["engine_host_overlapped_ms"] == 0
     if importlib.util.find_spec("matplotlib") is not None:
         (tmp_path / "run.json").write_text(json.dumps({"label": "run", "levels": levels}))
         assert plot(tmp_path).stat().st_size > 0

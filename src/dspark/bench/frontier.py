@@ -162,7 +162,8 @@ def summarize(out: Path, labels: list[str]) -> dict:
                           "failed": lv["failed"], "mismatched": lv["mismatched"], "requests": lv["requests"],
                           "engine_step_ms": lv.get("engine_step_ms"), "engine_busy": lv.get("engine_busy"),
                           "engine_host_ms": lv.get("engine_host_ms"),
-                          "engine_host_phase_ms": lv.get("engine_host_phase_ms")}
+                          "engine_host_phase_ms": lv.get("engine_host_phase_ms"),
+                          "engine_host_overlapped_ms": lv.get("engine_host_overlapped_ms")}
         table.append(row)
     outputs = [run.get("outputs", {}) for run in runs.values()]
     same = all(o == outputs[0] for o in outputs[1:]) and bool(outputs[0])
@@ -219,7 +220,7 @@ def markdown(result: dict, environment: str) -> str:
 
     lines = [f"Environment: {environment}", "",
              "| C | config | total tok/s | steady tok/s | tok/s per request (median) | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-             "| τ | engine step ms (busy) | host ms (plan / launch / commit) | failed |",
+             "| τ | engine step ms (busy) | host ms (plan / launch / commit; behind a draft pass) | failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["levels"]:
         for label in labels:
@@ -229,7 +230,7 @@ def markdown(result: dict, environment: str) -> str:
                          f"{num(x['per_request_tokens_per_s'])} | {ms(x['ttft_p50_s'])} / {ms(x['ttft_p99_s'])} | "
                          f"{ms(x['itl_p50_s'])} / {ms(x['itl_p99_s'])} | {num(x['tau'], 2)} | "
                          f"{num(x['engine_step_ms'], 2)} ({num(x['engine_busy'] and 100 * x['engine_busy'], 0)} %) | "
-                         f"{num(x.get('engine_host_ms'), 2)}{_phases(x.get('engine_host_phase_ms'))} | "
+                         f"{num(x.get('engine_host_ms'), 2)}{_phases(x)} | "
                          f"{x['failed']} of {x['requests']} |")
     lines += ["", f"Outputs identical across {', '.join(labels)} for every prompt: "
                   f"**{result['outputs_identical_across_configs']}**; failed requests: "
@@ -238,8 +239,13 @@ def markdown(result: dict, environment: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _phases(phases: dict | None) -> str:
-    return "" if not phases else " (" + " / ".join(f"{v:.2f}" for v in phases.values()) + ")"
+def _phases(level: dict) -> str:
+    """A level's host time by phase and the part of it behind a draft pass, when it has them."""
+    phases, overlapped = level.get("engine_host_phase_ms"), level.get("engine_host_overlapped_ms")
+    if not phases:
+        return ""
+    hidden = "" if overlapped is None else f"; {overlapped:.2f}"
+    return " (" + " / ".join(f"{v:.2f}" for v in phases.values()) + hidden + ")"
 
 
 def _environment(device: str) -> str:

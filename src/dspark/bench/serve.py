@@ -308,13 +308,15 @@ async def benchmark(args, url: str, prompts: list) -> tuple[list[dict], dict[int
                                     - before.get(f"dspark:spec_decode_num_{k}_total", 0)
                                     for k in ("drafts", "accepted_tokens"))
                 level["tau"] = 1 + accepted / rounds if rounds else None
-                steps, busy, host, plain, captures = (
+                steps, busy, host, overlapped, plain, captures = (
                     after.get(f"dspark:engine_{k}_total", 0) - before.get(f"dspark:engine_{k}_total", 0)
-                    for k in ("steps", "step_seconds", "host_seconds", "plain_steps", "graph_captures"))
+                    for k in ("steps", "step_seconds", "host_seconds", "host_overlapped_seconds", "plain_steps",
+                              "graph_captures"))
                 level["engine_plain_steps"], level["engine_graph_captures"] = int(plain), int(captures)
                 level["engine_steps"] = int(steps)
                 level["engine_step_ms"] = 1000 * busy / steps if steps else None
                 level["engine_host_ms"] = 1000 * host / steps if steps else None
+                level["engine_host_overlapped_ms"] = 1000 * overlapped / steps if steps else None
                 key = "dspark:engine_host_phase_seconds_total"
                 level["engine_host_phase_ms"] = {
                     name[len(key) + 1:]: 1000 * (value - before.get(name, 0)) / steps

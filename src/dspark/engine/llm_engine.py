@@ -272,6 +272,7 @@ class LLMEngine:
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
         plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
         planned = time.perf_counter()
+        overlapped = planned - start if self.runner.device_busy() else 0.0  # behind the last draft pass
         joined = self._run_step(rows, lens, plan, outputs, draft)
         self._launched = (outputs, len(self.running) - len(joined), joined, self.runner.drafted)
         end = time.perf_counter()
@@ -279,7 +280,8 @@ class LLMEngine:
         self.metrics.host_time += end - start
         self.metrics.host_phases["plan"] += planned - start
         self.metrics.host_phases["launch"] += end - planned
-        self._step_host = end - start
+        self.metrics.host_overlapped_time += overlapped
+        self._step_host = end - start - overlapped
 
     def _run_step(self, rows: int, lens, plan: list[tuple[Sequence, PrefillChunk]], outputs,
                   draft: bool = True) -> list[Sequence]:
@@ -350,14 +352,14 @@ class LLMEngine:
             else:
                 waited = time.perf_counter() - start
                 committed = self._commit(readout, outputs, {seq.request_id for seq in joined})
+                hidden = committed if self.runner.device_busy() else 0.0  # the draft pass outlasted it
                 if drafted and self._reads_proposals:
-                    wait = self._await_proposals(step_rows, outputs)
-                    waited += wait
-                    hidden = committed if wait > 0 else 0.0  # the commit ran while the draft pass did
+                    waited += self._await_proposals(step_rows, outputs)
         elapsed = time.perf_counter() - start
         self.metrics.step_time += elapsed
         self.metrics.host_time += elapsed - waited
         self.metrics.host_phases["commit"] += elapsed - waited
+        self.metrics.host_overlapped_time += hidden
         self.metrics.steps += 1
         self._count_round(drafted, self._step_host + elapsed - waited - hidden,
                           self.runner.captures != self._step_captures)
@@ -656,6 +658,7 @@ class EngineMetrics:
         # host_time by phase: scheduling and admission (plan), the runner's staging and graph
         # launches (launch), committing the readout and retiring (commit)
         self.host_phases = dict.fromkeys(HOST_PHASES, 0.0)
+        self.host_overlapped_time = 0.0  # of host_time: while the device still ran a draft pass (hidden)
         self.prompt_tokens = 0  # prompt tokens run in steps (chunks)
         self.errors = 0  # requests the engine failed (finish reason "error")
         self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)

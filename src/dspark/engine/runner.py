@@ -226,6 +226,7 @@ class ModelRunner:
         on_cuda = dev.type == "cuda"
         self.host_readouts = [torch.zeros(r, t + 3 + p, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
         self.readout_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
+        self._last_sent: torch.cuda.Event | None = None  # the end of the last launched step's device work
         self.offsets = torch.arange(max(t, block), **i32)
         self.offsets_rows = torch.arange(b + _pad_requests(b, t, full=True), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
@@ -356,6 +357,12 @@ class ModelRunner:
         if self.readout_sent is not None:
             self.host_readouts[part].copy_(self.readout, non_blocking=True)
             self.readout_sent[part].record()
+            self._last_sent = self.readout_sent[part]
+
+    def device_busy(self) -> bool:
+        """Whether the last launched step still runs on the device (its draft pass, which the host
+        need not wait for): host work done meanwhile is off the critical path. Never on the CPU."""
+        return self._last_sent is not None and not self._last_sent.query()
 
     def _received(self, part: int, rows: int) -> torch.Tensor:
         """A copy of the first ``rows`` rows of readout ``part`` once it reached the host (the next

@@ -78,6 +78,9 @@ class DSparkCollector:
         for phase, seconds in m.host_phases.items():
             phases.add_metric(labels + [phase], seconds)
         yield phases
+        yield counter("engine_host_overlapped_seconds", "Of engine_host_seconds: host work done while the device "
+                                                        "still ran a step's draft pass (off the critical path).",
+                      m.host_overlapped_time)
         yield counter("engine_prompt_tokens", "Prompt tokens run inside engine steps (chunked prefill).", m.prompt_tokens)
         yield counter("engine_plain_steps", "DSpark steps that did not draft the next round (the cost scheduler "
                                             "found no draft worth its cost).", m.plain_steps)
