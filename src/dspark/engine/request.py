@@ -145,10 +145,6 @@ class Sequence:
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len + len(self.output_ids)
-
     def room(self, max_len: int) -> int:
         """Tokens this sequence may still produce: ``max_new_tokens`` and the context limit ``max_len``."""
         request, produced = self.request, len(self.output_ids)
