@@ -203,7 +203,6 @@ def test_the_start_up_capture_covers_the_steps_where_prompts_join(target, greedy
     assert ((3, 3 * 2, 32) in shapes) == (graph_chunk_tokens == 256)  # else only the full verify
     assert runner.line < 48  # a capture stages its chunk tokens as several chunks of the dummy line
     assert ((3, None, 16) in shapes) == (scheduler == "cost")  # a plain round with chunks: the cost scheduler's
-    runner._ensure_probabilities()  # as capture_graphs: sampled drafts keep their distributions
     runner.state.draft_probs.fill_(1 / target.config.vocab_size)  # the CPU's kernels check them
     for b, num_tokens, bucket in shapes:
         restore = runner._snapshot()

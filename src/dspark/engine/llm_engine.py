@@ -223,9 +223,11 @@ class LLMEngine:
             c.fail(f"stop_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")
         return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
 
+    @torch.inference_mode()
     def abort(self, request_id: int, reason: str = "abort") -> None:
-        """Stop a request now (waiting or running) with finish reason ``reason``; its cache line is
-        freed and it is forgotten. Unknown ids are ignored."""
+        """Stop a request now (waiting, prefilling or running) with finish reason ``reason``; its
+        cache line is freed and it is forgotten. Unknown ids are ignored. (In inference mode, as the
+        step: the rows it compacts are the step's.)"""
         if self._launched is not None:
             Checker("abort").fail("abort() between launch() and finish(): the launched round still runs")
         seq = self.sequences.get(request_id)

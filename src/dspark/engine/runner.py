@@ -100,7 +100,8 @@ class RowState:
     drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens).
     With a draft: ``capture`` (the last verify's captured hidden states, ``[B, verify_len, width]``),
     ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
-    ``draft_probs`` (allocated on first need); tree mode: the next round's tree per row
+    ``draft_probs`` (``[max_batch, P, V]`` f32: the distributions the drafts came from); tree mode:
+    the next round's tree per row
     (``tree_tokens``, ``tree_parents``, ``tree_depths``, ``tree_bits``: int64 ancestor masks,
     ``tree_nodes``)."""
 
@@ -210,6 +211,9 @@ class ModelRunner:
             self.state.verify_lens = torch.ones(r, **i32)
             self.state.confidence = torch.zeros(r, p, device=dev)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
+            if tree is None:  # sampled chain drafting (trees draft greedily); allocated here, as every row
+                # buffer: one made inside the engine's inference-mode step could not be written outside it
+                self.state.draft_probs = torch.zeros(b, p, target.vocab_size, device=dev)
         if tree is not None:  # the next round's tree of each row (node 0 the root: the anchor)
             size = tree.budget
             self.state.tree_tokens = torch.zeros(r, size, **i32)
@@ -241,14 +245,6 @@ class ModelRunner:
             drafter.workspace = self.workspace
 
     # ---- rows ---------------------------------------------------------------------------------
-
-    def _ensure_probabilities(self) -> None:
-        """The draft-probability rows of sampled drafting, allocated on first need (outside graphs)."""
-        if self.state.draft_probs is None:
-            v = self.target.vocab_size
-            self.state.draft_probs = torch.zeros(self.max_batch, self.num_drafts, v, device=self.device)
-            self.graphs.clear()  # graphs captured before do not write them
-            self.pool = None  # their memory pool went with them
 
     def move_row(self, src: int, dst: int) -> None:
         """Move a running request's row (its cache slot stays where it is)."""
@@ -380,8 +376,6 @@ class ModelRunner:
         graphs. Call with no request running: the captures replay once on padding rows."""
         if not self.use_graphs:
             return 0
-        if self.drafter is not None and self.tree is None:
-            self._ensure_probabilities()  # sampled drafts keep their distributions
         lens = self.host_lens if self.drafter is not None else None
         for b in self.buckets:
             for sampled in (False, True):
@@ -709,8 +703,6 @@ class ModelRunner:
         needs no graph of its own. Raises ``ForwardFailed`` when the forward raised (no row state
         changed yet)."""
         joined = [c for c in chunks if c.row >= 0]
-        if self.drafter is not None and self.tree is None and any(not c.sampling.greedy for c in joined):
-            self._ensure_probabilities()  # sampled chain drafts keep the distributions they came from
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
         sampled = self._sampled(rows)
