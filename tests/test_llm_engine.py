@@ -461,7 +461,7 @@ def test_host_work_done_while_a_draft_pass_runs_is_counted_as_overlapped(target,
 
 def test_a_graph_warm_up_leaves_the_row_state_as_it_was(target):
     """``ModelRunner._snapshot`` (what a CUDA graph's warm-up run restores): every named row buffer
-    but the captures it rewrites, and the benchmark drafts' per-slot buffers."""
+    but the captures and draft distributions it rewrites, and the benchmark drafts' per-slot buffers."""
     from dspark.bench.oracle import OracleEngine
 
     engine = OracleEngine(target, random_draft(tiny_draft_config(target.config), 0, target),
@@ -477,7 +477,7 @@ def test_a_graph_warm_up_leaves_the_row_state_as_it_was(target):
     runner.draft_override.ids.add_(1)
     restore()
     for name, t in runner.state.tensors():
-        assert torch.equal(t, before[name] + (name == "capture")), name
+        assert torch.equal(t, before[name] + (name in ("capture", "draft_probs"))), name
     assert torch.equal(runner.draft_override.ids, oracle)
 
 
