@@ -186,13 +186,13 @@ def test_soak_with_random_disconnects_leaks_nothing(pair, prompt_ids):
         results = run(range(warm))
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
             time.sleep(0.5)
-            before = _rss_kib(proc.pid)
+            before, device_before = _rss_kib(proc.pid), _metric(http, "dspark:engine_device_memory_bytes")
             results |= run(range(warm, total))
             deadline = time.monotonic() + TIMEOUT
             while _metric(http, "dspark:num_requests_running") or _metric(http, "dspark:num_requests_waiting"):
                 assert time.monotonic() < deadline, "the server did not go idle"
                 time.sleep(0.1)
-            after = _rss_kib(proc.pid)
+            after, device_after = _rss_kib(proc.pid), _metric(http, "dspark:engine_device_memory_bytes")
             assert http.get("/health").status_code == 200
             assert _metric(http, "dspark:request_success_total", finished_reason="error") == 0
         stayed = [i for i in results if plans[i] == "stay"]
@@ -201,6 +201,7 @@ def test_soak_with_random_disconnects_leaks_nothing(pair, prompt_ids):
         # a leak of one request's row or slot state (its tokens, logprob rows, a KV line) per abort
         # would grow with the aborts; allocator noise does not
         assert after - before < 64 * 1024, f"resident memory grew by {(after - before) // 1024} MiB"
+        assert device_after == device_before, f"device memory {device_before:.0f} -> {device_after:.0f} bytes"
         assert not any("Traceback" in line for line in logs), "".join(logs)
     finally:
         proc.terminate()

@@ -376,6 +376,8 @@ class LLMEngine:
         self._plain_rounds = 0 if drafted else self._plain_rounds + 1
         self.metrics.plain_steps += not drafted and self.runner.drafter is not None
         self.metrics.graph_captures = self.runner.captures
+        if self.runner.device.type == "cuda":  # a leak per request shows here (no synchronisation)
+            self.metrics.device_memory = torch.cuda.memory_allocated(self.runner.device)
         if self.runner.device.type != "cuda" or captured:  # on the CPU the table prices the compute
             return
         kind = 0 if drafted else 1
@@ -665,6 +667,7 @@ class EngineMetrics:
         self.errors = 0  # requests the engine failed (finish reason "error")
         self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)
         self.graph_captures = 0  # CUDA graphs captured (a capture while serving stalls its step)
+        self.device_memory = 0  # bytes torch's allocator holds for tensors on the engine's GPU (0 on the CPU)
 
     def record_rounds(self, verified: np.ndarray, accept_length: np.ndarray) -> None:
         """Count one step's speculative rounds: per row the drafts (tree nodes) it verified and its

@@ -85,6 +85,8 @@ class DSparkCollector:
         yield counter("engine_plain_steps", "DSpark steps that did not draft the next round (the cost scheduler "
                                             "found no draft worth its cost).", m.plain_steps)
         yield counter("engine_graph_captures", "CUDA graphs captured, at start-up and while serving.", m.graph_captures)
+        yield gauge("engine_device_memory_bytes", "Bytes of GPU memory the engine's tensors hold (torch's allocator; "
+                                                  "0 on the CPU), after its last step.", m.device_memory)
         yield counter("spec_decode_num_drafts", "Speculative rounds (one per request per step).", m.rounds)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", m.draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", m.accepted_tokens)
