@@ -4,7 +4,8 @@ A request's output does not depend on its batch (request-stable randomness), so 
 is not aborted must end with exactly the tokens it gives alone, and the aborted one with a prefix of
 them; the engine must free what the victim held and nothing else, and go on serving. Each row kind
 runs: greedy rows, sampled rows (their draft distributions are per-row state that moves when a row
-is compacted), a mix, and tree mode.
+is compacted), a mix, and tree mode; on the CPU and, with every CUDA graph captured first as
+``dspark serve`` does, on a GPU.
 """
 
 import pytest
@@ -38,21 +39,21 @@ KINDS = {
 VICTIMS = [0, 1, 2, 3, "prefilling", "waiting"]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_qwen3_target()
-
-
-@pytest.fixture(scope="module")
-def engines(target):
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def engines(request):
     """One engine per kind, reused by every case (each case must leave it as it found it). Five
     rows: four short requests run while the long prompt takes the fifth slot in chunks of what the
     step budget leaves (30 tokens: 10 per step beside four 5-token verifies, 6 beside four 6-node
     trees), and the sixth request waits."""
-    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    device = request.param
+    target = tiny_qwen3_target().to(device)
+    draft = random_draft(tiny_draft_config(target.config), 0, target).to(device)
     chain = LLMEngine(target, draft, EngineConfig(max_batch=5, max_num_batched_tokens=30))
     tree = LLMEngine(target, draft, EngineConfig(max_batch=5, max_num_batched_tokens=30, draft_top_k=2,
                                                  tree_budget=6))
+    for engine in (chain, tree):
+        engine.capture_graphs()  # none on the CPU
     return {kind: tree if kind == "tree" else chain for kind in KINDS}
 
 
@@ -120,7 +121,7 @@ def _abort_and_finish(engine: LLMEngine, ids: list[int], victim, expected: list[
         assert done[rid] == (tokens[:len(done[rid])] if rid == aborted else tokens), f"request {i}"
 
 
-def test_aborts_from_outside_the_engines_step_never_meet_its_inference_tensors(engines, target):
+def test_aborts_from_outside_the_engines_step_never_meet_its_inference_tensors(engines):
     """Every per-row buffer exists from the start as an ordinary tensor: nothing the inference-mode
     step allocates on first need is later written by ``abort`` (the server's disconnect path)."""
     for engine in {id(e): e for e in engines.values()}.values():
