@@ -10,6 +10,7 @@ request that was not abandoned fails, and the server's memory ends where it bega
 
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -159,11 +160,11 @@ def _start_server(args: list[str]):
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--port", "0", *args], env=env,
                             stderr=subprocess.PIPE, text=True)
-    deadline, url = time.monotonic() + TIMEOUT, None
-    while url is None:  # "dspark serve: ... on http://127.0.0.1:PORT"
+    deadline, url = time.monotonic() + 4 * TIMEOUT, None  # a GPU captures its graphs first
+    while url is None:  # "dspark serve: ... on http://127.0.0.1:PORT" (after "captured N CUDA graphs ..." on a GPU)
         assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-        line = proc.stderr.readline()
-        url = line.rsplit(" on ", 1)[1].strip() if line.startswith("dspark serve:") else None
+        found = re.search(r" on (http://\S+)", proc.stderr.readline())
+        url = found and found.group(1)
     logs: list[str] = []
     threading.Thread(target=lambda: logs.extend(proc.stderr), daemon=True).start()
     return proc, url, logs
