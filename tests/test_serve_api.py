@@ -451,3 +451,14 @@ def test_api_key_flag_and_environment(monkeypatch):
         assert "flag-secret" not in str(info.value)
     monkeypatch.setenv("DSPARK_API_KEY", "")
     assert serve._api_key(None) is None  # set but empty: no key, as unset
+
+
+def test_docs_api_md_lists_every_request_field():
+    from pathlib import Path
+
+    from dspark.serve import protocol
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    fields = {*protocol.COMPLETION_NOOPS, *protocol.CHAT_NOOPS, *protocol.MESSAGE_NOOPS,
+              *protocol.CompletionRequest.model_fields, *protocol.ChatCompletionRequest.model_fields}
+    assert not [f for f in sorted(fields) if f"`{f}`" not in text]
