@@ -512,20 +512,21 @@ def test_serve_benchmark_load_generator(served, prompts, tmp_path):
 
 def test_full_queue_answers_429_and_sigterm_drains():
     """``--max-batch 1 --max-waiting 1``: one request runs, one waits, a third gets 429. SIGTERM mid-stream:
-    no new connections, both requests in flight finish whole, exit status 0."""
+    no new connections, both requests in flight finish whole, exit status 0. The API key comes from
+    ``DSPARK_API_KEY``: /v1 needs it, /health does not, and no log line shows it."""
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    key = "sk-" + os.urandom(8).hex()
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "DSPARK_API_KEY": key}
     proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--port", "0", "--max-batch", "1",
                              "--max-waiting", "1", "--max-model-len", str(MAX_LEN)],
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
-        url = None
+        url, logs = None, []
         deadline = time.monotonic() + TIMEOUT
         while url is None:  # "dspark serve: ... on http://127.0.0.1:PORT"
             assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-            line = proc.stderr.readline()
-            url = line.rsplit(" on ", 1)[1].strip() if line.startswith("dspark serve:") else None
-        logs = []
+            logs.append(proc.stderr.readline())
+            url = logs[-1].rsplit(" on ", 1)[1].strip() if logs[-1].startswith("dspark serve:") else None
         threading.Thread(target=lambda: logs.extend(proc.stderr), daemon=True).start()
         body = {"prompt": "import os\n", "max_tokens": 24, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -533,6 +534,8 @@ def test_full_queue_answers_429_and_sigterm_drains():
             while http.get("/health").status_code != 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
+            assert http.get("/v1/models").status_code == 401
+            http.headers["Authorization"] = f"Bearer {key}"
             chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "import os"}],
                                                            "max_tokens": 4})  # the demo tokenizer's template
             assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant", chat.text
@@ -550,7 +553,7 @@ def test_full_queue_answers_429_and_sigterm_drains():
         assert proc.wait(TIMEOUT) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health", timeout=5)
-        assert not any("Traceback" in line for line in logs), "".join(logs)
+        assert not any("Traceback" in line or key in line for line in logs), "".join(logs)
     finally:
         if proc.poll() is None:
             proc.kill()

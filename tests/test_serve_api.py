@@ -1,7 +1,9 @@
 """vLLM's API conventions on ``dspark serve`` (CPU, demo pair, loopback HTTP): a list of prompts,
 ``n`` samples, logprobs (completions and chat, streamed or not), the demo tokenizer's chat template,
-OpenAI-shaped routing errors, bodies without a JSON Content-Type, the latency histograms, and the
-CLI's flags.
+OpenAI-shaped routing errors, bodies without a JSON Content-Type, request fields (honoured, accepted
+at their no-op values, refused otherwise), the API key, the latency histograms, and the CLI's flags.
+The server requires ``API_KEY`` (as ``dspark serve --api-key``), so every test also checks that an
+authorised request goes through unchanged.
 
 Logprobs come from the engine (``Request.logprobs`` -> ``RequestOutput.logprobs``); here a wrapper
 around the real engine attaches made-up values that depend on the token (``fake_logprobs``), so the
@@ -28,6 +30,7 @@ from dspark.training.data import demo_pair, read_prompts  # noqa: E402
 from test_serve import TIMEOUT, ServerThread  # noqa: E402
 
 MODEL = "demo"
+API_KEY = "sk-dspark-test"
 NEW = 8
 VOCAB = 2048
 
@@ -86,18 +89,18 @@ def served(tokenizer, prompts):
         reference = [r.token_ids for r in engine.generate([Request(tokenizer(p)["input_ids"], NEW) for p in prompts])]
     finally:
         torch.set_num_threads(threads)
-    with ServerThread(create_app(LogprobEngine(engine), tokenizer, MODEL)) as server:
+    with ServerThread(create_app(LogprobEngine(engine), tokenizer, MODEL, api_key=API_KEY)) as server:
         yield server.url, reference
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
 
 
 @pytest.fixture
 def http(served):
-    with httpx.Client(base_url=served[0], timeout=TIMEOUT) as c:
+    with httpx.Client(base_url=served[0], timeout=TIMEOUT, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
 
 
@@ -273,6 +276,108 @@ def test_body_without_json_content_type(http, served, prompts):
     assert "empty" in _error(http.post("/v1/completions", content=b""), 400)
 
 
+# ---- request fields: honoured, accepted where they change nothing, refused otherwise -------------------
+
+# Values client libraries send by default or that ask for nothing: accepted, and the output is that of
+# the request without them (chat-only fields: CHAT_NOOPS). Not the server's table: the brief's list.
+NOOPS = {"best_of": 1, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+         "min_p": 0, "min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
+         "spaces_between_special_tokens": True, "include_stop_str_in_output": False, "truncate_prompt_tokens": None,
+         "response_format": {"type": "text"}, "guided_json": None, "structured_outputs": None, "tools": [],
+         "tool_choice": "none", "parallel_tool_calls": True, "functions": [], "user": "u-1", "seed": None,
+         "metadata": {"run": "7"}, "store": False, "service_tier": "auto", "allowed_token_ids": None, "bad_words": [],
+         "stream_options": None, "priority": 0, "cache_salt": "tenant-1", "suffix": None}
+CHAT_NOOPS = {**{k: v for k, v in NOOPS.items() if k != "suffix"}, "logprobs": False, "top_logprobs": None,
+              "modalities": ["text"], "max_completion_tokens": None, "reasoning_effort": None, "audio": None,
+              "prediction": None, "chat_template_kwargs": {}, "continue_final_message": False}
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+REFUSED = [  # (field, a value that would change the output, the param named)
+    ("min_p", 0.05, "min_p"), ("presence_penalty", 0.5, "presence_penalty"),
+    ("frequency_penalty", -0.5, "frequency_penalty"), ("repetition_penalty", 1.1, "repetition_penalty"),
+    ("repetition_penalty", True, "repetition_penalty"),  # true is not 1
+    ("logit_bias", {"50": 100}, "logit_bias"), ("min_tokens", 4, "min_tokens"), ("best_of", 2, "best_of"),
+    ("use_beam_search", True, "use_beam_search"), ("response_format", {"type": "json_object"}, "response_format"),
+    ("guided_choice", ["a", "b"], "guided_choice"), ("tools", [TOOL], "tools"), ("tool_choice", "required", "tool_choice"),
+    ("include_stop_str_in_output", True, "include_stop_str_in_output"), ("skip_special_tokens", False, "skip_special_tokens"),
+    ("truncate_prompt_tokens", 4, "truncate_prompt_tokens"), ("allowed_token_ids", [1, 2], "allowed_token_ids"),
+    ("store", True, "store"), ("metadata", "run-7", "metadata"), ("temprature", 0.5, "temprature"),  # a typo
+    ("stream_options", {"include_usge": True}, "stream_options.include_usge"),
+]
+
+
+def _refusal(r, param, value):
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert json.dumps(value)[:60] in error["message"], error["message"]  # the value given (long ones cut)
+    return error["message"]
+
+
+def test_noop_values_are_accepted_and_change_nothing(served, http, client, prompts):
+    body = {"prompt": prompts[0], "max_tokens": NEW, "temperature": 0, "return_token_ids": True}
+    for noops in ({**NOOPS}, {"n": 2, "best_of": 2}):  # best_of == n: the n best of n
+        r = http.post("/v1/completions", json={**body, **noops})
+        assert r.status_code == 200, (noops, r.text)
+        assert [c["token_ids"] for c in r.json()["choices"]] == [served[1][0]] * noops.get("n", 1)
+    messages = [{"role": "user", "content": "import os"}, {"role": "assistant", "content": "x", "tool_calls": []}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0)
+    typed = ("presence_penalty", "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice",
+             "parallel_tool_calls", "user", "logprobs")  # as the openai client itself spells them
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0,
+                                          **{k: CHAT_NOOPS[k] for k in typed},
+                                          extra_body={k: v for k, v in CHAT_NOOPS.items() if k not in typed})
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    assert chat.usage.completion_tokens == plain.usage.completion_tokens
+
+
+@pytest.mark.parametrize("field, value, param", REFUSED, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(REFUSED)])
+def test_fields_the_server_would_ignore_are_refused(http, field, value, param):
+    shown = value[param.split(".")[1]] if "." in param else value  # a nested field's own value
+    message = _refusal(http.post("/v1/completions", json={"prompt": "x", field: value}), param, shown)
+    assert "not supported" in message or "unrecognized" in message or "must be" in message
+    chat = {"messages": [{"role": "user", "content": "x"}], field: value}
+    assert _refusal(http.post("/v1/chat/completions", json=chat), param, shown) == message
+
+
+def test_refusals_name_the_field_through_the_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_p": 0.1})
+    assert info.value.body["param"] == "min_p" and "min_p is not supported" in info.value.body["message"]
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}, call], max_tokens=2)
+    assert info.value.body["param"] == "messages[1].tool_calls"
+
+
+# ---- the API key ----------------------------------------------------------------------------------
+
+
+def test_api_key_guards_every_v1_route(served, prompts):
+    url = served[0]
+    for key in ("wrong", API_KEY + "x", API_KEY[:-1]):
+        other = openai.OpenAI(base_url=url + "/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
+        for call in (lambda: other.completions.create(model=MODEL, prompt=prompts[0], max_tokens=2),
+                     lambda: other.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}]),
+                     lambda: other.models.list()):
+            with pytest.raises(openai.AuthenticationError) as info:
+                call()
+            assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+            assert key not in info.value.body["message"] and API_KEY not in info.value.body["message"]
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as anonymous:
+        for headers in ({}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):
+            for r in (anonymous.post("/v1/completions", json={"prompt": "x"}, headers=headers),
+                      anonymous.get("/v1/models", headers=headers), anonymous.get("/v1/nothing", headers=headers)):
+                assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+                assert r.json() == {"error": {"message": r.json()["error"]["message"], "type": "invalid_request_error",
+                                              "param": None, "code": "invalid_api_key"}}
+        assert anonymous.get("/health").status_code == 200  # the routes outside /v1 stay open
+        assert "dspark:num_requests_running" in anonymous.get("/metrics").text
+        assert anonymous.get("/nothing").status_code == 404
+    assert [m.id for m in openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0).models.list()] == [MODEL]
+
+
 # ---- metrics --------------------------------------------------------------------------------------
 
 
@@ -329,3 +434,31 @@ def test_cli_flags(tmp_path):
     assert default_dtype(cuda, str(tmp_path)) is torch.float16 and default_dtype(cpu, str(tmp_path)) is torch.float32
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
     assert default_dtype(cuda, str(tmp_path)) is torch.bfloat16 and default_dtype(cuda, str(tmp_path / "none")) is torch.bfloat16
+
+def test_api_key_flag_and_environment(monkeypatch):
+    from dspark.cli import serve
+    from dspark.cli._runtime import HelpFormatter
+
+    monkeypatch.setenv("DSPARK_API_KEY", "env-secret")
+    parser = _serve_parser()
+    parser.formatter_class = HelpFormatter
+    assert "env-secret" not in parser.format_help()  # the help names the variable, never its value
+    assert serve._api_key(parser.parse_args([]).api_key) == "env-secret"
+    assert serve._api_key(parser.parse_args(["--api-key", "flag-secret"]).api_key) == "flag-secret"
+    for bad in ("", " flag-secret"):
+        with pytest.raises(ValueError, match="--api-key must be a non-empty key") as info:
+            serve._api_key(parser.parse_args(["--api-key", bad]).api_key)
+        assert "flag-secret" not in str(info.value)
+    monkeypatch.setenv("DSPARK_API_KEY", "")
+    assert serve._api_key(None) is None  # set but empty: no key, as unset
+
+
+def test_docs_api_md_lists_every_request_field():
+    from pathlib import Path
+
+    from dspark.serve import protocol
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    fields = {*protocol.COMPLETION_NOOPS, *protocol.CHAT_NOOPS, *protocol.MESSAGE_NOOPS,
+              *protocol.CompletionRequest.model_fields, *protocol.ChatCompletionRequest.model_fields}
+    assert not [f for f in sorted(fields) if f"`{f}`" not in text]

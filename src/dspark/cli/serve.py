@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import socket
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from ._runtime import add_runtime_arguments, add_tree_arguments, resolve_pair, runtime
 
 DEMO_MODEL_NAME = "dspark-demo"
+API_KEY_ENV = "DSPARK_API_KEY"  # as vLLM's VLLM_API_KEY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="build the engine in Python (benchmarks, e.g. a random-weight target): FUNCTION(config) "
                              "gets the EngineConfig of these flags and returns an LLMEngine; --target then only "
                              "names the tokenizer (none without it; default: load --target / --draft)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require Authorization: Bearer KEY on every /v1 route (401 without it; /health and "
+                             f"/metrics stay open); the {API_KEY_ENV} environment variable keeps it out of the process "
+                             f"list (default: {API_KEY_ENV}, else none: open)")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="on SIGTERM, seconds the requests in flight may take before they are aborted")
 
@@ -86,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         _check(args)
+        api_key, args.api_key = _api_key(args.api_key), None  # the engine process gets no secret
         listener = _listen(args.host, args.port)  # before loading: a taken port fails at once
         tokenizer, name = _prepare(args)
     except (ValueError, TypeError, OSError) as exc:
@@ -106,13 +113,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"dspark serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine, tokenizer, name, chat_template=args.chat_template,
-                     trust_request_chat_template=args.trust_request_chat_template, model_root=args.target)
+                     trust_request_chat_template=args.trust_request_chat_template, model_root=args.target,
+                     api_key=api_key)
     port = listener.getsockname()[1]
     config = uvicorn.Config(app, host=args.host, port=port, timeout_graceful_shutdown=args.drain_timeout)
     server = uvicorn.Server(config)
     servers.append(server)
     mode = "plain decoding" if not engine.info["drafter"] else f"DSpark, scheduler {args.scheduler}"
-    print(f"dspark serve: {name!r} ({mode}, max batch {args.max_batch}, max model len {engine.max_model_len}) "
+    auth = ", /v1 needs the API key" if api_key is not None else ""
+    print(f"dspark serve: {name!r} ({mode}, max batch {args.max_batch}, max model len {engine.max_model_len}{auth}) "
           f"on http://{args.host}:{port}", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it shut down on once it is done; with the default action that
     # would kill the process after a clean drain, so the restored handler ignores it and we exit.
@@ -160,6 +169,16 @@ def _check(args: argparse.Namespace) -> None:
         if args.draft is not None or args.no_draft:
             raise ValueError("--engine-factory builds the engine: give neither --draft nor --no-draft")
         return
+
+
+def _api_key(flag: str | None) -> str | None:
+    """``--api-key``, else ``$DSPARK_API_KEY`` (unset or empty: no key)."""
+    key = flag if flag is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and (key == "" or key != key.strip()):
+        where = "--api-key" if flag is not None else API_KEY_ENV
+        given = "an empty one" if not key.strip() else "one with whitespace around it (a header cannot carry that)"
+        raise ValueError(f"{where} must be a non-empty key without surrounding whitespace, got {given}")
+    return key
 
 
 def _prepare(args: argparse.Namespace):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: ``create_app(engine, tokenizer, model_name)`` -> a FastAPI app.
 
 Endpoints as vLLM's server: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-server-sent-event streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The engine runs
+server-sent-event streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (with an API key,
+the ``/v1`` routes need it: ``BearerAuth``). The engine runs
 on the ``EngineLoop`` thread (or in its own process, ``EngineClient``); each HTTP request has an asyncio queue that the loop feeds (one per
 request, shared by its choices: a list of prompts and ``n`` samples each are one engine request per
 choice). Every refusal is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import secrets
 import time
 from dataclasses import dataclass
@@ -32,17 +34,17 @@ from ..engine.request import Request, RequestOutput, TokenLogprobs
 from .engine_loop import ACCEPTED, EngineDead, EngineLoop, Handle, QueueFull, ServerClosing
 from .engine_process import EngineClient
 from .metrics import Latency, ServerCounters, registry
-from .protocol import (CHAT_DEFAULTS, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+from .protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
                        ErrorResponse, ModelCard, ModelList, SamplingFields, TopLogprob, UINT64_MAX, UsageInfo,
-                       random_id)
+                       random_id, short_repr)
 from ..engine.text import TextOutput
 
 __all__ = ["APIError", "create_app"]
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 LOGPROB_FLOOR = -9999.0  # vLLM's: -inf (a token the filters excluded) is not JSON
 
 
@@ -62,7 +64,7 @@ class APIError(Exception):
 
 def create_app(engine: LLMEngine | EngineClient, tokenizer, model_name: str, *, max_waiting: int | None = None,
                chat_template: str | None = None, trust_request_chat_template: bool = False,
-               model_root: str | None = None,
+               model_root: str | None = None, api_key: str | None = None,
                on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (it starts the engine thread on startup, stops it on shutdown).
 
@@ -75,7 +77,9 @@ def create_app(engine: LLMEngine | EngineClient, tokenizer, model_name: str, *, 
     name ``model`` may take; ``max_waiting``: requests waiting beyond the running batch before new
     ones get 429 (None: unbounded); ``chat_template``: a Jinja template replacing the tokenizer's;
     ``trust_request_chat_template``: let a chat request bring its own ``chat_template`` (as vLLM's
-    flag of that name; off by default: a template is code the server renders);
+    flag of that name; off by default: a template is code the server renders); ``api_key``: every
+    ``/v1`` route then needs ``Authorization: Bearer <api_key>`` (401 otherwise; ``/health`` and
+    ``/metrics`` stay open, as vLLM's ``--api-key``);
     ``on_engine_failure(exc)``: called on the engine thread when an exception escaped the engine
     (``dspark serve`` shuts down then); ``app.state.server.loop.error`` keeps it.
     """
@@ -97,6 +101,8 @@ def create_app(engine: LLMEngine | EngineClient, tokenizer, model_name: str, *, 
     app = FastAPI(title="dspark", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(JSONBody)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)  # added last: runs first
     app.add_exception_handler(APIError, lambda _, exc: exc.response())
     app.add_exception_handler(RequestValidationError, lambda _, exc: _validation_error(exc).response())
     app.add_exception_handler(HTTPException, _http_error)
@@ -125,6 +131,37 @@ class JSONBody:
         await self.app(scope, receive, send)
 
 
+class BearerAuth:
+    """ASGI middleware: a request to ``/v1...`` without ``Authorization: Bearer <api_key>`` gets
+    OpenAI's 401 (``invalid_api_key``). The key is compared in constant time (as digests, so its
+    length does not show either) and never written anywhere."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.digest = app, _digest(api_key.encode("utf-8"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            refusal = self._refusal(dict(scope["headers"]).get(b"authorization"))
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, header: bytes | None) -> APIError | None:
+        scheme, _, key = (header or b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            message = "no API key: send it in an Authorization header using Bearer auth (Authorization: Bearer KEY)"
+        elif not secrets.compare_digest(_digest(key.strip()), self.digest):
+            message = "incorrect API key provided"
+        else:
+            return None
+        return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
 def _http_error(raw: HTTPRequest, exc: HTTPException) -> JSONResponse:
     """Starlette's routing errors (404 unknown route, 405 wrong method) in OpenAI's shape."""
     where = f"{raw.method} {raw.url.path}"
@@ -149,17 +186,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not loc and first["type"] == "missing":
         return APIError(400, "the request body is empty: send a JSON object")
     if not loc:
-        return APIError(400, f"the request body must be a JSON object, got {_short(first.get('input'))}")
+        return APIError(400, f"the request body must be a JSON object, got {short_repr(first.get('input'))}")
     param = loc[0]
     same = list(dict.fromkeys(e["msg"] for e in errors if [str(p) for p in e["loc"] if p != "body"][:1] == [param]))
     where = ".".join(loc) if len(same) == 1 else param
-    value = "" if first["type"] == "missing" else f", got {_short(first.get('input'))}"
+    value = "" if first["type"] == "missing" else f", got {short_repr(first.get('input'))}"
     return APIError(400, f"{where}: {'; or '.join(same)}{value}", param=param)
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
@@ -322,7 +354,7 @@ class _Server:
     # ---- endpoints ------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, raw: HTTPRequest):
-        self._check(body, body.unsupported_fields())
+        self._check(body)
         prompts = self._completion_prompts(body.prompt)
         limits = [self._max_tokens(p, body.max_tokens, "prompt", j if len(prompts) > 1 else None)
                   for j, p in enumerate(prompts)]
@@ -352,7 +384,7 @@ class _Server:
         return response([choice(g, pieces[g.index], True) for g in choices.gens], choices.usage)
 
     async def chat(self, body: ChatCompletionRequest, raw: HTTPRequest):
-        self._check(body, body.unsupported_fields(CHAT_DEFAULTS))
+        self._check(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         if body.top_logprobs is not None and not body.logprobs:
@@ -402,12 +434,13 @@ class _Server:
 
     # ---- requests to engine requests ------------------------------------------------------------
 
-    def _check(self, body: SamplingFields, unsupported: list[str]) -> None:
+    def _check(self, body: SamplingFields) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
-        if unsupported:
-            raise APIError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
+        refused = body.refused_field()
+        if refused is not None:
+            raise APIError(400, refused.message, refused.path)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", "stream_options")
         if self.tokenizer is None and self._stop_strings(body):

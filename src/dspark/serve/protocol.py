@@ -1,43 +1,146 @@
 """Request and response bodies of the OpenAI API, shaped as vLLM's OpenAI-compatible server sends them.
 
-Requests are validated strictly (a string is not a number, a float is not an int); unknown fields
-are ignored, as vLLM does, except the OpenAI features this server does not implement
-(``UNSUPPORTED``), which are refused when set to anything but their default. Beyond OpenAI, the vLLM
-extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (token ids in every
-choice and chunk) and, for chat, ``add_generation_prompt`` and ``chat_template``. As vLLM:
-``prompt`` may be a list of prompts (one choice per prompt and sample), ``n`` samples per prompt,
-``logprobs`` (completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``).
+Requests are validated strictly (a string is not a number, a float is not an int), and no field is
+silently dropped: the fields the models below declare are honoured; the other OpenAI / vLLM fields
+(``NOOP_VALUES``, per endpoint ``COMPLETION_NOOPS`` / ``CHAT_NOOPS``) are accepted only at values
+that change nothing (``presence_penalty: 0``, ``logit_bias: {}``, ``best_of`` equal to ``n``, any
+``metadata``) and refused otherwise; a field nobody defines is refused too (as OpenAI does:
+"Unrecognized request argument"). ``OpenAIModel.refused_field`` finds the first, nested bodies
+(messages, content parts, ``stream_options``) included. Beyond OpenAI, the vLLM extensions
+``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (token ids in every choice and
+chunk) and, for chat, ``add_generation_prompt`` and ``chat_template``. As vLLM: ``prompt`` may be a
+list of prompts (one choice per prompt and sample), ``n`` samples per prompt, ``logprobs``
+(completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Literal, Union
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
-
-# field -> default: an OpenAI feature this server does not implement, refused when set otherwise
-UNSUPPORTED = {
-    "echo": False, "best_of": None, "suffix": None,
-    "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0, "tools": None, "tool_choice": None,
-    "response_format": None, "functions": None, "function_call": None, "min_tokens": 0,
-    "repetition_penalty": 1, "prompt_logprobs": None,
-}
-CHAT_DEFAULTS = UNSUPPORTED
 
 MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default --max-logprobs; OpenAI's limit)
 
 UINT64_MAX = 2**64 - 1
 
 
+@dataclass(frozen=True)
+class SameAs:
+    """A no-op value: whatever the request's own ``field`` is (``best_of`` equal to ``n``)."""
+
+    field: str
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """No-op values: any value of these JSON types (metadata, hints that change nothing here)."""
+
+    types: tuple[type, ...]
+
+
+# field -> the values that change nothing (accepted as if left out); any other value is refused.
+# Penalties, logit_bias, min_p, ... are not implemented yet; echo / prompt_logprobs are on their way.
+NOOP_VALUES: dict[str, tuple] = {
+    # sampling
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "min_p": (None, 0), "min_tokens": (None, 0), "logit_bias": (None, {}), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "best_of": (None, 1, SameAs("n")), "use_beam_search": (None, False),
+    "length_penalty": (None, 1), "logits_processors": (None, []),
+    # what the output holds
+    "echo": (None, False), "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "include_reasoning": (None, True),
+    "verbosity": (None,), "web_search_options": (None,), "request_id": (None,),
+    # structured outputs, tools
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    # bookkeeping and hints: nothing here stores, tiers, prioritises or shares a prefix cache
+    "metadata": (AnyOf((dict, type(None))),), "store": (None, False), "service_tier": (None, "auto", "default"),
+    "safety_identifier": (AnyOf((str, type(None))),), "prompt_cache_key": (AnyOf((str, type(None))),),
+    "cache_salt": (AnyOf((str, type(None))),), "priority": (None, 0), "kv_transfer_params": (None,),
+    "vllm_xargs": (None,), "mm_processor_kwargs": (None, {}),
+}
+COMPLETION_NOOPS = {**NOOP_VALUES, "suffix": (None, ""), "add_special_tokens": (None, True), "prompt_embeds": (None,)}
+CHAT_NOOPS = {**NOOP_VALUES, "add_special_tokens": (None, False), "continue_final_message": (None, False),
+              "documents": (None,), "chat_template_kwargs": (None, {})}
+MESSAGE_NOOPS = {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "refusal": (None,),
+                 "audio": (None,), "reasoning_content": (None,), "reasoning": (None,)}
+
+
+def short_repr(value) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class RefusedField:
+    """A field the server does not act on, sent at a value that would change the output."""
+
+    path: str  # as OpenAI names it: "min_p", "messages[0].tool_calls"
+    value: object
+    noops: tuple | None  # the accepted values; None: a field this server does not know
+
+    @property
+    def message(self) -> str:
+        got = short_repr(self.value)
+        if self.noops is None:
+            return f"unrecognized request field {self.path} (got {got}): this server refuses what it would ignore"
+        if isinstance(self.noops[0], AnyOf):
+            return f"{self.path} must be {_describe(self.noops[0])}, got {got}"
+        return (f"{self.path} is not supported by this server yet: got {got}, and only "
+                f"{', '.join(map(_describe, self.noops))} (which change nothing) are accepted")
+
+
+def _describe(noop) -> str:
+    if isinstance(noop, SameAs):
+        return f"the value of {noop.field}"
+    if isinstance(noop, AnyOf):
+        return " or ".join({dict: "an object", str: "a string", type(None): "null"}[t] for t in noop.types)
+    return short_repr(noop)
+
+
+def _same(value, noop) -> bool:
+    """JSON equality, types kept apart (``true`` is not ``1``, ``0.0`` is ``0``)."""
+    if isinstance(value, (bool, type(None))) or isinstance(noop, (bool, type(None))):
+        return value is noop
+    numbers = (int, float)
+    if isinstance(value, numbers) and isinstance(noop, numbers):
+        return value == noop
+    return type(value) is type(noop) and value == noop
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+    noop_values: ClassVar[dict[str, tuple]] = {}  # the undeclared fields accepted, at these values
 
-    def unsupported_fields(self, defaults: dict = UNSUPPORTED) -> list[str]:
-        """Extra fields naming an unimplemented feature and set to a non-default value."""
-        extra = self.model_extra or {}
-        return [k for k, v in extra.items() if k in defaults and v not in (defaults[k], None)]
+    def refused_field(self, prefix: str = "") -> RefusedField | None:
+        """The first field sent that this server would not act on (here or in a nested body), or None."""
+        for name, value in (self.model_extra or {}).items():
+            noops = self.noop_values.get(name)
+            if noops is None or not any(self._matches(value, noop) for noop in noops):
+                return RefusedField(prefix + name, value, noops)
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            parts = enumerate(value) if isinstance(value, list) else [(None, value)]
+            for i, part in parts:
+                if isinstance(part, OpenAIModel):
+                    refused = part.refused_field(f"{prefix}{name}{'' if i is None else f'[{i}]'}.")
+                    if refused is not None:
+                        return refused
+        return None
+
+    def _matches(self, value, noop) -> bool:
+        if isinstance(noop, AnyOf):
+            return isinstance(value, noop.types)
+        return _same(value, getattr(self, noop.field) if isinstance(noop, SameAs) else noop)
 
 
 class StreamOptions(OpenAIModel):
@@ -64,6 +167,7 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
+    noop_values = COMPLETION_NOOPS
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -75,12 +179,14 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
+    noop_values = MESSAGE_NOOPS
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
+    noop_values = CHAT_NOOPS
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
