@@ -261,6 +261,45 @@ def test_the_fused_runner_refuses_layers_that_are_not_attention():
         LLMEngine(t.Qwen3ForCausalLM(config), None, EngineConfig(max_batch=2))
 
 
+def _falcon():
+    import transformers as t
+
+    size = {key: value for key, value in TINY.items() if key != "intermediate_size"}  # Falcon's is ffn_hidden_size
+    return t.FalconForCausalLM(t.FalconConfig(**size, layer_norm_epsilon=3e-5, new_decoder_architecture=True,
+                                              num_kv_heads=2, ffn_hidden_size=96))
+
+
+@pytest.mark.parametrize("build, expected", [
+    (lambda: _model("gpt-neox", {**TINY, "layer_norm_eps": 1e-3}),  # MHA without head_dim: hidden // heads
+     dict(rms_norm_eps=1e-3, num_key_value_heads=4, head_dim=16, intermediate_size=128)),
+    (lambda: _model("nemotron-h", {**TINY, "layer_norm_epsilon": 2e-4}),
+     dict(rms_norm_eps=2e-4, num_key_value_heads=2, head_dim=16, intermediate_size=128)),
+    (_falcon, dict(rms_norm_eps=3e-5, num_key_value_heads=2, head_dim=16, intermediate_size=96)),
+], ids=["gpt-neox", "nemotron-h", "falcon"])
+def test_a_drafter_is_built_for_a_target_of_any_family(build, expected):
+    """``draft_config`` (``dspark train``'s) copies the norm epsilon, heads, head_dim and MLP width
+    under the names each family gives them, and the drafter builds for that target."""
+    from dspark.model import check_target_compatible
+    from dspark.training.trainer import draft_config, new_draft
+
+    model = build()
+    config = draft_config(model.config, mask_token_id=TINY["vocab_size"] - 1, block_size=4, markov_rank=4)
+    assert {key: getattr(config, key) for key in expected} == expected
+    assert config.num_attention_heads == 4
+    check_target_compatible(config, model.config)
+    assert new_draft(model, config).config.rms_norm_eps == expected["rms_norm_eps"]
+
+
+def test_a_target_config_without_a_norm_epsilon_is_named():
+    import transformers as t
+
+    from dspark.training.trainer import draft_config
+
+    with pytest.raises(ValueError, match=re.escape("draft_config: the target's OPTConfig has no rms_norm_eps "
+                                                   "(looked for rms_norm_eps / layer_norm_eps / layer_norm_epsilon")):
+        draft_config(t.OPTConfig(**{**TINY, "ffn_dim": 128}), mask_token_id=0)
+
+
 def test_graphability_is_declared_from_the_config():
     """Families whose transformers code synchronises the host say so up front (the runner then
     never tries a capture): dynamic / LongRoPE frequencies, experts that loop on the host."""
