@@ -9,6 +9,12 @@ built for them and with plain decoding: greedy output identical to ``generate()`
 same alone and in a batch, prompts chunked into running steps; a sampled request is the same alone
 and in a batch. Attention soft-capping is refused with an error naming it.
 
+Every family, a tiny random checkpoint decoded by ``dspark.generate``, has one outcome written
+down: transformers' greedy tokens (the fused Llama / Qwen path and the families above) or a refusal
+naming the layers whose state is not a KV cache (hybrid and recurrent families: Qwen3-Next, Qwen3.5,
+LFM2, Falcon-H1, Jamba, Nemotron-H, Bamba, Zamba2, Granite-MoE-hybrid, Mamba, RWKV, RecurrentGemma).
+``draft_config`` builds a drafter for targets that spell the norm epsilon and head counts otherwise.
+
 CUDA graphs: the families whose transformers code synchronises the host are declared from the
 config; the others' forwards read no device value on the host (checked on the CPU op by op); a
 forward that fails inside a capture makes the target eager, any other failed capture that graph,

@@ -228,9 +228,9 @@ def _check_sequence_mixers(c: Checker, model, config, layers) -> None:
             found.setdefault(kind, []).append(i)
     if found:
         what = "; ".join(f"layers {indices} are {kind}" for kind, indices in found.items())
-        c.fail(f"{type(model).__name__}: {what}. This engine cannot run that layer type exactly yet: only full "
-               f"and sliding-window softmax attention layers, whose state is the KV cache (hybrid targets, with "
-               f"recurrent or convolution states, are a separate planned feature)")
+        c.fail(f"{type(model).__name__}: {what}. This engine cannot run that layer type exactly yet: it runs "
+               f"full and sliding-window softmax attention layers only, whose state is its KV cache (hybrid "
+               f"targets, with recurrent or convolution states, are a separate planned feature)")
 
 
 def _non_attention_kind(declared: str | None, layer, family: str) -> str | None:
@@ -250,11 +250,12 @@ def _is_stateful(module, family: str) -> bool:
     """A causal convolution over positions (it holds a ``Conv1d``) or a recurrent mixer by name."""
     if any(isinstance(child, torch.nn.Conv1d) for child in module.children()):
         return True
-    name = type(module).__name__
-    return bool(_STATEFUL_MIXER.search(name.removeprefix(family) if name != family else name))
+    # less the family's own name, which may hold a marker (RecurrentGemmaAttention, MambaRMSNorm)
+    return bool(_STATEFUL_MIXER.search(type(module).__name__.removeprefix(family)))
 
 
 def _attention_module(layer):
+    """The module of ``layer`` whose ``layer_idx`` names its cache (None: it has none)."""
     return next((m for m in layer.modules() if hasattr(m, "layer_idx") and m is not layer), None)
 
 
