@@ -9,6 +9,12 @@ built for them and with plain decoding: greedy output identical to ``generate()`
 same alone and in a batch, prompts chunked into running steps; a sampled request is the same alone
 and in a batch. Attention soft-capping is refused with an error naming it.
 
+Every family, a tiny random checkpoint decoded by ``dspark.generate``, has one outcome written
+down: transformers' greedy tokens (the fused Llama / Qwen path and the families above) or a refusal
+naming the layers whose state is not a KV cache (hybrid and recurrent families: Qwen3-Next, Qwen3.5,
+LFM2, Falcon-H1, Jamba, Nemotron-H, Bamba, Zamba2, Granite-MoE-hybrid, Mamba, RWKV, RecurrentGemma).
+``draft_config`` builds a drafter for targets that spell the norm epsilon and head counts otherwise.
+
 CUDA graphs: the families whose transformers code synchronises the host are declared from the
 config; the others' forwards read no device value on the host (checked on the CPU op by op); a
 forward that fails inside a capture makes the target eager, any other failed capture that graph,
@@ -16,6 +22,7 @@ with the same tokens (a simulated capture on the CPU, a forward calling ``.item(
 CUDA every family with graphs on equals ``generate()``.
 """
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -34,35 +41,70 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
               pad_token_id=None, tie_word_embeddings=False)
 
 
-def _family(name):
-    import transformers as t
-
-    kv = dict(num_key_value_heads=2)
-    return {
-        "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**COMMON, **kv, head_dim=8, sliding_window=None)),
-        "phi3": lambda: t.Phi3ForCausalLM(t.Phi3Config(**COMMON, **kv)),
-        "qwen3-moe": lambda: t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(
-            **COMMON, **kv, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            decoder_sparse_step=1)),
-        "gpt-neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**{**COMMON, "rotary_pct": 0.5},
-                                                                 use_parallel_residual=True)),
-        "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**COMMON, **kv)),
-        # sliding layers with windows far below the outputs' length: every verify row and prompt
-        # chunk spans window edges
-        "mistral-sliding": lambda: t.MistralForCausalLM(t.MistralConfig(**COMMON, **kv, head_dim=8, sliding_window=5)),
-        "gemma3-sliding": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(
-            **{**COMMON, "num_hidden_layers": 4}, **kv, head_dim=8, sliding_window=4,
-            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])),
-    }[name]
-
-
+KV = dict(num_key_value_heads=2)
+_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_conv_kernel_dim=4)  # gated DeltaNet layers
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16,
+               mamba_d_conv=4)
+# name: (transformers model class, its config class, the config's own settings beyond the size)
+SPECS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", KV),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", KV),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(**KV, head_dim=16)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(**KV, head_dim=8, sliding_window=None)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", KV),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        **KV, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)),
+    "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(rotary_pct=0.5, use_parallel_residual=True)),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", KV),
+    # sliding layers with windows far below the outputs' length: every verify row and prompt
+    # chunk spans window edges
+    "mistral-sliding": ("MistralForCausalLM", "MistralConfig", dict(**KV, head_dim=8, sliding_window=5)),
+    "gemma3-sliding": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        **KV, head_dim=8, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])),
+    # hybrid and recurrent families: layers whose state is not a KV cache
+    "qwen3-next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        **KV, head_dim=16, **_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
+    "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(**KV, head_dim=16, **_LINEAR)),
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(
+        **KV, num_hidden_layers=2, full_attn_idxs=[1], conv_L_cache=3, block_auto_adjust_ff_dim=False)),
+    "falcon-h1": ("FalconH1ForCausalLM", "FalconH1Config", dict(
+        **KV, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128, **_MAMBA2)),
+    "jamba": ("JambaForCausalLM", "JambaConfig", dict(
+        **KV, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1, expert_layer_period=1,
+        expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8)),
+    "nemotron-h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
+        **KV, layers_block_type=["linear_attention", "full_attention", "mlp"], num_hidden_layers=3, head_dim=16,
+        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=1, chunk_size=16, conv_kernel=4)),
+    "bamba": ("BambaForCausalLM", "BambaConfig", dict(**KV, num_hidden_layers=2, attn_layer_indices=[1], **_MAMBA2)),
+    "zamba2": ("Zamba2ForCausalLM", "Zamba2Config", dict(
+        **KV, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_headdim=32, mamba_d_state=8,
+        n_mamba_heads=4, mamba_ngroups=1, chunk_size=16)),
+    "granite-moe-hybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
+        **KV, num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=0,
+        shared_intermediate_size=128, **_MAMBA2)),
+    "mamba": ("MambaForCausalLM", "MambaConfig", dict(num_hidden_layers=2, state_size=8)),
+    "rwkv": ("RwkvForCausalLM", "RwkvConfig", dict(num_hidden_layers=2, attention_hidden_size=64, context_length=64)),
+    "recurrent-gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", dict(
+        num_hidden_layers=2, lru_width=64, head_dim=16, block_types=["recurrent", "attention"],
+        attention_window_size=16)),
+}
 FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding"]
 
 
-def _model(name):
+def _model(name, size=COMMON):
+    """A random ``name`` model of ``size`` (float32, eval mode); skipped only when the installed
+    transformers has no such class."""
+    import transformers as t
+
+    model_class, config_class, settings = SPECS[name]
+    if not hasattr(t, model_class):
+        pytest.skip(f"transformers {t.__version__} has no {model_class}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
-        return _family(name)().eval()
+        return getattr(t, model_class)(getattr(t, config_class)(**{**size, **settings})).eval()
 
 
 def _drafter(model):
@@ -150,6 +192,118 @@ def test_unsupported_attention_is_refused_by_name():
     model = t.Gemma2ForCausalLM(t.Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=50.0))
     with pytest.raises(ValueError, match="Gemma2Config: attn_logit_softcapping=50.0 is not supported"):
         LLMEngine(model, None, EngineConfig(max_batch=2))
+
+
+TINY = {**COMMON, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128}
+REFUSAL = "This engine cannot run that layer type exactly yet"
+# every family, decoded plainly from its checkpoint directory: "equal" (transformers' greedy
+# generate(), token for token) or "refused", the error naming which layers are what (the class
+# holding the state, or the declared type alone; declared names vary across transformers releases)
+OUTCOMES = {
+    **{name: ("equal", ()) for name in ("llama", "qwen2", "qwen3", *FAMILIES)},
+    "qwen3-next": ("refused", (([0, 1, 2], "Qwen3NextGatedDeltaNet"),)),
+    "qwen3.5": ("refused", (([0, 1, 2], "Qwen3_5GatedDeltaNet"),)),
+    "lfm2": ("refused", (([0], "Lfm2ShortConv"),)),
+    "falcon-h1": ("refused", (([0, 1], "FalconH1Mixer"),)),
+    "jamba": ("refused", (([0], "JambaMambaMixer"),)),
+    "nemotron-h": ("refused", (([0], "NemotronHMamba2Mixer"), ([2], "'mlp'"))),
+    "bamba": ("refused", (([0], "BambaMixer"),)),
+    "zamba2": ("refused", (([0], "Zamba2MambaMixer"), ([1], "Zamba2MambaDecoderLayer"))),
+    "granite-moe-hybrid": ("refused", (([0], "GraniteMoeHybridMambaLayer"),)),
+    "mamba": ("refused", (([0, 1], "MambaMixer"),)),
+    "rwkv": ("refused", (([0, 1], "RwkvBlock without an attention module"),)),
+    "recurrent-gemma": ("refused", (([0], "RecurrentGemmaRecurrentBlock"),)),
+}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_every_family_decodes_as_generate_or_is_refused_naming_its_layers(name, tmp_path):
+    """A tiny random model of each family, saved with ``save_pretrained`` and decoded plainly by
+    ``dspark.generate``: the fused ``TargetLM`` or ``HFTarget`` gives transformers' greedy tokens,
+    or the target is refused before any decoding, naming the model class, the layers and their
+    type -- never a silently different decode (hybrid layers keep a state the KV cache does not)."""
+    import dspark
+
+    outcome, groups = OUTCOMES[name]
+    model = _model(name, TINY)
+    model.save_pretrained(tmp_path)
+    assert list(tmp_path.glob("*.safetensors"))
+    prompt, n = PROMPTS[0], 16
+    if outcome == "equal":
+        result = dspark.generate(str(tmp_path), None, prompt, max_new_tokens=n, no_draft=True, ignore_eos=True)
+        assert result.token_ids == _generate(model, prompt, n)
+        return
+    with pytest.raises(ValueError, match=re.escape(f"HFTarget: {type(model).__name__}: layers ")) as refusal:
+        dspark.generate(str(tmp_path), None, prompt, max_new_tokens=n, no_draft=True, ignore_eos=True)
+    message = str(refusal.value)
+    assert REFUSAL in message
+    for layers, what in groups:
+        assert re.search(rf"layers {re.escape(str(layers))} are [^;.]*{re.escape(what)}", message), message
+    assert message.count("layers [") == len(groups), message
+
+
+def test_hybrid_layers_are_found_from_the_config_or_the_modules_alone():
+    """A config that declares every layer softmax attention does not hide a convolution layer, and
+    a declared non-attention layer is refused even where the modules look like attention."""
+    lfm2 = _model("lfm2")
+    lfm2.config.layer_types = ["full_attention"] * 2
+    with pytest.raises(ValueError, match=re.escape("Lfm2ForCausalLM: layers [0] are Lfm2ShortConv. " + REFUSAL)):
+        HFTarget(lfm2)
+    mistral = _model("mistral")
+    mistral.config.layer_types = ["full_attention", "linear_attention", "full_attention", "full_attention"]
+    with pytest.raises(ValueError, match=re.escape("MistralForCausalLM: layers [1] are 'linear_attention'. ")):
+        HFTarget(mistral)
+
+
+def test_the_fused_runner_refuses_layers_that_are_not_attention():
+    """``TargetLM`` (chosen by model type: llama / qwen2 / qwen3) runs softmax attention only: a
+    Qwen3 config declaring another layer type is refused, not run as attention."""
+    import transformers as t
+
+    config = t.Qwen3Config(**COMMON, **KV, head_dim=8,
+                           layer_types=["full_attention", "linear_attention", "full_attention", "full_attention"])
+    with pytest.raises(ValueError, match=re.escape("runs softmax attention layers only, got layer types "
+                                                   "['linear_attention'] (layers [1])")):
+        LLMEngine(t.Qwen3ForCausalLM(config), None, EngineConfig(max_batch=2))
+
+
+def _falcon():
+    import transformers as t
+
+    size = {key: value for key, value in TINY.items() if key != "intermediate_size"}  # Falcon's is ffn_hidden_size
+    return t.FalconForCausalLM(t.FalconConfig(**size, layer_norm_epsilon=3e-5, new_decoder_architecture=True,
+                                              num_kv_heads=2, ffn_hidden_size=96))
+
+
+@pytest.mark.parametrize("build, expected", [
+    (lambda: _model("gpt-neox", {**TINY, "layer_norm_eps": 1e-3}),  # MHA without head_dim: hidden // heads
+     dict(rms_norm_eps=1e-3, num_key_value_heads=4, head_dim=16, intermediate_size=128)),
+    (lambda: _model("nemotron-h", {**TINY, "layer_norm_epsilon": 2e-4}),
+     dict(rms_norm_eps=2e-4, num_key_value_heads=2, head_dim=16, intermediate_size=128)),
+    (_falcon, dict(rms_norm_eps=3e-5, num_key_value_heads=2, head_dim=16, intermediate_size=96)),
+], ids=["gpt-neox", "nemotron-h", "falcon"])
+def test_a_drafter_is_built_for_a_target_of_any_family(build, expected):
+    """``draft_config`` (``dspark train``'s) copies the norm epsilon, heads, head_dim and MLP width
+    under the names each family gives them, and the drafter builds for that target."""
+    from dspark.model import check_target_compatible
+    from dspark.training.trainer import draft_config, new_draft
+
+    model = build()
+    config = draft_config(model.config, mask_token_id=TINY["vocab_size"] - 1, block_size=4, markov_rank=4)
+    assert {key: getattr(config, key) for key in expected} == expected
+    assert config.num_attention_heads == 4
+    check_target_compatible(config, model.config)
+    assert new_draft(model, config).config.rms_norm_eps == expected["rms_norm_eps"]
+
+
+def test_a_target_config_without_a_norm_epsilon_is_named():
+    import transformers as t
+
+    from dspark.training.trainer import draft_config
+
+    with pytest.raises(ValueError, match=re.escape("draft_config: the target's OPTConfig has no rms_norm_eps "
+                                                   "(looked for rms_norm_eps / layer_norm_eps / layer_norm_epsilon")):
+        draft_config(t.OPTConfig(**{**TINY, "ffn_dim": 128}), mask_token_id=0)
 
 
 def test_graphability_is_declared_from_the_config():

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..kernels._validate import Checker
 
-__all__ = ["DSparkConfig", "LAYER_TYPES", "MARKOV_HEAD_TYPES", "CHECKPOINT_FORMATS"]
+__all__ = ["DSparkConfig", "LAYER_TYPES", "MARKOV_HEAD_TYPES", "CHECKPOINT_FORMATS", "TARGET_FIELD_NAMES",
+           "target_field"]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -23,6 +24,16 @@ SPECULATORS_MODEL_TYPES = ("dspark", "dflash")
 # format dspark writes, and DeepSpec's anchors per training sequence (its default).
 SPECULATORS_VERSION = "0.9.0"
 DEEPSPEC_NUM_ANCHORS = 64
+# the names transformers families give the target fields a draft copies, first choice first
+# (GPT-NeoX / Phi: layer_norm_eps, Nemotron-H / Falcon / GPT-2: layer_norm_epsilon, LFM2: norm_eps,
+# StarCoder2: norm_epsilon, Falcon: num_kv_heads, Zamba: attention_head_dim, GPT-2: n_inner,
+# OPT: ffn_dim, Falcon: ffn_hidden_size)
+TARGET_FIELD_NAMES = {
+    "rms_norm_eps": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
+    "head_dim": ("head_dim", "attention_head_dim"),
+    "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+}
 
 
 @dataclass
@@ -304,6 +315,17 @@ class DSparkConfig:
             dtype=str(d.get("dtype") or d.get("torch_dtype") or layer.get("dtype") or "bfloat16"),
             **extra,
         )
+
+
+def target_field(c: Checker, config, field: str, default=None):
+    """``field`` of a target's transformers ``config`` under the first of its names
+    (``TARGET_FIELD_NAMES``) the config sets; ``default`` when it sets none -- ValueError naming the
+    names looked for when there is no default either."""
+    names = TARGET_FIELD_NAMES.get(field, (field,))
+    value = next((getattr(config, name) for name in names if getattr(config, name, None) is not None), default)
+    if value is None:
+        c.fail(f"the target's {type(config).__name__} has no {field} (looked for {' / '.join(names)})")
+    return value
 
 
 def detect_format(d: dict) -> str:

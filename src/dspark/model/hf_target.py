@@ -11,7 +11,13 @@ for the rows asked for (``logits_to_keep``).
 
 Sliding-window layers mask per query (the window the modeling code passes). Attention variants
 the ragged op cannot express exactly are refused with an error naming them: attention-logit
-soft-capping, chunked attention, attention sinks, non-causal layers.
+soft-capping, chunked attention, attention sinks, non-causal layers. So are hybrid and recurrent
+targets -- any decoder layer whose sequence mixer is not softmax attention (linear attention /
+gated DeltaNet, Mamba and other state-space layers, short convolutions, RWKV, RG-LRU, MLP-only
+layers): their recurrent or convolution state is not in the engine's KV cache, so they would decode
+wrong from the first tokens. They are found from the config's declared layer types and, whatever the
+config says, from the layers' modules (a ``Conv1d``, a class named for a recurrent mixer, no
+attention with a ``layer_idx``).
 
 The forward is capturable in a CUDA graph (static shapes per call, no host synchronisation in
 dspark's part; transformers builds no mask for the ragged attention) unless the model's own code
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -35,12 +42,18 @@ import torch
 from .. import kernels as K
 from ..kernels._validate import Checker
 from .layers import KVCache
-from .llama import AttentionBatch, CachedTarget
+from .llama import ATTENTION_LAYER_TYPES, AttentionBatch, CachedTarget, declared_layer_types
 
 __all__ = ["ATTENTION", "HFTarget"]
 log = logging.getLogger("dspark.engine")
 
 ATTENTION = "dspark_ragged"
+# declared layer types of softmax attention: the older layers_block_type spells it "attention";
+# chunked attention is refused on its own, by name
+_SOFTMAX_LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "attention", "chunked_attention")
+# class names (less the family's prefix) of sequence mixers with a recurrent or convolution state
+_STATEFUL_MIXER = re.compile(r"Mamba|SSM|Ssm|DeltaNet|LinearAttention|Lightning|ShortConv|Recurrent|Rglru|RGLRU|"
+                             r"Rwkv|RWKV|LSTM|Retention|Mixer")
 
 
 @dataclass
@@ -104,6 +117,7 @@ class HFTarget(CachedTarget):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.model, self.config = model.eval(), config
         self.layers = _decoder_layers(c, model)
+        _check_sequence_mixers(c, model, config, self.layers)
         _check_attention(c, config, self.layers)
         heads = config.num_attention_heads
         self.shape = _HFShape(
@@ -202,6 +216,49 @@ def _decoder_layers(c: Checker, model) -> torch.nn.ModuleList:
     c.fail(f"cannot find the decoder layers of {type(model).__name__} (looked for layers / h / blocks)")
 
 
+def _check_sequence_mixers(c: Checker, model, config, layers) -> None:
+    """Refuse every decoder layer that is not softmax attention (see the module docstring), naming
+    the model, the layers and what they are."""
+    declared = declared_layer_types(config)
+    family = re.sub(r"(For[A-Z]\w*|LMHeadModel|Model)$", "", type(model).__name__)
+    found: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        kind = _non_attention_kind(declared[i] if i < len(declared) else None, layer, family)
+        if kind is not None:
+            found.setdefault(kind, []).append(i)
+    if found:
+        what = "; ".join(f"layers {indices} are {kind}" for kind, indices in found.items())
+        c.fail(f"{type(model).__name__}: {what}. This engine cannot run that layer type exactly yet: it runs "
+               f"full and sliding-window softmax attention layers only, whose state is its KV cache (hybrid "
+               f"targets, with recurrent or convolution states, are a separate planned feature)")
+
+
+def _non_attention_kind(declared: str | None, layer, family: str) -> str | None:
+    """What decoder ``layer`` holds that is not softmax attention -- its declared type, the module
+    with the state -- or None when it is softmax attention."""
+    stateful = next((type(m).__name__ for m in layer.modules() if m is not layer and _is_stateful(m, family)), None)
+    if declared is not None and declared not in _SOFTMAX_LAYER_TYPES:
+        return f"{declared!r}" + (f" ({stateful})" if stateful else "")
+    if stateful is not None:
+        return stateful
+    if _attention_module(layer) is None:
+        return f"{type(layer).__name__} without an attention module (one with a layer_idx, for its cache)"
+    return None
+
+
+def _is_stateful(module, family: str) -> bool:
+    """A causal convolution over positions (it holds a ``Conv1d``) or a recurrent mixer by name."""
+    if any(isinstance(child, torch.nn.Conv1d) for child in module.children()):
+        return True
+    # less the family's own name, which may hold a marker (RecurrentGemmaAttention, MambaRMSNorm)
+    return bool(_STATEFUL_MIXER.search(type(module).__name__.removeprefix(family)))
+
+
+def _attention_module(layer):
+    """The module of ``layer`` whose ``layer_idx`` names its cache (None: it has none)."""
+    return next((m for m in layer.modules() if hasattr(m, "layer_idx") and m is not layer), None)
+
+
 def _check_attention(c: Checker, config, layers) -> None:
     """Refuse attention variants the ragged causal op cannot run exactly, naming them."""
     name = type(config).__name__
@@ -212,9 +269,7 @@ def _check_attention(c: Checker, config, layers) -> None:
         if getattr(config, key, None):
             c.fail(f"{name}: {key}={getattr(config, key)} is not supported by the Hugging Face backend")
     for i, layer in enumerate(layers):
-        attention = next((m for m in layer.modules() if hasattr(m, "layer_idx") and m is not layer), None)
-        if attention is None:
-            c.fail(f"{name}: decoder layer {i} has no attention module with a layer_idx (needed to find its cache)")
+        attention = _attention_module(layer)
         if getattr(attention, "is_causal", True) is False:
             c.fail(f"{name}: layer {i} attention is not causal")
         if getattr(attention, "sinks", None) is not None:

@@ -23,9 +23,13 @@ from .. import kernels as K
 from ..kernels._validate import Checker
 from .layers import KVCache, attention, decoder_layer, rms_norm, rope_inv_freq, swiglu
 
-__all__ = ["AttentionBatch", "CachedTarget", "TargetLM", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["AttentionBatch", "CachedTarget", "TargetLM", "SUPPORTED_MODEL_TYPES", "ATTENTION_LAYER_TYPES",
+           "declared_layer_types"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# the layer types of softmax attention: whatever else a config declares (linear attention, Mamba,
+# convolutions, MLP-only layers) keeps a state or a shape the engine's KV cache does not hold
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -195,6 +199,16 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def declared_layer_types(config) -> list[str]:
+    """The sequence mixer of each decoder layer as ``config`` declares it: ``layer_types``, else the
+    older ``layers_block_type`` (hybrid families); [] when it declares none."""
+    for key in ("layer_types", "layers_block_type"):
+        types = getattr(config, key, None)
+        if isinstance(types, (list, tuple)) and types:
+            return [str(t) for t in types]
+    return []
+
+
 def _shape_of(c: Checker, config) -> _Shape:
     config = _text_config(config)
     model_type = getattr(config, "model_type", None)
@@ -204,6 +218,10 @@ def _shape_of(c: Checker, config) -> _Shape:
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         c.fail(f"targets with sliding-window attention are not supported (use_sliding_window is true, "
                f"sliding_window={config.sliding_window})")
+    others = {i: t for i, t in enumerate(declared_layer_types(config)) if t not in ATTENTION_LAYER_TYPES}
+    if others:
+        c.fail(f"the fused runner runs softmax attention layers only, got layer types "
+               f"{sorted(set(others.values()))} (layers {sorted(others)})")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return _Shape(

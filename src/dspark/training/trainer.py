@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from .. import kernels as K
 from ..kernels._validate import Checker
 from ..model import DSparkConfig, DSparkDraftModel, load_draft, save_draft
+from ..model.config import target_field
 from ..model.draft_runner import layer_weights, run_block, write_context
 from ..model.layers import rope_inv_freq
 from .distributed import SINGLE, World, wrap
@@ -255,9 +256,11 @@ def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_
                  capture_layer_ids: list[int] | None = None, layer_type: str = "full_attention",
                  sliding_window: int | None = None, sample_from_anchor: bool = True,
                  verifier: dict | None = None) -> DSparkConfig:
-    """A ``DSparkConfig`` whose layers copy the target's (a transformers config): hidden size,
-    heads, head_dim, MLP width, norm eps, RoPE θ; ``num_layers`` draft layers of ``layer_type``.
-    ``markov_rank=0`` is the DFlash ablation (see the module docstring)."""
+    """A ``DSparkConfig`` whose layers copy the target's (a transformers config of any family):
+    hidden size, heads, head_dim, MLP width, norm eps, RoPE θ -- each under the names families give
+    it (``model.config.TARGET_FIELD_NAMES``; ValueError naming a field the config lacks);
+    ``num_layers`` draft layers of ``layer_type``. ``markov_rank=0`` is the DFlash ablation (see the
+    module docstring)."""
     c = Checker("draft_config")
     c.integer("markov_rank", markov_rank, low=0)
     target_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -268,9 +271,9 @@ def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_
         hidden_size=target_config.hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-        intermediate_size=target_config.intermediate_size,
+        num_key_value_heads=target_field(c, target_config, "num_key_value_heads", heads),
+        head_dim=target_field(c, target_config, "head_dim", target_config.hidden_size // heads),
+        intermediate_size=target_field(c, target_config, "intermediate_size"),
         vocab_size=target_config.vocab_size,
         capture_layer_ids=list(capture_layer_ids or default_capture_layer_ids(layers)),
         num_target_layers=layers,
@@ -283,7 +286,7 @@ def draft_config(target_config, *, mask_token_id: int, block_size: int = 7, num_
         confidence_head_with_markov=True,
         layer_types=[layer_type] * num_layers,
         sliding_window=sliding_window if layer_type == "sliding_attention" else None,
-        rms_norm_eps=target_config.rms_norm_eps,
+        rms_norm_eps=float(target_field(c, target_config, "rms_norm_eps")),
         rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
         dtype="float32",
         verifier=dict(verifier or {}),
