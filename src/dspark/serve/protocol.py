@@ -6,7 +6,10 @@ are ignored, as vLLM does, except the OpenAI features this server does not imple
 extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (token ids in every
 choice and chunk) and, for chat, ``add_generation_prompt`` and ``chat_template``. As vLLM:
 ``prompt`` may be a list of prompts (one choice per prompt and sample), ``n`` samples per prompt,
-``logprobs`` (completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``).
+``logprobs`` (completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``),
+``prompt_logprobs`` (0..``MAX_LOGPROBS``: each prompt token's log-probability, not streamed) and, for
+completions, ``echo`` (the prompt before the completion, in the text and the logprobs; with
+``max_tokens`` 0 only the prompt, scored).
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # field -> default: an OpenAI feature this server does not implement, refused when set otherwise
 UNSUPPORTED = {
-    "echo": False, "best_of": None, "suffix": None,
+    "best_of": None, "suffix": None,
     "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0, "tools": None, "tool_choice": None,
     "response_format": None, "functions": None, "function_call": None, "min_tokens": 0,
-    "repetition_penalty": 1, "prompt_logprobs": None,
+    "repetition_penalty": 1,
 }
 CHAT_DEFAULTS = UNSUPPORTED
 
@@ -60,13 +63,15 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: with echo only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
 
 class TextPart(OpenAIModel):
@@ -88,6 +93,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's echo of the last message: refused (not implemented)
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -132,12 +138,24 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[Union[dict[int, PromptLogprob], None]]  # per prompt position; None at the first
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
 
@@ -174,6 +192,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
