@@ -101,5 +101,5 @@ def test_prompt_logprobs_of_a_target_running_its_own_modeling_code():
 
 @pytest.mark.parametrize("value, error", [(-1, ValueError), (21, ValueError), ("2", TypeError), (1.0, TypeError)])
 def test_bad_prompt_logprobs_are_refused_by_name(value, error):
-    with pytest.raises(error, match="prompt_logprobs"):
+    with pytest.raises(error, match="prompt_logprobs must be"):
         Request([1, 2], 1, prompt_logprobs=value)

@@ -200,13 +200,14 @@ def test_chat_prompt_logprobs_are_the_rendered_prompts(http, model):
         [expected[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=TOL)
 
 
-@pytest.mark.parametrize("body, url, param", [
-    ({"prompt": "x", "max_tokens": 0}, "/v1/completions", "max_tokens"),
-    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "/v1/completions", "prompt_logprobs"),
-    ({"prompt": "x", "prompt_logprobs": 21}, "/v1/completions", "prompt_logprobs"),
-    ({"prompt": "x", "prompt_logprobs": -1}, "/v1/completions", "prompt_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "/v1/chat/completions", "echo"),
+@pytest.mark.parametrize("body, url, param, says", [
+    ({"prompt": "x", "max_tokens": 0}, "/v1/completions", "max_tokens", "needs echo"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "/v1/completions", "prompt_logprobs", "stream"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "/v1/completions", "prompt_logprobs", "less than or equal to 20"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "/v1/completions", "prompt_logprobs", "greater than or equal to 0"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "/v1/chat/completions", "echo", "chat"),
 ])
-def test_what_scoring_refuses(http, body, url, param):
+def test_what_scoring_refuses(http, body, url, param, says):
     r = http.post(url, json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and says in error["message"], r.text
