@@ -22,6 +22,15 @@ NEW, K = 6, 3
 TOL = 5e-5  # float32 rounding apart over a few layers (3e-6 seen); an off-by-one position is off by units
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a busy 2-core box two ran these tiny steps 10-30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_qwen3_target()
@@ -67,7 +76,8 @@ def test_prompt_logprobs_of_a_split_prompt_in_a_batch_equal_the_targets_forward(
     assert_prompt_logprobs(target, LONG, runs[1][1])
     assert all(run[1] is None for run in (runs[0], runs[2]))  # not asked for
     assert sum(out.prompt_logprobs is not None for out in runs[1][2]) == 1  # in the first output only
-    plain = _run(_engine(target, budget=3 * 8 + 5), [Request(OTHERS[0], NEW), Request(LONG, NEW), Request(OTHERS[1], NEW)])
+    plain = _run(_engine(target, budget=3 * 8 + 5),
+                 [Request(OTHERS[0], NEW), Request(LONG, NEW), Request(OTHERS[1], NEW)])
     assert [run[0] for run in runs] == [run[0] for run in plain]
     whole = _run(_engine(target), [Request(LONG, NEW, prompt_logprobs=K)])[0][1]  # one chunk
     for split, one in zip(runs[1][1][1:], whole[1:]):
@@ -97,6 +107,32 @@ def test_prompt_logprobs_of_a_target_running_its_own_modeling_code():
     engine = LLMEngine(model, None, EngineConfig(max_batch=2, max_num_batched_tokens=16))
     (_, scored, _), _ = _run(engine, [Request(LONG[:40], 2, prompt_logprobs=1), Request(OTHERS[0], 4)])
     assert_prompt_logprobs(model, LONG[:40], scored, k=1)
+
+
+def test_a_failed_scoring_fails_its_request_alone(target, monkeypatch):
+    """A prompt whose scoring forward raises ends with ``"error"`` naming the cause; the request
+    scored beside it and the one that scores nothing run as without it."""
+    engine = _engine(target, budget=3 * 8 + 5)
+    clean = _run(_engine(target, budget=3 * 8 + 5), [Request(OTHERS[0], NEW), Request(LONG, NEW, prompt_logprobs=1)])
+    poisoned, forward = [9, 9, 9, 9], engine.runner.prompt_logits
+
+    def prompt_logits(slot, token_ids, start):
+        if token_ids[:4] == poisoned:
+            raise RuntimeError("scoring forward broke")
+        return forward(slot, token_ids, start)
+
+    monkeypatch.setattr(engine.runner, "prompt_logits", prompt_logits)
+    runs = _run(engine, [Request(OTHERS[0], NEW), Request(poisoned + LONG[:30], NEW, prompt_logprobs=0),
+                         Request(LONG, NEW, prompt_logprobs=1)])
+    failed = runs[1][2][-1]
+    assert failed.finish_reason == "error" and "scoring forward broke" in failed.error and runs[1][0] == []
+    assert [runs[0][0], runs[2][0]] == [run[0] for run in clean]
+    assert [lp.logprob for lp in runs[2][1][1:]] == [lp.logprob for lp in clean[1][1][1:]]
+
+
+def test_a_one_token_prompt_has_nothing_to_score(target):
+    (tokens, scored, _), = _run(_engine(target, draft=False), [Request([5], 3, prompt_logprobs=2)])
+    assert scored == [None] and len(tokens) == 3
 
 
 @pytest.mark.parametrize("value, error", [(-1, ValueError), (21, ValueError), ("2", TypeError), (1.0, TypeError)])

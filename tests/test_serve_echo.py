@@ -169,7 +169,8 @@ def test_prompt_logprobs_in_vllms_shape(http, model, tokenizer, texts):
         row, entry = expected[i - 1], scored[i]
         mine = entry[str(ids[i])]
         assert mine["logprob"] == pytest.approx(row[ids[i]].item(), abs=TOL)
-        assert mine["rank"] == int((row > row[ids[i]]).sum()) + 1 and mine["decoded_token"] == tokenizer.decode([ids[i]])
+        assert mine["rank"] == int((row > row[ids[i]]).sum()) + 1
+        assert mine["decoded_token"] == tokenizer.decode([ids[i]])
         values, index = row.topk(2)
         for rank, (token, value) in enumerate(zip(index.tolist(), values.tolist()), 1):
             assert entry[str(token)]["rank"] == rank and entry[str(token)]["logprob"] == pytest.approx(value, abs=TOL)

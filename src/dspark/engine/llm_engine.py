@@ -449,8 +449,8 @@ class LLMEngine:
         (the chunks after it would take other rows)."""
         while True:
             plan = self._plan_chunks(budget)
-            failed = [seq for seq, chunk in plan if seq.prompt_logprobs is not None and not self._score(seq, chunk, outputs)]
-            if not failed:
+            scored = [self._score(seq, chunk, outputs) for seq, chunk in plan if seq.prompt_logprobs is not None]
+            if all(scored):
                 return plan
 
     def _score(self, seq: Sequence, chunk: PrefillChunk, outputs: list[RequestOutput]) -> bool:
@@ -461,7 +461,7 @@ class LLMEngine:
             for lo in range(0, len(chunk.token_ids), PROMPT_LOGITS_TOKENS):
                 start = chunk.start + lo
                 logits = self.runner.prompt_logits(chunk.slot, chunk.token_ids[lo:lo + PROMPT_LOGITS_TOKENS], start)
-                following = ids[start + 1:start + 1 + logits.shape[0]]  # the prompt's last logits predict no prompt token
+                following = ids[start + 1:start + 1 + logits.shape[0]]  # the last prompt position predicts none
                 seq.prompt_logprobs[start + 1:start + 1 + len(following)] = token_logprobs(logits[:len(following)],
                                                                                            following, k)
         except Exception as exc:  # noqa: BLE001

@@ -821,7 +821,8 @@ class ModelRunner:
         that its K/V writes are the ones that step makes again."""
         n, i32 = len(token_ids), dict(dtype=torch.int32, device=self.device)
         positions = torch.arange(start, start + n, **i32)
-        batch = AttentionBatch(torch.tensor([slot], **i32), torch.tensor([start], **i32), torch.tensor([0, n], **i32), n)
+        batch = AttentionBatch(torch.tensor([slot], **i32), torch.tensor([start], **i32), torch.tensor([0, n], **i32),
+                               n)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return self.target.forward(ids, positions, torch.full((n,), slot, **i32), batch, self.cache)
 

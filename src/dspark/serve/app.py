@@ -339,10 +339,12 @@ class _Server:
         limits = [self._max_tokens(p, body.max_tokens, "prompt", j if len(prompts) > 1 else None)
                   for j, p in enumerate(prompts)]
         # echo with logprobs scores the prompt as vLLM does: its tokens' logprobs come first
-        wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
-        choices = await self._start(body, prompts, limits, body.logprobs, max(wanted, default=None))
+        prompt_k = max((k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None),
+                       default=None)
+        choices = await self._start(body, prompts, limits, body.logprobs, prompt_k)
         rid, tokens = random_id("cmpl"), body.return_token_ids
-        echoes = [self._echo_text(ids, sent) for ids, sent in zip(prompts, _prompt_list(body.prompt))]
+        echoes = [self._echo_text(ids, sent) for ids, sent in zip(prompts, _prompt_list(body.prompt))] if body.echo \
+            else []
         offsets = {g.index: 0 for g in choices.gens}  # text sent so far per choice (logprobs' text_offset)
 
         def choice(gen: Generation, pieces: list[Piece], first: bool) -> CompletionChoice:
