@@ -9,6 +9,8 @@ prompt's length, other requests running meanwhile) and for a target running its 
 request's own tokens are those of a run without it; ``max_new_tokens`` 0 scores the prompt alone.
 """
 
+import copy
+
 import pytest
 import torch
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
@@ -19,6 +21,8 @@ from dspark.engine.request import Request
 LONG = [(7 * i + 3) % 96 for i in range(70)]  # far beyond a step's chunk budget below
 OTHERS = [[3, 17, 42, 8, 61, 5], [44, 2, 71, 7, 7, 30, 12, 55, 90, 3, 18]]
 NEW, K = 6, 3
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                reason="needs CUDA")])]
 TOL = 5e-5  # float32 rounding apart over a few layers (3e-6 seen); an off-by-one position is off by units
 
 
@@ -37,7 +41,7 @@ def target():
 
 
 def _engine(target, budget=None, draft=True):
-    drafter = random_draft(tiny_draft_config(target.config), 0, target) if draft else None
+    drafter = random_draft(tiny_draft_config(target.config), 0, target).to(target.device) if draft else None
     return LLMEngine(target, drafter, EngineConfig(max_batch=3, max_num_batched_tokens=budget))
 
 
@@ -51,7 +55,7 @@ def _run(engine, requests):
 
 def _expected(model, prompt):
     with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        return torch.log_softmax(model(torch.tensor([prompt], device=model.device)).logits[0].float(), -1).cpu()
 
 
 def assert_prompt_logprobs(model, prompt, scored, k=K):
@@ -67,9 +71,12 @@ def assert_prompt_logprobs(model, prompt, scored, k=K):
         assert [t for t, _ in entry.top] == index.tolist()
 
 
-def test_prompt_logprobs_of_a_split_prompt_in_a_batch_equal_the_targets_forward(target):
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_logprobs_of_a_split_prompt_in_a_batch_equal_the_targets_forward(target, device):
     """70 prompt tokens through steps of 3 x 8 verify tokens + a few chunk tokens: many chunks, each
-    scored on its own; the batch's other requests and the request's own tokens are unchanged."""
+    scored on its own; the batch's other requests and the request's own tokens are unchanged (on
+    CUDA: the steps replay their graphs, the scoring forwards run eagerly beside them)."""
+    target = copy.deepcopy(target).to(device)
     engine = _engine(target, budget=3 * 8 + 5)
     requests = [Request(OTHERS[0], NEW), Request(LONG, NEW, prompt_logprobs=K), Request(OTHERS[1], NEW)]
     runs = _run(engine, requests)
