@@ -18,7 +18,7 @@ import bisect
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -47,6 +47,7 @@ REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler draft
 HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
 ENGINES = ("auto", "batched", "reference")
 HOST_PHASES = ("plan", "launch", "commit")  # EngineMetrics.host_phases
+PROMPT_LOGITS_TOKENS = 512  # prompt tokens per eager forward that scores a prompt (its logits: [512, V] f32)
 
 
 @dataclass
@@ -199,6 +200,8 @@ class LLMEngine:
         stops = self.check_request(request)
         seq = Sequence(self._next_id, request, stops)
         seq.stats.num_drafts, seq.stats.prompt_tokens = self.num_drafts, len(request.prompt_ids)
+        if request.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(request.prompt_ids)
         self._next_id += 1
         self.sequences[seq.request_id] = seq
         self.waiting.append(seq)
@@ -272,7 +275,7 @@ class LLMEngine:
         self._admit()
         rows = len(self.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
-        plan = self._plan_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows))
+        plan = self._plan_scored_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows), outputs)
         planned = time.perf_counter()
         overlapped = planned - start if self.runner.device_busy() else 0.0  # behind the last draft pass
         joined = self._run_step(rows, lens, plan, outputs, draft)
@@ -444,6 +447,32 @@ class LLMEngine:
             budget -= n
         return plan
 
+    def _plan_scored_chunks(self, budget: int, outputs: list[RequestOutput]) -> list[tuple[Sequence, PrefillChunk]]:
+        """``_plan_chunks``, the chunks of requests that want prompt log-probabilities scored first;
+        a request whose scoring failed ends with ``"error"`` and the step is planned again without it
+        (the chunks after it would take other rows)."""
+        while True:
+            plan = self._plan_chunks(budget)
+            scored = [self._score(seq, chunk, outputs) for seq, chunk in plan if seq.prompt_logprobs is not None]
+            if all(scored):
+                return plan
+
+    def _score(self, seq: Sequence, chunk: PrefillChunk, outputs: list[RequestOutput]) -> bool:
+        """The log-probabilities of the prompt tokens that ``chunk``'s logits predict (each position's
+        next token) into ``seq.prompt_logprobs``; a failure fails ``seq`` alone (False)."""
+        ids, k = seq.request.prompt_ids, seq.request.prompt_logprobs
+        try:
+            for lo in range(0, len(chunk.token_ids), PROMPT_LOGITS_TOKENS):
+                start = chunk.start + lo
+                logits = self.runner.prompt_logits(chunk.slot, chunk.token_ids[lo:lo + PROMPT_LOGITS_TOKENS], start)
+                following = ids[start + 1:start + 1 + logits.shape[0]]  # the last prompt position predicts none
+                seq.prompt_logprobs[start + 1:start + 1 + len(following)] = token_logprobs(logits[:len(following)],
+                                                                                           following, k)
+        except Exception as exc:  # noqa: BLE001
+            self._fail([seq], exc, outputs, f"the prompt log-probabilities of request {seq.request_id}")
+            return False
+        return True
+
     def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput], joined: set[int]) -> float:
         """Commit each row's tokens (``joined``: requests whose first token this is), report them and
         retire the finished requests; returns the seconds it took."""
@@ -474,7 +503,8 @@ class LLMEngine:
                                  [kept_of[i] for i in wanted], outputs)
         for seq, kept in zip(running, kept_of):
             if seq.finish_reason != "error":
-                self._report(seq, kept, outputs, lps.get(seq.request_id))
+                self._report(seq, kept, outputs, lps.get(seq.request_id),
+                             seq.prompt_logprobs if seq.request_id in joined else None)
         self._retire([s for s in self.running if s.finish_reason is not None])
         return time.perf_counter() - now
 
@@ -510,14 +540,15 @@ class LLMEngine:
         result, i = {}, 0
         for seq, ts in zip(seqs, tokens):
             k = seq.request.logprobs
-            result[seq.request_id] = [TokenLogprobs(e.token_id, e.logprob, e.top[:k]) for e in flat[i:i + len(ts)]]
+            result[seq.request_id] = [replace(e, top=e.top[:k]) for e in flat[i:i + len(ts)]]
             i += len(ts)
         return result
 
-    def _report(self, seq: Sequence, kept: list[int], outputs: list[RequestOutput], logprobs=None) -> None:
+    def _report(self, seq: Sequence, kept: list[int], outputs: list[RequestOutput], logprobs=None,
+                prompt_logprobs=None) -> None:
         self.metrics.generated_tokens += len(kept)
         outputs.append(RequestOutput(seq.request_id, kept, seq.finish_reason is not None, seq.finish_reason,
-                                     logprobs, seq.error))
+                                     logprobs, seq.error, prompt_logprobs))
 
     def _fail(self, seqs: list[Sequence], exc: Exception, outputs: list[RequestOutput], what: str) -> None:
         """End ``seqs`` with finish reason ``"error"`` (logged with the traceback); the rest go on."""
@@ -636,8 +667,6 @@ class LLMEngine:
     def plain(self) -> "LLMEngine":
         """Plain decoding on this engine's target runner (the baseline of ``--compare``), built once."""
         if self._plain is None:
-            from dataclasses import replace
-
             self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
                                                                tree_budget=0))
             self._plain.eos_ids = self.eos_ids
@@ -690,12 +719,14 @@ class EngineMetrics:
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
     """``TokenLogprobs`` of ``token_ids[i]`` under the f32 logits row ``logits[i]`` ``[N, V]``: its
-    log-softmax and the ``top`` most likely tokens' (one host transfer)."""
+    log-softmax, rank and the ``top`` most likely tokens' (one host transfer each)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
-    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, ids[:, None])
+    ranks = (logp > chosen).sum(-1) + 1
     values, index = logp.topk(top, dim=-1) if top else (logp[:, :0], ids[:, None][:, :0])
-    return [TokenLogprobs(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, index.tolist(), values.tolist())]
+    return [TokenLogprobs(t, c, list(zip(i, v)), r) for t, c, r, i, v in
+            zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(), index.tolist(), values.tolist())]
 
 
 def _stop_clock(seq: Sequence) -> None:

@@ -29,6 +29,9 @@ class Request:
     ``logprobs``: None, or k >= 0: each output token comes with its log-probability under the
     target and the k most likely tokens' (``RequestOutput.logprobs``; the target's log-softmax before
     temperature / top-k / top-p, as vLLM reports by default -- under speculative decoding too).
+    ``prompt_logprobs``: None, or k >= 0: the log-probability of each prompt token after the first
+    given those before it, and the k most likely tokens' (``RequestOutput.prompt_logprobs``, vLLM's
+    ``prompt_logprobs``); with ``max_new_tokens`` 0 the request only scores its prompt.
     """
 
     prompt_ids: list[int]
@@ -37,6 +40,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         c = Checker("Request")
@@ -58,6 +62,8 @@ class Request:
             c.fail(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}", TypeError)
         if self.logprobs is not None:
             c.integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            c.integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
 
 
 def _describe(value) -> str:
@@ -98,12 +104,13 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class TokenLogprobs:
-    """One output token's log-probability under the target and the ``top`` most likely tokens
-    ``(token id, log-probability)``, most likely first."""
+    """One token's log-probability under the target, the ``top`` most likely tokens ``(token id,
+    log-probability)``, most likely first, and its ``rank`` (1 + how many tokens are more likely)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass
@@ -111,7 +118,9 @@ class RequestOutput:
     """What one ``LLMEngine.step`` produced for one request: the tokens committed this step and,
     when the request ended, why (``"stop"``: a stop/EOS token, ``"length"``: ``max_new_tokens`` or
     the context limit, ``"abort"``, ``"error"``: the engine failed on this request, ``error`` says
-    why). ``logprobs``: one entry per new token when the request asked for them."""
+    why). ``logprobs``: one entry per new token when the request asked for them;
+    ``prompt_logprobs`` (when asked for, in the request's first output): one entry per prompt token,
+    None for the first."""
 
     request_id: int
     new_token_ids: list[int]
@@ -119,6 +128,7 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(eq=False)
@@ -139,6 +149,7 @@ class Sequence:
     prefilled: int = 0  # prompt tokens already in the cache
     admitted_at: float = 0.0  # perf_counter when it got its slot (prefill time: until its first token)
     strikes: int = 0  # failed steps that ran this request's prompt
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt position, filled as its chunks run
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property

@@ -805,6 +805,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def prompt_logits(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """Every position's f32 logits ``[n, V]`` of prompt tokens ``token_ids`` at positions
+        ``start ..`` of cache line ``slot``, by an eager forward of that line alone (outside the
+        batched step and its graphs, which keep only a chunk's last logits): what prompt
+        log-probabilities are read from. Run before the step that runs these tokens as a chunk, so
+        that its K/V writes are the ones that step makes again."""
+        n, i32 = len(token_ids), dict(dtype=torch.int32, device=self.device)
+        positions = torch.arange(start, start + n, **i32)
+        batch = AttentionBatch(torch.tensor([slot], **i32), torch.tensor([start], **i32), torch.tensor([0, n], **i32),
+                               n)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        return self.target.forward(ids, positions, torch.full((n,), slot, **i32), batch, self.cache)
+
+
 class ChunkBuffers:
     """The prompt chunks of one step, staged on the host (pinned) and copied to the device in one
     transfer, at fixed addresses so that a captured mixed step reads any step's chunks.

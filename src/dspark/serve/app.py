@@ -37,8 +37,8 @@ from .metrics import Latency, ServerCounters, registry
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
-                       ErrorResponse, ModelCard, ModelList, SamplingFields, TopLogprob, UINT64_MAX, UsageInfo,
-                       random_id, short_repr)
+                       ErrorResponse, ModelCard, ModelList, PromptLogprob, PromptLogprobs, SamplingFields, TopLogprob,
+                       UINT64_MAX, UsageInfo, random_id, short_repr)
 from ..engine.text import TextOutput
 
 __all__ = ["APIError", "create_app"]
@@ -210,7 +210,8 @@ class Generation:
     """One choice: one engine request, its outputs turned into ``Piece`` s (``piece``).
 
     ``reason``: how it ended as the client saw it (``"abort"`` when closed early, ``"error"``);
-    ``index``: its place in the response's ``choices``.
+    ``index``: its place in the response's ``choices``; ``prompt_logprobs``: the engine's, from the
+    request's first output, when the request asked for them.
     """
 
     def __init__(self, index: int, request: Request, text: TextOutput | None, stop_ids: frozenset[int],
@@ -222,6 +223,7 @@ class Generation:
         self.finished = False
         self.reason: str | None = None
         self.arrival, self.last = time.perf_counter(), None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def close(self) -> None:
         """Abort the request unless it ended (a client gone, a stop string, a sibling's error)."""
@@ -242,10 +244,16 @@ class Generation:
         if self.request.logprobs is not None and kept and (logprobs is None or len(logprobs) < len(kept)):
             self._fail(f"the engine returned logprobs for {0 if logprobs is None else len(logprobs)} of "
                        f"{len(kept)} tokens of a request that asked for them")
+        if self.request.prompt_logprobs is not None and self.prompt_logprobs is None:  # its first output
+            scored = out.prompt_logprobs
+            if scored is None or len(scored) != len(self.request.prompt_ids):
+                self._fail(f"the engine returned prompt logprobs for {0 if scored is None else len(scored)} of "
+                           f"{len(self.request.prompt_ids)} prompt tokens of a request that asked for them")
+            self.prompt_logprobs = scored
         if self.text is not None:
             text, used = self.text.add(kept)
             kept = kept[:used]
-        logprobs = logprobs[:len(kept)] if self.request.logprobs is not None else None
+        logprobs = (logprobs or [])[:len(kept)] if self.request.logprobs is not None else None  # none: no tokens
         self.completion_tokens += len(kept)
         self._observe(bool(kept))
         if self.text is not None and self.text.stopped is not None:
@@ -355,23 +363,38 @@ class _Server:
 
     async def completions(self, body: CompletionRequest, raw: HTTPRequest):
         self._check(body)
+        self._check_scoring(body)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 needs echo: true (the prompt echoed and scored, nothing generated)",
+                           "max_tokens")
         prompts = self._completion_prompts(body.prompt)
         limits = [self._max_tokens(p, body.max_tokens, "prompt", j if len(prompts) > 1 else None)
                   for j, p in enumerate(prompts)]
-        choices = await self._start(body, prompts, limits, body.logprobs)
+        # echo with logprobs scores the prompt as vLLM does: its tokens' logprobs come first
+        prompt_k = max((k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None),
+                       default=None)
+        choices = await self._start(body, prompts, limits, body.logprobs, prompt_k)
         rid, tokens = random_id("cmpl"), body.return_token_ids
+        echoes = [self._echo_text(ids, sent) for ids, sent in zip(prompts, _prompt_list(body.prompt))] if body.echo \
+            else []
         offsets = {g.index: 0 for g in choices.gens}  # text sent so far per choice (logprobs' text_offset)
 
         def choice(gen: Generation, pieces: list[Piece], first: bool) -> CompletionChoice:
-            text = "".join(p.text for p in pieces)
+            echoing = body.echo and first
+            echo, start = echoes[gen.index // body.n] if echoing else "", offsets[gen.index]
+            text = echo + "".join(p.text for p in pieces)
             logprobs = None
             if body.logprobs is not None:
-                logprobs = self._completion_logprobs([lp for p in pieces for lp in p.logprobs], body.logprobs,
-                                                     offsets[gen.index])
+                prompt = zip(gen.request.prompt_ids, gen.prompt_logprobs) if echoing else ()
+                logprobs = self._completion_logprobs([(lp.token_id, lp) for p in pieces for lp in p.logprobs],
+                                                     body.logprobs, start + len(echo),
+                                                     self._completion_logprobs(prompt, body.logprobs, start))
             offsets[gen.index] += len(text)
+            scored = self._prompt_logprobs(gen.prompt_logprobs, body.prompt_logprobs) if first else None
             return CompletionChoice(
                 index=gen.index, text=text, logprobs=logprobs, finish_reason=pieces[-1].finish_reason,
-                stop_reason=pieces[-1].stop_reason, prompt_token_ids=gen.request.prompt_ids if tokens and first else None,
+                stop_reason=pieces[-1].stop_reason, prompt_logprobs=scored,
+                prompt_token_ids=gen.request.prompt_ids if tokens and first else None,
                 token_ids=[t for p in pieces for t in p.token_ids] if tokens else None)
 
         def response(choice_list: list[CompletionChoice], usage: UsageInfo | None) -> CompletionResponse:
@@ -385,6 +408,10 @@ class _Server:
 
     async def chat(self, body: ChatCompletionRequest, raw: HTTPRequest):
         self._check(body)
+        self._check_scoring(body)
+        if body.echo:
+            raise APIError(400, "echo is not supported on chat completions by this server: use /v1/completions "
+                                "with echo: true", "echo")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         if body.top_logprobs is not None and not body.logprobs:
@@ -392,7 +419,8 @@ class _Server:
         k = (body.top_logprobs or 0) if body.logprobs else None
         prompt_ids = self._chat_prompt(body)
         wanted = body.max_completion_tokens or body.max_tokens
-        choices = await self._start(body, [prompt_ids], [self._max_tokens(prompt_ids, wanted, "messages")], k)
+        choices = await self._start(body, [prompt_ids], [self._max_tokens(prompt_ids, wanted, "messages")], k,
+                                    body.prompt_logprobs)
         rid, tokens = random_id("chatcmpl"), body.return_token_ids
         prompt_out = prompt_ids if tokens else None
 
@@ -417,7 +445,9 @@ class _Server:
                                   token_ids=[t for p in ps for t in p.token_ids] if tokens else None)
                        for g in choices.gens for ps in [pieces[g.index]]]
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choice_list, usage=choices.usage,
-                                      prompt_token_ids=prompt_out)
+                                      prompt_token_ids=prompt_out,
+                                      prompt_logprobs=self._prompt_logprobs(choices.gens[0].prompt_logprobs,
+                                                                            body.prompt_logprobs))
 
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, root=self.model_root, max_model_len=self.max_model_len)])
@@ -447,14 +477,19 @@ class _Server:
             raise APIError(400, "stop strings need a tokenizer and this server has none: use stop token ids", "stop")
 
     @staticmethod
+    def _check_scoring(body: SamplingFields) -> None:
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream: true (as vLLM)", "prompt_logprobs")
+
+    @staticmethod
     def _stop_strings(body: SamplingFields) -> list[str]:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         return [s for s in stop if isinstance(s, str)]
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         """The prompts as token ids: a text, token ids, or a list of either (vLLM's batch)."""
-        many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
-        prompts = prompt if many else [prompt]
+        prompts = _prompt_list(prompt)
+        many = prompts is prompt
         out = []
         for j, one in enumerate(prompts):
             name = f"prompt[{j}]" if many else "the prompt"
@@ -466,6 +501,12 @@ class _Server:
                 raise APIError(400, f"{name} is empty", "prompt")
             out.append(list(one))
         return out
+
+    def _echo_text(self, prompt_ids: list[int], sent) -> str:
+        """A prompt as echo returns it: the text sent, or its token ids decoded (no tokenizer: no text)."""
+        if isinstance(sent, str):
+            return sent
+        return "" if self.tokenizer is None else self.tokenizer.decode(prompt_ids)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
@@ -509,7 +550,7 @@ class _Server:
         return wanted
 
     async def _start(self, body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
-                     logprobs: int | None) -> Choices:
+                     logprobs: int | None, prompt_logprobs: int | None = None) -> Choices:
         """Queue ``body.n`` requests per prompt (choice ``prompt_index * n + i``); returns once the
         engine has accepted all of them (or raises the refusal)."""
         total, capacity = len(prompts) * body.n, self.loop.capacity
@@ -521,7 +562,8 @@ class _Server:
         gens = []
         for j, (prompt_ids, limit) in enumerate(zip(prompts, max_tokens)):
             for i in range(body.n):
-                request = self._request(body, prompt_ids, limit, self._seed(body.seed, i), stop_ids, logprobs)
+                request = self._request(body, prompt_ids, limit, self._seed(body.seed, i), stop_ids, logprobs,
+                                        prompt_logprobs)
                 text = TextOutput(self.tokenizer, prompt_ids, self._stop_strings(body)) if self.tokenizer else None
                 gens.append(Generation(j * body.n + i, request, text, stop_ids, self.latency))
         queue: asyncio.Queue = asyncio.Queue()
@@ -544,13 +586,13 @@ class _Server:
 
     @staticmethod
     def _request(body: SamplingFields, prompt_ids: list[int], max_tokens: int, seed: int, stop_ids: frozenset[int],
-                 logprobs: int | None) -> Request:
+                 logprobs: int | None, prompt_logprobs: int | None) -> Request:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # vLLM's -1 / 0: off
         try:
             sampling = SamplingParams(1.0 if body.temperature is None else body.temperature, top_k,
                                       1.0 if body.top_p is None else body.top_p, seed)
             return Request(prompt_ids, max_tokens, sampling, stop_ids=tuple(sorted(stop_ids)),
-                           ignore_eos=body.ignore_eos, logprobs=logprobs)
+                           ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
 
@@ -580,20 +622,47 @@ class _Server:
             self._token_texts[token_id] = text
         return text
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs], k: int, offset: int) -> CompletionLogprobs:
-        """OpenAI's legacy shape; ``top_logprobs``: the chosen token and the ``k`` most likely (so k or
-        k + 1 entries, as OpenAI); ``offset``: where this text starts in the choice's text."""
-        out = CompletionLogprobs()
-        for lp in logprobs:
-            token = self._token_text(lp.token_id)
+    def _completion_logprobs(self, tokens, k: int, offset: int, out: CompletionLogprobs | None = None
+                             ) -> CompletionLogprobs:
+        """OpenAI's legacy shape of ``tokens`` ``(token id, TokenLogprobs or None)`` appended to ``out``;
+        ``top_logprobs``: the chosen token and the ``k`` most likely (so k or k + 1 entries, as
+        OpenAI), both null for a token without logprobs (an echoed prompt's first); ``offset``: where
+        this text starts in the choice's text."""
+        out = out if out is not None else CompletionLogprobs()
+        for token_id, lp in tokens:
+            token = self._token_text(token_id)
             out.tokens.append(token)
-            out.token_logprobs.append(_floor(lp.logprob))
-            top = {token: _floor(lp.logprob)}
-            for token_id, value in lp.top[:k]:
-                top.setdefault(self._token_text(token_id), _floor(value))
-            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(token)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_floor(lp.logprob))
+            top = {token: _floor(lp.logprob)}
+            for top_id, value in lp.top[:k]:
+                top.setdefault(self._token_text(top_id), _floor(value))
+            out.top_logprobs.append(top)
+        return out
+
+    def _prompt_logprobs(self, scored: list[TokenLogprobs | None] | None, k: int | None) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` (None unless asked for: ``k``): per prompt position, by token id,
+        the prompt's token and the ``k`` most likely (ranks 1 .. k); None at the first."""
+        if k is None:
+            return None
+
+        def entry(token_id: int, value: float, rank: int | None) -> PromptLogprob:
+            return PromptLogprob(logprob=_floor(value), rank=rank, decoded_token=self._token_text(token_id))
+
+        out: PromptLogprobs = []
+        for lp in scored:
+            if lp is None:
+                out.append(None)
+                continue
+            tokens = {lp.token_id: entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (token_id, value) in enumerate(lp.top[:k], 1):
+                tokens.setdefault(token_id, entry(token_id, value, rank))
+            out.append(tokens)
         return out
 
     def _chat_logprobs(self, logprobs: list[TokenLogprobs], k: int) -> ChatLogprobs:
@@ -654,6 +723,12 @@ class _Server:
                 choices.close()
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _prompt_list(prompt) -> list:
+    """A completion's ``prompt`` as a list of prompts (the same list when it is one, vLLM's batch)."""
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    return prompt if many else [prompt]
 
 
 def _floor(logprob: float) -> float:

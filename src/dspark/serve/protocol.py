@@ -10,7 +10,10 @@ that change nothing (``presence_penalty: 0``, ``logit_bias: {}``, ``best_of`` eq
 ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (token ids in every choice and
 chunk) and, for chat, ``add_generation_prompt`` and ``chat_template``. As vLLM: ``prompt`` may be a
 list of prompts (one choice per prompt and sample), ``n`` samples per prompt, ``logprobs``
-(completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``).
+(completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``),
+``prompt_logprobs`` (0..``MAX_LOGPROBS``: each prompt token's log-probability, not streamed) and, for
+completions, ``echo`` (the prompt before the completion, in the text and the logprobs; with
+``max_tokens`` 0 only the prompt, scored).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class AnyOf:
 
 
 # field -> the values that change nothing (accepted as if left out); any other value is refused.
-# Penalties, logit_bias, min_p, ... are not implemented yet; echo / prompt_logprobs are on their way.
+# Penalties, logit_bias, min_p, ... are not implemented yet.
 NOOP_VALUES: dict[str, tuple] = {
     # sampling
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
@@ -51,7 +54,7 @@ NOOP_VALUES: dict[str, tuple] = {
     "bad_words": (None, []), "best_of": (None, 1, SameAs("n")), "use_beam_search": (None, False),
     "length_penalty": (None, 1), "logits_processors": (None, []),
     # what the output holds
-    "echo": (None, False), "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False),
+    "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "include_reasoning": (None, True),
@@ -163,14 +166,16 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
 
 
 class CompletionRequest(SamplingFields):
     noop_values = COMPLETION_NOOPS
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: with echo only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
 
 class TextPart(OpenAIModel):
@@ -194,6 +199,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's echo of the last message: refused (not implemented)
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -238,12 +244,24 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[Union[dict[int, PromptLogprob], None]]  # per prompt position; None at the first
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
 
@@ -280,6 +298,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
