@@ -290,6 +290,31 @@ def test_missing_demo_pair_or_half_a_pair_is_a_clear_error(checkpoints, capsys, 
     assert status == 2 and "give a prompt" in err
 
 
+def test_a_draft_alone_runs_with_the_verifier_its_config_names(capsys, tmp_path):
+    """``--draft D`` without ``--target``: a copy of the demo draft whose config names the demo
+    target's directory runs as the pair given in full; one naming a missing model is a one-line
+    error naming the draft, the verifier and where it looked."""
+    from dspark.training.data import demo_pair
+
+    pair = demo_pair()
+    draft = shutil.copytree(pair.draft, tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    args = ("--prompt-ids", "5,6,7,8", "--max-new-tokens", "8", "--json")
+    for verifier in (str(pair.target), "no-such/model"):
+        config["speculators_config"]["verifier"]["name_or_path"] = verifier
+        (draft / "config.json").write_text(json.dumps(config))
+        status, out, err = _run(capsys, "--draft", str(draft), *args)
+        if verifier == str(pair.target):
+            _, expected, _ = _run(capsys, "--target", str(pair.target), "--draft", str(pair.draft), *args)
+            assert status == 0 and json.loads(out)["generated_ids"] == json.loads(expected)["generated_ids"]
+            assert _run(capsys, "--draft", str(draft))[2].endswith("give a prompt: --prompt TEXT, --prompt-ids "
+                                                                   "1,2,3 or --prompt-file FILE\n")  # not the demo's
+        else:
+            assert status == 2 and err.count("\n") == 1
+            assert f"--draft {draft} names its verifier 'no-such/model'" in err
+            assert f"looked in {draft / 'no-such/model'}" in err and "nor a Hugging Face Hub model in the local cache" in err
+
+
 def test_readme_main_command_runs_the_shipped_pair(capsys):
     """``dspark generate --compare`` with no checkpoints: the shipped demo pair, its default held-out
     prompt, lossless against plain decoding (float32 on the CPU)."""

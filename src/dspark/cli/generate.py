@@ -29,7 +29,7 @@ from ._runtime import (add_runtime_arguments, add_sampling_arguments, add_schedu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="Hugging Face causal LM: a directory or a Hub name such as Qwen/Qwen3-0.6B "
-                                         "(default: the demo pair's target)")
+                                         "(default: the verifier --draft's config names; neither: the demo pair)")
     parser.add_argument("--draft", help="DSpark draft, speculators or DeepSpec format: a directory or a Hub name "
                                         "(default: the demo pair's draft)")
     parser.add_argument("--no-draft", action="store_true",
@@ -144,7 +144,7 @@ def _use_demo_pair_by_default(args: argparse.Namespace) -> None:
     """--target / --draft resolved to directories (``resolve_pair``: Hub names, the demo pair when
     neither is given); the demo pair is prompted (unless a prompt is given) with the start of the
     held-out file ``DEMO_PROMPT_FILE``."""
-    demo = args.target is None
+    demo = args.target is None and args.draft is None
     resolve_pair(args, no_draft=args.no_draft)
     no_prompt = args.prompt is None and args.prompt_ids is None and args.prompt_file is None
     if demo:
