@@ -31,6 +31,8 @@ from ._prompts import read_prompt_file
 from ._runtime import (add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
                        mismatch_status, resolve_pair, runtime, sampling_params, stop_string)
 
+COMPARE_RUNS = 5  # --compare's timed runs of each side by default (the README's first command: ~N x 4 s)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="Hugging Face causal LM: a directory or a Hub name such as Qwen/Qwen3-0.6B "
@@ -67,9 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
 
 
-COMPARE_RUNS = 5  # --compare's timed runs of each side by default (the README's first command: ~N x 4 s)
-
-
 @dataclass
 class TimedRun:
     """One timed run of ``--compare``: every request decoded speculatively, then plainly (request order)."""
@@ -81,9 +80,8 @@ class TimedRun:
         """Speculative over plain tokens/s: of request ``index``, or of all requests together (None)."""
         from dspark.evaluation import merge_stats, speedup
 
-        pick = (lambda results: results[index].stats) if index is not None else \
-            (lambda results: merge_stats([r.stats for r in results]))
-        return speedup(pick(self.speculative), pick(self.plain))
+        sides = [results if index is None else [results[index]] for results in (self.speculative, self.plain)]
+        return speedup(*(merge_stats([r.stats for r in side]) for side in sides))
 
     def identical(self, index: int) -> bool:
         return self.speculative[index].token_ids == self.plain[index].token_ids
