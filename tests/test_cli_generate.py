@@ -4,6 +4,7 @@ input a one-line error (exit status 2, no traceback), and the ``dspark`` command
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -56,7 +57,8 @@ def _pair(checkpoints, fmt="speculators", target="target"):
 def test_generate_json_compare_is_identical_to_plain_greedy(checkpoints, greedy, capsys, fmt, scheduler):
     threshold = ["--threshold", "0.1"] if scheduler != "off" else []
     status, out, _ = _run(capsys, *_pair(checkpoints, fmt), "--prompt-ids", ",".join(map(str, PROMPT)),
-                          "--max-new-tokens", "12", "--scheduler", scheduler, *threshold, "--compare", "--json")
+                          "--max-new-tokens", "12", "--scheduler", scheduler, *threshold, "--compare", "--compare-runs",
+                          "3", "--json")
     assert status == 0
     report = json.loads(out)
     assert report["prompt_ids"] == PROMPT and report["generated_ids"] == greedy[:12]
@@ -66,16 +68,48 @@ def test_generate_json_compare_is_identical_to_plain_greedy(checkpoints, greedy,
     stats = report["stats"]
     assert stats["generated_tokens"] == 12 and stats["rounds"] == len(stats["accept_lengths"]) >= 1
     rates = stats["tokens_per_second"] / report["baseline"]["stats"]["tokens_per_second"]
-    assert report["speedup"] == pytest.approx(rates, rel=0.02)  # a ratio of rates, not of times
+    # the median run's statistics: a ratio of rates, not of times, the middle of the three runs' range
+    assert report["speedup"] == pytest.approx(rates, rel=0.02) and report["compare_runs"] == 3
+    low, high = report["speedup_range"]
+    assert low <= report["speedup"] <= high
+
+
+def test_compare_warms_up_then_times_several_runs_of_each_side(checkpoints, capsys, monkeypatch):
+    """``--compare``: the printed speculative run, one untimed plain run, then ``--compare-runs``
+    (default 5) timed runs of each side, alternating; the printed speedup is their median, with the
+    range; a bad ``--compare-runs`` is a one-line error."""
+    from dspark.cli import generate
+    from dspark.engine import LLMEngine
+
+    sides, real = [], LLMEngine.generate_requests
+
+    def counted(engine, requests, **kwargs):
+        sides.append("plain" if engine.runner.drafter is None else "draft")
+        return real(engine, requests, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "generate_requests", counted)
+    args = [*_pair(checkpoints), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--compare"]
+    status, out, _ = _run(capsys, *args, "--compare-runs", "2")
+    assert status == 0 and sides == ["draft", "plain"] * 3
+    line = next(line for line in out.splitlines() if line.startswith("plain target decoding"))
+    assert re.fullmatch(r"plain target decoding: [\d.]+ tokens/s, speedup [\d.]+x \(median of 2; "
+                        r"range [\d.]+-[\d.]+\), ratio of tokens/s, outputs identical", line), line
+    monkeypatch.setattr(generate, "COMPARE_RUNS", 1)  # the default (5 on the README's command; 1 here: quick)
+    sides.clear()
+    assert _run(capsys, *args)[0] == 0 and sides == ["draft", "plain"] * 2
+    for extra, message in ((["--compare-runs", "0"], "--compare-runs must be >= 1 and goes with --compare, got 0"),
+                           (["--compare-runs", "3"], "got 3 without --compare")):
+        status, _, err = _run(capsys, *(args[:-1] if extra[1] == "3" else args), *extra)
+        assert status == 2 and message in err
 
 
 def test_generate_prints_the_prompt_then_streams_text_and_statistics(checkpoints, greedy, capsys):
     status, out, _ = _run(capsys, *_pair(checkpoints, "deepspec"), "--prompt", _words(PROMPT), "--max-new-tokens", "10",
-                          "--scheduler", "threshold", "--threshold", "0.3", "--compare")
+                          "--scheduler", "threshold", "--threshold", "0.3", "--compare", "--compare-runs", "1")
     assert status == 0
     assert out.startswith(_words(PROMPT + greedy[:10]) + "\n")
     assert "tau = " in out and "acceptance per position" in out and "tokens/s" in out
-    assert "outputs identical" in out and "(ratio of tokens/s)" in out
+    assert "outputs identical" in out and "range" in out and ", ratio of tokens/s" in out
 
 
 def test_sampled_generation_is_reproducible_per_seed(checkpoints, capsys):
@@ -225,7 +259,7 @@ def test_stop_strings_and_ignore_eos(checkpoints, greedy, capsys, tmp_path):
     continuation = " " + _words(greedy)
     shortest = next(k for k in range(1, len(greedy) + 1) if stop in " " + _words(greedy[:k]))
     status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-ids", ",".join(map(str, PROMPT)), "--stop", stop,
-                          "--stop", "never", "--max-new-tokens", "20", "--compare", "--json")
+                          "--stop", "never", "--max-new-tokens", "20", "--compare", "--compare-runs", "1", "--json")
     report = json.loads(out)
     assert status == 0 and report["finish_reason"] == "stop" and report["identical"]
     assert report["text"] == continuation[:continuation.find(stop)] and report["generated_ids"] == greedy[:shortest]
@@ -242,7 +276,7 @@ def test_stop_strings_and_ignore_eos(checkpoints, greedy, capsys, tmp_path):
 
 
 def test_zero_drafting_rounds_print_no_tau_or_speedup(checkpoints, capsys):
-    args = [*_pair(checkpoints), "--prompt-ids", "1,2", "--max-new-tokens", "1", "--compare"]
+    args = [*_pair(checkpoints), "--prompt-ids", "1,2", "--max-new-tokens", "1", "--compare", "--compare-runs", "1"]
     report = json.loads(_run(capsys, *args, "--json")[1])
     assert report["stats"]["rounds"] == 0 and report["stats"]["mean_accepted_length"] is None
     assert report["speedup"] is None
@@ -290,6 +324,31 @@ def test_missing_demo_pair_or_half_a_pair_is_a_clear_error(checkpoints, capsys, 
     assert status == 2 and "give a prompt" in err
 
 
+def test_a_draft_alone_runs_with_the_verifier_its_config_names(capsys, tmp_path):
+    """``--draft D`` without ``--target``: a copy of the demo draft whose config names the demo
+    target's directory runs as the pair given in full; one naming a missing model is a one-line
+    error naming the draft, the verifier and where it looked."""
+    from dspark.training.data import demo_pair
+
+    pair = demo_pair()
+    draft = shutil.copytree(pair.draft, tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    args = ("--prompt-ids", "5,6,7,8", "--max-new-tokens", "8", "--json")
+    for verifier in (str(pair.target), "no-such/model"):
+        config["speculators_config"]["verifier"]["name_or_path"] = verifier
+        (draft / "config.json").write_text(json.dumps(config))
+        status, out, err = _run(capsys, "--draft", str(draft), *args)
+        if verifier == str(pair.target):
+            _, expected, _ = _run(capsys, "--target", str(pair.target), "--draft", str(pair.draft), *args)
+            assert status == 0 and json.loads(out)["generated_ids"] == json.loads(expected)["generated_ids"]
+            assert _run(capsys, "--draft", str(draft))[2].endswith("give a prompt: --prompt TEXT, --prompt-ids "
+                                                                   "1,2,3 or --prompt-file FILE\n")  # not the demo's
+        else:
+            assert status == 2 and err.count("\n") == 1
+            assert f"--draft {draft} names its verifier 'no-such/model'" in err
+            assert f"looked in {draft / 'no-such/model'}" in err and "nor a Hugging Face Hub model in the local cache" in err
+
+
 def test_readme_main_command_runs_the_shipped_pair(capsys):
     """``dspark generate --compare`` with no checkpoints: the shipped demo pair, its default held-out
     prompt, lossless against plain decoding (float32 on the CPU)."""
@@ -300,7 +359,7 @@ def test_readme_main_command_runs_the_shipped_pair(capsys):
 
     pair = data.demo_pair()
     record = next(r for r in data.read_prompts(str(pair.prompts)) if r["file"] == DEMO_PROMPT_FILE)
-    status, out, _ = _run(capsys, "--compare", "--max-new-tokens", "24", "--json")
+    status, out, _ = _run(capsys, "--compare", "--compare-runs", "1", "--max-new-tokens", "24", "--json")
     report = json.loads(out)
     assert status == 0 and report["identical"] and len(report["generated_ids"]) == 24
     assert report["prompt_ids"] == AutoTokenizer.from_pretrained(pair.target).encode(record["text"])

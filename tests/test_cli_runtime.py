@@ -145,6 +145,46 @@ def test_resolve_pair_defaults_to_the_demo_pair_and_refuses_half_a_pair(offline_
             _runtime.resolve_pair(_namespace(**values), **options)
 
 
+def _draft_naming(source: Path, directory: Path, verifier: str) -> Path:
+    """A copy of the speculators draft ``source`` in ``directory`` whose config names ``verifier``."""
+    draft = shutil.copytree(source, directory)
+    config = json.loads((draft / "config.json").read_text())
+    config["speculators_config"]["verifier"] = {"name_or_path": verifier, "architectures": ["Qwen3ForCausalLM"]}
+    (draft / "config.json").write_text(json.dumps(config))
+    return draft
+
+
+def test_a_draft_alone_takes_the_verifier_its_config_names(hub, offline_cache, tmp_path, monkeypatch):
+    """``--draft D`` without ``--target``: the verifier of D's config (speculators_config.verifier.
+    name_or_path) -- an absolute directory, one relative to the draft (or beside it, as peers lay
+    drafts out), a Hub id from the local cache; a missing one or none is an error naming what to do."""
+    _, root = hub
+    source, target, snapshot = root / "speculators", str(root / "target"), offline_cache / "models--tiny--target"
+    (tmp_path / "drafts").mkdir()
+    (tmp_path / "drafts" / "target").symlink_to(target)
+    monkeypatch.chdir(tmp_path / "drafts")
+    for i, (verifier, directory, name) in enumerate([
+            (target, target, target), ("target", str(tmp_path / "drafts" / "target"), None),
+            ("tiny/target", str(snapshot / "snapshots" / COMMIT), "tiny/target")]):
+        draft = _draft_naming(source, tmp_path / "drafts" / f"d{i}", verifier)
+        args = _namespace(draft=str(draft))
+        _runtime.resolve_pair(args)
+        assert (args.target, args.draft, args.target_name) == (directory, str(draft), name or directory), verifier
+    missing = _draft_naming(source, tmp_path / "missing", "nowhere/model")
+    with pytest.raises(ValueError) as error:
+        _runtime.resolve_pair(_namespace(draft=str(missing)))
+    assert str(error.value) == (
+        f"--draft {missing} names its verifier 'nowhere/model' (speculators_config.verifier.name_or_path), but it "
+        f"is not a directory (looked in {missing / 'nowhere/model'}, {tmp_path / 'nowhere/model'}, "
+        f"{tmp_path / 'drafts' / 'nowhere/model'}), nor a Hugging Face Hub model in the local cache "
+        f"({offline_cache}): give --target, the model it drafts for")
+    with pytest.raises(ValueError, match="the drafts name different verifiers"):
+        _runtime.resolve_pair(_namespace(draft=[str(tmp_path / "drafts" / "d0"), str(tmp_path / "drafts" / "d2")]),
+                              drafts="several")
+    with pytest.raises(ValueError, match=r"--draft needs --target: --draft \S+ names no verifier in its config.json"):
+        _runtime.resolve_pair(_namespace(draft=str(source)))
+
+
 def _env(cache: Path) -> dict:
     return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
             "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}

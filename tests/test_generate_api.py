@@ -188,3 +188,20 @@ def test_generate_function_names_its_bad_models():
         dspark.generate(7, None, [1, 2, 3])
     with pytest.raises(ValueError, match="generate: draft 'd' needs its target"):
         dspark.generate(None, "d", [1, 2, 3])
+
+
+def test_generate_function_takes_tree_mode_as_llm_does():
+    """``draft_top_k`` / ``tree_budget`` (tree mode) on ``dspark.generate``: the demo pair's 16-node
+    top-4 tree verifies 15 drafts a round and gives plain greedy decoding's tokens (fp32); a bad
+    setting is the engine's error naming it, as with ``LLM``."""
+    prompt = "def fib(n):\n    "
+    tree = dspark.generate(None, None, prompt, max_new_tokens=16, draft_top_k=4, tree_budget=16)
+    plain = dspark.generate(None, None, prompt, max_new_tokens=16, no_draft=True)
+    assert tree.token_ids == plain.token_ids and len(tree.token_ids) == 16
+    assert tree.stats.scheduled_lengths and set(tree.stats.scheduled_lengths) == {15}
+    for kwargs, message in ((dict(draft_top_k=9), r"draft_top_k must be in \[1, 8\], got 9"),
+                            (dict(draft_top_k=2, tree_budget=1), r"tree_budget must be 0 .* got 1")):
+        with pytest.raises(ValueError, match=message):
+            dspark.generate(None, None, prompt, max_new_tokens=4, **kwargs)
+        with pytest.raises(ValueError, match=message):
+            dspark.LLM(**kwargs)

@@ -120,9 +120,27 @@ def hf_step_ms(model, batch: int, prompt: int, steps: int, *, compiled: bool) ->
 # ------------------------------------------------------------------------------ dspark's engine
 
 
+def steady_config(max_batch: int, prompt: int, new: int, draft=None) -> "EngineConfig":
+    """The ``EngineConfig`` of a benchmark engine: room for ``prompt + new`` tokens per request and a
+    step budget (``max_num_batched_tokens``) that admits ``MAX_CHUNKS`` whole prompts per step
+    beside every running row's verify, so that B requests are all running after ceil(B / 8) steps.
+    With the engine's default budget (2048 tokens) 64 prompts of 512 tokens take ~19 steps to admit
+    while the first rows, 8 tokens a round at acceptance 1, finish 256 new tokens in 32: ~13 steady
+    steps, and none with fewer new tokens or longer prompts (``engine_run`` then has nothing to time)."""
+    from ..engine import EngineConfig
+    from ..engine.llm_engine import DEFAULT_BATCHED_TOKENS
+    from ..engine.runner import MAX_CHUNKS
+
+    verify_len = 1 if draft is None else draft.config.num_draft_tokens + 1
+    budget = max(DEFAULT_BATCHED_TOKENS, MAX_CHUNKS * prompt + max_batch * verify_len)
+    return EngineConfig(max_batch=max_batch, max_model_len=prompt + new + 16, max_num_batched_tokens=budget)
+
+
 def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
     """Generate once (warm-up: graphs, kernels), then again timed per step; returns the steady-state
-    step time (steps without a prefill), tokens per step and the outputs."""
+    step time (steps with every request running and no prompt chunk), tokens per step and the
+    outputs. ValueError when no step was steady (a request finished before the last was admitted:
+    ``steady_config``), RuntimeError when the engine failed a request."""
     from ..engine import Request
 
     def add_all() -> list[int]:  # with an OracleEngine, each request's known continuation too
@@ -137,19 +155,26 @@ def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
         engine.sequences.pop(i, None)
     ids = add_all()
     outputs = {i: [] for i in ids}
-    step_times, step_tokens = [], []
+    step_times, step_tokens, steps = [], [], 0
     while engine.has_unfinished():
-        prefill = bool(engine.waiting or engine.prefilling)
+        steady = not (engine.waiting or engine.prefilling) and len(engine.running) == len(prompts)
         start = time.perf_counter()
         outs = engine.step()  # ends with the round's host synchronisation
         elapsed = time.perf_counter() - start
+        steps += 1
         for o in outs:
+            if o.finish_reason == "error":
+                raise RuntimeError(f"engine_run: the engine failed request {o.request_id}: {o.error}")
             outputs[o.request_id] += o.new_token_ids
-        if not prefill and len(engine.running) == len(prompts):
+        if steady:  # every row, no prompt chunk (the step that ends the requests included)
             step_times.append(elapsed)
             step_tokens.append(sum(len(o.new_token_ids) for o in outs))
     for i in ids:
         engine.sequences.pop(i, None)
+    if not step_times:
+        raise ValueError(f"engine_run: no step ran all {len(prompts)} requests without prompt chunks ({steps} steps, "
+                         f"{new_tokens} new tokens each): a request finished before the last prompt was admitted; "
+                         f"give more new tokens or a larger max_num_batched_tokens (steady_config)")
     ms = 1000 * statistics.median(step_times)
     tokens = sum(step_tokens) / len(step_tokens)
     return dict(step_ms=round(ms, 3), tokens_per_step=round(tokens, 3), tok_per_s=round(1000 * tokens / ms, 1),
@@ -202,7 +227,7 @@ def breakdown(engine, prompts, oracle) -> dict:
 
 
 def run_shape(name: str, args, ceiling_gbps: float) -> dict:
-    from ..engine import EngineConfig, LLMEngine
+    from ..engine import LLMEngine
     from .oracle import OracleEngine
 
     shape = SHAPES[name]
@@ -220,11 +245,10 @@ def run_shape(name: str, args, ceiling_gbps: float) -> dict:
         report["rows"].append(row)
         print(name, row, flush=True)
     drafter = random_drafter(target, shape)
-    length = args.prompt + args.new + 16
-    plain = LLMEngine(target, None, EngineConfig(max_batch=max_b, max_model_len=length))
+    plain = LLMEngine(target, None, steady_config(max_b, args.prompt, args.new))
     report["kv_bytes_per_token"] = plain.target.kv_bytes_per_token
-    engines = {a: OracleEngine(target, drafter, EngineConfig(max_batch=max_b, max_model_len=length), acceptance=a)
-               for a in (1.0, args.acceptance)}
+    config = steady_config(max_b, args.prompt, args.new, drafter)
+    engines = {a: OracleEngine(target, drafter, config, acceptance=a) for a in (1.0, args.acceptance)}
     # what fits beside the weights of one target and one drafter (this benchmark holds the HF copy too),
     # keeping 10 % of the device for activations, logits and graphs
     _, total = torch.cuda.mem_get_info()
@@ -276,7 +300,7 @@ def run_backends(name: str, args) -> dict:
     DSpark rounds (a random drafter, scheduler off: every row verifies its whole block, the drafts
     rejected) for each batch size on the same prompts; each backend's tokens compared with the
     first backend's."""
-    from ..engine import EngineConfig, LLMEngine
+    from ..engine import LLMEngine
 
     shape, device = {**SHAPES, "tiny": TINY}[name], torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -286,12 +310,11 @@ def run_backends(name: str, args) -> dict:
     generator = torch.Generator().manual_seed(0)
     prompts = {b: [torch.randint(0, vocab - 1, (args.prompt,), generator=generator).tolist() for _ in range(b)]
                for b in args.batches}
-    config = EngineConfig(max_batch=max(args.batches), max_model_len=args.prompt + args.new + 16)
     rows, first = [], {}
     for backend in args.backends:
         target = backend_target(backend, model)
         for mode, draft in (("plain", None), ("dspark", drafter)):
-            engine = LLMEngine(target, draft, config)
+            engine = LLMEngine(target, draft, steady_config(max(args.batches), args.prompt, args.new, draft))
             for b in args.batches:
                 result = engine_run(engine, prompts[b], args.new)
                 outputs = result.pop("outputs")

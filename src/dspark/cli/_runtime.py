@@ -73,12 +73,11 @@ def resolve_checkpoint(name: str | None, flag: str, *, allow_pickle: bool = Fals
     name and what to do, when it is neither on disk nor cached and cannot be downloaded."""
     if name is None or Path(name).expanduser().exists() or not _HUB_ID.fullmatch(name):
         return None if name is None else str(Path(name).expanduser())
+    cached = _cached_hub_model(name)
+    if cached is not None:
+        return cached
     from huggingface_hub import constants, snapshot_download
 
-    try:
-        return snapshot_download(name, local_files_only=True)
-    except OSError:  # LocalEntryNotFoundError (a FileNotFoundError): not in the cache
-        pass
     if constants.HF_HUB_OFFLINE:
         raise ValueError(f"{flag} {name} is not a local directory, nor a Hugging Face Hub model in the cache "
                          f"({constants.HF_HUB_CACHE}), and downloads are off (HF_HUB_OFFLINE=1): download it "
@@ -95,20 +94,19 @@ def resolve_checkpoint(name: str | None, flag: str, *, allow_pickle: bool = Fals
 
 def resolve_pair(args: argparse.Namespace, *, drafts: str = "one", no_draft: bool | None = None) -> None:
     """Set ``args.target`` and ``args.draft`` to local directories (``resolve_checkpoint``); neither
-    given: the demo pair shipped with the package. ``drafts``: what ``--draft`` takes -- ``"one"``
-    directory, ``"several"`` (a list) or ``"none"`` (a command of the target alone). A draft is
-    trained for its target, so one without the other is refused, except a target alone with
-    ``no_draft`` (plain decoding; None: the command has no ``--no-draft``). ``args.target_name``
-    keeps the target's name as given (a Hub id stays portable in what is written)."""
+    given: the demo pair shipped with the package; ``--draft`` alone: the verifier its config names
+    (``draft_verifier``). ``drafts``: what ``--draft`` takes -- ``"one"`` directory, ``"several"``
+    (a list) or ``"none"`` (a command of the target alone). A draft is trained for its target, so a
+    target without a draft is refused, except with ``no_draft`` (plain decoding; None: the command
+    has no ``--no-draft``). ``args.target_name`` keeps the target's name as given (a Hub id stays
+    portable in what is written)."""
     draft = None if drafts == "none" else args.draft
     if no_draft and draft is not None:
         raise ValueError("--no-draft and --draft exclude each other")
-    if args.target is None and draft is not None:
-        raise ValueError("--draft needs --target, the model it drafts for (or neither, for the demo pair)")
     if args.target is not None and draft is None and drafts != "none" and not no_draft:
         plain = "" if no_draft is None else ", or --no-draft for plain decoding"
         raise ValueError(f"--target needs --draft, a DSpark draft trained for it{plain} (or neither, for the demo pair)")
-    if args.target is None:
+    if args.target is None and draft is None:
         from dspark.training.data import demo_pair
 
         pair = demo_pair()
@@ -116,15 +114,74 @@ def resolve_pair(args: argparse.Namespace, *, drafts: str = "one", no_draft: boo
         if drafts != "none" and not no_draft:
             args.draft = [str(pair.draft)] if drafts == "several" else str(pair.draft)
         return
-    args.target_name = args.target
-    args.target = resolve_checkpoint(args.target, "--target", allow_pickle=getattr(args, "allow_pickle", False))
     if drafts == "several":
         args.draft = [resolve_checkpoint(d, "--draft") for d in draft]
     elif draft is not None:
         args.draft = resolve_checkpoint(draft, "--draft")
+    draft_dirs = args.draft if drafts == "several" else [] if draft is None else [args.draft]
     from dspark.model.checkpoint import check_config_files
 
-    check_config_files([args.target, *(args.draft if drafts == "several" else [args.draft] if draft is not None else [])])
+    if args.target is None:
+        check_config_files(draft_dirs)
+        args.target_name, args.target = _one_verifier([draft_verifier(d, given) for d, given in zip(
+            draft_dirs, draft if drafts == "several" else [draft])])
+    else:
+        args.target_name = args.target
+        args.target = resolve_checkpoint(args.target, "--target", allow_pickle=getattr(args, "allow_pickle", False))
+    check_config_files([args.target, *draft_dirs])
+
+
+def draft_verifier(draft: str, given: str) -> tuple[str, str]:
+    """``(name, local directory)`` of the verifier (target) that the draft directory ``draft``
+    (``given`` to ``--draft``) names in its config.json -- speculators' ``speculators_config.
+    verifier.name_or_path``; a DeepSpec config names none: a directory, absolute or relative (to
+    the draft's directory, its parent, then the working directory), or a Hugging Face Hub model id
+    in the local Hub cache (never downloaded: a draft's record is no reason to fetch a model).
+    ValueError naming the draft, the verifier and where it looked."""
+    from dspark.model.checkpoint import CONFIG_NAME, read_json_object
+
+    config = read_json_object(Path(draft) / CONFIG_NAME) if (Path(draft) / CONFIG_NAME).is_file() else {}
+    record = (config.get("speculators_config") or {}).get("verifier") or {}
+    name = record.get("name_or_path") if isinstance(record, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"--draft needs --target: --draft {given} names no verifier in its config.json "
+                         f"(speculators_config.verifier.name_or_path; DeepSpec configs name none): give --target, "
+                         f"the model it drafts for (or neither, for the demo pair)")
+    path = Path(name).expanduser()
+    places = [path] if path.is_absolute() else [Path(draft) / path, Path(draft).parent / path, Path.cwd() / path]
+    found = next((p for p in places if p.is_dir()), None)
+    if found is not None:
+        return str(found), str(found)
+    cache = _cached_hub_model(name)
+    if cache is not None:
+        return name, cache
+    from huggingface_hub import constants
+
+    hub = f", nor a Hugging Face Hub model in the local cache ({constants.HF_HUB_CACHE})" if _HUB_ID.fullmatch(name) \
+        else ""
+    raise ValueError(f"--draft {given} names its verifier {name!r} (speculators_config.verifier.name_or_path), but it "
+                     f"is not a directory (looked in {', '.join(str(p) for p in places)}){hub}: give --target, "
+                     f"the model it drafts for")
+
+
+def _cached_hub_model(name: str) -> str | None:
+    """The local snapshot of the Hub model ``name`` in the Hub cache, or None (not an id, not cached)."""
+    if not _HUB_ID.fullmatch(name):
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except OSError:  # LocalEntryNotFoundError (a FileNotFoundError): not in the cache
+        return None
+
+
+def _one_verifier(verifiers: list[tuple[str, str]]) -> tuple[str, str]:
+    """The verifier all the drafts name (``dspark eval`` takes several drafts of one target)."""
+    if len({directory for _, directory in verifiers}) > 1:
+        raise ValueError(f"the drafts name different verifiers ({', '.join(name for name, _ in verifiers)}): "
+                         f"give --target, the model they all draft for")
+    return verifiers[0]
 
 
 def load_target(args: argparse.Namespace, device, dtype):

@@ -10,8 +10,11 @@ stdin, a .jsonl file holds one request per line: {"prompt": TEXT} or {"prompt_id
 with max_new_tokens, temperature, top_k, top_p, seed). The output ends after the target's EOS
 (unless --ignore-eos), before a --stop string, at --max-new-tokens or at the context limit
 (--max-model-len; an over-long prompt is refused). --compare also runs plain target decoding and
-prints the speedup (ratio of tokens/s); in greedy mode it checks that both outputs are identical
-(exit status 1 otherwise in float32; in bfloat16/float16 a difference is reported as rounding).
+prints the speedup (ratio of tokens/s): after the printed run and one untimed plain run (warm-ups:
+kernels, graphs, caches), --compare-runs timed runs of each side, alternating; the median speedup
+and its range, the statistics of the median run. In greedy mode it checks that every run's outputs
+are identical (exit status 1 otherwise in float32; in bfloat16/float16 a difference is reported as
+rounding).
 --json prints one JSON object per request per line, in input order. Ctrl-C prints the statistics so
 far and exits with status 130.
 """
@@ -20,16 +23,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+from dataclasses import dataclass
 
 from ._prompts import read_prompt_file
 from ._runtime import (add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
                        mismatch_status, resolve_pair, runtime, sampling_params, stop_string)
 
+COMPARE_RUNS = 5  # --compare's timed runs of each side by default (the README's first command: ~N x 4 s)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="Hugging Face causal LM: a directory or a Hub name such as Qwen/Qwen3-0.6B "
-                                         "(default: the demo pair's target)")
+                                         "(default: the verifier --draft's config names; neither: the demo pair)")
     parser.add_argument("--draft", help="DSpark draft, speculators or DeepSpec format: a directory or a Hub name "
                                         "(default: the demo pair's draft)")
     parser.add_argument("--no-draft", action="store_true",
@@ -56,7 +63,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "graphs); auto: batched on CUDA, else reference")
     parser.add_argument("--max-batch", type=int, default=64, help="batched engine: requests decoded together")
     parser.add_argument("--compare", action="store_true", help="also run plain target decoding and report the speedup")
+    parser.add_argument("--compare-runs", type=int, default=None, metavar="N",
+                        help=f"--compare: timed runs of each side after one untimed run of each; prints their median "
+                             f"speedup and range (default: {COMPARE_RUNS})")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
+
+
+@dataclass
+class TimedRun:
+    """One timed run of ``--compare``: every request decoded speculatively, then plainly (request order)."""
+
+    speculative: list
+    plain: list
+
+    def speedup(self, index: int | None = None) -> float | None:
+        """Speculative over plain tokens/s: of request ``index``, or of all requests together (None)."""
+        from dspark.evaluation import merge_stats, speedup
+
+        sides = [results if index is None else [results[index]] for results in (self.speculative, self.plain)]
+        return speedup(*(merge_stats([r.stats for r in side]) for side in sides))
+
+    def identical(self, index: int) -> bool:
+        return self.speculative[index].token_ids == self.plain[index].token_ids
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,8 +93,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         decoder, tokenizer, requests, dtype = _prepare(args)
         printer = None if args.json or len(requests) > 1 else _Printer(tokenizer, requests[0].prompt_ids)
-        if args.compare:  # time both paths warm, or the first one pays the process's one-off costs
-            _warm_up(decoder, requests[0])
     except (ValueError, TypeError, OSError) as exc:
         print(f"dspark generate: {exc}", file=sys.stderr)
         return 2
@@ -76,11 +102,10 @@ def run(args: argparse.Namespace) -> int:
     except GenerationInterrupted as exc:
         return _interrupted(exc.results)
     try:
-        baselines = [_baseline(decoder, r, tokenizer, args.stop) for r in requests] if args.compare else None
+        runs = _timed_runs(decoder, requests, tokenizer, args.stop, args.compare_runs) if args.compare else []
     except GenerationInterrupted:
         return _interrupted(results)
-    reports = [_report(r, result, None if baselines is None else baselines[i]) for i, (r, result) in
-               enumerate(zip(requests, results))]
+    reports = [_report(i, request, result, runs) for i, (request, result) in enumerate(zip(requests, results))]
     if args.json:
         for report in reports:
             print(json.dumps(report))
@@ -89,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             for i, (request, result) in enumerate(zip(requests, results)):
                 _print_result(i, tokenizer, request, result)
         print()
-        _print_summary(_summary(results, baselines, [r.sampling.greedy for r in requests]))
+        _print_summary(_summary(results, runs, [r.sampling.greedy for r in requests]))
     differ = [i for i, report in enumerate(reports) if report.get("identical") is False]
     if not differ:
         return 0
@@ -107,6 +132,9 @@ def _prepare(args: argparse.Namespace):
     check_scheduler_arguments(args)
     if args.no_draft and args.compare:
         raise ValueError("--compare runs plain decoding beside speculative decoding: not with --no-draft")
+    if args.compare_runs is not None and (not args.compare or args.compare_runs < 1):
+        raise ValueError(f"--compare-runs must be >= 1 and goes with --compare, got {args.compare_runs}"
+                         f"{'' if args.compare else ' without --compare'}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     _use_demo_pair_by_default(args)
@@ -126,15 +154,6 @@ def _prepare(args: argparse.Namespace):
     return llm.decoder, tokenizer, requests, dtype
 
 
-def _warm_up(engine, request) -> None:
-    """A few tokens through both paths before anything is timed (one-off costs: kernels, graphs)."""
-    from dataclasses import replace
-
-    short = replace(request, max_new_tokens=8)
-    engine.generate_requests([short])
-    engine.plain().generate_requests([short])
-
-
 # The demo pair's default prompt: the held-out file whose τ (3.63) is nearest the whole held-out set's
 # (3.62, docs/demo-pair.md) -- a representative prompt; per-file τ ranges from 2.0 to 7.9.
 DEMO_PROMPT_FILE = "test/support/_hypothesis_stubs/strategies.py"
@@ -144,7 +163,7 @@ def _use_demo_pair_by_default(args: argparse.Namespace) -> None:
     """--target / --draft resolved to directories (``resolve_pair``: Hub names, the demo pair when
     neither is given); the demo pair is prompted (unless a prompt is given) with the start of the
     held-out file ``DEMO_PROMPT_FILE``."""
-    demo = args.target is None
+    demo = args.target is None and args.draft is None
     resolve_pair(args, no_draft=args.no_draft)
     no_prompt = args.prompt is None and args.prompt_ids is None and args.prompt_file is None
     if demo:
@@ -194,6 +213,38 @@ def _named(where: str, function, *args, **kwargs):
         raise type(exc)(message if message.startswith(where) else f"{where}: {message}") from None
 
 
+def _timed_runs(engine, requests, tokenizer, stop, runs: int | None) -> list[TimedRun]:
+    """``--compare``: one untimed plain run (the printed speculative run warmed that side up: the
+    process's one-off costs -- kernels, graphs, caches -- would otherwise land on the first side
+    timed), then ``runs`` timed runs of each side, alternating, so that a load that comes and goes
+    on the machine lands on both."""
+    from dspark.engine import generate_texts
+
+    for request in requests:
+        _baseline(engine, request, tokenizer, stop)
+    return [TimedRun(generate_texts(engine, requests, tokenizer, stop=stop or ()),
+                     [_baseline(engine, request, tokenizer, stop) for request in requests])
+            for _ in range(COMPARE_RUNS if runs is None else runs)]
+
+
+def _median_run(runs: list[TimedRun]) -> TimedRun:
+    """The run of the median speedup of all requests together (the lower middle one of an even
+    count; runs without a speedup -- no drafting round -- last)."""
+    ranked = sorted(runs, key=lambda r: (r.speedup() is None, r.speedup() or 0.0))
+    measured = sum(r.speedup() is not None for r in runs)
+    return ranked[(max(measured, 1) - 1) // 2]
+
+
+def _speedups(runs: list[TimedRun], index: int | None = None) -> dict:
+    """The median speedup over ``runs`` (of request ``index``, or of all requests), its range and
+    how many runs it is over; speedup None without a measured one."""
+    values = [v for v in (r.speedup(index) for r in runs) if v is not None]
+    if not values:
+        return {"speedup": None, "compare_runs": len(runs)}
+    return {"speedup": _rounded(statistics.median(values)), "speedup_range": [_rounded(min(values)),
+            _rounded(max(values))], "compare_runs": len(runs)}
+
+
 def _baseline(engine, request, tokenizer, stop):
     """Plain target decoding of ``request`` on ``engine``'s target under the same stopping rules
     (stop strings included)."""
@@ -207,32 +258,37 @@ def _baseline(engine, request, tokenizer, stop):
     return result
 
 
-def _report(request, result, baseline) -> dict:
-    """One request's JSON object."""
-    from dspark.evaluation import speedup
-
+def _report(index: int, request, result, runs: list[TimedRun]) -> dict:
+    """Request ``index``'s JSON object; with ``--compare`` the statistics of the median run (of
+    all requests' speedup), the request's own median speedup over the runs and its range."""
     report = {"prompt_ids": list(request.prompt_ids), "generated_ids": result.token_ids, "text": result.text,
               "finish_reason": result.finish_reason, "stats": result.stats.as_dict()}
-    if baseline is not None:
+    if runs:
+        median = _median_run(runs)
+        baseline = median.plain[index]
+        report["stats"] = median.speculative[index].stats.as_dict()
         report["baseline"] = {"generated_ids": baseline.token_ids, "finish_reason": baseline.finish_reason,
                               "stats": baseline.stats.as_dict()}
-        report["speedup"] = _rounded(speedup(result.stats, baseline.stats))
+        report.update(_speedups(runs, index))
         if request.sampling.greedy:
-            report["identical"] = baseline.token_ids == result.token_ids
+            report["identical"] = all(r.identical(index) and r.speculative[index].token_ids == result.token_ids
+                                      for r in runs)
     return report
 
 
-def _summary(results, baselines, greedy: list[bool]) -> dict:
-    """The statistics of all requests together, with their speedup over plain decoding."""
-    from dspark.evaluation import merge_stats, speedup
+def _summary(results, runs: list[TimedRun], greedy: list[bool]) -> dict:
+    """The statistics of all requests together; with ``--compare`` those of the median run and the
+    speedup over plain decoding (``_speedups``)."""
+    from dspark.evaluation import merge_stats
 
-    stats = merge_stats([r.stats for r in results])
-    summary = {"requests": len(results), "stats": stats.as_dict()}
-    if baselines is not None:
-        plain = merge_stats([b.stats for b in baselines])
-        summary.update(baseline={"stats": plain.as_dict()}, speedup=_rounded(speedup(stats, plain)))
+    summary = {"requests": len(results), "stats": merge_stats([r.stats for r in results]).as_dict()}
+    if runs:
+        median = _median_run(runs)
+        summary.update(stats=merge_stats([r.stats for r in median.speculative]).as_dict(),
+                       baseline={"stats": merge_stats([r.stats for r in median.plain]).as_dict()}, **_speedups(runs))
         if all(greedy):
-            summary["identical"] = all(r.token_ids == b.token_ids for r, b in zip(results, baselines))
+            summary["identical"] = all(r.identical(i) and r.speculative[i].token_ids == results[i].token_ids
+                                       for r in runs for i in range(len(results)))
     return summary
 
 
@@ -293,7 +349,10 @@ def _print_summary(summary: dict, file=None) -> None:
     if "baseline" in summary:
         base = summary["baseline"]["stats"]
         ratio = "-" if summary["speedup"] is None else f"{summary['speedup']:.2f}x"
-        line = f"plain target decoding: {base['tokens_per_second']:.1f} tokens/s, speedup {ratio} (ratio of tokens/s)"
+        if summary["speedup"] is not None:
+            low, high = summary["speedup_range"]
+            ratio += f" (median of {summary['compare_runs']}; range {low:.2f}-{high:.2f})"
+        line = f"plain target decoding: {base['tokens_per_second']:.1f} tokens/s, speedup {ratio}, ratio of tokens/s"
         if "identical" in summary:
             line += ", outputs identical" if summary["identical"] else ", OUTPUTS DIFFER"
         print(line, file=file)

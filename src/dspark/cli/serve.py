@@ -189,7 +189,7 @@ def _prepare(args: argparse.Namespace):
     if args.engine_factory is not None:
         tokenizer = load_tokenizer(args.target) if args.target is not None else None
         return tokenizer, args.served_model_name or args.engine_factory
-    demo = args.target is None
+    demo = args.target is None and args.draft is None
     resolve_pair(args, no_draft=args.no_draft)
     if args.no_draft:
         args.draft = None

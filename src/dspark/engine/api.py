@@ -183,12 +183,14 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
              tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
              dtype=None, engine: str = "auto", max_batch: int = 64, no_draft: bool = False, cost_table=None,
-             min_predicted_gain: float = 0.04) -> GenerationResult | list[GenerationResult]:
+             min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0
+             ) -> GenerationResult | list[GenerationResult]:
     """One-call speculative generation (``dspark.generate``): ``LLM(target, draft, ...)`` for these
     prompts alone, then its ``generate`` -- the models are loaded on every call, so for many calls
     build an ``LLM`` once. The arguments are ``LLM``'s and ``LLM.generate``'s (``target`` and
     ``draft`` both None: the demo pair); the batched engine is sized to the prompts (at most
-    ``max_batch`` at once)."""
+    ``max_batch`` at once). ``draft_top_k`` > 1: tree mode (DDTree) with ``tree_budget`` nodes per
+    round (0: block size + 1), as ``LLM``."""
     c = Checker("generate")
     target, draft = _models(c, target, draft, no_draft)
     tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -196,7 +198,8 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
     llm = LLM(target, draft, no_draft=no_draft, tokenizer=tokenizer, engine=engine,
               max_batch=min(c.integer("max_batch", max_batch, low=1), len(batch)), max_model_len=max_model_len,
               scheduler=scheduler, threshold=threshold, cost_table=cost_table, min_predicted_gain=min_predicted_gain,
-              allow_pickle=allow_pickle, device=device, dtype=dtype)
+              allow_pickle=allow_pickle, device=device, dtype=dtype, draft_top_k=draft_top_k,
+              tree_budget=tree_budget)
     return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, eos_token_id=eos_token_id, ignore_eos=ignore_eos, stop=stop, on_tokens=on_tokens)
 
