@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "arriving prompts in the same forward (default: 2048, at least max-batch x verify length)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="tokens per request, prompt included (default: the target's, at most 4096)")
-    parser.add_argument("--max-waiting", type=int, default=256,
-                        help="requests that may wait for a batch row; past that the server answers 429")
+    parser.add_argument("--max-waiting", type=int, default=4096,
+                        help="requests that may wait for a batch row; past that the server answers 429 (a waiting "
+                             "request holds only its prompt; vLLM bounds none, and load generators open hundreds)")
     parser.add_argument("--scheduler", choices=("off", "threshold", "sps", "cost"), default="off",
                         help="per request: threshold / sps (the kernels' rules); across the batch: cost (the paper's "
                              "Algorithm 1 with the --cost-table of dspark profile)")
