@@ -28,7 +28,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ("reference", "triton")
 
 requires_triton = pytest.mark.skipif(not TRITON, reason="triton is not installed")
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The registered marker, so that ``pytest -m gpu`` selects every CUDA test; skipped without CUDA below.
+gpu = pytest.mark.gpu
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture(autouse=True)

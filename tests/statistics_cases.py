@@ -58,6 +58,27 @@ def assert_distribution(tokens, probs, what: str) -> None:
     assert problem is None, f"{what}: {problem}"
 
 
+def check_transitions(sequences: torch.Tensor, table: torch.Tensor) -> str | None:
+    """None when the transitions of ``sequences`` ``[rows, L]`` follow the Markov chain ``table``
+    ``[V, V]`` (row = the previous token's next-token distribution); else what is wrong. The pair
+    counts against each previous token's count times its row: chi-square (bins with expected count
+    >= 5; one constraint per previous token) p > 1e-3, and TV of the pair frequencies < 0.01."""
+    vocab = table.shape[0]
+    previous, following = sequences[:, :-1].flatten().long(), sequences[:, 1:].flatten().long()
+    pairs = torch.bincount(previous * vocab + following, minlength=vocab * vocab).reshape(vocab, vocab).double()
+    outside = int(pairs[table <= 0].sum())
+    if outside:
+        return f"{outside} transitions the target forbids"
+    expected = pairs.sum(1, keepdim=True) * table.double()
+    big = expected >= 5
+    statistic = float(((pairs[big] - expected[big]) ** 2 / expected[big]).sum())
+    p_value = float(stats.chi2.sf(statistic, int(big.sum()) - int((big.sum(1) > 0).sum())))
+    tv = float(0.5 * (pairs - expected).abs().sum() / pairs.sum())
+    if p_value <= 1e-3 or tv >= 0.01:
+        return f"transitions: chi-square p = {p_value:.2e}, TV = {tv:.4f}"
+    return None
+
+
 def assert_rate(hits: torch.Tensor, rate: float, what: str) -> None:
     """Binomial frequency within 4.5 standard errors of ``rate``."""
     observed = float(hits.double().mean())

@@ -454,7 +454,6 @@ def _cuda_expected(model):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", FAMILIES)
 def test_cuda_graphs_greedy_equals_transformers_generate(name):
     """On the GPU (fp32, the Triton kernels: sliding windows included, CUDA graphs on): the same
@@ -476,7 +475,6 @@ def test_cuda_graphs_greedy_equals_transformers_generate(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_a_capture_that_synchronises_falls_back_eagerly():
     """A forward that reads a device value on the host (``.item()``, as some transformers code
     does) cannot be captured: after that one failed capture the target is eager (``eager_reason``)
@@ -501,7 +499,6 @@ def test_cuda_a_capture_that_synchronises_falls_back_eagerly():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_mixture_of_experts_replays_graphs():
     """Qwen3-MoE in bf16 (transformers' grouped GEMM experts, one kernel): declared graphable, its
     graphs captured and replayed, the same tokens as the same engine without graphs."""

@@ -496,7 +496,7 @@ def test_profile_writes_a_cost_table_the_engine_reads(target, greedy, tmp_path):
     assert engine.generate([Request(PROMPTS[0], NEW)])[0].token_ids == greedy[0]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", ["off", "sps", "cost"])
 def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, greedy, scheduler):
     """On CUDA (Triton kernels, CUDA graphs per bucket), fp32: greedy output per request equals plain

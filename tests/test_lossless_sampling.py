@@ -5,6 +5,10 @@ fixed seeds, and asserts for each emitted position a chi-square goodness-of-fit 
 with expected count >= 5, the rest pooled) and a total-variation distance < 0.01, with N sized so
 that an exact sampler's expected TV, about 0.4*sqrt(V/N), is <= 0.005. A token outside the target's
 support is an immediate failure. A deliberately broken verifier must fail the same checks.
+
+Through the whole engine, every scheduler and tree mode: hundreds of tokens per request over many
+rounds from a target whose exact distribution is known (a chain: the next token depends on the last
+one only), the transitions checked the same way; a verifier off by 5 % must fail there too.
 """
 
 from __future__ import annotations
@@ -12,11 +16,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE, INTERPRETER_WARNINGS, gpu, requires_triton
-from scipy import stats
-from statistics_cases import assert_distribution, assert_rate, check_distribution, draws_for, forced_prefix_case, uniforms
+from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
+from statistics_cases import (assert_distribution, assert_rate, check_distribution, check_transitions, draws_for,
+                              forced_prefix_case, uniforms)
 
 import dspark.kernels as K
 import sampling_cases as cases
+from dspark.engine import SamplingParams
+from dspark.engine.llm_engine import EngineConfig, LLMEngine
+from dspark.engine.request import Request
+from dspark.engine.schedulers import SPSCostTable
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reference_backend"), INTERPRETER_WARNINGS]
 I32 = torch.int32
@@ -103,14 +112,8 @@ def test_speculative_chain_is_the_target_chain():
     for position in range(horizon):
         assert_distribution(sequences[:, position], marginal, f"absolute position {position}")
         marginal = marginal @ target_table.double()
-    previous, following = sequences[:, : horizon - 1].flatten(), sequences[:, 1:horizon].flatten()
-    pairs = torch.bincount(previous * vocab + following, minlength=vocab * vocab).reshape(vocab, vocab).double()
-    assert int(pairs[target_table <= 0].sum()) == 0, "a transition the target forbids was emitted"
-    expected = pairs.sum(1, keepdim=True) * target_table.double()
-    big = expected >= 5
-    statistic = float(((pairs[big] - expected[big]) ** 2 / expected[big]).sum())
-    dof = int(big.sum()) - int((big.sum(1) > 0).sum())
-    assert stats.chi2.sf(statistic, dof) > 1e-3, "transitions do not follow the target rows"
+    problem = check_transitions(sequences[:, :horizon], target_table)
+    assert problem is None, problem
 
 
 # ------------------------------------------------------------------------------ draft-side samplers
@@ -201,3 +204,77 @@ def test_real_vocab_accept_is_lossless():
     lengths = torch.cat([n for _, n in results]).cpu()
     assert_distribution(accepted[:, 0], target[0], "first emitted token")
     assert_rate(lengths > 1, float(torch.minimum(target[0], draft[0]).double().sum()), "acceptance")
+
+
+# ------------------------------------------------------------------------------ many rounds through the engine
+
+ENGINE_VOCAB, ENGINE_TOP_K = 4, 3  # a zero in every row of the chain: a forbidden transition is caught
+ENGINE_ROWS, ENGINE_TOKENS = 256, 256  # 65 536 transitions: an exact engine's TV ~ 0.4 * sqrt(12 / N) = 0.005
+ENGINE_MODES = {  # block size 4: P = 4 drafts, a tree up to 4 deep
+    "off": dict(),
+    "threshold": dict(scheduler="threshold", threshold=0.3),  # verifies 1 to 3 drafts
+    "sps": dict(scheduler="sps", threshold=0.7),  # 1 or 2
+    "cost": dict(scheduler="cost", cost_table=SPSCostTable((1, 64), (1.0, 1.2))),  # 0 (plain rounds) to 4
+    "tree": dict(draft_top_k=2),
+}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: a second thread only adds synchronisation (ten times slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bigram_pair(one_thread):
+    """A target whose next token depends on the last token only -- a Qwen3 with its attention
+    outputs zeroed -- and a random draft (context-dependent q). Returns (target, draft, chain): the
+    chain ``[V, V]`` is the target's filtered distribution after each token, computed from the
+    target itself, so that the exact distribution of a whole output is known."""
+    target = tiny_qwen3_target(vocab_size=ENGINE_VOCAB, num_layers=2)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+        logits = target(torch.arange(ENGINE_VOCAB)[:, None]).logits[:, 0]
+    draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), 0, target)
+    return target, draft, K.logits_to_probabilities(logits, 1.0, top_k=ENGINE_TOP_K)
+
+
+def engine_sequences(pair, mode: str) -> torch.Tensor:
+    """``ENGINE_ROWS`` seeded requests of ``ENGINE_TOKENS`` sampled tokens each, in one engine
+    batch; returns each row's prompt token followed by its output."""
+    target, draft, _ = pair
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=ENGINE_ROWS, **ENGINE_MODES[mode]))
+    prompts = [s % ENGINE_VOCAB for s in range(ENGINE_ROWS)]
+    sampling = [SamplingParams(temperature=1.0, top_k=ENGINE_TOP_K, seed=s) for s in range(ENGINE_ROWS)]
+    results = engine.generate([Request([p], ENGINE_TOKENS, s, stop_ids=[], ignore_eos=True)
+                               for p, s in zip(prompts, sampling)])
+    return torch.tensor([[p] + r.token_ids for p, r in zip(prompts, results)])
+
+
+def nudged(probs: torch.Tensor) -> torch.Tensor:
+    """``probs`` off by 5 %: even token ids up, odd ones down, renormalised."""
+    weights = probs * (1 + 0.05 * (1 - 2 * (torch.arange(probs.shape[-1], device=probs.device) % 2)))
+    return weights / weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_engine_outputs_are_the_target_chain_over_many_rounds(bigram_pair, mode):
+    """Every emitted token -- accepted drafts, residual draws and bonus tokens of every round, plain
+    rounds included -- follows the target's distribution given everything before it: here its row
+    of the chain, whatever the draft's context-dependent q and the schedulers' verify lengths."""
+    problem = check_transitions(engine_sequences(bigram_pair, mode), bigram_pair[2])
+    assert problem is None, f"{mode}: {problem}"
+
+
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_the_engine_check_catches_a_five_percent_error(bigram_pair, mode, monkeypatch):
+    """The check above has teeth in every mode: the verifier given q off by 5 % (the chain), or the
+    target's probabilities off by 5 % (the tree, which tests the target's own candidates), fails it."""
+    accept, tree_accept = K.probabilistic_accept, K.sampled_tree_accept
+    monkeypatch.setattr(K, "probabilistic_accept", lambda p, q, *args, **kw: accept(p, nudged(q), *args, **kw))
+    monkeypatch.setattr(K, "sampled_tree_accept", lambda p, *args, **kw: tree_accept(nudged(p), *args, **kw))
+    assert check_transitions(engine_sequences(bigram_pair, mode), bigram_pair[2]) is not None

@@ -355,7 +355,7 @@ def test_quantize_matches_rederivation(dtype):
     assert scales[5] == 1.0 and (codes[5] == 0).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_quantize_reference_same_codes_on_cuda_and_cpu():
     w2 = (torch.randn(4096, 64, generator=torch.Generator().manual_seed(5)) * 0.3).half()
     with K.use_backend("reference"):

@@ -250,6 +250,27 @@ def test_speculators_checkpoint(name, target, monkeypatch):
         check_trainer(model, target, expected, tol, monkeypatch)
 
 
+def _eps_times_100(model):
+    model.config.rms_norm_eps *= 100
+
+
+def _weight_nudge(model):
+    with torch.no_grad():
+        model.norm.weight.mul_(1 + 1e-4)
+
+
+@pytest.mark.parametrize("perturb", [_eps_times_100, _weight_nudge], ids=["rms-norm-eps-x100", "norm-weight-1e-4"])
+def test_a_slightly_wrong_draft_fails_the_fixtures(perturb, target):
+    """The float32 tolerances (about ten times the observed error, README) have teeth: a draft read
+    with its RMSNorm epsilon 100 times too large, or its final norm's weight off by one part in 10^4,
+    fails."""
+    folder, meta, expected = read_case("speculators-vanilla")
+    model = load_draft(folder / "draft", target=target)
+    perturb(model)
+    with pytest.raises(AssertionError, match="block_hidden"):
+        check_blocks(model, expected, meta["tolerances"])
+
+
 @pytest.mark.parametrize("name", DEEPSPEC_CASES)
 def test_deepspec_checkpoint(name, target):
     folder, meta, expected = read_case(name)

@@ -138,7 +138,7 @@ def test_recorded_traces_leave_out_a_prompt_answered_in_its_first_round(tmp_path
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_replay_in_cuda_graphs_captured_up_front(prompts):
     """bf16 on the GPU: Triton kernels, graphs captured by ``capture_graphs`` before any request."""
     target = peaked_target(TINY, vocab=VOCAB, device="cuda", dtype=torch.bfloat16)

@@ -300,8 +300,6 @@ def test_logprobs_are_the_targets_log_softmax(served, http, pair, tokenizer, pro
     the top ``logprobs`` most likely first; greedy picks the first of them."""
     body = {"prompt": prompts[5], "max_tokens": NEW, "temperature": 0, "logprobs": 3, "return_token_ids": True}
     r = http.post("/v1/completions", json=body)
-    if r.status_code == 500 and "returned logprobs for 0 of" in r.json()["error"]["message"]:
-        pytest.skip("the engine does not compute logprobs yet (RequestOutput.logprobs, the engine side of issue 21)")
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     ids, logprobs = choice["token_ids"], choice["logprobs"]

@@ -351,7 +351,7 @@ def _cuda_blocks():
     return cfg, target, ids, context, anchors, block_ids
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_block_sparse_training_gradients_equal_the_dense_mask():
     cfg, target, ids, context, anchors, block_ids = _cuda_blocks()
     grads = []
@@ -366,7 +366,7 @@ def test_cuda_block_sparse_training_gradients_equal_the_dense_mask():
         torch.testing.assert_close(flex, dense, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_training_forward_under_autocast_is_the_bf16_engine_forward():
     """A GPU step's draft forward (bf16 autocast over the fp32 draft; FlexAttention; the kernels'
     PyTorch reference, since a gradient flows) stays within bf16 rounding of the engine's forward

@@ -97,7 +97,7 @@ def test_a_tree_accepts_more_per_round_than_the_chain_on_the_demo_pair():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_tree_greedy_equals_plain_greedy(tmp_path):
     """The Triton kernels' tree masks and node rows on the GPU (fp32), the rounds in CUDA graphs."""
     target = tiny_qwen3_target(max_position_embeddings=LIMIT).to("cuda")
