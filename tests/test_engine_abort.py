@@ -39,8 +39,7 @@ KINDS = {
 VICTIMS = [0, 1, 2, 3, "prefilling", "waiting"]
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engines(request):
     """One engine per kind, reused by every case (each case must leave it as it found it). Five
     rows: four short requests run while the long prompt takes the fifth slot in chunks of what the

@@ -21,8 +21,7 @@ from dspark.engine.request import Request
 LONG = [(7 * i + 3) % 96 for i in range(70)]  # far beyond a step's chunk budget below
 OTHERS = [[3, 17, 42, 8, 61, 5], [44, 2, 71, 7, 7, 30, 12, 55, 90, 3, 18]]
 NEW, K = 6, 3
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                                reason="needs CUDA")])]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOL = 5e-5  # float32 rounding apart over a few layers (3e-6 seen); an off-by-one position is off by units
 
 
