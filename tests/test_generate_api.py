@@ -77,6 +77,7 @@ def test_results_without_a_tokenizer_have_no_text(pair):
     (dict(max_new_tokens=-2), ValueError, r"max_new_tokens must be in \[0, inf\], got -2"),
     (dict(device="bogus"), ValueError, "device: 'bogus' is not a device"),
     (dict(max_model_len=4), ValueError, r"the prompt has 4 tokens; the context limit \(max_model_len\) is 4"),
+    (dict(enforce_eager=1), TypeError, "LLM: enforce_eager must be a bool, got int 1"),
 ])
 def test_bad_arguments_are_clear_errors(pair, kwargs, error, message):
     target, _, draft, _, _ = pair
@@ -205,3 +206,19 @@ def test_generate_function_takes_tree_mode_as_llm_does():
             dspark.generate(None, None, prompt, max_new_tokens=4, **kwargs)
         with pytest.raises(ValueError, match=message):
             dspark.LLM(**kwargs)
+
+
+@pytest.mark.gpu
+def test_llm_captures_every_graph_before_its_first_call(pair):
+    """On a GPU ``LLM`` captures its graphs when it is built (a first call captures none, so it is no
+    slower than a later one); ``enforce_eager=True`` captures none and gives the same tokens."""
+    target, _, draft, greedy, _ = pair
+    llm = dspark.LLM(target, draft, device="cuda", dtype=torch.float32, max_batch=4)
+    engine = llm.decoder
+    captured = engine.runner.captures
+    assert captured > 0
+    first = llm.generate([PROMPT, PROMPT[:2]], max_new_tokens=16)
+    assert engine.runner.captures == captured and first[0].token_ids == greedy
+    eager = dspark.LLM(target, draft, device="cuda", dtype=torch.float32, max_batch=4, enforce_eager=True)
+    assert not eager.decoder.runner.use_graphs and not eager.decoder.runner.graphs
+    assert eager.generate(PROMPT, max_new_tokens=16).token_ids == greedy

@@ -218,6 +218,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     add_tree_arguments(parser)
 
 
+def add_eager_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly: no CUDA graphs (default on a GPU: every graph captured at "
+                             "start-up, so no request waits for a capture)")
+
+
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-top-k", type=int, default=1,
                         help="candidates per depth; > 1: tree mode (DDTree: a token tree verified per round, greedy or "

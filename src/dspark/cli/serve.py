@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._runtime import add_runtime_arguments, add_tree_arguments, resolve_pair, runtime
+from ._runtime import add_eager_argument, add_runtime_arguments, add_tree_arguments, resolve_pair, runtime
 
 DEMO_MODEL_NAME = "dspark-demo"
 API_KEY_ENV = "DSPARK_API_KEY"  # as vLLM's VLLM_API_KEY
@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-predicted-gain", type=float, default=0.04,
                         help="cost scheduler: trim verification only when predicted goodput beats the full block by this")
     add_tree_arguments(parser)
+    add_eager_argument(parser)
     add_runtime_arguments(parser)
     for dest in ("allow_pickle", "quiet"):  # switches: the shared help shows no default for them
         _action(parser, dest).help += " (default: off)"
@@ -209,7 +210,7 @@ def build_engine(args: argparse.Namespace):
                           threshold=args.threshold, device=device, dtype=dtype, cost_table=args.cost_table,
                           min_predicted_gain=args.min_predicted_gain,
                           max_num_batched_tokens=args.max_num_batched_tokens, draft_top_k=args.draft_top_k,
-                          tree_budget=args.tree_budget)
+                          tree_budget=args.tree_budget, cuda_graphs=not args.enforce_eager)
     if args.engine_factory is not None:
         engine = _factory(args.engine_factory)(config)
         if not isinstance(engine, LLMEngine):

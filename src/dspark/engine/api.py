@@ -10,7 +10,9 @@ the finish reason is ``"stop"`` (statistics count every token the engine committ
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -25,6 +27,8 @@ from .drafting import SamplingParams
 from .text import TextStream
 
 __all__ = ["LLM", "generate", "generate_texts", "load_tokenizer", "encode_prompts", "TOKENIZER_FILES"]
+
+log = logging.getLogger("dspark.engine")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -129,13 +133,16 @@ class LLM:
     weights load (only for a trusted checkpoint). ``device`` / ``dtype``: where directories are
     loaded (default: the device of a model passed in, else the CPU; dtype: float32 on a CPU, the
     checkpoint's half precision on a GPU, as ``default_dtype``). ``draft_top_k`` > 1: tree mode
-    (DDTree) with ``tree_budget`` nodes per round (0: block size + 1), as ``EngineConfig``.
+    (DDTree) with ``tree_budget`` nodes per round (0: block size + 1), as ``EngineConfig``. On a GPU
+    every CUDA graph the engine replays is captured here, before the first call (one log line,
+    ``dspark.engine``: how many and how long), so that no call waits for a capture;
+    ``enforce_eager=True`` (vLLM's name) captures none and runs every step eagerly.
     """
 
     def __init__(self, target=None, draft=None, *, no_draft: bool = False, tokenizer=None, engine: str = "auto",
                  max_batch: int = 16, max_model_len: int | None = None, scheduler: str = "off", threshold: float = 0.0,
                  cost_table=None, min_predicted_gain: float = 0.04, allow_pickle: bool = False, device=None,
-                 dtype=None, draft_top_k: int = 1, tree_budget: int = 0):
+                 dtype=None, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False):
         c = Checker("LLM")
         target, draft = _models(c, target, draft, no_draft)
         self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -143,10 +150,15 @@ class LLM:
         config = engine_config(engine, device, name="LLM", max_batch=c.integer("max_batch", max_batch, low=1),
                                max_model_len=max_model_len, scheduler=scheduler, threshold=threshold,
                                cost_table=cost_table, min_predicted_gain=min_predicted_gain, device=device,
-                               dtype=dtype, draft_top_k=draft_top_k, tree_budget=tree_budget)
+                               dtype=dtype, draft_top_k=draft_top_k, tree_budget=tree_budget,
+                               cuda_graphs=not c.boolean("enforce_eager", enforce_eager))
         if allow_pickle and isinstance(target, str):  # the engine's own loader reads safetensors only
             target = load_target_model(target, device=device, dtype=dtype, allow_pickle=True)
         self.decoder = LLMEngine(target, draft, config)
+        start = time.perf_counter()
+        graphs = self.decoder.capture_graphs()  # none on a CPU or eagerly
+        if graphs:
+            log.info("captured %d CUDA graphs in %.1f s", graphs, time.perf_counter() - start)
 
     def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, eos_token_id: int | Sequence[int] | None = None,
@@ -183,14 +195,15 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
              tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
              dtype=None, engine: str = "auto", max_batch: int = 64, no_draft: bool = False, cost_table=None,
-             min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0
+             min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False
              ) -> GenerationResult | list[GenerationResult]:
     """One-call speculative generation (``dspark.generate``): ``LLM(target, draft, ...)`` for these
     prompts alone, then its ``generate`` -- the models are loaded on every call, so for many calls
     build an ``LLM`` once. The arguments are ``LLM``'s and ``LLM.generate``'s (``target`` and
     ``draft`` both None: the demo pair); the batched engine is sized to the prompts (at most
     ``max_batch`` at once). ``draft_top_k`` > 1: tree mode (DDTree) with ``tree_budget`` nodes per
-    round (0: block size + 1), as ``LLM``."""
+    round (0: block size + 1), as ``LLM``; ``enforce_eager`` as ``LLM`` (a single call may well run
+    faster without the start-up capture)."""
     c = Checker("generate")
     target, draft = _models(c, target, draft, no_draft)
     tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -199,7 +212,7 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
               max_batch=min(c.integer("max_batch", max_batch, low=1), len(batch)), max_model_len=max_model_len,
               scheduler=scheduler, threshold=threshold, cost_table=cost_table, min_predicted_gain=min_predicted_gain,
               allow_pickle=allow_pickle, device=device, dtype=dtype, draft_top_k=draft_top_k,
-              tree_budget=tree_budget)
+              tree_budget=tree_budget, enforce_eager=enforce_eager)
     return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, eos_token_id=eos_token_id, ignore_eos=ignore_eos, stop=stop, on_tokens=on_tokens)
 

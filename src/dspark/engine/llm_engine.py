@@ -670,6 +670,8 @@ class LLMEngine:
             self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
                                                                tree_budget=0))
             self._plain.eos_ids = self.eos_ids
+            if self.runner.captures:  # captured up front as this engine (LLM): no timed call captures
+                self._plain.capture_graphs()
         return self._plain
 
 

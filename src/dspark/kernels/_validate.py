@@ -106,6 +106,11 @@ class Checker:
             self.fail(f"{name} must be in [{lo}, {hi}], got {value}")
         return int(value)
 
+    def boolean(self, name: str, value) -> bool:
+        if not isinstance(value, bool):
+            self.fail(f"{name} must be a bool, got {type(value).__name__} {value!r}", TypeError)
+        return value
+
     def real(self, name: str, value, *, low: float | None = None, high: float | None = None) -> float:
         """A finite float argument in ``[low, high]`` (inclusive bounds, either optional)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
