@@ -56,6 +56,16 @@ def _transformers_logging():
     logging.set_verbosity_warning()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny steps: on a busy 2-core box a second thread only adds
+    synchronisation (10-30x slower seen); ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def reference_backend():
     """Every kernel call of the test on the PyTorch reference (``pytestmark = usefixtures(...)``)."""

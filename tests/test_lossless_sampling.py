@@ -220,15 +220,6 @@ ENGINE_MODES = {  # block size 4: P = 4 drafts, a tree up to 4 deep
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matrices: a second thread only adds synchronisation (ten times slower on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def bigram_pair(one_thread):
     """A target whose next token depends on the last token only -- a Qwen3 with its attention
     outputs zeroed -- and a random draft (context-dependent q). Returns (target, draft, chain): the

@@ -18,20 +18,13 @@ from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LONG = [(7 * i + 3) % 96 for i in range(70)]  # far beyond a step's chunk budget below
 OTHERS = [[3, 17, 42, 8, 61, 5], [44, 2, 71, 7, 7, 30, 12, 55, 90, 3, 18]]
 NEW, K = 6, 3
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOL = 5e-5  # float32 rounding apart over a few layers (3e-6 seen); an off-by-one position is off by units
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core box two ran these tiny steps 10-30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -27,24 +27,12 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
 from dspark.serve import create_app  # noqa: E402
-from dspark.training.data import demo_pair, read_prompts  # noqa: E402
-from test_serve import TIMEOUT, ServerThread  # noqa: E402
+from dspark.training.data import read_prompts  # noqa: E402
+from test_serve import TIMEOUT, ServerThread, pair, tokenizer  # noqa: E402,F401 (fixtures)
 
 MAX_BATCH = 4  # 16 clients: 4 rows, the others wait and join as rows free up
 NEW = 24
 CLIENTS = 16
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return demo_pair()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(pair):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(pair.target))
 
 
 @pytest.fixture(scope="module")

@@ -15,36 +15,17 @@ import torch
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import MODEL, TIMEOUT, ServerThread  # noqa: E402
+from test_serve import MODEL, TIMEOUT, ServerThread, pair, tokenizer  # noqa: E402,F401 (fixtures)
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
 from dspark.serve import create_app  # noqa: E402
-from dspark.training.data import demo_pair, read_prompts  # noqa: E402
+from dspark.training.data import read_prompts  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-4  # float32 kernels against transformers' (1e-5 seen); a shifted position is off by units
 LONG = 40  # tokens of the stream running beside the scored prompts
 BUDGET = 4 * 8 + 8  # tokens per step: rows of 8 verify tokens and a short chunk (the prompts take several)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core box two ran this module's steps 10-20x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return demo_pair()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(pair):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(pair.target))
 
 
 @pytest.fixture(scope="module")
