@@ -363,7 +363,6 @@ class _Server:
 
     async def completions(self, body: CompletionRequest, raw: HTTPRequest):
         self._check(body)
-        self._check_scoring(body)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens 0 needs echo: true (the prompt echoed and scored, nothing generated)",
                            "max_tokens")
@@ -408,7 +407,6 @@ class _Server:
 
     async def chat(self, body: ChatCompletionRequest, raw: HTTPRequest):
         self._check(body)
-        self._check_scoring(body)
         if body.echo:
             raise APIError(400, "echo is not supported on chat completions by this server: use /v1/completions "
                                 "with echo: true", "echo")
@@ -473,13 +471,10 @@ class _Server:
             raise APIError(400, refused.message, refused.path)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", "stream_options")
-        if self.tokenizer is None and self._stop_strings(body):
-            raise APIError(400, "stop strings need a tokenizer and this server has none: use stop token ids", "stop")
-
-    @staticmethod
-    def _check_scoring(body: SamplingFields) -> None:
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs is not available with stream: true (as vLLM)", "prompt_logprobs")
+        if self.tokenizer is None and self._stop_strings(body):
+            raise APIError(400, "stop strings need a tokenizer and this server has none: use stop token ids", "stop")
 
     @staticmethod
     def _stop_strings(body: SamplingFields) -> list[str]:
