@@ -364,6 +364,65 @@ def test_triton_cached_attention_matches_reference(layout, n_kv, rep, d, dtype, 
     torch.testing.assert_close(actual, expected, **tolerance(dtype, "attention"))
 
 
+def paged(cache: torch.Tensor, block_size: int, seed: int = 0):
+    """The lines of a contiguous cache ``[S, L, ...]`` scattered over shuffled blocks ``[S*L/bs + 1,
+    bs, ...]`` (block 0 unused, as the engine's null block), and their block table int32 ``[S, L/bs]``."""
+    lines, length = cache.shape[:2]
+    per_line = length // block_size
+    order = torch.randperm(lines * per_line, generator=torch.Generator().manual_seed(seed)) + 1
+    blocks = torch.zeros(lines * per_line + 1, block_size, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+    blocks[order] = cache.reshape(lines * per_line, block_size, *cache.shape[2:])
+    return blocks, order.view(lines, per_line).to(torch.int32).to(cache.device)
+
+
+PAGED_CASES = [  # layout, causal, sliding window, tree masks
+    (RAGGED, True, None, False), (WINDOWED, True, None, False), (PREFILL, True, 8, False), (BLOCK, False, None, False),
+    (Layout([4, 3], [13, 2], [2, 0]), True, None, True),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("layout, causal, window, tree", PAGED_CASES)
+def test_paged_cached_attention_equals_contiguous_lines(backend, layout, causal, window, tree):
+    """Lines read through a block table give exactly the contiguous lines' attention (blocks of 8 and 16)."""
+    q, k_cache, v_cache = attention_inputs(layout, 2, 2, 16, torch.float32, 64)
+    extra = dict(sliding_window=window)
+    if tree:  # each new token sees itself and every even-indexed earlier one
+        extra["tree_mask"] = torch.tensor([sum(1 << j for j in range(t + 1) if j == t or j % 2 == 0)
+                                           for c in layout.counts for t in range(c)], device=DEVICE)
+    with K.use_backend(backend):
+        expected = K.cached_attention(q, k_cache, v_cache, causal=causal, **layout.tensors(), **extra)
+        for block_size in (8, 16):
+            k_blocks, table = paged(k_cache, block_size)
+            v_blocks, _ = paged(v_cache, block_size)
+            actual = K.cached_attention(q, k_blocks, v_blocks, causal=causal, block_table=table, **layout.tensors(),
+                                        **extra)
+            assert torch.equal(actual, expected), block_size
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
+def test_paged_qk_norm_rope_store_writes_the_rows_its_block_table_names(backend):
+    n, n_kv, d, lines, length = 9, 2, 16, 3, 32
+    q, k, v = (torch.randn(n, h, d, device=DEVICE) for h in (4, n_kv, n_kv))
+    positions = torch.randint(0, length, (n,), device=DEVICE)
+    slots = torch.randint(0, lines, (n,), device=DEVICE, dtype=torch.int32)
+    with K.use_backend(backend):
+        k_lines, v_lines = (torch.zeros(lines, length, n_kv, d, device=DEVICE) for _ in range(2))
+        q_expected = K.qk_norm_rope_store(q, k, v, positions, slots, rope_table(d, length), k_lines, v_lines, eps=EPS)
+        (k_blocks, table), (v_blocks, _) = paged(torch.zeros_like(k_lines), 8), paged(torch.zeros_like(v_lines), 8)
+        q_out = K.qk_norm_rope_store(q, k, v, positions, slots, rope_table(d, length), k_blocks, v_blocks, eps=EPS,
+                                     block_table=table)
+    assert torch.equal(q_out, q_expected)
+    assert torch.equal(k_blocks, paged(k_lines, 8)[0]) and torch.equal(v_blocks, paged(v_lines, 8)[0])
+
+
+def test_paged_kernels_refuse_a_block_id_outside_the_cache():
+    k_blocks = torch.zeros(4, 8, 2, 16)
+    with pytest.raises(ValueError, match="block_table"):
+        K.cached_attention(torch.zeros(1, 2, 16), k_blocks, k_blocks, torch.tensor([0]), torch.tensor([0]),
+                           torch.tensor([0, 1]), 1, causal=True, block_table=torch.tensor([[0, 4]], dtype=torch.int32))
+
+
 @requires_triton
 def test_attention_cases_cover_split_and_single_pass():
     """Under the interpreter (4 SMs) the cases take both paths; on a GPU the real-size tests do."""

@@ -14,7 +14,7 @@ from dspark.engine import SamplingParams
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 from dspark.model import load_draft
-from dspark.model.draft_runner import DraftRunner
+from dspark.model.draft_runner import DraftRunner, draft_cache
 from dspark.model.llama import AttentionBatch, TargetLM
 
 PROMPTS = [[3, 17, 42, 8, 61, 5], [9, 1], [44, 2, 71, 7, 7, 30, 12, 55, 90, 3, 18], [60]]
@@ -123,10 +123,12 @@ def test_runner_loads_sharded_checkpoints_and_names_bad_tensors(target, tmp_path
 
 
 def test_draft_runner_matches_forward_block(target):
+    """The batched draft forward over paged lines (shuffled blocks of 8) equals one line's forward_block."""
     config = tiny_draft_config(target.config)  # full + sliding (window 8) layers
     draft = random_draft(config, 0, target)
     width = config.num_capture_layers * config.hidden_size
-    runner = DraftRunner(draft, 3, 64)
+    table = (torch.randperm(24, generator=torch.Generator().manual_seed(0)) + 1).view(3, 8).to(torch.int32)
+    runner = DraftRunner(draft, draft_cache(draft, paged=(25, 8, table)))  # lines of 64 positions
     contexts = [torch.randn(13, width), torch.randn(20, width)]
     slots = [2, 0]
     for context, slot in zip(contexts, slots):

@@ -80,14 +80,16 @@ KERNELS = {
                                       "desc_ptr": I32, "draw_ptr": I32}, [dict(ROWS=4, BLOCK=8)]),
     "layers._rms_norm_kernel": (BF16, [dict(HAS_RESIDUAL=r, BLOCK_H=4096) for r in (True, False)]),
     "layers._qk_norm_rope_store_kernel": (
-        {**BF16, "pos_ptr": I32, "row_ptr": I32, "slot_ptr": I32, "cos_sin_ptr": "*fp32"},
-        [dict(D=128, HALF=64, BLOCK_HALF=64, BLOCK_QH=32, BLOCK_KH=8, HAS_Q=q, Q_NORM=q, K_NORM=k)
-         for q, k in ((True, True), (False, True), (True, False))]),
+        {**BF16, "pos_ptr": I32, "row_ptr": I32, "slot_ptr": I32, "cos_sin_ptr": "*fp32", "table_ptr": I32},
+        [dict(D=128, HALF=64, BLOCK_HALF=64, BLOCK_QH=32, BLOCK_KH=8, HAS_Q=q, Q_NORM=q, K_NORM=k, PAGED=paged)
+         for q, k, paged in ((True, True, True), (False, True, True), (True, False, False))]),
     "layers._attention_kernel": (
-        {**BF16, "slot_ptr": I32, "ctx_ptr": I32, "cu_ptr": I32, "window_ptr": I32, "tree_ptr": "*i64"},
+        {**BF16, "slot_ptr": I32, "ctx_ptr": I32, "cu_ptr": I32, "window_ptr": I32, "tree_ptr": "*i64",
+         "table_ptr": I32},
         [dict(REP=4, D=128, BLOCK_D=128, BLOCK_T=t, BLOCK_M=max(16, 4 * t), BLOCK_N=64, SPLITS=s, CAUSAL=c,
-              HAS_WINDOW=w, SLIDING=w, TREE=tree, INTERPRET=False)
-         for t, s, c, w, tree in ((8, 4, True, False, False), (32, 1, True, True, False), (8, 1, False, False, True))]),
+              HAS_WINDOW=w, SLIDING=w, TREE=tree, PAGED=paged, INTERPRET=False)
+         for t, s, c, w, tree, paged in ((8, 4, True, False, False, True), (32, 1, True, True, False, True),
+                                         (8, 1, False, False, True, True), (8, 4, True, False, False, False))]),
     "layers._combine_kernel": ({"out_ptr": "*bf16"}, [dict(D=128, BLOCK_D=128, SPLITS=4, BLOCK_S=4)]),
     "layers._silu_and_mul_kernel": (BF16, [dict(BLOCK=1024)]),
 }

@@ -33,6 +33,7 @@ from .drafting import SCHEDULERS, Drafter
 from .schedulers import SPSCostTable, batch_schedule, drafting_pays
 from .request import (GenerationInterrupted, GenerationResult, Request, RequestOutput, Sequence, SequenceStatus,
                       TokenLogprobs)
+from .block_manager import BlockManager, blocks_in_memory
 from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk, TreeSettings
 
 __all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "engine_config", "token_logprobs"]
@@ -47,6 +48,7 @@ REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler draft
 HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
 ENGINES = ("auto", "batched", "reference")
 HOST_PHASES = ("plan", "launch", "commit")  # EngineMetrics.host_phases
+GRAPH_POOL_BYTES = 2 << 30  # what the memory budget leaves the CUDA graphs' pool and the allocator's slack
 PROMPT_LOGITS_TOKENS = 512  # prompt tokens per eager forward that scores a prompt (its logits: [512, V] f32)
 
 
@@ -66,7 +68,15 @@ class EngineConfig:
     are verified losslessly by ``K.sampled_tree_accept``): each round verifies a token tree grown from
     that many drafter candidates per depth, ``tree_budget`` nodes per row with the root (default:
     block size + 1, as TensorRT-Edge-LLM), no deeper than ``threshold`` (the survival floor) allows
-    under the threshold / sps schedulers, whose confidences also bias the tree's scores."""
+    under the threshold / sps schedulers, whose confidences also bias the tree's scores.
+
+    KV memory is paged (``block_manager``): ``kv_block_size`` positions per block; on a GPU as many
+    blocks as ``gpu_memory_utilization`` of its memory leaves after the weights and the step's
+    working memory (vLLM's rule), elsewhere enough for ``max_batch`` requests of ``max_model_len``;
+    ``num_kv_blocks`` sets the count. When blocks run out a running request is preempted (its
+    blocks freed, its tokens run again later: vLLM's recompute). ``enable_prefix_caching``: full
+    blocks of committed tokens are shared between requests whose tokens start alike (target and
+    draft K/V alike)."""
 
     max_batch: int = 16
     max_model_len: int | None = None
@@ -82,10 +92,21 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     draft_top_k: int = 1
     tree_budget: int = 0
+    enable_prefix_caching: bool = True
+    kv_block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
 
     def __post_init__(self):
         c = Checker("EngineConfig")
         c.integer("max_batch", self.max_batch, low=1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            c.fail(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}", TypeError)
+        c.integer("kv_block_size", self.kv_block_size, low=1, high=1024)
+        if not 0.0 < c.real("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0):
+            c.fail(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None:
+            c.integer("num_kv_blocks", self.num_kv_blocks, low=2)
         if self.max_model_len is not None:
             c.integer("max_model_len", self.max_model_len, low=2)
         if self.scheduler not in ENGINE_SCHEDULERS:
@@ -165,8 +186,20 @@ class LLMEngine:
         if budget < rows_tokens:
             c.fail(f"max_num_batched_tokens must be at least max_batch x verify length = {config.max_batch} x "
                    f"{verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
+        blocks = config.num_kv_blocks or kv_blocks_from_memory(self.target, self.draft_model, config, verify_len,
+                                                              budget)
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
-                                  max_chunk_tokens=budget, cuda_graphs=config.cuda_graphs, tree=tree)
+                                  max_chunk_tokens=budget, cuda_graphs=config.cuda_graphs, tree=tree,
+                                  num_kv_blocks=blocks, kv_block_size=config.kv_block_size)
+        line_blocks = self.runner.block_tables.blocks_per_line
+        if self.runner.num_kv_blocks <= line_blocks:
+            c.fail(f"num_kv_blocks is {self.runner.num_kv_blocks}: a request of max_model_len {limit} needs "
+                   f"{line_blocks} blocks of {config.kv_block_size} positions, plus the null block "
+                   "(raise gpu_memory_utilization or num_kv_blocks, or lower max_model_len)")
+        self.blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching)
+        # positions a running request writes past its committed tokens in one step: the verify
+        # window, then the draft block after the new anchor
+        self.lookahead = verify_len + (drafter.block_size if drafter is not None else 0) - 1
         self.max_num_batched_tokens = budget
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted (a cache slot), prompt partly run
@@ -198,7 +231,7 @@ class LLMEngine:
         """Queue a request; returns its id. Raises ValueError (naming the problem) for a prompt
         that does not fit the context or holds ids outside the vocabulary."""
         stops = self.check_request(request)
-        seq = Sequence(self._next_id, request, stops)
+        seq = Sequence(self._next_id, request, stops, prefill_len=len(request.prompt_ids))
         seq.stats.num_drafts, seq.stats.prompt_tokens = self.num_drafts, len(request.prompt_ids)
         if request.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(request.prompt_ids)
@@ -273,6 +306,7 @@ class LLMEngine:
         start, outputs = time.perf_counter(), []
         self._step_captures = self.runner.captures
         self._admit()
+        self._reserve_running()
         rows = len(self.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
         plan = self._plan_scored_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows), outputs)
@@ -317,6 +351,8 @@ class LLMEngine:
         for seq, chunk in plan:
             seq.prefilled += len(chunk.token_ids)
             self.metrics.prompt_tokens += len(chunk.token_ids)
+            # the chunk's K/V is queued before any later step that could read it from the cache
+            self.blocks.cache_committed(seq.blocks, seq.prefilled, seq.token_ids)
             if chunk.row >= 0:
                 self.prefilling.remove(seq)
                 seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
@@ -424,28 +460,92 @@ class LLMEngine:
         return [1 + max(1, min(n, seq.room(self.max_model_len) - 1)) for n, seq in zip(drafts, self.running)]
 
     def _admit(self) -> None:
-        """Give waiting requests a cache slot while rows are free (their prompts then run in chunks)."""
+        """Give waiting requests a cache slot while rows are free, with the prefix cache's blocks of
+        their prompt (their prompts then run in chunks from there)."""
         while self.waiting and self.free_slots and len(self.running) + len(self.prefilling) < self.config.max_batch:
             seq = self.waiting.popleft()
             seq.slot, seq.status, seq.next_length = self.free_slots.pop(0), SequenceStatus.PREFILLING, self.num_drafts
-            seq.admitted_at = time.perf_counter()
+            seq.admitted_at = seq.admitted_at or time.perf_counter()
+            # the last token always runs (its logits draw the next); prompt log-probabilities need every position
+            if seq.prompt_logprobs is None or seq.output_ids:
+                seq.prefilled = self.blocks.take_cached_prefix(seq.blocks, seq.token_ids(0, seq.prefill_len),
+                                                               seq.prefill_len - 1)
+                if not seq.output_ids:
+                    seq.stats.cached_tokens = seq.prefilled
+            self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
             self.prefilling.append(seq)
+        self._count()
+
+    def _reserve(self, seq: Sequence, positions: int, preempt: bool = True) -> bool:
+        """Blocks for ``positions`` positions of ``seq``'s line; when too few are free (and
+        ``preempt``), the latest admitted request is preempted, until they are or ``seq`` itself
+        was. Returns whether ``seq`` has them."""
+        while not self.blocks.reserve(seq.blocks, min(positions, self.runner.line)):
+            victims = self.running + self.prefilling
+            victim = max(victims, key=lambda q: q.admitted_at) if preempt and victims else None
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
+        return True
+
+    def _reserve_running(self) -> None:
+        """Blocks for every running request's next step (its verify window and draft block),
+        oldest request first; the latest admitted are preempted when blocks run out."""
+        for seq in sorted(self.running, key=lambda q: q.admitted_at):
+            if seq.status is SequenceStatus.RUNNING:
+                self._reserve(seq, seq.num_tokens + self.lookahead)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch (running or prefilling), free its blocks and slot, and queue
+        it first to run its prompt and output so far again (vLLM's recompute preemption)."""
+        log.info("request %s preempted (KV blocks ran out): %d tokens to run again", seq.request_id, seq.num_tokens)
+        if seq.status is SequenceStatus.RUNNING:
+            self._leave_row(seq)
+        else:
+            self.prefilling.remove(seq)
+        self._free_slot(seq)
+        seq.status, seq.prefilled, seq.prefill_len = SequenceStatus.WAITING, 0, seq.num_tokens
+        self.waiting.appendleft(seq)
+        self.metrics.preemptions += 1
         self._count()
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, PrefillChunk]]:
         """This step's prompt chunks (at most ``MAX_CHUNKS``), first come first served within
-        ``budget`` tokens; a chunk that ends its prompt names the row its request takes."""
+        ``budget`` tokens and the free blocks; a chunk that ends its prompt names the row its
+        request takes."""
         plan, row = [], len(self.running)
-        for seq in self.prefilling:
+        for seq in list(self.prefilling):
             if budget <= 0 or len(plan) == MAX_CHUNKS:
                 break
-            n = min(seq.prompt_len - seq.prefilled, budget)
-            request, ends = seq.request, seq.prefilled + n == seq.prompt_len
-            plan.append((seq, PrefillChunk(seq.slot, request.prompt_ids[seq.prefilled:seq.prefilled + n], seq.prefilled,
-                                           row if ends else -1, request.sampling)))
+            n = self._chunk_tokens(seq, min(seq.prefill_len - seq.prefilled, budget))
+            if n == 0:
+                break
+            ends = seq.prefilled + n == seq.prefill_len
+            plan.append((seq, PrefillChunk(seq.slot, seq.token_ids(seq.prefilled, seq.prefilled + n), seq.prefilled,
+                                           row if ends else -1, seq.request.sampling)))
             row += ends
             budget -= n
         return plan
+
+    def _chunk_tokens(self, seq: Sequence, n: int) -> int:
+        """How many of the next ``n`` tokens of ``seq``'s prompt get blocks this step (a chunk that
+        ends the prompt also needs the first draft block after it). Only the oldest prefilling
+        request preempts others, and only when nothing runs (else running requests free blocks as
+        they finish)."""
+        remaining = seq.prefill_len - seq.prefilled
+        extra = self.lookahead - self.runner.verify_len + 1
+        preempt = not self.running and seq is min(self.prefilling, key=lambda q: q.admitted_at)
+        if not preempt:
+            capacity = (len(seq.blocks.block_ids) + self.blocks.num_free) * self.blocks.block_size - seq.prefilled
+            if n + extra * (n == remaining) > capacity:
+                n = min(n, capacity, remaining - 1)
+            if n <= 0:
+                return 0
+        ends = n == remaining
+        return n if self._reserve(seq, seq.prefilled + n + extra * ends, preempt) else 0
 
     def _plan_scored_chunks(self, budget: int, outputs: list[RequestOutput]) -> list[tuple[Sequence, PrefillChunk]]:
         """``_plan_chunks``, the chunks of requests that want prompt log-probabilities scored first;
@@ -479,12 +579,17 @@ class LLMEngine:
         t, now, max_len = self.runner.verify_len, time.perf_counter(), self.max_model_len
         speculative, times = self.runner.drafter is not None, self.runner.round_times
         running, kept_of, drafted_rows = list(self.running), [], []  # a failure below retires rows: keep this round's order
+        first = {seq.request_id for seq in running if seq.request_id in joined and not seq.output_ids}
         for i, (seq, row) in enumerate(zip(running, readout[:, :t + 2].tolist())):
             n, verified = row[t], row[t + 1]
             kept = seq.commit(row[:n], max_len)
             kept_of.append(kept)
-            if seq.request_id in joined:
+            # positions before the new anchor hold their final K/V in both caches (queued before any reader)
+            self.blocks.cache_committed(seq.blocks, seq.num_tokens - 1, seq.token_ids)
+            if seq.request_id in first:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
+            elif seq.request_id in joined:  # a preempted request's next token: no round
+                continue
             elif speculative:
                 seq.stats.record_round(verified, n, len(kept))
                 drafted_rows.append(i)
@@ -504,7 +609,7 @@ class LLMEngine:
         for seq, kept in zip(running, kept_of):
             if seq.finish_reason != "error":
                 self._report(seq, kept, outputs, lps.get(seq.request_id),
-                             seq.prompt_logprobs if seq.request_id in joined else None)
+                             seq.prompt_logprobs if seq.request_id in first else None)
         self._retire([s for s in self.running if s.finish_reason is not None])
         return time.perf_counter() - now
 
@@ -572,13 +677,13 @@ class LLMEngine:
                 raise EngineDeadError(f"the device failed: {type(dead).__name__}: {dead}") from exc
 
     def _release(self, seqs: list[Sequence]) -> None:
-        """End ``seqs`` wherever they are (waiting, prefilling, running): slots and rows freed."""
+        """End ``seqs`` wherever they are (waiting, prefilling, running): slots, blocks and rows freed."""
         for seq in seqs:
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
             elif seq.status is SequenceStatus.PREFILLING:
                 self.prefilling.remove(seq)
-                bisect.insort(self.free_slots, seq.slot)
+                self._free_slot(seq)
             elif seq.status is SequenceStatus.RUNNING:
                 self._retire([seq])
                 continue
@@ -586,24 +691,40 @@ class LLMEngine:
         self._count()
 
     def _count(self) -> None:
-        """The waiting / running gauges (a request prefilling has its slot: it counts as running, as vLLM's)."""
+        """The waiting / running gauges (a request prefilling has its slot: it counts as running, as
+        vLLM's) and the KV blocks in use."""
         self.metrics.waiting = len(self.waiting)
         self.metrics.running = len(self.running) + len(self.prefilling)
+        m, blocks = self.metrics, self.blocks
+        m.kv_blocks, m.kv_blocks_used = blocks.num_blocks - 1, blocks.num_blocks - 1 - blocks.num_free
+        m.prefix_cache_queries, m.prefix_cache_hits = blocks.queries, blocks.hits
 
     def _retire(self, finished: list[Sequence]) -> None:
-        """Free finished requests' slots and keep the running rows dense (the last row moves in)."""
+        """Free finished requests' rows, slots and blocks."""
         for seq in finished:
-            last = self.running[-1]
-            if last is not seq:
-                self.runner.move_row(last.row, seq.row)
-                self.running[seq.row], last.row = last, seq.row
-            else:
-                self.runner.clear_row(seq.row)
-            self.running.pop()
-            bisect.insort(self.free_slots, seq.slot)
-            seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
+            self._leave_row(seq)
+            self._free_slot(seq)
+            seq.status = SequenceStatus.FINISHED
             self.metrics.finished += 1
         self._count()
+
+    def _leave_row(self, seq: Sequence) -> None:
+        """Take a running request out of its batch row, keeping the rows dense (the last row moves in)."""
+        last = self.running[-1]
+        if last is not seq:
+            self.runner.move_row(last.row, seq.row)
+            self.running[seq.row], last.row = last, seq.row
+        else:
+            self.runner.clear_row(seq.row)
+        self.running.pop()
+        seq.row = -1
+
+    def _free_slot(self, seq: Sequence) -> None:
+        """Give back ``seq``'s cache slot and its blocks (cached ones stay in the prefix cache)."""
+        self.blocks.release(seq.blocks)
+        self.runner.block_tables.set_line(seq.slot, [])
+        bisect.insort(self.free_slots, seq.slot)
+        seq.slot = -1
 
     # ---- convenience --------------------------------------------------------------------------
 
@@ -699,6 +820,9 @@ class EngineMetrics:
         self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)
         self.graph_captures = 0  # CUDA graphs captured (a capture while serving stalls its step)
         self.device_memory = 0  # bytes torch's allocator holds for tensors on the engine's GPU (0 on the CPU)
+        self.kv_blocks = self.kv_blocks_used = 0  # KV blocks (the null block aside) and those requests hold
+        self.preemptions = 0  # requests taken out of the batch to run again later (KV blocks ran out)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up / found in the prefix cache
 
     def record_rounds(self, verified: np.ndarray, accept_length: np.ndarray) -> None:
         """Count one step's speculative rounds: per row the drafts (tree nodes) it verified and its
@@ -729,6 +853,24 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list
     values, index = logp.topk(top, dim=-1) if top else (logp[:, :0], ids[:, None][:, :0])
     return [TokenLogprobs(t, c, list(zip(i, v)), r) for t, c, r, i, v in
             zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(), index.tolist(), values.tolist())]
+
+
+def kv_blocks_from_memory(target, draft_model, config: EngineConfig, verify_len: int, step_tokens: int) -> int | None:
+    """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
+    block), after a step's working memory: its tokens' activations, the verify rows' f32 logits
+    (and their probabilities) and a margin for the CUDA graphs' pools; None off CUDA (the runner
+    then holds ``max_batch`` full lines)."""
+    from ..model.layers import KVCache
+
+    per_token = target.kv_bytes_per_token
+    if draft_model is not None:
+        cfg = draft_model.config
+        per_token += KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                             draft_model.dtype)
+    logits = 2 * (config.max_batch * verify_len + MAX_CHUNKS) * target.vocab_size * 4
+    activations = step_tokens * target.shape.hidden_size * 64
+    return blocks_in_memory(target.device, config.gpu_memory_utilization, per_token * config.kv_block_size,
+                            GRAPH_POOL_BYTES + logits + activations)
 
 
 def _stop_clock(seq: Sequence) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence as _IdSequence
 import torch
 
 from ..kernels._validate import Checker
+from .block_manager import SequenceBlocks
 from .drafting import SamplingParams
 from .stats import GenerationStats
 
@@ -97,7 +98,7 @@ class GenerationInterrupted(KeyboardInterrupt):
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued
-    PREFILLING = "prefilling"  # a cache slot; its prompt runs in chunks
+    PREFILLING = "prefilling"  # a cache slot and blocks; its prompt runs in chunks
     RUNNING = "running"  # a batch row: decoding
     FINISHED = "finished"
 
@@ -133,7 +134,8 @@ class RequestOutput:
 
 @dataclass(eq=False)
 class Sequence:
-    """A request inside the engine: its output so far, its batch row and cache slot while running."""
+    """A request inside the engine: its output so far, its batch row, cache slot (block-table line)
+    and KV blocks while running."""
 
     request_id: int
     request: Request
@@ -146,7 +148,9 @@ class Sequence:
     next_length: int = 0  # drafts the next round verifies (the scheduler's choice, read back each round)
     confidence: object = None  # numpy f32 [P] confidences of the pending proposal (read back each round)
     error: str | None = None  # why the engine failed this request (finish reason "error")
-    prefilled: int = 0  # prompt tokens already in the cache
+    prefilled: int = 0  # tokens of prefill_len already in the cache
+    prefill_len: int = 0  # tokens run before the next one is drawn: the prompt, or prompt + output after a preemption
+    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
     admitted_at: float = 0.0  # perf_counter when it got its slot (prefill time: until its first token)
     strikes: int = 0  # failed steps that ran this request's prompt
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt position, filled as its chunks run
@@ -155,6 +159,18 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far."""
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end-1`` of the prompt followed by the output."""
+        prompt = self.request.prompt_ids
+        if end <= len(prompt):
+            return list(prompt[start:end])
+        return list(prompt[start:]) + self.output_ids[max(0, start - len(prompt)):end - len(prompt)]
 
     def room(self, max_len: int) -> int:
         """Tokens this sequence may still produce: ``max_new_tokens`` and the context limit ``max_len``."""

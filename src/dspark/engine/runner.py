@@ -49,8 +49,9 @@ from typing import Callable, Protocol
 import torch
 
 from .. import kernels as K
-from ..model.draft_runner import DraftRunner
+from ..model.draft_runner import DraftRunner, draft_cache
 from ..model.llama import AttentionBatch, TargetLM
+from .block_manager import BlockTable
 from .drafting import Drafter, RowSampling, SamplingParams
 
 log = logging.getLogger("dspark.engine")
@@ -164,7 +165,8 @@ class ModelRunner:
     """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, sampled or not)."""
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
-                 max_chunk_tokens: int = 2048, cuda_graphs: bool = True, tree: TreeSettings | None = None):
+                 max_chunk_tokens: int = 2048, cuda_graphs: bool = True, tree: TreeSettings | None = None,
+                 num_kv_blocks: int | None = None, kv_block_size: int = 16):
         self.target, self.drafter = target, drafter
         self.device = dev = target.device
         self.max_batch, self.max_model_len = max_batch, max_model_len
@@ -177,8 +179,14 @@ class ModelRunner:
         line = max(max_model_len + self.verify_len + block, max_batch + 1)
         self.dummy_slot = self.scratch_row = max_batch  # the seat of a chunk that ends no prompt
         self.line = line
-        self.cache = target.new_cache(max_batch + 1, line)
-        self.draft = DraftRunner(drafter.model, max_batch + 1, line) if drafter else None
+        # paged K/V of the target and the draft, one block table for both (its last line, the dummy
+        # line of padding tokens, reads and writes only the null block)
+        self.block_tables = BlockTable(max_batch + 1, -(-line // kv_block_size), dev)
+        self.kv_block_size = kv_block_size
+        self.num_kv_blocks = num_kv_blocks or max_batch * self.block_tables.blocks_per_line + 1
+        paged = (self.num_kv_blocks, kv_block_size, self.block_tables.table)
+        self.cache = target.new_paged_cache(*paged)
+        self.draft = DraftRunner(drafter.model, draft_cache(drafter.model, paged=paged)) if drafter else None
         self.buckets = batch_buckets(max_batch)
         self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -277,6 +285,7 @@ class ModelRunner:
         confidences); without it only the draft context advances and the next round is plain. A
         step with chunks always drafts. ``self.drafted`` says whether this step did."""
         self.drafted, self.round_times = draft or bool(chunks), None
+        self.block_tables.flush()
         if verify_lens is None:
             self._launch_plain(rows, chunks)
             return
@@ -323,6 +332,7 @@ class ModelRunner:
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
         with ``chunks`` as ``launch_round``."""
+        self.block_tables.flush()
         if chunks:
             self._mixed_step(self.bucket(rows) if rows else 0, rows, None, chunks)
             return
@@ -604,11 +614,11 @@ class ModelRunner:
         keep = self.offsets[:width].long()
         index = keep.repeat(b, 1)
         index[:, 1:] = torch.where(nodes[:, :width - 1] >= 0, nodes[:, :width - 1].long(), index[:, 1:])
-        slots = s.slot_ids[:b, None].expand(b, width).reshape(-1).long()
+        slots = s.slot_ids[:b, None].expand(b, width).reshape(-1)
         base = s.anchor_pos[:b, None].long()
-        src, dst = (base + index).reshape(-1), (base + keep).reshape(-1)
+        src, dst = (self.cache.index(slots, (base + i).reshape(-1)) for i in (index, keep))
         for cache in (self.cache.k, self.cache.v):
-            cache[:, slots, dst] = cache[:, slots, src]
+            cache[:, dst[0], dst[1]] = cache[:, src[0], src[1]]
         for rows in (self.capture_rows, self.logit_rows):
             view = rows[: b * size].view(b, size, -1)
             view[:, :width] = view.gather(1, index[..., None].expand(-1, -1, view.shape[-1]))
@@ -797,6 +807,7 @@ class ModelRunner:
     def probe(self, chunk: PrefillChunk) -> None:
         """Run one prompt chunk alone (the target forward and its draft context writes, no row state):
         after a failed mixed step, whether this request's own tokens fail."""
+        self.block_tables.flush()
         bucket = self.chunks.stage([replace(chunk, row=-1)], self._chunk_bucket(len(chunk.token_ids)),
                                    self.dummy_slot, self.scratch_row)
         positions, slots, _, _, capture, _ = self._mixed_forward(0, None, bucket)
@@ -811,6 +822,7 @@ class ModelRunner:
         batched step and its graphs, which keep only a chunk's last logits): what prompt
         log-probabilities are read from. Run before the step that runs these tokens as a chunk, so
         that its K/V writes are the ones that step makes again."""
+        self.block_tables.flush()
         n, i32 = len(token_ids), dict(dtype=torch.int32, device=self.device)
         positions = torch.arange(start, start + n, **i32)
         batch = AttentionBatch(torch.tensor([slot], **i32), torch.tensor([start], **i32), torch.tensor([0, n], **i32),

@@ -13,12 +13,14 @@ class GenerationStats:
     verification produced (accepted drafts + the bonus/correction token, in ``[1, P_v+1]``),
     ``committed[r]`` tokens appended to the output (fewer than ``accept_lengths[r]`` only when EOS
     or ``max_new_tokens`` cut the last round). ``prefill_tokens`` counts the token sampled from the
-    prefill (1, or 0 when ``max_new_tokens`` is 0). Times are seconds.
+    prefill (1, or 0 when ``max_new_tokens`` is 0). ``cached_tokens``: prompt tokens whose K/V the
+    prefix cache held (not run). Times are seconds.
     """
 
     num_drafts: int = 0
     prompt_tokens: int = 0
     prefill_tokens: int = 0
+    cached_tokens: int = 0
     scheduled_lengths: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)

@@ -2,10 +2,13 @@
 
 Used by the engine's target runner and by the batched draft forward. Every op works on *flat*
 tokens: the tokens of many requests are the rows of one ``[N, ...]`` tensor, request ``b`` owning
-rows ``cu_query_lens[b] .. cu_query_lens[b+1]-1``. The KV cache is per slot (one cache line of
-``max_len`` positions per request slot, ``[num_slots, max_len, n_kv, d]`` per layer); a request's
-rows in the batch point to their slot through ``slot_ids``, so requests join and leave without moving
-cache memory, and rolling back to an accepted prefix is only a length change.
+rows ``cu_query_lens[b] .. cu_query_lens[b+1]-1``. A request reads and writes one cache *line* of
+``max_len`` positions, named by its slot id; rolling back to an accepted prefix is only a length
+change. The lines are either contiguous (``[num_slots, max_len, n_kv, d]`` per layer) or paged: with
+a ``block_table`` int32 ``[num_slots, blocks_per_line]`` the cache is ``[num_blocks, block_size, n_kv,
+d]`` and position ``p`` of line ``s`` lives at block ``block_table[s, p // block_size]``, row ``p %
+block_size`` -- lines of ``blocks_per_line * block_size`` positions whose blocks requests may share
+(prefix caching) and that need no memory reserved per slot.
 
 * ``rms_norm(x, weight, eps, residual=None)`` -- (fused residual add +) RMSNorm, HF op order;
 * ``qk_norm_rope_store(q, k, v, ...)`` -- optional per-head q/k RMSNorm, RoPE from a cos/sin table,
@@ -65,7 +68,7 @@ def rope_cos_sin_table(inv_freq: torch.Tensor, max_positions: int, attention_sca
 
 
 def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, *, q_norm_weight=None,
-                       k_norm_weight=None, eps: float = 1e-6, cache_positions=None):
+                       k_norm_weight=None, eps: float = 1e-6, cache_positions=None, block_table=None):
     """Normalise and rotate queries and keys, store keys and values into the cache.
 
     ``q`` ``[N, n_q, d]`` or None (context-only tokens), ``k``/``v`` ``[N, n_kv, d]`` (views of a
@@ -78,11 +81,13 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
     to the cache dtype first. Writes ``k_cache[slot, pos] = rope(norm(k))``, ``v_cache[slot, pos] = v``;
     returns the rotated queries ``[N, n_q, d]`` (None when ``q`` is None). ``cache_positions`` int
     ``[N]`` (default: ``positions``) puts a token's K/V at another cache row than its RoPE position
-    (tree nodes: row base + node index, angle base + depth).
+    (tree nodes: row base + node index, angle base + depth). ``block_table`` int32 ``[num_slots,
+    blocks_per_line]``: the caches are paged (``[num_blocks, block_size, n_kv, d]``, module docstring).
     """
     c = Checker("qk_norm_rope_store")
     k_cache = c.tensor("k_cache", k_cache, dtype=_FLOAT, ndim=4, contiguous=True)
-    num_slots, max_len, n_kv, d = k_cache.shape
+    num_slots, max_len, block_table = _lines(c, k_cache, block_table)
+    n_kv, d = k_cache.shape[2:]
     dtype, device = k_cache.dtype, k_cache.device
     c.tensor("v_cache", v_cache, dtype=dtype, shape=list(k_cache.shape), device=device, contiguous=True)
     k = _heads(c, "k", k, n_kv, d, dtype, device)
@@ -113,12 +118,12 @@ def qk_norm_rope_store(q, k, v, positions, slot_ids, cos_sin, k_cache, v_cache, 
     eps = c.real("eps", eps, low=0.0)
     return implementation("qk_norm_rope_store", device, q, k, v, q_norm_weight, k_norm_weight)(
         q, k, v, positions.contiguous(), cache_positions.contiguous(), slot_ids.contiguous(), cos_sin.contiguous(),
-        k_cache, v_cache, q_norm_weight, k_norm_weight, eps)
+        k_cache, v_cache, q_norm_weight, k_norm_weight, eps, block_table)
 
 
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len: int, *,
                      causal: bool, window_starts=None, sliding_window: int | None = None, tree_mask=None,
-                     scale: float | None = None):
+                     scale: float | None = None, block_table=None):
     """Attention of each request's new queries over its cache line; returns ``[N, n_q, d]`` (q's dtype).
 
     ``q`` ``[N, n_q, d]``: request ``b``'s queries are rows ``cu_query_lens[b] ..
@@ -135,10 +140,13 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     queries is skipped. ``tree_mask`` int64 ``[N]`` (with ``causal``; tree verification, at most 64
     new tokens per request): of a request's own new tokens, query ``t`` sees ``t'`` only when bit
     ``t'`` of its mask is set (its ancestors and itself); context positions stay visible.
+    ``block_table`` int32 ``[num_slots, blocks_per_line]``: the caches are paged (``[num_blocks,
+    block_size, n_kv, d]``, module docstring).
     """
     c = Checker("cached_attention")
     k_cache = c.tensor("k_cache", k_cache, dtype=_FLOAT, ndim=4, contiguous=True)
-    num_slots, max_len, n_kv, d = k_cache.shape
+    num_slots, max_len, block_table = _lines(c, k_cache, block_table)
+    n_kv, d = k_cache.shape[2:]
     device = k_cache.device
     c.tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=list(k_cache.shape), device=device, contiguous=True)
     q = _heads(c, "q", q, None, d, k_cache.dtype, device)
@@ -166,7 +174,7 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         _check_layout(c, q.shape[0], slot_ids, context_lens, cu_query_lens, max_query_len, num_slots, max_len)
     return implementation("cached_attention", device)(
         q, k_cache, v_cache, slot_ids.contiguous(), context_lens.contiguous(), cu_query_lens.contiguous(),
-        max_query_len, causal, window_starts, sliding_window, tree_mask, scale)
+        max_query_len, causal, window_starts, sliding_window, tree_mask, scale, block_table)
 
 
 def silu_and_mul(x):
@@ -180,6 +188,17 @@ def silu_and_mul(x):
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _lines(c: Checker, k_cache: torch.Tensor, block_table) -> tuple[int, int, torch.Tensor | None]:
+    """``(num_slots, max_len, block_table)`` of a contiguous cache ``[num_slots, max_len, ...]`` or of
+    a paged one (``block_table`` int32 ``[num_slots, blocks_per_line]`` of blocks ``[num_blocks,
+    block_size, ...]``; its block ids are checked on CPU tensors only)."""
+    if block_table is None:
+        return k_cache.shape[0], k_cache.shape[1], None
+    block_table = c.tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=k_cache.device).contiguous()
+    _in_range(c, "block_table", block_table, k_cache.shape[0])
+    return block_table.shape[0], block_table.shape[1] * k_cache.shape[1], block_table
 
 
 def _heads(c: Checker, name, t, heads, d, dtype, device, rows=None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..kernels._validate import Checker
 from .config import DSparkConfig
-from .draft_runner import DraftRunner
+from .draft_runner import DraftRunner, draft_cache
 from .heads import ConfidenceHead, MarkovHead, scatter_vocab
 from .layers import swiglu
 
@@ -54,7 +54,7 @@ class DraftCache:
     def reserve(self, model, positions: int):
         """The runner, its line holding at least ``positions`` positions."""
         if self.runner is None:
-            self.runner = DraftRunner(model, 1, max(positions, 64))
+            self.runner = DraftRunner(model, draft_cache(model, 1, max(positions, 64)))
         elif self.runner.max_len < positions:
             self.runner.grow(max(positions, 2 * self.runner.max_len))
         return self.runner

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import kernels as K
 from .layers import KVCache, attention, decoder_layer, rms_norm, rope_inv_freq, swiglu
 
-__all__ = ["DraftRunner", "layer_weights", "write_context", "run_block"]
+__all__ = ["DraftRunner", "draft_cache", "layer_weights", "write_context", "run_block"]
 
 
 def layer_weights(layer: torch.nn.Module, mlp) -> dict:
@@ -39,25 +39,28 @@ def layer_weights(layer: torch.nn.Module, mlp) -> dict:
                 q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, mlp=mlp)
 
 
-def write_context(model, weights: list[dict], hidden, positions, lines, k_lines, v_lines, cos_sin) -> None:
+def write_context(model, weights: list[dict], hidden, positions, lines, k_lines, v_lines, cos_sin,
+                  block_table=None) -> None:
     """Write the context K/V of ``M`` tokens: ``hidden`` ``[M, m*H]`` captured target states,
     ``positions`` / ``lines`` int ``[M]`` (RoPE position = row, and line); ``k_lines[i]`` /
-    ``v_lines[i]`` layer i's ``[lines, rows, n_kv, d]``; ``cos_sin`` from ``K.rope_cos_sin_table``."""
+    ``v_lines[i]`` layer i's ``[lines, rows, n_kv, d]`` (or blocks through ``block_table``, as
+    ``K.qk_norm_rope_store``); ``cos_sin`` from ``K.rope_cos_sin_table``."""
     cfg = model.config
     c = rms_norm(F.linear(hidden.to(model.dtype), model.fc.weight), model.hidden_norm.weight, cfg.rms_norm_eps)
     m, d, kv_size = c.shape[0], cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for i, w in enumerate(weights):
         k, v = (t.view(m, cfg.num_key_value_heads, d) for t in F.linear(c, w["kv"]).split(kv_size, 1))
         K.qk_norm_rope_store(None, k, v, positions, lines, cos_sin, k_lines[i], v_lines[i],
-                             k_norm_weight=w["k_norm"].to(k.dtype), eps=cfg.rms_norm_eps)
+                             k_norm_weight=w["k_norm"].to(k.dtype), eps=cfg.rms_norm_eps, block_table=block_table)
 
 
 def run_block(model, weights: list[dict], ids, positions, lines, k_lines, v_lines, cos_sin, attend,
-              rows=None) -> torch.Tensor:
+              rows=None, block_table=None) -> torch.Tensor:
     """Final-norm hidden states ``[R, H]`` of block rows ``ids`` int ``[R]`` at ``positions`` int
     ``[R]`` of lines ``lines`` int ``[R]`` (their K/V written at row ``rows`` int ``[R]``, default the
-    position). ``attend(i, q, k_line, v_line)`` -> ``[R, n_q, d]``: layer i's attention of the
-    rotated queries ``q`` ``[R, n_q, d]`` over its lines (the block's K/V already in them)."""
+    position; lines through ``block_table`` as ``write_context``). ``attend(i, q, k_line, v_line)`` ->
+    ``[R, n_q, d]``: layer i's attention of the rotated queries ``q`` ``[R, n_q, d]`` over its lines
+    (the block's K/V already in them)."""
     cfg = model.config
     h, residual = model.embed_tokens(ids), None
     for i, w in enumerate(weights):
@@ -65,28 +68,39 @@ def run_block(model, weights: list[dict], ids, positions, lines, k_lines, v_line
             w, h, residual, cfg.rms_norm_eps,
             lambda x, i=i, w=w: attention(w, x, cfg.num_attention_heads, positions, lines, cos_sin, k_lines[i],
                                           v_lines[i], cfg.rms_norm_eps,
-                                          lambda q: attend(i, q, k_lines[i], v_lines[i]), rows),
+                                          lambda q: attend(i, q, k_lines[i], v_lines[i]), rows, block_table),
             w["mlp"])
     x, _ = rms_norm(h, model.norm.weight, cfg.rms_norm_eps, residual=residual)
     return x
 
 
-class DraftRunner:
-    """The batched inference forward of a ``DSparkDraftModel`` over a per-slot KV cache (weights
-    shared, merged projections built once)."""
+def draft_cache(model, num_slots: int = 0, max_len: int = 0,
+                paged: tuple[int, int, torch.Tensor] | None = None) -> KVCache:
+    """The K/V of a ``DSparkDraftModel``: ``num_slots`` contiguous lines of ``max_len`` positions, or
+    ``paged`` = ``(num_blocks, block_size, block_table)`` blocks shared through a block table."""
+    cfg = model.config
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    if paged is None:
+        return KVCache.contiguous(shape[0], num_slots, max_len, *shape[1:], model.dtype, model.device)
+    num_blocks, block_size, table = paged
+    return KVCache(shape[0], num_blocks, block_size, *shape[1:], model.dtype, model.device, table)
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int):
+
+class DraftRunner:
+    """The batched inference forward of a ``DSparkDraftModel`` over a KV cache of lines
+    (``draft_cache``; weights shared, merged projections built once)."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache):
         """``model``: a ``DSparkDraftModel`` (``draft.py`` builds its caches' runners from this
         module, so it is not imported here)."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.block_size = cfg.block_size
-        self.cache = KVCache(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                             model.dtype, model.device)
+        self.cache = cache
         with torch.no_grad():
             self.layers = [layer_weights(layer, _merged_mlp(layer.mlp)) for layer in model.layers]
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, model.device)
-        self.cos_sin = K.rope_cos_sin_table(self.inv_freq, max_len)
+        self.cos_sin = K.rope_cos_sin_table(self.inv_freq, cache.max_len)
         self.block_offsets = torch.arange(self.block_size, dtype=torch.int32, device=model.device)
 
     @property
@@ -94,11 +108,10 @@ class DraftRunner:
         return self.cache.max_len
 
     def grow(self, max_len: int) -> None:
-        """Reallocate the cache lines to ``max_len`` positions, keeping what they hold (eager use only:
-        a captured graph keeps the old buffers)."""
-        cfg, old = self.config, self.cache
-        self.cache = KVCache(cfg.num_hidden_layers, old.num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                             old.k.dtype, old.k.device)
+        """Reallocate contiguous cache lines to ``max_len`` positions, keeping what they hold (eager
+        use only: a captured graph keeps the old buffers)."""
+        old = self.cache
+        self.cache = draft_cache(self.model, old.num_slots, max_len)
         keep = min(old.max_len, max_len)
         self.cache.k[:, :, :keep] = old.k[:, :, :keep]
         self.cache.v[:, :, :keep] = old.v[:, :, :keep]
@@ -109,7 +122,7 @@ class DraftRunner:
         """Write the context K/V of ``M`` tokens: ``hidden`` ``[M, m*H]`` captured target states,
         ``positions`` / ``token_slots`` int ``[M]``."""
         write_context(self.model, self.layers, hidden, positions, token_slots, self.cache.k, self.cache.v,
-                      self.cos_sin)
+                      self.cos_sin, self.cache.block_table)
 
     @torch.inference_mode()
     def block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
@@ -126,10 +139,11 @@ class DraftRunner:
             window = cfg.layer_window(i)
             starts = None if window is None else (anchor_positions - window).clamp(min=0)
             return K.cached_attention(q, k_line, v_line, slot_ids, anchor_positions, cu, n,
-                                      causal=cfg.layer_is_causal(i), window_starts=starts)
+                                      causal=cfg.layer_is_causal(i), window_starts=starts,
+                                      block_table=self.cache.block_table)
 
         return run_block(self.model, self.layers, ids.view(-1), positions, slot_ids.repeat_interleave(n),
-                         self.cache.k, self.cache.v, self.cos_sin, attend)
+                         self.cache.k, self.cache.v, self.cos_sin, attend, block_table=self.cache.block_table)
 
 
 def _merged_mlp(mlp: torch.nn.Module):

@@ -61,8 +61,7 @@ class _Step:
     """What the registered attention function needs from the current forward."""
 
     cache: KVCache
-    positions: torch.Tensor
-    token_slots: torch.Tensor
+    cache_index: tuple[torch.Tensor, torch.Tensor]  # (blocks, rows) of each token's K/V (``KVCache.index``)
     groups: list  # (first row, end row, AttentionBatch)
 
 
@@ -77,12 +76,12 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling=None, d
     step = _STEP.get()
     layer = module.layer_idx
     k_cache, v_cache = step.cache.k[layer], step.cache.v[layer]
-    k_cache[step.token_slots, step.positions] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[step.token_slots, step.positions] = value[0].transpose(0, 1).to(v_cache.dtype)
+    k_cache[step.cache_index] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache[step.cache_index] = value[0].transpose(0, 1).to(v_cache.dtype)
     q = query[0].transpose(0, 1).to(k_cache.dtype)
     out = torch.cat([K.cached_attention(q[lo:hi].contiguous(), k_cache, v_cache, g.slot_ids, g.context_lens,
                                         g.cu_query_lens, g.max_query_len, causal=True, scale=scaling,
-                                        sliding_window=sliding_window or None)
+                                        sliding_window=sliding_window or None, block_table=step.cache.block_table)
                      for lo, hi, g in step.groups])
     return out[None].to(query.dtype), None
 
@@ -167,7 +166,7 @@ class HFTarget(CachedTarget):
         if cache_positions is not None:
             raise ValueError("HFTarget does not verify token trees (cache_positions): tree mode needs a TargetLM")
         groups = [(0, input_ids.numel(), batch)] if isinstance(batch, AttentionBatch) else list(batch)
-        token = _STEP.set(_Step(cache, positions.long(), token_slots.long(), groups))
+        token = _STEP.set(_Step(cache, cache.index(token_slots, positions), groups))
         hooks = self._capture_hooks(capture_out)
         configs = {id(c): c for c in (self.model.config, self.config)}.values()
         previous = [c._attn_implementation for c in configs]

@@ -14,15 +14,40 @@ __all__ = ["KVCache", "rope_inv_freq", "rms_norm", "attention", "swiglu", "decod
 
 
 class KVCache:
-    """K and V lines of ``num_slots`` requests for every layer: ``k[layer]``/``v[layer]``
-    ``[num_slots, max_len, n_kv, d]``. Allocated once; a request owns one slot while it runs."""
+    """K and V of every layer in blocks: ``k[layer]`` / ``v[layer]`` ``[num_blocks, block_size, n_kv,
+    d]``. Line (slot) ``s`` holds position ``p`` at block ``block_table[s, p // block_size]``, row ``p %
+    block_size`` (``block_table`` int32 ``[num_slots, blocks_per_line]``, on the cache's device); the
+    engine's lines share one table between the target's and the draft's caches and change it as
+    requests take and free blocks. ``KVCache.contiguous``: one block of ``max_len`` rows per line."""
 
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device):
-        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device, block_table: torch.Tensor):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots, self.max_len = num_slots, max_len
+        self.block_table, self.block_size = block_table, block_size
+
+    @classmethod
+    def contiguous(cls, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype, device) -> "KVCache":
+        """``num_slots`` lines of ``max_len`` positions, each its own block (``k`` ``[L, num_slots,
+        max_len, n_kv, d]``)."""
+        table = torch.arange(num_slots, dtype=torch.int32, device=device)[:, None]
+        return cls(num_layers, num_slots, max_len, num_kv_heads, head_dim, dtype, device, table)
+
+    @property
+    def num_slots(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.block_table.shape[1] * self.block_size
+
+    def index(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(blocks, rows)`` int64 of positions ``positions`` of lines ``slots`` (int ``[N]``): what
+        ``k[layer][blocks, rows]`` reads and writes."""
+        positions = positions.long()
+        return self.block_table[slots.long(), positions // self.block_size].long(), positions % self.block_size
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -44,18 +69,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def attention(layer: dict, x: torch.Tensor, num_heads: int, positions, lines, cos_sin, k_line, v_line, eps: float,
-              attend, rows=None) -> torch.Tensor:
+              attend, rows=None, block_table=None) -> torch.Tensor:
     """Self-attention of rows ``x`` ``[N, H]`` -> ``[N, H]``: the merged projection ``layer["qkv"]``
     (+ ``"qkv_bias"``), per-head q/k RMSNorm (``"q_norm"``/``"k_norm"`` ``[d]``, when present) and
-    RoPE (``cos_sin``), the K/V written into ``k_line``/``v_line`` ``[lines, rows, n_kv, d]`` at
-    ``lines`` int ``[N]``, row ``rows`` int ``[N]`` (default: ``positions``); then the mode's
-    ``attend(q [N, n_q, d]) -> [N, n_q, d]`` and ``layer["o"]``."""
+    RoPE (``cos_sin``), the K/V written into ``k_line``/``v_line`` ``[lines, rows, n_kv, d]`` (or
+    blocks, through ``block_table``: ``K.qk_norm_rope_store``) at ``lines`` int ``[N]``, row ``rows``
+    int ``[N]`` (default: ``positions``); then the mode's ``attend(q [N, n_q, d]) -> [N, n_q, d]``
+    and ``layer["o"]``."""
     n, (kv_heads, d) = x.shape[0], k_line.shape[2:]
     q, k, v = F.linear(x, layer["qkv"], layer.get("qkv_bias")).split([num_heads * d, kv_heads * d, kv_heads * d], 1)
     q_norm, k_norm = (None if layer.get(name) is None else layer[name].to(k_line.dtype) for name in ("q_norm", "k_norm"))
     q = K.qk_norm_rope_store(q.view(n, num_heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d), positions, lines,
                              cos_sin, k_line, v_line, q_norm_weight=q_norm, k_norm_weight=k_norm, eps=eps,
-                             cache_positions=rows)
+                             cache_positions=rows, block_table=block_table)
     return F.linear(attend(q).reshape(n, num_heads * d), layer["o"])
 
 

@@ -61,8 +61,15 @@ class CachedTarget:
                 capture_out[..., j * h:(j + 1) * h].copy_(hidden.view(capture_out.shape[:-1] + (h,)))
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """``num_slots`` contiguous lines of ``max_len`` positions."""
         s = self.shape
-        return KVCache(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+        return KVCache.contiguous(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+
+    def new_paged_cache(self, num_blocks: int, block_size: int, block_table: torch.Tensor) -> KVCache:
+        """``num_blocks`` blocks of ``block_size`` positions, lines through ``block_table``."""
+        s = self.shape
+        return KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device,
+                       block_table)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -172,7 +179,8 @@ class TargetLM(CachedTarget):
                 layer, h, residual, s.eps,
                 lambda x, i=i, layer=layer: attention(layer, x, s.num_heads, positions, token_slots, self.cos_sin,
                                                       cache.k[i], cache.v[i], s.eps,
-                                                      self._attend(batch, cache.k[i], cache.v[i]), cache_positions),
+                                                      self._attend(batch, cache, i), cache_positions,
+                                                      cache.block_table),
                 lambda x, layer=layer: swiglu(x, layer["gate_up"], layer["down"]),
                 on_input=lambda hidden, i=i: self._capture(capture_out, i, hidden))
         x, _ = rms_norm(h, self.norm, s.eps, residual=residual)
@@ -180,16 +188,18 @@ class TargetLM(CachedTarget):
             x = x.index_select(0, logits_rows)
         return F.linear(x, self.lm_head).float()
 
-    def _attend(self, batch, k_cache, v_cache):
-        """``attend(q)``: causal, one launch per row group of a list (tiles sized for verify or prefill)."""
+    def _attend(self, batch, cache: KVCache, layer: int):
+        """``attend(q)`` over layer ``layer`` of ``cache``: causal, one launch per row group of a list
+        (tiles sized for verify or prefill)."""
         if isinstance(batch, AttentionBatch):
-            return lambda q: _causal_attention(q, k_cache, v_cache, batch)
-        return lambda q: torch.cat([_causal_attention(q[lo:hi], k_cache, v_cache, g) for lo, hi, g in batch])
+            return lambda q: _causal_attention(q, cache, layer, batch)
+        return lambda q: torch.cat([_causal_attention(q[lo:hi], cache, layer, g) for lo, hi, g in batch])
 
 
-def _causal_attention(q, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
-    return K.cached_attention(q, k_cache, v_cache, batch.slot_ids, batch.context_lens, batch.cu_query_lens,
-                              batch.max_query_len, causal=True, tree_mask=batch.tree_mask)
+def _causal_attention(q, cache: KVCache, layer: int, batch: AttentionBatch) -> torch.Tensor:
+    return K.cached_attention(q, cache.k[layer], cache.v[layer], batch.slot_ids, batch.context_lens,
+                              batch.cu_query_lens, batch.max_query_len, causal=True, tree_mask=batch.tree_mask,
+                              block_table=cache.block_table)
 
 
 # ------------------------------------------------------------------------------------ config & io

@@ -130,10 +130,10 @@ def _norm_rope(x1, x2, w_ptr, cos, sin, offs_j, valid_j, eps, D: tl.constexpr, H
 
 @triton.jit
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, row_ptr, slot_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
-                               q_out_ptr, q_w_ptr, k_w_ptr, stride_q, stride_k, stride_v, n_q, n_kv,
-                               num_slots, max_len, max_pos, eps, D: tl.constexpr, HALF: tl.constexpr,
+                               q_out_ptr, q_w_ptr, k_w_ptr, table_ptr, stride_q, stride_k, stride_v, n_q, n_kv,
+                               num_slots, max_len, max_pos, block_size, eps, D: tl.constexpr, HALF: tl.constexpr,
                                BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-                               HAS_Q: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr):
+                               HAS_Q: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr, PAGED: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     dtype = k_cache_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -141,7 +141,13 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, row_ptr, slot_ptr, 
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     # a token whose cache row is out of range stores no head (a scalar select: the interpreter
     # cannot AND a scalar mask into a tensor mask)
-    stored_heads = tl.where((row >= 0) & (row < max_len) & (slot >= 0) & (slot < num_slots), n_kv, 0)
+    in_range = (row >= 0) & (row < max_len) & (slot >= 0) & (slot < num_slots)
+    stored_heads = tl.where(in_range, n_kv, 0)
+    if PAGED:  # the line's block that holds the row (an out-of-range token reads entry 0 and stores nothing)
+        entry = tl.where(in_range, slot * (max_len // block_size) + row // block_size, 0)
+        cache_row = tl.load(table_ptr + entry).to(tl.int64) * block_size + row % block_size
+    else:
+        cache_row = slot * max_len + row
     angle = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # bad positions read a valid table row
     offs_j = tl.arange(0, BLOCK_HALF)
     valid_j = offs_j < HALF
@@ -153,7 +159,7 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, row_ptr, slot_ptr, 
     tile = heads[:, None] * D + offs_j[None, :]
     valid = (heads < n_kv)[:, None] & valid_j[None, :]
     stored = (heads < stored_heads)[:, None] & valid_j[None, :]
-    line = (slot * max_len + row) * n_kv * D + tile
+    line = cache_row * n_kv * D + tile
     k1 = tl.load(k_ptr + tok * stride_k + tile, mask=valid, other=0.0)
     k2 = tl.load(k_ptr + tok * stride_k + HALF + tile, mask=valid, other=0.0)
     k1, k2 = _norm_rope(k1, k2, k_w_ptr, cos, sin, offs_j, valid_j, eps, D, HALF, K_NORM, dtype)
@@ -177,8 +183,9 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, row_ptr, slot_ptr, 
 
 
 def qk_norm_rope_store(q, k, v, positions, cache_positions, slot_ids, cos_sin, k_cache, v_cache, q_norm_weight,
-                       k_norm_weight, eps):
-    num_slots, max_len, n_kv, d = k_cache.shape
+                       k_norm_weight, eps, block_table=None):
+    num_slots, max_len, block_size = _line_shape(k_cache, block_table)
+    n_kv, d = k_cache.shape[2:]
     n = k.shape[0]
     n_q = q.shape[1] if q is not None else 0
     q_out = torch.empty((n, n_q, d), dtype=k.dtype, device=k.device) if q is not None else None
@@ -192,10 +199,11 @@ def qk_norm_rope_store(q, k, v, positions, cache_positions, slot_ids, cos_sin, k
             q_out if q is not None else k,
             q_norm_weight if q_norm_weight is not None else k_cache,
             k_norm_weight if k_norm_weight is not None else k_cache,
+            block_table if block_table is not None else slot_ids,
             q.stride(0) if q is not None else 0, k.stride(0), v.stride(0), n_q, n_kv,
-            num_slots, max_len, cos_sin.shape[0], eps, D=d, HALF=half, BLOCK_HALF=block_half,
+            num_slots, max_len, cos_sin.shape[0], block_size, eps, D=d, HALF=half, BLOCK_HALF=block_half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, HAS_Q=q is not None,
-            Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
+            Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None, PAGED=block_table is not None,
             num_warps=_warps(2 * block_half * max(block_qh, block_kh)))
     return q_out
 
@@ -224,12 +232,12 @@ def _dot_probabilities(p, v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr, window_ptr, tree_ptr, out_ptr,
-                      part_out_ptr, part_lse_ptr, stride_q, n_rows, num_slots, max_len, n_kv, q_blocks, qk_scale,
-                      sliding_window, REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr, window_ptr, tree_ptr, table_ptr,
+                      out_ptr, part_out_ptr, part_lse_ptr, stride_q, n_rows, num_slots, max_len, block_size, n_kv,
+                      q_blocks, qk_scale, sliding_window, REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                       CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SLIDING: tl.constexpr, TREE: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      PAGED: tl.constexpr, INTERPRET: tl.constexpr):
     """One (request ``b``, query block, KV head, key split); ``qk_scale`` includes ``log2(e)``."""
     b = tl.program_id(0) // q_blocks
     t0 = (tl.program_id(0) % q_blocks) * BLOCK_T
@@ -270,6 +278,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr
         bits = tl.load(tree_ptr + rows, mask=valid_m, other=0)
     key_stride = n_kv * D
     line = (slot * max_len * n_kv + kv_head) * D
+    blocks_per_line = max_len // block_size
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -277,7 +286,12 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ctx_ptr, cu_ptr
     for k0 in range(lo, hi, BLOCK_N):
         keys = k0 + tl.arange(0, BLOCK_N)
         valid_n = keys < hi
-        kv_offs = line + keys[:, None].to(tl.int64) * key_stride + offs_d[None, :]
+        if PAGED:  # each key's row in its block (keys past the line's end read entry 0, masked)
+            block = tl.load(table_ptr + slot * blocks_per_line + keys // block_size, mask=valid_n, other=0)
+            cache_rows = block.to(tl.int64) * block_size + keys % block_size
+            kv_offs = (cache_rows[:, None] * n_kv + kv_head) * D + offs_d[None, :]
+        else:
+            kv_offs = line + keys[:, None].to(tl.int64) * key_stride + offs_d[None, :]
         kv_mask = valid_n[:, None] & valid_d[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), INTERPRET) * qk_scale
@@ -360,10 +374,18 @@ def _attention_config(device, dtype, batch: int, n_kv: int, rep: int, d: int, ma
                 SPLITS=max(1, splits), q_blocks=q_blocks, num_warps=8 if block_m >= 128 else 4)
 
 
+def _line_shape(k_cache: torch.Tensor, block_table) -> tuple[int, int, int]:
+    """``(num_slots, max_len, block_size)`` of a contiguous cache (one block per line) or a paged one."""
+    if block_table is None:
+        return k_cache.shape[0], k_cache.shape[1], k_cache.shape[1]
+    return block_table.shape[0], block_table.shape[1] * k_cache.shape[1], k_cache.shape[1]
+
+
 def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens, max_query_len, causal,
-                     window_starts, sliding_window, tree_mask, scale):
+                     window_starts, sliding_window, tree_mask, scale, block_table=None):
     n, n_q, d = q.shape
-    num_slots, max_len, n_kv, _ = k_cache.shape
+    num_slots, max_len, block_size = _line_shape(k_cache, block_table)
+    n_kv = k_cache.shape[2]
     batch = slot_ids.shape[0]
     out = torch.empty((n, n_q, d), dtype=q.dtype, device=q.device)
     if n == 0 or batch == 0 or max_query_len == 0:
@@ -380,10 +402,11 @@ def cached_attention(q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
     _attention_kernel[(batch * q_blocks, n_kv, splits)](
         q, k_cache, v_cache, slot_ids, context_lens, cu_query_lens,
         window_starts if window_starts is not None else context_lens,
-        tree_mask if tree_mask is not None else context_lens, out, part_out, part_lse,
-        q.stride(0), n, num_slots, max_len, n_kv, q_blocks, scale * _LOG2E, sliding_window or 0, REP=rep, D=d,
-        SPLITS=splits, CAUSAL=causal, HAS_WINDOW=window_starts is not None, SLIDING=sliding_window is not None,
-        TREE=tree_mask is not None, INTERPRET=_INTERPRET, num_warps=num_warps, **cfg)
+        tree_mask if tree_mask is not None else context_lens, block_table if block_table is not None else slot_ids,
+        out, part_out, part_lse, q.stride(0), n, num_slots, max_len, block_size, n_kv, q_blocks, scale * _LOG2E,
+        sliding_window or 0, REP=rep, D=d, SPLITS=splits, CAUSAL=causal, HAS_WINDOW=window_starts is not None,
+        SLIDING=sliding_window is not None, TREE=tree_mask is not None, PAGED=block_table is not None,
+        INTERPRET=_INTERPRET, num_warps=num_warps, **cfg)
     if splits > 1:
         _combine_kernel[(n * n_q,)](part_out, part_lse, out, D=d, BLOCK_D=cfg["BLOCK_D"], SPLITS=splits,
                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)

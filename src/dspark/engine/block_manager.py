@@ -1,0 +1,188 @@
+"""Paged KV memory: the blocks requests hold, the prefix cache, and the device block table.
+
+A *block* is ``block_size`` consecutive positions of one request's line in both KV caches -- the
+target's and the draft's (they share one block table, so a block id names both). ``BlockManager``
+owns the block ids on the host: a free list in LRU order, reference counts, and the prefix cache --
+a full block of committed tokens is keyed by its tokens and its parent block's key (a chain, as
+vLLM's hashed blocks), so a request whose prompt starts with the same tokens takes the same blocks
+instead of running them again. A cached block whose last holder finished stays cached until a new
+block is needed and it is the least recently freed. Only positions whose K/V are final are ever
+cached: a request's committed tokens before its anchor (the last token, not yet run), never drafts.
+``BlockTable`` is the device copy the kernels read (``K.cached_attention(block_table=...)``), kept at
+one address for the CUDA graphs and updated by a copy of the rows that changed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["NULL_BLOCK", "BlockManager", "BlockTable", "SequenceBlocks", "blocks_in_memory"]
+
+# Block 0 is never handed out: unused table entries and the padding line point to it, so a stray
+# write lands in a block no request reads.
+NULL_BLOCK = 0
+
+
+@dataclass
+class SequenceBlocks:
+    """The blocks one request holds: ``block_ids`` in line order; ``keys`` the prefix-cache keys of
+    its first ``len(keys)`` blocks (registered, or found in the cache); ``cached_tokens`` the prompt
+    tokens its admission found in the cache."""
+
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[tuple] = field(default_factory=list)
+    cached_tokens: int = 0
+
+
+class BlockManager:
+    """``num_blocks`` blocks of ``block_size`` positions (block 0 reserved: ``NULL_BLOCK``), with
+    prefix caching when ``prefix_caching``. ``queries`` / ``hits``: prompt tokens looked up in the
+    cache and found there (vLLM's prefix-cache counters)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        self.block_size, self.prefix_caching = block_size, prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[tuple | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))  # oldest first
+        self.cached: dict[tuple, int] = {}
+        self.queries = self.hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.ref_counts)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a request can take now (free ones, cached or not)."""
+        return len(self.free)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    # ---- taking and releasing ------------------------------------------------------------------
+
+    def take_cached_prefix(self, seq: SequenceBlocks, token_ids: list[int], limit: int) -> int:
+        """Give an empty ``seq`` the cached blocks of the longest prefix of ``token_ids[:limit]``
+        (full blocks); returns how many tokens they hold (also ``seq.cached_tokens``)."""
+        if not self.prefix_caching:
+            return 0
+        size, parent = self.block_size, None
+        self.queries += limit
+        for start in range(0, limit - size + 1, size):
+            key = (parent, tuple(token_ids[start:start + size]))
+            block = self.cached.get(key)
+            if block is None:
+                break
+            self._hold(block)
+            seq.block_ids.append(block)
+            seq.keys.append(key)
+            parent = hash(key)
+        seq.cached_tokens = len(seq.block_ids) * size
+        self.hits += seq.cached_tokens
+        return seq.cached_tokens
+
+    def reserve(self, seq: SequenceBlocks, positions: int) -> bool:
+        """Append fresh blocks until ``seq`` covers ``positions`` positions; False (nothing taken)
+        when too few are free."""
+        needed = self.blocks_for(positions) - len(seq.block_ids)
+        if needed <= 0:
+            return True
+        if needed > len(self.free):
+            return False
+        seq.block_ids += [self._take_free() for _ in range(needed)]
+        return True
+
+    def release(self, seq: SequenceBlocks) -> None:
+        """Drop ``seq``'s blocks; those no other request holds become free, the last ones first to
+        go (a prefix shared by many requests stays cached longest)."""
+        for block in reversed(seq.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        seq.block_ids, seq.keys = [], []
+
+    def cache_committed(self, seq: SequenceBlocks, final: int, token_ids: Callable[[int, int], list[int]]) -> None:
+        """Register ``seq``'s full blocks of positions ``< final`` (their K/V final in both caches)
+        under the keys of their tokens (``token_ids(start, end)``: its committed tokens there)."""
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        for index in range(len(seq.keys), min(final // size, len(seq.block_ids))):
+            parent = hash(seq.keys[-1]) if seq.keys else None
+            key = (parent, tuple(token_ids(index * size, (index + 1) * size)))
+            seq.keys.append(key)
+            block = seq.block_ids[index]
+            if key not in self.cached:  # the same tokens in another block: that one stays the cached copy
+                self.cached[key], self.block_keys[block] = block, key
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _hold(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def _take_free(self) -> int:
+        """The least recently freed block, evicted from the prefix cache if it was cached."""
+        block, _ = self.free.popitem(last=False)
+        key = self.block_keys[block]
+        if key is not None:
+            del self.cached[key]
+            self.block_keys[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+
+class BlockTable:
+    """The device block table int32 ``[lines, blocks_per_line]`` (one line per request slot, plus the
+    padding line) and its pinned host copy: ``set_line`` writes the host copy, ``flush`` (before a
+    step's launches) copies the rows that changed, in stream order behind the work already queued."""
+
+    def __init__(self, lines: int, blocks_per_line: int, device):
+        self.device = device
+        self.host = torch.full((lines, blocks_per_line), NULL_BLOCK, dtype=torch.int32,
+                               pin_memory=device.type == "cuda")
+        self.table = self.host.to(device)
+        self.changed: set[int] = set()
+        self._copied: torch.cuda.Event | None = None
+
+    @property
+    def blocks_per_line(self) -> int:
+        return self.host.shape[1]
+
+    def set_line(self, line: int, block_ids: list[int]) -> None:
+        """Line ``line`` reads ``block_ids`` (the rest of it: the null block)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy read the pinned rows: only then rewrite them
+            self._copied = None
+        row = self.host[line]
+        row.fill_(NULL_BLOCK)
+        if block_ids:
+            row[:len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.changed.add(line)
+
+    def flush(self) -> None:
+        if not self.changed:
+            return
+        low, high = min(self.changed), max(self.changed) + 1
+        on_cuda = self.device.type == "cuda"
+        self.table[low:high].copy_(self.host[low:high], non_blocking=on_cuda)
+        if on_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.changed.clear()
+
+
+def blocks_in_memory(device, utilization: float, bytes_per_block: int, working_bytes: int) -> int | None:
+    """How many KV blocks of ``bytes_per_block`` fit in ``utilization`` of the GPU's memory after
+    what is already in use on it (weights, other processes) and ``working_bytes`` for a step's
+    activations, logits and CUDA graphs (vLLM's ``gpu_memory_utilization`` rule); None off CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    budget = utilization * total - (total - free) - working_bytes
+    return max(0, int(budget // bytes_per_block))
