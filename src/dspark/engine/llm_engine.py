@@ -507,7 +507,9 @@ class LLMEngine:
         else:
             self.prefilling.remove(seq)
         self._free_slot(seq)
-        seq.status, seq.prefilled, seq.prefill_len = SequenceStatus.WAITING, 0, seq.num_tokens
+        # all but the last token run again; the last is kept as the anchor (PrefillChunk.anchor)
+        seq.status, seq.prefilled = SequenceStatus.WAITING, 0
+        seq.prefill_len = seq.num_tokens - 1 if seq.output_ids else seq.prompt_len
         self.waiting.appendleft(seq)
         self.metrics.preemptions += 1
         self._count()
@@ -524,8 +526,9 @@ class LLMEngine:
             if n == 0:
                 break
             ends = seq.prefilled + n == seq.prefill_len
+            anchor = seq.output_ids[-1] if ends and seq.output_ids else -1
             plan.append((seq, PrefillChunk(seq.slot, seq.token_ids(seq.prefilled, seq.prefilled + n), seq.prefilled,
-                                           row if ends else -1, seq.request.sampling)))
+                                           row if ends else -1, seq.request.sampling, anchor)))
             row += ends
             budget -= n
         return plan
@@ -553,7 +556,8 @@ class LLMEngine:
         (the chunks after it would take other rows)."""
         while True:
             plan = self._plan_chunks(budget)
-            scored = [self._score(seq, chunk, outputs) for seq, chunk in plan if seq.prompt_logprobs is not None]
+            scored = [self._score(seq, chunk, outputs) for seq, chunk in plan
+                      if seq.prompt_logprobs is not None and not seq.output_ids]
             if all(scored):
                 return plan
 
@@ -582,13 +586,14 @@ class LLMEngine:
         first = {seq.request_id for seq in running if seq.request_id in joined and not seq.output_ids}
         for i, (seq, row) in enumerate(zip(running, readout[:, :t + 2].tolist())):
             n, verified = row[t], row[t + 1]
-            kept = seq.commit(row[:n], max_len)
+            resumed = seq.request_id in joined and seq.request_id not in first
+            kept = [] if resumed else seq.commit(row[:n], max_len)  # a resumed request kept its anchor
             kept_of.append(kept)
             # positions before the new anchor hold their final K/V in both caches (queued before any reader)
             self.blocks.cache_committed(seq.blocks, seq.num_tokens - 1, seq.token_ids)
             if seq.request_id in first:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
-            elif seq.request_id in joined:  # a preempted request's next token: no round
+            elif resumed:
                 continue
             elif speculative:
                 seq.stats.record_round(verified, n, len(kept))
@@ -607,7 +612,7 @@ class LLMEngine:
             lps = self._logprobs([running[i] for i in wanted], self.runner.token_logits(flat),
                                  [kept_of[i] for i in wanted], outputs)
         for seq, kept in zip(running, kept_of):
-            if seq.finish_reason != "error":
+            if seq.finish_reason != "error" and (kept or seq.request_id not in joined or seq.request_id in first):
                 self._report(seq, kept, outputs, lps.get(seq.request_id),
                              seq.prompt_logprobs if seq.request_id in first else None)
         self._retire([s for s in self.running if s.finish_reason is not None])

@@ -69,13 +69,16 @@ GRAPH_CHUNK_TOKENS = 256
 class PrefillChunk:
     """Prompt tokens of an admitted request run in this step: ``token_ids`` at positions ``start ..``
     of cache line ``slot``. ``row`` >= 0 when the chunk ends the prompt: the batch row the request
-    takes, its first token drawn from the last position's logits with its sampling settings."""
+    takes, its first token drawn from the last position's logits with its sampling settings -- or,
+    with ``anchor`` >= 0 (a preempted request running its tokens again), that token kept as the
+    row's anchor, so that its next round is the one it would have run."""
 
     slot: int
     token_ids: list[int]
     start: int
     row: int = -1
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    anchor: int = -1
 
 
 @dataclass(frozen=True)
@@ -791,7 +794,8 @@ class ModelRunner:
         meta = ch.device_meta()
         rows, ends, slots = ch.seat_rows, meta["seat_ends"], meta["seat_slots"]
         ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
-        tokens = _sample_rows(logits, ch.seat_sampling, ch.seat_seeds, ends - 1, self.workspace)
+        drawn = _sample_rows(logits, ch.seat_sampling, ch.seat_seeds, ends - 1, self.workspace)
+        tokens = torch.where(ch.seat_anchors >= 0, ch.seat_anchors, drawn).to(torch.int32)
         settings = ch.seat_sampling
         for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
                               (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones),
@@ -838,7 +842,8 @@ class ChunkBuffers:
     Up to ``max_chunks`` chunks of ``capacity`` tokens in all, padded to the step's chunk bucket
     by one padding request on the dummy line; per chunk its request (slot, first position, token
     offsets ``cu``); per seat (a chunk that ends its prompt) its row, the offset of its last token,
-    the prompt length, seed, slot and sampling settings -- unused seats name the scratch row.
+    the prompt length, seed, kept anchor (or -1), slot and sampling settings -- unused seats name
+    the scratch row.
     """
 
     def __init__(self, capacity: int, max_chunks: int, device):
@@ -850,7 +855,7 @@ class ChunkBuffers:
         pinned = device.type == "cuda"
         # int64 ids, seats' rows / last offsets / seeds; int32 metadata the kernels read (and the seats'
         # top-k); the seats' f32 temperatures and top-p
-        self.host64 = torch.zeros(capacity + 3 * m, dtype=torch.int64, pin_memory=pinned)
+        self.host64 = torch.zeros(capacity + 4 * m, dtype=torch.int64, pin_memory=pinned)
         self.host32 = torch.zeros(width, dtype=torch.int32, pin_memory=pinned)
         self.hostf = torch.zeros(2 * m, dtype=torch.float32, pin_memory=pinned)
         self.dev64 = torch.zeros_like(self.host64, device=device)
@@ -858,7 +863,7 @@ class ChunkBuffers:
         self.devf = torch.zeros_like(self.hostf, device=device)
         self.ids = self.dev64[:capacity]
         self.seat_rows, self.seat_last = self.dev64[capacity:capacity + m], self.dev64[capacity + m:capacity + 2 * m]
-        self.seat_seeds = self.dev64[capacity + 2 * m:]
+        self.seat_seeds, self.seat_anchors = self.dev64[capacity + 2 * m:capacity + 3 * m], self.dev64[capacity + 3 * m:]
         self._meta = self._views(self.dev32)
         self.seat_sampling = RowSampling(self.devf[:m], self._meta["seat_top_k"], self.devf[m:])
         self._copied = None  # the event of the last transfer: the pinned rows are reused after it
@@ -901,12 +906,13 @@ class ChunkBuffers:
         seats = [(c, offsets[i + 1] - 1) for i, c in enumerate(chunks) if c.row >= 0]
         for i, c in enumerate(chunks):
             h["request_slots"][i], h["request_starts"][i] = c.slot, c.start
-        rows, last, seeds = (h64[cap + i * m:cap + (i + 1) * m] for i in range(3))
+        rows, last, seeds, anchors = (h64[cap + i * m:cap + (i + 1) * m] for i in range(4))
         temperature, top_k, top_p = self.hostf[:m], h["seat_top_k"], self.hostf[m:]
         rows.fill_(scratch_row), last.zero_(), seeds.zero_(), top_k.zero_(), temperature.zero_(), top_p.fill_(1.0)
+        anchors.fill_(-1)
         h["seat_ends"].fill_(1), h["seat_slots"].fill_(dummy_slot)
         for j, (c, end) in enumerate(seats):
-            rows[j], last[j], seeds[j] = c.row, end, c.sampling.seed_bits
+            rows[j], last[j], seeds[j], anchors[j] = c.row, end, c.sampling.seed_bits, c.anchor
             temperature[j], top_k[j], top_p[j] = c.sampling.temperature, c.sampling.top_k, c.sampling.top_p
             h["seat_ends"][j], h["seat_slots"][j] = c.start + len(c.token_ids), c.slot
         blocking = self.device.type != "cuda"

@@ -1,0 +1,176 @@
+"""Paged KV, automatic prefix caching and preemption.
+
+The block manager's bookkeeping on its own; then the engine on the demo pair (fp32, CPU, its real
+drafter): with prefix caching on, requests that share a system prompt -- or continue an earlier
+request's conversation, output included -- take its blocks instead of running it again, and every
+request's tokens *and* the drafts each round accepted are the ones the engine gives with caching
+off; with too few blocks for the batch, requests are preempted and run again, and their tokens
+(greedy and sampled) are still the ones they give with room to spare.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.engine import SamplingParams
+from dspark.engine.block_manager import NULL_BLOCK, BlockManager, SequenceBlocks
+from dspark.engine.llm_engine import EngineConfig, LLMEngine
+from dspark.engine.request import Request
+from dspark.training.data import demo_pair, read_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 40
+
+# ------------------------------------------------------------------------------- block manager
+
+
+def tokens(n: int, first: int = 0) -> list[int]:
+    return list(range(first, first + n))
+
+
+def test_blocks_are_taken_released_and_counted():
+    manager = BlockManager(num_blocks=9, block_size=4)
+    a, b = SequenceBlocks(), SequenceBlocks()
+    assert manager.num_free == 8 and manager.reserve(a, 10) and len(a.block_ids) == 3
+    assert NULL_BLOCK not in a.block_ids
+    assert manager.reserve(a, 12) and len(a.block_ids) == 3  # already covered
+    assert not manager.reserve(b, 24) and b.block_ids == [] and manager.num_free == 5  # all or nothing
+    manager.release(a)
+    assert manager.num_free == 8 and a.block_ids == [] and set(manager.ref_counts) == {0}
+
+
+def test_a_prefix_is_found_block_by_block_and_shared():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    first = SequenceBlocks()
+    manager.reserve(first, 10)
+    manager.cache_committed(first, 9, lambda lo, hi: tokens(12)[lo:hi])  # positions < 9: two full blocks
+    assert len(first.keys) == 2
+    second = SequenceBlocks()
+    assert manager.take_cached_prefix(second, tokens(12), limit=11) == 8
+    assert second.block_ids == first.block_ids[:2] and second.cached_tokens == 8
+    assert [manager.ref_counts[b] for b in second.block_ids] == [2, 2]
+    assert (manager.queries, manager.hits) == (11, 8)
+    # the same block of tokens after another prefix is another block: the keys chain
+    third = SequenceBlocks()
+    assert manager.take_cached_prefix(third, [99] + tokens(11), limit=11) == 0
+    assert manager.take_cached_prefix(SequenceBlocks(), tokens(12), limit=7) == 4  # only full blocks within the limit
+
+
+def test_released_cached_blocks_stay_until_evicted_least_recently_freed_first():
+    manager = BlockManager(num_blocks=5, block_size=2)  # 4 usable blocks
+    old, new = SequenceBlocks(), SequenceBlocks()
+    for seq, first in ((old, 0), (new, 100)):
+        manager.reserve(seq, 4)
+        manager.cache_committed(seq, 4, lambda lo, hi, first=first: tokens(4, first)[lo:hi])
+    manager.release(old)
+    manager.release(new)
+    assert manager.num_free == 4
+    probe = SequenceBlocks()
+    assert manager.take_cached_prefix(probe, tokens(5), limit=4) == 4  # still cached after its release
+    manager.release(probe)
+    taker = SequenceBlocks()
+    manager.reserve(taker, 2)  # evicts the least recently freed block: the second block of `new`
+    assert manager.take_cached_prefix(SequenceBlocks(), tokens(5, 100), limit=4) == 2
+    assert manager.take_cached_prefix(SequenceBlocks(), tokens(5), limit=4) == 4
+
+
+def test_prefix_caching_off_finds_nothing():
+    manager = BlockManager(num_blocks=8, block_size=2, prefix_caching=False)
+    seq = SequenceBlocks()
+    manager.reserve(seq, 4)
+    manager.cache_committed(seq, 4, lambda lo, hi: tokens(4)[lo:hi])
+    assert manager.take_cached_prefix(SequenceBlocks(), tokens(6), limit=5) == 0 and not manager.cached
+
+
+# ------------------------------------------------------------------------------- engine
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return demo_pair()
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
+    texts = [p["text"] for p in read_prompts(pair.prompts)]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def _engine(pair, **fields) -> LLMEngine:
+    return LLMEngine(pair.target, pair.draft, EngineConfig(**{"max_batch": 4, **fields}))
+
+
+def _hot(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
+
+
+def _conversation(prompts) -> tuple[list[Request], list[list[Request]]]:
+    """A 90-token system prompt shared by every request (five full blocks and part of a sixth),
+    the first wave greedy and sampled; the second wave then reuses it."""
+    system = prompts[0][:90]
+    first = [Request(system + prompts[i][:12], max_new_tokens=NEW, sampling=s)
+             for i, s in ((1, SamplingParams()), (2, _hot(2)))]
+    second = [Request(system + prompts[i][:20], max_new_tokens=NEW, sampling=s)
+              for i, s in ((3, SamplingParams()), (4, _hot(4)), (5, SamplingParams()))]
+    return first, second
+
+
+def _run(engine: LLMEngine, waves: list[list[Request]]):
+    return [engine.generate(wave) for wave in waves]
+
+
+def _rounds(results) -> list[tuple]:
+    return [(r.token_ids, r.stats.scheduled_lengths, r.stats.accept_lengths) for wave in results for r in wave]
+
+
+@pytest.mark.parametrize("options", [dict(scheduler="off"), dict(scheduler="sps", threshold=0.3),
+                                     dict(draft_top_k=2, tree_budget=6)], ids=["off", "sps", "tree"])
+def test_prefix_caching_keeps_every_token_and_every_accepted_draft(pair, prompts, options):
+    """Waves sharing a system prompt, then a second turn that continues the first wave's output:
+    caching on and off give the same tokens, the same drafts verified and accepted each round."""
+    first, second = _conversation(prompts)
+    on, off = _engine(pair, **options), _engine(pair, enable_prefix_caching=False, **options)
+    results_on = _run(on, [first, second])
+    results_off = _run(off, [first, second])
+    # the next turn: the first request's prompt and answer, then more text
+    reply = results_on[0][0].token_ids
+    turn = [Request(first[0].prompt_ids + reply + prompts[6][:10], max_new_tokens=NEW)]
+    results_on.append(on.generate(turn))
+    results_off.append(off.generate(turn))
+    assert _rounds(results_on) == _rounds(results_off)
+    assert all(r.stats.cached_tokens == 0 for wave in results_off for r in wave)
+    assert [r.stats.cached_tokens for r in results_on[1]] == [80, 80, 80]  # five full blocks of the system prompt
+    assert results_on[2][0].stats.cached_tokens >= (len(first[0].prompt_ids) + len(reply) - 1) // 16 * 16 - 16
+    assert on.metrics.prompt_tokens < off.metrics.prompt_tokens
+    assert on.metrics.prefix_cache_hits == sum(r.stats.cached_tokens for wave in results_on for r in wave)
+    assert on.metrics.prefix_cache_queries >= on.metrics.prefix_cache_hits > 0
+    for engine in (on, off):
+        assert engine.blocks.num_free == engine.blocks.num_blocks - 1 and set(engine.blocks.ref_counts) == {0}
+
+
+@pytest.mark.parametrize("options", [dict(scheduler="off"), dict(draft_top_k=2, tree_budget=6), dict(draft=None)],
+                         ids=["chain", "tree", "plain"])
+def test_preempted_requests_end_with_the_tokens_they_give_with_room(pair, prompts, options):
+    """Six requests, four rows, KV blocks for about two of them at a time: requests are preempted
+    and run again (their last token kept as the anchor), yet every request -- greedy or sampled --
+    ends with exactly the tokens it gives on an engine with blocks to spare."""
+    draft = options.pop("draft", pair.draft)
+    requests = [Request(prompts[i][:60], max_new_tokens=NEW, sampling=SamplingParams() if i % 2 else _hot(i))
+                for i in range(6)]
+    config = dict(max_batch=4, max_model_len=128, **options)
+    roomy = LLMEngine(pair.target, draft, EngineConfig(**config))
+    tight = LLMEngine(pair.target, draft, EngineConfig(**config, num_kv_blocks=20))
+    expected = [r.token_ids for r in roomy.generate(requests)]
+    assert roomy.metrics.preemptions == 0
+    assert [r.token_ids for r in tight.generate(requests)] == expected
+    assert tight.metrics.preemptions > 0
+    assert tight.blocks.num_free == tight.blocks.num_blocks - 1 and set(tight.blocks.ref_counts) == {0}
+
+
+def test_too_few_blocks_for_one_request_is_refused(pair):
+    with pytest.raises(ValueError, match="num_kv_blocks is 8: a request of max_model_len 128 needs 9 blocks"):
+        LLMEngine(pair.target, pair.draft, EngineConfig(max_batch=2, max_model_len=128, num_kv_blocks=8))
