@@ -32,6 +32,15 @@ requires_triton = pytest.mark.skipif(not TRITON, reason="triton is not installed
 gpu = pytest.mark.gpu
 
 
+def _real_kv_blocks():
+    from dspark.engine import llm_engine
+
+    return llm_engine.kv_blocks_from_memory
+
+
+_REAL_KV_BLOCKS = _real_kv_blocks()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -39,6 +48,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(no_cuda)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kv_blocks_per_engine():
+    """Many engines live at once in a test process, so on a GPU each holds KV blocks for its
+    ``max_batch`` requests of ``max_model_len`` (the CPU's rule), not ``gpu_memory_utilization`` of the
+    device; ``memory_budget_kv`` (a test's fixture) restores the real rule."""
+    from dspark.engine import llm_engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "kv_blocks_from_memory", lambda *args, **kwargs: None)
+        yield
+
+
+@pytest.fixture
+def memory_budget_kv(monkeypatch):
+    from dspark.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "kv_blocks_from_memory", _REAL_KV_BLOCKS)
 
 
 @pytest.fixture(autouse=True)

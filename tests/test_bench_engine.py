@@ -50,6 +50,6 @@ def test_no_steady_step_is_a_clear_error(tiny_pair):
     from dspark.engine import EngineConfig, LLMEngine
 
     prompts = [[1] * 600 for _ in range(8)]
-    plain = LLMEngine(tiny_pair[0], None, EngineConfig(max_batch=8, max_model_len=640))
+    plain = LLMEngine(tiny_pair[0], None, EngineConfig(max_batch=8, max_model_len=640, enable_prefix_caching=False))
     with pytest.raises(ValueError, match="no step ran all 8 requests without prompt chunks.*new tokens"):
         engine.engine_run(plain, prompts, 2)

@@ -174,3 +174,22 @@ def test_preempted_requests_end_with_the_tokens_they_give_with_room(pair, prompt
 def test_too_few_blocks_for_one_request_is_refused(pair):
     with pytest.raises(ValueError, match="num_kv_blocks is 8: a request of max_model_len 128 needs 9 blocks"):
         LLMEngine(pair.target, pair.draft, EngineConfig(max_batch=2, max_model_len=128, num_kv_blocks=8))
+
+
+@pytest.mark.gpu
+def test_kv_blocks_fill_the_gpu_memory_fraction(pair, memory_budget_kv):
+    """On a GPU the engine takes as many blocks as ``gpu_memory_utilization`` leaves, far more than
+    ``max_batch`` requests of ``max_model_len`` need, and each block holds both caches' K/V."""
+    import torch
+
+    config = dict(max_batch=2, max_model_len=256, device="cuda", gpu_memory_utilization=0.3)
+    free, total = torch.cuda.mem_get_info()
+    engine = LLMEngine(pair.target, pair.draft, EngineConfig(**config))
+    lines = 2 * engine.runner.block_tables.blocks_per_line + 1
+    per_block = engine.runner.cache.k[:, 0].numel() * 2 * engine.runner.cache.k.element_size()
+    per_block += engine.runner.draft.cache.k[:, 0].numel() * 2 * engine.runner.draft.cache.k.element_size()
+    kv_bytes = engine.runner.num_kv_blocks * per_block
+    assert engine.runner.num_kv_blocks > 10 * lines
+    assert kv_bytes <= 0.3 * total - (total - free)  # within the fraction, after what was in use
+    assert kv_bytes >= 0.3 * total - (total - free) - (3 << 30)  # all but the step's working memory
+    assert engine.generate([Request([5, 6, 7], max_new_tokens=8)])[0].finish_reason == "length"

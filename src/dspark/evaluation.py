@@ -64,6 +64,7 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     if not prompts or not all(prompts):
         c.fail("prompts must be a non-empty list of non-empty token id lists")
     config = engine_config(engine, next(target.parameters()).device, name="evaluate", max_batch=1,
+                           gpu_memory_utilization=None,
                            scheduler=scheduler, threshold=threshold, cost_table=cost_table,
                            min_predicted_gain=min_predicted_gain, draft_top_k=draft_top_k, tree_budget=tree_budget)
     engines = {name: LLMEngine(target, draft, config) for name, draft in drafts.items()}

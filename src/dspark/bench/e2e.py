@@ -113,7 +113,7 @@ def run(*, quick: bool = False, draft_layers=(1, 3), dtypes=("bfloat16", "float3
     shape = QUICK if quick else QWEN3_0_6B
     prompt = torch.randint(0, shape["vocab_size"] - 1, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     request = Request(prompt, max_new_tokens, ignore_eos=True)
-    config = EngineConfig(max_batch=1)
+    config = EngineConfig(max_batch=1, gpu_memory_utilization=None)  # engines side by side
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

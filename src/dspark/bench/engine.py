@@ -126,14 +126,18 @@ def steady_config(max_batch: int, prompt: int, new: int, draft=None) -> "EngineC
     beside every running row's verify, so that B requests are all running after ceil(B / 8) steps.
     With the engine's default budget (2048 tokens) 64 prompts of 512 tokens take ~19 steps to admit
     while the first rows, 8 tokens a round at acceptance 1, finish 256 new tokens in 32: ~13 steady
-    steps, and none with fewer new tokens or longer prompts (``engine_run`` then has nothing to time)."""
+    steps, and none with fewer new tokens or longer prompts (``engine_run`` then has nothing to time).
+    Prefix caching off: the timed run repeats the warm-up's prompts, which would all be cached. KV
+    blocks for ``max_batch`` whole requests (``gpu_memory_utilization`` None): the benchmark's
+    engines live side by side in one process."""
     from ..engine import EngineConfig
     from ..engine.llm_engine import DEFAULT_BATCHED_TOKENS
     from ..engine.runner import MAX_CHUNKS
 
     verify_len = 1 if draft is None else draft.config.num_draft_tokens + 1
     budget = max(DEFAULT_BATCHED_TOKENS, MAX_CHUNKS * prompt + max_batch * verify_len)
-    return EngineConfig(max_batch=max_batch, max_model_len=prompt + new + 16, max_num_batched_tokens=budget)
+    return EngineConfig(max_batch=max_batch, max_model_len=prompt + new + 16, max_num_batched_tokens=budget,
+                        enable_prefix_caching=False, gpu_memory_utilization=None)
 
 
 def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:

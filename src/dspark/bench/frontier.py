@@ -63,7 +63,8 @@ def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
     from .replay import _shape
 
     engine = LLMEngine(target, random_drafter(model, _shape(spec), rank=spec.get("draft_rank", 256)),
-                       EngineConfig(max_batch=max_batch, max_model_len=context + 64))
+                       EngineConfig(max_batch=max_batch, max_model_len=context + 64,
+                                    gpu_memory_utilization=None))
     table = replace(table, **dict(zip(("draft_rows", "draft_time_ms"), profile_draft(engine))))
     del engine
     path = out / "cost_table.json"

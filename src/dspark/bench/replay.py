@@ -63,6 +63,7 @@ def record_traces(max_new_tokens: int = 320, *, device: str = "cpu", pair_dir=No
     records = read_prompts(str(pair.prompts))
     engine = LLMEngine(str(pair.target), str(pair.draft),
                        EngineConfig(max_batch=len(records), scheduler="threshold", threshold=0.0, device=device,
+                                    gpu_memory_utilization=None,
                                     dtype=torch.float32))
     p = engine.num_drafts
     ids = {engine.add_request(Request(tokenizer(r["text"])["input_ids"], max_new_tokens)): i

@@ -37,7 +37,8 @@ from ..engine import EngineConfig, LLMEngine, Request, SamplingParams
 
 
 def run_config(target, draft, prompts, max_new_tokens: int, device: str, sampling: SamplingParams, **tree) -> dict:
-    engine = LLMEngine(target, draft, EngineConfig(max_batch=len(prompts), device=device, dtype=torch.float32, **tree))
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=len(prompts), device=device, dtype=torch.float32,
+                                                   gpu_memory_utilization=None, **tree))
     start = time.perf_counter()
     results = engine.generate([Request(p, max_new_tokens, replace(sampling, seed=sampling.seed + i))
                                for i, p in enumerate(prompts)])
@@ -68,7 +69,8 @@ def round_times(args) -> dict:
         prompts = [torch.randint(0, args.vocab, (128,), generator=gen).tolist() for _ in range(batch)]
         for budget in budgets:
             tree = {} if budget is None else dict(draft_top_k=args.round_top_k, tree_budget=budget)
-            engine = LLMEngine(target, draft, EngineConfig(max_batch=batch, max_model_len=128 + args.max_new_tokens + 80,
+            engine = LLMEngine(target, draft, EngineConfig(max_batch=batch, gpu_memory_utilization=None,
+                                                           max_model_len=128 + args.max_new_tokens + 80,
                                                            **tree))
             engine.capture_graphs()
             run = engine_run(engine, prompts, args.max_new_tokens)
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = str(pair.target), str(pair.draft)
     sampling = SamplingParams(args.temperature, top_p=args.top_p, seed=args.seed)
     common = dict(scheduler=args.scheduler, threshold=args.threshold)
-    plain = LLMEngine(target, None, EngineConfig(max_batch=len(prompts), device=args.device, dtype=torch.float32))
+    plain = LLMEngine(target, None, EngineConfig(max_batch=len(prompts), device=args.device, dtype=torch.float32,
+                                                 gpu_memory_utilization=None))
     expected = [r.token_ids for r in plain.generate([Request(p, args.max_new_tokens) for p in prompts])]
     rows = [dict(mode="chain", **run_config(target, draft, prompts, args.max_new_tokens, args.device, sampling, **common))]
     for k in [int(x) for x in args.top_k.split(",")]:

@@ -224,6 +224,25 @@ def add_eager_argument(parser: argparse.ArgumentParser) -> None:
                              "start-up, so no request waits for a capture)")
 
 
+def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share the KV blocks of prompts that start alike between requests (full blocks of "
+                             "committed tokens, target and draft K/V)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of the GPU's memory the engine may fill, weights and other processes "
+                             "included: the rest of it after a step's working memory holds KV blocks")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV blocks to allocate, overriding --gpu-memory-utilization (default on a CPU: "
+                             "enough for --max-batch requests of --max-model-len)")
+    parser.add_argument("--kv-block-size", type=int, default=16, help="positions per KV block")
+
+
+def kv_cache_options(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` / ``LLM`` fields of ``add_kv_cache_arguments``."""
+    return dict(enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
+                num_kv_blocks=args.num_kv_blocks, kv_block_size=args.kv_block_size)
+
+
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-top-k", type=int, default=1,
                         help="candidates per depth; > 1: tree mode (DDTree: a token tree verified per round, greedy or "

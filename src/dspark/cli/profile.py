@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
             engine = LLMEngine(target, args.draft, EngineConfig(
                 max_batch=max(1, args.max_tokens // args.tokens_per_row), max_model_len=args.context + 64,
-                device=device, dtype=dtype))
+                device=device, dtype=dtype, gpu_memory_utilization=None))  # beside profile_verify's cache
     except (ValueError, OSError, TypeError) as exc:
         print(f"dspark profile: {exc}", file=sys.stderr)
         return 2

@@ -136,13 +136,19 @@ class LLM:
     (DDTree) with ``tree_budget`` nodes per round (0: block size + 1), as ``EngineConfig``. On a GPU
     every CUDA graph the engine replays is captured here, before the first call (one log line,
     ``dspark.engine``: how many and how long), so that no call waits for a capture;
-    ``enforce_eager=True`` (vLLM's name) captures none and runs every step eagerly.
+    ``enforce_eager=True`` (vLLM's name) captures none and runs every step eagerly. KV memory
+    (``EngineConfig``): ``enable_prefix_caching`` (prompts that start alike share their blocks),
+    ``gpu_memory_utilization`` (the fraction of the GPU's memory the engine may fill with KV blocks;
+    None: blocks for ``max_batch`` requests of ``max_model_len``), ``num_kv_blocks``,
+    ``kv_block_size``.
     """
 
     def __init__(self, target=None, draft=None, *, no_draft: bool = False, tokenizer=None, engine: str = "auto",
                  max_batch: int = 16, max_model_len: int | None = None, scheduler: str = "off", threshold: float = 0.0,
                  cost_table=None, min_predicted_gain: float = 0.04, allow_pickle: bool = False, device=None,
-                 dtype=None, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False):
+                 dtype=None, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False,
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = 0.9,
+                 num_kv_blocks: int | None = None, kv_block_size: int = 16):
         c = Checker("LLM")
         target, draft = _models(c, target, draft, no_draft)
         self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -151,7 +157,10 @@ class LLM:
                                max_model_len=max_model_len, scheduler=scheduler, threshold=threshold,
                                cost_table=cost_table, min_predicted_gain=min_predicted_gain, device=device,
                                dtype=dtype, draft_top_k=draft_top_k, tree_budget=tree_budget,
-                               cuda_graphs=not c.boolean("enforce_eager", enforce_eager))
+                               cuda_graphs=not c.boolean("enforce_eager", enforce_eager),
+                               enable_prefix_caching=enable_prefix_caching,
+                               gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
+                               kv_block_size=kv_block_size)
         if allow_pickle and isinstance(target, str):  # the engine's own loader reads safetensors only
             target = load_target_model(target, device=device, dtype=dtype, allow_pickle=True)
         self.decoder = LLMEngine(target, draft, config)
@@ -195,15 +204,16 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
              tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
              dtype=None, engine: str = "auto", max_batch: int = 64, no_draft: bool = False, cost_table=None,
-             min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False
-             ) -> GenerationResult | list[GenerationResult]:
+             min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False,
+             enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = 0.9,
+             num_kv_blocks: int | None = None, kv_block_size: int = 16) -> GenerationResult | list[GenerationResult]:
     """One-call speculative generation (``dspark.generate``): ``LLM(target, draft, ...)`` for these
     prompts alone, then its ``generate`` -- the models are loaded on every call, so for many calls
     build an ``LLM`` once. The arguments are ``LLM``'s and ``LLM.generate``'s (``target`` and
     ``draft`` both None: the demo pair); the batched engine is sized to the prompts (at most
     ``max_batch`` at once). ``draft_top_k`` > 1: tree mode (DDTree) with ``tree_budget`` nodes per
     round (0: block size + 1), as ``LLM``; ``enforce_eager`` as ``LLM`` (a single call may well run
-    faster without the start-up capture)."""
+    faster without the start-up capture); the KV options as ``LLM``."""
     c = Checker("generate")
     target, draft = _models(c, target, draft, no_draft)
     tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -212,7 +222,8 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
               max_batch=min(c.integer("max_batch", max_batch, low=1), len(batch)), max_model_len=max_model_len,
               scheduler=scheduler, threshold=threshold, cost_table=cost_table, min_predicted_gain=min_predicted_gain,
               allow_pickle=allow_pickle, device=device, dtype=dtype, draft_top_k=draft_top_k,
-              tree_budget=tree_budget, enforce_eager=enforce_eager)
+              tree_budget=tree_budget, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+              gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks, kv_block_size=kv_block_size)
     return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, eos_token_id=eos_token_id, ignore_eos=ignore_eos, stop=stop, on_tokens=on_tokens)
 

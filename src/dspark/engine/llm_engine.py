@@ -72,8 +72,9 @@ class EngineConfig:
 
     KV memory is paged (``block_manager``): ``kv_block_size`` positions per block; on a GPU as many
     blocks as ``gpu_memory_utilization`` of its memory leaves after the weights and the step's
-    working memory (vLLM's rule), elsewhere enough for ``max_batch`` requests of ``max_model_len``;
-    ``num_kv_blocks`` sets the count. When blocks run out a running request is preempted (its
+    working memory (vLLM's rule; one such engine per GPU), elsewhere -- or with
+    ``gpu_memory_utilization`` None, for engines that share a GPU -- enough for ``max_batch``
+    requests of ``max_model_len``; ``num_kv_blocks`` sets the count. When blocks run out a running request is preempted (its
     blocks freed, its tokens run again later: vLLM's recompute). ``enable_prefix_caching``: full
     blocks of committed tokens are shared between requests whose tokens start alike (target and
     draft K/V alike)."""
@@ -94,7 +95,7 @@ class EngineConfig:
     tree_budget: int = 0
     enable_prefix_caching: bool = True
     kv_block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = 0.9
     num_kv_blocks: int | None = None
 
     def __post_init__(self):
@@ -103,8 +104,9 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             c.fail(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}", TypeError)
         c.integer("kv_block_size", self.kv_block_size, low=1, high=1024)
-        if not 0.0 < c.real("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0):
-            c.fail(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None and \
+                not 0.0 < c.real("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0):
+            c.fail(f"gpu_memory_utilization must be in (0, 1] or None, got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None:
             c.integer("num_kv_blocks", self.num_kv_blocks, low=2)
         if self.max_model_len is not None:
@@ -613,8 +615,7 @@ class LLMEngine:
                                  [kept_of[i] for i in wanted], outputs)
         for seq, kept in zip(running, kept_of):
             if seq.finish_reason != "error" and (kept or seq.request_id not in joined or seq.request_id in first):
-                self._report(seq, kept, outputs, lps.get(seq.request_id),
-                             seq.prompt_logprobs if seq.request_id in first else None)
+                self._report(seq, kept, outputs, lps.get(seq.request_id), seq.request_id in first)
         self._retire([s for s in self.running if s.finish_reason is not None])
         return time.perf_counter() - now
 
@@ -655,10 +656,13 @@ class LLMEngine:
         return result
 
     def _report(self, seq: Sequence, kept: list[int], outputs: list[RequestOutput], logprobs=None,
-                prompt_logprobs=None) -> None:
+                first: bool = False) -> None:
+        """``seq``'s output of this step (``first``: its first, with its prompt's log-probabilities
+        and cached tokens)."""
         self.metrics.generated_tokens += len(kept)
         outputs.append(RequestOutput(seq.request_id, kept, seq.finish_reason is not None, seq.finish_reason,
-                                     logprobs, seq.error, prompt_logprobs))
+                                     logprobs, seq.error, seq.prompt_logprobs if first else None,
+                                     seq.stats.cached_tokens if first else None))
 
     def _fail(self, seqs: list[Sequence], exc: Exception, outputs: list[RequestOutput], what: str) -> None:
         """End ``seqs`` with finish reason ``"error"`` (logged with the traceback); the rest go on."""
@@ -791,10 +795,12 @@ class LLMEngine:
             self.sequences.pop(i, None)
 
     def plain(self) -> "LLMEngine":
-        """Plain decoding on this engine's target runner (the baseline of ``--compare``), built once."""
+        """Plain decoding on this engine's target runner (the baseline of ``--compare``), built once,
+        with KV blocks for ``max_batch`` requests of ``max_model_len`` (this engine holds its share
+        of the GPU's memory already: ``gpu_memory_utilization`` None)."""
         if self._plain is None:
             self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
-                                                               tree_budget=0))
+                                                               tree_budget=0, gpu_memory_utilization=None))
             self._plain.eos_ids = self.eos_ids
             if self.runner.captures:  # captured up front as this engine (LLM): no timed call captures
                 self._plain.capture_graphs()
@@ -864,9 +870,11 @@ def kv_blocks_from_memory(target, draft_model, config: EngineConfig, verify_len:
     """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
     block), after a step's working memory: its tokens' activations, the verify rows' f32 logits
     (and their probabilities) and a margin for the CUDA graphs' pools; None off CUDA (the runner
-    then holds ``max_batch`` full lines)."""
+    then holds ``max_batch`` full lines, as with ``gpu_memory_utilization`` None)."""
     from ..model.layers import KVCache
 
+    if config.gpu_memory_utilization is None:
+        return None
     per_token = target.kv_bytes_per_token
     if draft_model is not None:
         cfg = draft_model.config

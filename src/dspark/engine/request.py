@@ -121,7 +121,7 @@ class RequestOutput:
     the context limit, ``"abort"``, ``"error"``: the engine failed on this request, ``error`` says
     why). ``logprobs``: one entry per new token when the request asked for them;
     ``prompt_logprobs`` (when asked for, in the request's first output): one entry per prompt token,
-    None for the first."""
+    None for the first. ``cached_tokens`` (in the first output): prompt tokens the prefix cache held."""
 
     request_id: int
     new_token_ids: list[int]
@@ -130,6 +130,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(eq=False)

@@ -38,7 +38,7 @@ from .protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCo
                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
                        ErrorResponse, ModelCard, ModelList, PromptLogprob, PromptLogprobs, SamplingFields, TopLogprob,
-                       UINT64_MAX, UsageInfo, random_id, short_repr)
+                       PromptTokensDetails, UINT64_MAX, UsageInfo, random_id, short_repr)
 from ..engine.text import TextOutput
 
 __all__ = ["APIError", "create_app"]
@@ -224,6 +224,7 @@ class Generation:
         self.reason: str | None = None
         self.arrival, self.last = time.perf_counter(), None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.cached_tokens = 0  # prompt tokens the engine's prefix cache held (its first output says)
 
     def close(self) -> None:
         """Abort the request unless it ended (a client gone, a stop string, a sibling's error)."""
@@ -241,6 +242,8 @@ class Generation:
             self.finished, self.reason = True, "error"
             raise APIError(500, f"generation failed: {out.error or 'the engine gave no reason'}", code="engine_error")
         kept, text, logprobs = out.new_token_ids, "", out.logprobs
+        if out.cached_tokens is not None:
+            self.cached_tokens = out.cached_tokens
         if self.request.logprobs is not None and kept and (logprobs is None or len(logprobs) < len(kept)):
             self._fail(f"the engine returned logprobs for {0 if logprobs is None else len(logprobs)} of "
                        f"{len(kept)} tokens of a request that asked for them")
@@ -341,7 +344,9 @@ class Choices:
     @property
     def usage(self) -> UsageInfo:
         p, c = self.prompt_tokens, sum(g.completion_tokens for g in self.gens)
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        cached = max(g.cached_tokens for g in self.gens)  # the one prompt's tokens found in the cache
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class _Server:

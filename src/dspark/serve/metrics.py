@@ -82,6 +82,14 @@ class DSparkCollector:
                                                         "still ran a step's draft pass (off the critical path).",
                       m.host_overlapped_time)
         yield counter("engine_prompt_tokens", "Prompt tokens run inside engine steps (chunked prefill).", m.prompt_tokens)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not run).", m.prefix_cache_hits)
+        yield counter("num_preemptions", "Requests taken out of the batch when KV blocks ran out, to run again.",
+                      m.preemptions)
+        yield gauge("kv_cache_usage_perc", "Fraction of the KV blocks that requests hold (cached free blocks "
+                                           "count as free).", m.kv_blocks_used / max(m.kv_blocks, 1))
+        yield gauge("kv_cache_blocks", "KV blocks of the engine (target and draft K/V of kv_block_size positions "
+                                       "each).", m.kv_blocks)
         yield counter("engine_plain_steps", "DSpark steps that did not draft the next round (the cost scheduler "
                                             "found no draft worth its cost).", m.plain_steps)
         yield counter("engine_graph_captures", "CUDA graphs captured, at start-up and while serving.", m.graph_captures)
