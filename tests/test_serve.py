@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -444,6 +445,34 @@ def test_health_and_models(http):
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == MAX_LEN
+
+
+def test_usage_and_metrics_report_the_prompt_tokens_the_prefix_cache_held(served, client, http, tokenizer, prompts):
+    """A request that starts with an earlier one's prompt (token ids: no re-tokenising at the join)
+    finds its full blocks cached: ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field) and
+    the prefix-cache counters say so, and its tokens are the ones the engine gives without it."""
+    _, engine, _ = served
+    shared = tokenizer(prompts[10] + prompts[11])["input_ids"]
+    longer = shared + tokenizer(prompts[12])["input_ids"][:20]
+
+    def counters():
+        families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+        return [sum(s.value for s in families[f"dspark:prefix_cache_{name}"].samples if s.name.endswith("_total"))
+                for name in ("queries", "hits")]
+
+    _wait_idle(engine)
+    _complete(client, shared)
+    _wait_idle(engine)
+    before = counters()
+    response = _complete(client, longer)
+    _wait_idle(engine)
+    cached = response.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(shared) // 16 * 16 > 0
+    after = counters()
+    assert after[1] - before[1] == cached and after[0] - before[0] == len(longer) - 1
+    uncached = LLMEngine(engine.target, engine.draft_model, replace(engine.config, enable_prefix_caching=False))
+    uncached.eos_ids = engine.eos_ids
+    assert response.choices[0].token_ids == uncached.generate([Request(longer, NEW, SamplingParams())])[0].token_ids
 
 
 def test_metrics(served, client, http, tokenizer, prompts):
