@@ -43,7 +43,7 @@ def test_bad_hex_escapes_are_refused(given, message):
 
 
 def test_scheduler_choices_are_the_engines():
-    from dspark.engine.llm_engine import ENGINE_SCHEDULERS
+    from dspark.engine.config import ENGINE_SCHEDULERS
 
     assert _runtime.SCHEDULER_CHOICES == ENGINE_SCHEDULERS
 

@@ -64,7 +64,7 @@ def test_outputs_run_to_exactly_the_context_limit(target, draft, name, device):
         assert r.finish_reason == "length" and len(p) + len(r.token_ids) <= LIMIT
     assert len(prompts[0]) + len(results[0].token_ids) == LIMIT
     assert len(prompts[2]) + len(results[2].token_ids) == LIMIT
-    assert not engine.has_unfinished() and sorted(engine.free_slots) == [0, 1, 2]
+    assert not engine.has_unfinished() and sorted(engine.scheduler.free_slots) == [0, 1, 2]
 
 
 def test_the_last_token_of_the_context_is_produced_by_prefill(target, draft):
@@ -154,7 +154,7 @@ def test_prompts_run_in_chunks_beside_running_rows(target, draft, with_draft):
     while engine.has_unfinished():
         for out in engine.step():
             outs[out.request_id] += out.new_token_ids
-        split += any(0 < seq.prefilled < seq.prompt_len for seq in engine.prefilling)  # a prompt cut between steps
+        split += any(0 < seq.prefilled < seq.prompt_len for seq in engine.scheduler.prefilling)  # a prompt cut between steps
     assert [outs[i] for i in ids] == [_greedy(target, p, min(12, LIMIT - len(p))) for p in prompts]
     assert split >= 1
     with pytest.raises(ValueError, match="max_num_batched_tokens must be at least max_batch x verify length"):
@@ -175,7 +175,7 @@ def test_a_failing_round_fails_its_rows_and_the_engine_goes_on(target, draft, mo
     first = engine.generate([Request([3, 17], 10), Request([9, 1], 10)])
     assert [r.finish_reason for r in first] == ["error", "error"]
     assert first[0].error == "RuntimeError: injected round fault"
-    assert engine.metrics.errors == 2 and sorted(engine.free_slots) == [0, 1]
+    assert engine.metrics.errors == 2 and sorted(engine.scheduler.free_slots) == [0, 1]
     again = engine.generate([Request([3, 17], 10), Request([9, 1], 10)])
     assert [r.token_ids for r in again] == [_greedy(target, [3, 17], 10), _greedy(target, [9, 1], 10)]
 

@@ -164,7 +164,7 @@ def test_batched_greedy_equals_plain_greedy_per_request(target, greedy, tmp_path
         stats = results[0].stats
         assert stats.rounds and all(1 <= a <= s + 1 for a, s in zip(stats.accept_lengths, stats.scheduled_lengths))
         assert stats.generated_tokens == NEW
-    assert not engine.has_unfinished() and sorted(engine.free_slots) == [0, 1, 2]
+    assert not engine.has_unfinished() and sorted(engine.scheduler.free_slots) == [0, 1, 2]
 
 
 def test_llama_target_through_the_engine(tmp_path):
@@ -190,10 +190,10 @@ def test_the_start_up_capture_covers_the_steps_where_prompts_join(target, greedy
     shape's capture (here its eager warm-up, its writes undone as on a GPU) leaves the decoding as it
     was. With ``GRAPH_CHUNK_TOKENS`` 16, the steps with more chunk tokens pad their verify to every
     row's full length (one graph per rows bucket), and the tokens stay the same."""
-    from dspark.engine import runner as runner_module
+    from dspark.engine import chunks
     from dspark.engine.schedulers import SPSCostTable
 
-    monkeypatch.setattr(runner_module, "GRAPH_CHUNK_TOKENS", graph_chunk_tokens)
+    monkeypatch.setattr(chunks, "GRAPH_CHUNK_TOKENS", graph_chunk_tokens)
 
     draft = random_draft(tiny_draft_config(target.config), 0, target)
     engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler=scheduler, max_num_batched_tokens=48,
@@ -294,7 +294,7 @@ def test_requests_join_and_leave_between_steps(engine, greedy):
                 reasons[out.request_id] = out.finish_reason
     assert done[first] == greedy[0] and reasons[first] == "length"
     assert done[aborted] == greedy[1][: len(done[aborted])] and aborted not in reasons
-    assert done[late] == greedy[2] and sorted(engine.free_slots) == [0, 1, 2, 3]
+    assert done[late] == greedy[2] and sorted(engine.scheduler.free_slots) == [0, 1, 2, 3]
 
 
 def test_launch_and_finish_make_a_step_and_guard_the_round_in_between(engine, greedy):

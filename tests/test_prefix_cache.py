@@ -149,7 +149,7 @@ def test_prefix_caching_keeps_every_token_and_every_accepted_draft(pair, prompts
     assert on.metrics.prefix_cache_hits == sum(r.stats.cached_tokens for wave in results_on for r in wave)
     assert on.metrics.prefix_cache_queries >= on.metrics.prefix_cache_hits > 0
     for engine in (on, off):
-        assert engine.blocks.num_free == engine.blocks.num_blocks - 1 and set(engine.blocks.ref_counts) == {0}
+        assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks - 1 and set(engine.scheduler.blocks.ref_counts) == {0}
 
 
 @pytest.mark.parametrize("options", [dict(scheduler="off"), dict(draft_top_k=2, tree_budget=6), dict(draft=None)],
@@ -168,7 +168,30 @@ def test_preempted_requests_end_with_the_tokens_they_give_with_room(pair, prompt
     assert roomy.metrics.preemptions == 0
     assert [r.token_ids for r in tight.generate(requests)] == expected
     assert tight.metrics.preemptions > 0
-    assert tight.blocks.num_free == tight.blocks.num_blocks - 1 and set(tight.blocks.ref_counts) == {0}
+    assert tight.scheduler.blocks.num_free == tight.scheduler.blocks.num_blocks - 1 and set(tight.scheduler.blocks.ref_counts) == {0}
+
+
+def test_an_abort_frees_its_blocks_and_leaves_the_shared_ones_to_the_others(pair, prompts):
+    """Three requests share a cached system prompt; aborting one mid-decode leaves the others'
+    tokens as they are alone, and every block free (and the prefix still cached) at the end."""
+    system = prompts[0][:64]
+    engine = _engine(pair)
+    requests = [Request(system + prompts[i][:8], max_new_tokens=NEW) for i in (1, 2, 3)]
+    alone = [engine.generate([r])[0].token_ids for r in requests]
+    ids = [engine.add_request(r) for r in requests]
+    done = {i: [] for i in ids}
+    for _ in range(3):
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    engine.abort(ids[1])
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    assert [done[ids[0]], done[ids[2]]] == [alone[0], alone[2]]
+    assert done[ids[1]] == alone[1][:len(done[ids[1]])]
+    blocks = engine.scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks - 1 and set(blocks.ref_counts) == {0}
+    assert engine.generate([requests[1]])[0].stats.cached_tokens == 64
 
 
 def test_too_few_blocks_for_one_request_is_refused(pair):

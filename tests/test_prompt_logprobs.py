@@ -90,7 +90,7 @@ def test_max_new_tokens_zero_only_scores_the_prompt(target):
     assert outputs[0].finished and outputs[0].finish_reason == "length" and outputs[0].new_token_ids == []
     assert_prompt_logprobs(target, LONG[:20], scored, k=0)
     assert all(entry.top == [] for entry in scored[1:])
-    assert not engine.has_unfinished() and len(engine.free_slots) == 3
+    assert not engine.has_unfinished() and len(engine.scheduler.free_slots) == 3
 
 
 def test_prompt_logprobs_of_a_target_running_its_own_modeling_code():

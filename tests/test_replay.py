@@ -97,7 +97,7 @@ def test_replay_refuses_unknown_prompts_and_bad_traces(models, prompts):
         OracleEngine(models[0], models[1], EngineConfig(max_batch=2), acceptance=0.5, replay=True)
     with pytest.raises(ValueError, match="need greedy sampling"):
         engine.add_request(Request(prompts[0], 4, SamplingParams(1.0, seed=1)))
-    assert not engine.waiting  # nothing refused was queued
+    assert not engine.scheduler.waiting  # nothing refused was queued
 
 
 def test_shipped_traces_are_the_demo_pairs_rounds():

@@ -120,7 +120,7 @@ def _complete(client, prompt, **kw):
 
 def _wait_idle(engine):
     deadline = time.monotonic() + TIMEOUT
-    while engine.metrics.running or engine.metrics.waiting or len(engine.free_slots) < MAX_BATCH:
+    while engine.metrics.running or engine.metrics.waiting or len(engine.scheduler.free_slots) < MAX_BATCH:
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.02)
 
@@ -423,7 +423,7 @@ def test_dropped_stream_is_aborted(served, http, prompts):
     context.__exit__(None, None, None)  # the client goes away mid-stream
     _wait_idle(engine)
     assert engine.metrics.generated_tokens - before < LONG  # stopped early
-    assert not engine.sequences and sorted(engine.free_slots) == list(range(MAX_BATCH))
+    assert not engine.sequences and sorted(engine.scheduler.free_slots) == list(range(MAX_BATCH))
 
 
 # ---- operations ----------------------------------------------------------------------------------
@@ -437,7 +437,7 @@ def test_dropped_request_is_aborted(served, http):
         http.post("/v1/completions", json={"prompt": [1], "max_tokens": MAX_LEN - 1, "ignore_eos": True}, timeout=0.3)
     _wait_idle(engine)
     assert engine.metrics.generated_tokens - before < MAX_LEN - 1
-    assert not engine.sequences and sorted(engine.free_slots) == list(range(MAX_BATCH))
+    assert not engine.sequences and sorted(engine.scheduler.free_slots) == list(range(MAX_BATCH))
 
 
 def test_health_and_models(http):

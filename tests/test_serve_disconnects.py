@@ -100,7 +100,7 @@ def _client(url: str, body: dict, plan: str, rng: random.Random) -> list[int] | 
 
 def _wait_idle(engine: LLMEngine) -> None:
     deadline = time.monotonic() + TIMEOUT
-    while engine.metrics.running or engine.metrics.waiting or len(engine.free_slots) < MAX_BATCH:
+    while engine.metrics.running or engine.metrics.waiting or len(engine.scheduler.free_slots) < MAX_BATCH:
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.02)
 
@@ -118,7 +118,7 @@ def test_clients_that_leave_at_random_points_take_nothing_from_the_others(served
         if plan == "stay":
             assert tokens == offline[i], f"client {i} ({_settings(i)}) got other tokens"
     _wait_idle(engine)
-    assert not engine.sequences and sorted(engine.free_slots) == list(range(MAX_BATCH))
+    assert not engine.sequences and sorted(engine.scheduler.free_slots) == list(range(MAX_BATCH))
     # the server and its engine go on: a request after the storm gives the offline tokens
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
         assert http.get("/health").status_code == 200

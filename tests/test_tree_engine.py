@@ -54,7 +54,7 @@ def test_tree_greedy_equals_plain_greedy(target, greedy, tmp_path, format, optio
     stats = results[0].stats
     assert stats.rounds and all(1 <= a <= s + 1 and s <= size - 1 for a, s in zip(stats.accept_lengths,
                                                                                   stats.scheduled_lengths))
-    assert not engine.has_unfinished() and sorted(engine.free_slots) == [0, 1, 2]
+    assert not engine.has_unfinished() and sorted(engine.scheduler.free_slots) == [0, 1, 2]
 
 
 def test_tree_runs_to_exactly_the_context_limit(target, tmp_path):

@@ -131,8 +131,8 @@ def steady_config(max_batch: int, prompt: int, new: int, draft=None) -> "EngineC
     blocks for ``max_batch`` whole requests (``gpu_memory_utilization`` None): the benchmark's
     engines live side by side in one process."""
     from ..engine import EngineConfig
-    from ..engine.llm_engine import DEFAULT_BATCHED_TOKENS
-    from ..engine.runner import MAX_CHUNKS
+    from ..engine.config import DEFAULT_BATCHED_TOKENS
+    from ..engine.chunks import MAX_CHUNKS
 
     verify_len = 1 if draft is None else draft.config.num_draft_tokens + 1
     budget = max(DEFAULT_BATCHED_TOKENS, MAX_CHUNKS * prompt + max_batch * verify_len)
@@ -161,7 +161,7 @@ def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
     outputs = {i: [] for i in ids}
     step_times, step_tokens, steps = [], [], 0
     while engine.has_unfinished():
-        steady = not (engine.waiting or engine.prefilling) and len(engine.running) == len(prompts)
+        steady = not (engine.scheduler.waiting or engine.scheduler.prefilling) and len(engine.scheduler.running) == len(prompts)
         start = time.perf_counter()
         outs = engine.step()  # ends with the round's host synchronisation
         elapsed = time.perf_counter() - start
@@ -193,9 +193,9 @@ def breakdown(engine, prompts, oracle) -> dict:
     for i, p in enumerate(prompts):
         engine.add_request(Request(p, 64, stop_ids=[], ignore_eos=True), oracle[i])
     engine.step()  # prefill + first round: rows hold a real state
-    while engine.waiting or engine.prefilling:  # prompts run in chunks: admit every request
+    while engine.scheduler.waiting or engine.scheduler.prefilling:  # prompts run in chunks: admit every request
         engine.step()
-    rows = len(engine.running)
+    rows = len(engine.scheduler.running)
     b, s, t = runner.bucket(rows), runner.state, runner.verify_len
     drafter, draft = runner.drafter, runner.draft
     restore = runner._snapshot()

@@ -21,6 +21,7 @@ import torch
 
 from ..engine import EngineConfig, LLMEngine
 from ..engine.request import Request
+from ..engine.step import Proposals, StepResult
 from ..training.data import demo_pair
 
 CONFIGS = ("plain", "off", "cost")
@@ -40,18 +41,18 @@ def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
     reads = itertools.count()
     last = [0]
 
-    def read(rows: int) -> torch.Tensor:
+    def read(rows: int) -> StepResult:
         last[0] = next(reads) % variants
-        return pool[last[0], :rows]
+        return StepResult.from_readout(pool[last[0], :rows], runner.readout_columns)
 
-    def read_proposals(rows: int) -> torch.Tensor:
-        return pool[last[0], :rows]
+    def read_proposals(rows: int) -> Proposals:
+        return Proposals.from_readout(pool[last[0], :rows], runner.readout_columns)
 
     def nothing(*args, **kwargs) -> None:
         return None
 
     runner.read, runner.read_proposals = read, read_proposals
-    runner.launch_round = runner.launch_decode = runner.move_row = runner.clear_row = nothing
+    runner.launch = runner.move_row = runner.clear_row = nothing
 
 
 def host_time(config: str, rows: int, *, cost_table=None, steps: int = 50, repeats: int = 4) -> float:
@@ -66,9 +67,9 @@ def host_time(config: str, rows: int, *, cost_table=None, steps: int = 50, repea
     prompt, budget = [1] * 16, engine.max_model_len - 16
     for _ in range(rows):
         engine.add_request(Request(prompt, max_new_tokens=budget, ignore_eos=True))
-    while len(engine.running) < rows:
+    while len(engine.scheduler.running) < rows:
         engine.step()
-    room = budget - max(len(seq.output_ids) for seq in engine.running)
+    room = budget - max(len(seq.output_ids) for seq in engine.scheduler.running)
     if repeats * steps * engine.runner.verify_len > room:
         raise ValueError(f"{repeats} x {steps} steps may run past the context ({engine.max_model_len}); take fewer")
     best = float("inf")
@@ -77,7 +78,7 @@ def host_time(config: str, rows: int, *, cost_table=None, steps: int = 50, repea
         for _ in range(steps):
             engine.step()
         best = min(best, (time.perf_counter() - start) / steps)
-    assert len(engine.running) == rows and not engine.metrics.errors
+    assert len(engine.scheduler.running) == rows and not engine.metrics.errors
     return 1e6 * best
 
 

@@ -129,9 +129,9 @@ class OracleEngine(LLMEngine):
     def _admit(self) -> None:
         """Admission, then each newly admitted request's drafts into its slot (no step is in flight
         that reads the slot: its last owner was retired after its step's readout)."""
-        before = {seq.request_id for seq in self.prefilling}
+        before = {seq.request_id for seq in self.scheduler.prefilling}
         super()._admit()
-        for seq in self.prefilling:
+        for seq in self.scheduler.prefilling:
             if seq.request_id not in before:
                 ids, trace = self._oracles.pop(seq.request_id)
                 self.runner.draft_override.stage(seq.slot, seq.prompt_len, ids, trace)

@@ -70,7 +70,7 @@ def record_traces(max_new_tokens: int = 320, *, device: str = "cpu", pair_dir=No
            for i, r in enumerate(records)}
     traces: list[list[list[float]]] = [[] for _ in records]
     while engine.has_unfinished():
-        pending = {s.request_id: s.confidence for s in engine.running}  # this round's drafts' confidences
+        pending = {s.request_id: s.confidence for s in engine.scheduler.running}  # this round's drafts' confidences
         engine.step()
         for rid, confidence in pending.items():
             seq = engine.sequences[rid]

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The engine's schedulers (``dspark.engine.llm_engine.ENGINE_SCHEDULERS``), spelled out so that building
+# The engine's schedulers (``dspark.engine.config.ENGINE_SCHEDULERS``), spelled out so that building
 # a parser never imports the engine (and torch); tests/test_cli_runtime.py keeps the two equal.
 SCHEDULER_CHOICES = ("off", "threshold", "sps", "cost")
 

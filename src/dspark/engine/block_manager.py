@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["NULL_BLOCK", "BlockManager", "BlockTable", "SequenceBlocks", "blocks_in_memory"]
+__all__ = ["NULL_BLOCK", "BlockManager", "BlockTable", "SequenceBlocks", "blocks_in_memory", "kv_blocks_from_memory"]
 
+GRAPH_POOL_BYTES = 2 << 30  # what the memory budget leaves the CUDA graphs' pool and the allocator's slack
 # Block 0 is never handed out: unused table entries and the padding line point to it, so a stray
 # write lands in a block no request reads.
 NULL_BLOCK = 0
@@ -186,3 +187,24 @@ def blocks_in_memory(device, utilization: float, bytes_per_block: int, working_b
     free, total = torch.cuda.mem_get_info(device)
     budget = utilization * total - (total - free) - working_bytes
     return max(0, int(budget // bytes_per_block))
+
+
+def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tokens: int) -> int | None:
+    """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
+    block), after a step's working memory: its tokens' activations, the verify rows' f32 logits
+    (and their probabilities) and a margin for the CUDA graphs' pools; None off CUDA (the runner
+    then holds ``max_batch`` full lines, as with ``gpu_memory_utilization`` None)."""
+    from ..model.layers import KVCache
+    from .chunks import MAX_CHUNKS as max_chunks
+
+    if config.gpu_memory_utilization is None:
+        return None
+    per_token = target.kv_bytes_per_token
+    if draft_model is not None:
+        cfg = draft_model.config
+        per_token += KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                             draft_model.dtype)
+    logits = 2 * (config.max_batch * verify_len + max_chunks) * target.vocab_size * 4
+    activations = step_tokens * target.shape.hidden_size * 64
+    return blocks_in_memory(target.device, config.gpu_memory_utilization, per_token * config.kv_block_size,
+                            GRAPH_POOL_BYTES + logits + activations)

@@ -14,134 +14,38 @@ ones at once); and ``ModelRunner`` (runner.py: forwards, drafting, acceptance, C
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
 import torch
 
 from ..kernels._validate import Checker
-from ..kernels.tree import MAX_TREE_NODES, MAX_TREE_TOP_K
-from ..model.hf_target import HFTarget
-from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
-from .drafting import SCHEDULERS, Drafter
-from .schedulers import SPSCostTable, batch_schedule, drafting_pays
+from ..model.llama import TargetLM
+from .block_manager import BlockManager, kv_blocks_from_memory
+from .chunks import PrefillChunk
+from .config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, ENGINES, EngineConfig, engine_config
+from .drafting import Drafter
 from .request import (GenerationInterrupted, GenerationResult, Request, RequestOutput, Sequence, SequenceStatus,
                       TokenLogprobs)
-from .block_manager import BlockManager, blocks_in_memory
-from .runner import MAX_CHUNKS, ForwardFailed, ModelRunner, PrefillChunk, TreeSettings
+from .rows import TreeSettings
+from .runner import ForwardFailed, ModelRunner
+from .scheduler import Scheduler
+from .schedulers import batch_schedule, drafting_pays
+from .stats import EngineMetrics
+from .step import StepPlan, StepResult
+from .target import load_models
 
 __all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "engine_config", "token_logprobs"]
 
 log = logging.getLogger("dspark.engine")
 
-DEFAULT_MAX_MODEL_LEN = 4096
-ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
-DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows first, prompt chunks after
 MIXED_STRIKES = 2  # failed mixed steps a request may sit in (its chunk alone passing) before it is failed
 REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
 HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
-ENGINES = ("auto", "batched", "reference")
-HOST_PHASES = ("plan", "launch", "commit")  # EngineMetrics.host_phases
-GRAPH_POOL_BYTES = 2 << 30  # what the memory budget leaves the CUDA graphs' pool and the allocator's slack
 PROMPT_LOGITS_TOKENS = 512  # prompt tokens per eager forward that scores a prompt (its logits: [512, V] f32)
-
-
-@dataclass
-class EngineConfig:
-    """``max_batch`` requests per round; ``max_model_len`` tokens per request, prompt included
-    (default: the target's ``max_position_embeddings``, at most 4096); ``scheduler`` / ``threshold``
-    / ``min_proposal_len`` / ``max_proposal_len`` as ``Drafter``, or ``scheduler="cost"``: the paper's
-    Algorithm 1 across the batch with ``cost_table`` (an ``SPSCostTable`` or the JSON path that
-    ``dspark profile`` writes) and ``min_predicted_gain``; ``cuda_graphs`` (CUDA only);
-    ``device`` / ``dtype`` for checkpoints loaded from directories (dtype None: ``default_dtype``,
-    float32 on a CPU, the checkpoint's half precision on a GPU); ``max_num_batched_tokens``
-    tokens per step (vLLM's flag): the running rows' verify or decode tokens, then chunks of the
-    prompts being admitted in the same forward (default: 2048, at least ``max_batch`` times the
-    verify length, so that every running row always fits);
-    ``draft_top_k`` > 1: tree mode (DDTree; greedy requests walk the target's argmax, sampled ones
-    are verified losslessly by ``K.sampled_tree_accept``): each round verifies a token tree grown from
-    that many drafter candidates per depth, ``tree_budget`` nodes per row with the root (default:
-    block size + 1, as TensorRT-Edge-LLM), no deeper than ``threshold`` (the survival floor) allows
-    under the threshold / sps schedulers, whose confidences also bias the tree's scores.
-
-    KV memory is paged (``block_manager``): ``kv_block_size`` positions per block; on a GPU as many
-    blocks as ``gpu_memory_utilization`` of its memory leaves after the weights and the step's
-    working memory (vLLM's rule; one such engine per GPU), elsewhere -- or with
-    ``gpu_memory_utilization`` None, for engines that share a GPU -- enough for ``max_batch``
-    requests of ``max_model_len``; ``num_kv_blocks`` sets the count. When blocks run out a running request is preempted (its
-    blocks freed, its tokens run again later: vLLM's recompute). ``enable_prefix_caching``: full
-    blocks of committed tokens are shared between requests whose tokens start alike (target and
-    draft K/V alike)."""
-
-    max_batch: int = 16
-    max_model_len: int | None = None
-    scheduler: str = "off"
-    threshold: float = 0.0
-    min_proposal_len: int = 1
-    max_proposal_len: int = 0
-    cuda_graphs: bool = True
-    device: str | torch.device | None = None
-    dtype: torch.dtype | None = None
-    cost_table: object = None
-    min_predicted_gain: float = 0.04
-    max_num_batched_tokens: int | None = None
-    draft_top_k: int = 1
-    tree_budget: int = 0
-    enable_prefix_caching: bool = True
-    kv_block_size: int = 16
-    gpu_memory_utilization: float | None = 0.9
-    num_kv_blocks: int | None = None
-
-    def __post_init__(self):
-        c = Checker("EngineConfig")
-        c.integer("max_batch", self.max_batch, low=1)
-        if not isinstance(self.enable_prefix_caching, bool):
-            c.fail(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}", TypeError)
-        c.integer("kv_block_size", self.kv_block_size, low=1, high=1024)
-        if self.gpu_memory_utilization is not None and \
-                not 0.0 < c.real("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0):
-            c.fail(f"gpu_memory_utilization must be in (0, 1] or None, got {self.gpu_memory_utilization}")
-        if self.num_kv_blocks is not None:
-            c.integer("num_kv_blocks", self.num_kv_blocks, low=2)
-        if self.max_model_len is not None:
-            c.integer("max_model_len", self.max_model_len, low=2)
-        if self.scheduler not in ENGINE_SCHEDULERS:
-            c.fail(f"scheduler must be one of {list(ENGINE_SCHEDULERS)}, got {self.scheduler!r}")
-        if self.scheduler == "cost":
-            if self.cost_table is None:
-                c.fail("scheduler 'cost' needs cost_table: a JSON cost table (written by `dspark profile`) or an SPSCostTable")
-            if not isinstance(self.cost_table, SPSCostTable):
-                self.cost_table = SPSCostTable.from_json(str(self.cost_table))
-        c.real("min_predicted_gain", self.min_predicted_gain, low=0.0)
-        if self.max_num_batched_tokens is not None:
-            c.integer("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
-        c.integer("draft_top_k", self.draft_top_k, low=1, high=MAX_TREE_TOP_K)
-        c.integer("tree_budget", self.tree_budget, low=0, high=MAX_TREE_NODES)
-        if self.tree_budget == 1:
-            c.fail(f"tree_budget must be 0 (the block size + 1) or in [2, {MAX_TREE_NODES}], got 1")
-        if self.draft_top_k > 1 and self.scheduler == "cost":
-            c.fail("tree mode (draft_top_k > 1) takes the off / threshold / sps schedulers")
-
-
-def engine_config(engine: str, on_device, *, name: str = "engine", **fields) -> "EngineConfig":
-    """The one engine choice of ``dspark.generate`` / ``LLM``, ``dspark generate`` and ``dspark eval``:
-    the ``EngineConfig`` (``fields`` as there) of ``engine`` -- ``"batched"``: up to ``max_batch``
-    requests decoded together, CUDA graphs on a GPU; ``"reference"``: one request at a time, eagerly
-    (``max_batch`` 1, no CUDA graphs: the simplest run of the same engine, and on a CPU the
-    fastest); ``"auto"``: batched on CUDA, reference elsewhere. ``on_device``: where the models run
-    (None: the CPU). ValueError naming ``name`` for another engine."""
-    if engine not in ENGINES:
-        Checker(name).fail(f"engine must be 'auto', 'batched' or 'reference', got {engine!r}")
-    on_cuda = on_device is not None and torch.device(on_device).type == "cuda"
-    if engine == "reference" or engine == "auto" and not on_cuda:
-        fields.update(max_batch=1, cuda_graphs=False)
-    return EngineConfig(**fields)
 
 
 class EngineDeadError(RuntimeError):
@@ -161,7 +65,7 @@ class LLMEngine:
     def __init__(self, target, draft=None, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         c = Checker("LLMEngine")
-        self.target, self.draft_model, self.eos_ids = _load_models(c, target, draft, config)
+        self.target, self.draft_model, self.eos_ids = load_models(c, target, draft, config)
         limit = min(self.target.shape.max_positions, DEFAULT_MAX_MODEL_LEN)
         if config.max_model_len is not None:
             if config.max_model_len > self.target.shape.max_positions:
@@ -198,15 +102,13 @@ class LLMEngine:
             c.fail(f"num_kv_blocks is {self.runner.num_kv_blocks}: a request of max_model_len {limit} needs "
                    f"{line_blocks} blocks of {config.kv_block_size} positions, plus the null block "
                    "(raise gpu_memory_utilization or num_kv_blocks, or lower max_model_len)")
-        self.blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching)
+        self.max_num_batched_tokens = budget
+        self.metrics = EngineMetrics(self.runner.num_drafts)
         # positions a running request writes past its committed tokens in one step: the verify
         # window, then the draft block after the new anchor
-        self.lookahead = verify_len + (drafter.block_size if drafter is not None else 0) - 1
-        self.max_num_batched_tokens = budget
-        self.waiting: deque[Sequence] = deque()
-        self.prefilling: list[Sequence] = []  # admitted (a cache slot), prompt partly run
-        self.running: list[Sequence] = []  # running[i] sits in batch row i
-        self.free_slots = list(range(config.max_batch))
+        lookahead = verify_len + (drafter.block_size if drafter is not None else 0) - 1
+        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.runner, blocks, config.max_batch, lookahead, self.metrics)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self._launched: tuple | None = None  # (outputs so far, rows) of a round between launch and finish
@@ -215,7 +117,6 @@ class LLMEngine:
         self._host_ms = [0.0, 0.0]  # average host time of a drafting round and of a plain one (measured)
         self._step_host = 0.0
         self._step_captures = 0  # the runner's capture count when the step was launched
-        self.metrics = EngineMetrics(self.runner.num_drafts)
         self.cost_table = config.cost_table
         # whether the host picks verify lengths from the drafter's proposals (threshold / sps / cost
         # on chains: a step waits for its draft pass), or only from what rows may still produce
@@ -239,8 +140,7 @@ class LLMEngine:
             seq.prompt_logprobs = [None] * len(request.prompt_ids)
         self._next_id += 1
         self.sequences[seq.request_id] = seq
-        self.waiting.append(seq)
-        self._count()
+        self.scheduler.add(seq)
         return seq.request_id
 
     def check_request(self, request: Request) -> frozenset[int]:
@@ -272,7 +172,7 @@ class LLMEngine:
         if seq is None or seq.status is SequenceStatus.FINISHED:
             return
         seq.finish_reason = reason
-        self._release([seq])
+        self.scheduler.release([seq])
         self.sequences.pop(request_id, None)
 
     def capture_graphs(self) -> int:
@@ -280,12 +180,13 @@ class LLMEngine:
         sampled, and the steps with prompt chunks (``ModelRunner.mixed_shapes``) -- so that no
         request waits for a capture later; returns how many exist (0 without CUDA graphs). Only
         while no request runs."""
-        if self.running:
-            Checker("capture_graphs").fail(f"capture_graphs needs an idle engine, but {len(self.running)} requests run")
+        if self.scheduler.running:
+            Checker("capture_graphs").fail(f"capture_graphs needs an idle engine, but {len(self.scheduler.running)} "
+                                           "requests run")
         return self.runner.capture_graphs(plain_rounds=self.config.scheduler == "cost")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return self.scheduler.has_unfinished()
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -308,14 +209,14 @@ class LLMEngine:
         start, outputs = time.perf_counter(), []
         self._step_captures = self.runner.captures
         self._admit()
-        self._reserve_running()
-        rows = len(self.running)
+        self.scheduler.reserve_running()
+        rows = len(self.scheduler.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
-        plan = self._plan_scored_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows), outputs)
+        chunks = self._plan_scored_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows), outputs)
         planned = time.perf_counter()
         overlapped = planned - start if self.runner.device_busy() else 0.0  # behind the last draft pass
-        joined = self._run_step(rows, lens, plan, outputs, draft)
-        self._launched = (outputs, len(self.running) - len(joined), joined, self.runner.drafted)
+        joined = self._run_step(StepPlan(rows, lens, draft, chunks), outputs)
+        self._launched = (outputs, len(self.scheduler.running) - len(joined), joined, self.runner.drafted)
         end = time.perf_counter()
         self.metrics.step_time += end - start
         self.metrics.host_time += end - start
@@ -324,43 +225,33 @@ class LLMEngine:
         self.metrics.host_overlapped_time += overlapped
         self._step_host = end - start - overlapped
 
-    def _run_step(self, rows: int, lens, plan: list[tuple[Sequence, PrefillChunk]], outputs,
-                  draft: bool = True) -> list[Sequence]:
-        """Launch the step (``lens`` None: a plain round; ``draft``: whether it drafts the next);
-        returns the requests whose prompt ended (now running, last rows). A failed forward with
-        chunks is retried without them, and each chunk is probed alone: a request whose own tokens
-        fail ends with ``"error"``, the others run again next step."""
-        launch = self.runner.launch_decode if self.runner.drafter is None else \
-            (lambda r, chunks: self.runner.launch_round(r, lens, chunks, draft))
-        chunks = [chunk for _, chunk in plan]
-        if not rows and not chunks:
+    def _run_step(self, plan: StepPlan, outputs) -> list[Sequence]:
+        """Launch ``plan``; returns the requests whose prompt ended (now running, last rows). A failed
+        forward with chunks is retried without them, and each chunk is probed alone: a request whose
+        own tokens fail ends with ``"error"``, the others run again next step."""
+        if not plan.rows and not plan.chunks:
             return []
         try:
             try:
-                launch(rows, chunks)
+                self.runner.launch(plan)
             except ForwardFailed as exc:
-                if not chunks:
+                if not plan.chunks:
                     raise
                 log.warning("a step with prompt chunks failed (%s): retrying without them", exc)
-                self._probe(plan, outputs)
-                plan = []
-                if rows:
-                    launch(rows, [])
+                self._probe(plan.chunks, outputs)
+                plan = replace(plan, chunks=[])
+                if plan.rows:
+                    self.runner.launch(plan)
         except Exception as exc:  # noqa: BLE001 -- a batched round concerns every row in it
-            self._fail_round(exc, outputs, [seq for seq, _ in plan])
+            self._fail_round(exc, outputs, [seq for seq, _ in plan.chunks])
             return []
         joined = []
-        for seq, chunk in plan:
-            seq.prefilled += len(chunk.token_ids)
+        for seq, chunk in plan.chunks:
+            self.scheduler.ran_chunk(seq, chunk)
             self.metrics.prompt_tokens += len(chunk.token_ids)
-            # the chunk's K/V is queued before any later step that could read it from the cache
-            self.blocks.cache_committed(seq.blocks, seq.prefilled, seq.token_ids)
             if chunk.row >= 0:
-                self.prefilling.remove(seq)
-                seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
-                self.running.append(seq)
                 joined.append(seq)
-        self._count()
+        self.scheduler.count()
         return joined
 
     def _probe(self, plan, outputs) -> None:
@@ -387,14 +278,14 @@ class LLMEngine:
         (outputs, rows, joined, drafted), self._launched = self._launched, None
         waited = hidden = 0.0
         if rows or joined:
-            step_rows = list(self.running)  # the readout's rows (retiring reorders self.running)
+            step_rows = list(self.scheduler.running)  # the result's rows (retiring reorders them)
             try:
-                readout = self.runner.read(len(step_rows))
+                result = self.runner.read(len(step_rows))
             except Exception as exc:  # noqa: BLE001
                 self._fail_round(exc, outputs)
             else:
                 waited = time.perf_counter() - start
-                committed = self._commit(readout, outputs, {seq.request_id for seq in joined})
+                committed = self._commit(result, outputs, {seq.request_id for seq in joined})
                 hidden = committed if self.runner.device_busy() else 0.0  # the draft pass outlasted it
                 if drafted and self._reads_proposals:
                     waited += self._await_proposals(step_rows, outputs)
@@ -435,9 +326,9 @@ class LLMEngine:
             return (self._verify_lens(self._scheduled_drafts()) if self._drafted else None), True
         # Algorithm 1 across the batch on the (STS-calibrated) confidences and the profiled cost table,
         # the step's prompt chunks in its forward (at most what the budget leaves the longest verify)
-        confidence = np.stack([seq.confidence for seq in self.running])
-        pending = sum(seq.prompt_len - seq.prefilled for seq in self.prefilling)
-        prefill = min(pending, max(0, self.max_num_batched_tokens - len(self.running) * (self.num_drafts + 1)))
+        confidence = np.stack([seq.confidence for seq in self.scheduler.running])
+        pending = sum(seq.prompt_len - seq.prefilled for seq in self.scheduler.prefilling)
+        prefill = min(pending, max(0, self.max_num_batched_tokens - len(self.scheduler.running) * (self.num_drafts + 1)))
         gain = self.config.min_predicted_gain
         drafts = batch_schedule(confidence, self.cost_table, gain, self._host_ms[0], prefill)
         # until a plain round is measured, price its host time as a drafting round's (keep drafting)
@@ -449,8 +340,8 @@ class LLMEngine:
     def _scheduled_drafts(self) -> list[int]:
         """Drafts per running row under the ``off`` / ``threshold`` / ``sps`` schedulers."""
         if self.config.scheduler == "off":
-            return [self.num_drafts] * len(self.running)
-        return [seq.next_length for seq in self.running]
+            return [self.num_drafts] * len(self.scheduler.running)
+        return [seq.next_length for seq in self.scheduler.running]
 
     def _verify_lens(self, drafts: list[int]) -> list[int]:
         """Verify tokens per running row (drafts + 1), never past what the row may still produce (its
@@ -458,106 +349,19 @@ class LLMEngine:
         would lie beyond the context. At least one draft (the accept kernels verify >= 1); a tree
         verifies all its nodes (its depth is bounded where it is grown)."""
         if self.runner.tree is not None:
-            return [self.runner.verify_len] * len(self.running)
-        return [1 + max(1, min(n, seq.room(self.max_model_len) - 1)) for n, seq in zip(drafts, self.running)]
+            return [self.runner.verify_len] * len(self.scheduler.running)
+        return [1 + max(1, min(n, seq.room(self.max_model_len) - 1)) for n, seq in zip(drafts, self.scheduler.running)]
 
     def _admit(self) -> None:
-        """Give waiting requests a cache slot while rows are free, with the prefix cache's blocks of
-        their prompt (their prompts then run in chunks from there)."""
-        while self.waiting and self.free_slots and len(self.running) + len(self.prefilling) < self.config.max_batch:
-            seq = self.waiting.popleft()
-            seq.slot, seq.status, seq.next_length = self.free_slots.pop(0), SequenceStatus.PREFILLING, self.num_drafts
-            seq.admitted_at = seq.admitted_at or time.perf_counter()
-            # the last token always runs (its logits draw the next); prompt log-probabilities need every position
-            if seq.prompt_logprobs is None or seq.output_ids:
-                seq.prefilled = self.blocks.take_cached_prefix(seq.blocks, seq.token_ids(0, seq.prefill_len),
-                                                               seq.prefill_len - 1)
-                if not seq.output_ids:
-                    seq.stats.cached_tokens = seq.prefilled
-            self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
-            self.prefilling.append(seq)
-        self._count()
-
-    def _reserve(self, seq: Sequence, positions: int, preempt: bool = True) -> bool:
-        """Blocks for ``positions`` positions of ``seq``'s line; when too few are free (and
-        ``preempt``), the latest admitted request is preempted, until they are or ``seq`` itself
-        was. Returns whether ``seq`` has them."""
-        while not self.blocks.reserve(seq.blocks, min(positions, self.runner.line)):
-            victims = self.running + self.prefilling
-            victim = max(victims, key=lambda q: q.admitted_at) if preempt and victims else None
-            if victim is None:
-                return False
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
-        return True
-
-    def _reserve_running(self) -> None:
-        """Blocks for every running request's next step (its verify window and draft block),
-        oldest request first; the latest admitted are preempted when blocks run out."""
-        for seq in sorted(self.running, key=lambda q: q.admitted_at):
-            if seq.status is SequenceStatus.RUNNING:
-                self._reserve(seq, seq.num_tokens + self.lookahead)
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Take ``seq`` out of the batch (running or prefilling), free its blocks and slot, and queue
-        it first to run its prompt and output so far again (vLLM's recompute preemption)."""
-        log.info("request %s preempted (KV blocks ran out): %d tokens to run again", seq.request_id, seq.num_tokens)
-        if seq.status is SequenceStatus.RUNNING:
-            self._leave_row(seq)
-        else:
-            self.prefilling.remove(seq)
-        self._free_slot(seq)
-        # all but the last token run again; the last is kept as the anchor (PrefillChunk.anchor)
-        seq.status, seq.prefilled = SequenceStatus.WAITING, 0
-        seq.prefill_len = seq.num_tokens - 1 if seq.output_ids else seq.prompt_len
-        self.waiting.appendleft(seq)
-        self.metrics.preemptions += 1
-        self._count()
-
-    def _plan_chunks(self, budget: int) -> list[tuple[Sequence, PrefillChunk]]:
-        """This step's prompt chunks (at most ``MAX_CHUNKS``), first come first served within
-        ``budget`` tokens and the free blocks; a chunk that ends its prompt names the row its
-        request takes."""
-        plan, row = [], len(self.running)
-        for seq in list(self.prefilling):
-            if budget <= 0 or len(plan) == MAX_CHUNKS:
-                break
-            n = self._chunk_tokens(seq, min(seq.prefill_len - seq.prefilled, budget))
-            if n == 0:
-                break
-            ends = seq.prefilled + n == seq.prefill_len
-            anchor = seq.output_ids[-1] if ends and seq.output_ids else -1
-            plan.append((seq, PrefillChunk(seq.slot, seq.token_ids(seq.prefilled, seq.prefilled + n), seq.prefilled,
-                                           row if ends else -1, seq.request.sampling, anchor)))
-            row += ends
-            budget -= n
-        return plan
-
-    def _chunk_tokens(self, seq: Sequence, n: int) -> int:
-        """How many of the next ``n`` tokens of ``seq``'s prompt get blocks this step (a chunk that
-        ends the prompt also needs the first draft block after it). Only the oldest prefilling
-        request preempts others, and only when nothing runs (else running requests free blocks as
-        they finish)."""
-        remaining = seq.prefill_len - seq.prefilled
-        extra = self.lookahead - self.runner.verify_len + 1
-        preempt = not self.running and seq is min(self.prefilling, key=lambda q: q.admitted_at)
-        if not preempt:
-            capacity = (len(seq.blocks.block_ids) + self.blocks.num_free) * self.blocks.block_size - seq.prefilled
-            if n + extra * (n == remaining) > capacity:
-                n = min(n, capacity, remaining - 1)
-            if n <= 0:
-                return 0
-        ends = n == remaining
-        return n if self._reserve(seq, seq.prefilled + n + extra * ends, preempt) else 0
+        """Admission (``Scheduler.admit``; a benchmark's engine also stages what it admitted)."""
+        self.scheduler.admit()
 
     def _plan_scored_chunks(self, budget: int, outputs: list[RequestOutput]) -> list[tuple[Sequence, PrefillChunk]]:
         """``_plan_chunks``, the chunks of requests that want prompt log-probabilities scored first;
         a request whose scoring failed ends with ``"error"`` and the step is planned again without it
         (the chunks after it would take other rows)."""
         while True:
-            plan = self._plan_chunks(budget)
+            plan = self.scheduler.plan_chunks(budget)
             scored = [self._score(seq, chunk, outputs) for seq, chunk in plan
                       if seq.prompt_logprobs is not None and not seq.output_ids]
             if all(scored):
@@ -579,26 +383,25 @@ class LLMEngine:
             return False
         return True
 
-    def _commit(self, readout: torch.Tensor, outputs: list[RequestOutput], joined: set[int]) -> float:
-        """Commit each row's tokens (``joined``: requests whose first token this is), report them and
-        retire the finished requests; returns the seconds it took."""
+    def _commit(self, result: StepResult, outputs: list[RequestOutput], joined: set[int]) -> float:
+        """Commit each row's tokens (``joined``: requests whose prompt ended in the step: their first
+        token, or a preempted request's kept anchor), report them and retire the finished requests;
+        returns the seconds it took."""
         t, now, max_len = self.runner.verify_len, time.perf_counter(), self.max_model_len
         speculative, times = self.runner.drafter is not None, self.runner.round_times
-        running, kept_of, drafted_rows = list(self.running), [], []  # a failure below retires rows: keep this round's order
+        running, kept_of, drafted_rows = list(self.scheduler.running), [], []  # retiring reorders the rows
         first = {seq.request_id for seq in running if seq.request_id in joined and not seq.output_ids}
-        for i, (seq, row) in enumerate(zip(running, readout[:, :t + 2].tolist())):
-            n, verified = row[t], row[t + 1]
+        for i, seq in enumerate(running):
             resumed = seq.request_id in joined and seq.request_id not in first
-            kept = [] if resumed else seq.commit(row[:n], max_len)  # a resumed request kept its anchor
+            kept = [] if resumed else seq.commit(result.tokens(i), max_len)
             kept_of.append(kept)
-            # positions before the new anchor hold their final K/V in both caches (queued before any reader)
-            self.blocks.cache_committed(seq.blocks, seq.num_tokens - 1, seq.token_ids)
+            self.scheduler.committed(seq)
             if seq.request_id in first:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
             elif resumed:
                 continue
             elif speculative:
-                seq.stats.record_round(verified, n, len(kept))
+                seq.stats.record_round(int(result.verified[i]), int(result.accept_lengths[i]), len(kept))
                 drafted_rows.append(i)
                 if times is not None:  # each row's round took the whole step (a CPU's timing)
                     seq.stats.verify_time += times[0]
@@ -606,7 +409,7 @@ class LLMEngine:
             else:
                 seq.stats.record_round(0, 1, len(kept))
         if drafted_rows:
-            self.metrics.record_rounds(readout[drafted_rows, t + 1].numpy(), readout[drafted_rows, t].numpy())
+            self.metrics.record_rounds(result.verified[drafted_rows], result.accept_lengths[drafted_rows])
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
         lps = {}
         if wanted:
@@ -616,7 +419,7 @@ class LLMEngine:
         for seq, kept in zip(running, kept_of):
             if seq.finish_reason != "error" and (kept or seq.request_id not in joined or seq.request_id in first):
                 self._report(seq, kept, outputs, lps.get(seq.request_id), seq.request_id in first)
-        self._retire([s for s in self.running if s.finish_reason is not None])
+        self.scheduler.retire([s for s in self.scheduler.running if s.finish_reason is not None])
         return time.perf_counter() - now
 
     def _await_proposals(self, rows: list[Sequence], outputs: list[RequestOutput]) -> float:
@@ -624,15 +427,14 @@ class LLMEngine:
         ``rows`` (retired ones too: harmless): how many drafts the drafter proposes, their
         confidences (numpy f32 rows of one array, which the cost scheduler stacks). Returns the
         seconds waited; a failed draft pass fails the rows still running."""
-        start, t = time.perf_counter(), self.runner.verify_len
+        start = time.perf_counter()
         try:
-            readout = self.runner.read_proposals(len(rows))
+            proposals = self.runner.read_proposals(len(rows))
         except Exception as exc:  # noqa: BLE001
             self._fail_round(exc, outputs)
             return time.perf_counter() - start
         waited = time.perf_counter() - start
-        confidence = readout[:, t + 3:].view(torch.float32).numpy()
-        for seq, n, conf in zip(rows, readout[:, t + 2].tolist(), confidence):
+        for seq, n, conf in zip(rows, proposals.lengths.tolist(), proposals.confidence):
             seq.next_length, seq.confidence = n, conf
         return waited
 
@@ -671,69 +473,19 @@ class LLMEngine:
             seq.finish_reason, seq.error = "error", f"{type(exc).__name__}: {exc}"
             self.metrics.errors += 1
             self._report(seq, [], outputs)
-        self._release(seqs)
+        self.scheduler.release(seqs)
 
     def _fail_round(self, exc: Exception, outputs: list[RequestOutput], chunked: list[Sequence] = ()) -> None:
         """A batched step failed: it concerns every row in it and the prompts it ran. They end
         with ``"error"``; waiting requests go on unless the device itself is broken (then
         ``EngineDeadError``)."""
-        self._fail(list(self.running) + [seq for seq in chunked if seq.status is not SequenceStatus.FINISHED],
+        self._fail(list(self.scheduler.running) + [seq for seq in chunked if seq.status is not SequenceStatus.FINISHED],
                    exc, outputs, "the batched step")
         if self.runner.device.type == "cuda":
             try:
                 torch.cuda.synchronize(self.runner.device)
             except Exception as dead:  # noqa: BLE001 -- a sticky CUDA error: nothing can run any more
                 raise EngineDeadError(f"the device failed: {type(dead).__name__}: {dead}") from exc
-
-    def _release(self, seqs: list[Sequence]) -> None:
-        """End ``seqs`` wherever they are (waiting, prefilling, running): slots, blocks and rows freed."""
-        for seq in seqs:
-            if seq.status is SequenceStatus.WAITING:
-                self.waiting.remove(seq)
-            elif seq.status is SequenceStatus.PREFILLING:
-                self.prefilling.remove(seq)
-                self._free_slot(seq)
-            elif seq.status is SequenceStatus.RUNNING:
-                self._retire([seq])
-                continue
-            seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
-        self._count()
-
-    def _count(self) -> None:
-        """The waiting / running gauges (a request prefilling has its slot: it counts as running, as
-        vLLM's) and the KV blocks in use."""
-        self.metrics.waiting = len(self.waiting)
-        self.metrics.running = len(self.running) + len(self.prefilling)
-        m, blocks = self.metrics, self.blocks
-        m.kv_blocks, m.kv_blocks_used = blocks.num_blocks - 1, blocks.num_blocks - 1 - blocks.num_free
-        m.prefix_cache_queries, m.prefix_cache_hits = blocks.queries, blocks.hits
-
-    def _retire(self, finished: list[Sequence]) -> None:
-        """Free finished requests' rows, slots and blocks."""
-        for seq in finished:
-            self._leave_row(seq)
-            self._free_slot(seq)
-            seq.status = SequenceStatus.FINISHED
-            self.metrics.finished += 1
-        self._count()
-
-    def _leave_row(self, seq: Sequence) -> None:
-        """Take a running request out of its batch row, keeping the rows dense (the last row moves in)."""
-        last = self.running[-1]
-        if last is not seq:
-            self.runner.move_row(last.row, seq.row)
-            self.running[seq.row], last.row = last, seq.row
-        else:
-            self.runner.clear_row(seq.row)
-        self.running.pop()
-        seq.row = -1
-
-    def _free_slot(self, seq: Sequence) -> None:
-        """Give back ``seq``'s cache slot and its blocks (cached ones stay in the prefix cache)."""
-        self.blocks.release(seq.blocks)
-        self.runner.block_tables.set_line(seq.slot, [])
-        bisect.insort(self.free_slots, seq.slot)
-        seq.slot = -1
 
     # ---- convenience --------------------------------------------------------------------------
 
@@ -807,53 +559,6 @@ class LLMEngine:
         return self._plain
 
 
-class EngineMetrics:
-    """Counters since the engine started (served as Prometheus metrics by ``dspark serve``)."""
-
-    def __init__(self, num_drafts: int):
-        self.num_drafts = num_drafts
-        self.running = self.waiting = self.finished = 0  # running: with a cache slot (prefilling too, as vLLM)
-        self.generated_tokens = 0
-        self.rounds = 0  # per request
-        self.steps = 0
-        self.draft_tokens = 0  # drafts verified
-        self.accepted_tokens = 0  # drafts accepted
-        self.position_trials = [0] * num_drafts  # position k verified with 1..k-1 accepted
-        self.position_accepts = [0] * num_drafts
-        self.step_time = 0.0
-        self.host_time = 0.0  # of step_time: all but waiting for the device's readout
-        # host_time by phase: scheduling and admission (plan), the runner's staging and graph
-        # launches (launch), committing the readout and retiring (commit)
-        self.host_phases = dict.fromkeys(HOST_PHASES, 0.0)
-        self.host_overlapped_time = 0.0  # of host_time: while the device still ran a draft pass (hidden)
-        self.prompt_tokens = 0  # prompt tokens run in steps (chunks)
-        self.errors = 0  # requests the engine failed (finish reason "error")
-        self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)
-        self.graph_captures = 0  # CUDA graphs captured (a capture while serving stalls its step)
-        self.device_memory = 0  # bytes torch's allocator holds for tensors on the engine's GPU (0 on the CPU)
-        self.kv_blocks = self.kv_blocks_used = 0  # KV blocks (the null block aside) and those requests hold
-        self.preemptions = 0  # requests taken out of the batch to run again later (KV blocks ran out)
-        self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up / found in the prefix cache
-
-    def record_rounds(self, verified: np.ndarray, accept_length: np.ndarray) -> None:
-        """Count one step's speculative rounds: per row the drafts (tree nodes) it verified and its
-        accept length (bonus included), int arrays ``[R]``."""
-        accepted = np.minimum(accept_length - 1, verified)
-        self.rounds += len(verified)
-        self.draft_tokens += int(verified.sum())
-        self.accepted_tokens += int(accepted.sum())
-        # position k was verified with k drafts accepted before it (a tree verifies more nodes than depths)
-        k = np.arange(self.num_drafts)[None, :]
-        tried = k < np.minimum(verified, accepted + 1)[:, None]
-        trials, accepts = tried.sum(0).tolist(), (tried & (k < accepted[:, None])).sum(0).tolist()
-        self.position_trials = [n + m for n, m in zip(self.position_trials, trials)]
-        self.position_accepts = [n + m for n, m in zip(self.position_accepts, accepts)]
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
-
-
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
     """``TokenLogprobs`` of ``token_ids[i]`` under the f32 logits row ``logits[i]`` ``[N, V]``: its
     log-softmax, rank and the ``top`` most likely tokens' (one host transfer each)."""
@@ -866,106 +571,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list
             zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(), index.tolist(), values.tolist())]
 
 
-def kv_blocks_from_memory(target, draft_model, config: EngineConfig, verify_len: int, step_tokens: int) -> int | None:
-    """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
-    block), after a step's working memory: its tokens' activations, the verify rows' f32 logits
-    (and their probabilities) and a margin for the CUDA graphs' pools; None off CUDA (the runner
-    then holds ``max_batch`` full lines, as with ``gpu_memory_utilization`` None)."""
-    from ..model.layers import KVCache
-
-    if config.gpu_memory_utilization is None:
-        return None
-    per_token = target.kv_bytes_per_token
-    if draft_model is not None:
-        cfg = draft_model.config
-        per_token += KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                             draft_model.dtype)
-    logits = 2 * (config.max_batch * verify_len + MAX_CHUNKS) * target.vocab_size * 4
-    activations = step_tokens * target.shape.hidden_size * 64
-    return blocks_in_memory(target.device, config.gpu_memory_utilization, per_token * config.kv_block_size,
-                            GRAPH_POOL_BYTES + logits + activations)
-
-
 def _stop_clock(seq: Sequence) -> None:
     """A request's total time: from its admission (its time queued is not its own) until now."""
     if seq.admitted_at:
         seq.stats.total_time = time.perf_counter() - seq.admitted_at
-
-
-def _load_models(c: Checker, target, draft, config: EngineConfig):
-    """(TargetLM, draft model or None, EOS ids) from directories or loaded models."""
-    from ..model import check_target_compatible, load_draft
-    from .target import check_target_checkpoint, default_dtype, eos_token_ids
-
-    device = torch.device(config.device) if config.device is not None else None
-    # where a target directory loads: the device asked for, else a loaded draft's, else the CPU (load_draft's)
-    dev = device or (draft.device if isinstance(draft, torch.nn.Module) else torch.device("cpu"))
-    dtype = config.dtype
-    if isinstance(target, (str, Path)):
-        check_target_checkpoint(target)  # missing, a file, pickle-only, truncated: said before any loader runs
-        if dtype is None:  # the CLI's --dtype auto: float32 on a CPU, the checkpoint's half precision on a GPU
-            dtype = default_dtype(dev, target)
-    draft_model = draft
-    if isinstance(draft, (str, Path)):  # weights a speculators 0.9 draft leaves out come from the target
-        draft_model = load_draft(draft, target=target if isinstance(target, (str, Path, torch.nn.Module)) else None,
-                                 device=device, dtype=dtype)
-    capture = list(draft_model.config.capture_layer_ids) if draft_model is not None else []
-    # TargetLM: the fused forward of the families it knows; any other causal LM runs its own
-    # modeling code through the same runner contract (HFTarget)
-    if isinstance(target, (str, Path)):
-        runner = TargetLM if _model_type(c, Path(target)) in SUPPORTED_MODEL_TYPES else HFTarget
-        lm = runner.from_pretrained(target, capture, device=dev, dtype=dtype)
-        eos = frozenset(_directory_eos(Path(target)) or _config_eos(lm.config))
-    elif isinstance(target, torch.nn.Module):
-        fused = getattr(target.config, "model_type", None) in SUPPORTED_MODEL_TYPES
-        lm = TargetLM.from_hf_model(target, capture) if fused else HFTarget(target, capture)
-        eos = frozenset(eos_token_ids(target))
-    elif isinstance(target, TargetLM):  # another engine's runner (same weights); EOS ids set by the caller
-        lm = TargetLM(target.config, dict(embed=target.embed, layers=target.layers, norm=target.norm,
-                                          lm_head=target.lm_head), capture)
-        eos = frozenset(_config_eos(target.config))
-    elif isinstance(target, HFTarget):
-        lm = HFTarget(target.model, capture)
-        eos = frozenset(_config_eos(target.config))
-    else:
-        c.fail(f"target must be a checkpoint directory or a Hugging Face causal LM, got {type(target).__name__}", TypeError)
-    if draft_model is not None:
-        check_target_compatible(draft_model.config, lm.config)
-        if draft_model.device != lm.device:
-            c.fail(f"the draft is on {draft_model.device} but the target on {lm.device}")
-    return lm, draft_model, eos
-
-
-def _model_type(c: Checker, path: Path) -> str | None:
-    """``model_type`` of a checkpoint directory's config.json (None when it has none: the loader
-    then reports the directory)."""
-    from ..model.checkpoint import read_json_object
-
-    if not (path / "config.json").is_file():
-        return None
-    config = read_json_object(path / "config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return text.get("model_type") or config.get("model_type")
-
-
-def _config_eos(config) -> list[int]:
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def _directory_eos(path: Path) -> list[int]:
-    """EOS ids of ``generation_config.json`` (what transformers' generate would stop on)."""
-    import json
-
-    file = path / "generation_config.json"
-    if not file.is_file():
-        return []
-    try:
-        eos = json.loads(file.read_text()).get("eos_token_id")
-    except ValueError:
-        return []
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Protocol
+from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -52,116 +52,18 @@ from .. import kernels as K
 from ..model.draft_runner import DraftRunner, draft_cache
 from ..model.llama import AttentionBatch, TargetLM
 from .block_manager import BlockTable
-from .drafting import Drafter, RowSampling, SamplingParams
+from .chunks import MAX_CHUNKS, ChunkBuffers, PrefillChunk, pads_verify
+from .drafting import Drafter, RowSampling
+from .rows import DraftOverride, RowState, TreeSettings, batch_buckets
+from .step import Proposals, StepPlan, StepResult, readout_columns
 
 log = logging.getLogger("dspark.engine")
 
-__all__ = ["ChunkBuffers", "DraftOverride", "ModelRunner", "PrefillChunk", "ForwardFailed", "RowState", "TreeSettings",
-           "batch_buckets", "MAX_CHUNKS"]
-MAX_CHUNKS = 8  # prompt chunks per step (the static seats of a captured mixed step)
-# chunk buckets with a graph per verify total (rows bucket x 1 .. P + 1 tokens per row); a step with
-# more chunk tokens verifies every row's full length (the padding is small beside its chunks), so
-# that the larger buckets -- the slowest graphs to capture -- need one verify total each
-GRAPH_CHUNK_TOKENS = 256
-
-
-@dataclass
-class PrefillChunk:
-    """Prompt tokens of an admitted request run in this step: ``token_ids`` at positions ``start ..``
-    of cache line ``slot``. ``row`` >= 0 when the chunk ends the prompt: the batch row the request
-    takes, its first token drawn from the last position's logits with its sampling settings -- or,
-    with ``anchor`` >= 0 (a preempted request running its tokens again), that token kept as the
-    row's anchor, so that its next round is the one it would have run."""
-
-    slot: int
-    token_ids: list[int]
-    start: int
-    row: int = -1
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    anchor: int = -1
-
-
-@dataclass(frozen=True)
-class TreeSettings:
-    """Tree mode (DDTree, runtime.md Part II 5.4): each round verifies a token tree per row grown
-    from the drafter's ``top_k`` (2..8) candidates per depth, ``budget`` nodes with the root
-    (2..64), no deeper than the prefix survival ``threshold`` allows (0: the block)."""
-
-    top_k: int
-    budget: int
-    threshold: float = 0.0
-
-
-@dataclass
-class RowState:
-    """The runner's per-row tensors, rows ``0 .. max_batch`` (the last: the scratch row that unused
-    seats write); a request's row moves as a whole when another leaves (``tensors``).
-
-    Every round: ``slot_ids`` (cache line; padding: the dummy line), ``active`` (1: a request),
-    ``anchor`` / ``anchor_pos`` (the last accepted token and its position), ``ctx_pos`` (where the
-    draft context resumes), the request's ``seeds`` and sampling settings (``temperature``, 0 when
-    greedy; ``top_k``; ``top_p``), ``draft_tokens`` / ``proposal_lengths`` (the next round's
-    drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens).
-    With a draft: ``capture`` (the last verify's captured hidden states, ``[B, verify_len, width]``),
-    ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
-    ``draft_probs`` (``[max_batch, P, V]`` f32: the distributions the drafts came from); tree mode:
-    the next round's tree per row
-    (``tree_tokens``, ``tree_parents``, ``tree_depths``, ``tree_bits``: int64 ancestor masks,
-    ``tree_nodes``)."""
-
-    slot_ids: torch.Tensor
-    active: torch.Tensor
-    anchor: torch.Tensor
-    anchor_pos: torch.Tensor
-    ctx_pos: torch.Tensor
-    seeds: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    draft_tokens: torch.Tensor
-    proposal_lengths: torch.Tensor
-    accepted: torch.Tensor
-    accept_length: torch.Tensor
-    capture: torch.Tensor | None = None
-    verify_lens: torch.Tensor | None = None
-    confidence: torch.Tensor | None = None
-    draft_probs: torch.Tensor | None = None
-    tree_tokens: torch.Tensor | None = None
-    tree_parents: torch.Tensor | None = None
-    tree_depths: torch.Tensor | None = None
-    tree_bits: torch.Tensor | None = None
-    tree_nodes: torch.Tensor | None = None
-
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of every buffer this runner has."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
-
-    def sampling(self, b: int) -> RowSampling:
-        """Rows ``0 .. b-1``'s sampling settings."""
-        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b])
-
-
-class DraftOverride(Protocol):
-    """What a benchmark puts in place of the drafter's proposals (``dspark.bench.oracle``):
-    ``apply(runner, b)`` runs after the drafter proposed rows ``0 .. b-1`` (device ops, captured in
-    the draft graphs); ``buffers()`` are the device tensors a round writes, restored after a graph's
-    warm-up run."""
-
-    def apply(self, runner: "ModelRunner", b: int) -> None: ...
-
-    def buffers(self) -> list[torch.Tensor]: ...
-
+__all__ = ["ForwardFailed", "ModelRunner"]
 
 class ForwardFailed(RuntimeError):
     """A step's target forward raised before any row state changed (its KV writes sit at positions
     the next forward rewrites): the step can be retried as it was, or without its chunks."""
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Graph batch sizes: powers of two up to 32, then steps of 16, capped by ``max_batch``."""
-    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch]
-    sizes += list(range(48, max_batch, 16))
-    return sizes + [max_batch]
 
 
 class ModelRunner:
@@ -238,6 +140,7 @@ class ModelRunner:
         # accepted | accept length | verified drafts (the target pass's) | next proposal length | next
         # confidences (f32 bits; the draft pass's), sent to pinned host copies as each pass ends
         self.readout = torch.zeros(r, t + 3 + p, **i32)
+        self.readout_columns = readout_columns(t, p)
         on_cuda = dev.type == "cuda"
         self.host_readouts = [torch.zeros(r, t + 3 + p, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
         self.readout_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
@@ -276,6 +179,14 @@ class ModelRunner:
         return next(b for b in self.buckets if b >= rows)
 
     # ---- one step -----------------------------------------------------------------------------
+
+    def launch(self, plan: StepPlan) -> None:
+        """Start ``plan`` on the device without waiting (``read`` / ``read_proposals`` collect it):
+        a plain runner decodes, a DSpark runner runs a round (``launch_round``)."""
+        if self.drafter is None:
+            self.launch_decode(plan.rows, plan.prefill_chunks)
+        else:
+            self.launch_round(plan.rows, plan.verify_lens, plan.prefill_chunks, plan.draft)
 
     def launch_round(self, rows: int, verify_lens: list[int] | None, chunks: list[PrefillChunk] = (),
                      draft: bool = True) -> None:
@@ -349,16 +260,14 @@ class ModelRunner:
         token i of a row; its accepted token i was chosen from them)."""
         return self.logit_rows[torch.tensor(flat_rows, device=self.device)]
 
-    def read(self, rows: int) -> torch.Tensor:
-        """The launched step's readout ``[rows, P + 4 + P]`` on the host once its target pass ended
-        (its draft pass may still run): columns ``0 .. P + 2`` (see ``readout``) hold this round's
-        accepted tokens, accept lengths and verified drafts."""
-        return self._received(0, rows)
+    def read(self, rows: int) -> StepResult:
+        """The launched step's target pass for the first ``rows`` rows, once it reached the host (its
+        draft pass may still run)."""
+        return StepResult.from_readout(self._received(0, rows), self.readout_columns)
 
-    def read_proposals(self, rows: int) -> torch.Tensor:
-        """The launched step's readout once its draft pass ended too: columns ``P + 3 ..`` hold the
-        next round's proposal lengths and confidences."""
-        return self._received(1, rows)
+    def read_proposals(self, rows: int) -> Proposals:
+        """The launched step's draft pass: the next round's proposal lengths and confidences."""
+        return Proposals.from_readout(self._received(1, rows), self.readout_columns)
 
     def _send_readout(self, part: int) -> None:
         """Start the readout's copy to the host after the target pass (``part`` 0) or the draft pass
@@ -409,8 +318,8 @@ class ModelRunner:
         cut to a chunk's tokens plus a cache line (``_chunk_bucket``) is captured on first use."""
         cap = self.chunks.capacity
         buckets = [c for c in (1 << k for k in range(4, cap.bit_length())) if c < cap] + [cap]
-        small = [c for c in buckets if not _pads_verify(c)]
-        large = [c for c in buckets if _pads_verify(c)]
+        small = [c for c in buckets if not pads_verify(c)]
+        large = [c for c in buckets if pads_verify(c)]
         running: list[int | None] = []
         if self.drafter is None or plain_rounds:
             running.append(None)
@@ -719,7 +628,7 @@ class ModelRunner:
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
         sampled = self._sampled(rows)
-        if num_tokens is not None and _pads_verify(bucket):
+        if num_tokens is not None and pads_verify(bucket):
             num_tokens = b * self.verify_len
         self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         self._send_readout(0)
@@ -763,7 +672,7 @@ class ModelRunner:
         s, ch = self.state, self.chunks
         groups, flat, split, parts = [], None, 0, []
         if b and num_tokens is not None:
-            ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens, _pads_verify(bucket))
+            ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens, pads_verify(bucket))
             parts.append((ids, positions, slots, cache_rows))
             split = num_tokens
         elif b:
@@ -833,101 +742,6 @@ class ModelRunner:
                                n)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return self.target.forward(ids, positions, torch.full((n,), slot, **i32), batch, self.cache)
-
-
-class ChunkBuffers:
-    """The prompt chunks of one step, staged on the host (pinned) and copied to the device in one
-    transfer, at fixed addresses so that a captured mixed step reads any step's chunks.
-
-    Up to ``max_chunks`` chunks of ``capacity`` tokens in all, padded to the step's chunk bucket
-    by one padding request on the dummy line; per chunk its request (slot, first position, token
-    offsets ``cu``); per seat (a chunk that ends its prompt) its row, the offset of its last token,
-    the prompt length, seed, kept anchor (or -1), slot and sampling settings -- unused seats name
-    the scratch row.
-    """
-
-    def __init__(self, capacity: int, max_chunks: int, device):
-        self.capacity, self.max_chunks, self.device = capacity, max_chunks, device
-        m = max_chunks
-        self.sizes = {"positions": capacity, "slots": capacity, "request_slots": m + 1, "request_starts": m + 1,
-                      "cu": m + 2, "seat_ends": m, "seat_slots": m, "seat_top_k": m}
-        width = sum(self.sizes.values())
-        pinned = device.type == "cuda"
-        # int64 ids, seats' rows / last offsets / seeds; int32 metadata the kernels read (and the seats'
-        # top-k); the seats' f32 temperatures and top-p
-        self.host64 = torch.zeros(capacity + 4 * m, dtype=torch.int64, pin_memory=pinned)
-        self.host32 = torch.zeros(width, dtype=torch.int32, pin_memory=pinned)
-        self.hostf = torch.zeros(2 * m, dtype=torch.float32, pin_memory=pinned)
-        self.dev64 = torch.zeros_like(self.host64, device=device)
-        self.dev32 = torch.zeros_like(self.host32, device=device)
-        self.devf = torch.zeros_like(self.hostf, device=device)
-        self.ids = self.dev64[:capacity]
-        self.seat_rows, self.seat_last = self.dev64[capacity:capacity + m], self.dev64[capacity + m:capacity + 2 * m]
-        self.seat_seeds, self.seat_anchors = self.dev64[capacity + 2 * m:capacity + 3 * m], self.dev64[capacity + 3 * m:]
-        self._meta = self._views(self.dev32)
-        self.seat_sampling = RowSampling(self.devf[:m], self._meta["seat_top_k"], self.devf[m:])
-        self._copied = None  # the event of the last transfer: the pinned rows are reused after it
-
-    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        views, at = {}, 0
-        for name, size in self.sizes.items():
-            views[name], at = flat[at:at + size], at + size
-        return views
-
-    def device_meta(self) -> dict[str, torch.Tensor]:
-        return self._meta
-
-    def stage(self, chunks: list[PrefillChunk], bucket: int, dummy_slot: int, scratch_row: int) -> int:
-        """Write ``chunks`` padded to ``bucket`` tokens; returns ``bucket``."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        m, cap = self.max_chunks, self.capacity
-        lengths = [len(c.token_ids) for c in chunks]
-        n = sum(lengths)
-        if len(chunks) > m or n > cap:
-            raise ValueError(f"a step takes at most {m} prompt chunks of {cap} tokens in all, got "
-                             f"{len(chunks)} of {n}")
-        h64, h = self.host64, self._views(self.host32)
-        h64[:n] = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
-        h64[n:bucket] = 0
-        offsets = [0]
-        for c, k in zip(chunks, lengths):
-            at = offsets[-1]
-            h["positions"][at:at + k] = torch.arange(c.start, c.start + k, dtype=torch.int32)
-            h["slots"][at:at + k] = c.slot
-            offsets.append(at + k)
-        h["positions"][n:bucket] = torch.arange(bucket - n, dtype=torch.int32)  # the padding request
-        h["slots"][n:bucket] = dummy_slot
-        h["request_slots"].fill_(dummy_slot)
-        h["request_starts"].zero_()
-        h["cu"][: len(offsets)] = torch.tensor(offsets, dtype=torch.int32)
-        h["cu"][len(offsets):m + 1] = n
-        h["cu"][m + 1] = bucket
-        seats = [(c, offsets[i + 1] - 1) for i, c in enumerate(chunks) if c.row >= 0]
-        for i, c in enumerate(chunks):
-            h["request_slots"][i], h["request_starts"][i] = c.slot, c.start
-        rows, last, seeds, anchors = (h64[cap + i * m:cap + (i + 1) * m] for i in range(4))
-        temperature, top_k, top_p = self.hostf[:m], h["seat_top_k"], self.hostf[m:]
-        rows.fill_(scratch_row), last.zero_(), seeds.zero_(), top_k.zero_(), temperature.zero_(), top_p.fill_(1.0)
-        anchors.fill_(-1)
-        h["seat_ends"].fill_(1), h["seat_slots"].fill_(dummy_slot)
-        for j, (c, end) in enumerate(seats):
-            rows[j], last[j], seeds[j], anchors[j] = c.row, end, c.sampling.seed_bits, c.anchor
-            temperature[j], top_k[j], top_p[j] = c.sampling.temperature, c.sampling.top_k, c.sampling.top_p
-            h["seat_ends"][j], h["seat_slots"][j] = c.start + len(c.token_ids), c.slot
-        blocking = self.device.type != "cuda"
-        self.dev64.copy_(self.host64, non_blocking=not blocking)
-        self.dev32.copy_(self.host32, non_blocking=not blocking)
-        self.devf.copy_(self.hostf, non_blocking=not blocking)
-        if not blocking:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        return bucket
-
-
-def _pads_verify(bucket: int) -> bool:
-    """Whether a step with ``bucket`` chunk tokens pads its running rows' verify to their full length."""
-    return bucket > GRAPH_CHUNK_TOKENS
 
 
 def _pad_requests(b: int, t: int, full: bool = False) -> int:

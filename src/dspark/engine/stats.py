@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class GenerationStats:
@@ -88,3 +90,53 @@ class GenerationStats:
             "total_time_s": round(self.total_time, 6),
             "tokens_per_second": round(self.tokens_per_second, 2),
         }
+
+
+HOST_PHASES = ("plan", "launch", "commit")  # EngineMetrics.host_phases
+
+
+class EngineMetrics:
+    """Counters since the engine started (served as Prometheus metrics by ``dspark serve``)."""
+
+    def __init__(self, num_drafts: int):
+        self.num_drafts = num_drafts
+        self.running = self.waiting = self.finished = 0  # running: with a cache slot (prefilling too, as vLLM)
+        self.generated_tokens = 0
+        self.rounds = 0  # per request
+        self.steps = 0
+        self.draft_tokens = 0  # drafts verified
+        self.accepted_tokens = 0  # drafts accepted
+        self.position_trials = [0] * num_drafts  # position k verified with 1..k-1 accepted
+        self.position_accepts = [0] * num_drafts
+        self.step_time = 0.0
+        self.host_time = 0.0  # of step_time: all but waiting for the device's readout
+        # host_time by phase: scheduling and admission (plan), the runner's staging and graph
+        # launches (launch), committing the readout and retiring (commit)
+        self.host_phases = dict.fromkeys(HOST_PHASES, 0.0)
+        self.host_overlapped_time = 0.0  # of host_time: while the device still ran a draft pass (hidden)
+        self.prompt_tokens = 0  # prompt tokens run in steps (chunks)
+        self.errors = 0  # requests the engine failed (finish reason "error")
+        self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)
+        self.graph_captures = 0  # CUDA graphs captured (a capture while serving stalls its step)
+        self.device_memory = 0  # bytes torch's allocator holds for tensors on the engine's GPU (0 on the CPU)
+        self.kv_blocks = self.kv_blocks_used = 0  # KV blocks (the null block aside) and those requests hold
+        self.preemptions = 0  # requests taken out of the batch to run again later (KV blocks ran out)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up / found in the prefix cache
+
+    def record_rounds(self, verified: np.ndarray, accept_length: np.ndarray) -> None:
+        """Count one step's speculative rounds: per row the drafts (tree nodes) it verified and its
+        accept length (bonus included), int arrays ``[R]``."""
+        accepted = np.minimum(accept_length - 1, verified)
+        self.rounds += len(verified)
+        self.draft_tokens += int(verified.sum())
+        self.accepted_tokens += int(accepted.sum())
+        # position k was verified with k drafts accepted before it (a tree verifies more nodes than depths)
+        k = np.arange(self.num_drafts)[None, :]
+        tried = k < np.minimum(verified, accepted + 1)[:, None]
+        trials, accepts = tried.sum(0).tolist(), (tried & (k < accepted[:, None])).sum(0).tolist()
+        self.position_trials = [n + m for n, m in zip(self.position_trials, trials)]
+        self.position_accepts = [n + m for n, m in zip(self.position_accepts, accepts)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0

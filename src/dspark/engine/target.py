@@ -17,7 +17,7 @@ import torch
 from ..kernels._validate import Checker
 
 __all__ = ["eos_token_ids", "load_target_model", "check_target_checkpoint", "check_target_directory",
-           "resolve_device", "default_dtype"]
+           "resolve_device", "default_dtype", "load_models"]
 
 PICKLE_HINT = ("; convert them to safetensors, or, only for a checkpoint you trust (unpickling can run code), "
                "pass allow_pickle=True (dspark: --allow-pickle)")
@@ -134,3 +134,86 @@ def default_dtype(device: torch.device, target=None) -> torch.dtype:
     name = config.get("torch_dtype") or config.get("dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------- the engine's models
+
+
+def load_models(c: Checker, target, draft, config):
+    """(TargetLM, draft model or None, EOS ids) from directories or loaded models."""
+    from ..model import check_target_compatible, load_draft
+    from ..model.hf_target import HFTarget
+    from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
+
+    device = torch.device(config.device) if config.device is not None else None
+    # where a target directory loads: the device asked for, else a loaded draft's, else the CPU (load_draft's)
+    dev = device or (draft.device if isinstance(draft, torch.nn.Module) else torch.device("cpu"))
+    dtype = config.dtype
+    if isinstance(target, (str, Path)):
+        check_target_checkpoint(target)  # missing, a file, pickle-only, truncated: said before any loader runs
+        if dtype is None:  # the CLI's --dtype auto: float32 on a CPU, the checkpoint's half precision on a GPU
+            dtype = default_dtype(dev, target)
+    draft_model = draft
+    if isinstance(draft, (str, Path)):  # weights a speculators 0.9 draft leaves out come from the target
+        draft_model = load_draft(draft, target=target if isinstance(target, (str, Path, torch.nn.Module)) else None,
+                                 device=device, dtype=dtype)
+    capture = list(draft_model.config.capture_layer_ids) if draft_model is not None else []
+    # TargetLM: the fused forward of the families it knows; any other causal LM runs its own
+    # modeling code through the same runner contract (HFTarget)
+    if isinstance(target, (str, Path)):
+        runner = TargetLM if _model_type(Path(target)) in SUPPORTED_MODEL_TYPES else HFTarget
+        lm = runner.from_pretrained(target, capture, device=dev, dtype=dtype)
+        eos = frozenset(_directory_eos(Path(target)) or _config_eos(lm.config))
+    elif isinstance(target, torch.nn.Module):
+        fused = getattr(target.config, "model_type", None) in SUPPORTED_MODEL_TYPES
+        lm = TargetLM.from_hf_model(target, capture) if fused else HFTarget(target, capture)
+        eos = frozenset(eos_token_ids(target))
+    elif isinstance(target, TargetLM):  # another engine's runner (same weights); EOS ids set by the caller
+        lm = TargetLM(target.config, dict(embed=target.embed, layers=target.layers, norm=target.norm,
+                                          lm_head=target.lm_head), capture)
+        eos = frozenset(_config_eos(target.config))
+    elif isinstance(target, HFTarget):
+        lm = HFTarget(target.model, capture)
+        eos = frozenset(_config_eos(target.config))
+    else:
+        c.fail(f"target must be a checkpoint directory or a Hugging Face causal LM, got {type(target).__name__}", TypeError)
+    if draft_model is not None:
+        check_target_compatible(draft_model.config, lm.config)
+        if draft_model.device != lm.device:
+            c.fail(f"the draft is on {draft_model.device} but the target on {lm.device}")
+    return lm, draft_model, eos
+
+
+def _model_type(path: Path) -> str | None:
+    """``model_type`` of a checkpoint directory's config.json (None when it has none: the loader
+    then reports the directory)."""
+    from ..model.checkpoint import read_json_object
+
+    if not (path / "config.json").is_file():
+        return None
+    config = read_json_object(path / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return text.get("model_type") or config.get("model_type")
+
+
+def _config_eos(config) -> list[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _directory_eos(path: Path) -> list[int]:
+    """EOS ids of ``generation_config.json`` (what transformers' generate would stop on)."""
+    import json
+
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return []
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except ValueError:
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

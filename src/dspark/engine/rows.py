@@ -1,0 +1,95 @@
+"""The runner's per-row device state (``RowState``), tree-mode settings, the benchmarks' draft
+override, and the batch buckets a CUDA graph is captured for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .drafting import RowSampling
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
+
+__all__ = ["DraftOverride", "RowState", "TreeSettings", "batch_buckets"]
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """Tree mode (DDTree, runtime.md Part II 5.4): each round verifies a token tree per row grown
+    from the drafter's ``top_k`` (2..8) candidates per depth, ``budget`` nodes with the root
+    (2..64), no deeper than the prefix survival ``threshold`` allows (0: the block)."""
+
+    top_k: int
+    budget: int
+    threshold: float = 0.0
+
+
+@dataclass
+class RowState:
+    """The runner's per-row tensors, rows ``0 .. max_batch`` (the last: the scratch row that unused
+    seats write); a request's row moves as a whole when another leaves (``tensors``).
+
+    Every round: ``slot_ids`` (cache line; padding: the dummy line), ``active`` (1: a request),
+    ``anchor`` / ``anchor_pos`` (the last accepted token and its position), ``ctx_pos`` (where the
+    draft context resumes), the request's ``seeds`` and sampling settings (``temperature``, 0 when
+    greedy; ``top_k``; ``top_p``), ``draft_tokens`` / ``proposal_lengths`` (the next round's
+    drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens).
+    With a draft: ``capture`` (the last verify's captured hidden states, ``[B, verify_len, width]``),
+    ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
+    ``draft_probs`` (``[max_batch, P, V]`` f32: the distributions the drafts came from); tree mode:
+    the next round's tree per row
+    (``tree_tokens``, ``tree_parents``, ``tree_depths``, ``tree_bits``: int64 ancestor masks,
+    ``tree_nodes``)."""
+
+    slot_ids: torch.Tensor
+    active: torch.Tensor
+    anchor: torch.Tensor
+    anchor_pos: torch.Tensor
+    ctx_pos: torch.Tensor
+    seeds: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    draft_tokens: torch.Tensor
+    proposal_lengths: torch.Tensor
+    accepted: torch.Tensor
+    accept_length: torch.Tensor
+    capture: torch.Tensor | None = None
+    verify_lens: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+    tree_tokens: torch.Tensor | None = None
+    tree_parents: torch.Tensor | None = None
+    tree_depths: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
+    tree_nodes: torch.Tensor | None = None
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every buffer this runner has."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
+
+    def sampling(self, b: int) -> RowSampling:
+        """Rows ``0 .. b-1``'s sampling settings."""
+        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b])
+
+
+class DraftOverride(Protocol):
+    """What a benchmark puts in place of the drafter's proposals (``dspark.bench.oracle``):
+    ``apply(runner, b)`` runs after the drafter proposed rows ``0 .. b-1`` (device ops, captured in
+    the draft graphs); ``buffers()`` are the device tensors a round writes, restored after a graph's
+    warm-up run."""
+
+    def apply(self, runner: "ModelRunner", b: int) -> None: ...
+
+    def buffers(self) -> list[torch.Tensor]: ...
+
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Graph batch sizes: powers of two up to 32, then steps of 16, capped by ``max_batch``."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch]
+    sizes += list(range(48, max_batch, 16))
+    return sizes + [max_batch]
