@@ -210,7 +210,7 @@ def test_kv_blocks_fill_the_gpu_memory_fraction(pair, memory_budget_kv):
     engine = LLMEngine(pair.target, pair.draft, EngineConfig(**config))
     lines = 2 * engine.runner.block_tables.blocks_per_line + 1
     per_block = engine.runner.cache.k[:, 0].numel() * 2 * engine.runner.cache.k.element_size()
-    per_block += engine.runner.draft.cache.k[:, 0].numel() * 2 * engine.runner.draft.cache.k.element_size()
+    per_block += engine.runner.proposer.draft.cache.k[:, 0].numel() * 2 * engine.runner.proposer.draft.cache.k.element_size()
     kv_bytes = engine.runner.num_kv_blocks * per_block
     assert engine.runner.num_kv_blocks > 10 * lines
     assert kv_bytes <= 0.3 * total - (total - free)  # within the fraction, after what was in use

@@ -197,7 +197,7 @@ def breakdown(engine, prompts, oracle) -> dict:
         engine.step()
     rows = len(engine.scheduler.running)
     b, s, t = runner.bucket(rows), runner.state, runner.verify_len
-    drafter, draft = runner.drafter, runner.draft
+    drafter, draft = runner.drafter, runner.proposer.draft
     restore = runner._snapshot()
     hidden = draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
     logits = drafter.model.backbone_logits(hidden)

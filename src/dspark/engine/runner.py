@@ -49,11 +49,11 @@ from typing import Callable
 import torch
 
 from .. import kernels as K
-from ..model.draft_runner import DraftRunner, draft_cache
 from ..model.llama import AttentionBatch, TargetLM
 from .block_manager import BlockTable
 from .chunks import MAX_CHUNKS, ChunkBuffers, PrefillChunk, pads_verify
 from .drafting import Drafter, RowSampling
+from .proposer import DSparkProposer
 from .rows import DraftOverride, RowState, TreeSettings, batch_buckets
 from .step import Proposals, StepPlan, StepResult, readout_columns
 
@@ -91,7 +91,6 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks or max_batch * self.block_tables.blocks_per_line + 1
         paged = (self.num_kv_blocks, kv_block_size, self.block_tables.table)
         self.cache = target.new_paged_cache(*paged)
-        self.draft = DraftRunner(drafter.model, draft_cache(drafter.model, paged=paged)) if drafter else None
         self.buckets = batch_buckets(max_batch)
         self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -134,13 +133,14 @@ class ModelRunner:
             self.state.tree_depths = torch.zeros(r, size, **i32)
             self.state.tree_bits = (1 << torch.arange(size, device=dev)).repeat(r, 1)  # int64 ancestor masks
             self.state.tree_nodes = torch.ones(r, **i32)
-            self.stacked = torch.zeros(b, p + 1, target.vocab_size, device=dev)  # the drafter's depth rows
             self.tree_nodes_accepted = torch.full((b, size), -1, **i32)  # the last walk's path
         self.chunks = ChunkBuffers(max_chunk_tokens, MAX_CHUNKS, dev)
         # accepted | accept length | verified drafts (the target pass's) | next proposal length | next
         # confidences (f32 bits; the draft pass's), sent to pinned host copies as each pass ends
         self.readout = torch.zeros(r, t + 3 + p, **i32)
         self.readout_columns = readout_columns(t, p)
+        self.proposer = None if drafter is None else DSparkProposer(
+            drafter, self.state, self.readout, self.readout_columns, paged, t, max_model_len, tree, target.vocab_size)
         on_cuda = dev.type == "cuda"
         self.host_readouts = [torch.zeros(r, t + 3 + p, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
         self.readout_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
@@ -238,7 +238,7 @@ class ModelRunner:
         if self.drafted:
             self._draft(b, sampled)
         else:
-            self._replay(("context", b), lambda: self._context_rows(b))
+            self._replay(("context", b), lambda: self.proposer.context_rows(b))
         self._send_readout(1)
         if self.device.type == "cpu":
             self.round_times = (verified - start, time.perf_counter() - verified)
@@ -356,7 +356,7 @@ class ModelRunner:
         self._draft(b, sampled)
         if plain_rounds:
             self._replay(("plain", b, sampled), lambda: self._decode_rows(b, sampled))
-            self._replay(("context", b), lambda: self._context_rows(b))
+            self._replay(("context", b), lambda: self.proposer.context_rows(b))
 
     def _sampled(self, rows: int) -> bool:
         """Whether any of the first ``rows`` rows samples (then every row takes the sampled path)."""
@@ -565,49 +565,13 @@ class ModelRunner:
         s.anchor[:b] = s.accepted[:b].gather(1, (n - 1).long()[:, None]).squeeze(1)
         s.anchor_pos[:b] += n * s.active[:b]  # padding rows stay at position 0
 
-    def _context_rows(self, b: int) -> None:
-        """The draft context of the last verify: each row's captured states at their positions
-        (those past the accepted prefix lie beyond the anchor, unseen, and are rewritten later)."""
-        s, t = self.state, self.verify_len
-        positions = (s.ctx_pos[:b, None] + self.offsets[:t]).view(-1)
-        self.draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
-
-    def _draft_rows(self, b: int, sampled: bool) -> None:
-        s, t, p = self.state, self.verify_len, self.num_drafts
-        self._context_rows(b)
-        hidden = self.draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
-        logits = self.drafter.model.backbone_logits(hidden)
-        sampling = uniforms = None  # greedy; a tree grows from the greedy chain's depth rows whatever the settings
-        if sampled and self.tree is None:
-            sampling = s.sampling(b)
-            uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_PROPOSAL, p)
-        stacked = self.stacked[:b] if self.tree is not None else None
-        proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked)
-        s.draft_tokens[:b] = proposal.token_ids
-        s.proposal_lengths[:b] = proposal.proposal_lengths
-        if proposal.confidence is not None:
-            s.confidence[:b] = proposal.confidence
-        if proposal.probabilities is not None:
-            s.draft_probs[:b] = proposal.probabilities
+    def _propose(self, b: int, sampled: bool) -> None:
+        """The draft pass of rows ``0 .. b-1`` (``DSparkProposer``), a benchmark's override of its
+        proposals, and the readout's proposal columns."""
+        self.proposer.propose_rows(b, sampled)
         if self.draft_override is not None:
             self.draft_override.apply(self, b)
-        if self.tree is not None:
-            self._grow_trees(b)
-        self.readout[:b, t + 2] = s.proposal_lengths[:b]
-        self.readout[:b, t + 3:] = s.confidence[:b].view(torch.int32)
-
-    def _grow_trees(self, b: int) -> None:
-        """Each row's next tree from the drafter's depth rows and confidences (kernels.md 4.4), no
-        deeper than the context limit allows (RoPE positions stay below ``max_model_len``)."""
-        s, tree = self.state, self.tree
-        confidence = s.confidence[:b] if self.drafter.scheduler != "off" else None
-        room = (self.max_model_len - 1 - s.anchor_pos[:b]).clamp(min=1)
-        built = K.ddtree_build(self.stacked[:b], s.anchor[:b], s.anchor_pos[:b], candidate_top_k=tree.top_k,
-                               verify_size=tree.budget, depth_confidence=confidence,
-                               survival_threshold=tree.threshold, max_depths=room)
-        s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b] = built.tokens, built.parents, built.depths
-        s.tree_nodes[:b] = built.num_nodes
-        s.tree_bits[:b] = built.ancestor_bits
+        self.proposer.publish(b)
 
     # ---- steps with prompt chunks -----------------------------------------------------------------
 
@@ -643,7 +607,7 @@ class ModelRunner:
         """The draft pass of the rows in bucket ``b``: tree mode drafts greedily whatever the rows'
         settings (its trees grow from the greedy chain), so one graph."""
         sampled = sampled and self.tree is None
-        self._replay(("draft", b, 0, sampled), lambda: self._draft_rows(b, sampled))
+        self._replay(("draft", b, 0, sampled), lambda: self._propose(b, sampled))
 
     def _chunk_bucket(self, n: int) -> int:
         """Padded chunk tokens of a step: a power of two >= 16 (one graph per bucket), within the
@@ -661,8 +625,8 @@ class ModelRunner:
             self._verify_commit(b, flat, capture[:split], logits[:split], sampled)
         elif b:
             self._decode_commit(b, logits[:split], sampled, None if capture is None else capture[:split])
-        if self.draft is not None:
-            self.draft.context(capture[split:], positions[split:], slots[split:])
+        if self.proposer is not None:
+            self.proposer.write_context(capture[split:], positions[split:], slots[split:])
         self._seat(logits[split:])
 
     def _mixed_forward(self, b: int, num_tokens: int | None, bucket: int):
@@ -687,7 +651,7 @@ class ModelRunner:
         ids, positions, slots, cache_rows = (torch.cat([p[k] for p in parts]) for k in range(4))
         logit_rows = torch.cat([torch.arange(split, device=self.device), split + ch.seat_last])
         capture = None
-        if self.draft is not None:
+        if self.proposer is not None:
             capture = torch.empty(ids.numel(), self.capture_rows.shape[1], dtype=self.capture_rows.dtype,
                                   device=self.device)
         logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
@@ -724,8 +688,8 @@ class ModelRunner:
         bucket = self.chunks.stage([replace(chunk, row=-1)], self._chunk_bucket(len(chunk.token_ids)),
                                    self.dummy_slot, self.scratch_row)
         positions, slots, _, _, capture, _ = self._mixed_forward(0, None, bucket)
-        if self.draft is not None:
-            self.draft.context(capture, positions, slots)
+        if self.proposer is not None:
+            self.proposer.write_context(capture, positions, slots)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
