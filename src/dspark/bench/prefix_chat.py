@@ -2,7 +2,8 @@
 ``python -m dspark.bench.prefix_chat --out DIR [--url URL | -- SERVE ARGS]``.
 
 Every client holds a conversation: a system prompt shared by all (``--system-tokens``, random token
-ids, seeded), then ``--turns`` turns, each adding a user message of ``--user-tokens`` ids of its own
+ids, seeded; ``--demo-text``: the demo pair's held-out source files, tokenized -- text its drafter
+predicts as in real use), then ``--turns`` turns, each adding a user message of ``--user-tokens`` ids of its own
 and asking for ``--max-tokens`` (``ignore_eos``, greedy); the next turn's prompt is the previous one
 plus the answer's token ids and a new user message -- what a chat client sends. ``--clients``
 conversations run at once. Without ``--url`` the server is started twice here, as ``python -m
@@ -45,10 +46,7 @@ async def run(url: str, args) -> dict:
     """Every conversation at once; the figures of one server."""
     import httpx
 
-    rng = random.Random(0)
-    system = [rng.randrange(args.vocab) for _ in range(args.system_tokens)]
-    users = [[[rng.randrange(args.vocab) for _ in range(args.user_tokens)] for _ in range(args.turns)]
-             for _ in range(args.clients)]
+    system, users = conversation_tokens(args)
     limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
     with httpx.Client(timeout=30) as sync:
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(args.request_timeout)) as client:
@@ -60,6 +58,26 @@ async def run(url: str, args) -> dict:
             wall = time.perf_counter() - start
             after = scrape(sync, url)
     return summarize(conversations, wall, before, after)
+
+
+def conversation_tokens(args) -> tuple[list[int], list[list[list[int]]]]:
+    """The shared system prompt and each client's user messages (token ids)."""
+    rng = random.Random(0)
+    if not args.demo_text:
+        return ([rng.randrange(args.vocab) for _ in range(args.system_tokens)],
+                [[[rng.randrange(args.vocab) for _ in range(args.user_tokens)] for _ in range(args.turns)]
+                 for _ in range(args.clients)])
+    from transformers import AutoTokenizer
+
+    from dspark.training.data import demo_pair, read_prompts
+
+    pair = demo_pair()
+    tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
+    files = [tokenizer(r["text"])["input_ids"] for r in read_prompts(str(pair.prompts))]
+    system = [t for ids in files for t in ids][:args.system_tokens]
+    pieces = [ids[:args.user_tokens] for ids in files[::-1] if len(ids) >= args.user_tokens]
+    return system, [[pieces[(c * args.turns + k) % len(pieces)] for k in range(args.turns)]
+                    for c in range(args.clients)]
 
 
 def summarize(conversations: list[list[Record]], wall: float, before: dict, after: dict) -> dict:
@@ -107,6 +125,8 @@ def parse_args(argv):
     parser.add_argument("--user-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn")
     parser.add_argument("--vocab", type=int, default=151936, help="random ids in [0, vocab): the target's vocabulary")
+    parser.add_argument("--demo-text", action="store_true",
+                        help="the demo pair's held-out source files as the system prompt and user messages")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: the arguments of dspark serve")
