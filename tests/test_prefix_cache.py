@@ -32,10 +32,10 @@ def tokens(n: int, first: int = 0) -> list[int]:
 def test_blocks_are_taken_released_and_counted():
     manager = BlockManager(num_blocks=9, block_size=4)
     a, b = SequenceBlocks(), SequenceBlocks()
-    assert manager.num_free == 8 and manager.reserve(a, 10) and len(a.block_ids) == 3
+    assert manager.num_free == 8 and manager.reserve(a, 10) == 3 and len(a.block_ids) == 3
     assert NULL_BLOCK not in a.block_ids
-    assert manager.reserve(a, 12) and len(a.block_ids) == 3  # already covered
-    assert not manager.reserve(b, 24) and b.block_ids == [] and manager.num_free == 5  # all or nothing
+    assert manager.reserve(a, 12) == 0 and len(a.block_ids) == 3  # already covered
+    assert manager.reserve(b, 24) is None and b.block_ids == [] and manager.num_free == 5  # all or nothing
     manager.release(a)
     assert manager.num_free == 8 and a.block_ids == [] and set(manager.ref_counts) == {0}
 

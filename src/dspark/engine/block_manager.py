@@ -37,6 +37,7 @@ class SequenceBlocks:
     block_ids: list[int] = field(default_factory=list)
     keys: list[tuple] = field(default_factory=list)
     cached_tokens: int = 0
+    next_key_at: int = 0  # the committed positions at which its next block is full (the host's quick test)
 
 
 class BlockManager:
@@ -83,19 +84,20 @@ class BlockManager:
             seq.keys.append(key)
             parent = hash(key)
         seq.cached_tokens = len(seq.block_ids) * size
+        seq.next_key_at = seq.cached_tokens + size
         self.hits += seq.cached_tokens
         return seq.cached_tokens
 
-    def reserve(self, seq: SequenceBlocks, positions: int) -> bool:
-        """Append fresh blocks until ``seq`` covers ``positions`` positions; False (nothing taken)
-        when too few are free."""
+    def reserve(self, seq: SequenceBlocks, positions: int) -> int | None:
+        """Append fresh blocks until ``seq`` covers ``positions`` positions; returns how many it took,
+        or None (nothing taken) when too few are free."""
         needed = self.blocks_for(positions) - len(seq.block_ids)
         if needed <= 0:
-            return True
+            return 0
         if needed > len(self.free):
-            return False
+            return None
         seq.block_ids += [self._take_free() for _ in range(needed)]
-        return True
+        return needed
 
     def release(self, seq: SequenceBlocks) -> None:
         """Drop ``seq``'s blocks; those no other request holds become free, the last ones first to
@@ -104,12 +106,12 @@ class BlockManager:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free[block] = None
-        seq.block_ids, seq.keys = [], []
+        seq.block_ids, seq.keys, seq.next_key_at = [], [], 0
 
     def cache_committed(self, seq: SequenceBlocks, final: int, token_ids: Callable[[int, int], list[int]]) -> None:
         """Register ``seq``'s full blocks of positions ``< final`` (their K/V final in both caches)
         under the keys of their tokens (``token_ids(start, end)``: its committed tokens there)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or final < seq.next_key_at:
             return
         size = self.block_size
         for index in range(len(seq.keys), min(final // size, len(seq.block_ids))):
@@ -119,6 +121,7 @@ class BlockManager:
             block = seq.block_ids[index]
             if key not in self.cached:  # the same tokens in another block: that one stays the cached copy
                 self.cached[key], self.block_keys[block] = block, key
+        seq.next_key_at = (len(seq.keys) + 1) * size
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class BlockTable:
         self.host = torch.full((lines, blocks_per_line), NULL_BLOCK, dtype=torch.int32,
                                pin_memory=device.type == "cuda")
         self.table = self.host.to(device)
+        self.rows = self.host.numpy()  # the pinned rows, written from the host without torch's per-call cost
         self.changed: set[int] = set()
         self._copied: torch.cuda.Event | None = None
 
@@ -155,15 +159,16 @@ class BlockTable:
     def blocks_per_line(self) -> int:
         return self.host.shape[1]
 
-    def set_line(self, line: int, block_ids: list[int]) -> None:
-        """Line ``line`` reads ``block_ids`` (the rest of it: the null block)."""
+    def set_line(self, line: int, block_ids: list[int], start: int = 0) -> None:
+        """Line ``line`` reads ``block_ids``: entries ``start ..`` written (the earlier ones stand);
+        from ``start`` 0 the rest of the line is the null block."""
         if self._copied is not None:
             self._copied.synchronize()  # the last copy read the pinned rows: only then rewrite them
             self._copied = None
-        row = self.host[line]
-        row.fill_(NULL_BLOCK)
-        if block_ids:
-            row[:len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        row = self.rows[line]
+        if start == 0:
+            row[:] = NULL_BLOCK
+        row[start:len(block_ids)] = block_ids[start:]
         self.changed.add(line)
 
     def flush(self) -> None:

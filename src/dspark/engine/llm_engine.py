@@ -393,21 +393,21 @@ class LLMEngine:
         first = {seq.request_id for seq in running if seq.request_id in joined and not seq.output_ids}
         for i, seq in enumerate(running):
             resumed = seq.request_id in joined and seq.request_id not in first
-            kept = [] if resumed else seq.commit(result.tokens(i), max_len)
+            kept = [] if resumed else seq.commit(result.tokens[i], max_len)
             kept_of.append(kept)
-            self.scheduler.committed(seq)
             if seq.request_id in first:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at
             elif resumed:
                 continue
             elif speculative:
-                seq.stats.record_round(int(result.verified[i]), int(result.accept_lengths[i]), len(kept))
+                seq.stats.record_round(int(result.verified[i]), len(result.tokens[i]), len(kept))
                 drafted_rows.append(i)
                 if times is not None:  # each row's round took the whole step (a CPU's timing)
                     seq.stats.verify_time += times[0]
                     seq.stats.draft_time += times[1]
             else:
                 seq.stats.record_round(0, 1, len(kept))
+        self.scheduler.committed(running)
         if drafted_rows:
             self.metrics.record_rounds(result.verified[drafted_rows], result.accept_lengths[drafted_rows])
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]

@@ -74,7 +74,11 @@ class Scheduler:
     def reserve_running(self) -> None:
         """Blocks for every running request's next step (its verify window and draft block),
         oldest request first; the latest admitted are preempted when blocks run out."""
-        for seq in sorted(self.running, key=lambda q: q.admitted_at):
+        size, ahead = self.blocks.block_size, self.lookahead
+        # most rows hold enough blocks already: only the others are sorted and served (host time per step)
+        short = [q for q in self.running
+                 if len(q.blocks.block_ids) * size < len(q.request.prompt_ids) + len(q.output_ids) + ahead]
+        for seq in sorted(short, key=lambda q: q.admitted_at):
             if seq.status is SequenceStatus.RUNNING:
                 self._reserve(seq, seq.num_tokens + self.lookahead)
 
@@ -82,7 +86,7 @@ class Scheduler:
         """Blocks for ``positions`` positions of ``seq``'s line; when too few are free (and
         ``preempt``), the latest admitted request is preempted, until they are or ``seq`` itself
         was. Returns whether ``seq`` has them."""
-        while not self.blocks.reserve(seq.blocks, min(positions, self.runner.line)):
+        while (added := self.blocks.reserve(seq.blocks, min(positions, self.runner.line))) is None:
             victims = self.running + self.prefilling
             victim = max(victims, key=lambda q: q.admitted_at) if preempt and victims else None
             if victim is None:
@@ -90,7 +94,8 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
-        self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
+        if added:
+            self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids, len(seq.blocks.block_ids) - added)
         return True
 
     def preempt(self, seq: Sequence) -> None:
@@ -159,10 +164,15 @@ class Scheduler:
             seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
             self.running.append(seq)
 
-    def committed(self, seq: Sequence) -> None:
-        """``seq`` committed tokens: its positions before the new anchor hold their final K/V in both
-        caches (queued before any reader) and go to the prefix cache."""
-        self.blocks.cache_committed(seq.blocks, seq.num_tokens - 1, seq.token_ids)
+    def committed(self, seqs: list[Sequence]) -> None:
+        """``seqs`` committed tokens: their positions before the new anchor hold their final K/V in
+        both caches (queued before any reader); the blocks they fill go to the prefix cache."""
+        if not self.blocks.prefix_caching:
+            return
+        for seq in seqs:
+            final = len(seq.request.prompt_ids) + len(seq.output_ids) - 1
+            if final >= seq.blocks.next_key_at:  # a block filled (checked here: per row and step)
+                self.blocks.cache_committed(seq.blocks, final, seq.token_ids)
 
     # ---- leaving ---------------------------------------------------------------------------------
 

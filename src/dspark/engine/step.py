@@ -49,22 +49,20 @@ def readout_columns(verify_len: int, num_drafts: int) -> dict[str, slice]:
 
 @dataclass
 class StepResult:
-    """The target pass of a step, per row (int ``[rows]`` / ``[rows, T]`` numpy arrays):
-    ``accepted`` tokens (the first ``accept_lengths[i]`` of row i count: accepted drafts, then the
-    target's own token), and ``verified``: drafts verified (0 in a plain round)."""
+    """The target pass of a step, per row: ``tokens[i]`` the tokens row i produced (its accepted
+    drafts, then the target's own token), ``accept_lengths`` int ``[rows]`` (their counts) and
+    ``verified`` int ``[rows]``: drafts verified (0 in a plain round)."""
 
-    accepted: np.ndarray
+    tokens: list[list[int]]
     accept_lengths: np.ndarray
     verified: np.ndarray
 
     @classmethod
     def from_readout(cls, readout: torch.Tensor, columns: dict[str, slice]) -> "StepResult":
         rows = readout.numpy()
-        return cls(rows[:, columns["accepted"]], rows[:, columns["accept_length"]][:, 0],
-                   rows[:, columns["verified"]][:, 0])
-
-    def tokens(self, row: int) -> list[int]:
-        return self.accepted[row, :self.accept_lengths[row]].tolist()
+        lengths = rows[:, columns["accept_length"]][:, 0]
+        accepted = rows[:, columns["accepted"]].tolist()  # one conversion: the host's per-row work is Python
+        return cls([row[:n] for row, n in zip(accepted, lengths.tolist())], lengths, rows[:, columns["verified"]][:, 0])
 
 
 @dataclass
