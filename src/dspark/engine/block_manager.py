@@ -49,7 +49,8 @@ class BlockManager:
         self.block_size, self.prefix_caching = block_size, prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[tuple | None] = [None] * num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))  # oldest first
+        self.unused = 1  # blocks unused..num_blocks-1 were never handed out (a GPU may hold millions)
+        self.free: OrderedDict[int, None] = OrderedDict()  # released blocks, least recently first
         self.cached: dict[tuple, int] = {}
         self.queries = self.hits = 0
 
@@ -60,7 +61,7 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks a request can take now (free ones, cached or not)."""
-        return len(self.free)
+        return len(self.free) + self.num_blocks - self.unused
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
@@ -94,7 +95,7 @@ class BlockManager:
         needed = self.blocks_for(positions) - len(seq.block_ids)
         if needed <= 0:
             return 0
-        if needed > len(self.free):
+        if needed > self.num_free:
             return None
         seq.block_ids += [self._take_free() for _ in range(needed)]
         return needed
@@ -131,7 +132,12 @@ class BlockManager:
         self.ref_counts[block] += 1
 
     def _take_free(self) -> int:
-        """The least recently freed block, evicted from the prefix cache if it was cached."""
+        """A never used block, else the least recently freed one, evicted from the prefix cache if it
+        was cached."""
+        if self.unused < self.num_blocks:
+            self.unused += 1
+            self.ref_counts[self.unused - 1] = 1
+            return self.unused - 1
         block, _ = self.free.popitem(last=False)
         key = self.block_keys[block]
         if key is not None:
