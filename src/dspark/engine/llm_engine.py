@@ -1,10 +1,11 @@
 """``LLMEngine``: continuous batching of DSpark speculative decoding (or plain decoding).
 
-A nano-vllm-style engine a reader takes in at once: ``EngineConfig``; ``Request`` /
-``Sequence`` (request.py); a slot pool (one KV-cache line per running request); the scheduler
-below (admit waiting requests between rounds while rows, slots and context allow, retire finished
-ones at once); and ``ModelRunner`` (runner.py: forwards, drafting, acceptance, CUDA graphs). Each
-``step()`` runs one round for every running request and returns what each produced::
+A nano-vllm-style engine a reader takes in at once (docs/architecture.md): ``EngineConfig``;
+``Request`` / ``Sequence`` (request.py); the ``Scheduler`` (admission, paged KV blocks and the
+prefix cache, preemption, prompt chunks, retiring) makes a ``StepPlan``; the ``ModelRunner`` runs
+it (target pass, acceptance, CUDA graphs; its ``DSparkProposer`` the draft pass) and hands back a
+``StepResult``. Each ``step()`` runs one round for every running request and returns what each
+produced::
 
     engine = LLMEngine(target_dir, draft_dir, EngineConfig(max_batch=32))
     rid = engine.add_request(Request(prompt_ids, max_new_tokens=256))
@@ -164,7 +165,7 @@ class LLMEngine:
     @torch.inference_mode()
     def abort(self, request_id: int, reason: str = "abort") -> None:
         """Stop a request now (waiting, prefilling or running) with finish reason ``reason``; its
-        cache line is freed and it is forgotten. Unknown ids are ignored. (In inference mode, as the
+        slot and blocks are freed and it is forgotten. Unknown ids are ignored. (In inference mode, as the
         step: the rows it compacts are the step's.)"""
         if self._launched is not None:
             Checker("abort").fail("abort() between launch() and finish(): the launched round still runs")

@@ -1,9 +1,10 @@
 """The model runner: target and draft forwards, drafting and acceptance for a batch of rows.
 
-The runner owns everything the GPU touches: both KV caches (one line per slot, ``max_batch`` slots
-plus a dummy line for padding rows), the per-row state (anchor token and position, drafts, their
-probabilities, proposal lengths, the captured hidden states of the last verification, seeds) and
-the CUDA graphs. Rows ``0 .. n-1`` of a batch bucket ``B`` are the running requests, rows ``n .. B-1``
+The runner owns everything the GPU touches: both paged KV caches (blocks behind one block table, a
+line per slot: ``max_batch`` slots plus a dummy line for padding rows, which reads and writes only
+the null block), the per-row state (anchor token and position, drafts, their
+probabilities, proposal lengths, the captured hidden states of the last verification, seeds), the
+target pass and acceptance, and the CUDA graphs; the draft pass is its ``DSparkProposer``. Rows ``0 .. n-1`` of a batch bucket ``B`` are the running requests, rows ``n .. B-1``
 padding that reads and writes only the dummy line.
 
 One speculative round is two graph replays (``launch_round``) and its readout in two parts::

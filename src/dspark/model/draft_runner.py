@@ -6,7 +6,7 @@ every layer's context K/V (``RoPE(k_norm(k_proj c))``, ``v_proj c``); ``run_bloc
 ``[anchor, mask, ...]`` (anchor p's at positions ``p .. p+N-1``) through the layers, each writing the
 block's K/V and then attending through ``attend``, the one op the mode chooses:
 
-* inference (``DraftRunner``, the engine's batched draft; ``forward_block`` on one line): a per-slot
+* inference (``DraftRunner``, the engine's batched draft; ``forward_block`` on one line): a paged
   cache, row = position, ``attend`` = ``cached_attention`` (the visibility of ``draft.py``'s step 2).
   Rows a verification rejects may be written: the next block overwrites them before anything reads
   them (vLLM's rule). No host synchronisation, fixed shapes per batch size: CUDA-graph capturable;

@@ -1,7 +1,7 @@
 """Any Hugging Face decoder-only causal LM as the engine's target, through its own modeling code.
 
 vLLM's Transformers backend in small: the model runs on the engine's flat ragged tokens (one row of
-``N`` tokens, ``position_ids`` from the engine) and the engine's per-slot ``KVCache``, through an
+``N`` tokens, ``position_ids`` from the engine) and the engine's paged ``KVCache``, through an
 attention function registered with transformers' attention interface (``ATTENTION``): each layer
 writes its (already rotated) keys and values at the tokens' (slot, position) and attends with
 dspark's ragged ``cached_attention`` -- the same op and cache as ``TargetLM``, the fused fast path

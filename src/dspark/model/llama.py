@@ -2,7 +2,7 @@
 
 These families share one pre-norm decoder (RMSNorm, GQA attention with RoPE, SwiGLU MLP); they
 differ only in per-head q/k RMSNorm (Qwen3), q/k/v biases (Qwen2) and tied embeddings. The forward
-runs *flat* tokens of many requests at once over a per-slot KV cache (``KVCache``) through the
+runs *flat* tokens of many requests at once over a paged KV cache (``KVCache``) through the
 ``dspark.kernels.layers`` ops, with merged QKV and gate/up GEMMs, so one decoder layer is nine
 launches and a whole step can live in one CUDA graph. Transformers stays the source of configs
 (``AutoConfig``, RoPE frequencies) and the numerical oracle in tests; weights are read with
