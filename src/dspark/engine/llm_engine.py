@@ -328,7 +328,7 @@ class LLMEngine:
         # Algorithm 1 across the batch on the (STS-calibrated) confidences and the profiled cost table,
         # the step's prompt chunks in its forward (at most what the budget leaves the longest verify)
         confidence = np.stack([seq.confidence for seq in self.scheduler.running])
-        pending = sum(seq.prompt_len - seq.prefilled for seq in self.scheduler.prefilling)
+        pending = sum(seq.prefill_len - seq.prefilled for seq in self.scheduler.prefilling)
         prefill = min(pending, max(0, self.max_num_batched_tokens - len(self.scheduler.running) * (self.num_drafts + 1)))
         gain = self.config.min_predicted_gain
         drafts = batch_schedule(confidence, self.cost_table, gain, self._host_ms[0], prefill)
