@@ -194,6 +194,31 @@ def test_an_abort_frees_its_blocks_and_leaves_the_shared_ones_to_the_others(pair
     assert engine.generate([requests[1]])[0].stats.cached_tokens == 64
 
 
+def test_a_preempted_request_can_be_aborted_while_it_waits_to_run_again(pair, prompts):
+    """Under a tight block budget, abort a request that was preempted (waiting, with output): the
+    others end with their own tokens, and every block is free at the end."""
+    requests = [Request(prompts[i][:60], max_new_tokens=NEW) for i in range(6)]
+    config = dict(max_batch=4, max_model_len=128)
+    expected = [r.token_ids for r in LLMEngine(pair.target, pair.draft, EngineConfig(**config)).generate(requests)]
+    engine = LLMEngine(pair.target, pair.draft, EngineConfig(**config, num_kv_blocks=20))
+    ids = [engine.add_request(r) for r in requests]
+    done = {i: [] for i in ids}
+    victim = None
+    while victim is None and engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+        victim = next((q.request_id for q in engine.scheduler.waiting if q.output_ids), None)
+    assert victim is not None, "no request was preempted"
+    engine.abort(victim)
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    for i, rid in enumerate(ids):
+        assert done[rid] == (expected[i][:len(done[rid])] if rid == victim else expected[i]), f"request {i}"
+    blocks = engine.scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks - 1 and set(blocks.ref_counts) == {0}
+
+
 def test_too_few_blocks_for_one_request_is_refused(pair):
     with pytest.raises(ValueError, match="num_kv_blocks is 8: a request of max_model_len 128 needs 9 blocks"):
         LLMEngine(pair.target, pair.draft, EngineConfig(max_batch=2, max_model_len=128, num_kv_blocks=8))
