@@ -33,10 +33,12 @@ choice when no draft is predicted to pay): the target's token per row, the draft
 the draft pass skipped until a round drafts again. All
 randomness is request-stable (``K.request_uniforms``, keyed by the request's seed and the round's
 anchor position), so a request's tokens do not depend on its batch. Sampling settings live in
-per-row tensors (``RowSampling``: temperature, top-k, top-p), so a batch of any mix of settings
-replays the same graphs: one per shape for batches of greedy rows only (argmax paths), one per
-shape for batches with sampled rows (every row on the sampled path, a greedy row as its one-hot
-argmax, which gives the same tokens).
+per-row tensors (``RowSampling``: logit bias, temperature, min-p, top-k, top-p -- the request stage
+as vLLM samples, applied alike to the target's verify / decode logits and the drafter's
+distributions), so a batch of any mix of settings replays the same graphs: one per shape for
+batches of plain greedy rows only (argmax paths), one per shape for batches with a row that samples
+or biases its logits (every row on the sampled path, a greedy row as the one-hot argmax of its
+biased logits, which gives the same tokens).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import torch
 from .. import kernels as K
 from ..model.draft_runner import DraftRunner
 from ..model.llama import AttentionBatch, TargetLM
-from .drafting import Drafter, RowSampling, SamplingParams
+from .drafting import MAX_LOGIT_BIAS_TOKENS, Drafter, RowSampling, SamplingParams
 
 log = logging.getLogger("dspark.engine")
 
@@ -96,7 +98,9 @@ class RowState:
     Every round: ``slot_ids`` (cache line; padding: the dummy line), ``active`` (1: a request),
     ``anchor`` / ``anchor_pos`` (the last accepted token and its position), ``ctx_pos`` (where the
     draft context resumes), the request's ``seeds`` and sampling settings (``temperature``, 0 when
-    greedy; ``top_k``; ``top_p``), ``draft_tokens`` / ``proposal_lengths`` (the next round's
+    greedy; ``top_k``; ``top_p``; ``min_p``; ``logit_bias``, f32 ``[max_batch + 1, V]``: dense, so
+    that any request's bias is one row a graph adds -- 39 MB at 64 rows of a 152k vocabulary),
+    ``draft_tokens`` / ``proposal_lengths`` (the next round's
     drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens).
     With a draft: ``capture`` (the last verify's captured hidden states, ``[B, verify_len, width]``),
     ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
@@ -114,6 +118,8 @@ class RowState:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
+    logit_bias: torch.Tensor
     draft_tokens: torch.Tensor
     proposal_lengths: torch.Tensor
     accepted: torch.Tensor
@@ -134,7 +140,7 @@ class RowState:
 
     def sampling(self, b: int) -> RowSampling:
         """Rows ``0 .. b-1``'s sampling settings."""
-        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b])
+        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b], self.min_p[:b], self.logit_bias[:b])
 
 
 class DraftOverride(Protocol):
@@ -198,7 +204,8 @@ class ModelRunner:
             slot_ids=torch.full((r,), self.dummy_slot, **i32), active=torch.zeros(r, **i32),
             anchor=torch.zeros(r, **i32), anchor_pos=torch.zeros(r, **i32), ctx_pos=torch.zeros(r, **i32),
             seeds=torch.zeros(r, dtype=torch.int64, device=dev), temperature=torch.zeros(r, device=dev),
-            top_k=torch.zeros(r, **i32), top_p=torch.ones(r, device=dev),
+            top_k=torch.zeros(r, **i32), top_p=torch.ones(r, device=dev), min_p=torch.zeros(r, device=dev),
+            logit_bias=torch.zeros(r, target.vocab_size, device=dev),
             draft_tokens=torch.zeros(r, max(p, 1), **i32), proposal_lengths=torch.full((r,), max(p, 1), **i32),
             accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32))
         # flat [b*t + 1] rows: row*t + i is verify token i of a row (plain decoding: t = 1), the
@@ -235,7 +242,8 @@ class ModelRunner:
         self.offsets_rows = torch.arange(b + _pad_requests(b, t, full=True), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
-        self.row_sampled = [False] * b  # rows whose request samples (the host's copy of which graphs to run)
+        # rows whose request samples or biases its logits (the host's copy of which graphs to run)
+        self.row_sampled = [False] * b
         # the kernels' scratch, owned here and sized once, so a captured graph's buffers never move
         self.workspace = K.Workspace()
         if dev.type == "cuda":  # the reference backend (CPU) needs no scratch
@@ -591,7 +599,7 @@ class ModelRunner:
         tree = K.TreeBatch(s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b], None, None, s.tree_nodes[:b],
                            None, None)
         if sampled:
-            probs = s.sampling(b).probabilities(logits, self.workspace)
+            probs = s.sampling(b).probabilities(logits)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_TREE,
                                           (p + 1) * (self.tree.top_k + 1)).view(b, p + 1, self.tree.top_k + 1)
             accepted, nodes, n = K.sampled_tree_accept(probs, tree, uniforms, max_depth=p)
@@ -619,7 +627,8 @@ class ModelRunner:
         """Accept rows ``0 .. b-1`` from their target logits ``[b, P+1, V]``, verifying ``verified``
         drafts each (rows past a row's length are never read). With sampled rows every row takes
         speculative sampling: a greedy row's one-hot target distribution accepts exactly the drafts
-        that equal its argmax and then emits the argmax, whatever its drafts' q."""
+        that equal its argmax and then emits the argmax, whatever its drafts' q. A plain greedy batch
+        takes the argmax of the raw logits (no row has a bias there)."""
         s, p = self.state, self.num_drafts
         drafts = s.draft_tokens[:b]
         if not sampled:
@@ -629,7 +638,7 @@ class ModelRunner:
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
-        probs = s.sampling(b).probabilities(logits, self.workspace)
+        probs = s.sampling(b).probabilities(logits)
         return K.probabilistic_accept(probs, s.draft_probs[:b], drafts, verified, uniforms, p,
                                       workspace=self.workspace)
 
@@ -660,7 +669,8 @@ class ModelRunner:
             sampling = s.sampling(b)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_PROPOSAL, p)
         stacked = self.stacked[:b] if self.tree is not None else None
-        proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked)
+        bias = s.logit_bias[:b] if sampled else None  # a plain greedy batch has none: its rows' are zero
+        proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked, bias)
         s.draft_tokens[:b] = proposal.token_ids
         s.proposal_lengths[:b] = proposal.proposal_lengths
         if proposal.confidence is not None:
@@ -711,7 +721,7 @@ class ModelRunner:
         self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         self._send_readout(0)
         for c in joined:
-            self.row_sampled[c.row] = not c.sampling.greedy
+            self.row_sampled[c.row] = not c.sampling.plain_argmax
         total = rows + len(joined)
         if self.drafter is not None and total:
             self._draft(self.bucket(total), self._sampled(total))
@@ -775,18 +785,20 @@ class ModelRunner:
     def _seat(self, logits: torch.Tensor) -> None:
         """Rows for requests whose prompt ended (``self.chunks``' seats; padded seats go to the
         scratch row): the first token from the last position's logits ``[max_chunks, V]`` by each
-        seat's settings (keyed as a round's draw: seed, position; a greedy seat's is the argmax), row
-        state, the readout as a one-token round, the logits kept for log-probabilities."""
+        seat's settings (keyed as a round's draw: seed, position; a greedy seat's is the argmax of its
+        biased logits), row state (the seat's logit bias written into its row first), the readout as
+        a one-token round, the logits kept for log-probabilities."""
         s, t, ch = self.state, self.verify_len, self.chunks
         meta = ch.device_meta()
         rows, ends, slots = ch.seat_rows, meta["seat_ends"], meta["seat_slots"]
         ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
-        tokens = _sample_rows(logits, ch.seat_sampling, ch.seat_seeds, ends - 1, self.workspace)
-        settings = ch.seat_sampling
+        ch.write_seat_biases(s.logit_bias)
+        settings = replace(ch.seat_sampling, logit_bias=s.logit_bias[rows])
+        tokens = _sample_rows(logits, settings, ch.seat_seeds, ends - 1, self.workspace)
         for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
                               (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones),
                               (s.temperature, settings.temperature), (s.top_k, settings.top_k),
-                              (s.top_p, settings.top_p)):
+                              (s.top_p, settings.top_p), (s.min_p, settings.min_p)):
             buffer[rows] = value
         s.accepted[rows, 0] = tokens
         self.logit_rows[rows * t] = logits
@@ -826,7 +838,10 @@ class ChunkBuffers:
     Up to ``max_chunks`` chunks of ``capacity`` tokens in all, padded to the step's chunk bucket
     by one padding request on the dummy line; per chunk its request (slot, first position, token
     offsets ``cu``); per seat (a chunk that ends its prompt) its row, the offset of its last token,
-    the prompt length, seed, slot and sampling settings -- unused seats name the scratch row.
+    the prompt length, seed, slot and sampling settings -- unused seats name the scratch row. A
+    seat's logit bias travels sparse, as up to ``MAX_LOGIT_BIAS_TOKENS`` (token id, bias) entries at
+    fixed offsets (unused ones: id 0, bias 0), and becomes its row of the dense per-row bias inside
+    the step (``write_seat_biases``): 160 kB staged per step rather than a vocabulary per seat.
     """
 
     def __init__(self, capacity: int, max_chunks: int, device):
@@ -836,19 +851,24 @@ class ChunkBuffers:
                       "cu": m + 2, "seat_ends": m, "seat_slots": m, "seat_top_k": m}
         width = sum(self.sizes.values())
         pinned = device.type == "cuda"
-        # int64 ids, seats' rows / last offsets / seeds; int32 metadata the kernels read (and the seats'
-        # top-k); the seats' f32 temperatures and top-p
-        self.host64 = torch.zeros(capacity + 3 * m, dtype=torch.int64, pin_memory=pinned)
+        self.bias_capacity = MAX_LOGIT_BIAS_TOKENS
+        entries = m * MAX_LOGIT_BIAS_TOKENS
+        # int64 ids, seats' rows / last offsets / seeds, the seats' biased token ids; int32 metadata the
+        # kernels read (and the seats' top-k); the seats' f32 temperatures, top-p, min-p and biases
+        self.host64 = torch.zeros(capacity + 3 * m + entries, dtype=torch.int64, pin_memory=pinned)
         self.host32 = torch.zeros(width, dtype=torch.int32, pin_memory=pinned)
-        self.hostf = torch.zeros(2 * m, dtype=torch.float32, pin_memory=pinned)
+        self.hostf = torch.zeros(3 * m + entries, dtype=torch.float32, pin_memory=pinned)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.devf = torch.zeros_like(self.hostf, device=device)
         self.ids = self.dev64[:capacity]
         self.seat_rows, self.seat_last = self.dev64[capacity:capacity + m], self.dev64[capacity + m:capacity + 2 * m]
-        self.seat_seeds = self.dev64[capacity + 2 * m:]
+        self.seat_seeds = self.dev64[capacity + 2 * m:capacity + 3 * m]
+        self.bias_ids, self.bias_values = self.dev64[capacity + 3 * m:], self.devf[3 * m:]
         self._meta = self._views(self.dev32)
-        self.seat_sampling = RowSampling(self.devf[:m], self._meta["seat_top_k"], self.devf[m:])
+        # the seats' settings but their bias, which ``write_seat_biases`` puts in the seats' rows
+        self.seat_sampling = RowSampling(self.devf[:m], self._meta["seat_top_k"], self.devf[m:2 * m],
+                                         self.devf[2 * m:3 * m])
         self._copied = None  # the event of the last transfer: the pinned rows are reused after it
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -859,6 +879,14 @@ class ChunkBuffers:
 
     def device_meta(self) -> dict[str, torch.Tensor]:
         return self._meta
+
+    def write_seat_biases(self, logit_bias: torch.Tensor) -> None:
+        """Each seat's staged bias as its row of the dense ``logit_bias`` f32 ``[rows, V]`` (unused
+        seats': the scratch row's, zero): the seats' rows zeroed, then the entries added (an unused
+        entry adds 0, so it changes nothing where it lands). Device ops only: captured in the step."""
+        logit_bias.index_fill_(0, self.seat_rows, 0.0)
+        rows = self.seat_rows[:, None].expand(-1, self.bias_capacity).reshape(-1)
+        logit_bias.index_put_((rows, self.bias_ids), self.bias_values, accumulate=True)
 
     def stage(self, chunks: list[PrefillChunk], bucket: int, dummy_slot: int, scratch_row: int) -> int:
         """Write ``chunks`` padded to ``bucket`` tokens; returns ``bucket``."""
@@ -890,12 +918,20 @@ class ChunkBuffers:
         for i, c in enumerate(chunks):
             h["request_slots"][i], h["request_starts"][i] = c.slot, c.start
         rows, last, seeds = (h64[cap + i * m:cap + (i + 1) * m] for i in range(3))
-        temperature, top_k, top_p = self.hostf[:m], h["seat_top_k"], self.hostf[m:]
+        temperature, top_k, top_p, min_p = self.hostf[:m], h["seat_top_k"], self.hostf[m:2 * m], self.hostf[2 * m:3 * m]
+        bias_ids, bias_values = h64[cap + 3 * m:], self.hostf[3 * m:]
         rows.fill_(scratch_row), last.zero_(), seeds.zero_(), top_k.zero_(), temperature.zero_(), top_p.fill_(1.0)
+        min_p.zero_(), bias_ids.zero_(), bias_values.zero_()
         h["seat_ends"].fill_(1), h["seat_slots"].fill_(dummy_slot)
         for j, (c, end) in enumerate(seats):
             rows[j], last[j], seeds[j] = c.row, end, c.sampling.seed_bits
             temperature[j], top_k[j], top_p[j] = c.sampling.temperature, c.sampling.top_k, c.sampling.top_p
+            min_p[j] = c.sampling.min_p
+            if c.sampling.logit_bias:
+                ids, values = zip(*c.sampling.logit_bias)
+                at = j * self.bias_capacity
+                bias_ids[at:at + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+                bias_values[at:at + len(ids)] = torch.tensor(values, dtype=torch.float32)
             h["seat_ends"][j], h["seat_slots"][j] = c.start + len(c.token_ids), c.slot
         blocking = self.device.type != "cuda"
         self.dev64.copy_(self.host64, non_blocking=not blocking)
@@ -923,11 +959,12 @@ def _pad_requests(b: int, t: int, full: bool = False) -> int:
 def _sample_rows(logits: torch.Tensor, sampling: RowSampling | None, seeds: torch.Tensor, positions: torch.Tensor,
                  workspace=None):
     """One target token per row (int32 ``[R]``) from f32 logits ``[R, V]``: the argmax when every row
-    is greedy (``sampling`` None), else an inverse-CDF draw keyed by (seed, position) from each row's
-    distribution (a greedy row's is its one-hot argmax)."""
+    is plain greedy (``sampling`` None), else an inverse-CDF draw keyed by (seed, position) from each
+    row's distribution through the request stage (a greedy row's is the one-hot argmax of its biased
+    logits)."""
     if sampling is None:
         return logits.argmax(-1).to(torch.int32)
     uniforms = K.request_uniforms(seeds, positions, K.PURPOSE_TARGET_SAMPLE, 1)
     token = torch.zeros(logits.shape[0], 1, dtype=torch.int32, device=logits.device)
-    K.sample_probability_rows(sampling.probabilities(logits, workspace), uniforms, token, 0, workspace=workspace)
+    K.sample_probability_rows(sampling.probabilities(logits), uniforms, token, 0, workspace=workspace)
     return token[:, 0]
