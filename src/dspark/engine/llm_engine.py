@@ -227,7 +227,10 @@ class LLMEngine:
             c.fail(f"stop_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")
         bad = next((i for i, _ in request.sampling.logit_bias if i >= vocab), None)
         if bad is not None:
-            c.fail(f"logit_bias holds token id {bad}, outside the target's vocabulary [0, {vocab})")
+            error = ValueError(f"add_request: logit_bias holds token id {bad}, outside the target's vocabulary "
+                               f"[0, {vocab})")
+            error.param = "logit_bias"  # the request field at fault, for the server's 400 (kept when pickled)
+            raise error
         return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
 
     @torch.inference_mode()
