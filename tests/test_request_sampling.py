@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import gpu
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, SequenceBiasLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
@@ -163,7 +164,7 @@ def transformers_greedy(model, prompt, processors=None) -> list[int]:
 def test_greedy_with_logit_bias_equals_transformers(demo, drafter):
     """A banned token, a pushed one and small nudges: the output is transformers' greedy decoding
     with the same bias, token for token, next to a plain greedy and a sampled request in the same
-    batch (whose output is the same alone)."""
+    batch (whose output is the same in another batch)."""
     pair, model, prompt, plain = demo
     bias = {plain[3]: -100.0, plain[8]: -5.0, 7: 3.0, 100: 8.0}
     expected = transformers_greedy(model, prompt, LogitsProcessorList([SequenceBiasLogitsProcessor(
@@ -177,7 +178,9 @@ def test_greedy_with_logit_bias_equals_transformers(demo, drafter):
                            Request(prompt, NEW_TOKENS, SamplingParams(), ignore_eos=True), sampled])
     assert out[0].token_ids == expected
     assert out[1].token_ids == plain
-    assert engine.generate([sampled])[0].token_ids == out[2].token_ids
+    # the rows are reused: a request seated where a biased one ran carries no trace of its bias
+    again = engine.generate([Request(prompt, NEW_TOKENS, SamplingParams(), ignore_eos=True), sampled])
+    assert again[0].token_ids == plain and again[1].token_ids == out[2].token_ids
 
 
 def test_logit_bias_ids_outside_the_vocabulary_are_refused(demo):
@@ -186,3 +189,28 @@ def test_logit_bias_ids_outside_the_vocabulary_are_refused(demo):
     with pytest.raises(ValueError, match=r"add_request: logit_bias holds token id 2048, outside the target's "
                                          r"vocabulary \[0, 2048\)"):
         engine.add_request(Request([1, 2], 4, SamplingParams(logit_bias={2048: 1.0})))
+
+
+@gpu
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_cuda_graphs_replay_any_mix_of_biases_and_filters(demo, tree):
+    """On CUDA with every graph captured up front: greedy with a bias is transformers' (float32), a
+    plain greedy request beside it stays plain greedy, a sampled request with a bias, min_p and top_p
+    gives the same tokens alone and in the mixed batch, and no step captures a graph."""
+    pair, model, prompt, plain = demo
+    bias = {plain[3]: -100.0, plain[8]: -5.0, 7: 3.0, 100: 8.0}
+    expected = transformers_greedy(model, prompt, LogitsProcessorList([SequenceBiasLogitsProcessor(
+        {(i,): b for i, b in bias.items()})]))
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(
+        max_batch=4, max_model_len=256, device="cuda", dtype=torch.float32, draft_top_k=2 if tree else 1))
+    engine.capture_graphs()
+    captured = engine.runner.captures
+    hot = SamplingParams(0.8, top_k=50, top_p=0.7, min_p=0.05, seed=3, logit_bias={9: 2.0, plain[1]: -1.0})
+    alone = engine.generate([Request(prompt, NEW_TOKENS, hot, ignore_eos=True)])[0].token_ids
+    out = engine.generate([Request(prompt, NEW_TOKENS, SamplingParams(logit_bias=bias), ignore_eos=True),
+                           Request(prompt, NEW_TOKENS, SamplingParams(), ignore_eos=True),
+                           Request(prompt, NEW_TOKENS, hot, ignore_eos=True)])
+    assert out[0].token_ids == expected
+    assert out[1].token_ids == plain
+    assert out[2].token_ids == alone
+    assert engine.runner.captures == captured and not engine.runner.uncapturable

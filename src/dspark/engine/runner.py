@@ -886,7 +886,7 @@ class ChunkBuffers:
         entry adds 0, so it changes nothing where it lands). Device ops only: captured in the step."""
         logit_bias.index_fill_(0, self.seat_rows, 0.0)
         rows = self.seat_rows[:, None].expand(-1, self.bias_capacity).reshape(-1)
-        logit_bias.index_put_((rows, self.bias_ids), self.bias_values, accumulate=True)
+        logit_bias.view(-1).scatter_add_(0, rows * logit_bias.shape[1] + self.bias_ids, self.bias_values)
 
     def stage(self, chunks: list[PrefillChunk], bucket: int, dummy_slot: int, scratch_row: int) -> int:
         """Write ``chunks`` padded to ``bucket`` tokens; returns ``bucket``."""
