@@ -172,7 +172,8 @@ def test_logit_bias_and_min_p_reach_the_request(checkpoints, greedy, capsys, tmp
     assert status == 0 and json.loads(out)["generated_ids"] == expected.tolist() != greedy[:8]
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"prompt_ids": PROMPT, "logit_bias": {str(banned): -100}}) + "\n")
-    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-file", str(requests), "--max-new-tokens", "8", "--json")
+    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-file", str(requests), "--max-new-tokens", "8",
+                          "--json")
     assert status == 0 and json.loads(out)["generated_ids"] == expected.tolist()
     sampled = [*args, "--temperature", "1.0", "--seed", "3"]
     runs = [json.loads(_run(capsys, *sampled, "--min-p", str(m))[1])["generated_ids"] for m in (0.0, 0.0, 0.9)]

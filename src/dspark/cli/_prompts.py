@@ -83,7 +83,8 @@ def _logit_bias(where: str, bias) -> dict[int, float]:
     """OpenAI's ``logit_bias`` object (token ids as decimal strings -> numbers) with int ids; the
     ranges are ``SamplingParams``' to check."""
     entries = bias.items() if isinstance(bias, dict) else ()
-    if not isinstance(bias, dict) or not all(k.isascii() and k.isdigit() and type(v) in (int, float) for k, v in entries):
+    if not isinstance(bias, dict) or not all(k.isascii() and k.isdigit() and type(v) in (int, float)
+                                             for k, v in entries):
         raise ValueError(f"{where}: 'logit_bias' must be an object of token ids (decimal strings) to numbers, "
                          f"got {bias!r}"[:300])
     return {int(k): v for k, v in bias.items()}

@@ -217,7 +217,8 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
               allow_pickle=allow_pickle, device=device, dtype=dtype, draft_top_k=draft_top_k,
               tree_budget=tree_budget, enforce_eager=enforce_eager)
     return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, min_p=min_p, logit_bias=logit_bias, eos_token_id=eos_token_id, ignore_eos=ignore_eos, stop=stop, on_tokens=on_tokens)
+                        seed=seed, min_p=min_p, logit_bias=logit_bias, eos_token_id=eos_token_id, ignore_eos=ignore_eos,
+                        stop=stop, on_tokens=on_tokens)
 
 
 def _models(c: Checker, target, draft, no_draft: bool):

@@ -122,7 +122,8 @@ def _logit_bias_pairs(c: Checker, logit_bias) -> tuple[tuple[int, float], ...]:
     float bias in [-100, 100]; ValueError / TypeError naming the entry otherwise."""
     if isinstance(logit_bias, Mapping):
         pairs = list(logit_bias.items())
-    elif isinstance(logit_bias, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in logit_bias):
+    elif isinstance(logit_bias, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2
+                                                       for p in logit_bias):
         pairs = list(logit_bias)
     else:
         c.fail(f"logit_bias must map token ids to biases (a dict), got {type(logit_bias).__name__}", TypeError)
