@@ -189,21 +189,23 @@ def request_probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k
     (``RowSampling``'s stage after the bias). Fixed shapes, no host synchronisation: capturable."""
     vocab = logits.shape[-1]
     greedy = (temperature < K.GREEDY_TEMPERATURE) | (top_k == 1)
+    # in place where a tensor is this function's own: a verify's rows x V are hundreds of MB each
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # a greedy row's is the one-hot below
     probs = scaled.softmax(-1)
-    scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), -math.inf)
+    scaled.masked_fill_(probs < min_p[:, None] * probs.amax(-1, keepdim=True), -math.inf)
     ascending, order = scaled.sort(-1)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
     kth_largest = ascending.gather(1, (vocab - k)[:, None])
-    ascending = ascending.masked_fill(ascending < kth_largest, -math.inf)
+    ascending.masked_fill_(ascending < kth_largest, -math.inf)
     # vLLM / transformers: drop the smallest tokens whose cumulative mass stays within 1 - top_p
     # (1 - top_p in fp32, as vLLM's tensor); the largest is always kept
     dropped = ascending.softmax(-1).cumsum(-1) <= (1 - top_p)[:, None]
     dropped[:, -1] = False
-    ascending = ascending.masked_fill(dropped, -math.inf)
-    filtered = torch.empty_like(ascending).scatter_(1, order, ascending)
-    one_hot = torch.zeros_like(filtered).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, filtered.softmax(-1))
+    ascending.masked_fill_(dropped, -math.inf)
+    probs = scaled.scatter_(1, order, ascending).softmax(-1)
+    top = logits.argmax(-1, keepdim=True)
+    probs.masked_fill_(greedy[:, None], 0.0)
+    return probs.scatter_(1, top, torch.where(greedy[:, None], 1.0, probs.gather(1, top)))
 
 
 @dataclass
