@@ -135,6 +135,10 @@ def test_sampled_generation_is_reproducible_per_seed(checkpoints, capsys):
     (["--prompt-ids", "1,2,3,4,5", "--max-model-len", "5"],
      "the prompt has 5 tokens; the context limit (max_model_len) is 5, which must leave room for at least one new"),
     (["--prompt-ids", "1", "--max-model-len", "5000"], "max_model_len 5000 exceeds the target's max_position_embeddings 1024"),
+    (["--prompt-ids", "1", "--logit-bias", "5"], "--logit-bias takes ID=BIAS (a token id and a number), got '5'"),
+    (["--prompt-ids", "1", "--logit-bias", "5=200"], "logit_bias[5] must be in [-100.0, 100.0], got 200.0"),
+    (["--prompt-ids", "1", "--logit-bias", "500=1"], "logit_bias holds token id 500, outside the target's vocabulary"),
+    (["--prompt-ids", "1", "--min-p", "1.5"], "min_p must be in [0.0, 1.0], got 1.5"),
 ])
 def test_bad_options_are_one_line_errors(checkpoints, capsys, args, message):
     status, out, err = _run(capsys, *_pair(checkpoints, target="bare"), *args)
@@ -150,7 +154,30 @@ def test_device_cuda_without_cuda(checkpoints, capsys):
 
 def test_greedy_with_sampling_filters_warns(checkpoints, capsys):
     status, _, err = _run(capsys, *_pair(checkpoints), "--prompt-ids", "1", "--max-new-tokens", "2", "--top-k", "5")
-    assert status == 0 and "warning: --top-k / --top-p do nothing with greedy decoding" in err
+    assert status == 0 and "warning: --top-k / --top-p / --min-p do nothing with greedy decoding" in err
+
+
+def test_logit_bias_and_min_p_reach_the_request(checkpoints, greedy, capsys, tmp_path):
+    """``--logit-bias ID=BIAS``: greedy decoding is transformers' with the same bias (a banned
+    token gone); ``--min-p`` and a .jsonl line's ``logit_bias`` / ``min_p`` reach the request too."""
+    from transformers.generation.logits_process import LogitsProcessorList, SequenceBiasLogitsProcessor
+
+    banned = greedy[2]
+    bias = LogitsProcessorList([SequenceBiasLogitsProcessor({(banned,): -100.0})])
+    with torch.no_grad():
+        expected = checkpoints[2].generate(torch.tensor([PROMPT]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0, logits_processor=bias)[0, len(PROMPT):]
+    args = [*_pair(checkpoints), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--json"]
+    status, out, _ = _run(capsys, *args, "--logit-bias", f"{banned}=-100")
+    assert status == 0 and json.loads(out)["generated_ids"] == expected.tolist() != greedy[:8]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt_ids": PROMPT, "logit_bias": {str(banned): -100}}) + "\n")
+    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-file", str(requests), "--max-new-tokens", "8",
+                          "--json")
+    assert status == 0 and json.loads(out)["generated_ids"] == expected.tolist()
+    sampled = [*args, "--temperature", "1.0", "--seed", "3"]
+    runs = [json.loads(_run(capsys, *sampled, "--min-p", str(m))[1])["generated_ids"] for m in (0.0, 0.0, 0.9)]
+    assert runs[0] == runs[1] != runs[2]
 
 
 def test_broken_target_checkpoints_are_named(checkpoints, capsys, tmp_path):
@@ -228,6 +255,8 @@ def test_prompt_file_text_stdin_and_jsonl(checkpoints, greedy, capsys, monkeypat
     (b'{"prompt": "t1", "prompt_ids": [1]}\n', "requests.jsonl:1: a request needs exactly one of 'prompt'"),
     (b'\n{"prompt_ids": [1], "top_k": "5"}\n', "requests.jsonl:2: 'top_k' must be an integer, got '5'"),
     (b'{"prompt_ids": [1]}\n{"prompt_ids": [1], "top_p": 2.0}\n', "requests.jsonl:2: SamplingParams: top_p must be in"),
+    (b'{"prompt_ids": [1], "logit_bias": {"a": 1}}\n', "requests.jsonl:1: 'logit_bias' must be an object of token ids"),
+    (b'{"prompt_ids": [1], "min_p": "0.1"}\n', "requests.jsonl:1: 'min_p' must be a number, got '0.1'"),
     (b'{"prompt_ids": [1]}\n\n{"prompt": "t1 \xff"}\n', "requests.jsonl:3 is not UTF-8 text (byte 0xff)"),
     (b'{"prompt_ids": [1, 99]}\n', "requests.jsonl:1: add_request: prompt_ids holds token id 99"),
     (b'["t1"]\n', "requests.jsonl:1: a request must be a JSON object, got list"),

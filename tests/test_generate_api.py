@@ -147,6 +147,23 @@ def test_llm_batched_and_without_a_draft(pair):
     assert result.token_ids == greedy[:6] and result.stats.acceptance_per_position == []
 
 
+def test_logit_bias_and_min_p(pair):
+    """``logit_bias`` bans a token of the greedy continuation (the output changes where it first
+    came, as transformers' with the same bias: test_request_sampling.py); ``min_p`` reaches the
+    sampler."""
+    target, _, draft, greedy, _ = pair
+    k = next(i for i in range(1, 16) if greedy[i] not in greedy[:i])
+    llm = dspark.LLM(target, draft, engine="batched", max_batch=2)
+    biased = llm.generate(PROMPT, max_new_tokens=k + 4, logit_bias={greedy[k]: -100.0}).token_ids
+    assert biased[:k] == greedy[:k] and greedy[k] not in biased
+    again = dspark.generate(target, draft, PROMPT, max_new_tokens=k + 4, logit_bias={greedy[k]: -100.0})
+    assert again.token_ids == biased
+    runs = [llm.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=5, min_p=m).token_ids for m in (0.0, 0.0, 0.9)]
+    assert runs[0] == runs[1] != runs[2]
+    with pytest.raises(ValueError, match=r"SamplingParams: min_p must be in \[0.0, 1.0\], got -0.1"):
+        llm.generate(PROMPT, min_p=-0.1)
+
+
 def test_none_none_is_the_demo_pair():
     from dspark.training.data import demo_pair
 

@@ -8,7 +8,9 @@ support is an immediate failure. A deliberately broken verifier must fail the sa
 
 Through the whole engine, every scheduler and tree mode: hundreds of tokens per request over many
 rounds from a target whose exact distribution is known (a chain: the next token depends on the last
-one only), the transitions checked the same way; a verifier off by 5 % must fail there too.
+one only), the transitions checked the same way; a verifier off by 5 % must fail there too. With a
+request's every filter (logit_bias, temperature, min_p, top-k, top-p), the chain is transformers'
+warpers applied to the target's logits, and the kernels' mass-clipped top-p must fail the check.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from conftest import DEVICE, INTERPRETER_WARNINGS, gpu, requires_triton
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import (assert_distribution, assert_rate, check_distribution, check_transitions, draws_for,
                               forced_prefix_case, uniforms)
+from test_request_sampling import transformers_probabilities
 
 import dspark.kernels as K
 import sampling_cases as cases
@@ -219,28 +222,37 @@ ENGINE_MODES = {  # block size 4: P = 4 drafts, a tree up to 4 deep
 }
 
 
-@pytest.fixture(scope="module")
-def bigram_pair(one_thread):
-    """A target whose next token depends on the last token only -- a Qwen3 with its attention
-    outputs zeroed -- and a random draft (context-dependent q). Returns (target, draft, chain): the
-    chain ``[V, V]`` is the target's filtered distribution after each token, computed from the
-    target itself, so that the exact distribution of a whole output is known."""
-    target = tiny_qwen3_target(vocab_size=ENGINE_VOCAB, num_layers=2)
+def bigram_target(vocab: int):
+    """A Qwen3 whose next token depends on the last token only (its attention outputs zeroed), and
+    its logits after each token ``[V, V]``."""
+    target = tiny_qwen3_target(vocab_size=vocab, num_layers=2)
     with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.zero_()
-        logits = target(torch.arange(ENGINE_VOCAB)[:, None]).logits[:, 0]
+        logits = target(torch.arange(vocab)[:, None]).logits[:, 0]
+    return target, logits
+
+
+@pytest.fixture(scope="module")
+def bigram_pair(one_thread):
+    """A bigram target (``bigram_target``) and a random draft (context-dependent q). Returns
+    (target, draft, chain): the chain ``[V, V]`` is the target's filtered distribution after each
+    token, computed from the target itself, so that the exact distribution of a whole output is known."""
+    target, logits = bigram_target(ENGINE_VOCAB)
     draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), 0, target)
     return target, draft, K.logits_to_probabilities(logits, 1.0, top_k=ENGINE_TOP_K)
 
 
-def engine_sequences(pair, mode: str) -> torch.Tensor:
+def engine_sequences(pair, mode: str, settings=None) -> torch.Tensor:
     """``ENGINE_ROWS`` seeded requests of ``ENGINE_TOKENS`` sampled tokens each, in one engine
-    batch; returns each row's prompt token followed by its output."""
-    target, draft, _ = pair
+    batch, with ``settings`` (``SamplingParams`` fields; default temperature 1, ``ENGINE_TOP_K``);
+    returns each row's prompt token followed by its output."""
+    target, draft = pair[:2]
+    vocab = target.config.vocab_size
+    settings = settings or dict(temperature=1.0, top_k=ENGINE_TOP_K)
     engine = LLMEngine(target, draft, EngineConfig(max_batch=ENGINE_ROWS, **ENGINE_MODES[mode]))
-    prompts = [s % ENGINE_VOCAB for s in range(ENGINE_ROWS)]
-    sampling = [SamplingParams(temperature=1.0, top_k=ENGINE_TOP_K, seed=s) for s in range(ENGINE_ROWS)]
+    prompts = [s % vocab for s in range(ENGINE_ROWS)]
+    sampling = [SamplingParams(**settings, seed=s) for s in range(ENGINE_ROWS)]
     results = engine.generate([Request([p], ENGINE_TOKENS, s, stop_ids=[], ignore_eos=True)
                                for p, s in zip(prompts, sampling)])
     return torch.tensor([[p] + r.token_ids for p, r in zip(prompts, results)])
@@ -269,3 +281,38 @@ def test_the_engine_check_catches_a_five_percent_error(bigram_pair, mode, monkey
     monkeypatch.setattr(K, "probabilistic_accept", lambda p, q, *args, **kw: accept(p, nudged(q), *args, **kw))
     monkeypatch.setattr(K, "sampled_tree_accept", lambda p, *args, **kw: tree_accept(nudged(p), *args, **kw))
     assert check_transitions(engine_sequences(bigram_pair, mode), bigram_pair[2]) is not None
+
+
+# every filter binds after some token: min_p, top-k, top-p and the bias each change the chain
+WARPED_VOCAB = 6
+WARPED = dict(temperature=0.8, top_k=4, top_p=0.6, min_p=0.2, logit_bias={1: 0.7, 3: -0.5})
+
+
+@pytest.fixture(scope="module")
+def warped_pair(one_thread):
+    """A bigram target and a random draft; the chain is transformers' warpers (vLLM's order:
+    ``test_request_sampling.transformers_warpers``) on the target's logits after each token; the
+    negative control the kernels' mass-clipped top-p after the same bias, temperature, min_p and top-k.
+    Returns (target, draft, chain, mass-clipped chain)."""
+    target, logits = bigram_target(WARPED_VOCAB)
+    draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), 0, target)
+    chain = transformers_probabilities(logits, **WARPED)
+    biased = logits.clone()
+    for token, bias in WARPED["logit_bias"].items():
+        biased[:, token] += bias
+    scaled = biased / WARPED["temperature"]
+    probs = scaled.softmax(-1)
+    scaled = scaled.masked_fill(probs < WARPED["min_p"] * probs.amax(-1, keepdim=True), -float("inf"))
+    clipped = K.logits_to_probabilities(scaled, 1.0, WARPED["top_k"], WARPED["top_p"])
+    return target, draft, chain, clipped
+
+
+@pytest.mark.parametrize("mode", ["off", "tree"])
+def test_engine_outputs_follow_transformers_warpers(warped_pair, mode):
+    """Speculative (chain and tree) sampling with logit_bias, temperature, min_p, top-k and top-p:
+    every transition follows transformers' warpers on the target's logits, and not the kernels'
+    mass-clipped nucleus (the old request semantics; the check has teeth)."""
+    sequences = engine_sequences(warped_pair, mode, WARPED)
+    problem = check_transitions(sequences, warped_pair[2])
+    assert problem is None, f"{mode}: {problem}"
+    assert check_transitions(sequences, warped_pair[3]) is not None

@@ -293,10 +293,10 @@ CHAT_NOOPS = {**{k: v for k, v in NOOPS.items() if k != "suffix"}, "logprobs": F
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 REFUSED = [  # (field, a value that would change the output, the param named)
-    ("min_p", 0.05, "min_p"), ("presence_penalty", 0.5, "presence_penalty"),
+    ("presence_penalty", 0.5, "presence_penalty"),
     ("frequency_penalty", -0.5, "frequency_penalty"), ("repetition_penalty", 1.1, "repetition_penalty"),
     ("repetition_penalty", True, "repetition_penalty"),  # true is not 1
-    ("logit_bias", {"50": 100}, "logit_bias"), ("min_tokens", 4, "min_tokens"), ("best_of", 2, "best_of"),
+    ("min_tokens", 4, "min_tokens"), ("best_of", 2, "best_of"),
     ("use_beam_search", True, "use_beam_search"), ("response_format", {"type": "json_object"}, "response_format"),
     ("guided_choice", ["a", "b"], "guided_choice"), ("tools", [TOOL], "tools"), ("tool_choice", "required", "tool_choice"),
     ("include_stop_str_in_output", True, "include_stop_str_in_output"), ("skip_special_tokens", False, "skip_special_tokens"),
@@ -342,13 +342,52 @@ def test_fields_the_server_would_ignore_are_refused(http, field, value, param):
 
 def test_refusals_name_the_field_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_p": 0.1})
-    assert info.value.body["param"] == "min_p" and "min_p is not supported" in info.value.body["message"]
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 3})
+    assert info.value.body["param"] == "min_tokens" and "min_tokens is not supported" in info.value.body["message"]
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}, call], max_tokens=2)
     assert info.value.body["param"] == "messages[1].tool_calls"
+
+
+def test_min_p_and_logit_bias_are_honoured(served, http, client, tokenizer, prompts):
+    """``logit_bias`` bans a token of the greedy output (completions and chat, through the openai
+    client as it spells the field); ``min_p`` changes a seeded sample and 0 changes nothing. Their
+    exactness against transformers: test_request_sampling.py."""
+    greedy = served[1][0]
+    k = next(i for i in range(1, NEW) if greedy[i] not in greedy[:i])
+    ban = {str(greedy[k]): -100}
+    ids = _ids(_complete(client, prompts[0], logit_bias=ban).choices[0])
+    assert ids[:k] == greedy[:k] and greedy[k] not in ids
+    assert _ids(_complete(client, tokenizer(prompts[0])["input_ids"], logit_bias=ban).choices[0]) == ids
+    messages = [{"role": "user", "content": "import os"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0,
+                                           extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+    banned = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0,
+                                            logit_bias={str(plain[0]): -100}, extra_body={"return_token_ids": True})
+    assert plain[0] not in banned.choices[0].model_extra["token_ids"]
+    sampled = [_ids(_complete(client, prompts[0], temperature=1.0, seed=4, extra_body={"min_p": m}).choices[0])
+               for m in (0, 0.0, 0.9)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("min_p", 1.5, "min_p: Input should be less than or equal to 1, got 1.5"),
+    ("min_p", "0.1", 'min_p: Input should be a valid number, got "0.1"'),
+    ("logit_bias", {"x": 1}, 'logit_bias keys must be token ids (decimal integers), got "x"'),
+    ("logit_bias", {"5": 101}, 'logit_bias["5"] must be in [-100, 100], got 101'),
+    ("logit_bias", {"5": "a"}, 'logit_bias.5: Input should be a valid number, got "a"'),
+    ("logit_bias", [5], "logit_bias: Input should be a valid dictionary, got [5]"),
+    ("logit_bias", {"5000": 1}, "logit_bias holds token id 5000, outside the target's vocabulary [0, 2048)"),
+])
+def test_bad_min_p_and_logit_bias_are_400s_naming_the_field(http, field, value, message):
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "x"}]})):
+        r = http.post(path, json={**body, "max_tokens": 2, field: value})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and message in error["message"], error
 
 
 # ---- the API key ----------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """``--prompt-file``: a text file (one prompt; ``-`` reads stdin) or a JSON Lines file of requests.
 
 A ``.jsonl`` line is an object with ``prompt`` (text) or ``prompt_ids`` (a list of token ids) and
-optionally ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, which override the
-command's options for that request. Blank lines are skipped; every error names the file and line.
+optionally ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``logit_bias`` (an
+object of token ids, as strings, to numbers: OpenAI's) and ``seed``, which override the command's
+options for that request. Blank lines are skipped; every error names the file and line.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-OVERRIDES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
+OVERRIDES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
+             "logit_bias": dict, "seed": int}
 
 
 def read_prompt_file(path: str) -> list[tuple[str, dict]]:
@@ -68,6 +70,21 @@ def _request(where: str, line: str) -> dict:
         raise ValueError(f"{where}: 'prompt_ids' must be a list of token ids (integers), got {ids!r}"[:300])
     for key, kind in OVERRIDES.items():
         value = record.get(key)
-        if key in record and type(value) is not int and not (kind is float and type(value) is float):
+        if kind is dict or key not in record:
+            continue
+        if type(value) is not int and not (kind is float and type(value) is float):
             raise ValueError(f"{where}: '{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if "logit_bias" in record:
+        record["logit_bias"] = _logit_bias(where, record["logit_bias"])
     return record
+
+
+def _logit_bias(where: str, bias) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` object (token ids as decimal strings -> numbers) with int ids; the
+    ranges are ``SamplingParams``' to check."""
+    entries = bias.items() if isinstance(bias, dict) else ()
+    if not isinstance(bias, dict) or not all(k.isascii() and k.isdigit() and type(v) in (int, float)
+                                             for k, v in entries):
+        raise ValueError(f"{where}: 'logit_bias' must be an object of token ids (decimal strings) to numbers, "
+                         f"got {bias!r}"[:300])
+    return {int(k): v for k, v in bias.items()}

@@ -199,7 +199,13 @@ def load_target(args: argparse.Namespace, device, dtype):
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off, 1 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this probability")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the smallest set of most likely tokens holding this probability (vLLM's)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="in [0, 1]: keep the tokens at least this fraction as likely as the most likely one")
+    parser.add_argument("--logit-bias", metavar="ID=BIAS", action="append", default=[],
+                        help="add BIAS (in [-100, 100]) to token ID's logit before anything else, greedy decoding "
+                             "included; repeat for more tokens")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling uniforms")
 
 
@@ -256,11 +262,24 @@ def sampling_params(args: argparse.Namespace, command: str):
     """``SamplingParams`` of the sampling options; warns (stderr) about filters greedy decoding ignores."""
     from dspark.engine import SamplingParams
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    if sampling.greedy and args.temperature < 1e-3 and (args.top_k > 1 or args.top_p != 1.0):
-        print(f"dspark {command}: warning: --top-k / --top-p do nothing with greedy decoding (--temperature 0)",
-              file=sys.stderr)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p,
+                              parse_logit_bias(args.logit_bias))
+    if sampling.greedy and args.temperature < 1e-3 and (args.top_k > 1 or args.top_p != 1.0 or args.min_p > 0):
+        print(f"dspark {command}: warning: --top-k / --top-p / --min-p do nothing with greedy decoding "
+              f"(--temperature 0)", file=sys.stderr)
     return sampling
+
+
+def parse_logit_bias(entries: list[str]) -> dict[int, float]:
+    """``--logit-bias ID=BIAS`` entries as a dict; ValueError naming an entry that is not one."""
+    bias = {}
+    for entry in entries:
+        token, _, value = entry.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID=BIAS (a token id and a number), got {entry!r}") from None
+    return bias
 
 
 def check_scheduler_arguments(args: argparse.Namespace) -> None:

@@ -7,9 +7,9 @@ the scheduler sent to verification per round. Without --target/--draft the demo 
 the package runs; --target / --draft may also be Hugging Face Hub names (from the cache, else downloaded
 unless HF_HUB_OFFLINE=1), and --no-draft decodes with the target alone. Prompts: --prompt, --prompt-ids or --prompt-file (a text file is one prompt, - reads
 stdin, a .jsonl file holds one request per line: {"prompt": TEXT} or {"prompt_ids": [...]}, optionally
-with max_new_tokens, temperature, top_k, top_p, seed). The output ends after the target's EOS
-(unless --ignore-eos), before a --stop string, at --max-new-tokens or at the context limit
-(--max-model-len; an over-long prompt is refused). --compare also runs plain target decoding and
+with max_new_tokens, temperature, top_k, top_p, min_p, logit_bias (token ids as keys), seed). The
+output ends after the target's EOS (unless --ignore-eos), before a --stop string, at --max-new-tokens
+or at the context limit (--max-model-len; an over-long prompt is refused). --compare also runs plain target decoding and
 prints the speedup (ratio of tokens/s): after the printed run and one untimed plain run (warm-ups:
 kernels, graphs, caches), --compare-runs timed runs of each side, alternating; the median speedup
 and its range, the statistics of the median run. In greedy mode it checks that every run's outputs
@@ -203,7 +203,7 @@ def _request(args: argparse.Namespace, tokenizer, sampling, where: str, record: 
                          f"give token ids instead (--prompt-ids, or prompt_ids in a .jsonl file)")
     ids = _named(where, encode_prompts, record["prompt"], tokenizer, name=where)[0][0] if "prompt" in record else \
         record["prompt_ids"]
-    overrides = {k: record[k] for k in ("temperature", "top_k", "top_p", "seed") if k in record}
+    overrides = {k: record[k] for k in ("temperature", "top_k", "top_p", "min_p", "logit_bias", "seed") if k in record}
     return _named(where, lambda: Request(ids, record.get("max_new_tokens", args.max_new_tokens),
                                          replace(sampling, **overrides), ignore_eos=args.ignore_eos))
 

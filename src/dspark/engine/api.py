@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -170,7 +170,8 @@ class LLM:
             log.info("captured %d CUDA graphs in %.1f s", graphs, time.perf_counter() - start)
 
     def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, eos_token_id: int | Sequence[int] | None = None,
+                 top_p: float = 1.0, seed: int = 0, min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
+                 eos_token_id: int | Sequence[int] | None = None,
                  ignore_eos: bool = False, stop: str | Sequence[str] | None = None,
                  on_tokens: Callable[[list[int]], "bool | None"] | None = None
                  ) -> GenerationResult | list[GenerationResult]:
@@ -179,13 +180,14 @@ class LLM:
         list of them in order, with ``.text`` when there is a tokenizer. The output ends after
         ``eos_token_id`` (default: the target's EOS; ``ignore_eos`` drops that default), a ``stop``
         string, ``max_new_tokens`` tokens, or the context. ``on_tokens(tokens)`` streams a single
-        prompt's tokens as they are accepted. Sampling: ``temperature`` (0 = greedy), ``top_k``,
-        ``top_p``, ``seed``."""
+        prompt's tokens as they are accepted. Sampling as vLLM's sampler (``SamplingParams``):
+        ``logit_bias`` (token id -> bias in [-100, 100], added to the logits, greedy decoding's too),
+        ``temperature`` (0 = greedy), ``min_p``, ``top_k``, ``top_p`` (the standard nucleus), ``seed``."""
         c = Checker("generate")
         if on_tokens is not None and not callable(on_tokens):
             c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
         stop = _stop_strings(c, stop)
-        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, logit_bias or ())
         batch, single = encode_prompts(prompts, self.tokenizer)
         if on_tokens is not None and not single:
             c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
@@ -199,7 +201,8 @@ class LLM:
 
 
 def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, scheduler: str = "off", threshold: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
+             scheduler: str = "off", threshold: float = 0.0,
              eos_token_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
              tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
@@ -225,7 +228,8 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
               tree_budget=tree_budget, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
               gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks, kv_block_size=kv_block_size)
     return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, eos_token_id=eos_token_id, ignore_eos=ignore_eos, stop=stop, on_tokens=on_tokens)
+                        seed=seed, min_p=min_p, logit_bias=logit_bias, eos_token_id=eos_token_id, ignore_eos=ignore_eos,
+                        stop=stop, on_tokens=on_tokens)
 
 
 def _models(c: Checker, target, draft, no_draft: bool):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafting import RowSampling, SamplingParams
+from .drafting import MAX_LOGIT_BIAS_TOKENS, RowSampling, SamplingParams
 
 __all__ = ["ChunkBuffers", "GRAPH_CHUNK_TOKENS", "MAX_CHUNKS", "PrefillChunk", "pads_verify"]
 
@@ -47,7 +47,10 @@ class ChunkBuffers:
     by one padding request on the dummy line; per chunk its request (slot, first position, token
     offsets ``cu``); per seat (a chunk that ends its prompt) its row, the offset of its last token,
     the prompt length, seed, kept anchor (or -1), slot and sampling settings -- unused seats name
-    the scratch row.
+    the scratch row. A seat's logit bias travels sparse, as up to ``MAX_LOGIT_BIAS_TOKENS`` (token
+    id, bias) entries at fixed offsets (unused ones: id 0, bias 0), and becomes its row of the dense
+    per-row bias inside the step (``write_seat_biases``): 160 kB staged per step rather than a
+    vocabulary per seat.
     """
 
     def __init__(self, capacity: int, max_chunks: int, device):
@@ -57,19 +60,26 @@ class ChunkBuffers:
                       "cu": m + 2, "seat_ends": m, "seat_slots": m, "seat_top_k": m}
         width = sum(self.sizes.values())
         pinned = device.type == "cuda"
-        # int64 ids, seats' rows / last offsets / seeds; int32 metadata the kernels read (and the seats'
-        # top-k); the seats' f32 temperatures and top-p
-        self.host64 = torch.zeros(capacity + 4 * m, dtype=torch.int64, pin_memory=pinned)
+        self.bias_capacity = MAX_LOGIT_BIAS_TOKENS
+        entries = m * MAX_LOGIT_BIAS_TOKENS
+        # int64 ids, seats' rows / last offsets / seeds / kept anchors, the seats' biased token ids;
+        # int32 metadata the kernels read (and the seats' top-k); the seats' f32 temperatures, top-p,
+        # min-p and biases
+        self.host64 = torch.zeros(capacity + 4 * m + entries, dtype=torch.int64, pin_memory=pinned)
         self.host32 = torch.zeros(width, dtype=torch.int32, pin_memory=pinned)
-        self.hostf = torch.zeros(2 * m, dtype=torch.float32, pin_memory=pinned)
+        self.hostf = torch.zeros(3 * m + entries, dtype=torch.float32, pin_memory=pinned)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.devf = torch.zeros_like(self.hostf, device=device)
         self.ids = self.dev64[:capacity]
         self.seat_rows, self.seat_last = self.dev64[capacity:capacity + m], self.dev64[capacity + m:capacity + 2 * m]
-        self.seat_seeds, self.seat_anchors = self.dev64[capacity + 2 * m:capacity + 3 * m], self.dev64[capacity + 3 * m:]
+        self.seat_seeds = self.dev64[capacity + 2 * m:capacity + 3 * m]
+        self.seat_anchors = self.dev64[capacity + 3 * m:capacity + 4 * m]
+        self.bias_ids, self.bias_values = self.dev64[capacity + 4 * m:], self.devf[3 * m:]
         self._meta = self._views(self.dev32)
-        self.seat_sampling = RowSampling(self.devf[:m], self._meta["seat_top_k"], self.devf[m:])
+        # the seats' settings but their bias, which ``write_seat_biases`` puts in the seats' rows
+        self.seat_sampling = RowSampling(self.devf[:m], self._meta["seat_top_k"], self.devf[m:2 * m],
+                                         self.devf[2 * m:3 * m])
         self._copied = None  # the event of the last transfer: the pinned rows are reused after it
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -77,6 +87,14 @@ class ChunkBuffers:
         for name, size in self.sizes.items():
             views[name], at = flat[at:at + size], at + size
         return views
+
+    def write_seat_biases(self, logit_bias: torch.Tensor) -> None:
+        """Each seat's staged bias as its row of the dense ``logit_bias`` f32 ``[rows, V]`` (unused
+        seats': the scratch row's, zero): the seats' rows zeroed, then the entries added (an unused
+        entry adds 0, so it changes nothing where it lands). Device ops only: captured in the step."""
+        logit_bias.index_fill_(0, self.seat_rows, 0.0)
+        rows = self.seat_rows[:, None].expand(-1, self.bias_capacity).reshape(-1)
+        logit_bias.view(-1).scatter_add_(0, rows * logit_bias.shape[1] + self.bias_ids, self.bias_values)
 
     def device_meta(self) -> dict[str, torch.Tensor]:
         return self._meta
@@ -111,13 +129,20 @@ class ChunkBuffers:
         for i, c in enumerate(chunks):
             h["request_slots"][i], h["request_starts"][i] = c.slot, c.start
         rows, last, seeds, anchors = (h64[cap + i * m:cap + (i + 1) * m] for i in range(4))
-        temperature, top_k, top_p = self.hostf[:m], h["seat_top_k"], self.hostf[m:]
+        temperature, top_k, top_p, min_p = self.hostf[:m], h["seat_top_k"], self.hostf[m:2 * m], self.hostf[2 * m:3 * m]
+        bias_ids, bias_values = h64[cap + 4 * m:], self.hostf[3 * m:]
         rows.fill_(scratch_row), last.zero_(), seeds.zero_(), top_k.zero_(), temperature.zero_(), top_p.fill_(1.0)
-        anchors.fill_(-1)
+        anchors.fill_(-1), min_p.zero_(), bias_ids.zero_(), bias_values.zero_()
         h["seat_ends"].fill_(1), h["seat_slots"].fill_(dummy_slot)
         for j, (c, end) in enumerate(seats):
             rows[j], last[j], seeds[j], anchors[j] = c.row, end, c.sampling.seed_bits, c.anchor
             temperature[j], top_k[j], top_p[j] = c.sampling.temperature, c.sampling.top_k, c.sampling.top_p
+            min_p[j] = c.sampling.min_p
+            if c.sampling.logit_bias:
+                ids, values = zip(*c.sampling.logit_bias)
+                at = j * self.bias_capacity
+                bias_ids[at:at + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+                bias_values[at:at + len(ids)] = torch.tensor(values, dtype=torch.float32)
             h["seat_ends"][j], h["seat_slots"][j] = c.start + len(c.token_ids), c.slot
         blocking = self.device.type != "cuda"
         self.dev64.copy_(self.host64, non_blocking=not blocking)

@@ -5,20 +5,25 @@ The draft block (``DSparkDraftModel.forward_block``) gives final-norm hidden sta
 ``slot_offset`` is 0 with ``sample_from_anchor`` and 1 without (runtime.md §1). The Markov loop then
 drafts the P tokens left to right:
 
-* vanilla head of a half-precision draft: ``dspark.kernels`` -- ``markov_greedy_round`` (greedy)
-  or ``vanilla_markov_sample`` (sampled, which also returns the exact q each token was drawn from);
+* vanilla head of a half-precision draft: greedy, ``dspark.kernels``' fused ``markov_greedy_round``;
+  sampled, each step's corrected logits from ``K.build_markov_logits``, then the request stage
+  (``RowSampling.filtered_probabilities``) and ``K.sample_probability_rows``, which keeps the exact q
+  each token was drawn from;
 * otherwise (gated / rnn heads, no Markov head at rank 0, a vanilla rank the fused greedy kernel
   does not take, or an fp32 draft): torch, one step at a time through ``model.markov_bias``, then
-  ``K.logits_to_probabilities`` + ``K.sample_probability_rows``. Without ``sample_from_anchor`` an
-  rnn head's state first steps through slot 0 (``model.markov_start_state``).
+  the argmax, or the request stage and ``K.sample_probability_rows``. Without ``sample_from_anchor``
+  an rnn head's state first steps through slot 0 (``model.markov_start_state``).
 
 The head kernels take fp16/bf16 weights only. An fp32 draft runs its heads in torch in fp32 rather
 than through bf16 copies of W1/W2 and the confidence weights, which would flip greedy near-ties
 against the model's own math.
 
-Drafts are sampled with the same temperature / top-k / top-p function as the target's probabilities
-(``K.logits_to_probabilities``), so q is exactly the distribution each token came from and
-verification stays lossless (runtime.md §3.9 note). Scheduling (chain mode, one row):
+Drafts are sampled through the same request stage as the target's probabilities
+(``RowSampling``: logit_bias, temperature, min_p, top-k, top-p as vLLM applies them), so drafts
+stay likely under the distribution verification reproduces, and q is exactly the distribution each
+token came from, so verification stays lossless (runtime.md §3.9 note, §12). The request's logit
+bias is added to the block's backbone logits: the Markov correction is additive too, so every
+corrected step carries it. Scheduling (chain mode, one row):
 ``off`` verifies all P drafts; ``threshold`` / ``sps`` go through
 ``K.compute_confidence_and_proposal_lengths`` / ``K.compute_confidence_and_sps_proposal_lengths``,
 except for a draft with STS temperatures (``config.sts_temperatures``): the fused kernels have no
@@ -29,6 +34,8 @@ rank-0 draft's (the kernels need a half-precision W1).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,23 +43,36 @@ import torch
 from .. import kernels as K
 from ..kernels._validate import HALF_DTYPES, Checker
 
-__all__ = ["Drafter", "Proposal", "RowSampling", "SamplingParams", "SCHEDULERS"]
+__all__ = ["Drafter", "Proposal", "RowSampling", "SamplingParams", "SCHEDULERS", "MAX_LOGIT_BIAS_TOKENS",
+           "LOGIT_BIAS_LIMIT", "request_probabilities"]
 
 SCHEDULERS = ("off", "threshold", "sps")
+# token ids one request may bias: the runner stages a joining request's biases at fixed addresses
+# (``ChunkBuffers``), this many per seat
+MAX_LOGIT_BIAS_TOKENS = 1024
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most, as OpenAI's API
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Temperature / top-k / top-p of ``K.logits_to_probabilities`` and the uniforms' seed.
+    """A request's sampling, as vLLM's sampler and transformers' warpers define it (``RowSampling``):
+    ``logit_bias`` (token id -> bias in [-100, 100], added to the raw logits), ``temperature``,
+    ``min_p`` in [0, 1] (keep tokens with ``p >= min_p * p_max``), ``top_k``, ``top_p`` (the
+    standard nucleus: the boundary token kept whole) and the uniforms' ``seed``.
 
     ``top_k`` 0 or negative (vLLM's -1) means no top-k filter (stored as 0). Greedy when
-    ``temperature < K.GREEDY_TEMPERATURE`` or ``top_k == 1`` (the kernels' one-hot case).
+    ``temperature < K.GREEDY_TEMPERATURE`` or ``top_k == 1``: the argmax of the biased logits.
+    ``logit_bias`` is stored as ``((token id, bias), ...)`` sorted by id (a mapping or pairs are
+    taken; at most ``MAX_LOGIT_BIAS_TOKENS`` ids, each once); the engine checks the ids against its
+    vocabulary.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         c = Checker("SamplingParams")
@@ -63,36 +83,129 @@ class SamplingParams:
         if self.top_p <= 0.0:
             c.fail(f"top_p must be in (0, 1], got {self.top_p}")
         c.integer("seed", self.seed, low=0, high=2**64 - 1)
+        c.real("min_p", self.min_p, low=0.0, high=1.0)
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(c, self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < K.GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
+    def plain_argmax(self) -> bool:
+        """Whether the token is the argmax of the raw logits (greedy, no bias): the runner's argmax
+        paths serve such a row without building its distribution."""
+        return self.greedy and not self.logit_bias
+
+    @property
     def seed_bits(self) -> int:
         """The seed as ``K.request_uniforms`` takes it: the int64 with its unsigned 64-bit pattern."""
         return self.seed - (1 << 64) if self.seed >= 1 << 63 else self.seed
 
-    def rows(self, batch: int, device) -> "RowSampling":
-        """These settings for ``batch`` rows, as the per-row tensors every sampling kernel call takes."""
+    def rows(self, batch: int, device, vocab: int | None = None) -> "RowSampling":
+        """These settings for ``batch`` rows, as the per-row tensors the request stage takes (the
+        bias dense over a ``vocab``-token model's logits; None without a bias)."""
+        bias = None
+        if self.logit_bias:
+            if vocab is None:
+                raise ValueError("SamplingParams.rows: a logit_bias needs the vocabulary size (vocab=)")
+            bias = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+            ids, values = zip(*self.logit_bias)
+            bias[:, list(ids)] = torch.tensor(values, dtype=torch.float32, device=device)
         return RowSampling(torch.full((batch,), self.temperature, dtype=torch.float32, device=device),
                            torch.full((batch,), self.top_k, dtype=torch.int32, device=device),
-                           torch.full((batch,), self.top_p, dtype=torch.float32, device=device))
+                           torch.full((batch,), self.top_p, dtype=torch.float32, device=device),
+                           torch.full((batch,), self.min_p, dtype=torch.float32, device=device), bias)
+
+
+def _logit_bias_pairs(c: Checker, logit_bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a mapping or ``(id, bias)`` pairs) as sorted pairs of an int id >= 0 and a
+    float bias in [-100, 100]; ValueError / TypeError naming the entry otherwise."""
+    if isinstance(logit_bias, Mapping):
+        pairs = list(logit_bias.items())
+    elif isinstance(logit_bias, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2
+                                                       for p in logit_bias):
+        pairs = list(logit_bias)
+    else:
+        c.fail(f"logit_bias must map token ids to biases (a dict), got {type(logit_bias).__name__}", TypeError)
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        c.fail(f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(pairs)}")
+    checked = {}
+    for token, bias in pairs:
+        token = c.integer("logit_bias token id", token, low=0)
+        if token in checked:
+            c.fail(f"logit_bias names token id {token} twice")
+        checked[token] = float(c.real(f"logit_bias[{token}]", bias, low=-LOGIT_BIAS_LIMIT, high=LOGIT_BIAS_LIMIT))
+    return tuple(sorted(checked.items()))
 
 
 @dataclass(frozen=True)
 class RowSampling:
-    """Sampling settings of B rows as device tensors -- ``temperature`` f32 ``[B]``, ``top_k`` int32
-    ``[B]``, ``top_p`` f32 ``[B]`` (a greedy row: temperature 0) -- so that one kernel launch, and one
-    CUDA graph, serves rows of any settings; each row's result is the one its own settings give."""
+    """Sampling settings of B rows as device tensors -- ``temperature`` f32 ``[B]`` (a greedy row:
+    below ``K.GREEDY_TEMPERATURE``, or ``top_k`` 1), ``top_k`` int32 ``[B]`` (0: off), ``top_p`` f32
+    ``[B]``, ``min_p`` f32 ``[B]`` (0: off), ``logit_bias`` f32 ``[B, V]`` (dense; None: no bias) --
+    so that one launch, and one CUDA graph, serves rows of any settings; each row's result is the one
+    its own settings give (every operation works along a row).
+
+    The request stage, in vLLM's sampler order (``vllm/v1/sample/sampler.py``): the bias added to the
+    raw logits; a greedy row's one-hot argmax of those; else temperature (a division, as vLLM and
+    transformers' ``TemperatureLogitsWarper``), min_p on the softmax of the scaled logits, then top-k
+    (ties with the k-th value kept) and top-p (the standard nucleus over what min_p and top-k left,
+    the boundary token kept whole) as vLLM's ``apply_top_k_top_p``, and the softmax of what is left.
+    transformers' default warper order runs min_p after top-p; min_p and top-k commute (each keeps
+    a set of the largest logits, min_p's independent of renormalisation), so the two orders differ
+    only in the mass top-p sees -- here min_p's survivors, as vLLM.
+    """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
+    logit_bias: torch.Tensor | None = None
 
-    def probabilities(self, logits: torch.Tensor, workspace=None) -> torch.Tensor:
-        """f32 probabilities of fp32 logits ``[B, V]`` (or ``[B, L, V]``: row b's settings on its L rows)."""
-        return K.logits_to_probabilities(logits, self.temperature, self.top_k, self.top_p, workspace=workspace)
+    def biased(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[B, V]`` or ``[B, L, V]`` plus each row's bias (row b's on its L rows)."""
+        if self.logit_bias is None:
+            return logits
+        return logits + (self.logit_bias if logits.dim() == 2 else self.logit_bias[:, None])
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """f32 probabilities of fp32 logits ``[B, V]`` (or ``[B, L, V]``: row b's settings on its L
+        rows) through the whole request stage (class docstring). No host synchronisation."""
+        return self.filtered_probabilities(self.biased(logits))
+
+    def filtered_probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """``probabilities`` of logits that already carry their bias (the drafter's, biased in its
+        backbone logits)."""
+        rows = logits.reshape(-1, logits.shape[-1])
+        repeat = rows.shape[0] // self.temperature.shape[0]
+        settings = (t.repeat_interleave(repeat) if repeat > 1 else t
+                    for t in (self.temperature, self.top_k, self.top_p, self.min_p))
+        return request_probabilities(rows, *settings).view(logits.shape)
+
+
+def request_probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """f32 ``[R, V]`` probabilities of biased f32 logits ``[R, V]`` with per-row settings ``[R]``
+    (``RowSampling``'s stage after the bias). Fixed shapes, no host synchronisation: capturable."""
+    vocab = logits.shape[-1]
+    greedy = (temperature < K.GREEDY_TEMPERATURE) | (top_k == 1)
+    # in place where a tensor is this function's own: a verify's rows x V are hundreds of MB each
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # a greedy row's is the one-hot below
+    probs = scaled.softmax(-1)
+    scaled.masked_fill_(probs < min_p[:, None] * probs.amax(-1, keepdim=True), -math.inf)
+    ascending, order = scaled.sort(-1)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+    kth_largest = ascending.gather(1, (vocab - k)[:, None])
+    ascending.masked_fill_(ascending < kth_largest, -math.inf)
+    # vLLM / transformers: drop the smallest tokens whose cumulative mass stays within 1 - top_p
+    # (1 - top_p in fp32, as vLLM's tensor); the largest is always kept
+    dropped = ascending.softmax(-1).cumsum(-1) <= (1 - top_p)[:, None]
+    dropped[:, -1] = False
+    ascending.masked_fill_(dropped, -math.inf)
+    probs = scaled.scatter_(1, order, ascending).softmax(-1)
+    top = logits.argmax(-1, keepdim=True)
+    probs.masked_fill_(greedy[:, None], 0.0)
+    return probs.scatter_(1, top, torch.where(greedy[:, None], 1.0, probs.gather(1, top)))
 
 
 @dataclass
@@ -150,51 +263,58 @@ class Drafter:
         self.workspace = None  # a K.Workspace owned by the caller (the engine's runner), else the kernels' default
 
     def propose_rows(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
-                     sampling: "RowSampling | None", uniforms: torch.Tensor | None, stacked_logits=None) -> Proposal:
+                     sampling: "RowSampling | None", uniforms: torch.Tensor | None, stacked_logits=None,
+                     logit_bias: torch.Tensor | None = None) -> Proposal:
         """Markov loop, confidence and schedule for B blocks drafted elsewhere.
 
         ``hidden`` ``[B*N, H]`` final-norm block hidden states and ``logits`` f32 ``[B*N, V]`` their
         backbone logits (row ``b*N + k`` = slot k of block b); ``anchors`` int32 ``[B]``;
         ``sampling`` the rows' settings (None: every row greedy; a greedy row among sampled ones draws
         its one-hot argmax) and ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy).
-        ``stacked_logits`` f32 ``[B, P+1, V]`` (tree mode, greedy): depth row ``s + 1`` receives step
-        ``s``'s Markov-corrected logits along the greedy chain. No host synchronisation.
+        ``logit_bias`` f32 ``[B, V]`` (None: none) is added to every slot of block b (the rows'
+        ``logit_bias``; sampled rows pass theirs in ``sampling`` too, whose filters alone run on the
+        corrected logits). ``stacked_logits`` f32 ``[B, P+1, V]`` (tree mode, greedy): depth row
+        ``s + 1`` receives step ``s``'s Markov-corrected logits along the greedy chain. No host
+        synchronisation.
         """
-        if self.kernel_markov and (self.fused_greedy or sampling is not None):
-            tokens, probs = self._vanilla(logits, anchors, sampling, uniforms, stacked_logits)
+        if logit_bias is not None:
+            logits = (logits.view(anchors.shape[0], self.block_size, -1) + logit_bias[:, None]).view(logits.shape)
+        if self.fused_greedy and sampling is None:
+            tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchors,
+                                           proposal_len=self.num_draft_tokens, stacked_logits=stacked_logits,
+                                           logits_stride=self.block_size, logits_offset=self.slot_offset)
+            probs = None
         else:
             tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms, stacked_logits)
         lengths, confidence = self._schedule(hidden, anchors, tokens)
         return Proposal(tokens, probs, lengths, confidence)
 
-    def _vanilla(self, logits, anchors, sampling, uniforms, stacked_logits=None):
-        rows = dict(logits_stride=self.block_size, logits_offset=self.slot_offset)
-        if sampling is None:
-            tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchors,
-                                           proposal_len=self.num_draft_tokens, stacked_logits=stacked_logits, **rows)
-            return tokens, None
-        return K.vanilla_markov_sample(logits, self.markov_w1, self.markov_w2, anchors, uniforms,
-                                       sampling.temperature, sampling.top_k, sampling.top_p, **rows,
-                                       workspace=self.workspace)
-
     def _stepwise(self, hidden, logits, anchors, sampling, uniforms, stacked_logits=None):
-        """Sequential Markov loop in torch in the draft's precision (see the module docstring)."""
+        """The Markov loop one step at a time: a sampled vanilla head's corrected logits from the
+        kernel (``K.build_markov_logits``), the others' in torch in the draft's precision (see the
+        module docstring); sampled steps through the request stage."""
         p, batch = self.num_draft_tokens, anchors.shape[0]
+        flat_logits = logits
         hidden = hidden.view(batch, self.block_size, -1)
         logits = logits.view(batch, self.block_size, -1)
         tokens = torch.zeros(batch, p, dtype=torch.int32, device=logits.device)
         probs = None if sampling is None else torch.empty(batch, p, logits.shape[-1], device=logits.device)
-        prev, state = anchors, self.model.markov_start_state(hidden[:, 0], anchors)
+        kernel_steps = self.kernel_markov and sampling is not None
+        prev, state = anchors, None if kernel_steps else self.model.markov_start_state(hidden[:, 0], anchors)
         for step in range(p):
             row = step + self.slot_offset
-            bias, state = self.model.markov_bias(hidden[:, row], prev, state)
-            corrected = logits[:, row] + bias
+            if kernel_steps:
+                corrected = K.build_markov_logits(flat_logits, self.markov_w1, self.markov_w2, anchors, tokens, step,
+                                                  logits_stride=self.block_size, logits_offset=self.slot_offset)
+            else:
+                bias, state = self.model.markov_bias(hidden[:, row], prev, state)
+                corrected = logits[:, row] + bias
             if stacked_logits is not None:
                 stacked_logits[:, step + 1] = corrected
             if sampling is None:  # greedy: the argmax (no distribution to build: a sort of V per step)
                 tokens[:, step] = corrected.argmax(-1)
             else:
-                q = sampling.probabilities(corrected, self.workspace)
+                q = sampling.filtered_probabilities(corrected)
                 K.sample_probability_rows(q, uniforms, tokens, step, workspace=self.workspace)
                 K.store_draft_step_probabilities(q, probs, step)
             prev = tokens[:, step]

@@ -66,7 +66,8 @@ class DSparkProposer:
             sampling = s.sampling(b)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_PROPOSAL, p)
         stacked = self.stacked[:b] if self.tree is not None else None
-        proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked)
+        bias = s.logit_bias[:b] if sampled else None  # a plain greedy batch has none: its rows' are zero
+        proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked, bias)
         s.draft_tokens[:b] = proposal.token_ids
         s.proposal_lengths[:b] = proposal.proposal_lengths
         if proposal.confidence is not None:

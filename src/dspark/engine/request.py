@@ -29,7 +29,8 @@ class Request:
     target's EOS (unless ``ignore_eos``) or any of ``stop_ids``, or after ``max_new_tokens``.
     ``logprobs``: None, or k >= 0: each output token comes with its log-probability under the
     target and the k most likely tokens' (``RequestOutput.logprobs``; the target's log-softmax before
-    temperature / top-k / top-p, as vLLM reports by default -- under speculative decoding too).
+    logit_bias / temperature / min_p / top-k / top-p, as vLLM reports by default -- under speculative
+    decoding too).
     ``prompt_logprobs``: None, or k >= 0: the log-probability of each prompt token after the first
     given those before it, and the k most likely tokens' (``RequestOutput.prompt_logprobs``, vLLM's
     ``prompt_logprobs``); with ``max_new_tokens`` 0 the request only scores its prompt.

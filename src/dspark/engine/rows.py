@@ -35,7 +35,9 @@ class RowState:
     Every round: ``slot_ids`` (cache line; padding: the dummy line), ``active`` (1: a request),
     ``anchor`` / ``anchor_pos`` (the last accepted token and its position), ``ctx_pos`` (where the
     draft context resumes), the request's ``seeds`` and sampling settings (``temperature``, 0 when
-    greedy; ``top_k``; ``top_p``), ``draft_tokens`` / ``proposal_lengths`` (the next round's
+    greedy; ``top_k``; ``top_p``; ``min_p``; ``logit_bias``, f32 ``[max_batch + 1, V]``: dense, so
+    that any request's bias is one row a graph adds -- 39 MB at 64 rows of a 152k vocabulary),
+    ``draft_tokens`` / ``proposal_lengths`` (the next round's
     drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens).
     With a draft: ``capture`` (the last verify's captured hidden states, ``[B, verify_len, width]``),
     ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
@@ -53,6 +55,8 @@ class RowState:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
+    logit_bias: torch.Tensor
     draft_tokens: torch.Tensor
     proposal_lengths: torch.Tensor
     accepted: torch.Tensor
@@ -73,7 +77,7 @@ class RowState:
 
     def sampling(self, b: int) -> RowSampling:
         """Rows ``0 .. b-1``'s sampling settings."""
-        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b])
+        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b], self.min_p[:b], self.logit_bias[:b])
 
 
 class DraftOverride(Protocol):

@@ -34,10 +34,12 @@ choice when no draft is predicted to pay): the target's token per row, the draft
 the draft pass skipped until a round drafts again. All
 randomness is request-stable (``K.request_uniforms``, keyed by the request's seed and the round's
 anchor position), so a request's tokens do not depend on its batch. Sampling settings live in
-per-row tensors (``RowSampling``: temperature, top-k, top-p), so a batch of any mix of settings
-replays the same graphs: one per shape for batches of greedy rows only (argmax paths), one per
-shape for batches with sampled rows (every row on the sampled path, a greedy row as its one-hot
-argmax, which gives the same tokens).
+per-row tensors (``RowSampling``: logit bias, temperature, min-p, top-k, top-p -- the request stage
+as vLLM samples, applied alike to the target's verify / decode logits and the drafter's
+distributions), so a batch of any mix of settings replays the same graphs: one per shape for
+batches of plain greedy rows only (argmax paths), one per shape for batches with a row that samples
+or biases its logits (every row on the sampled path, a greedy row as the one-hot argmax of its
+biased logits, which gives the same tokens).
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ class ModelRunner:
             slot_ids=torch.full((r,), self.dummy_slot, **i32), active=torch.zeros(r, **i32),
             anchor=torch.zeros(r, **i32), anchor_pos=torch.zeros(r, **i32), ctx_pos=torch.zeros(r, **i32),
             seeds=torch.zeros(r, dtype=torch.int64, device=dev), temperature=torch.zeros(r, device=dev),
-            top_k=torch.zeros(r, **i32), top_p=torch.ones(r, device=dev),
+            top_k=torch.zeros(r, **i32), top_p=torch.ones(r, device=dev), min_p=torch.zeros(r, device=dev),
+            logit_bias=torch.zeros(r, target.vocab_size, device=dev),
             draft_tokens=torch.zeros(r, max(p, 1), **i32), proposal_lengths=torch.full((r,), max(p, 1), **i32),
             accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32))
         # flat [b*t + 1] rows: row*t + i is verify token i of a row (plain decoding: t = 1), the
@@ -150,7 +153,8 @@ class ModelRunner:
         self.offsets_rows = torch.arange(b + _pad_requests(b, t, full=True), **i32)
         self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
-        self.row_sampled = [False] * b  # rows whose request samples (the host's copy of which graphs to run)
+        # rows whose request samples or biases its logits (the host's copy of which graphs to run)
+        self.row_sampled = [False] * b
         # the kernels' scratch, owned here and sized once, so a captured graph's buffers never move
         self.workspace = K.Workspace()
         if dev.type == "cuda":  # the reference backend (CPU) needs no scratch
@@ -514,7 +518,7 @@ class ModelRunner:
         tree = K.TreeBatch(s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b], None, None, s.tree_nodes[:b],
                            None, None)
         if sampled:
-            probs = s.sampling(b).probabilities(logits, self.workspace)
+            probs = s.sampling(b).probabilities(logits)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_TREE,
                                           (p + 1) * (self.tree.top_k + 1)).view(b, p + 1, self.tree.top_k + 1)
             accepted, nodes, n = K.sampled_tree_accept(probs, tree, uniforms, max_depth=p)
@@ -542,7 +546,8 @@ class ModelRunner:
         """Accept rows ``0 .. b-1`` from their target logits ``[b, P+1, V]``, verifying ``verified``
         drafts each (rows past a row's length are never read). With sampled rows every row takes
         speculative sampling: a greedy row's one-hot target distribution accepts exactly the drafts
-        that equal its argmax and then emits the argmax, whatever its drafts' q."""
+        that equal its argmax and then emits the argmax, whatever its drafts' q. A plain greedy batch
+        takes the argmax of the raw logits (no row has a bias there)."""
         s, p = self.state, self.num_drafts
         drafts = s.draft_tokens[:b]
         if not sampled:
@@ -552,7 +557,7 @@ class ModelRunner:
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
-        probs = s.sampling(b).probabilities(logits, self.workspace)
+        probs = s.sampling(b).probabilities(logits)
         return K.probabilistic_accept(probs, s.draft_probs[:b], drafts, verified, uniforms, p,
                                       workspace=self.workspace)
 
@@ -598,7 +603,7 @@ class ModelRunner:
         self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         self._send_readout(0)
         for c in joined:
-            self.row_sampled[c.row] = not c.sampling.greedy
+            self.row_sampled[c.row] = not c.sampling.plain_argmax
         total = rows + len(joined)
         if self.drafter is not None and total:
             self._draft(self.bucket(total), self._sampled(total))
@@ -662,19 +667,21 @@ class ModelRunner:
     def _seat(self, logits: torch.Tensor) -> None:
         """Rows for requests whose prompt ended (``self.chunks``' seats; padded seats go to the
         scratch row): the first token from the last position's logits ``[max_chunks, V]`` by each
-        seat's settings (keyed as a round's draw: seed, position; a greedy seat's is the argmax), row
-        state, the readout as a one-token round, the logits kept for log-probabilities."""
+        seat's settings (keyed as a round's draw: seed, position; a greedy seat's is the argmax of its
+        biased logits), row state (the seat's logit bias written into its row first), the readout as
+        a one-token round, the logits kept for log-probabilities."""
         s, t, ch = self.state, self.verify_len, self.chunks
         meta = ch.device_meta()
         rows, ends, slots = ch.seat_rows, meta["seat_ends"], meta["seat_slots"]
         ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
-        drawn = _sample_rows(logits, ch.seat_sampling, ch.seat_seeds, ends - 1, self.workspace)
+        ch.write_seat_biases(s.logit_bias)
+        settings = replace(ch.seat_sampling, logit_bias=s.logit_bias[rows])
+        drawn = _sample_rows(logits, settings, ch.seat_seeds, ends - 1, self.workspace)
         tokens = torch.where(ch.seat_anchors >= 0, ch.seat_anchors, drawn).to(torch.int32)
-        settings = ch.seat_sampling
         for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
                               (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones),
                               (s.temperature, settings.temperature), (s.top_k, settings.top_k),
-                              (s.top_p, settings.top_p)):
+                              (s.top_p, settings.top_p), (s.min_p, settings.min_p)):
             buffer[rows] = value
         s.accepted[rows, 0] = tokens
         self.logit_rows[rows * t] = logits
@@ -720,11 +727,12 @@ def _pad_requests(b: int, t: int, full: bool = False) -> int:
 def _sample_rows(logits: torch.Tensor, sampling: RowSampling | None, seeds: torch.Tensor, positions: torch.Tensor,
                  workspace=None):
     """One target token per row (int32 ``[R]``) from f32 logits ``[R, V]``: the argmax when every row
-    is greedy (``sampling`` None), else an inverse-CDF draw keyed by (seed, position) from each row's
-    distribution (a greedy row's is its one-hot argmax)."""
+    is plain greedy (``sampling`` None), else an inverse-CDF draw keyed by (seed, position) from each
+    row's distribution through the request stage (a greedy row's is the one-hot argmax of its biased
+    logits)."""
     if sampling is None:
         return logits.argmax(-1).to(torch.int32)
     uniforms = K.request_uniforms(seeds, positions, K.PURPOSE_TARGET_SAMPLE, 1)
     token = torch.zeros(logits.shape[0], 1, dtype=torch.int32, device=logits.device)
-    K.sample_probability_rows(sampling.probabilities(logits, workspace), uniforms, token, 0, workspace=workspace)
+    K.sample_probability_rows(sampling.probabilities(logits), uniforms, token, 0, workspace=workspace)
     return token[:, 0]

@@ -28,7 +28,7 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ..engine.drafting import SamplingParams
+from ..engine.drafting import LOGIT_BIAS_LIMIT, SamplingParams
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request, RequestOutput, TokenLogprobs
 from .engine_loop import ACCEPTED, EngineDead, EngineLoop, Handle, QueueFull, ServerClosing
@@ -176,6 +176,23 @@ def _http_error(raw: HTTPRequest, exc: HTTPException) -> JSONResponse:
     return APIError(exc.status_code, message, headers=exc.headers).response()
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids spelled as decimal strings -> bias in [-100, 100]) with int
+    ids; a 400 naming the entry, what it must be and what was given otherwise."""
+    checked = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {short_repr(key)}",
+                           "logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise APIError(400, f"logit_bias[{short_repr(key)}] must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                                f"{LOGIT_BIAS_LIMIT:g}], got {short_repr(value)}", "logit_bias")
+        if int(key) in checked:
+            raise APIError(400, f"logit_bias names token id {int(key)} twice (as {short_repr(key)})", "logit_bias")
+        checked[int(key)] = value
+    return checked
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """One 400 naming the first field at fault (pydantic reports each member of a union apart)."""
     errors = exc.errors()
@@ -312,8 +329,8 @@ class Choices:
                 index, item = await self.queue.get()
                 if item is ACCEPTED:
                     waiting.discard(index)
-                elif isinstance(item, (ValueError, TypeError)):
-                    raise APIError(400, str(item), "prompt")
+                elif isinstance(item, (ValueError, TypeError)):  # the engine names the field when not the prompt
+                    raise APIError(400, str(item), getattr(item, "param", "prompt"))
                 elif isinstance(item, BaseException):
                     raise APIError(500, f"generation failed: {item}", code="engine_dead")
                 else:
@@ -588,9 +605,10 @@ class _Server:
     def _request(body: SamplingFields, prompt_ids: list[int], max_tokens: int, seed: int, stop_ids: frozenset[int],
                  logprobs: int | None, prompt_logprobs: int | None) -> Request:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # vLLM's -1 / 0: off
+        logit_bias = _logit_bias(body.logit_bias)
         try:
             sampling = SamplingParams(1.0 if body.temperature is None else body.temperature, top_k,
-                                      1.0 if body.top_p is None else body.top_p, seed)
+                                      1.0 if body.top_p is None else body.top_p, seed, body.min_p or 0.0, logit_bias)
             return Request(prompt_ids, max_tokens, sampling, stop_ids=tuple(sorted(stop_ids)),
                            ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except (ValueError, TypeError) as exc:

@@ -3,11 +3,11 @@
 Requests are validated strictly (a string is not a number, a float is not an int), and no field is
 silently dropped: the fields the models below declare are honoured; the other OpenAI / vLLM fields
 (``NOOP_VALUES``, per endpoint ``COMPLETION_NOOPS`` / ``CHAT_NOOPS``) are accepted only at values
-that change nothing (``presence_penalty: 0``, ``logit_bias: {}``, ``best_of`` equal to ``n``, any
+that change nothing (``presence_penalty: 0``, ``min_tokens: 0``, ``best_of`` equal to ``n``, any
 ``metadata``) and refused otherwise; a field nobody defines is refused too (as OpenAI does:
 "Unrecognized request argument"). ``OpenAIModel.refused_field`` finds the first, nested bodies
 (messages, content parts, ``stream_options``) included. Beyond OpenAI, the vLLM extensions
-``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (token ids in every choice and
+``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (token ids in every choice and
 chunk) and, for chat, ``add_generation_prompt`` and ``chat_template``. As vLLM: ``prompt`` may be a
 list of prompts (one choice per prompt and sample), ``n`` samples per prompt, ``logprobs``
 (completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``),
@@ -46,11 +46,11 @@ class AnyOf:
 
 
 # field -> the values that change nothing (accepted as if left out); any other value is refused.
-# Penalties, logit_bias, min_p, ... are not implemented yet.
+# Penalties, min_tokens, bad_words, ... are not implemented yet.
 NOOP_VALUES: dict[str, tuple] = {
     # sampling
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "min_p": (None, 0), "min_tokens": (None, 0), "logit_bias": (None, {}), "allowed_token_ids": (None,),
+    "min_tokens": (None, 0), "allowed_token_ids": (None,),
     "bad_words": (None, []), "best_of": (None, 1, SameAs("n")), "use_beam_search": (None, False),
     "length_penalty": (None, 1), "logits_processors": (None, []),
     # what the output holds
@@ -152,12 +152,17 @@ class StreamOptions(OpenAIModel):
 
 
 class SamplingFields(OpenAIModel):
-    """The generation fields completions and chat share."""
+    """The generation fields completions and chat share. Sampling as vLLM's sampler (the engine's
+    ``SamplingParams``): ``logit_bias`` (OpenAI's: token ids as strings -> bias in [-100, 100], added
+    to the logits, greedy requests' too), temperature, ``min_p``, ``top_k``, ``top_p`` (the standard
+    nucleus); the ids are checked against the vocabulary by the engine."""
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     stop: Union[str, list[str], list[int], None] = None
     stop_token_ids: list[int] | None = None
