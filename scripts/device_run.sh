@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
 # steps named on the command line, each with its own time limit, logs under $OUT.
-#   scripts/device_run.sh STEP...   steps: tests, backends, breakdown, mixed, frontier, demo
+#   scripts/device_run.sh STEP...   steps: tests, gputests, engine, firstcall, prefixchat, backends, breakdown,
+#   mixed, frontier, demo
+# gputests: every gpu-marked test; engine: plain and DSpark step times of the 8B shape at B = 1 and 64;
+# firstcall: a user's first LLM.generate call against a later one; prefixchat: shared-prefix chat on the
+# 8B shape (64 clients, 2,048-token system prompt, 3 turns), prefix caching on against off.
 # demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target); out/demo and the
 # candidate drafters (out/demo_work/draft, draft_bp; not their training states) sent back as
 # demo.tgz.part-* (15 MiB pieces; here: cat demo.tgz.part-* | tar xzf - -C out); a later call that runs
@@ -21,6 +25,15 @@ for step in "$@"; do
              tests/test_llm_engine.py tests/test_tree_engine.py tests/test_hf_target.py tests/test_lossless_sampling.py \
              tests/test_kernel_workspace.py tests/test_engine_limits.py tests/test_replay.py tests/test_schedulers.py} \
              > "$OUT/pytest.log" 2>&1; grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -40 ;;
+    gputests) timeout "${TESTS_LIMIT:-420}" python -m pytest -q -m gpu -n 8 -p no:cacheprovider --timeout 240 tests/ \
+             > "$OUT/pytest.log" 2>&1; grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -40 ;;
+    engine) timeout "${ENGINE_LIMIT:-300}" python -m dspark.bench.engine --shapes qwen3-8b --batches 1,64 --hf none \
+             --out "$OUT/engine" > "$OUT/engine.log" 2>&1 ;;
+    firstcall) timeout 240 python -m dspark.bench.first_call --shape qwen3-8b --batch 64 --prompt 512 --new 256 \
+             > "$OUT/firstcall.log" 2>&1 ;;
+    prefixchat) timeout "${PREFIX_LIMIT:-540}" env DSPARK_REPLAY='{"shape": "qwen3-8b"}' python -m dspark.bench.prefix_chat \
+             --out "$OUT/prefixchat" -- --engine-factory dspark.bench.replay:random_engine --max-batch 64 \
+             --max-model-len 4096 > "$OUT/prefixchat.log" 2>&1 ;;
     backends) timeout 175 python -m dspark.bench.engine --backends fused,hf --shapes qwen3-8b --batches 1,8,64 \
              --prompt 128 --new 64 --out "$OUT/backends" > "$OUT/backends.log" 2>&1 ;;
     breakdown) timeout 90 python -m dspark.bench.breakdown --case "logits_to_probabilities rows=512 top-p 0.9" \
