@@ -85,7 +85,10 @@ def run_config(label: str, args, spec: dict, cost_table: Path | None, *, factory
     longest = args.prompt_tokens_max or args.prompt_tokens
     server = ["--engine-factory", f"dspark.bench.replay:{factory}", "--max-batch", str(args.max_batch),
               "--max-model-len", str(longest + args.max_tokens + 64), "--device", args.device,
-              "--served-model-name", label] + [a.format(cost_table=cost_table) for a in scheduler]
+              "--served-model-name", label,
+              # each prompt is sent many times: from the prefix cache its prefill would vanish, and
+              # the frontier measures decoding (prefix_chat measures the cache)
+              "--no-enable-prefix-caching"] + [a.format(cost_table=cost_table) for a in scheduler]
     load = ["--out", args.out, "--label", label, "--concurrency", args.concurrency,
             "--requests-per-client", str(args.requests_per_client), "--max-tokens", str(args.max_tokens),
             "--random-prompts", str(args.prompt_tokens), "--vocab", str(spec["vocab"]),
