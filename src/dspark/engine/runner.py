@@ -4,7 +4,8 @@ The runner owns everything the GPU touches: both paged KV caches (blocks behind 
 line per slot: ``max_batch`` slots plus a dummy line for padding rows, which reads and writes only
 the null block), the per-row state (anchor token and position, drafts, their
 probabilities, proposal lengths, the captured hidden states of the last verification, seeds), the
-target pass and acceptance, and the CUDA graphs; the draft pass is its ``DSparkProposer``. Rows ``0 .. n-1`` of a batch bucket ``B`` are the running requests, rows ``n .. B-1``
+forwards and the CUDA graphs; what each row sends through the target and keeps of it is its
+``Verifier``, the draft pass its ``DSparkProposer``. Rows ``0 .. n-1`` of a batch bucket ``B`` are the running requests, rows ``n .. B-1``
 padding that reads and writes only the dummy line.
 
 One speculative round is two graph replays (``launch_round``) and its readout in two parts::
@@ -55,10 +56,11 @@ from .. import kernels as K
 from ..model.llama import AttentionBatch, TargetLM
 from .block_manager import BlockTable
 from .chunks import MAX_CHUNKS, ChunkBuffers, PrefillChunk, pads_verify
-from .drafting import Drafter, RowSampling
+from .drafting import Drafter
 from .proposer import DSparkProposer
 from .rows import DraftOverride, RowState, TreeSettings, batch_buckets
 from .step import Proposals, StepPlan, StepResult, readout_columns
+from .verifier import Verifier, sample_rows
 
 log = logging.getLogger("dspark.engine")
 
@@ -117,13 +119,7 @@ class ModelRunner:
             logit_bias=torch.zeros(r, target.vocab_size, device=dev),
             draft_tokens=torch.zeros(r, max(p, 1), **i32), proposal_lengths=torch.full((r,), max(p, 1), **i32),
             accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32))
-        # flat [b*t + 1] rows: row*t + i is verify token i of a row (plain decoding: t = 1), the
-        # last row takes padding tokens (and the scratch row's seat); read back for log-probabilities
-        self.logit_rows = torch.zeros(b * t + 1, target.vocab_size, device=dev)
         if drafter is not None:
-            width = drafter.config.num_capture_layers * drafter.config.hidden_size
-            self.capture_rows = torch.zeros(b * t + 1, width, dtype=target.dtype, device=dev)
-            self.state.capture = self.capture_rows[: b * t].view(b, t, width)
             self.state.verify_lens = torch.ones(r, **i32)
             self.state.confidence = torch.zeros(r, p, device=dev)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
@@ -137,7 +133,6 @@ class ModelRunner:
             self.state.tree_depths = torch.zeros(r, size, **i32)
             self.state.tree_bits = (1 << torch.arange(size, device=dev)).repeat(r, 1)  # int64 ancestor masks
             self.state.tree_nodes = torch.ones(r, **i32)
-            self.tree_nodes_accepted = torch.full((b, size), -1, **i32)  # the last walk's path
         self.chunks = ChunkBuffers(max_chunk_tokens, MAX_CHUNKS, dev)
         # accepted | accept length | verified drafts (the target pass's) | next proposal length | next
         # confidences (f32 bits; the draft pass's), sent to pinned host copies as each pass ends
@@ -150,9 +145,6 @@ class ModelRunner:
         self.readout_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
         self._last_sent: torch.cuda.Event | None = None  # the end of the last launched step's device work
         self.offsets = torch.arange(max(t, block), **i32)
-        self.offsets_rows = torch.arange(b + _pad_requests(b, t, full=True), **i32)
-        self.flat_offsets = torch.arange(b * t, **i32)
-        self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
         # rows whose request samples or biases its logits (the host's copy of which graphs to run)
         self.row_sampled = [False] * b
         # the kernels' scratch, owned here and sized once, so a captured graph's buffers never move
@@ -162,6 +154,11 @@ class ModelRunner:
                                    rank=max(1, drafter.config.markov_rank if drafter is not None else 1), rows=b * t)
         if drafter is not None:
             drafter.workspace = self.workspace
+        width = drafter.config.num_capture_layers * drafter.config.hidden_size if drafter is not None else None
+        self.verifier = Verifier(self.state, self.readout, self.readout_columns, self.cache, max_batch=b,
+                                 verify_len=t, num_drafts=p, tree=tree, dummy_slot=self.dummy_slot,
+                                 vocab_size=target.vocab_size, capture_width=width, capture_dtype=target.dtype,
+                                 workspace=self.workspace)
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -263,7 +260,7 @@ class ModelRunner:
     def token_logits(self, flat_rows: list[int]) -> torch.Tensor:
         """The target's f32 logits of the last round at flat rows ``row * verify_len + i`` (verify
         token i of a row; its accepted token i was chosen from them)."""
-        return self.logit_rows[torch.tensor(flat_rows, device=self.device)]
+        return self.verifier.logit_rows[torch.tensor(flat_rows, device=self.device)]
 
     def read(self, rows: int) -> StepResult:
         """The launched step's target pass for the first ``rows`` rows, once it reached the host (its
@@ -414,9 +411,10 @@ class ModelRunner:
 
     # ---- device work (captured) -----------------------------------------------------------------
 
-    def _attention_batch(self, b: int, query_len: int) -> AttentionBatch:
-        s = self.state
-        return AttentionBatch(s.slot_ids[:b], s.anchor_pos[:b], self.cu[query_len][: b + 1], query_len)
+    def _capture_buffer(self, n: int) -> torch.Tensor:
+        """Scratch for ``n`` tokens' captured hidden states (the capture layers' inputs)."""
+        rows = self.verifier.capture_rows
+        return torch.empty(n, rows.shape[1], dtype=rows.dtype, device=self.device)
 
     def _decode_rows(self, b: int, sampled: bool) -> None:
         """One target token per row (plain decoding; a DSpark runner's plain round keeps the anchors'
@@ -424,152 +422,17 @@ class ModelRunner:
         s = self.state
         capture = None
         if self.drafter is not None:
-            capture = torch.empty(b, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
+            capture = self._capture_buffer(b)
         logits = self.target.forward(s.anchor[:b].long(), s.anchor_pos[:b], s.slot_ids[:b],
-                                     self._attention_batch(b, 1), self.cache, capture_out=capture)
-        self._decode_commit(b, logits, sampled, capture)
-
-    def _decode_commit(self, b: int, logits, sampled: bool, capture=None) -> None:
-        """Commit one token per row from the logits ``[b, V]`` of the anchors (and, in a DSpark
-        runner, their captured states ``[b, width]``: verify token 0 of a round that verified none)."""
-        s, t = self.state, self.verify_len
-        self.logit_rows[: b * t].view(b, t, -1)[:, 0] = logits
-        if capture is not None:
-            s.capture[:b, 0] = capture
-            self.readout[:b, t + 1] = 0  # drafts verified
-        s.accepted[:b, 0] = _sample_rows(logits, s.sampling(b) if sampled else None, s.seeds[:b], s.anchor_pos[:b],
-                                         self.workspace)
-        s.accept_length[:b] = 1
-        self._advance(b, 1)
-
-    def _verify_layout(self, b: int, num_tokens: int, full: bool = False):
-        """Flat layout of a ragged verify: request of each token (rows ``0 .. b-1``, then the padding
-        requests on the dummy line), its index in the request, and its row in the flat capture /
-        logit buffers; the requests' token offsets ``cu``. ``full``: padded to ``b * t`` tokens."""
-        s, t = self.state, self.verify_len
-        n = b + _pad_requests(b, t, full)
-        pad = num_tokens - s.verify_lens[:b].sum()
-        pad_counts = (pad - t * self.offsets_rows[: n - b]).clamp(0, t)
-        counts = torch.cat([s.verify_lens[:b], pad_counts])
-        cu = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
-        cu[1:] = counts.cumsum(0)
-        token_row = torch.repeat_interleave(self.offsets_rows[:n], counts, output_size=num_tokens)
-        index = self.flat_offsets[:num_tokens] - cu[token_row]
-        flat = torch.where(token_row < b, token_row * t + index, self.max_batch * t).long()
-        return token_row, index, flat, cu
+                                     self.verifier.attention_batch(b, 1), self.cache, capture_out=capture)
+        self.verifier.decode_commit(b, logits, sampled, capture)
 
     def _verify_rows(self, b: int, num_tokens: int, sampled: bool) -> None:
-        ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens)
-        capture = torch.empty(num_tokens, self.capture_rows.shape[1], dtype=self.capture_rows.dtype, device=self.device)
+        ids, positions, cache_rows, slots, batch, flat = self.verifier.inputs(b, num_tokens)
+        capture = self._capture_buffer(num_tokens)
         logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
                                      cache_positions=cache_rows if self.tree else None)
-        self._verify_commit(b, flat, capture, logits, sampled)
-
-    def _verify_inputs(self, b: int, num_tokens: int, full: bool = False):
-        """Token ids, positions, cache rows (the positions, except for tree nodes) and cache lines of
-        a verify's ``num_tokens`` flat tokens (``full``: padded to ``b * t``), its ``AttentionBatch``
-        and each token's row in the flat capture / logit buffers."""
-        if self.tree is not None:
-            return self._tree_inputs(b)
-        s, t, p = self.state, self.verify_len, self.num_drafts
-        token_row, index, flat, cu = self._verify_layout(b, num_tokens, full)
-        pads = torch.zeros(_pad_requests(b, t, full), dtype=torch.int32, device=self.device)
-        slots = torch.cat([s.slot_ids[:b], pads + self.dummy_slot])
-        starts = torch.cat([s.anchor_pos[:b], pads])
-        tokens = torch.cat([K.build_verify_tokens(s.anchor[:b], s.draft_tokens[:b], p),
-                            pads[:, None].expand(-1, t)])
-        ids = tokens[token_row, index]
-        positions = starts[token_row] + index
-        return ids.long(), positions, positions, slots[token_row], AttentionBatch(slots, starts, cu, t), flat
-
-    def _tree_inputs(self, b: int):
-        """``_verify_inputs`` of tree rows: every row's ``budget`` nodes, RoPE at anchor position +
-        depth, K/V at anchor position + node index, each node seeing its ancestors."""
-        s, size = self.state, self.verify_len
-        base = s.anchor_pos[:b, None]
-        positions = (base + s.tree_depths[:b]).reshape(-1)
-        cache_rows = (base + self.offsets[:size]).reshape(-1)
-        batch = AttentionBatch(s.slot_ids[:b], s.anchor_pos[:b], self.cu[size][: b + 1], size,
-                               tree_mask=s.tree_bits[:b].reshape(-1))
-        return (s.tree_tokens[:b].reshape(-1).long(), positions, cache_rows, s.slot_ids[:b].repeat_interleave(size),
-                batch, self.flat_offsets[: b * size].long())
-
-    def _verify_commit(self, b: int, flat, capture, logits, sampled: bool) -> None:
-        """Accept each row's prefix from the verify forward's captures and logits and advance."""
-        s, t = self.state, self.verify_len
-        self.capture_rows.index_copy_(0, flat, capture)
-        self.logit_rows.index_copy_(0, flat, logits)
-        if self.tree is not None:
-            self._tree_commit(b, sampled)
-            return
-        verified = s.verify_lens[:b] - 1
-        s.accepted[:b], s.accept_length[:b] = self._accept(self.logit_rows[: b * t].view(b, t, -1), b, verified,
-                                                           sampled)
-        self.readout[:b, t + 1] = verified
-        self._advance(b, t)
-
-    def _tree_commit(self, b: int, sampled: bool) -> None:
-        """Tree acceptance -- greedy (the longest root path the target's argmax follows) or, with
-        sampled rows, sampled (``K.sampled_tree_accept``: lossless, keyed by seed and anchor position;
-        a greedy row's one-hot distribution walks its argmax path) -- then the accepted path's K/V,
-        captures and logits moved to consecutive positions, and advance."""
-        s, size, p = self.state, self.verify_len, self.num_drafts
-        logits = self.logit_rows[: b * size].view(b, size, -1)
-        tree = K.TreeBatch(s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b], None, None, s.tree_nodes[:b],
-                           None, None)
-        if sampled:
-            probs = s.sampling(b).probabilities(logits)
-            uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_TREE,
-                                          (p + 1) * (self.tree.top_k + 1)).view(b, p + 1, self.tree.top_k + 1)
-            accepted, nodes, n = K.sampled_tree_accept(probs, tree, uniforms, max_depth=p)
-        else:
-            accepted, nodes, n = K.greedy_tree_accept(logits, tree, max_depth=p)
-        s.accepted[:b], s.accept_length[:b] = accepted, n
-        self.tree_nodes_accepted[:b] = nodes
-        # path position i (0: the root) holds node index[:, i] (i <= P); fixed shapes, so a graph holds it
-        width = min(size, p + 1)
-        keep = self.offsets[:width].long()
-        index = keep.repeat(b, 1)
-        index[:, 1:] = torch.where(nodes[:, :width - 1] >= 0, nodes[:, :width - 1].long(), index[:, 1:])
-        slots = s.slot_ids[:b, None].expand(b, width).reshape(-1)
-        base = s.anchor_pos[:b, None].long()
-        src, dst = (self.cache.index(slots, (base + i).reshape(-1)) for i in (index, keep))
-        for cache in (self.cache.k, self.cache.v):
-            cache[:, dst[0], dst[1]] = cache[:, src[0], src[1]]
-        for rows in (self.capture_rows, self.logit_rows):
-            view = rows[: b * size].view(b, size, -1)
-            view[:, :width] = view.gather(1, index[..., None].expand(-1, -1, view.shape[-1]))
-        self.readout[:b, size + 1] = s.tree_nodes[:b] - 1
-        self._advance(b, size)
-
-    def _accept(self, logits, b: int, verified, sampled: bool):
-        """Accept rows ``0 .. b-1`` from their target logits ``[b, P+1, V]``, verifying ``verified``
-        drafts each (rows past a row's length are never read). With sampled rows every row takes
-        speculative sampling: a greedy row's one-hot target distribution accepts exactly the drafts
-        that equal its argmax and then emits the argmax, whatever its drafts' q. A plain greedy batch
-        takes the argmax of the raw logits (no row has a bias there)."""
-        s, p = self.state, self.num_drafts
-        drafts = s.draft_tokens[:b]
-        if not sampled:
-            return K.greedy_accept(logits, drafts, verified, p, workspace=self.workspace)
-        seeds, anchor_pos = s.seeds[:b], s.anchor_pos[:b]
-        uniforms = torch.empty(b, 2 * p + 1, device=self.device)
-        K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
-        K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
-        K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
-        probs = s.sampling(b).probabilities(logits)
-        return K.probabilistic_accept(probs, s.draft_probs[:b], drafts, verified, uniforms, p,
-                                      workspace=self.workspace)
-
-    def _advance(self, b: int, verify_len: int) -> None:
-        """Commit the accepted prefix on the device: the caches' lengths are the anchor positions."""
-        s = self.state
-        n = s.accept_length[:b]
-        self.readout[:b, :verify_len] = s.accepted[:b, :verify_len]
-        self.readout[:b, self.verify_len] = n
-        s.ctx_pos[:b] = s.anchor_pos[:b]
-        s.anchor[:b] = s.accepted[:b].gather(1, (n - 1).long()[:, None]).squeeze(1)
-        s.anchor_pos[:b] += n * s.active[:b]  # padding rows stay at position 0
+        self.verifier.commit(b, flat, capture, logits, sampled)
 
     def _propose(self, b: int, sampled: bool) -> None:
         """The draft pass of rows ``0 .. b-1`` (``DSparkProposer``), a benchmark's override of its
@@ -628,9 +491,9 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001
             raise ForwardFailed(f"{type(exc).__name__}: {exc}") from exc
         if b and num_tokens is not None:
-            self._verify_commit(b, flat, capture[:split], logits[:split], sampled)
+            self.verifier.commit(b, flat, capture[:split], logits[:split], sampled)
         elif b:
-            self._decode_commit(b, logits[:split], sampled, None if capture is None else capture[:split])
+            self.verifier.decode_commit(b, logits[:split], sampled, None if capture is None else capture[:split])
         if self.proposer is not None:
             self.proposer.write_context(capture[split:], positions[split:], slots[split:])
         self._seat(logits[split:])
@@ -642,12 +505,12 @@ class ModelRunner:
         s, ch = self.state, self.chunks
         groups, flat, split, parts = [], None, 0, []
         if b and num_tokens is not None:
-            ids, positions, cache_rows, slots, batch, flat = self._verify_inputs(b, num_tokens, pads_verify(bucket))
+            ids, positions, cache_rows, slots, batch, flat = self.verifier.inputs(b, num_tokens, pads_verify(bucket))
             parts.append((ids, positions, slots, cache_rows))
             split = num_tokens
         elif b:
             parts.append((s.anchor[:b].long(), s.anchor_pos[:b], s.slot_ids[:b], s.anchor_pos[:b]))
-            batch, split = self._attention_batch(b, 1), b
+            batch, split = self.verifier.attention_batch(b, 1), b
         if b:
             groups.append((0, split, batch))
         meta = ch.device_meta()
@@ -658,8 +521,7 @@ class ModelRunner:
         logit_rows = torch.cat([torch.arange(split, device=self.device), split + ch.seat_last])
         capture = None
         if self.proposer is not None:
-            capture = torch.empty(ids.numel(), self.capture_rows.shape[1], dtype=self.capture_rows.dtype,
-                                  device=self.device)
+            capture = self._capture_buffer(ids.numel())
         logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
                                      logits_rows=logit_rows, cache_positions=cache_rows if self.tree else None)
         return positions, slots, flat, split, capture, logits
@@ -676,7 +538,7 @@ class ModelRunner:
         ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
         ch.write_seat_biases(s.logit_bias)
         settings = replace(ch.seat_sampling, logit_bias=s.logit_bias[rows])
-        drawn = _sample_rows(logits, settings, ch.seat_seeds, ends - 1, self.workspace)
+        drawn = sample_rows(logits, settings, ch.seat_seeds, ends - 1, self.workspace)
         tokens = torch.where(ch.seat_anchors >= 0, ch.seat_anchors, drawn).to(torch.int32)
         for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
                               (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones),
@@ -684,7 +546,7 @@ class ModelRunner:
                               (s.top_p, settings.top_p), (s.min_p, settings.min_p)):
             buffer[rows] = value
         s.accepted[rows, 0] = tokens
-        self.logit_rows[rows * t] = logits
+        self.verifier.logit_rows[rows * t] = logits
         self.readout[rows, 0] = tokens
         self.readout[rows, t] = ones
         self.readout[rows, t + 1] = ones - 1
@@ -714,25 +576,3 @@ class ModelRunner:
                                n)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return self.target.forward(ids, positions, torch.full((n,), slot, **i32), batch, self.cache)
-
-
-def _pad_requests(b: int, t: int, full: bool = False) -> int:
-    """Padding requests of a ragged verify in bucket ``b``: its padding tokens go to requests of at
-    most ``t`` tokens on the dummy line, so attention sees rows of <= t queries. A verify of a
-    multiple of ``b`` tokens pads fewer than ``b``; one padded to the ``full`` ``b * t`` (a mixed
-    step with many chunk tokens) up to ``b * (t - 1)``."""
-    return b if full else -(-b // t)
-
-
-def _sample_rows(logits: torch.Tensor, sampling: RowSampling | None, seeds: torch.Tensor, positions: torch.Tensor,
-                 workspace=None):
-    """One target token per row (int32 ``[R]``) from f32 logits ``[R, V]``: the argmax when every row
-    is plain greedy (``sampling`` None), else an inverse-CDF draw keyed by (seed, position) from each
-    row's distribution through the request stage (a greedy row's is the one-hot argmax of its biased
-    logits)."""
-    if sampling is None:
-        return logits.argmax(-1).to(torch.int32)
-    uniforms = K.request_uniforms(seeds, positions, K.PURPOSE_TARGET_SAMPLE, 1)
-    token = torch.zeros(logits.shape[0], 1, dtype=torch.int32, device=logits.device)
-    K.sample_probability_rows(sampling.probabilities(logits), uniforms, token, 0, workspace=workspace)
-    return token[:, 0]
