@@ -415,7 +415,6 @@ class LLMEngine:
                     seq.stats.draft_time += times[1]
             else:
                 seq.stats.record_round(0, 1, len(kept))
-        self.scheduler.committed(running)
         if drafted_rows:
             self.metrics.record_rounds(result.verified[drafted_rows], result.accept_lengths[drafted_rows])
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]

@@ -106,6 +106,7 @@ class Scheduler:
         log.info("request %s preempted (KV blocks ran out): %d tokens to run again", seq.request_id, seq.num_tokens)
         if seq.status is SequenceStatus.RUNNING:
             self._leave_row(seq)
+            self._cache_output(seq)
         else:
             self.prefilling.remove(seq)
         self._free_slot(seq)
@@ -164,15 +165,12 @@ class Scheduler:
             seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
             self.running.append(seq)
 
-    def committed(self, seqs: list[Sequence]) -> None:
-        """``seqs`` committed tokens: their positions before the new anchor hold their final K/V in
-        both caches (queued before any reader); the blocks they fill go to the prefix cache."""
-        if not self.blocks.prefix_caching:
-            return
-        for seq in seqs:
-            final = len(seq.request.prompt_ids) + len(seq.output_ids) - 1
-            if final >= seq.blocks.next_key_at:  # a block filled (checked here: per row and step)
-                self.blocks.cache_committed(seq.blocks, final, seq.token_ids)
+    def _cache_output(self, seq: Sequence) -> None:
+        """A leaving request's blocks of committed tokens go to the prefix cache: its positions
+        before the anchor hold their final K/V in both caches (queued before any reader). Done as it
+        leaves rather than every step -- the next turn of a chat comes after it; prompts are cached
+        as their chunks run."""
+        self.blocks.cache_committed(seq.blocks, seq.num_tokens - 1, seq.token_ids)
 
     # ---- leaving ---------------------------------------------------------------------------------
 
@@ -194,6 +192,7 @@ class Scheduler:
         """Free finished requests' rows, slots and blocks."""
         for seq in finished:
             self._leave_row(seq)
+            self._cache_output(seq)
             self._free_slot(seq)
             seq.status = SequenceStatus.FINISHED
             self.metrics.finished += 1
