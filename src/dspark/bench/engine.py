@@ -207,11 +207,16 @@ def breakdown(engine, prompts, oracle) -> dict:
         draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
         drafter.model.backbone_logits(draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b]))
 
-    tokens = drafter._vanilla(logits, s.anchor[:b], None, None)[0]
+    def markov():
+        return K.markov_greedy_round(logits, drafter.markov_w1, drafter.markov_w2, s.anchor[:b],
+                                     proposal_len=drafter.num_draft_tokens, logits_stride=drafter.block_size,
+                                     logits_offset=drafter.slot_offset)
+
+    tokens = markov()
     verify_logits = torch.zeros(b * t, VOCAB, device="cuda")
     parts = {
         "draft forward": draft_forward,
-        "markov": lambda: drafter._vanilla(logits, s.anchor[:b], None, None),
+        "markov": markov,
         "confidence + schedule": lambda: drafter._schedule(hidden, s.anchor[:b], tokens),
         "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, b * t, False),
         "accept alone": lambda: K.greedy_accept(verify_logits, s.draft_tokens[:b], s.proposal_lengths[:b], t - 1),
