@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
 # steps named on the command line, each with its own time limit, logs under $OUT.
-#   scripts/device_run.sh STEP...   steps: tests, gputests, engine, firstcall, prefixchat, backends, breakdown,
+#   scripts/device_run.sh STEP...   steps: tests, gputests, engine, firstcall, prefixchat, capacity, backends, breakdown,
 #   mixed, frontier, demo
 # gputests: every gpu-marked test; engine: plain and DSpark step times of the 8B shape at B = 1 and 64;
 # firstcall: a user's first LLM.generate call against a later one; prefixchat: shared-prefix chat on the
-# 8B shape (64 clients, 2,048-token system prompt, 3 turns), prefix caching on against off.
+# 8B shape (64 clients, 2,048-token system prompt, 3 turns), prefix caching on against off; capacity: concurrent
+# 4,096-token requests in the KV blocks beside the 8B shape, against a per-slot cache.
 # demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target); out/demo and the
 # candidate drafters (out/demo_work/draft, draft_bp; not their training states) sent back as
 # demo.tgz.part-* (15 MiB pieces; here: cat demo.tgz.part-* | tar xzf - -C out); a later call that runs
@@ -34,6 +35,8 @@ for step in "$@"; do
     prefixchat) timeout "${PREFIX_LIMIT:-540}" env DSPARK_REPLAY='{"shape": "qwen3-8b"}' python -m dspark.bench.prefix_chat \
              --out "$OUT/prefixchat" -- --engine-factory dspark.bench.replay:random_engine --max-batch 64 \
              --max-model-len 4096 > "$OUT/prefixchat.log" 2>&1 ;;
+    capacity) timeout "${CAPACITY_LIMIT:-400}" python -m dspark.bench.capacity --shape qwen3-8b --request-tokens 4096 \
+             --new 256 > "$OUT/capacity.json" 2> "$OUT/capacity.log" ;;
     backends) timeout 175 python -m dspark.bench.engine --backends fused,hf --shapes qwen3-8b --batches 1,8,64 \
              --prompt 128 --new 64 --out "$OUT/backends" > "$OUT/backends.log" 2>&1 ;;
     breakdown) timeout 90 python -m dspark.bench.breakdown --case "logits_to_probabilities rows=512 top-p 0.9" \
