@@ -2,11 +2,11 @@
 
 The runner owns everything the GPU touches: both paged KV caches (blocks behind one block table, a
 line per slot: ``max_batch`` slots plus a dummy line for padding rows, which reads and writes only
-the null block), the per-row state (anchor token and position, drafts, their
-probabilities, proposal lengths, the captured hidden states of the last verification, seeds), the
-forwards and the CUDA graphs; what each row sends through the target and keeps of it is its
-``Verifier``, the draft pass its ``DSparkProposer``. Rows ``0 .. n-1`` of a batch bucket ``B`` are the running requests, rows ``n .. B-1``
-padding that reads and writes only the dummy line.
+the null block), the per-row state (anchor token and position, drafts, their probabilities, proposal
+lengths, the captured hidden states of the last verification, seeds), the forwards and the CUDA
+graphs (``graphs.CudaGraphs``, which it inherits); what each row sends through the target and keeps
+of it is its ``Verifier``, the draft pass its ``DSparkProposer``. Rows ``0 .. n-1`` of a batch bucket
+``B`` are the running requests, rows ``n .. B-1`` padding that reads and writes only the dummy line.
 
 One speculative round is two graph replays (``launch_round``) and its readout in two parts::
 
@@ -45,7 +45,6 @@ biased logits, which gives the same tokens).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 from typing import Callable
@@ -57,12 +56,11 @@ from ..model.llama import AttentionBatch, TargetLM
 from .block_manager import BlockTable
 from .chunks import MAX_CHUNKS, ChunkBuffers, PrefillChunk, pads_verify
 from .drafting import Drafter
+from .graphs import CudaGraphs
 from .proposer import DSparkProposer
-from .rows import DraftOverride, RowState, TreeSettings, batch_buckets
+from .rows import DraftOverride, RowState, TreeSettings
 from .step import Proposals, StepPlan, StepResult, readout_columns
 from .verifier import Verifier, sample_rows
-
-log = logging.getLogger("dspark.engine")
 
 __all__ = ["ForwardFailed", "ModelRunner"]
 
@@ -71,7 +69,7 @@ class ForwardFailed(RuntimeError):
     the next forward rewrites): the step can be retried as it was, or without its chunks."""
 
 
-class ModelRunner:
+class ModelRunner(CudaGraphs):
     """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, sampled or not)."""
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
@@ -96,12 +94,7 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks or max_batch * self.block_tables.blocks_per_line + 1
         paged = (self.num_kv_blocks, kv_block_size, self.block_tables.table)
         self.cache = target.new_paged_cache(*paged)
-        self.buckets = batch_buckets(max_batch)
-        self.use_graphs = cuda_graphs and dev.type == "cuda" and getattr(target, "graphable", True)
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
-        self.captures = 0  # graphs captured so far (a step that captures is no measure of host time)
-        self.pool = None
+        self._init_graphs(max_batch, cuda_graphs)
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
         self.drafted = True  # whether the last launched step drafted its rows' next round
         # (verify s, draft s) of the last round without prompt chunks, on a device that runs as it is
@@ -176,9 +169,6 @@ class ModelRunner:
         for t in (s.active, s.anchor, s.anchor_pos, s.ctx_pos):
             t[row] = 0
         self.row_sampled[row] = False
-
-    def bucket(self, rows: int) -> int:
-        return next(b for b in self.buckets if b >= rows)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -292,122 +282,9 @@ class ModelRunner:
         self.readout_sent[part].synchronize()
         return self.host_readouts[part][:rows].clone()
 
-    def capture_graphs(self, plain_rounds: bool = False) -> int:
-        """Capture the graphs of every batch bucket now, greedy and with sampled rows (verify at
-        every token multiple, draft; or decode; with ``plain_rounds``, a DSpark runner's plain round
-        and context-only pass too: the cost scheduler's), and of the steps with prompt chunks
-        (``mixed_shapes``), so that no request waits for a capture later; returns the number of
-        graphs. Call with no request running: the captures replay once on padding rows."""
-        if not self.use_graphs:
-            return 0
-        lens = self.host_lens if self.drafter is not None else None
-        for b in self.buckets:
-            for sampled in (False, True):
-                self._capture_bucket(b, sampled, lens, plain_rounds)
-        for b, num_tokens, bucket in self.mixed_shapes(plain_rounds):
-            for sampled in (False, True) if b else (False,):
-                self._capture_mixed(b, num_tokens, bucket, sampled)
-        torch.cuda.synchronize(self.device)
-        return len(self.graphs)
-
-    def mixed_shapes(self, plain_rounds: bool = False) -> list[tuple[int, int | None, int]]:
-        """(rows bucket, running rows' tokens or None for one decode token per row, chunk bucket) of
-        the steps with prompt chunks a server meets: no running rows or any bucket's; every verify
-        total of a round without chunks (the bucket times 1 .. verify length; a tree's full
-        budget), or a plain round's one token per row (a plain runner's, or with ``plain_rounds``);
-        every power-of-two chunk bucket up to ``GRAPH_CHUNK_TOKENS``; the larger buckets up to the
-        capacity with the running rows' full verify only (``_mixed_step`` pads to it). A chunk bucket
-        cut to a chunk's tokens plus a cache line (``_chunk_bucket``) is captured on first use."""
-        cap = self.chunks.capacity
-        buckets = [c for c in (1 << k for k in range(4, cap.bit_length())) if c < cap] + [cap]
-        small = [c for c in buckets if not pads_verify(c)]
-        large = [c for c in buckets if pads_verify(c)]
-        running: list[int | None] = []
-        if self.drafter is None or plain_rounds:
-            running.append(None)
-        shapes = [(0, None, c) for c in buckets]
-        for b in self.buckets:
-            totals = [] if self.drafter is None else [b * k for k in self._verify_tokens_per_row()]
-            shapes += [(b, n, c) for n in running + totals for c in small]
-            shapes += [(b, n, c) for n in running + totals[-1:] for c in large]
-        return shapes
-
-    def _capture_mixed(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
-        """Capture one step with prompt chunks: ``bucket`` tokens of chunks on the dummy line (each at
-        most a line long), no seat; the running rows verify ``num_tokens / b`` tokens each."""
-        if num_tokens is not None:
-            self.host_lens.fill_(num_tokens // b)
-            self.state.verify_lens[: self.max_batch].copy_(self.host_lens)
-        lengths = [min(self.line, bucket - at) for at in range(0, bucket, self.line)][:MAX_CHUNKS]
-        chunks = [PrefillChunk(slot=self.dummy_slot, start=0, token_ids=[0] * n, row=-1) for n in lengths]
-        self.chunks.stage(chunks, bucket, self.dummy_slot, self.scratch_row)
-        self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
-
-    def _verify_tokens_per_row(self) -> list[int]:
-        """The verify lengths a round's graphs are captured for: a tree's full budget, a chain's 1 .. P + 1."""
-        return [self.verify_len] if self.tree else list(range(1, self.verify_len + 1))
-
-    def _capture_bucket(self, b: int, sampled: bool, lens, plain_rounds: bool) -> None:
-        if self.drafter is None:
-            self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
-            return
-        for k in self._verify_tokens_per_row():  # b * k flat tokens
-            lens.fill_(k)
-            self.state.verify_lens[: self.max_batch].copy_(lens)
-            self._replay(("verify", b, b * k, sampled), lambda: self._verify_rows(b, b * k, sampled))
-        self._draft(b, sampled)
-        if plain_rounds:
-            self._replay(("plain", b, sampled), lambda: self._decode_rows(b, sampled))
-            self._replay(("context", b), lambda: self.proposer.context_rows(b))
-
     def _sampled(self, rows: int) -> bool:
         """Whether any of the first ``rows`` rows samples (then every row takes the sampled path)."""
         return any(self.row_sampled[:rows])
-
-    def _replay(self, key: tuple, fn: Callable[[], None]) -> None:
-        """Replay the graph of ``key`` (captured on first use), or run ``fn`` eagerly when graphs are off."""
-        if not self.use_graphs or key in self.uncapturable:
-            fn()
-            return
-        graph = self.graphs.get(key)
-        if graph is None:
-            restore = self._snapshot()
-            fn()  # warm-up: compiles kernels and sizes their scratch; its writes are undone below
-            torch.cuda.synchronize(self.device)
-            restore()
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.current_stream(self.device)
-            try:
-                with torch.cuda.graph(graph, pool=self.pool):
-                    fn()
-            except Exception:  # noqa: BLE001 -- a capture records, it runs nothing: run it eagerly from now on
-                # a failed capture_end leaves torch.cuda.graph's capture stream current: step back to ours
-                torch.cuda.set_stream(stream)
-                log.warning("the CUDA graph %s could not be captured; it runs eagerly", key, exc_info=True)
-                self.uncapturable.add(key)
-                # a target whose forward failed inside the capture says so (HFTarget): no more captures
-                self.use_graphs = getattr(self.target, "graphable", True)
-                fn()
-                return
-            self.pool = graph.pool()
-            self.graphs[key] = graph
-            self.captures += 1
-        graph.replay()
-
-    def _snapshot(self) -> Callable[[], None]:
-        """Copies of the row state a step writes (and the draft override's buffers), and a
-        function that puts them back: a graph's warm-up run must leave no trace. The captured
-        hidden states and draft probabilities are excluded: every step rewrites the rows it reads."""
-        live = [t for name, t in self.state.tensors() if name not in ("capture", "draft_probs")]
-        if self.draft_override is not None:
-            live += self.draft_override.buffers()
-        saved = [t.clone() for t in live]
-
-        def restore() -> None:
-            for t, value in zip(live, saved):
-                t.copy_(value)
-
-        return restore
 
     # ---- device work (captured) -----------------------------------------------------------------
 
@@ -477,11 +354,6 @@ class ModelRunner:
         settings (its trees grow from the greedy chain), so one graph."""
         sampled = sampled and self.tree is None
         self._replay(("draft", b, 0, sampled), lambda: self._propose(b, sampled))
-
-    def _chunk_bucket(self, n: int) -> int:
-        """Padded chunk tokens of a step: a power of two >= 16 (one graph per bucket), within the
-        step's chunk capacity, with at most a cache line of padding (the padding request's tokens)."""
-        return min(max(16, 1 << max(n - 1, 0).bit_length()), self.chunks.capacity, n + self.line)
 
     def _mixed_rows(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
         """The device work of a mixed step (captured): forward, commit of the running rows, the

@@ -24,7 +24,7 @@ dspark's part; transformers builds no mask for the ragged attention) unless the 
 synchronises the host: ``HFTarget.eager_reason`` names the cases known from the config (dynamic and
 LongRoPE frequencies, mixture-of-experts loops), and the runner runs those eagerly. A forward that
 fails inside a capture sets it too: the runner runs that step and every later one eagerly
-(``ModelRunner._replay``), after one failed capture.
+(``CudaGraphs._replay``), after one failed capture.
 """
 
 from __future__ import annotations
