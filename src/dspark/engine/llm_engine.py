@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable
 
 import numpy as np
 import torch
@@ -29,8 +28,8 @@ from .block_manager import BlockManager, kv_blocks_from_memory
 from .chunks import PrefillChunk
 from .config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, ENGINES, EngineConfig, engine_config
 from .drafting import Drafter
-from .request import (GenerationInterrupted, GenerationResult, Request, RequestOutput, Sequence, SequenceStatus,
-                      TokenLogprobs)
+from .offline import OfflineGeneration
+from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs, token_logprobs
 from .rows import TreeSettings
 from .runner import ForwardFailed, ModelRunner
 from .scheduler import Scheduler
@@ -54,7 +53,7 @@ class EngineDeadError(RuntimeError):
     cannot go on, and its owner should stop."""
 
 
-class LLMEngine:
+class LLMEngine(OfflineGeneration):
     """Serve many requests with one target (and optionally one DSpark draft) on one device.
 
     ``target``: a Hugging Face checkpoint directory or a loaded causal LM (Llama / Qwen2 / Qwen3 run
@@ -192,6 +191,18 @@ class LLMEngine:
             Checker("capture_graphs").fail(f"capture_graphs needs an idle engine, but {len(self.scheduler.running)} "
                                            "requests run")
         return self.runner.capture_graphs(plain_rounds=self.config.scheduler == "cost")
+
+    def plain(self) -> "LLMEngine":
+        """Plain decoding on this engine's target runner (the baseline of ``--compare``), built once,
+        with KV blocks for ``max_batch`` requests of ``max_model_len`` (this engine holds its share
+        of the GPU's memory already: ``gpu_memory_utilization`` None)."""
+        if self._plain is None:
+            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
+                                                               tree_budget=0, gpu_memory_utilization=None))
+            self._plain.eos_ids = self.eos_ids
+            if self.runner.captures:  # captured up front as this engine (LLM): no timed call captures
+                self._plain.capture_graphs()
+        return self._plain
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -493,92 +504,3 @@ class LLMEngine:
                 torch.cuda.synchronize(self.runner.device)
             except Exception as dead:  # noqa: BLE001 -- a sticky CUDA error: nothing can run any more
                 raise EngineDeadError(f"the device failed: {type(dead).__name__}: {dead}") from exc
-
-    # ---- convenience --------------------------------------------------------------------------
-
-    def generate(self, requests: list[Request],
-                 on_output: Callable[[RequestOutput], None] | None = None) -> list[GenerationResult]:
-        """Run ``requests`` to completion (together with any already queued); results in input order."""
-        ids = [self.add_request(r) for r in requests]
-        seqs = {i: self.sequences[i] for i in ids}
-        self._drive(set(ids), on_output)
-        return [GenerationResult(s.output_ids, s.stats, s.finish_reason, error=s.error) for s in seqs.values()]
-
-    def generate_requests(self, requests: list[Request], *,
-                          on_tokens: Callable[[int, list[int]], "bool | None"] | None = None) -> list[GenerationResult]:
-        """Run ``requests`` to completion; one ``GenerationResult`` per request, in order. Every
-        request is checked before any runs; ``on_tokens(i, tokens)`` streams request i's tokens as
-        they are committed (returning True ends it with finish reason ``"stop"``); Ctrl-C raises
-        ``GenerationInterrupted`` with every request's output so far."""
-        if on_tokens is not None and not callable(on_tokens):
-            Checker("generate_requests").fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
-        for request in requests:
-            self.check_request(request)
-        ids = [self.add_request(r) for r in requests]
-        index = {rid: i for i, rid in enumerate(ids)}
-        seqs = [self.sequences[i] for i in ids]
-
-        def forward(out: RequestOutput) -> None:
-            if on_tokens is not None and out.new_token_ids and on_tokens(index[out.request_id], out.new_token_ids):
-                if not out.finished:
-                    self.abort(out.request_id, "stop")
-
-        def results(interrupted: bool = False):
-            return [GenerationResult(s.output_ids, s.stats, s.finish_reason or ("interrupted" if interrupted else "length"))
-                    for s in seqs]
-
-        try:
-            self._drive(set(ids), forward)
-        except KeyboardInterrupt:
-            for seq in seqs:
-                if seq.status is not SequenceStatus.FINISHED:
-                    _stop_clock(seq)
-                    self.abort(seq.request_id, "interrupted")
-            raise GenerationInterrupted(results(True)) from None
-        failed = next((i for i, s in enumerate(seqs) if s.finish_reason == "error"), None)
-        if failed is not None:
-            raise RuntimeError(f"request {failed} failed in the engine: {seqs[failed].error}")
-        return results()
-
-    def _drive(self, wanted: set[int], on_output: Callable[[RequestOutput], None] | None) -> None:
-        """Step until every request in ``wanted`` has finished (aborted ones included)."""
-        seqs = {i: self.sequences[i] for i in wanted}
-        while any(s.status is not SequenceStatus.FINISHED for s in seqs.values()):
-            for out in self.step():
-                if out.request_id in wanted:
-                    if on_output is not None:
-                        on_output(out)
-                    if seqs[out.request_id].status is SequenceStatus.FINISHED:  # on_output may abort it
-                        _stop_clock(seqs[out.request_id])
-        for i in wanted:
-            self.sequences.pop(i, None)
-
-    def plain(self) -> "LLMEngine":
-        """Plain decoding on this engine's target runner (the baseline of ``--compare``), built once,
-        with KV blocks for ``max_batch`` requests of ``max_model_len`` (this engine holds its share
-        of the GPU's memory already: ``gpu_memory_utilization`` None)."""
-        if self._plain is None:
-            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
-                                                               tree_budget=0, gpu_memory_utilization=None))
-            self._plain.eos_ids = self.eos_ids
-            if self.runner.captures:  # captured up front as this engine (LLM): no timed call captures
-                self._plain.capture_graphs()
-        return self._plain
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
-    """``TokenLogprobs`` of ``token_ids[i]`` under the f32 logits row ``logits[i]`` ``[N, V]``: its
-    log-softmax, rank and the ``top`` most likely tokens' (one host transfer each)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
-    chosen = logp.gather(1, ids[:, None])
-    ranks = (logp > chosen).sum(-1) + 1
-    values, index = logp.topk(top, dim=-1) if top else (logp[:, :0], ids[:, None][:, :0])
-    return [TokenLogprobs(t, c, list(zip(i, v)), r) for t, c, r, i, v in
-            zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(), index.tolist(), values.tolist())]
-
-
-def _stop_clock(seq: Sequence) -> None:
-    """A request's total time: from its admission (its time queued is not its own) until now."""
-    if seq.admitted_at:
-        seq.stats.total_time = time.perf_counter() - seq.admitted_at

@@ -15,7 +15,7 @@ from .drafting import SamplingParams
 from .stats import GenerationStats
 
 __all__ = ["FINISH_REASONS", "GenerationInterrupted", "GenerationResult", "Request", "RequestOutput", "Sequence",
-           "SequenceStatus", "TokenLogprobs", "MAX_LOGPROBS"]
+           "SequenceStatus", "TokenLogprobs", "MAX_LOGPROBS", "token_logprobs"]
 
 MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for (OpenAI's limit)
 FINISH_REASONS = ("stop", "length", "interrupted")
@@ -113,6 +113,18 @@ class TokenLogprobs:
     logprob: float
     top: list[tuple[int, float]]
     rank: int | None = None
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of ``token_ids[i]`` under the f32 logits row ``logits[i]`` ``[N, V]``: its
+    log-softmax, rank and the ``top`` most likely tokens' (one host transfer each)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    chosen = logp.gather(1, ids[:, None])
+    ranks = (logp > chosen).sum(-1) + 1
+    values, index = logp.topk(top, dim=-1) if top else (logp[:, :0], ids[:, None][:, :0])
+    return [TokenLogprobs(t, c, list(zip(i, v)), r) for t, c, r, i, v in
+            zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(), index.tolist(), values.tolist())]
 
 
 @dataclass
