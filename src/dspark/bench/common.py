@@ -86,6 +86,14 @@ def try_compile(fn: Callable) -> Callable | None:
         return None
 
 
+def append_row(out: list, make_row) -> None:
+    """Append ``make_row()``; a configuration that fails is reported and skipped, not fatal."""
+    try:
+        out.append(make_row())
+    except Exception as exc:  # noqa: BLE001 - benchmark only
+        print(f"benchmark configuration failed: {type(exc).__name__}: {exc}", flush=True)
+
+
 def row(
     kernel: str,
     backend: str,

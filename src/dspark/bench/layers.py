@@ -25,7 +25,7 @@ import dspark.kernels as K
 from dspark.kernels.triton.layers import _attention_config
 from dspark.model.layers import rope_inv_freq
 
-from .common import capture_graph, cold_l2_us, graph_us, row
+from .common import append_row, capture_graph, cold_l2_us, graph_us, row
 
 MODELS = {
     "qwen3-0.6b": dict(hidden=1024, n_q=16, n_kv=8, d=128, inter=3072),
@@ -44,14 +44,6 @@ def _triton_us(fn) -> float:
 def _reference_us(fn, capturable: bool) -> tuple[float, str]:
     with K.use_backend("reference"):
         return (graph_us(fn), "graph") if capturable else (cold_l2_us(fn), "eager")
-
-
-def _measure(out: list, make_row) -> None:
-    """Append ``make_row()``; a configuration that fails is reported and skipped, not fatal."""
-    try:
-        out.append(make_row())
-    except Exception as exc:  # noqa: BLE001 - benchmark only
-        print(f"benchmark configuration failed: {type(exc).__name__}: {exc}", flush=True)
 
 
 def _op_row(kernel, shape, fn, num_bytes, ceiling) -> dict:
@@ -76,7 +68,7 @@ def _bench_rms_norm(ceiling: float, quick: bool) -> list[dict]:
         for n in _token_counts(quick):
             x, residual = (torch.randn(n, cfg["hidden"], device="cuda", dtype=DTYPE) for _ in range(2))
             weight = torch.randn(cfg["hidden"], device="cuda", dtype=DTYPE)
-            _measure(rows, lambda: _op_row("rms_norm (+ residual)", dict(model=name, N=n, H=cfg["hidden"]),
+            append_row(rows, lambda: _op_row("rms_norm (+ residual)", dict(model=name, N=n, H=cfg["hidden"]),
                                            lambda: K.rms_norm(x, weight, EPS, residual=residual),
                                            4 * x.numel() * x.element_size(), ceiling))
     return rows
@@ -87,7 +79,7 @@ def _bench_silu_and_mul(ceiling: float, quick: bool) -> list[dict]:
     for name, cfg in MODELS.items():
         for n in _token_counts(quick):
             x = torch.randn(n, 2 * cfg["inter"], device="cuda", dtype=DTYPE)
-            _measure(rows, lambda: _op_row("silu_and_mul", dict(model=name, N=n, I=cfg["inter"]),
+            append_row(rows, lambda: _op_row("silu_and_mul", dict(model=name, N=n, I=cfg["inter"]),
                                            lambda: K.silu_and_mul(x), 3 * x.numel() // 2 * x.element_size(), ceiling))
     return rows
 
@@ -107,7 +99,7 @@ def _bench_qk_norm_rope_store(ceiling: float, quick: bool) -> list[dict]:
             token = torch.arange(n, device="cuda")
             slot_ids, positions = token % slots, 100 + token // slots
             num_bytes = n * (2 * n_q + 4 * n_kv) * d * 2 + n * d * 4  # q in+out, k/v in+stored, cos/sin
-            _measure(rows, lambda: _op_row(
+            append_row(rows, lambda: _op_row(
                 "qk_norm_rope_store", dict(model=name, N=n, n_q=n_q, n_kv=n_kv, d=d),
                 lambda: K.qk_norm_rope_store(q, k, v, positions, slot_ids, table, k_cache, v_cache, **norms),
                 num_bytes, ceiling))
@@ -186,7 +178,7 @@ def _bench_attention(ceiling: float, quick: bool) -> list[dict]:
     for name, cfg in MODELS.items():
         for batch, queries, ctx, causal in _attention_shapes(quick):
             a = _Attention(cfg, batch, queries, ctx, causal)
-            _measure(rows, lambda: _attention_row(name, a, ceiling))
+            append_row(rows, lambda: _attention_row(name, a, ceiling))
             del a
     return rows
 

@@ -18,7 +18,7 @@ import dspark.kernels as K
 from dspark.kernels.reference import sampling as ref_sampling
 from dspark.kernels.reference import verify as ref_verify
 
-from .common import baseline_us
+from .common import append_row, baseline_us
 from .common import graph_us as _graph_us
 from .common import row, try_compile
 
@@ -37,14 +37,6 @@ def _compiled_us(fn, *args) -> float | None:
         return baseline_us(lambda: compiled(*args))
     except Exception:  # noqa: BLE001 - benchmark only: report "not measured"
         return None
-
-
-def _measure(out: list, make_row) -> None:
-    """Append ``make_row()``; a configuration that fails is reported and skipped, not fatal."""
-    try:
-        out.append(make_row())
-    except Exception as exc:  # noqa: BLE001 - benchmark only
-        print(f"benchmark configuration failed: {type(exc).__name__}: {exc}", flush=True)
 
 
 def _logits(rows: int, flat: bool, seed: int) -> torch.Tensor:
@@ -116,7 +108,7 @@ def _bench_probabilities(ceiling: float, quick: bool) -> list[dict]:
                                if compiled else None,
                                target=">= 50% of copy bandwidth unfiltered and top-k <= 128; top-p <= 5x unfiltered")
 
-                _measure(out, measure)
+                append_row(out, measure)
     return out
 
 
@@ -129,7 +121,7 @@ def _bench_draws(ceiling: float, quick: bool) -> list[dict]:
             with K.use_backend(backend):
                 K.sample_probability_rows(probs, uniforms, tokens, 3)
 
-        _measure(out, lambda: row(
+        append_row(out, lambda: row(
             "sample_probability_rows", "triton", dict(B=batch, V=VOCAB), _graph_us(lambda: draw("triton")),
             batch * VOCAB * 4, ceiling, reference_us=baseline_us(lambda: draw("reference")),
             compiled_us=None if quick or batch != 64 else _compiled_us(ref_sampling.sample_from_probs, probs,
@@ -158,7 +150,7 @@ def _bench_accept(ceiling: float, quick: bool) -> list[dict]:
                                                                                   *args, None),
                        target=">= 40% of copy bandwidth at B=64, <= 20 us at B=1")
 
-        _measure(out, measure)
+        append_row(out, measure)
     return out
 
 
@@ -186,7 +178,7 @@ def _bench_round(ceiling: float, quick: bool) -> list[dict]:
                                us, ideal_bytes, ceiling, reference_us=reference_us,
                                target="<= 2x reading W2 7 times + writing [B,7,V] fp32 (pct_of_copy_ceiling >= 50)")
 
-                _measure(out, measure)
+                append_row(out, measure)
             yield from out  # row by row as the shapes finish (a long run cut short keeps them)
             out.clear()
 

@@ -66,13 +66,10 @@ class LLMEngine(OfflineGeneration):
         self.config = config = config or EngineConfig()
         c = Checker("LLMEngine")
         self.target, self.draft_model, self.eos_ids = load_models(c, target, draft, config)
-        limit = min(self.target.shape.max_positions, DEFAULT_MAX_MODEL_LEN)
-        if config.max_model_len is not None:
-            if config.max_model_len > self.target.shape.max_positions:
-                c.fail(f"max_model_len {config.max_model_len} exceeds the target's max_position_embeddings "
-                       f"{self.target.shape.max_positions}")
-            limit = config.max_model_len
-        self.max_model_len = limit
+        positions = self.target.shape.max_positions
+        self.max_model_len = limit = config.max_model_len or min(positions, DEFAULT_MAX_MODEL_LEN)
+        if limit > positions:
+            c.fail(f"max_model_len {limit} exceeds the target's max_position_embeddings {positions}")
         drafter = None
         if self.draft_model is not None:
             # the cost scheduler decides on the host from every position's confidence: the drafter
@@ -237,11 +234,7 @@ class LLMEngine(OfflineGeneration):
         joined = self._run_step(StepPlan(rows, lens, draft, chunks), outputs)
         self._launched = (outputs, len(self.scheduler.running) - len(joined), joined, self.runner.drafted)
         end = time.perf_counter()
-        self.metrics.step_time += end - start
-        self.metrics.host_time += end - start
-        self.metrics.host_phases["plan"] += planned - start
-        self.metrics.host_phases["launch"] += end - planned
-        self.metrics.host_overlapped_time += overlapped
+        self.metrics.record_host(end - start, end - start, overlapped, plan=planned - start, launch=end - planned)
         self._step_host = end - start - overlapped
 
     def _run_step(self, plan: StepPlan, outputs) -> list[Sequence]:
@@ -309,10 +302,7 @@ class LLMEngine(OfflineGeneration):
                 if drafted and self._reads_proposals:
                     waited += self._await_proposals(step_rows, outputs)
         elapsed = time.perf_counter() - start
-        self.metrics.step_time += elapsed
-        self.metrics.host_time += elapsed - waited
-        self.metrics.host_phases["commit"] += elapsed - waited
-        self.metrics.host_overlapped_time += hidden
+        self.metrics.record_host(elapsed, elapsed - waited, hidden, commit=elapsed - waited)
         self.metrics.steps += 1
         self._count_round(drafted, self._step_host + elapsed - waited - hidden,
                           self.runner.captures != self._step_captures)

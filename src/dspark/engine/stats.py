@@ -123,6 +123,15 @@ class EngineMetrics:
         self.preemptions = 0  # requests taken out of the batch to run again later (KV blocks ran out)
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up / found in the prefix cache
 
+    def record_host(self, step: float, host: float, overlapped: float, **phases: float) -> None:
+        """Seconds of one half of a step (launch or finish): in all, on the host, on the host while the
+        device still ran a draft pass, and the host's per phase (``HOST_PHASES``)."""
+        self.step_time += step
+        self.host_time += host
+        self.host_overlapped_time += overlapped
+        for phase, seconds in phases.items():
+            self.host_phases[phase] += seconds
+
     def record_rounds(self, verified: np.ndarray, accept_length: np.ndarray) -> None:
         """Count one step's speculative rounds: per row the drafts (tree nodes) it verified and its
         accept length (bonus included), int arrays ``[R]``."""

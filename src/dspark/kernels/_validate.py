@@ -100,11 +100,12 @@ class Checker:
             value = operator.index(value)
         except TypeError:
             self.fail(f"{name} must be an int, got {type(value).__name__} {value!r}", TypeError)
-        if low is not None and value < low or high is not None and value > high:
-            lo = "-inf" if low is None else low
-            hi = "inf" if high is None else high
-            self.fail(f"{name} must be in [{lo}, {hi}], got {value}")
+        self._within(name, value, low, high)
         return int(value)
+
+    def _within(self, name: str, value, low, high) -> None:
+        if low is not None and value < low or high is not None and value > high:
+            self.fail(f"{name} must be in [{'-inf' if low is None else low}, {'inf' if high is None else high}], got {value}")
 
     def boolean(self, name: str, value) -> bool:
         if not isinstance(value, bool):
@@ -118,10 +119,7 @@ class Checker:
         value = float(value)
         if not math.isfinite(value):
             self.fail(f"{name} must be finite, got {value}")
-        if low is not None and value < low or high is not None and value > high:
-            lo = "-inf" if low is None else low
-            hi = "inf" if high is None else high
-            self.fail(f"{name} must be in [{lo}, {hi}], got {value}")
+        self._within(name, value, low, high)
         return value
 
     def ids_in_range(self, name: str, t: torch.Tensor, high: int) -> None:
