@@ -99,10 +99,9 @@ class CudaGraphs:
         graphs. Call with no request running: the captures replay once on padding rows."""
         if not self.use_graphs:
             return 0
-        lens = self.host_lens if self.drafter is not None else None
         for b in self.buckets:
             for sampled in (False, True):
-                self._capture_bucket(b, sampled, lens, plain_rounds)
+                self._capture_bucket(b, sampled, plain_rounds)
         for b, num_tokens, bucket in self.mixed_shapes(plain_rounds):
             for sampled in (False, True) if b else (False,):
                 self._capture_mixed(b, num_tokens, bucket, sampled)
@@ -121,9 +120,7 @@ class CudaGraphs:
         buckets = [c for c in (1 << k for k in range(4, cap.bit_length())) if c < cap] + [cap]
         small = [c for c in buckets if not pads_verify(c)]
         large = [c for c in buckets if pads_verify(c)]
-        running: list[int | None] = []
-        if self.drafter is None or plain_rounds:
-            running.append(None)
+        running: list[int | None] = [None] if self.drafter is None or plain_rounds else []
         shapes = [(0, None, c) for c in buckets]
         for b in self.buckets:
             totals = [] if self.drafter is None else [b * k for k in self._verify_tokens_per_row()]
@@ -146,13 +143,13 @@ class CudaGraphs:
         """The verify lengths a round's graphs are captured for: a tree's full budget, a chain's 1 .. P + 1."""
         return [self.verify_len] if self.tree else list(range(1, self.verify_len + 1))
 
-    def _capture_bucket(self, b: int, sampled: bool, lens, plain_rounds: bool) -> None:
+    def _capture_bucket(self, b: int, sampled: bool, plain_rounds: bool) -> None:
         if self.drafter is None:
             self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
             return
         for k in self._verify_tokens_per_row():  # b * k flat tokens
-            lens.fill_(k)
-            self.state.verify_lens[: self.max_batch].copy_(lens)
+            self.host_lens.fill_(k)
+            self.state.verify_lens[: self.max_batch].copy_(self.host_lens)
             self._replay(("verify", b, b * k, sampled), lambda: self._verify_rows(b, b * k, sampled))
         self._draft(b, sampled)
         if plain_rounds:

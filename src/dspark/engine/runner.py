@@ -84,9 +84,8 @@ class ModelRunner(CudaGraphs):
         self.verify_len = tree.budget if tree is not None else self.num_drafts + 1
         block = drafter.block_size if drafter else 1
         # a round writes past the committed tokens; padding tokens of a ragged verify use the dummy line
-        line = max(max_model_len + self.verify_len + block, max_batch + 1)
+        self.line = line = max(max_model_len + self.verify_len + block, max_batch + 1)
         self.dummy_slot = self.scratch_row = max_batch  # the seat of a chunk that ends no prompt
-        self.line = line
         # paged K/V of the target and the draft, one block table for both (its last line, the dummy
         # line of padding tokens, reads and writes only the null block)
         self.block_tables = BlockTable(max_batch + 1, -(-line // kv_block_size), dev)
@@ -297,9 +296,7 @@ class ModelRunner(CudaGraphs):
         """One target token per row (plain decoding; a DSpark runner's plain round keeps the anchors'
         captured states, the next draft context)."""
         s = self.state
-        capture = None
-        if self.drafter is not None:
-            capture = self._capture_buffer(b)
+        capture = self._capture_buffer(b) if self.drafter is not None else None
         logits = self.target.forward(s.anchor[:b].long(), s.anchor_pos[:b], s.slot_ids[:b],
                                      self.verifier.attention_batch(b, 1), self.cache, capture_out=capture)
         self.verifier.decode_commit(b, logits, sampled, capture)
@@ -391,9 +388,7 @@ class ModelRunner(CudaGraphs):
         parts.append((ch.ids[:bucket], meta["positions"][:bucket], meta["slots"][:bucket], meta["positions"][:bucket]))
         ids, positions, slots, cache_rows = (torch.cat([p[k] for p in parts]) for k in range(4))
         logit_rows = torch.cat([torch.arange(split, device=self.device), split + ch.seat_last])
-        capture = None
-        if self.proposer is not None:
-            capture = self._capture_buffer(ids.numel())
+        capture = self._capture_buffer(ids.numel()) if self.proposer is not None else None
         logits = self.target.forward(ids, positions, slots, groups, self.cache, capture_out=capture,
                                      logits_rows=logit_rows, cache_positions=cache_rows if self.tree else None)
         return positions, slots, flat, split, capture, logits
