@@ -4,10 +4,13 @@ A graph is keyed by its shape -- ``("decode", B, 1, sampled)``, ``("verify", B, 
 ``("draft", B, 0, sampled)``, ``("plain", B, sampled)``, ``("context", B)``, and
 ``("mixed", B, N, chunk bucket, sampled)`` for a step with prompt chunks -- where ``B`` is the batch
 bucket the running rows pad up to (``rows.batch_buckets``) and ``sampled`` whether any row samples
-or biases its logits (then every row takes the sampled path). Steps with prompt chunks pad the chunk
-tokens to power-of-two buckets (``_chunk_bucket``), so ``capture_graphs`` can capture every shape a
-server meets before it serves (``mixed_shapes``). A capture that fails runs eagerly from then on
-(``uncapturable``). ``ModelRunner`` inherits this: the graphs' state lives on the runner.
+or biases its logits (then every row takes the sampled path). Steps with prompt chunks pad their
+chunk tokens to power-of-two buckets (``_chunk_bucket``; staged at fixed addresses: ``ChunkBuffers``)
+and are captured up front with the rest (``capture_graphs``: ``mixed_shapes``): up to
+``GRAPH_CHUNK_TOKENS`` chunk tokens for every verify total the scheduler may choose; above it the
+running rows' verify is padded to every row's full length, so that each larger chunk bucket needs
+one graph per rows bucket. A capture that fails runs eagerly from then on (``uncapturable``).
+``ModelRunner`` inherits this: the graphs' state lives on the runner.
 """
 
 from __future__ import annotations

@@ -23,11 +23,7 @@ Prompts are run in chunks inside the same step (``PrefillChunk``: extra requests
 forward, after the running rows' verify or decode tokens, each group with its own attention
 launch); a request whose prompt ends in a step takes the next row, gets its first token from the
 prompt's last logits and is drafted by that step's draft pass with the others -- nothing is
-re-drafted on admission. Steps with chunks replay graphs too (chunk tokens padded to power-of-two
-buckets, staged at fixed addresses: ``ChunkBuffers``), captured up front with the rest
-(``capture_graphs``: ``mixed_shapes``): up to ``GRAPH_CHUNK_TOKENS`` chunk tokens for every verify
-total the scheduler may choose; above it the running rows' verify is padded to every row's full
-length, so that each larger chunk bucket needs one graph per rows bucket.
+re-drafted on admission. Steps with chunks replay graphs too (graphs.py).
 
 Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. A
 DSpark runner can run plain rounds too (``launch_round(rows, None, ...)``: the cost scheduler's
