@@ -42,6 +42,7 @@ import torch
 
 from .. import kernels as K
 from ..kernels._validate import HALF_DTYPES, Checker
+from .structured import StructuredOutputs
 
 __all__ = ["Drafter", "Proposal", "RowSampling", "SamplingParams", "SCHEDULERS", "MAX_LOGIT_BIAS_TOKENS",
            "LOGIT_BIAS_LIMIT", "request_probabilities"]
@@ -64,7 +65,8 @@ class SamplingParams:
     ``temperature < K.GREEDY_TEMPERATURE`` or ``top_k == 1``: the argmax of the biased logits.
     ``logit_bias`` is stored as ``((token id, bias), ...)`` sorted by id (a mapping or pairs are
     taken; at most ``MAX_LOGIT_BIAS_TOKENS`` ids, each once); the engine checks the ids against its
-    vocabulary.
+    vocabulary. ``structured_outputs``: what the output must match (``structured.StructuredOutputs``:
+    a JSON schema, any JSON object, a regex, a choice, an EBNF grammar), or None.
     """
 
     temperature: float = 0.0
@@ -73,6 +75,7 @@ class SamplingParams:
     seed: int = 0
     min_p: float = 0.0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         c = Checker("SamplingParams")
@@ -85,6 +88,9 @@ class SamplingParams:
         c.integer("seed", self.seed, low=0, high=2**64 - 1)
         c.real("min_p", self.min_p, low=0.0, high=1.0)
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(c, self.logit_bias))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            c.fail("structured_outputs must be a StructuredOutputs (or None), got "
+                   f"{type(self.structured_outputs).__name__}", TypeError)
 
     @property
     def greedy(self) -> bool:

@@ -56,6 +56,7 @@ from .graphs import CudaGraphs
 from .proposer import DSparkProposer
 from .rows import DraftOverride, RowState, TreeSettings
 from .step import Proposals, StepPlan, StepResult, readout_columns
+from .structured import FREE_MASK, apply_bitmask, bitmask_width
 from .verifier import Verifier, sample_rows
 
 __all__ = ["ForwardFailed", "ModelRunner"]
@@ -92,6 +93,9 @@ class ModelRunner(CudaGraphs):
         self._init_graphs(max_batch, cuda_graphs)
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
         self.drafted = True  # whether the last launched step drafted its rows' next round
+        # host work between a step's target pass and its draft pass (the engine's, for constrained
+        # rows: the drafter's grammar masks after the committed tokens); None: the passes run back to back
+        self.between_passes: Callable[[], None] | None = None
         # (verify s, draft s) of the last round without prompt chunks, on a device that runs as it is
         # called (the CPU); None elsewhere (a GPU round is timed only as a whole, at its readout)
         self.round_times: tuple[float, float] | None = None
@@ -106,10 +110,12 @@ class ModelRunner(CudaGraphs):
             top_k=torch.zeros(r, **i32), top_p=torch.ones(r, device=dev), min_p=torch.zeros(r, device=dev),
             logit_bias=torch.zeros(r, target.vocab_size, device=dev),
             draft_tokens=torch.zeros(r, max(p, 1), **i32), proposal_lengths=torch.full((r,), max(p, 1), **i32),
-            accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32))
+            accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32),
+            grammar_mask=torch.full((r, t, bitmask_width(target.vocab_size)), FREE_MASK, **i32))
         if drafter is not None:
             self.state.verify_lens = torch.ones(r, **i32)
             self.state.confidence = torch.zeros(r, p, device=dev)
+            self.state.draft_mask = torch.full((r, bitmask_width(target.vocab_size)), FREE_MASK, **i32)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
             if tree is None:  # sampled chain drafting (trees draft greedily); allocated here, as every row
                 # buffer: one made inside the engine's inference-mode step could not be written outside it
@@ -163,6 +169,9 @@ class ModelRunner(CudaGraphs):
         s.slot_ids[row] = self.dummy_slot
         for t in (s.active, s.anchor, s.anchor_pos, s.ctx_pos):
             t[row] = 0
+        for mask in (s.grammar_mask, s.draft_mask):
+            if mask is not None:
+                mask[row] = FREE_MASK
         self.row_sampled[row] = False
 
     # ---- one step -----------------------------------------------------------------------------
@@ -221,6 +230,7 @@ class ModelRunner(CudaGraphs):
         start = time.perf_counter()
         self._replay(key, target_pass)
         self._send_readout(0)
+        self._between_passes()
         verified = time.perf_counter()
         if self.drafted:
             self._draft(b, sampled)
@@ -229,6 +239,10 @@ class ModelRunner(CudaGraphs):
         self._send_readout(1)
         if self.device.type == "cpu":
             self.round_times = (verified - start, time.perf_counter() - verified)
+
+    def _between_passes(self) -> None:
+        if self.between_passes is not None and self.drafter is not None:
+            self.between_passes()
 
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
@@ -335,6 +349,7 @@ class ModelRunner(CudaGraphs):
             num_tokens = b * self.verify_len
         self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         self._send_readout(0)
+        self._between_passes()
         for c in joined:
             self.row_sampled[c.row] = not c.sampling.plain_argmax
         total = rows + len(joined)
@@ -401,6 +416,7 @@ class ModelRunner(CudaGraphs):
         ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
         ch.write_seat_biases(s.logit_bias)
         settings = replace(ch.seat_sampling, logit_bias=s.logit_bias[rows])
+        apply_bitmask(logits, s.grammar_mask[rows, 0])
         drawn = sample_rows(logits, settings, ch.seat_seeds, ends - 1, self.workspace)
         tokens = torch.where(ch.seat_anchors >= 0, ch.seat_anchors, drawn).to(torch.int32)
         for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
