@@ -24,6 +24,7 @@ from .llm_engine import LLMEngine, engine_config
 from .request import GenerationInterrupted, GenerationResult, Request
 from .target import load_target_model, resolve_device
 from .drafting import SamplingParams
+from .structured import StructuredOutputs
 from .text import TextStream
 
 __all__ = ["LLM", "generate", "generate_texts", "load_tokenizer", "encode_prompts", "TOKENIZER_FILES"]
@@ -164,6 +165,7 @@ class LLM:
         if allow_pickle and isinstance(target, str):  # the engine's own loader reads safetensors only
             target = load_target_model(target, device=device, dtype=dtype, allow_pickle=True)
         self.decoder = LLMEngine(target, draft, config)
+        self.decoder.tokenizer = self.tokenizer  # what structured outputs compile against
         start = time.perf_counter()
         graphs = self.decoder.capture_graphs()  # none on a CPU or eagerly
         if graphs:
@@ -173,7 +175,8 @@ class LLM:
                  top_p: float = 1.0, seed: int = 0, min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
                  ignore_eos: bool = False, stop: str | Sequence[str] | None = None,
-                 on_tokens: Callable[[list[int]], "bool | None"] | None = None
+                 on_tokens: Callable[[list[int]], "bool | None"] | None = None,
+                 structured_outputs: StructuredOutputs | None = None
                  ) -> GenerationResult | list[GenerationResult]:
         """Generate for ``prompts``: one prompt -- a string (tokenized with the tokenizer), a list of
         token ids or a 1-D tensor -- or a list of prompts; returns one ``GenerationResult`` or a
@@ -182,12 +185,14 @@ class LLM:
         string, ``max_new_tokens`` tokens, or the context. ``on_tokens(tokens)`` streams a single
         prompt's tokens as they are accepted. Sampling as vLLM's sampler (``SamplingParams``):
         ``logit_bias`` (token id -> bias in [-100, 100], added to the logits, greedy decoding's too),
-        ``temperature`` (0 = greedy), ``min_p``, ``top_k``, ``top_p`` (the standard nucleus), ``seed``."""
+        ``temperature`` (0 = greedy), ``min_p``, ``top_k``, ``top_p`` (the standard nucleus), ``seed``.
+        ``structured_outputs``: what every output must match (``StructuredOutputs``: a JSON schema, any
+        JSON object, a regex, a choice, an EBNF grammar); the output ends when it is complete."""
         c = Checker("generate")
         if on_tokens is not None and not callable(on_tokens):
             c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
         stop = _stop_strings(c, stop)
-        sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, logit_bias or ())
+        sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, logit_bias or (), structured_outputs)
         batch, single = encode_prompts(prompts, self.tokenizer)
         if on_tokens is not None and not single:
             c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
@@ -205,7 +210,7 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
              scheduler: str = "off", threshold: float = 0.0,
              eos_token_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
-             tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
+             structured_outputs: StructuredOutputs | None = None, tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
              dtype=None, engine: str = "auto", max_batch: int = 64, no_draft: bool = False, cost_table=None,
              min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False,
              enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = 0.9,
@@ -229,7 +234,7 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
               gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks, kv_block_size=kv_block_size)
     return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, min_p=min_p, logit_bias=logit_bias, eos_token_id=eos_token_id, ignore_eos=ignore_eos,
-                        stop=stop, on_tokens=on_tokens)
+                        stop=stop, on_tokens=on_tokens, structured_outputs=structured_outputs)
 
 
 def _models(c: Checker, target, draft, no_draft: bool):
