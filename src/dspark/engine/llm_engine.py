@@ -141,8 +141,8 @@ class LLMEngine(OfflineGeneration):
         stops = self.check_request(request)
         seq = Sequence(self._next_id, request, stops, prefill_len=len(request.prompt_ids))
         spec = request.sampling.structured_outputs
-        if spec is not None:  # rolls back a verify window's drafts at most
-            seq.grammar = self.grammars().matcher(spec, max_rollback=self.runner.verify_len)
+        if spec is not None:
+            seq.grammar = self.grammars().matcher(spec)
         seq.stats.num_drafts, seq.stats.prompt_tokens = self.num_drafts, len(request.prompt_ids)
         if request.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(request.prompt_ids)

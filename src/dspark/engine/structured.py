@@ -107,7 +107,9 @@ class Grammars:
 
         self.vocab_size, self.width = vocab_size, bitmask_width(vocab_size)
         self.stop_ids = sorted(stop_ids)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids or None)
+        if not self.stop_ids:  # a grammar is complete when it takes a stop token
+            raise ValueError("structured_outputs need the target's end-of-sequence token id, and it has none")
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
         self.compiler = xgr.GrammarCompiler(info)
 
     def compile(self, spec: StructuredOutputs):
@@ -127,12 +129,11 @@ class Grammars:
         except Exception as exc:  # noqa: BLE001 -- xgrammar raises RuntimeError / ValueError / its own
             raise ValueError(f"structured_outputs: the {kind} cannot be compiled: {_first_line(exc)}") from None
 
-    def matcher(self, spec: StructuredOutputs, max_rollback: int) -> "RequestGrammar":
-        """A fresh matcher of ``spec`` for one request, able to roll back ``max_rollback`` tokens."""
+    def matcher(self, spec: StructuredOutputs) -> "RequestGrammar":
+        """A fresh matcher of ``spec`` for one request."""
         import xgrammar as xgr
 
-        matcher = xgr.GrammarMatcher(self.compile(spec), max_rollback_tokens=max_rollback)
-        return RequestGrammar(matcher, self.width)
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.width)
 
 
 def _first_line(exc: Exception) -> str:
