@@ -138,9 +138,9 @@ class ForcedDrafts:
 
 def test_drafts_are_cut_to_their_valid_prefix_and_each_position_takes_its_own_state(demo):
     """Drafts that follow plain greedy decoding under the grammar (what the target will choose) up
-    to a refused token at position 2: every round verifies exactly the two valid drafts and accepts
-    them (a mask row taken from another state would change the masked argmax), and the output is
-    plain greedy's."""
+    to a refused token at position 2: every round verifies the two valid drafts and the refused one
+    (cut after it), accepts the two and rejects the third (a mask row taken from another state would
+    change the masked argmax), and the output is plain greedy's."""
     pair, tokenizer, prompts, engine, plain = demo
     request = Request(prompts[0], 40, SamplingParams(structured_outputs=SPECS[0]))
     expected = plain.generate([request])[0].token_ids
@@ -152,7 +152,7 @@ def test_drafts_are_cut_to_their_valid_prefix_and_each_position_takes_its_own_st
         engine.runner.draft_override = None
     assert result.token_ids == expected
     rounds = result.stats.scheduled_lengths[:-1]  # the last round may be cut by the request's end
-    assert rounds and set(rounds) == {2} and set(result.stats.accept_lengths[:-1]) == {3}
+    assert rounds and set(rounds) == {3} and set(result.stats.accept_lengths[:-1]) == {3}
 
 
 def test_a_window_masks_each_position_by_the_state_before_it(demo):

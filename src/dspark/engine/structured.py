@@ -4,7 +4,8 @@ its ``GrammarMatcher`` tracks one request's state and fills token bitmasks).
 
 How a grammar stays exact under speculative decoding (docs/structured-outputs.md): each round the
 host advances the request's matcher through the round's drafts, one bitmask row per verify position
-(the state after the drafts before it), cuts the drafts to their grammar-valid prefix, and rolls the
+(the state after the drafts before it), cuts the drafts after the first one the grammar refuses (that
+one is verified and rejected by its mask: its residual draw keeps sampling exact), and rolls the
 matcher back; the rows are staged into the runner's fixed ``[rows, verify_len, ceil(V / 32)]`` int32
 buffer (all ones for a free row) and the target's logits at every verify position are masked before
 acceptance, so greedy takes the masked argmax and speculative sampling reproduces the masked
@@ -156,8 +157,8 @@ class RequestGrammar:
     def window(self, drafts: list[int], out: torch.Tensor) -> int:
         """Fill ``out`` int32 ``[len(drafts) + 1, width]``: row j the bitmask after the committed
         tokens and ``drafts[:j]``, for each j up to the grammar-valid prefix of ``drafts``; rows after
-        it are left as they are (never read: the row after an invalid draft belongs to a rejected
-        position). Returns the length of the valid prefix; the matcher is rolled back."""
+        it are left as they are (never read: they follow a refused draft, which its row rejects).
+        Returns the length of the valid prefix; the matcher is rolled back."""
         m = self.matcher
         m.fill_next_token_bitmask(out, 0)
         valid = 0
@@ -227,9 +228,11 @@ class GrammarStager:
 
     def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None):
         """Masks of the constrained running ``rows`` for this round, and the round's verify lengths
-        cut to each row's grammar-valid drafts (the anchor and at least one draft: an invalid first
-        draft is verified under its mask, which rejects it). ``drafts`` int ``[rows, P]`` on the host
-        (None for a plain round, ``verify_lens`` None: one position per row)."""
+        cut after each row's first grammar-refused draft. That draft stays: its mask gives it target
+        probability 0, so it is rejected and its position draws from the residual of its q, as
+        speculative sampling must -- drawing there from the target's distribution instead (cutting it
+        too) would skew a sampled row's output towards q's valid tokens. ``drafts`` int ``[rows, P]``
+        on the host (None for a plain round, ``verify_lens`` None: one position per row)."""
         lens = None if verify_lens is None else list(verify_lens)
         for r in rows:
             masks = self.verify_masks[r.row]
@@ -237,7 +240,7 @@ class GrammarStager:
                 r.grammar.next_mask(masks[0])
             else:
                 valid = r.grammar.window(drafts[r.row, :lens[r.row] - 1].tolist(), masks)
-                lens[r.row] = 1 + max(1, min(lens[r.row] - 1, valid))
+                lens[r.row] = 1 + min(lens[r.row] - 1, valid + 1)
             self.state.grammar_mask[r.row].copy_(masks, non_blocking=True)
         return lens
 
