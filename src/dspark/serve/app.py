@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from ..engine.drafting import LOGIT_BIAS_LIMIT, SamplingParams
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request, RequestOutput, TokenLogprobs
+from ..engine.structured import StructuredOutputs
 from .engine_loop import ACCEPTED, EngineDead, EngineLoop, Handle, QueueFull, ServerClosing
 from .engine_process import EngineClient
 from .metrics import Latency, ServerCounters, registry
@@ -174,6 +175,54 @@ def _http_error(raw: HTTPRequest, exc: HTTPException) -> JSONResponse:
     else:
         message = f"{where}: {exc.detail}"
     return APIError(exc.status_code, message, headers=exc.headers).response()
+
+
+STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured_outputs keys we take
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """The request's structured output from whichever field carries it (``response_format``,
+    ``structured_outputs``, ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``), or None; 400 naming the field when it is malformed or more than one is set.
+    Whether it compiles the engine says (400 too)."""
+    given = []
+    fmt = body.response_format
+    if fmt is not None and fmt != {"type": "text"}:
+        given.append(("response_format", _response_format(fmt)))
+    if body.structured_outputs is not None:
+        unknown = sorted(set(body.structured_outputs) - set(STRUCTURED_KEYS))
+        if unknown:
+            raise APIError(400, f"structured_outputs: unsupported key(s) {unknown}; this server takes "
+                                f"{list(STRUCTURED_KEYS)}", "structured_outputs")
+        given.append(("structured_outputs", {k: v for k, v in body.structured_outputs.items() if v is not None}))
+    for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(body, field) is not None:
+            given.append((field, {key: getattr(body, field)}))
+    if len(given) > 1:
+        raise APIError(400, f"at most one structured output per request, got {', '.join(f for f, _ in given)}",
+                       given[1][0])
+    if not given:
+        return None
+    (field, spec), = given
+    try:
+        return StructuredOutputs(**spec)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"{field}: {exc}", field) from None
+
+
+def _response_format(fmt: dict) -> dict:
+    """OpenAI's ``response_format`` as ``StructuredOutputs`` fields."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise APIError(400, "response_format: type json_schema needs json_schema.schema", "response_format")
+        return {"json": schema}
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {short_repr(kind)}",
+                   "response_format")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -606,9 +655,11 @@ class _Server:
                  logprobs: int | None, prompt_logprobs: int | None) -> Request:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # vLLM's -1 / 0: off
         logit_bias = _logit_bias(body.logit_bias)
+        structured = structured_outputs(body)
         try:
             sampling = SamplingParams(1.0 if body.temperature is None else body.temperature, top_k,
-                                      1.0 if body.top_p is None else body.top_p, seed, body.min_p or 0.0, logit_bias)
+                                      1.0 if body.top_p is None else body.top_p, seed, body.min_p or 0.0, logit_bias,
+                                      structured)
             return Request(prompt_ids, max_tokens, sampling, stop_ids=tuple(sorted(stop_ids)),
                            ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except (ValueError, TypeError) as exc:
