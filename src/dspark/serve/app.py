@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from ..engine.request import Request, RequestOutput, TokenLogprobs
 from ..engine.structured import StructuredOutputs
 from .engine_loop import ACCEPTED, EngineDead, EngineLoop, Handle, QueueFull, ServerClosing
 from .engine_process import EngineClient
+from .tools import ToolCallStream, ToolChoice, ToolError
 from .metrics import Latency, ServerCounters, registry
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
@@ -186,6 +188,11 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
     ``guided_grammar``), or None; 400 naming the field when it is malformed or more than one is set.
     Whether it compiles the engine says (400 too)."""
     given = []
+    if isinstance(body, ChatCompletionRequest):
+        tools = _tool_choice(body)
+        schema = None if tools is None else tools.schema()
+        if schema is not None:
+            given.append(("tool_choice", {"json": schema}))
     fmt = body.response_format
     if fmt is not None and fmt != {"type": "text"}:
         given.append(("response_format", _response_format(fmt)))
@@ -209,6 +216,14 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
         return StructuredOutputs(**spec)
     except (ValueError, TypeError) as exc:
         raise APIError(400, f"{field}: {exc}", field) from None
+
+
+def _tool_choice(body: ChatCompletionRequest) -> ToolChoice | None:
+    """The request's ``tools`` / ``tool_choice`` (``tools.ToolChoice``); 400 naming the field."""
+    try:
+        return ToolChoice.of(body.tools, body.tool_choice)
+    except ToolError as exc:
+        raise APIError(400, str(exc), exc.param) from None
 
 
 def _response_format(fmt: dict) -> dict:
@@ -486,7 +501,8 @@ class _Server:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, f"top_logprobs ({body.top_logprobs}) needs logprobs: true", "top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        prompt_ids = self._chat_prompt(body)
+        tools = _tool_choice(body)
+        prompt_ids = self._chat_prompt(body, tools)
         wanted = body.max_completion_tokens or body.max_tokens
         choices = await self._start(body, [prompt_ids], [self._max_tokens(prompt_ids, wanted, "messages")], k,
                                     body.prompt_logprobs)
@@ -497,10 +513,18 @@ class _Server:
             return None if k is None else self._chat_logprobs([lp for p in pieces for lp in p.logprobs], k)
 
         if body.stream:
+            streams = {g.index: ToolCallStream(tools) for g in choices.gens} if tools is not None else {}
+
             def chunk(gen: Generation, piece: Piece, first: bool, usage: UsageInfo | None) -> ChatCompletionChunk:
+                content, calls, finish = piece.text, None, piece.finish_reason
+                stream = streams.get(gen.index)
+                if stream is not None:
+                    content, calls = _tool_delta(stream, piece)
+                    finish = _tool_finish(finish, stream.calls)
                 choice = ChatStreamChoice(
-                    index=gen.index, delta=DeltaMessage(role="assistant" if first else None, content=piece.text),
-                    logprobs=logprobs([piece]), finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
+                    index=gen.index, delta=DeltaMessage(role="assistant" if first else None, content=content,
+                                                        tool_calls=calls),
+                    logprobs=logprobs([piece]), finish_reason=finish, stop_reason=piece.stop_reason,
                     token_ids=piece.token_ids if tokens else None)
                 return ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage,
                                            prompt_token_ids=prompt_out if first else None)
@@ -508,11 +532,18 @@ class _Server:
             return self._sse(choices, body, chunk,
                              lambda usage: ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=usage))
         pieces = await self._collect(raw, choices)
-        choice_list = [ChatChoice(index=g.index, message=AssistantMessage(content="".join(p.text for p in ps)),
-                                  logprobs=logprobs(ps), finish_reason=ps[-1].finish_reason,
+
+        def message(ps: list[Piece]) -> tuple[AssistantMessage, str | None]:
+            text = "".join(p.text for p in ps)
+            if tools is None:
+                return AssistantMessage(content=text), ps[-1].finish_reason
+            content, calls = tools.parse(text)
+            return AssistantMessage(content=content, tool_calls=calls), _tool_finish(ps[-1].finish_reason, len(calls))
+
+        choice_list = [ChatChoice(index=g.index, message=msg, logprobs=logprobs(ps), finish_reason=finish,
                                   stop_reason=ps[-1].stop_reason,
                                   token_ids=[t for p in ps for t in p.token_ids] if tokens else None)
-                       for g in choices.gens for ps in [pieces[g.index]]]
+                       for g in choices.gens for ps in [pieces[g.index]] for msg, finish in [message(ps)]]
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choice_list, usage=choices.usage,
                                       prompt_token_ids=prompt_out,
                                       prompt_logprobs=self._prompt_logprobs(choices.gens[0].prompt_logprobs,
@@ -574,7 +605,7 @@ class _Server:
             return sent
         return "" if self.tokenizer is None else self.tokenizer.decode(prompt_ids)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolChoice | None) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer, which chat needs: use /v1/completions with token ids",
                            "messages")
@@ -587,10 +618,13 @@ class _Server:
                                 "not available: use /v1/completions, or start the server with --chat-template FILE",
                            "messages")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
-                     else "".join(part.text for part in m.content), **({"name": m.name} if m.name else {})}
+                     else "".join(part.text for part in m.content), **({"name": m.name} if m.name else {}),
+                     **({"tool_calls": _template_calls(m.tool_calls)} if m.tool_calls else {}),
+                     **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
                     for m in body.messages]
+        tools = None if tools is None else list(tools.tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools,
                                                       add_generation_prompt=body.add_generation_prompt)
         except TemplateError as exc:
             raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
@@ -792,6 +826,35 @@ class _Server:
                 choices.close()
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _tool_delta(stream: ToolCallStream, piece: Piece) -> tuple[str | None, list[dict] | None]:
+    """A streamed piece's content and tool-call deltas (the calls completed at the end)."""
+    content, calls = stream.feed(piece.text)
+    if piece.finish_reason is not None:
+        more, finished = stream.finish()
+        content, calls = (content or "") + (more or "") or None, calls + finished
+    return content, calls or None
+
+
+def _tool_finish(reason: str | None, calls: int) -> str | None:
+    """An answer that ended by itself with tool calls ends with ``"tool_calls"`` (OpenAI's)."""
+    return "tool_calls" if reason == "stop" and calls else reason
+
+
+def _template_calls(calls: list[dict]) -> list[dict]:
+    """An assistant turn's ``tool_calls`` as chat templates read them: Qwen's and Hermes' write
+    ``function.arguments`` as JSON, so a string of it is parsed back (others stay as sent)."""
+    out = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass
+        out.append({**call, "function": function})
+    return out
 
 
 def _prompt_list(prompt) -> list:

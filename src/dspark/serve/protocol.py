@@ -74,7 +74,7 @@ NOOP_VALUES: dict[str, tuple] = {
 COMPLETION_NOOPS = {**NOOP_VALUES, "suffix": (None, ""), "add_special_tokens": (None, True), "prompt_embeds": (None,)}
 CHAT_NOOPS = {**NOOP_VALUES, "add_special_tokens": (None, False), "continue_final_message": (None, False),
               "documents": (None,), "chat_template_kwargs": (None, {})}
-MESSAGE_NOOPS = {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "refusal": (None,),
+MESSAGE_NOOPS = {"function_call": (None,), "refusal": (None,),
                  "audio": (None,), "reasoning_content": (None,), "reasoning": (None,)}
 
 
@@ -201,6 +201,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, to the chat template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -213,6 +215,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # vLLM's echo of the last message: refused (not implemented)
+    tools: list[dict] | None = None  # OpenAI's function tools (``tools.ToolChoice``)
+    tool_choice: Union[str, dict, None] = None
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -321,6 +325,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatStreamChoice(BaseModel):
