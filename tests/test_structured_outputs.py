@@ -157,22 +157,26 @@ def test_drafts_are_cut_to_their_valid_prefix_and_each_position_takes_its_own_st
 
 def test_a_window_masks_each_position_by_the_state_before_it(demo):
     """``RequestGrammar.window``: row j is a fresh matcher's bitmask after the first j drafts, the
-    valid prefix stops at the first refused draft, and the matcher is rolled back."""
+    valid prefix stops at the first refused draft, a position the grammar forces to one token takes
+    it (here the EOS once the regex is complete), and the matcher is rolled back."""
     pair, tokenizer, _, engine, _ = demo
     grammars = engine.grammars()
-    spec = StructuredOutputs(regex=r"[0-9]+x")
-    ids = tokenizer("12x")["input_ids"] + [tokenizer("a")["input_ids"][0]]
-    grammar = grammars.matcher(spec)
-    out = torch.full((len(ids) + 1, grammars.width), FREE_MASK, dtype=torch.int32)
-    valid = grammar.window(ids, out)
-    assert valid == len(ids) - 1
-    for j in range(valid + 1):
-        fresh = grammars.matcher(spec)
-        assert fresh.advance(ids[:j]) is False
-        row = torch.zeros(1, grammars.width, dtype=torch.int32)
-        fresh.next_mask(row[0])
-        assert torch.equal(out[j], row[0]), j
-    assert grammar.advance(ids[:valid]) is False  # rolled back: the drafts are taken again
+    prefix = tokenizer("12x")["input_ids"]
+    refused = tokenizer("z")["input_ids"]
+    for spec, valid, forced in ((StructuredOutputs(regex=r"[0-9]+x[a-c]"), len(prefix), {}),
+                                (StructuredOutputs(regex=r"[0-9]+x"), len(prefix) + 1, {len(prefix): engine.eos_ids})):
+        grammar = grammars.matcher(spec)
+        out = torch.full((len(prefix) + 2, grammars.width), FREE_MASK, dtype=torch.int32)
+        window = grammar.window(prefix + refused, out)
+        assert window.valid == valid and {k: {v} for k, v in window.forced.items()} == {
+            k: set(v) for k, v in forced.items()}
+        for j in range(len(prefix) + 1):
+            fresh = grammars.matcher(spec)
+            assert fresh.advance(prefix[:j]) is False
+            row = torch.zeros(1, grammars.width, dtype=torch.int32)
+            fresh.next_mask(row[0])
+            assert torch.equal(out[j], row[0]), j
+        assert grammar.advance(prefix) is False  # rolled back: the drafts are taken again
 
 
 def test_bad_specs_name_the_problem(demo):
@@ -200,8 +204,7 @@ EOS = 4
 @pytest.fixture(scope="module")
 def bigram_grammar_pair(one_thread):
     """A bigram target over tokens a b c d (and EOS, biased away), a random draft, a tokenizer, and
-    the chain the regex ``([ab][cd])+`` leaves: after a / b the target's distribution over c / d,
-    after c / d over a / b (each renormalised), the grammar's state being the last token's."""
+    the target's logits after each of a b c d ``[4, 4]``."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -213,19 +216,27 @@ def bigram_grammar_pair(one_thread):
     draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), 0, target)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
         {"a": 0, "b": 1, "c": 2, "d": 3, "<eos>": EOS}, unk_token="a")), eos_token="<eos>")
-    allowed = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
-    chain = logits.masked_fill(~allowed, -float("inf")).softmax(-1)
-    return target, draft, tokenizer, chain
+    return target, draft, tokenizer, logits
+
+
+# regex -> tokens allowed after a, b, c, d (the grammar's state is the last token's); the second forces
+# b after c / d and a after b (the EOS aside), which the engine drafts itself (``Window.forced``)
+GRAMMAR_CHAINS = {"([ab][cd])+": [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]],
+                  "(a[cd]b)+": [[0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]]}
 
 
 @pytest.mark.slow
-def test_sampled_outputs_follow_the_masked_target(bigram_grammar_pair):
+@pytest.mark.parametrize("regex", list(GRAMMAR_CHAINS))
+def test_sampled_outputs_follow_the_masked_target(bigram_grammar_pair, regex):
     """Every transition of sampled speculative outputs under the grammar follows the target's masked
-    distribution; the same outputs do not follow the unmasked one (the check has teeth)."""
-    target, draft, tokenizer, chain = bigram_grammar_pair
+    distribution (after each token, the target's distribution over what the grammar allows next,
+    renormalised); the same outputs do not follow the unmasked one (the check has teeth)."""
+    target, draft, tokenizer, logits = bigram_grammar_pair
+    allowed = torch.tensor(GRAMMAR_CHAINS[regex], dtype=torch.bool)
+    chain = logits.masked_fill(~allowed, -float("inf")).softmax(-1)
     engine = LLMEngine(target, draft, EngineConfig(max_batch=ROWS))
     engine.tokenizer = tokenizer
-    spec = StructuredOutputs(regex="([ab][cd])+")
+    spec = StructuredOutputs(regex=regex)
     out = engine.generate([Request([s % 4], TOKENS, SamplingParams(1.0, seed=s, structured_outputs=spec,
                                                                    logit_bias={EOS: -100.0}), ignore_eos=True)
                            for s in range(ROWS)])

@@ -19,10 +19,11 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
-__all__ = ["FREE_MASK", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs", "apply_bitmask",
-           "bitmask_width"]
+__all__ = ["FREE_MASK", "GrammarRow", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs", "apply_bitmask",
+           "bitmask_width", "Window"]
 
 FREE_MASK = -1  # an int32 bitmask word with every bit set: every token allowed (a free row's mask)
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -134,7 +135,7 @@ class Grammars:
         """A fresh matcher of ``spec`` for one request."""
         import xgrammar as xgr
 
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.width)
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
 
 
 def _first_line(exc: Exception) -> str:
@@ -142,28 +143,44 @@ def _first_line(exc: Exception) -> str:
     return text[-1] if text else type(exc).__name__
 
 
-class RequestGrammar:
-    """One request's grammar state (an xgrammar ``GrammarMatcher``) and the bitmask rows the engine
-    stages for it: int32 ``[*, width]`` host arrays."""
+@dataclass(frozen=True)
+class Window:
+    """A verify window's grammar walk: ``valid`` drafts the grammar takes (forced ones included), and
+    ``forced``: draft position -> the only token its mask allows, where the drafter proposed another."""
 
-    def __init__(self, matcher, width: int):
-        self.matcher, self.width = matcher, width
+    valid: int
+    forced: dict[int, int]
+
+
+class RequestGrammar:
+    """One request's grammar state (an xgrammar ``GrammarMatcher``) over a ``vocab_size``-token model
+    and the bitmask rows the engine stages for it: int32 ``[*, ceil(V / 32)]`` host tensors."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
 
     @property
     def terminated(self) -> bool:
         """Whether the grammar is complete and took its stop token: the output ends."""
         return self.matcher.is_terminated()
 
-    def window(self, drafts: list[int], out: torch.Tensor) -> int:
+    def window(self, drafts: list[int], out: torch.Tensor) -> "Window":
         """Fill ``out`` int32 ``[len(drafts) + 1, width]``: row j the bitmask after the committed
-        tokens and ``drafts[:j]``, for each j up to the grammar-valid prefix of ``drafts``; rows after
-        it are left as they are (never read: they follow a refused draft, which its row rejects).
-        Returns the length of the valid prefix; the matcher is rolled back."""
-        m = self.matcher
+        tokens and the first j drafts, for each j up to the grammar-valid prefix; rows after it are
+        left as they are (never read: they follow a refused draft, which its row rejects). A position
+        whose mask allows one token only takes that token as its draft (``Window.forced``): the target's
+        masked distribution there is that token alone, so it is accepted, whatever was drafted. The
+        matcher is rolled back."""
+        m, forced = self.matcher, {}
         m.fill_next_token_bitmask(out, 0)
         valid = 0
         for token in drafts:
-            if m.is_terminated() or not m.accept_token(token):
+            if m.is_terminated():
+                break
+            only = self._only_token(out[valid])
+            if only is not None and only != token:
+                forced[valid], token = only, only
+            if not m.accept_token(token):
                 break
             valid += 1
             if m.is_terminated():  # the stop token: the output ends here, no row follows
@@ -171,7 +188,18 @@ class RequestGrammar:
             m.fill_next_token_bitmask(out, valid)
         if valid:
             m.rollback(valid)
-        return valid
+        return Window(valid, forced)
+
+    def _only_token(self, row: torch.Tensor) -> int | None:
+        """The one token an int32 bitmask row ``[width]`` allows, or None (none or several)."""
+        words = row.numpy().view(np.uint32).copy()
+        if self.vocab_size % 32:  # bits past the vocabulary in the last word are not tokens
+            words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        set_words = np.flatnonzero(words)
+        if set_words.size != 1:
+            return None
+        word = int(words[set_words[0]])
+        return int(set_words[0]) * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
 
     def next_mask(self, out: torch.Tensor) -> None:
         """Fill ``out`` int32 ``[width]`` with the bitmask after the committed tokens (every bit
@@ -231,18 +259,31 @@ class GrammarStager:
         cut after each row's first grammar-refused draft. That draft stays: its mask gives it target
         probability 0, so it is rejected and its position draws from the residual of its q, as
         speculative sampling must -- drawing there from the target's distribution instead (cutting it
-        too) would skew a sampled row's output towards q's valid tokens. ``drafts`` int ``[rows, P]``
-        on the host (None for a plain round, ``verify_lens`` None: one position per row)."""
+        too) would skew a sampled row's output towards q's valid tokens. A position the grammar
+        forces to one token gets it as its draft, drawn from a one-hot q (``RequestGrammar.window``).
+        ``drafts`` int ``[rows, P]`` on the host (None for a plain round, ``verify_lens`` None: one
+        position per row)."""
         lens = None if verify_lens is None else list(verify_lens)
         for r in rows:
             masks = self.verify_masks[r.row]
             if lens is None:
                 r.grammar.next_mask(masks[0])
             else:
-                valid = r.grammar.window(drafts[r.row, :lens[r.row] - 1].tolist(), masks)
-                lens[r.row] = 1 + min(lens[r.row] - 1, valid + 1)
+                window = r.grammar.window(drafts[r.row, :lens[r.row] - 1].tolist(), masks)
+                lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
+                self._force(r.row, window.forced)
             self.state.grammar_mask[r.row].copy_(masks, non_blocking=True)
         return lens
+
+    def _force(self, row: int, forced: dict[int, int]) -> None:
+        """Row ``row``'s forced drafts into the device state, each with a one-hot q (the
+        distribution it was drawn from; sampled chain rounds read it)."""
+        s = self.state
+        for position, token in forced.items():
+            s.draft_tokens[row, position] = token
+            if s.draft_probs is not None:
+                s.draft_probs[row, position].zero_()
+                s.draft_probs[row, position, token] = 1.0
 
     def stage_seats(self, rows: list[GrammarRow]) -> None:
         """The first-token masks of constrained requests seated this step (the state after their
