@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from conftest import gpu
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 
@@ -193,6 +194,29 @@ def test_bad_specs_name_the_problem(demo):
                        (StructuredOutputs(json={"type": "nonsense"}), "json")):
         with pytest.raises(ValueError, match=f"structured_outputs: the {kind} cannot be compiled"):
             engine.add_request(Request([1, 2], 4, SamplingParams(structured_outputs=spec)))
+
+
+@gpu
+def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo):
+    """On CUDA with every graph captured up front: a constrained greedy row is plain greedy decoding
+    under its grammar (the CPU's, float32), a free row beside it stays what it is alone, a sampled
+    constrained row gives the same tokens alone and in the batch, every output matches, and no step
+    captures a graph (the masks are per-row state in fixed buffers)."""
+    pair, tokenizer, prompts, _, plain = demo
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=4, max_model_len=512, device="cuda",
+                                                                       dtype=torch.float32))
+    engine.capture_graphs()
+    captured = engine.runner.captures
+    greedy = Request(prompts[0], 96, SamplingParams(structured_outputs=SPECS[0]))
+    free = Request(prompts[1], 24, SamplingParams(), ignore_eos=True)
+    sampled = Request(prompts[1], 96, SamplingParams(1.0, seed=3, structured_outputs=SPECS[2]))
+    alone = [engine.generate([r])[0].token_ids for r in (free, sampled)]
+    out = engine.generate([greedy, free, sampled])
+    assert out[0].token_ids == plain.generate([greedy])[0].token_ids
+    assert [out[1].token_ids, out[2].token_ids] == alone
+    for request, result in ((greedy, out[0]), (sampled, out[2])):
+        check_output(request.sampling.structured_outputs, tokenizer.decode(result.token_ids[:-1]))
+    assert engine.runner.captures == captured and not engine.runner.uncapturable
 
 
 # ------------------------------------------------------------------------------ sampled: the masked distribution

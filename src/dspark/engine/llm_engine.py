@@ -238,6 +238,7 @@ class LLMEngine(OfflineGeneration):
             self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
                                                                tree_budget=0, gpu_memory_utilization=None))
             self._plain.eos_ids = self.eos_ids
+            self._plain.tokenizer, self._plain._tokenizer_source = self.tokenizer, self._tokenizer_source
             if self.runner.captures:  # captured up front as this engine (LLM): no timed call captures
                 self._plain.capture_graphs()
         return self._plain
