@@ -219,6 +219,48 @@ def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo):
     assert engine.runner.captures == captured and not engine.runner.uncapturable
 
 
+def test_tree_mode_refuses_structured_outputs(demo):
+    pair = demo[0]
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=1, max_model_len=64, draft_top_k=2))
+    with pytest.raises(ValueError, match=r"not supported in tree mode \(draft_top_k > 1\): a tree's nodes") as info:
+        engine.add_request(Request([1, 2], 4, SamplingParams(structured_outputs=SPECS[3])))
+    assert info.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--choice", "yes", "--choice", "no"], StructuredOutputs(choice=("yes", "no"))),
+    (["--regex", "[0-9]+"], StructuredOutputs(regex="[0-9]+")),
+    (["--json-object"], StructuredOutputs(json_object=True)),
+    ([], None),
+])
+def test_cli_flags_give_the_structured_output(argv, expected):
+    import argparse
+
+    from dspark.cli.generate import add_arguments, structured_outputs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert structured_outputs(parser.parse_args(argv)) == expected
+
+
+def test_cli_flags_read_files_and_refuse_two(tmp_path):
+    import argparse
+
+    from dspark.cli.generate import add_arguments, structured_outputs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    schema, grammar = tmp_path / "s.json", tmp_path / "g.ebnf"
+    schema.write_text(json.dumps(SCORE))
+    grammar.write_text('root ::= "a"')
+    assert structured_outputs(parser.parse_args(["--json-schema", str(schema)])) == StructuredOutputs(json=SCORE)
+    assert structured_outputs(parser.parse_args(["--grammar", str(grammar)])).grammar == 'root ::= "a"'
+    with pytest.raises(ValueError, match="give at most one of .*; got --regex, --choice"):
+        structured_outputs(parser.parse_args(["--regex", "a", "--choice", "a"]))
+    with pytest.raises(ValueError, match="--json-schema: cannot read"):
+        structured_outputs(parser.parse_args(["--json-schema", str(tmp_path / "missing.json")]))
+
+
 # ------------------------------------------------------------------------------ sampled: the masked distribution
 
 ROWS, TOKENS = 128, 256  # 32 768 transitions over 8 allowed pairs: an exact engine's TV ~ 0.006

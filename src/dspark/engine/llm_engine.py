@@ -180,13 +180,13 @@ class LLMEngine(OfflineGeneration):
     def _check_structured(self, c: Checker, spec: StructuredOutputs) -> None:
         """A structured output's spec compiles (ValueError naming the problem, ``param``
         ``structured_outputs``) and this engine can run it."""
-        if self.runner.tree is not None:
-            c.fail("structured_outputs are not supported in tree mode (draft_top_k > 1): a tree's nodes would each "
-                   "need the grammar state of their own path; use chain drafting (draft_top_k 1)")
         try:
+            if self.runner.tree is not None:
+                c.fail("structured_outputs are not supported in tree mode (draft_top_k > 1): a tree's nodes would "
+                       "each need the grammar state of their own path; use chain drafting (draft_top_k 1)")
             self.grammars().compile(spec)
         except ValueError as exc:
-            exc.param = "structured_outputs"
+            exc.param = "structured_outputs"  # the request field at fault, for the server's 400
             raise
 
     def grammars(self) -> Grammars:
