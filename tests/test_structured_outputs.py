@@ -12,12 +12,13 @@ import re
 
 import pytest
 import torch
+import xgrammar as xgr
 from conftest import gpu
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputs
-from dspark.engine.structured import FREE_MASK, Grammars, GrammarStager
+from dspark.engine.structured import FREE_MASK, walk_windows
 from dspark.training.data import demo_pair, read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -157,27 +158,30 @@ def test_drafts_are_cut_to_their_valid_prefix_and_each_position_takes_its_own_st
 
 
 def test_a_window_masks_each_position_by_the_state_before_it(demo):
-    """``RequestGrammar.window``: row j is a fresh matcher's bitmask after the first j drafts, the
-    valid prefix stops at the first refused draft, a position the grammar forces to one token takes
-    it (here the EOS once the regex is complete), and the matcher is rolled back."""
+    """``walk_windows`` (two requests walked together, the second's rows after the first's): row j is
+    a fresh matcher's bitmask after the first j drafts, the valid prefix stops at the first refused
+    draft, a position the grammar forces to one token takes it (here the EOS once the regex is
+    complete), and the matchers are rolled back."""
     pair, tokenizer, _, engine, _ = demo
     grammars = engine.grammars()
     prefix = tokenizer("12x")["input_ids"]
     refused = tokenizer("z")["input_ids"]
-    for spec, valid, forced in ((StructuredOutputs(regex=r"[0-9]+x[a-c]"), len(prefix), {}),
-                                (StructuredOutputs(regex=r"[0-9]+x"), len(prefix) + 1, {len(prefix): engine.eos_ids})):
-        grammar = grammars.matcher(spec)
-        out = torch.full((len(prefix) + 2, grammars.width), FREE_MASK, dtype=torch.int32)
-        window = grammar.window(prefix + refused, out)
-        assert window.valid == valid and {k: {v} for k, v in window.forced.items()} == {
-            k: set(v) for k, v in forced.items()}
+    specs = (StructuredOutputs(regex=r"[0-9]+x[a-c]"), StructuredOutputs(regex=r"[0-9]+x"))
+    expected = ((len(prefix), {}), (len(prefix) + 1, {len(prefix): engine.eos_ids}))
+    size = len(prefix) + 2
+    grammar_list = [grammars.matcher(spec) for spec in specs]
+    out = torch.full((2 * size, grammars.width), FREE_MASK, dtype=torch.int32)
+    windows = walk_windows(grammar_list, [prefix + refused] * 2, out, [0, size], xgr.BatchGrammarMatcher())
+    for i, (spec, window, (valid, forced)) in enumerate(zip(specs, windows, expected)):
+        assert window.valid == valid
+        assert {k: {v} for k, v in window.forced.items()} == {k: set(v) for k, v in forced.items()}
         for j in range(len(prefix) + 1):
             fresh = grammars.matcher(spec)
             assert fresh.advance(prefix[:j]) is False
             row = torch.zeros(1, grammars.width, dtype=torch.int32)
             fresh.next_mask(row[0])
-            assert torch.equal(out[j], row[0]), j
-        assert grammar.advance(prefix) is False  # rolled back: the drafts are taken again
+            assert torch.equal(out[i * size + j], row[0]), (spec, j)
+        assert grammar_list[i].advance(prefix) is False  # rolled back: the drafts are taken again
 
 
 def test_bad_specs_name_the_problem(demo):

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 __all__ = ["FREE_MASK", "GrammarRow", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs", "apply_bitmask",
-           "bitmask_width", "Window"]
+           "bitmask_width", "walk_windows", "Window"]
 
 FREE_MASK = -1  # an int32 bitmask word with every bit set: every token allowed (a free row's mask)
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -164,33 +164,7 @@ class RequestGrammar:
         """Whether the grammar is complete and took its stop token: the output ends."""
         return self.matcher.is_terminated()
 
-    def window(self, drafts: list[int], out: torch.Tensor) -> "Window":
-        """Fill ``out`` int32 ``[len(drafts) + 1, width]``: row j the bitmask after the committed
-        tokens and the first j drafts, for each j up to the grammar-valid prefix; rows after it are
-        left as they are (never read: they follow a refused draft, which its row rejects). A position
-        whose mask allows one token only takes that token as its draft (``Window.forced``): the target's
-        masked distribution there is that token alone, so it is accepted, whatever was drafted. The
-        matcher is rolled back."""
-        m, forced = self.matcher, {}
-        m.fill_next_token_bitmask(out, 0)
-        valid = 0
-        for token in drafts:
-            if m.is_terminated():
-                break
-            only = self._only_token(out[valid])
-            if only is not None and only != token:
-                forced[valid], token = only, only
-            if not m.accept_token(token):
-                break
-            valid += 1
-            if m.is_terminated():  # the stop token: the output ends here, no row follows
-                break
-            m.fill_next_token_bitmask(out, valid)
-        if valid:
-            m.rollback(valid)
-        return Window(valid, forced)
-
-    def _only_token(self, row: torch.Tensor) -> int | None:
+    def only_token(self, row: torch.Tensor) -> int | None:
         """The one token an int32 bitmask row ``[width]`` allows, or None (none or several)."""
         words = row.numpy().view(np.uint32).copy()
         if self.vocab_size % 32:  # bits past the vocabulary in the last word are not tokens
@@ -231,6 +205,41 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
+def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks: torch.Tensor, first_rows: list[int],
+                 batch) -> list[Window]:
+    """Each request's verify window: row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``,
+    host) becomes request i's bitmask after its committed tokens and its first j drafts, for each j up
+    to its grammar-valid prefix of ``drafts[i]``; rows after it are left as they are (never read: they
+    follow a refused draft, which its row rejects). A position whose mask allows one token only takes
+    that token as its draft (``Window.forced``): the target's masked distribution there is that token
+    alone, so it is accepted whatever was drafted. Position by position, the masks of every request
+    still walking are filled at once (``batch``: an xgrammar ``BatchGrammarMatcher``, in parallel);
+    the matchers are rolled back."""
+    valid, forced = [0] * len(grammars), [{} for _ in grammars]
+    walking = list(range(len(grammars)))
+    while walking:
+        batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in walking], masks,
+                                            [first_rows[i] + valid[i] for i in walking])
+        still = []
+        for i in walking:
+            grammar, j = grammars[i], valid[i]
+            if j == len(drafts[i]):
+                continue
+            token, only = drafts[i][j], grammar.only_token(masks[first_rows[i] + j])
+            if only is not None and only != token:
+                forced[i][j], token = only, only
+            if not grammar.matcher.accept_token(token):
+                continue
+            valid[i] += 1
+            if not grammar.terminated:  # the stop token ends the output: no row follows it
+                still.append(i)
+        walking = still
+    for grammar, n in zip(grammars, valid):
+        if n:
+            grammar.matcher.rollback(n)
+    return [Window(n, f) for n, f in zip(valid, forced)]
+
+
 @dataclass(frozen=True)
 class GrammarRow:
     """A constrained request in a step: its batch ``row``, its grammar, and whether the step commits
@@ -248,11 +257,14 @@ class GrammarStager:
     copies and sends those rows to the device; a free row keeps every bit set (``clear_row``)."""
 
     def __init__(self, state, verify_len: int, width: int):
-        self.state = state
+        import xgrammar as xgr
+
+        self.state, self.verify_len = state, verify_len
         rows, device = state.grammar_mask.shape[0], state.grammar_mask.device
         pinned = device.type == "cuda"
         self.verify_masks = torch.full((rows, verify_len, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
         self.draft_masks = torch.full((rows, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
+        self.batch = xgr.BatchGrammarMatcher()  # fills many requests' masks in parallel threads
 
     def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None):
         """Masks of the constrained running ``rows`` for this round, and the round's verify lengths
@@ -260,19 +272,22 @@ class GrammarStager:
         probability 0, so it is rejected and its position draws from the residual of its q, as
         speculative sampling must -- drawing there from the target's distribution instead (cutting it
         too) would skew a sampled row's output towards q's valid tokens. A position the grammar
-        forces to one token gets it as its draft, drawn from a one-hot q (``RequestGrammar.window``).
+        forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``).
         ``drafts`` int ``[rows, P]`` on the host (None for a plain round, ``verify_lens`` None: one
         position per row)."""
         lens = None if verify_lens is None else list(verify_lens)
-        for r in rows:
-            masks = self.verify_masks[r.row]
-            if lens is None:
-                r.grammar.next_mask(masks[0])
-            else:
-                window = r.grammar.window(drafts[r.row, :lens[r.row] - 1].tolist(), masks)
+        if lens is None:
+            for r in rows:
+                r.grammar.next_mask(self.verify_masks[r.row, 0])
+        else:
+            windows = walk_windows([r.grammar for r in rows], [drafts[r.row, :lens[r.row] - 1].tolist() for r in rows],
+                                   self.verify_masks.view(-1, self.verify_masks.shape[-1]),
+                                   [r.row * self.verify_len for r in rows], self.batch)
+            for r, window in zip(rows, windows):
                 lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
                 self._force(r.row, window.forced)
-            self.state.grammar_mask[r.row].copy_(masks, non_blocking=True)
+        for r in rows:
+            self.state.grammar_mask[r.row].copy_(self.verify_masks[r.row], non_blocking=True)
         return lens
 
     def _force(self, row: int, forced: dict[int, int]) -> None:
