@@ -79,7 +79,11 @@ class LLMEngine(OfflineGeneration):
             drafter = Drafter(self.draft_model, scheduler=per_row[0], threshold=per_row[1],
                               min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len)
         tree = None
+        stateful = sorted(getattr(self.target, "stateful", {}))  # hybrid layers: states beside the KV cache
         if config.draft_top_k > 1:
+            if stateful:
+                c.fail(f"tree mode (draft_top_k > 1) is not supported on a hybrid target (layers {stateful} carry a "
+                       "recurrent or convolution state): verifying a tree would need a state per tree node")
             if drafter is None or not isinstance(self.target, TargetLM):
                 c.fail("tree mode (draft_top_k > 1) needs a draft and a Llama / Qwen target (TargetLM)")
             tree = TreeSettings(config.draft_top_k, config.tree_budget or drafter.block_size + 1,
@@ -105,7 +109,9 @@ class LLMEngine(OfflineGeneration):
         # positions a running request writes past its committed tokens in one step: the verify
         # window, then the draft block after the new anchor
         lookahead = verify_len + (drafter.block_size if drafter is not None else 0) - 1
-        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching)
+        # a hybrid target's cached blocks would need the recurrent state at their end: no prefix cache
+        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size,
+                              config.enable_prefix_caching and not stateful)
         self.scheduler = Scheduler(self.runner, blocks, config.max_batch, lookahead, self.metrics)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0

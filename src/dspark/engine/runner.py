@@ -61,6 +61,11 @@ from .verifier import Verifier, sample_rows
 
 __all__ = ["ForwardFailed", "ModelRunner"]
 
+def _state_window(target, verify_len: int) -> dict:
+    """A hybrid target's cache also keeps its stateful layers' states for windows of the verify length."""
+    return {"window": verify_len} if getattr(target, "stateful", None) else {}
+
+
 class ForwardFailed(RuntimeError):
     """A step's target forward raised before any row state changed (its KV writes sit at positions
     the next forward rewrites): the step can be retried as it was, or without its chunks."""
@@ -89,7 +94,7 @@ class ModelRunner(CudaGraphs):
         self.kv_block_size = kv_block_size
         self.num_kv_blocks = num_kv_blocks or max_batch * self.block_tables.blocks_per_line + 1
         paged = (self.num_kv_blocks, kv_block_size, self.block_tables.table)
-        self.cache = target.new_paged_cache(*paged)
+        self.cache = target.new_paged_cache(*paged, **_state_window(target, self.verify_len))
         self._init_graphs(max_batch, cuda_graphs)
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
         self.drafted = True  # whether the last launched step drafted its rows' next round

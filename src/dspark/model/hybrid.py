@@ -1,0 +1,252 @@
+"""Hybrid targets: sequence mixers with a convolution or recurrent state, run exactly on the engine's
+flat ragged tokens -- gated DeltaNet (Qwen3-Next, Qwen3.5: a short causal conv1d, then the gated
+delta rule's ``[heads, dk, dv]`` state) and LFM2's short convolutions.
+
+**States by position.** Each stateful layer keeps, per cache line, a short ring of states indexed by
+position: the conv's inputs at ``p % conv_window`` and the recurrent state *after* position ``p`` at
+``p % window``. A forward's tokens of a line at positions ``start ..`` read the state after
+``start - 1`` (zero at position 0) and write one per token. So the state after any accepted prefix of
+a verify window is already there -- the engine's rollback is choosing the next anchor position, as
+for the KV cache -- and rounds with no drafts, plain decoding, chunked prefill (a chunk starts from
+the previous one's last state), preemption (a request runs again from position 0) and a slot reused
+after an abort need nothing more. The rings are sized so that no write of a window (at most
+``verify_len`` tokens past the committed ones) reaches a state a later round reads:
+``window = verify_len + 1`` recurrent states (also keeping a retried window's start state) and
+``verify_len + kernel - 1`` conv inputs. The cost is ``verify_len + 1`` recurrent states per line
+(kept per position instead of checkpoint + recompute: the window's states come out of the scan that
+runs it, and re-running accepted tokens would cost a second forward per round).
+
+The scan runs the modeling file's own ``torch_recurrent_gated_delta_rule`` one position at a time,
+all requests of a ragged group at once (static shapes, no host synchronisation: CUDA-graph
+capturable); the conv is ``F.conv1d`` over each token's ``kernel`` inputs, as transformers computes
+it. Tree verification, which would need a state per tree node, and prefix caching, which would need a
+state snapshot per cached block, are refused / turned off by the engine for these targets.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "install", "new_pool", "stateful_mixer_kind"]
+
+# supported stateful mixers: the class name (less the family prefix) -> (kind, the declared layer types)
+_GATED_DELTANET, _SHORT_CONV = "gated DeltaNet", "short convolution"
+_SUPPORTED = {"Qwen3NextGatedDeltaNet": (_GATED_DELTANET, ("linear_attention",)),
+              "Qwen3_5GatedDeltaNet": (_GATED_DELTANET, ("linear_attention",)),
+              "Lfm2ShortConv": (_SHORT_CONV, ("conv",))}
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Where each of a forward's ``N`` flat tokens is (int64 ``[N]``): its cache line (``slots``),
+    ``positions``, ``offsets`` (its index among its request's tokens in this forward) and
+    ``lengths`` (that request's token count); ``groups``: the forward's ragged groups
+    ``(first token, end token, AttentionBatch)``."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    groups: list
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, positions: torch.Tensor, groups: list) -> "Tokens":
+        offsets, lengths = [], []
+        for lo, hi, batch in groups:
+            cu = batch.cu_query_lens.long()
+            counts = cu[1:] - cu[:-1]
+            request = torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts,
+                                              output_size=hi - lo)
+            offsets.append(torch.arange(hi - lo, device=cu.device) - cu[request])
+            lengths.append(counts[request])
+        return cls(slots.long(), positions.long(), torch.cat(offsets), torch.cat(lengths), groups)
+
+
+@dataclass
+class LayerStates:
+    """One stateful layer's rings, a line per cache slot plus a scratch line (masked writes):
+    ``conv`` ``[lines, conv_window, channels]`` (the conv's inputs, model dtype) and, for gated
+    DeltaNet, ``recurrent`` f32 ``[lines, window, heads, dk, dv]`` (the state after each position)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor | None = None
+
+
+class StatePool:
+    """The states of a hybrid target's stateful layers beside its KV cache: ``layers[i]`` the
+    ``LayerStates`` of decoder layer ``i``; ``window`` the tokens a line runs per round at most (the
+    verify length). ``scratch`` is the line masked writes go to."""
+
+    def __init__(self, layers: dict[int, LayerStates], window: int):
+        self.layers, self.window = layers, window
+        self.scratch = next(iter(layers.values())).conv.shape[0] - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.layers.values()
+                   for t in (s.conv, s.recurrent) if t is not None)
+
+
+@dataclass
+class Forward:
+    """What a mixer needs from the current engine forward."""
+
+    pool: StatePool
+    tokens: Tokens
+
+
+HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_forward")
+
+
+def stateful_mixer_kind(module, declared: str | None) -> str | None:
+    """The kind of a supported stateful mixer (``"gated DeltaNet"``, ``"short convolution"``), or None
+    when ``module`` is not one or its layer is declared as another type."""
+    kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
+    if kind is None or (declared is not None and declared not in types):
+        return None
+    return kind
+
+
+def install(mixers: dict[int, torch.nn.Module]) -> None:
+    """Route the forward of each mixer (decoder layer index -> module) through the engine's states
+    while an engine forward runs (``HYBRID`` set); outside it the module runs its own code, so
+    the model stays usable on its own. Idempotent."""
+    for module in mixers.values():
+        if getattr(module, "_dspark_original_forward", None) is None:
+            module._dspark_original_forward = module.forward
+            module.forward = _routed(module)
+
+
+def new_pool(mixers: dict[int, torch.nn.Module], lines: int, window: int, device, dtype) -> StatePool:
+    """Zero states for ``lines`` cache lines (plus the scratch line) and windows of ``window`` tokens."""
+    layers = {}
+    for index, module in mixers.items():
+        kernel = _conv(module).kernel_size[0]
+        conv = torch.zeros(lines + 1, window + kernel - 1, _conv(module).in_channels, dtype=dtype, device=device)
+        recurrent = None
+        if hasattr(module, "A_log"):
+            recurrent = torch.zeros(lines + 1, window + 1, module.num_v_heads, module.head_k_dim, module.head_v_dim,
+                                    dtype=torch.float32, device=device)
+        layers[index] = LayerStates(conv, recurrent)
+    return StatePool(layers, window)
+
+
+def _conv(module) -> torch.nn.Conv1d:
+    return module.conv1d if hasattr(module, "conv1d") else module.conv
+
+
+def _routed(module):
+    def forward(hidden_states, *args, **kwargs):
+        current = HYBRID.get(None)
+        if current is None:
+            return module._dspark_original_forward(hidden_states, *args, **kwargs)
+        states = current.pool.layers[module.layer_idx]
+        mix = _gated_deltanet if hasattr(module, "A_log") else _short_conv
+        return mix(module, hidden_states[0], states, current)[None]
+    return forward
+
+
+# ---- the mixers -------------------------------------------------------------------------------
+
+
+def _short_conv(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
+    """LFM2's ``Lfm2ShortConv`` on ``hidden`` ``[N, H]``: ``out_proj(C * conv(B * x))``."""
+    b, c, x = module.in_proj(hidden).chunk(3, dim=-1)
+    conv = causal_conv(b * x, module.conv, states.conv, current)
+    return module.out_proj(c * conv)
+
+
+def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
+    """Qwen3-Next's / Qwen3.5's gated DeltaNet on ``hidden`` ``[N, H]`` (their forward, less the
+    cache: the conv and the delta rule run on the engine's states)."""
+    n = hidden.shape[0]
+    mixed, z, b, a = _deltanet_projections(module, hidden)
+    mixed = _activation(module.activation)(causal_conv(mixed, module.conv1d, states.conv, current))
+    query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query, key = (t.reshape(n, -1, module.head_k_dim) for t in (query, key))
+    value = value.reshape(n, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    groups = module.num_v_heads // module.num_k_heads
+    if groups > 1:
+        query, key = (t.repeat_interleave(groups, dim=1) for t in (query, key))
+    rule = sys.modules[type(module).__module__].torch_recurrent_gated_delta_rule
+    core = delta_rule_scan(rule, query, key, value, g, beta, states.recurrent, current)
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(n, -1))
+
+
+def _deltanet_projections(module, hidden: torch.Tensor):
+    """``(conv input [N, 2*key_dim + value_dim] (q | k | v), z [N, hv, dv], b [N, hv], a [N, hv])``
+    of either family's projections."""
+    n = hidden.shape[0]
+    if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key head
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden[None]),
+                                                               module.in_proj_ba(hidden[None]))
+        mixed = torch.cat([t.reshape(n, -1) for t in (q, k, v)], dim=-1)
+        return mixed, z[0], b[0], a[0]
+    z = module.in_proj_z(hidden).reshape(n, -1, module.head_v_dim)
+    return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
+
+
+def _activation(name: str):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+# ---- the states -------------------------------------------------------------------------------
+
+
+def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, current: Forward) -> torch.Tensor:
+    """A depthwise causal ``conv`` (kernel ``K``) of each token's input ``x`` ``[N, C]`` and the
+    ``K - 1`` inputs before it -- this forward's tokens of its request, earlier positions from
+    ``ring`` ``[lines, conv_window, C]`` (zero before position 0) -- as ``F.conv1d`` over those
+    ``K`` inputs (transformers' own op); then the last ``conv_window`` inputs of each request go
+    into ``ring``. Returns ``[N, C]`` in ``x``'s dtype."""
+    t, pool = current.tokens, current.pool
+    kernel, window = conv.kernel_size[0], ring.shape[1]
+    n = x.shape[0]
+    rows = torch.arange(n, device=x.device)
+    taps = []
+    for back in range(kernel - 1, 0, -1):  # oldest first, as the kernel's weights
+        before = t.positions - back
+        cached = ring[t.slots, before % window] * (before >= 0)[:, None].to(ring.dtype)
+        inside = x[(rows - back).clamp(min=0)]
+        taps.append(torch.where((t.offsets >= back)[:, None], inside, cached.to(x.dtype)))
+    inputs = torch.stack([*taps, x], dim=-1).to(conv.weight.dtype)  # [N, C, K]
+    out = F.conv1d(inputs, conv.weight, conv.bias, groups=inputs.shape[1])[..., 0]
+    last = t.offsets >= t.lengths - window  # one write per ring entry
+    ring[torch.where(last, t.slots, pool.scratch), t.positions % window] = x.to(ring.dtype)
+    return out.to(x.dtype)
+
+
+def delta_rule_scan(rule, query, key, value, g, beta, ring: torch.Tensor, current: Forward) -> torch.Tensor:
+    """The gated delta rule over each request's tokens in order (``rule``: the modeling file's
+    ``torch_recurrent_gated_delta_rule``, one position of every request of a ragged group per
+    call), from the state after the position before each request's first token (``ring`` f32
+    ``[lines, window, hv, dk, dv]``; zero at position 0), writing the state after every token at its
+    position. ``query`` / ``key`` ``[N, hv, dk]``, ``value`` ``[N, hv, dv]``, ``g`` / ``beta``
+    ``[N, hv]``. Returns ``[N, hv, dv]`` in ``query``'s dtype."""
+    n, window, scratch = query.shape[0], ring.shape[1], current.pool.scratch
+    out = value.new_zeros((n + 1,) + tuple(value.shape[1:]), dtype=query.dtype)  # row n: padding steps
+    for lo, _, batch in current.tokens.groups:
+        cu, starts, slots = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
+        counts = cu[1:] - cu[:-1]
+        state = ring[slots, (starts - 1) % window] * (starts > 0).to(ring.dtype)[:, None, None, None]
+        for i in range(batch.max_query_len):
+            valid = counts > i
+            token = torch.where(valid, lo + cu[:-1] + i, n)
+            read = token.clamp(max=n - 1)
+            o, after = rule(query[read, None], key[read, None], value[read, None], g=g[read, None],
+                            beta=beta[read, None], initial_state=state, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+            state = torch.where(valid[:, None, None, None], after, state)
+            out[token] = o[:, 0]
+            ring[torch.where(valid, slots, scratch), (starts + i) % window] = after
+    return out[:n]
