@@ -9,10 +9,12 @@ built for them and with plain decoding: greedy output identical to ``generate()`
 same alone and in a batch, prompts chunked into running steps; a sampled request is the same alone
 and in a batch. Attention soft-capping is refused with an error naming it.
 
-Every family, a tiny random checkpoint decoded by ``dspark.generate``, has one outcome written
-down: transformers' greedy tokens (the fused Llama / Qwen path and the families above) or a refusal
-naming the layers whose state is not a KV cache (hybrid and recurrent families: Qwen3-Next, Qwen3.5,
-LFM2, Falcon-H1, Jamba, Nemotron-H, Bamba, Zamba2, Granite-MoE-hybrid, Mamba, RWKV, RecurrentGemma).
+The hybrid families whose stateful layers the engine keeps (gated DeltaNet: Qwen3-Next with
+experts, Qwen3.5; short convolutions: LFM2) are among the families above. Every family, a tiny
+random checkpoint decoded by ``dspark.generate``, has one outcome written down: transformers' greedy
+tokens (the fused Llama / Qwen path and the families above) or a refusal naming the layers whose
+state the engine does not keep (Falcon-H1, Jamba, Nemotron-H, Bamba, Zamba2, Granite-MoE-hybrid,
+Mamba, RWKV, RecurrentGemma).
 ``draft_config`` builds a drafter for targets that spell the norm epsilon and head counts otherwise.
 
 CUDA graphs: the families whose transformers code synchronises the host are declared from the
@@ -34,6 +36,7 @@ from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 from dspark.model.hf_target import HFTarget
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, NEW = 96, 12
 PROMPTS = [[3, 17, 42, 8, 61, 5], [9, 1], [44, 2, 71, 7, 7, 30, 12, 55, 90, 3, 18], [60]]
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -69,7 +72,7 @@ SPECS = {
         shared_expert_intermediate_size=32)),
     "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(**KV, head_dim=16, **_LINEAR)),
     "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(
-        **KV, num_hidden_layers=2, full_attn_idxs=[1], conv_L_cache=3, block_auto_adjust_ff_dim=False)),
+        **KV, num_hidden_layers=3, full_attn_idxs=[1], conv_L_cache=3, block_auto_adjust_ff_dim=False)),
     "falcon-h1": ("FalconH1ForCausalLM", "FalconH1Config", dict(
         **KV, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128, **_MAMBA2)),
     "jamba": ("JambaForCausalLM", "JambaConfig", dict(
@@ -91,7 +94,10 @@ SPECS = {
         num_hidden_layers=2, lru_width=64, head_dim=16, block_types=["recurrent", "attention"],
         attention_window_size=16)),
 }
-FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding"]
+# hybrid families whose stateful layers the engine runs exactly (``dspark.model.hybrid``)
+HYBRID = ["qwen3.5", "qwen3-next", "lfm2"]
+FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding", *HYBRID]
+MOE = {"qwen3-moe", "qwen3-next"}  # experts that loop on the host by default
 
 
 def _model(name, size=COMMON):
@@ -201,9 +207,6 @@ REFUSAL = "This engine cannot run that layer type exactly yet"
 # holding the state, or the declared type alone; declared names vary across transformers releases)
 OUTCOMES = {
     **{name: ("equal", ()) for name in ("llama", "qwen2", "qwen3", *FAMILIES)},
-    "qwen3-next": ("refused", (([0, 1, 2], "Qwen3NextGatedDeltaNet"),)),
-    "qwen3.5": ("refused", (([0, 1, 2], "Qwen3_5GatedDeltaNet"),)),
-    "lfm2": ("refused", (([0], "Lfm2ShortConv"),)),
     "falcon-h1": ("refused", (([0, 1], "FalconH1Mixer"),)),
     "jamba": ("refused", (([0], "JambaMambaMixer"),)),
     "nemotron-h": ("refused", (([0], "NemotronHMamba2Mixer"), ([2], "'mlp'"))),
@@ -246,8 +249,8 @@ def test_hybrid_layers_are_found_from_the_config_or_the_modules_alone():
     """A config that declares every layer softmax attention does not hide a convolution layer, and
     a declared non-attention layer is refused even where the modules look like attention."""
     lfm2 = _model("lfm2")
-    lfm2.config.layer_types = ["full_attention"] * 2
-    with pytest.raises(ValueError, match=re.escape("Lfm2ForCausalLM: layers [0] are Lfm2ShortConv. " + REFUSAL)):
+    lfm2.config.layer_types = ["full_attention"] * 3
+    with pytest.raises(ValueError, match=re.escape("Lfm2ForCausalLM: layers [0, 2] are Lfm2ShortConv. " + REFUSAL)):
         HFTarget(lfm2)
     mistral = _model("mistral")
     mistral.config.layer_types = ["full_attention", "linear_attention", "full_attention", "full_attention"]
@@ -311,7 +314,7 @@ def test_graphability_is_declared_from_the_config():
     never tries a capture): dynamic / LongRoPE frequencies, experts that loop on the host."""
     import transformers as t
 
-    assert all(HFTarget(_model(name)).graphable for name in FAMILIES if name != "qwen3-moe")
+    assert all(HFTarget(_model(name)).graphable for name in FAMILIES if name not in MOE)
     moe = _model("qwen3-moe")
     moe.config._experts_implementation = "grouped_mm"  # transformers 5's default where torch has the kernel
     assert "'grouped_mm' in torch.float32" in HFTarget(moe).eager_reason

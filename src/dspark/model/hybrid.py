@@ -174,7 +174,7 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     groups = module.num_v_heads // module.num_k_heads
     if groups > 1:
-        query, key = (t.repeat_interleave(groups, dim=1) for t in (query, key))
+        query, key = (t.repeat_interleave(groups, dim=1, output_size=module.num_v_heads) for t in (query, key))
     rule = sys.modules[type(module).__module__].torch_recurrent_gated_delta_rule
     core = delta_rule_scan(rule, query, key, value, g, beta, states.recurrent, current)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
