@@ -112,3 +112,55 @@ def test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, mo
         lengths = [s for st in stats for s in st.scheduled_lengths]
         assert any(a > 0 and b == 0 for a, b in zip(lengths, lengths[1:]))
         assert any(a == 0 and b > 0 for a, b in zip(lengths, lengths[1:]))
+
+
+def test_the_context_limit_ends_the_output(hybrid):
+    """At the context limit (``max_model_len``) the verify windows shrink to the room left and the
+    output ends at "length" with ``generate()``'s tokens; states exact throughout."""
+    model, draft, expected = hybrid
+    prompt = PROMPTS[2]
+    engine = LLMEngine(model, draft, EngineConfig(max_batch=1, max_model_len=len(prompt) + 10, cuda_graphs=False))
+    rid = engine.add_request(Request(prompt, NEW))
+    outputs, checked = _run(engine, model, [rid])
+    assert outputs[rid] == expected[2][:10] and checked > 2
+
+
+def test_an_aborted_requests_slot_gives_the_next_request_no_state(hybrid):
+    """One row: a request aborted between two rounds (its drafts verified, its next round drafted),
+    then a new request in the same slot -- from zero states: ``generate()``'s tokens."""
+    model, draft, expected = hybrid
+    engine = LLMEngine(model, draft, EngineConfig(max_batch=1, cuda_graphs=False))
+    first = engine.add_request(Request(PROMPTS[2], NEW))
+    while len(engine.sequences[first].output_ids) < 4:
+        engine.step()
+    slot = engine.sequences[first].slot
+    engine.abort(first)
+    second = engine.add_request(Request(PROMPTS[0], NEW))
+    engine.step()
+    assert engine.sequences[second].slot == slot
+    _run(engine, model, [second])
+    assert engine.sequences[second].output_ids == expected[0]
+
+
+def test_preempted_requests_run_again_from_zero_states(hybrid):
+    """KV blocks for about one request at a time among three rows: requests are preempted and run
+    their tokens again from position 0 (no prefix cache), with the tokens they give alone."""
+    model, draft, expected = hybrid
+    engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_model_len=32, kv_block_size=4, num_kv_blocks=16,
+                                                  cuda_graphs=False))
+    ids = [engine.add_request(Request(p, NEW)) for p in PROMPTS]
+    outputs, _ = _run(engine, model, ids)
+    assert [outputs[i] for i in ids] == expected
+    assert engine.metrics.preemptions > 0
+
+
+def test_tree_mode_is_refused_and_the_prefix_cache_is_off(hybrid):
+    """A tree round would need a state per node: tree mode is refused naming why. A cached block
+    would need the state at its end: the prefix cache is off for these targets."""
+    model, draft, _ = hybrid
+    with pytest.raises(ValueError, match=r"tree mode \(draft_top_k > 1\) is not supported on a hybrid target "
+                                         r"\(layers \[[0-9, ]+\] carry a recurrent or convolution state\): verifying "
+                                         r"a tree would need a state per tree node"):
+        LLMEngine(model, draft, EngineConfig(draft_top_k=2, cuda_graphs=False))
+    engine = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False))
+    assert engine.config.enable_prefix_caching and not engine.scheduler.blocks.prefix_caching
