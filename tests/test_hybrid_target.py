@@ -156,7 +156,8 @@ def test_preempted_requests_run_again_from_zero_states(hybrid):
 
 def test_tree_mode_is_refused_and_the_prefix_cache_is_off(hybrid):
     """A tree round would need a state per node: tree mode is refused naming why. A cached block
-    would need the state at its end: the prefix cache is off for these targets."""
+    would need the state at its end: the prefix cache is off for these targets. The states' bytes
+    (which the GPU's KV block count leaves room for) are those allocated."""
     model, draft, _ = hybrid
     with pytest.raises(ValueError, match=r"tree mode \(draft_top_k > 1\) is not supported on a hybrid target "
                                          r"\(layers \[[0-9, ]+\] carry a recurrent or convolution state\): verifying "
@@ -164,3 +165,8 @@ def test_tree_mode_is_refused_and_the_prefix_cache_is_off(hybrid):
         LLMEngine(model, draft, EngineConfig(draft_top_k=2, cuda_graphs=False))
     engine = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False))
     assert engine.config.enable_prefix_caching and not engine.scheduler.blocks.prefix_caching
+    # the GPU's block count leaves room for the states: what they take is what is allocated
+    pool = engine.runner.cache.states
+    allocated = sum(t.numel() * t.element_size() for s in pool.layers.values() for t in (s.conv, s.recurrent)
+                    if t is not None)
+    assert engine.target.state_bytes(2 + 1, engine.runner.verify_len) == allocated

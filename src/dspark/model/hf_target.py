@@ -162,6 +162,11 @@ class HFTarget(CachedTarget):
         rounds of up to ``window`` tokens per line (the verify length)."""
         return self._with_states(super().new_paged_cache(num_blocks, block_size, block_table), window)
 
+    def state_bytes(self, lines: int, window: int) -> int:
+        """Bytes of the stateful layers' states for ``lines`` cache lines and windows of ``window``
+        tokens (0 for a target of attention layers only)."""
+        return hybrid.pool_bytes(self.stateful, lines, window, self.dtype)
+
     def _with_states(self, cache: KVCache, window: int) -> KVCache:
         if not self.stateful:
             return cache

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "install", "new_pool", "stateful_mixer_kind"]
+__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "install", "new_pool", "pool_bytes", "stateful_mixer_kind"]
 
 # supported stateful mixers: the class name (less the family prefix) -> (kind, the declared layer types)
 _GATED_DELTANET, _SHORT_CONV = "gated DeltaNet", "short convolution"
@@ -86,11 +86,6 @@ class StatePool:
         self.layers, self.window = layers, window
         self.scratch = next(iter(layers.values())).conv.shape[0] - 1
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.layers.values()
-                   for t in (s.conv, s.recurrent) if t is not None)
-
 
 @dataclass
 class Forward:
@@ -126,14 +121,30 @@ def new_pool(mixers: dict[int, torch.nn.Module], lines: int, window: int, device
     """Zero states for ``lines`` cache lines (plus the scratch line) and windows of ``window`` tokens."""
     layers = {}
     for index, module in mixers.items():
-        kernel = _conv(module).kernel_size[0]
-        conv = torch.zeros(lines + 1, window + kernel - 1, _conv(module).in_channels, dtype=dtype, device=device)
-        recurrent = None
-        if hasattr(module, "A_log"):
-            recurrent = torch.zeros(lines + 1, window + 1, module.num_v_heads, module.head_k_dim, module.head_v_dim,
-                                    dtype=torch.float32, device=device)
-        layers[index] = LayerStates(conv, recurrent)
+        conv_shape, recurrent_shape = _state_shapes(module, lines, window)
+        recurrent = None if recurrent_shape is None else torch.zeros(recurrent_shape, device=device)
+        layers[index] = LayerStates(torch.zeros(conv_shape, dtype=dtype, device=device), recurrent)
     return StatePool(layers, window)
+
+
+def pool_bytes(mixers: dict[int, torch.nn.Module], lines: int, window: int, dtype) -> int:
+    """What ``new_pool`` allocates, in bytes."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for module in mixers.values():
+        conv_shape, recurrent_shape = _state_shapes(module, lines, window)
+        total += size * conv_shape.numel() + (0 if recurrent_shape is None else 4 * recurrent_shape.numel())
+    return total
+
+
+def _state_shapes(module, lines: int, window: int) -> tuple[torch.Size, torch.Size | None]:
+    """A mixer's conv ring ``[lines + 1, window + kernel - 1, channels]`` and, for gated DeltaNet,
+    its recurrent ring ``[lines + 1, window + 1, hv, dk, dv]`` (module docstring: why these sizes)."""
+    conv = _conv(module)
+    conv_shape = torch.Size((lines + 1, window + conv.kernel_size[0] - 1, conv.in_channels))
+    if not hasattr(module, "A_log"):
+        return conv_shape, None
+    return conv_shape, torch.Size((lines + 1, window + 1, module.num_v_heads, module.head_k_dim, module.head_v_dim))
 
 
 def _conv(module) -> torch.nn.Conv1d:
