@@ -170,3 +170,19 @@ def test_tree_mode_is_refused_and_the_prefix_cache_is_off(hybrid):
     allocated = sum(t.numel() * t.element_size() for s in pool.layers.values() for t in (s.conv, s.recurrent)
                     if t is not None)
     assert engine.target.state_bytes(2 + 1, engine.runner.verify_len) == allocated
+
+
+def test_gated_deltanet_on_a_gpu_names_the_missing_kernel(monkeypatch):
+    """On the CPU the gated delta rule is the modeling file's PyTorch reference; on a GPU it is
+    flash-linear-attention's kernel, and an engine without ``fla-core`` is refused naming it."""
+    import sys
+
+    from dspark.model import hybrid
+
+    mixer = _model("qwen3.5").model.layers[0].linear_attn
+    reference = sys.modules[type(mixer).__module__].torch_recurrent_gated_delta_rule
+    assert hybrid.delta_rule(mixer, torch.device("cpu")) is reference
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
+    with pytest.raises(RuntimeError, match=r"Qwen3_5GatedDeltaNet layers on a GPU run flash-linear-attention's gated "
+                                           r"delta rule kernel, which is not installed: pip install fla-core"):
+        hybrid.new_pool({0: mixer}, 2, 4, "cuda", torch.float32)

@@ -285,7 +285,7 @@ def _check_sequence_mixers(c: Checker, model, config, layers) -> dict[int, torch
 def _supported_mixer(layer, declared: str | None):
     """The one stateful mixer of ``layer`` that ``hybrid`` runs exactly, or None (the layer has none,
     or holds another stateful module too)."""
-    mixers = [m for m in layer.modules() if m is not layer and hybrid.stateful_mixer_kind(m, declared)]
+    mixers = [m for m in layer.modules() if m is not layer and hybrid.is_supported_mixer(m, declared)]
     if len(mixers) != 1:
         return None
     others = [m for m in layer.modules() if m is not layer and m is not mixers[0]

@@ -16,11 +16,13 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 (kept per position instead of checkpoint + recompute: the window's states come out of the scan that
 runs it, and re-running accepted tokens would cost a second forward per round).
 
-The scan runs the modeling file's own ``torch_recurrent_gated_delta_rule`` one position at a time,
-all requests of a ragged group at once (static shapes, no host synchronisation: CUDA-graph
-capturable); the conv is ``F.conv1d`` over each token's ``kernel`` inputs, as transformers computes
-it. Tree verification, which would need a state per tree node, and prefix caching, which would need a
-state snapshot per cached block, are refused / turned off by the engine for these targets.
+The scan runs the gated delta rule one position at a time, all requests of a ragged group at once
+(static shapes, no host synchronisation: CUDA-graph capturable) -- on a GPU flash-linear-attention's
+fused recurrent kernel, elsewhere the modeling file's own ``torch_recurrent_gated_delta_rule`` (the
+PyTorch reference transformers falls back to); the conv is ``F.conv1d`` over each token's ``kernel``
+inputs, as transformers computes it. Tree verification, which would need a state per tree node, and
+prefix caching, which would need a state snapshot per cached block, are refused / turned off by the
+engine for these targets.
 """
 
 from __future__ import annotations
@@ -32,13 +34,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "install", "new_pool", "pool_bytes", "stateful_mixer_kind"]
+__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "delta_rule", "install", "new_pool", "pool_bytes",
+           "is_supported_mixer"]
 
-# supported stateful mixers: the class name (less the family prefix) -> (kind, the declared layer types)
-_GATED_DELTANET, _SHORT_CONV = "gated DeltaNet", "short convolution"
-_SUPPORTED = {"Qwen3NextGatedDeltaNet": (_GATED_DELTANET, ("linear_attention",)),
-              "Qwen3_5GatedDeltaNet": (_GATED_DELTANET, ("linear_attention",)),
-              "Lfm2ShortConv": (_SHORT_CONV, ("conv",))}
+# the stateful mixers run here: class name -> the layer types a config declares their layers as
+_SUPPORTED = {"Qwen3NextGatedDeltaNet": ("linear_attention",), "Qwen3_5GatedDeltaNet": ("linear_attention",),
+              "Lfm2ShortConv": ("conv",)}
 
 
 @dataclass(frozen=True)
@@ -98,23 +99,21 @@ class Forward:
 HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_forward")
 
 
-def stateful_mixer_kind(module, declared: str | None) -> str | None:
-    """The kind of a supported stateful mixer (``"gated DeltaNet"``, ``"short convolution"``), or None
-    when ``module`` is not one or its layer is declared as another type."""
-    kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
-    if kind is None or (declared is not None and declared not in types):
-        return None
-    return kind
+def is_supported_mixer(module, declared: str | None) -> bool:
+    """Whether ``module`` is a stateful mixer run here (gated DeltaNet, LFM2's short convolution) in a
+    layer declared as its type (``declared``; None: the config declares none)."""
+    types = _SUPPORTED.get(type(module).__name__)
+    return types is not None and (declared is None or declared in types)
 
 
 def install(mixers: dict[int, torch.nn.Module]) -> None:
     """Route the forward of each mixer (decoder layer index -> module) through the engine's states
     while an engine forward runs (``HYBRID`` set); outside it the module runs its own code, so
     the model stays usable on its own. Idempotent."""
-    for module in mixers.values():
+    for index, module in mixers.items():
         if getattr(module, "_dspark_original_forward", None) is None:
             module._dspark_original_forward = module.forward
-            module.forward = _routed(module)
+            module.forward = _routed(module, index)
 
 
 def new_pool(mixers: dict[int, torch.nn.Module], lines: int, window: int, device, dtype) -> StatePool:
@@ -122,6 +121,8 @@ def new_pool(mixers: dict[int, torch.nn.Module], lines: int, window: int, device
     layers = {}
     for index, module in mixers.items():
         conv_shape, recurrent_shape = _state_shapes(module, lines, window)
+        if recurrent_shape is not None:
+            delta_rule(module, torch.device(device))  # a missing kernel is named before any step
         recurrent = None if recurrent_shape is None else torch.zeros(recurrent_shape, device=device)
         layers[index] = LayerStates(torch.zeros(conv_shape, dtype=dtype, device=device), recurrent)
     return StatePool(layers, window)
@@ -151,12 +152,13 @@ def _conv(module) -> torch.nn.Conv1d:
     return module.conv1d if hasattr(module, "conv1d") else module.conv
 
 
-def _routed(module):
+def _routed(module, index: int):
+    """``module``'s forward: the engine's (decoder layer ``index``'s states) while ``HYBRID`` is set."""
     def forward(hidden_states, *args, **kwargs):
         current = HYBRID.get(None)
         if current is None:
             return module._dspark_original_forward(hidden_states, *args, **kwargs)
-        states = current.pool.layers[module.layer_idx]
+        states = current.pool.layers[index]
         mix = _gated_deltanet if hasattr(module, "A_log") else _short_conv
         return mix(module, hidden_states[0], states, current)[None]
     return forward
@@ -186,8 +188,7 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
     groups = module.num_v_heads // module.num_k_heads
     if groups > 1:
         query, key = (t.repeat_interleave(groups, dim=1, output_size=module.num_v_heads) for t in (query, key))
-    rule = sys.modules[type(module).__module__].torch_recurrent_gated_delta_rule
-    core = delta_rule_scan(rule, query, key, value, g, beta, states.recurrent, current)
+    core = delta_rule_scan(delta_rule(module, hidden.device), query, key, value, g, beta, states.recurrent, current)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(n, -1))
 
@@ -203,6 +204,21 @@ def _deltanet_projections(module, hidden: torch.Tensor):
         return mixed, z[0], b[0], a[0]
     z = module.in_proj_z(hidden).reshape(n, -1, module.head_v_dim)
     return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
+
+
+def delta_rule(module, device: torch.device):
+    """The gated delta rule over positions, ``(q, k, v, g=, beta=, initial_state=,
+    output_final_state=, use_qk_l2norm_in_kernel=) -> (out, state)``: on a GPU flash-linear-attention's
+    fused recurrent Triton kernel (what transformers itself dispatches to there; ``fla-core``),
+    elsewhere the modeling file's PyTorch reference, ``torch_recurrent_gated_delta_rule``."""
+    if device.type != "cuda":
+        return sys.modules[type(module).__module__].torch_recurrent_gated_delta_rule
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError as exc:
+        raise RuntimeError(f"{type(module).__name__} layers on a GPU run flash-linear-attention's gated delta rule "
+                           "kernel, which is not installed: pip install fla-core") from exc
+    return fused_recurrent_gated_delta_rule
 
 
 def _activation(name: str):
