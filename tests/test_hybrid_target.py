@@ -13,6 +13,8 @@ here even where the greedy tokens happen to agree. Tree mode is refused naming t
 prefix cache is off for these targets.
 """
 
+import contextlib
+
 import pytest
 import torch
 from test_hf_target import HYBRID, PROMPTS, _drafter, _generate, _model
@@ -186,3 +188,36 @@ def test_gated_deltanet_on_a_gpu_names_the_missing_kernel(monkeypatch):
     with pytest.raises(RuntimeError, match=r"Qwen3_5GatedDeltaNet layers on a GPU run flash-linear-attention's gated "
                                            r"delta rule kernel, which is not installed: pip install fla-core"):
         hybrid.new_pool({0: mixer}, 2, 4, "cuda", torch.float32)
+
+
+def test_a_graphs_warm_up_run_leaves_the_states_as_they_were(hybrid, monkeypatch):
+    """A CUDA graph is captured after a warm-up run of its step, which must leave no trace: its
+    state writes would overwrite the state a prompt chunk longer than the rings starts from. On
+    the CPU: a capture that runs its step (as the graph's first replay would) after the warm-up
+    run -- ``generate()``'s tokens for prompts run in chunks of many tokens."""
+    model, draft, expected = hybrid
+
+    class Graph:
+        def pool(self):
+            return None
+
+        def replay(self):  # the capture ran the step (its first replay)
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    for name, fake in (("synchronize", lambda device=None: None), ("current_stream", lambda device=None: None)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    prompt = [(7 * i + 3) % 90 for i in range(40)]
+    for d in (draft, None):
+        engine = LLMEngine(model, d, EngineConfig(max_batch=2, max_num_batched_tokens=24, cuda_graphs=False))
+        runner = engine.runner
+        runner.use_graphs, first_use = True, runner._replay
+
+        def replay(key, fn):  # a captured step's later replays run it; its first use warms up, then captures
+            (fn if key in runner.graphs else lambda: first_use(key, fn))()
+
+        monkeypatch.setattr(runner, "_replay", replay)
+        result = engine.generate([Request(prompt, 8)])[0]
+        assert result.token_ids == _generate(model, prompt, 8)
+        assert runner.graphs

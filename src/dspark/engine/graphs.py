@@ -80,17 +80,23 @@ class CudaGraphs:
         graph.replay()
 
     def _snapshot(self) -> Callable[[], None]:
-        """Copies of the row state a step writes (and the draft override's buffers), and a
-        function that puts them back: a graph's warm-up run must leave no trace. The captured
-        hidden states and draft probabilities are excluded: every step rewrites the rows it reads."""
+        """Copies of the row state a step writes (and the draft override's buffers), a hybrid
+        target's layer states frozen, and a function that puts them back: a graph's warm-up run
+        must leave no trace. The captured hidden states and draft probabilities are excluded: every
+        step rewrites the rows it reads."""
         live = [t for name, t in self.state.tensors() if name not in ("capture", "draft_probs")]
         if self.draft_override is not None:
             live += self.draft_override.buffers()
         saved = [t.clone() for t in live]
+        states = getattr(self.cache, "states", None)  # a hybrid target's: written to scratch until restored
+        if states is not None:
+            states.frozen = True
 
         def restore() -> None:
             for t, value in zip(live, saved):
                 t.copy_(value)
+            if states is not None:
+                states.frozen = False
 
         return restore
 

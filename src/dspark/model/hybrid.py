@@ -81,11 +81,18 @@ class LayerStates:
 class StatePool:
     """The states of a hybrid target's stateful layers beside its KV cache: ``layers[i]`` the
     ``LayerStates`` of decoder layer ``i``; ``window`` the tokens a line runs per round at most (the
-    verify length). ``scratch`` is the line masked writes go to."""
+    verify length). ``scratch`` is the line masked writes go to; while ``frozen`` every write goes
+    there (a CUDA graph's warm-up run: a prompt chunk longer than the rings would overwrite the
+    state it starts from, which the captured step then reads again)."""
 
     def __init__(self, layers: dict[int, LayerStates], window: int):
         self.layers, self.window = layers, window
         self.scratch = next(iter(layers.values())).conv.shape[0] - 1
+        self.frozen = False
+
+    def write_lines(self, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The lines to write tokens (or requests) of ``slots`` at: theirs where ``keep``, else the scratch line."""
+        return torch.where(keep & (not self.frozen), slots, self.scratch)
 
 
 @dataclass
@@ -249,7 +256,7 @@ def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, curr
     inputs = torch.stack([*taps, x], dim=-1).to(conv.weight.dtype)  # [N, C, K]
     out = F.conv1d(inputs, conv.weight, conv.bias, groups=inputs.shape[1])[..., 0]
     last = t.offsets >= t.lengths - window  # one write per ring entry
-    ring[torch.where(last, t.slots, pool.scratch), t.positions % window] = x.to(ring.dtype)
+    ring[pool.write_lines(t.slots, last), t.positions % window] = x.to(ring.dtype)
     return out.to(x.dtype)
 
 
@@ -260,7 +267,7 @@ def delta_rule_scan(rule, query, key, value, g, beta, ring: torch.Tensor, curren
     ``[lines, window, hv, dk, dv]``; zero at position 0), writing the state after every token at its
     position. ``query`` / ``key`` ``[N, hv, dk]``, ``value`` ``[N, hv, dv]``, ``g`` / ``beta``
     ``[N, hv]``. Returns ``[N, hv, dv]`` in ``query``'s dtype."""
-    n, window, scratch = query.shape[0], ring.shape[1], current.pool.scratch
+    n, window, pool = query.shape[0], ring.shape[1], current.pool
     out = value.new_zeros((n + 1,) + tuple(value.shape[1:]), dtype=query.dtype)  # row n: padding steps
     for lo, _, batch in current.tokens.groups:
         cu, starts, slots = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
@@ -275,5 +282,5 @@ def delta_rule_scan(rule, query, key, value, g, beta, ring: torch.Tensor, curren
                             use_qk_l2norm_in_kernel=True)
             state = torch.where(valid[:, None, None, None], after, state)
             out[token] = o[:, 0]
-            ring[torch.where(valid, slots, scratch), (starts + i) % window] = after
+            ring[pool.write_lines(slots, valid), (starts + i) % window] = after
     return out[:n]
