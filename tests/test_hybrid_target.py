@@ -221,3 +221,30 @@ def test_a_graphs_warm_up_run_leaves_the_states_as_they_were(hybrid, monkeypatch
         result = engine.generate([Request(prompt, 8)])[0]
         assert result.token_ids == _generate(model, prompt, 8)
         assert runner.graphs
+
+
+def test_a_failed_step_with_prompt_chunks_runs_them_again_from_zero_states(hybrid):
+    """A mixed forward that fails after the first stateful layers wrote (a long prompt chunk's
+    writes reach the state it started from) is retried without its chunks, whose prompts then run
+    again from position 0: ``generate()``'s tokens."""
+    model, draft, _ = hybrid
+    prompt = [(7 * i + 3) % 90 for i in range(40)]
+    mixed = []  # forwards with a prompt chunk: the second (a chunk after the first) fails
+
+    def fail_once(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] > 16:
+            mixed.append(hidden.shape[1])
+            if len(mixed) == 2:
+                raise RuntimeError("a failure inside the forward")
+
+    hook = model.model.layers[2].register_forward_pre_hook(fail_once, with_kwargs=True)
+    try:
+        engine = LLMEngine(model, draft, EngineConfig(max_batch=2, max_num_batched_tokens=24, cuda_graphs=False))
+        first = engine.add_request(Request(PROMPTS[0], NEW))
+        engine.step()
+        late = engine.add_request(Request(prompt, 8))
+        outputs, _ = _run(engine, model, [first, late])
+    finally:
+        hook.remove()
+    assert len(mixed) > 2 and outputs[late] == _generate(model, prompt, 8)

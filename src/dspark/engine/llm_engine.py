@@ -327,6 +327,7 @@ class LLMEngine(OfflineGeneration):
                     raise
                 log.warning("a step with prompt chunks failed (%s): retrying without them", exc)
                 self._probe(plan.chunks, outputs)
+                self._restart_stateful_prompts(plan.chunks)
                 plan = replace(plan, chunks=[])
                 if plan.rows:
                     self.runner.launch(plan)
@@ -341,6 +342,14 @@ class LLMEngine(OfflineGeneration):
                 joined.append(seq)
         self.scheduler.count()
         return joined
+
+    def _restart_stateful_prompts(self, plan) -> None:
+        """After a failed forward with prompt chunks, a hybrid target's chunk requests run their
+        prompts again from position 0: a K/V write the failed forward made is rewritten by the
+        retry, but its layer-state writes may have landed on the state a chunk starts from."""
+        if getattr(self.target, "stateful", None):
+            for seq, _ in plan:
+                seq.prefilled = 0
 
     def _probe(self, plan, outputs) -> None:
         for seq, chunk in plan:
