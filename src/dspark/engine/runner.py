@@ -61,6 +61,7 @@ from .verifier import Verifier, sample_rows
 
 __all__ = ["ForwardFailed", "ModelRunner"]
 
+
 def _state_window(target, verify_len: int) -> dict:
     """A hybrid target's cache also keeps its stateful layers' states for windows of the verify length."""
     return {"window": verify_len} if getattr(target, "stateful", None) else {}
