@@ -81,13 +81,14 @@ SPECS = {
     "nemotron-h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
         **KV, layers_block_type=["linear_attention", "full_attention", "mlp"], num_hidden_layers=3, head_dim=16,
         mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=1, chunk_size=16, conv_kernel=4)),
-    "bamba": ("BambaForCausalLM", "BambaConfig", dict(**KV, num_hidden_layers=2, attn_layer_indices=[1], **_MAMBA2)),
+    "bamba": ("BambaForCausalLM", "BambaConfig", dict(
+        **KV, num_hidden_layers=3, attn_layer_indices=[1], **{**_MAMBA2, "mamba_d_head": "auto"})),
     "zamba2": ("Zamba2ForCausalLM", "Zamba2Config", dict(
         **KV, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_headdim=32, mamba_d_state=8,
         n_mamba_heads=4, mamba_ngroups=1, chunk_size=16)),
     "granite-moe-hybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
-        **KV, num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=0,
-        shared_intermediate_size=128, **_MAMBA2)),
+        **KV, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=0,
+        shared_intermediate_size=128, **{**_MAMBA2, "mamba_d_head": "auto"})),
     "mamba": ("MambaForCausalLM", "MambaConfig", dict(num_hidden_layers=2, state_size=8)),
     "rwkv": ("RwkvForCausalLM", "RwkvConfig", dict(num_hidden_layers=2, attention_hidden_size=64, context_length=64)),
     "recurrent-gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", dict(
@@ -95,7 +96,7 @@ SPECS = {
         attention_window_size=16)),
 }
 # hybrid families whose stateful layers the engine runs exactly (``dspark.model.hybrid``)
-HYBRID = ["qwen3.5", "qwen3-next", "lfm2"]
+HYBRID = ["qwen3.5", "qwen3-next", "lfm2", "bamba", "granite-moe-hybrid"]
 FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding", *HYBRID]
 MOE = {"qwen3-moe", "qwen3-next"}  # experts that loop on the host by default
 
@@ -210,9 +211,7 @@ OUTCOMES = {
     "falcon-h1": ("refused", (([0, 1], "FalconH1Mixer"),)),
     "jamba": ("refused", (([0], "JambaMambaMixer"),)),
     "nemotron-h": ("refused", (([0], "NemotronHMamba2Mixer"), ([2], "'mlp'"))),
-    "bamba": ("refused", (([0], "BambaMixer"),)),
     "zamba2": ("refused", (([0], "Zamba2MambaMixer"), ([1], "Zamba2MambaDecoderLayer"))),
-    "granite-moe-hybrid": ("refused", (([0], "GraniteMoeHybridMambaLayer"),)),
     "mamba": ("refused", (([0, 1], "MambaMixer"),)),
     "rwkv": ("refused", (([0, 1], "RwkvBlock without an attention module"),)),
     "recurrent-gemma": ("refused", (([0], "RecurrentGemmaRecurrentBlock"),)),

@@ -34,12 +34,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "delta_rule", "install", "new_pool", "pool_bytes",
+__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "delta_rule", "install", "new_pool", "pool_bytes", "state_scan",
            "is_supported_mixer"]
 
-# the stateful mixers run here: class name -> the layer types a config declares their layers as
-_SUPPORTED = {"Qwen3NextGatedDeltaNet": ("linear_attention",), "Qwen3_5GatedDeltaNet": ("linear_attention",),
-              "Lfm2ShortConv": ("conv",)}
+_DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
+# the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
+_SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
+              "Qwen3_5GatedDeltaNet": (_DELTANET, ("linear_attention",)),
+              "Lfm2ShortConv": (_SHORT_CONV, ("conv",)),
+              "BambaMixer": (_MAMBA2, ("mamba", "linear_attention")),
+              "GraniteMoeHybridMambaLayer": (_MAMBA2, ("mamba", "linear_attention"))}
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,12 @@ HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_
 def is_supported_mixer(module, declared: str | None) -> bool:
     """Whether ``module`` is a stateful mixer run here (gated DeltaNet, LFM2's short convolution) in a
     layer declared as its type (``declared``; None: the config declares none)."""
-    types = _SUPPORTED.get(type(module).__name__)
-    return types is not None and (declared is None or declared in types)
+    kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
+    return kind is not None and (declared is None or declared in types)
+
+
+def _kind(module) -> str:
+    return _SUPPORTED[type(module).__name__][0]
 
 
 def install(mixers: dict[int, torch.nn.Module]) -> None:
@@ -128,7 +136,7 @@ def new_pool(mixers: dict[int, torch.nn.Module], lines: int, window: int, device
     layers = {}
     for index, module in mixers.items():
         conv_shape, recurrent_shape = _state_shapes(module, lines, window)
-        if recurrent_shape is not None:
+        if _kind(module) == _DELTANET:
             delta_rule(module, torch.device(device))  # a missing kernel is named before any step
         recurrent = None if recurrent_shape is None else torch.zeros(recurrent_shape, device=device)
         layers[index] = LayerStates(torch.zeros(conv_shape, dtype=dtype, device=device), recurrent)
@@ -150,9 +158,12 @@ def _state_shapes(module, lines: int, window: int) -> tuple[torch.Size, torch.Si
     its recurrent ring ``[lines + 1, window + 1, hv, dk, dv]`` (module docstring: why these sizes)."""
     conv = _conv(module)
     conv_shape = torch.Size((lines + 1, window + conv.kernel_size[0] - 1, conv.in_channels))
-    if not hasattr(module, "A_log"):
-        return conv_shape, None
-    return conv_shape, torch.Size((lines + 1, window + 1, module.num_v_heads, module.head_k_dim, module.head_v_dim))
+    kind, states = _kind(module), (lines + 1, window + 1)
+    if kind == _DELTANET:
+        return conv_shape, torch.Size((*states, module.num_v_heads, module.head_k_dim, module.head_v_dim))
+    if kind == _MAMBA2:
+        return conv_shape, torch.Size((*states, module.num_heads, module.head_dim, module.ssm_state_size))
+    return conv_shape, None
 
 
 def _conv(module) -> torch.nn.Conv1d:
@@ -165,9 +176,8 @@ def _routed(module, index: int):
         current = HYBRID.get(None)
         if current is None:
             return module._dspark_original_forward(hidden_states, *args, **kwargs)
-        states = current.pool.layers[index]
-        mix = _gated_deltanet if hasattr(module, "A_log") else _short_conv
-        return mix(module, hidden_states[0], states, current)[None]
+        mix = {_DELTANET: _gated_deltanet, _SHORT_CONV: _short_conv, _MAMBA2: _mamba2}[_kind(module)]
+        return mix(module, hidden_states[0], current.pool.layers[index], current)[None]
     return forward
 
 
@@ -195,9 +205,42 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
     groups = module.num_v_heads // module.num_k_heads
     if groups > 1:
         query, key = (t.repeat_interleave(groups, dim=1, output_size=module.num_v_heads) for t in (query, key))
-    core = delta_rule_scan(delta_rule(module, hidden.device), query, key, value, g, beta, states.recurrent, current)
+    rule = delta_rule(module, hidden.device)
+
+    def step(state, q, k, v, g_t, beta_t):
+        o, after = rule(q[:, None], k[:, None], v[:, None], g=g_t[:, None], beta=beta_t[:, None], initial_state=state,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o[:, 0], after
+
+    core = state_scan(step, (query, key, value, g, beta), states.recurrent, current)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(n, -1))
+
+
+def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
+    """Bamba's / Granite-4's Mamba-2 mixer on ``hidden`` ``[N, H]`` (their forward, less the cache):
+    ``in_proj`` -> gate | conv input | dt; the conv on the engine's states; the selective state
+    update position by position (the modeling file's ``mamba2_selective_state_update``, transformers'
+    own recurrent step); the gated norm and ``out_proj``."""
+    gate, xbc, dt = module.in_proj(hidden).split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+    xbc = _activation(module.activation)(causal_conv(xbc, module.conv1d, states.conv, current))
+    groups = module.n_groups * module.ssm_state_size
+    x, b, c = torch.split(xbc, [module.intermediate_size, groups, groups], dim=-1)
+    update = sys.modules[type(module).__module__].mamba2_selective_state_update
+    heads, head_dim, size = module.num_heads, module.head_dim, module.ssm_state_size
+    a = (-torch.exp(module.A_log.float()))[:, None, None].expand(-1, head_dim, size)
+    d, dt_bias = module.D[:, None].expand(-1, head_dim), module.dt_bias[:, None].expand(-1, head_dim)
+
+    def step(state, x_t, dt_t, b_t, c_t):
+        after = state.clone()  # updated in place
+        r = x_t.shape[0]
+        out = update(after, x_t.view(r, heads, head_dim), dt_t[:, :, None].expand(-1, -1, head_dim), a,
+                     b_t.view(r, module.n_groups, size), c_t.view(r, module.n_groups, size), d, dt_bias=dt_bias,
+                     dt_softplus=True)
+        return out.reshape(r, -1), after
+
+    scan = state_scan(step, (x, dt, b, c), states.recurrent, current)
+    return module.out_proj(module.norm(scan, gate).to(hidden.dtype))
 
 
 def _deltanet_projections(module, hidden: torch.Tensor):
@@ -260,27 +303,26 @@ def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, curr
     return out.to(x.dtype)
 
 
-def delta_rule_scan(rule, query, key, value, g, beta, ring: torch.Tensor, current: Forward) -> torch.Tensor:
-    """The gated delta rule over each request's tokens in order (``rule``: the modeling file's
-    ``torch_recurrent_gated_delta_rule``, one position of every request of a ragged group per
-    call), from the state after the position before each request's first token (``ring`` f32
-    ``[lines, window, hv, dk, dv]``; zero at position 0), writing the state after every token at its
-    position. ``query`` / ``key`` ``[N, hv, dk]``, ``value`` ``[N, hv, dv]``, ``g`` / ``beta``
-    ``[N, hv]``. Returns ``[N, hv, dv]`` in ``query``'s dtype."""
-    n, window, pool = query.shape[0], ring.shape[1], current.pool
-    out = value.new_zeros((n + 1,) + tuple(value.shape[1:]), dtype=query.dtype)  # row n: padding steps
+def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, current: Forward) -> torch.Tensor:
+    """A recurrence over each request's tokens in order, one position of every request of a ragged
+    group per ``step(state [R, ...], *inputs at that position [R, ...]) -> (out [R, ...], state
+    after)``, from the state after the position before each request's first token (``ring`` f32
+    ``[lines, window, ...]``; zero at position 0), writing the state after every token at its
+    position. ``inputs``: per-token tensors ``[N, ...]``. Returns the outputs ``[N, ...]``."""
+    n, window, pool = inputs[0].shape[0], ring.shape[1], current.pool
+    out = None
     for lo, _, batch in current.tokens.groups:
         cu, starts, slots = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
         counts = cu[1:] - cu[:-1]
-        state = ring[slots, (starts - 1) % window] * (starts > 0).to(ring.dtype)[:, None, None, None]
+        state = ring[slots, (starts - 1) % window] * (starts > 0).to(ring.dtype).view(-1, *[1] * (ring.dim() - 2))
         for i in range(batch.max_query_len):
             valid = counts > i
             token = torch.where(valid, lo + cu[:-1] + i, n)
             read = token.clamp(max=n - 1)
-            o, after = rule(query[read, None], key[read, None], value[read, None], g=g[read, None],
-                            beta=beta[read, None], initial_state=state, output_final_state=True,
-                            use_qk_l2norm_in_kernel=True)
-            state = torch.where(valid[:, None, None, None], after, state)
-            out[token] = o[:, 0]
-            ring[pool.write_lines(slots, valid), (starts + i) % window] = after
+            o, after = step(state, *(t[read] for t in inputs))
+            if out is None:  # row n: the padding steps' outputs
+                out = o.new_zeros((n + 1,) + tuple(o.shape[1:]))
+            state = torch.where(valid.view(-1, *[1] * (state.dim() - 1)), after.to(state.dtype), state)
+            out[token] = o
+            ring[pool.write_lines(slots, valid), (starts + i) % window] = state
     return out[:n]
