@@ -10,11 +10,11 @@ same alone and in a batch, prompts chunked into running steps; a sampled request
 and in a batch. Attention soft-capping is refused with an error naming it.
 
 The hybrid families whose stateful layers the engine keeps (gated DeltaNet: Qwen3-Next with
-experts, Qwen3.5; short convolutions: LFM2) are among the families above. Every family, a tiny
-random checkpoint decoded by ``dspark.generate``, has one outcome written down: transformers' greedy
-tokens (the fused Llama / Qwen path and the families above) or a refusal naming the layers whose
-state the engine does not keep (Falcon-H1, Jamba, Nemotron-H, Bamba, Zamba2, Granite-MoE-hybrid,
-Mamba, RWKV, RecurrentGemma).
+experts, Qwen3.5; Mamba-2: Bamba, Granite-4; short convolutions: LFM2) are among the families above.
+Every family, a tiny random checkpoint decoded by ``dspark.generate``, has one outcome written down:
+transformers' greedy tokens (the fused Llama / Qwen path and the families above) or a refusal naming
+the layers whose state the engine does not keep (Falcon-H1, Jamba, Nemotron-H, Zamba2, Mamba, RWKV,
+RecurrentGemma).
 ``draft_config`` builds a drafter for targets that spell the norm epsilon and head counts otherwise.
 
 CUDA graphs: the families whose transformers code synchronises the host are declared from the

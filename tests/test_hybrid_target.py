@@ -1,11 +1,12 @@
-"""Hybrid targets (gated DeltaNet: Qwen3-Next, Qwen3.5; short convolutions: LFM2) through the
-engine: the states of their stateful layers (``dspark.model.hybrid``) are exact however a round ends.
+"""Hybrid targets (gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba-2: Bamba, Granite-4; short
+convolutions: LFM2) through the engine: the states of their stateful layers
+(``dspark.model.hybrid``) are exact however a round ends.
 
 The peers' reported failures are the cases: acceptance decided per draft (``bench.oracle`` drafts
 of the target's own continuation, each kept with probability 1/2: rejected first drafts, partial and
-full acceptance), rounds with zero drafts (a threshold scheduler that proposes none, the cost
-scheduler's plain rounds), the context limit, an abort mid-round with the slot reused by a new
-request, preemption. In every case the output equals transformers' ``generate()``, and after every
+full acceptance), ragged verify lengths and rounds with zero drafts (the cost scheduler's plain
+rounds), the context limit, an abort between rounds with the slot reused by a new request,
+preemption, a failed step, a CUDA graph's warm-up run. In every case the output equals transformers' ``generate()``, and after every
 step each running request's states -- the recurrent state and the conv inputs before its anchor --
 equal those of its committed tokens run alone in one forward (a prompt run in chunks included): a
 rollback that kept a rejected draft's state, or a stale state of a slot's earlier request, fails

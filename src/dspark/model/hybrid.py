@@ -1,6 +1,7 @@
 """Hybrid targets: sequence mixers with a convolution or recurrent state, run exactly on the engine's
 flat ragged tokens -- gated DeltaNet (Qwen3-Next, Qwen3.5: a short causal conv1d, then the gated
-delta rule's ``[heads, dk, dv]`` state) and LFM2's short convolutions.
+delta rule's ``[heads, dk, dv]`` state), Mamba-2 (Bamba, Granite-4: a short causal conv1d, then the
+selective state space's ``[heads, head_dim, d_state]`` state) and LFM2's short convolutions.
 
 **States by position.** Each stateful layer keeps, per cache line, a short ring of states indexed by
 position: the conv's inputs at ``p % conv_window`` and the recurrent state *after* position ``p`` at
@@ -16,11 +17,13 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 (kept per position instead of checkpoint + recompute: the window's states come out of the scan that
 runs it, and re-running accepted tokens would cost a second forward per round).
 
-The scan runs the gated delta rule one position at a time, all requests of a ragged group at once
-(static shapes, no host synchronisation: CUDA-graph capturable) -- on a GPU flash-linear-attention's
-fused recurrent kernel, elsewhere the modeling file's own ``torch_recurrent_gated_delta_rule`` (the
-PyTorch reference transformers falls back to); the conv is ``F.conv1d`` over each token's ``kernel``
-inputs, as transformers computes it. Tree verification, which would need a state per tree node, and
+The scans run one position at a time, all requests of a ragged group at once (static shapes, no
+host synchronisation: CUDA-graph capturable): the gated delta rule as flash-linear-attention's fused
+recurrent kernel on a GPU, elsewhere the modeling file's own ``torch_recurrent_gated_delta_rule`` (the
+PyTorch reference transformers falls back to); Mamba-2 as the modeling file's
+``mamba2_selective_state_update`` (transformers' recurrent step, which it maps to mamba-ssm's kernel
+where its kernel hub provides it). The conv is ``F.conv1d`` over each token's ``kernel`` inputs, as
+transformers computes it. Tree verification, which would need a state per tree node, and
 prefix caching, which would need a state snapshot per cached block, are refused / turned off by the
 engine for these targets.
 """
@@ -76,7 +79,8 @@ class Tokens:
 class LayerStates:
     """One stateful layer's rings, a line per cache slot plus a scratch line (masked writes):
     ``conv`` ``[lines, conv_window, channels]`` (the conv's inputs, model dtype) and, for gated
-    DeltaNet, ``recurrent`` f32 ``[lines, window, heads, dk, dv]`` (the state after each position)."""
+    DeltaNet / Mamba-2, ``recurrent`` f32 ``[lines, window, heads, dk, dv]`` / ``[lines, window,
+    heads, head_dim, d_state]`` (the state after each position)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor | None = None
@@ -111,8 +115,8 @@ HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_
 
 
 def is_supported_mixer(module, declared: str | None) -> bool:
-    """Whether ``module`` is a stateful mixer run here (gated DeltaNet, LFM2's short convolution) in a
-    layer declared as its type (``declared``; None: the config declares none)."""
+    """Whether ``module`` is a stateful mixer run here (gated DeltaNet, Mamba-2 of Bamba / Granite-4,
+    LFM2's short convolution) in a layer declared as its type (``declared``; None: none declared)."""
     kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
     return kind is not None and (declared is None or declared in types)
 
@@ -154,8 +158,8 @@ def pool_bytes(mixers: dict[int, torch.nn.Module], lines: int, window: int, dtyp
 
 
 def _state_shapes(module, lines: int, window: int) -> tuple[torch.Size, torch.Size | None]:
-    """A mixer's conv ring ``[lines + 1, window + kernel - 1, channels]`` and, for gated DeltaNet,
-    its recurrent ring ``[lines + 1, window + 1, hv, dk, dv]`` (module docstring: why these sizes)."""
+    """A mixer's conv ring ``[lines + 1, window + kernel - 1, channels]`` and its recurrent ring
+    ``[lines + 1, window + 1, ...]`` (None for a short convolution; module docstring: why these sizes)."""
     conv = _conv(module)
     conv_shape = torch.Size((lines + 1, window + conv.kernel_size[0] - 1, conv.in_channels))
     kind, states = _kind(module), (lines + 1, window + 1)
