@@ -6,12 +6,12 @@ The peers' reported failures are the cases: acceptance decided per draft (``benc
 of the target's own continuation, each kept with probability 1/2: rejected first drafts, partial and
 full acceptance), ragged verify lengths and rounds with zero drafts (the cost scheduler's plain
 rounds), the context limit, an abort between rounds with the slot reused by a new request,
-preemption, a failed step, a CUDA graph's warm-up run. In every case the output equals transformers' ``generate()``, and after every
-step each running request's states -- the recurrent state and the conv inputs before its anchor --
-equal those of its committed tokens run alone in one forward (a prompt run in chunks included): a
-rollback that kept a rejected draft's state, or a stale state of a slot's earlier request, fails
-here even where the greedy tokens happen to agree. Tree mode is refused naming the reason; the
-prefix cache is off for these targets.
+preemption, a failed step, a CUDA graph's warm-up run. In every case the output equals
+transformers' ``generate()``, and after every step each running request's states -- the recurrent
+state and the conv inputs before its anchor -- equal those of its committed tokens run alone in one
+forward (a prompt run in chunks included): a rollback that kept a rejected draft's state, or a stale
+state of a slot's earlier request, fails here even where the greedy tokens happen to agree. Tree
+mode is refused naming the reason; the prefix cache is off for these targets.
 """
 
 import contextlib

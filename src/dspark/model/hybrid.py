@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "delta_rule", "install", "new_pool", "pool_bytes", "state_scan",
-           "is_supported_mixer"]
+__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "causal_conv", "delta_rule", "install",
+           "is_supported_mixer", "new_pool", "pool_bytes", "state_scan"]
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
