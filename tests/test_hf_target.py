@@ -10,10 +10,11 @@ same alone and in a batch, prompts chunked into running steps; a sampled request
 and in a batch. Attention soft-capping is refused with an error naming it.
 
 The hybrid families whose stateful layers the engine keeps (gated DeltaNet: Qwen3-Next with
-experts, Qwen3.5; Mamba-2: Bamba, Granite-4; short convolutions: LFM2) are among the families above.
+experts, Qwen3.5; Mamba-2: Bamba, Granite-4, Falcon-H1; short convolutions: LFM2) are among the
+families above.
 Every family, a tiny random checkpoint decoded by ``dspark.generate``, has one outcome written down:
 transformers' greedy tokens (the fused Llama / Qwen path and the families above) or a refusal naming
-the layers whose state the engine does not keep (Falcon-H1, Jamba, Nemotron-H, Zamba2, Mamba, RWKV,
+the layers whose state the engine does not keep (Jamba, Nemotron-H, Zamba2, Mamba, RWKV,
 RecurrentGemma).
 ``draft_config`` builds a drafter for targets that spell the norm epsilon and head counts otherwise.
 
@@ -73,8 +74,9 @@ SPECS = {
     "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(**KV, head_dim=16, **_LINEAR)),
     "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(
         **KV, num_hidden_layers=3, full_attn_idxs=[1], conv_L_cache=3, block_auto_adjust_ff_dim=False)),
-    "falcon-h1": ("FalconH1ForCausalLM", "FalconH1Config", dict(
-        **KV, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128, **_MAMBA2)),
+    "falcon-h1": ("FalconH1ForCausalLM", "FalconH1Config", dict(  # MuP multipliers of its own
+        **KV, num_hidden_layers=3, head_dim=16, mamba_d_ssm=128, **_MAMBA2, ssm_in_multiplier=0.7,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9])),
     "jamba": ("JambaForCausalLM", "JambaConfig", dict(
         **KV, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1, expert_layer_period=1,
         expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8)),
@@ -96,7 +98,7 @@ SPECS = {
         attention_window_size=16)),
 }
 # hybrid families whose stateful layers the engine runs exactly (``dspark.model.hybrid``)
-HYBRID = ["qwen3.5", "qwen3-next", "lfm2", "bamba", "granite-moe-hybrid"]
+HYBRID = ["qwen3.5", "qwen3-next", "lfm2", "bamba", "granite-moe-hybrid", "falcon-h1"]
 FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding", *HYBRID]
 MOE = {"qwen3-moe", "qwen3-next"}  # experts that loop on the host by default
 
@@ -208,7 +210,6 @@ REFUSAL = "This engine cannot run that layer type exactly yet"
 # holding the state, or the declared type alone; declared names vary across transformers releases)
 OUTCOMES = {
     **{name: ("equal", ()) for name in ("llama", "qwen2", "qwen3", *FAMILIES)},
-    "falcon-h1": ("refused", (([0, 1], "FalconH1Mixer"),)),
     "jamba": ("refused", (([0], "JambaMambaMixer"),)),
     "nemotron-h": ("refused", (([0], "NemotronHMamba2Mixer"), ([2], "'mlp'"))),
     "zamba2": ("refused", (([0], "Zamba2MambaMixer"), ([1], "Zamba2MambaDecoderLayer"))),

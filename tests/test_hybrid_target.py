@@ -1,5 +1,5 @@
-"""Hybrid targets (gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba-2: Bamba, Granite-4; short
-convolutions: LFM2) through the engine: the states of their stateful layers
+"""Hybrid targets (gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba-2: Bamba, Granite-4, Falcon-H1;
+short convolutions: LFM2) through the engine: the states of their stateful layers
 (``dspark.model.hybrid``) are exact however a round ends.
 
 The peers' reported failures are the cases: acceptance decided per draft (``bench.oracle`` drafts

@@ -14,12 +14,11 @@ the ragged op cannot express exactly are refused with an error naming them: atte
 soft-capping, chunked attention, attention sinks, non-causal layers.
 
 Hybrid targets whose stateful layers ``hybrid`` runs exactly -- gated DeltaNet (Qwen3-Next,
-Qwen3.5), Mamba-2 (Bamba, Granite-4) and short convolutions (LFM2) -- keep those layers' states in
-a ``StatePool`` beside the KV cache (``new_paged_cache(..., window=)``), their mixers routed through
-it during the engine's forwards. Every other decoder layer whose sequence mixer is not softmax
-attention (other Mamba / state-space mixers: Jamba's Mamba-1, Falcon-H1's, Nemotron-H's, Zamba2's;
-RWKV, RG-LRU, MLP-only layers, ...) is refused: its recurrent or convolution
-state would not be kept, so it would decode wrong from the first tokens. They are found from the
+Qwen3.5), Mamba-2 (Bamba, Granite-4, Falcon-H1) and short convolutions (LFM2) -- keep those layers'
+states in a ``StatePool`` beside the KV cache (``new_paged_cache(..., window=)``), their mixers
+routed through it during the engine's forwards. Every other decoder layer whose sequence mixer is
+not softmax attention (other Mamba / state-space mixers: Jamba's Mamba-1, Nemotron-H's, Zamba2's;
+RWKV, RG-LRU, MLP-only layers, ...) is refused: its recurrent or convolution state would not be kept, so it would decode wrong from the first tokens. They are found from the
 config's declared layer types and, whatever the config says, from the layers' modules (a
 ``Conv1d``, a class named for a recurrent mixer, no attention with a ``layer_idx``).
 
@@ -279,7 +278,7 @@ def _check_sequence_mixers(c: Checker, model, config, layers) -> dict[int, torch
         what = "; ".join(f"layers {indices} are {kind}" for kind, indices in found.items())
         c.fail(f"{type(model).__name__}: {what}. This engine cannot run that layer type exactly yet: it runs "
                f"full and sliding-window softmax attention layers only, whose state is its KV cache (hybrid "
-               f"targets: gated DeltaNet, Bamba / Granite-4 Mamba-2 and short convolutions only)")
+               f"targets: gated DeltaNet, Mamba-2 of Bamba / Granite-4 / Falcon-H1 and short convolutions only)")
     return stateful
 
 

@@ -1,7 +1,8 @@
 """Hybrid targets: sequence mixers with a convolution or recurrent state, run exactly on the engine's
 flat ragged tokens -- gated DeltaNet (Qwen3-Next, Qwen3.5: a short causal conv1d, then the gated
-delta rule's ``[heads, dk, dv]`` state), Mamba-2 (Bamba, Granite-4: a short causal conv1d, then the
-selective state space's ``[heads, head_dim, d_state]`` state) and LFM2's short convolutions.
+delta rule's ``[heads, dk, dv]`` state), Mamba-2 (Bamba, Granite-4, Falcon-H1: a short causal
+conv1d, then the selective state space's ``[heads, head_dim, d_state]`` state) and LFM2's short
+convolutions.
 
 **States by position.** Each stateful layer keeps, per cache line, a short ring of states indexed by
 position: the conv's inputs at ``p % conv_window`` and the recurrent state *after* position ``p`` at
@@ -46,7 +47,8 @@ _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
               "Qwen3_5GatedDeltaNet": (_DELTANET, ("linear_attention",)),
               "Lfm2ShortConv": (_SHORT_CONV, ("conv",)),
               "BambaMixer": (_MAMBA2, ("mamba", "linear_attention")),
-              "GraniteMoeHybridMambaLayer": (_MAMBA2, ("mamba", "linear_attention"))}
+              "GraniteMoeHybridMambaLayer": (_MAMBA2, ("mamba", "linear_attention")),
+              "FalconH1Mixer": (_MAMBA2, ("mamba", "hybrid"))}  # beside attention in a "hybrid" layer
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,9 @@ HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_
 
 
 def is_supported_mixer(module, declared: str | None) -> bool:
-    """Whether ``module`` is a stateful mixer run here (gated DeltaNet, Mamba-2 of Bamba / Granite-4,
-    LFM2's short convolution) in a layer declared as its type (``declared``; None: none declared)."""
+    """Whether ``module`` is a stateful mixer run here (gated DeltaNet, Mamba-2 of Bamba / Granite-4 /
+    Falcon-H1, LFM2's short convolution) in a layer declared as its type (``declared``; None: none
+    declared)."""
     kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
     return kind is not None and (declared is None or declared in types)
 
@@ -222,11 +225,16 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
 
 
 def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
-    """Bamba's / Granite-4's Mamba-2 mixer on ``hidden`` ``[N, H]`` (their forward, less the cache):
-    ``in_proj`` -> gate | conv input | dt; the conv on the engine's states; the selective state
-    update position by position (the modeling file's ``mamba2_selective_state_update``, transformers'
-    own recurrent step); the gated norm and ``out_proj``."""
-    gate, xbc, dt = module.in_proj(hidden).split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+    """Bamba's / Granite-4's / Falcon-H1's Mamba-2 mixer on ``hidden`` ``[N, H]`` (their forward,
+    less the cache): ``in_proj`` -> gate | conv input | dt (Falcon-H1: its input multiplier and MuP
+    vector around it); the conv on the engine's states; the selective state update position by
+    position (the modeling file's ``mamba2_selective_state_update``, transformers' own recurrent
+    step); the gated norm (Falcon-H1 without one: a SiLU gate) and ``out_proj``."""
+    if hasattr(module, "mup_vector"):  # Falcon-H1
+        projected = module.in_proj(hidden * module.ssm_in_multiplier) * module.mup_vector.view(-1)
+    else:
+        projected = module.in_proj(hidden)
+    gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
     xbc = _activation(module.activation)(causal_conv(xbc, module.conv1d, states.conv, current))
     groups = module.n_groups * module.ssm_state_size
     x, b, c = torch.split(xbc, [module.intermediate_size, groups, groups], dim=-1)
@@ -244,7 +252,8 @@ def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward)
         return out.reshape(r, -1), after
 
     scan = state_scan(step, (x, dt, b, c), states.recurrent, current)
-    return module.out_proj(module.norm(scan, gate).to(hidden.dtype))
+    gated = module.norm(scan, gate) if getattr(module, "mamba_rms_norm", True) else scan * F.silu(gate)
+    return module.out_proj(gated.to(hidden.dtype))
 
 
 def _deltanet_projections(module, hidden: torch.Tensor):
