@@ -18,9 +18,10 @@ Qwen3.5), Mamba-2 (Bamba, Granite-4, Falcon-H1) and short convolutions (LFM2) --
 states in a ``StatePool`` beside the KV cache (``new_paged_cache(..., window=)``), their mixers
 routed through it during the engine's forwards. Every other decoder layer whose sequence mixer is
 not softmax attention (other Mamba / state-space mixers: Jamba's Mamba-1, Nemotron-H's, Zamba2's;
-RWKV, RG-LRU, MLP-only layers, ...) is refused: its recurrent or convolution state would not be kept, so it would decode wrong from the first tokens. They are found from the
-config's declared layer types and, whatever the config says, from the layers' modules (a
-``Conv1d``, a class named for a recurrent mixer, no attention with a ``layer_idx``).
+RWKV, RG-LRU, MLP-only layers, ...) is refused: its recurrent or convolution state would not be
+kept, so it would decode wrong from the first tokens. They are found from the config's declared
+layer types and, whatever the config says, from the layers' modules (a ``Conv1d``, a class named for
+a recurrent mixer, no attention with a ``layer_idx``).
 
 The forward is capturable in a CUDA graph (static shapes per call, no host synchronisation in
 dspark's part; transformers builds no mask for the ragged attention) unless the model's own code
