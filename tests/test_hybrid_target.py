@@ -15,6 +15,7 @@ mode is refused naming the reason; the prefix cache is off for these targets.
 """
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -249,3 +250,17 @@ def test_a_failed_step_with_prompt_chunks_runs_them_again_from_zero_states(hybri
     finally:
         hook.remove()
     assert len(mixed) > 2 and outputs[late] == _generate(model, prompt, 8)
+
+
+def test_a_mamba2_dt_limit_is_refused_naming_it():
+    """transformers clamps Mamba-2's dt to ``time_step_limit`` in a prompt's chunked scan but not
+    in its decoding steps, so no single recurrence equals it under a limit: such a target is refused
+    naming the setting."""
+    model = _model("bamba")
+    for layer in model.model.layers:
+        if hasattr(layer, "mamba"):
+            layer.mamba.time_step_limit = (0.001, float("inf"))
+    setting = re.escape("(BambaMixer with time_step_limit (0.001, inf) (transformers clamps dt in a prompt's "
+                        "chunked scan only))")
+    with pytest.raises(ValueError, match=r"BambaForCausalLM: layers \[0, 2\] are '\w+' " + setting):
+        HFTarget(model)  # the declared type's name varies across transformers releases

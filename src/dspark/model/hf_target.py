@@ -297,7 +297,8 @@ def _supported_mixer(layer, declared: str | None):
 def _non_attention_kind(declared: str | None, layer, family: str) -> str | None:
     """What decoder ``layer`` holds that is not softmax attention -- its declared type, the module
     with the state -- or None when it is softmax attention."""
-    stateful = next((type(m).__name__ for m in layer.modules() if m is not layer and _is_stateful(m, family)), None)
+    stateful = next((type(m).__name__ + _limit(m) for m in layer.modules()
+                     if m is not layer and _is_stateful(m, family)), None)
     if declared is not None and declared not in _SOFTMAX_LAYER_TYPES:
         return f"{declared!r}" + (f" ({stateful})" if stateful else "")
     if stateful is not None:
@@ -305,6 +306,13 @@ def _non_attention_kind(declared: str | None, layer, family: str) -> str | None:
     if _attention_module(layer) is None:
         return f"{type(layer).__name__} without an attention module (one with a layer_idx, for its cache)"
     return None
+
+
+def _limit(module) -> str:
+    """Why a mixer of a class ``hybrid`` runs cannot run exactly with its settings, as a suffix ("" if
+    nothing stops it)."""
+    reason = hybrid.unsupported_setting(module)
+    return f" with {reason}" if reason else ""
 
 
 def _is_stateful(module, family: str) -> bool:

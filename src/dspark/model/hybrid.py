@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "causal_conv", "delta_rule", "install",
-           "is_supported_mixer", "new_pool", "pool_bytes", "state_scan"]
+           "is_supported_mixer", "new_pool", "pool_bytes", "state_scan",
+           "unsupported_setting"]
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
@@ -121,7 +122,18 @@ def is_supported_mixer(module, declared: str | None) -> bool:
     Falcon-H1, LFM2's short convolution) in a layer declared as its type (``declared``; None: none
     declared)."""
     kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
-    return kind is not None and (declared is None or declared in types)
+    return kind is not None and (declared is None or declared in types) and unsupported_setting(module) is None
+
+
+def unsupported_setting(module) -> str | None:
+    """A setting of a mixer of a class run here under which no single recurrence equals
+    transformers' (None: none): a Mamba-2 ``time_step_limit`` other than (0, inf), which transformers
+    applies to a prompt's chunked scan and not to its decoding steps."""
+    limit = getattr(module, "time_step_limit", None)
+    if _SUPPORTED.get(type(module).__name__, (None,))[0] != _MAMBA2 or limit is None:
+        return None
+    return None if tuple(limit) == (0.0, float("inf")) else f"time_step_limit {tuple(limit)} (transformers clamps " \
+        "dt in a prompt's chunked scan only)"
 
 
 def _kind(module) -> str:
