@@ -70,12 +70,6 @@ class _Step:
     groups: list  # (first row, end row, AttentionBatch)
 
 
-class HybridCache(KVCache):
-    """A hybrid target's KV cache and its stateful layers' ``states`` (``hybrid.StatePool``)."""
-
-    states: hybrid.StatePool
-
-
 _STEP: contextvars.ContextVar[_Step] = contextvars.ContextVar("dspark_hf_step")
 
 
@@ -169,10 +163,8 @@ class HFTarget(CachedTarget):
         return hybrid.pool_bytes(self.stateful, lines, window, self.dtype)
 
     def _with_states(self, cache: KVCache, window: int) -> KVCache:
-        if not self.stateful:
-            return cache
-        cache.__class__ = HybridCache
-        cache.states = hybrid.new_pool(self.stateful, cache.num_slots, window, self.device, self.dtype)
+        if self.stateful:
+            cache.states = hybrid.new_pool(self.stateful, cache.num_slots, window, self.device, self.dtype)
         return cache
 
     @property
@@ -205,7 +197,7 @@ class HFTarget(CachedTarget):
         token = _STEP.set(_Step(cache, cache.index(token_slots, positions), groups))
         states = None
         if self.stateful:
-            if not isinstance(cache, HybridCache):
+            if cache.states is None:
                 raise ValueError("a hybrid target's forward needs a cache from its new_cache / new_paged_cache")
             states = hybrid.HYBRID.set(hybrid.Forward(cache.states, hybrid.Tokens.of(token_slots, positions, groups)))
         hooks = self._capture_hooks(capture_out)
@@ -278,8 +270,9 @@ def _check_sequence_mixers(c: Checker, model, config, layers) -> dict[int, torch
     if found:
         what = "; ".join(f"layers {indices} are {kind}" for kind, indices in found.items())
         c.fail(f"{type(model).__name__}: {what}. This engine cannot run that layer type exactly yet: it runs "
-               f"full and sliding-window softmax attention layers only, whose state is its KV cache (hybrid "
-               f"targets: gated DeltaNet, Mamba-2 of Bamba / Granite-4 / Falcon-H1 and short convolutions only)")
+               f"full and sliding-window softmax attention layers, whose state is its KV cache, and the hybrid "
+               f"layers whose states it keeps: gated DeltaNet, Mamba-2 of Bamba / Granite-4 / Falcon-H1, short "
+               f"convolutions")
     return stateful
 
 
