@@ -264,3 +264,14 @@ def test_a_mamba2_dt_limit_is_refused_naming_it():
                         "chunked scan only))")
     with pytest.raises(ValueError, match=r"BambaForCausalLM: layers \[0, 2\] are '\w+' " + setting):
         HFTarget(model)  # the declared type's name varies across transformers releases
+
+
+def test_prompt_log_probabilities_leave_the_states_to_the_chunks(hybrid):
+    """Prompt log-probabilities come from an eager forward of each chunk before the step runs it:
+    its state writes must not reach the state the chunk then starts from: ``generate()``'s tokens
+    for a prompt scored in long chunks."""
+    model, draft, _ = hybrid
+    prompt = [(7 * i + 3) % 90 for i in range(40)]
+    engine = LLMEngine(model, draft, EngineConfig(max_batch=2, max_num_batched_tokens=24, cuda_graphs=False))
+    scored = engine.generate([Request(prompt, 8, prompt_logprobs=0)])[0]
+    assert scored.token_ids == _generate(model, prompt, 8)

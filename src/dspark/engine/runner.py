@@ -41,6 +41,7 @@ biased logits, which gives the same tokens).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import Callable
@@ -453,11 +454,14 @@ class ModelRunner(CudaGraphs):
         ``start ..`` of cache line ``slot``, by an eager forward of that line alone (outside the
         batched step and its graphs, which keep only a chunk's last logits): what prompt
         log-probabilities are read from. Run before the step that runs these tokens as a chunk, so
-        that its K/V writes are the ones that step makes again."""
+        that its K/V writes are the ones that step makes again; a hybrid target's layer states are not
+        written (they could reach the state the chunk starts from)."""
         self.block_tables.flush()
         n, i32 = len(token_ids), dict(dtype=torch.int32, device=self.device)
         positions = torch.arange(start, start + n, **i32)
         batch = AttentionBatch(torch.tensor([slot], **i32), torch.tensor([start], **i32), torch.tensor([0, n], **i32),
                                n)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return self.target.forward(ids, positions, torch.full((n,), slot, **i32), batch, self.cache)
+        states = getattr(self.cache, "states", None)
+        with states.frozen_writes() if states is not None else contextlib.nullcontext():
+            return self.target.forward(ids, positions, torch.full((n,), slot, **i32), batch, self.cache)

@@ -31,6 +31,7 @@ engine for these targets.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
 from dataclasses import dataclass
@@ -100,6 +101,15 @@ class StatePool:
         self.layers, self.window = layers, window
         self.scratch = next(iter(layers.values())).conv.shape[0] - 1
         self.frozen = False
+
+    @contextlib.contextmanager
+    def frozen_writes(self):
+        """Within: every write goes to the scratch line (a forward whose states the next one makes again)."""
+        self.frozen = True
+        try:
+            yield
+        finally:
+            self.frozen = False
 
     def write_lines(self, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """The lines to write tokens (or requests) of ``slots`` at: theirs where ``keep``, else the scratch line."""
