@@ -113,9 +113,8 @@ def test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, mo
     elif scheduler == "ragged":
         assert len({s for s, _ in rounds}) > 2
     else:  # a plain round after a drafting one, and a drafting one after plain ones
-        lengths = [s for st in stats for s in st.scheduled_lengths]
-        assert any(a > 0 and b == 0 for a, b in zip(lengths, lengths[1:]))
-        assert any(a == 0 and b > 0 for a, b in zip(lengths, lengths[1:]))
+        pairs = [pair for st in stats for pair in zip(st.scheduled_lengths, st.scheduled_lengths[1:])]
+        assert any(a > 0 and b == 0 for a, b in pairs) and any(a == 0 and b > 0 for a, b in pairs)
 
 
 def test_the_context_limit_ends_the_output(hybrid):
@@ -125,8 +124,9 @@ def test_the_context_limit_ends_the_output(hybrid):
     prompt = PROMPTS[2]
     engine = LLMEngine(model, draft, EngineConfig(max_batch=1, max_model_len=len(prompt) + 10, cuda_graphs=False))
     rid = engine.add_request(Request(prompt, NEW))
+    seq = engine.sequences[rid]
     outputs, checked = _run(engine, model, [rid])
-    assert outputs[rid] == expected[2][:10] and checked > 2
+    assert outputs[rid] == expected[2][:10] and seq.finish_reason == "length" and checked > 2
 
 
 def test_an_aborted_requests_slot_gives_the_next_request_no_state(hybrid):
