@@ -16,6 +16,7 @@ mode is refused naming the reason; the prefix cache is off for these targets.
 
 import contextlib
 import re
+from copy import deepcopy
 
 import pytest
 import torch
@@ -275,3 +276,20 @@ def test_prompt_log_probabilities_leave_the_states_to_the_chunks(hybrid):
     engine = LLMEngine(model, draft, EngineConfig(max_batch=2, max_num_batched_tokens=24, cuda_graphs=False))
     scored = engine.generate([Request(prompt, 8, prompt_logprobs=0)])[0]
     assert scored.token_ids == _generate(model, prompt, 8)
+
+
+def test_a_deep_copy_of_a_wrapped_model_runs_its_own_mixers(hybrid):
+    """The routing of a model's mixers through the engine travels with a deep copy of the model
+    (as a model moved to another device is): the copy decodes with its own weights, not the
+    original's."""
+    model, _, expected = hybrid
+    HFTarget(model)  # routes the mixers
+    copy = deepcopy(model)
+    for module in model.modules():
+        if hasattr(module, "_dspark_original_forward"):
+            torch.nn.init.zeros_(module.out_proj.weight)
+    try:
+        engine = LLMEngine(copy, None, EngineConfig(max_batch=1, cuda_graphs=False))
+        assert engine.generate([Request(PROMPTS[0], NEW)])[0].token_ids == expected[0]
+    finally:
+        model.load_state_dict(copy.state_dict())

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -153,11 +154,12 @@ def _kind(module) -> str:
 def install(mixers: dict[int, torch.nn.Module]) -> None:
     """Route the forward of each mixer (decoder layer index -> module) through the engine's states
     while an engine forward runs (``HYBRID`` set); outside it the module runs its own code, so
-    the model stays usable on its own. Idempotent."""
+    the model stays usable on its own. Idempotent; bound methods, so that a deep copy of the model
+    routes its own mixers."""
     for index, module in mixers.items():
         if getattr(module, "_dspark_original_forward", None) is None:
-            module._dspark_original_forward = module.forward
-            module.forward = _routed(module, index)
+            module._dspark_layer, module._dspark_original_forward = index, module.forward
+            module.forward = types.MethodType(_routed_forward, module)
 
 
 def new_pool(mixers: dict[int, torch.nn.Module], lines: int, window: int, device, dtype) -> StatePool:
@@ -199,15 +201,13 @@ def _conv(module) -> torch.nn.Conv1d:
     return module.conv1d if hasattr(module, "conv1d") else module.conv
 
 
-def _routed(module, index: int):
-    """``module``'s forward: the engine's (decoder layer ``index``'s states) while ``HYBRID`` is set."""
-    def forward(hidden_states, *args, **kwargs):
-        current = HYBRID.get(None)
-        if current is None:
-            return module._dspark_original_forward(hidden_states, *args, **kwargs)
-        mix = {_DELTANET: _gated_deltanet, _SHORT_CONV: _short_conv, _MAMBA2: _mamba2}[_kind(module)]
-        return mix(module, hidden_states[0], current.pool.layers[index], current)[None]
-    return forward
+def _routed_forward(module, hidden_states, *args, **kwargs):
+    """A routed mixer's forward: the engine's (its decoder layer's states) while ``HYBRID`` is set."""
+    current = HYBRID.get(None)
+    if current is None:
+        return module._dspark_original_forward(hidden_states, *args, **kwargs)
+    mix = {_DELTANET: _gated_deltanet, _SHORT_CONV: _short_conv, _MAMBA2: _mamba2}[_kind(module)]
+    return mix(module, hidden_states[0], current.pool.layers[module._dspark_layer], current)[None]
 
 
 # ---- the mixers -------------------------------------------------------------------------------
