@@ -2,7 +2,8 @@
 
 Families (one module each): ``markov`` (Markov correction, fused greedy steps, FP8 W2, whole-round
 greedy drafter), ``sampling`` (uniforms, probabilities, samplers, stores, the sampled Markov steps),
-``verify`` (verify tokens, greedy and probabilistic accept, proposal lengths), ``confidence``
+``candidates`` (sampled Markov drafting over candidate sets), ``verify`` (verify tokens, greedy and
+probabilistic accept, proposal lengths), ``confidence``
 (confidence head and the threshold / SPS schedulers), ``layers`` (RMSNorm, RoPE + KV store, cached
 attention, SwiGLU for the engine's model runners), ``rng`` (request-stable uniforms), ``tree``
 (the DDTree builder and greedy tree acceptance; PyTorch only so far). Backends: PyTorch reference and Triton, see
@@ -21,6 +22,7 @@ synchronisation), see ``dspark.kernels._validate``.
 
 from ._backend import backend_name, forced_backend, use_backend
 from ._shared import GREEDY_TEMPERATURE
+from .candidates import *  # noqa: F401,F403
 from .confidence import *  # noqa: F401,F403
 from .layers import *  # noqa: F401,F403
 from .rng import *  # noqa: F401,F403

@@ -1,0 +1,118 @@
+"""Sampled Markov drafting over candidate sets (a dspark addition; runtime.md §12, after vLLM's DSpark
+``topk_markov`` drafter): each draft step samples among C candidates of its slot -- the backbone's
+top-C logits -- instead of the whole vocabulary, so a step costs O(C * R) instead of a pass over V.
+
+Step ``s`` of row b, with ``prev`` = ``first_prev_tokens[b]`` at step 0, else the token drafted at
+``s - 1``, and ``ids = candidate_ids[b, s]`` (C distinct token ids):
+
+* ``z[c] = backbone[b*L + s + logits_offset, ids[c]] + W2[ids[c]] . W1[prev]`` (the vanilla Markov
+  correction of kernels.md 3.11 on the candidates only, fp32);
+* the request's filters over the candidates, in vLLM's sampler order (as ``dspark.engine``'s request
+  stage does over the vocabulary): a greedy row (``temperature < GREEDY_TEMPERATURE`` or ``top_k ==
+  1``) is one-hot at the first largest ``z``; otherwise ``x = z / T``, ``w = exp(x - max x)``;
+  ``min_p`` keeps ``w >= min_p`` (``p >= min_p * p_max``); ``top_k`` keeps the entries with fewer than
+  ``top_k`` larger ``x`` (ties with the k-th kept; 0 or ``>= C`` keeps all); ``top_p < 1`` keeps an
+  entry while the mass of the entries ranked above it (``x`` descending, ties to the lower candidate
+  index) is below ``top_p`` of the kept mass (the standard nucleus, the boundary entry kept whole);
+  ``q = w / sum(w)`` over what is left;
+* the draft is ``ids[c]`` for the inverse-CDF draw ``c`` from ``q`` with ``proposal_uniforms[b, s]``
+  (kernels.md 2.4: candidate order, strict ``<``, fallback the last positive entry).
+
+``q`` (``candidate_probabilities [B, P, C]``) is exactly the distribution each draft was drawn from,
+zero outside its candidates, so speculative sampling against it stays lossless; scattered into a
+dense ``[B, P, V]`` row (zeros elsewhere) it is what ``K.probabilistic_accept`` takes. Each row is
+computed from its own inputs only (request-stable). Settings are per-row tensors ``[B]``:
+``temperature`` f32, ``top_k`` int32/int64, ``top_p`` f32, ``min_p`` f32 (not range-checked: that
+would synchronise the host). Weights fp16 or bf16 ``[V, R]`` (no FP8 W2), logits fp32, token ids
+int32, probabilities and uniforms f32; backbone rows are finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import implementation
+from ._validate import Checker
+from .markov import markov_inputs, markov_step_inputs
+
+__all__ = ["markov_candidate_sample_step", "markov_candidate_sample"]
+
+
+def _row_settings(c: Checker, batch: int, device, temperature, top_k, top_p, min_p) -> tuple:
+    """The per-row settings ``[B]``, checked (dtypes, shapes, device) and made contiguous."""
+    return (c.tensor("temperature", temperature, dtype=(torch.float32,), shape=[batch], device=device).contiguous(),
+            c.tensor("top_k", top_k, dtype=(torch.int32, torch.int64), shape=[batch], device=device).contiguous(),
+            c.tensor("top_p", top_p, dtype=(torch.float32,), shape=[batch], device=device).contiguous(),
+            c.tensor("min_p", min_p, dtype=(torch.float32,), shape=[batch], device=device).contiguous())
+
+
+def _no_fp8(c: Checker, m) -> None:
+    if m.fp8:
+        c.fail("markov_w2 must be fp16 or bf16 [V, R]: FP8 W2 codes are not supported by the candidate drafter")
+
+
+def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids,
+                                 proposal_uniforms, draft_token_ids, candidate_probabilities, step, temperature,
+                                 top_k, top_p, min_p, *, logits_stride=0, logits_offset=0) -> None:
+    """One sampled Markov step over candidate sets (module docstring); returns None.
+
+    ``backbone_logits`` f32 ``[B, L, V]`` or ``[B*L, V]`` (``L = logits_stride or P``, row ``b*L + step
+    + logits_offset``); ``markov_w1`` / ``markov_w2`` fp16 or bf16 ``[V, R]``; ``first_prev_tokens``
+    int32 ``[B]``; ``candidate_ids`` int32 ``[B, P, C]`` (distinct ids per step); ``proposal_uniforms``
+    f32 ``[B, P]``; settings ``[B]`` (module docstring). Writes ``candidate_probabilities[:, step]``
+    (f32 ``[B, P, C]``, contiguous) = q and ``draft_token_ids[:, step]`` (int32 ``[B, P]``,
+    contiguous) = the draft; column ``step - 1`` of ``draft_token_ids`` is the previous token when
+    ``step > 0``. Never synchronises the host on the Triton backend (graph-capturable).
+    """
+    c = Checker("markov_candidate_sample_step")
+    m, draft, step = markov_step_inputs(c, backbone_logits, markov_w1, markov_w2, None, first_prev_tokens,
+                                        draft_token_ids, step, logits_stride, logits_offset)
+    _no_fp8(c, m)
+    width = draft.shape[1]
+    c.tensor("draft_token_ids", draft, contiguous=True)
+    ids = c.tensor("candidate_ids", candidate_ids, dtype=torch.int32, shape=[m.batch, width, None], device=m.device)
+    if ids.shape[2] < 1:
+        c.fail(f"candidate_ids must hold C >= 1 candidates per step, got shape {list(ids.shape)}")
+    c.ids_in_range(f"candidate_ids[:, {step}]", ids[:, step], m.vocab)
+    probs = c.tensor("candidate_probabilities", candidate_probabilities, dtype=torch.float32,
+                     shape=list(ids.shape), device=m.device, contiguous=True)
+    uniforms = c.tensor("proposal_uniforms", proposal_uniforms, dtype=torch.float32, shape=[m.batch, width],
+                        device=m.device).contiguous()
+    settings = _row_settings(c, m.batch, m.device, temperature, top_k, top_p, min_p)
+    implementation("markov_candidate_sample_step", m.device)(
+        m.logits, m.weights[0], m.weights[1], first_prev_tokens.contiguous(), ids.contiguous(), uniforms, draft,
+        probs, step, *settings, m.stride, m.offset)
+
+
+def markov_candidate_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
+                            top_k, top_p, min_p, *, candidates, logits_stride=0, logits_offset=0):
+    """A whole sampled drafting round over candidate sets: each slot's candidates are the ``candidates``
+    largest of its backbone logits (``torch.topk``), then ``markov_candidate_sample_step`` for steps
+    0..P-1.
+
+    Inputs as ``markov_candidate_sample_step``, ``P`` from ``proposal_uniforms`` f32 ``[B, P]``,
+    ``1 <= candidates <= V``. Returns ``(draft_token_ids int32 [B, P], candidate_ids int32 [B, P, C],
+    candidate_probabilities f32 [B, P, C])``: ``candidate_probabilities[b, s]`` over
+    ``candidate_ids[b, s]`` is the distribution draft ``s`` was drawn from. No host synchronisation on
+    the Triton backend.
+    """
+    c = Checker("markov_candidate_sample")
+    uniforms = c.tensor("proposal_uniforms", proposal_uniforms, dtype=torch.float32, ndim=2)
+    width = uniforms.shape[1]
+    if width < 1:
+        c.fail(f"proposal_uniforms must be [B, P] with P >= 1, got shape {list(uniforms.shape)}")
+    m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, None, first_prev_tokens, width=width, needed=width,
+                      logits_stride=logits_stride, logits_offset=logits_offset)
+    _no_fp8(c, m)
+    count = c.integer("candidates", candidates, low=1, high=m.vocab)
+    uniforms = c.tensor("proposal_uniforms", uniforms, shape=[m.batch, width], device=m.device).contiguous()
+    settings = _row_settings(c, m.batch, m.device, temperature, top_k, top_p, min_p)
+    slots = m.logits.view(m.batch, m.stride, m.vocab)[:, m.offset:m.offset + width]
+    ids = slots.topk(count, dim=-1).indices.to(torch.int32)
+    tokens = torch.zeros(m.batch, width, dtype=torch.int32, device=m.device)
+    probs = torch.empty(m.batch, width, count, dtype=torch.float32, device=m.device)
+    step_fn = implementation("markov_candidate_sample_step", m.device)
+    for step in range(width):  # the round is its steps on either backend
+        step_fn(m.logits, m.weights[0], m.weights[1], first_prev_tokens.contiguous(), ids, uniforms, tokens, probs,
+                step, *settings, m.stride, m.offset)
+    return tokens, ids, probs
