@@ -222,6 +222,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost scheduler: trim verification only when the predicted goodput beats the full "
                              "block by this fraction")
     add_tree_arguments(parser)
+    parser.add_argument("--draft-candidates", type=int, default=0,
+                        help="sampled requests draft over each position's top-C drafter logits (exact: verified "
+                             "against the distribution they came from); 0: over the whole vocabulary")
 
 
 def add_eager_argument(parser: argparse.ArgumentParser) -> None:
@@ -287,6 +290,8 @@ def check_scheduler_arguments(args: argparse.Namespace) -> None:
     ``--scheduler cost`` without ``--cost-table``, and a ``--cost-table`` nothing reads."""
     if not 0.0 <= args.threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1] (a survival probability), got {args.threshold}")
+    if args.draft_candidates < 0:
+        raise ValueError(f"--draft-candidates must be >= 0 (0 = the whole vocabulary), got {args.draft_candidates}")
     if args.draft_top_k == 1 and args.tree_budget:
         raise ValueError(f"--tree-budget {args.tree_budget} needs tree mode: add --draft-top-k K (2..8)")
     if args.scheduler in ("off", "cost") and args.threshold != 0.0:

@@ -8,7 +8,11 @@ drafts the P tokens left to right:
 * vanilla head of a half-precision draft: greedy, ``dspark.kernels``' fused ``markov_greedy_round``;
   sampled, each step's corrected logits from ``K.build_markov_logits``, then the request stage
   (``RowSampling.filtered_probabilities``) and ``K.sample_probability_rows``, which keeps the exact q
-  each token was drawn from;
+  each token was drawn from; or, with ``draft_candidates`` C > 0, over candidate sets
+  (``K.markov_candidate_sample``: each slot's top-C backbone logits, the correction and the request's
+  filters on those only, q zero elsewhere -- still the exact distribution of each draft). A greedy
+  row in such a batch drafts the argmax of its candidates (its output is the target's argmax either
+  way); a batch of greedy rows only takes the fused greedy round, unchanged;
 * otherwise (gated / rnn heads, no Markov head at rank 0, a vanilla rank the fused greedy kernel
   does not take, or an fp32 draft): torch, one step at a time through ``model.markov_bias``, then
   the argmax, or the request stage and ``K.sample_probability_rows``. Without ``sample_from_anchor``
@@ -237,10 +241,12 @@ class Drafter:
     ``scheduler``: ``"off"``, ``"threshold"`` (``threshold`` = minimum prefix survival) or
     ``"sps"`` (``threshold`` = survival floor); the latter two need the confidence head.
     ``min_proposal_len`` / ``max_proposal_len`` (0 = P) bound the scheduled length.
+    ``draft_candidates`` C > 0: sampled rows draft over each slot's top-C backbone logits (module
+    docstring; a vanilla head in half precision, others draft over the vocabulary); 0: the vocabulary.
     """
 
     def __init__(self, model, *, scheduler: str = "off", threshold: float = 0.0, min_proposal_len: int = 1,
-                 max_proposal_len: int = 0):
+                 max_proposal_len: int = 0, draft_candidates: int = 0):
         c = Checker("Drafter")
         if scheduler not in SCHEDULERS:
             c.fail(f"scheduler must be one of {list(SCHEDULERS)}, got {scheduler!r}")
@@ -253,6 +259,7 @@ class Drafter:
         self.threshold = c.real("threshold", threshold, low=0.0, high=1.0)
         self.min_proposal_len = c.integer("min_proposal_len", min_proposal_len, low=0)
         self.max_proposal_len = c.integer("max_proposal_len", max_proposal_len, low=0)
+        self.draft_candidates = c.integer("draft_candidates", draft_candidates, low=0)
         self.num_draft_tokens = self.config.num_draft_tokens
         self.block_size = self.config.block_size
         self.slot_offset = 0 if self.config.sample_from_anchor else 1
@@ -290,10 +297,24 @@ class Drafter:
                                            proposal_len=self.num_draft_tokens, stacked_logits=stacked_logits,
                                            logits_stride=self.block_size, logits_offset=self.slot_offset)
             probs = None
+        elif self.draft_candidates and self.kernel_markov and sampling is not None:
+            tokens, probs = self._candidate_round(logits, anchors, sampling, uniforms)
         else:
             tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms, stacked_logits)
         lengths, confidence = self._schedule(hidden, anchors, tokens)
         return Proposal(tokens, probs, lengths, confidence)
+
+    def _candidate_round(self, logits, anchors, sampling, uniforms):
+        """The sampled Markov loop over candidate sets (``K.markov_candidate_sample``): tokens int32
+        ``[B, P]`` and their distributions f32 ``[B, P, V]``, dense for verification (zero outside each
+        step's candidates)."""
+        vocab = logits.shape[-1]
+        tokens, ids, q = K.markov_candidate_sample(
+            logits, self.markov_w1, self.markov_w2, anchors, uniforms, sampling.temperature, sampling.top_k,
+            sampling.top_p, sampling.min_p, candidates=min(self.draft_candidates, vocab),
+            logits_stride=self.block_size, logits_offset=self.slot_offset)
+        probs = torch.zeros(*tokens.shape, vocab, device=logits.device).scatter_(2, ids.long(), q)
+        return tokens, probs
 
     def _stepwise(self, hidden, logits, anchors, sampling, uniforms, stacked_logits=None):
         """The Markov loop one step at a time: a sampled vanilla head's corrected logits from the
