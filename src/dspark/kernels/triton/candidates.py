@@ -1,0 +1,104 @@
+"""Triton candidate-set drafting step (contract: ``dspark.kernels.candidates``): one program per row.
+
+A row's C candidates (C <= a few hundred) live in registers: the program gathers their backbone
+logits and W2 rows, adds ``W2[ids] . W1[prev]`` in ``BLOCK_R`` chunks of the rank, ranks them for
+top-k / top-p with ``[C, C]`` pairwise comparisons (no sort), normalises, stores q and draws the
+token. It reads ``C * R`` weights instead of W2 whole, and never synchronises the host.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .._shared import GREEDY_TEMPERATURE as _GREEDY_TEMPERATURE
+from .._shared import next_pow2
+from ._shared import NO_HIT, clamp_uniform, first_hit
+
+__all__ = ["markov_candidate_sample_step"]
+
+GREEDY_TEMPERATURE = tl.constexpr(_GREEDY_TEMPERATURE)
+
+
+@triton.jit
+def _candidate_logits(logits_ptr, base_row, w1_ptr, w2_ptr, prev, ids, valid, V, R: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """``backbone[base_row, ids] + W2[ids] . W1[prev]`` in fp32, -inf on padding lanes."""
+    z = tl.load(logits_ptr + base_row * V + ids, mask=valid, other=float("-inf"))
+    bias = tl.zeros(ids.shape, tl.float32)
+    for r0 in tl.static_range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        in_rank = offs_r < R
+        e = tl.load(w1_ptr + prev * R + offs_r, mask=in_rank, other=0.0).to(tl.float32)
+        w = tl.load(w2_ptr + ids[:, None] * R + offs_r[None, :], mask=valid[:, None] & in_rank[None, :],
+                    other=0.0).to(tl.float32)
+        bias += tl.sum(w * e[None, :], axis=1)
+    return z + bias
+
+
+@triton.jit
+def _filtered_weights(z, valid, lanes, temperature, top_k, top_p, min_p, C):
+    """Unnormalised q of a sampled row: ``exp(z/T - max)`` after min_p, top-k and top-p (ranks from
+    pairwise comparisons; ties to the lower lane)."""
+    x = tl.where(valid, z / temperature, float("-inf"))
+    w = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    keep = valid & (w >= min_p)
+    greater = (x[None, :] > x[:, None]) & valid[None, :]  # [i, j]: x_j > x_i
+    k = tl.where((top_k > 0) & (top_k < C), top_k, C)
+    keep = keep & (tl.sum(greater.to(tl.int32), axis=1) < k)
+    w = tl.where(keep, w, 0.0)
+    before = greater | ((x[None, :] == x[:, None]) & (lanes[None, :] < lanes[:, None]))
+    above = tl.sum(tl.where(before, w[None, :], 0.0), axis=1)
+    nucleus = tl.where(top_p >= 1.0, float("inf"), top_p * tl.sum(w, axis=0))  # top_p 1: no nucleus
+    return tl.where(keep & (above < nucleus), w, 0.0)
+
+
+@triton.jit
+def _candidate_step_kernel(logits_ptr, w1_ptr, w2_ptr, first_ptr, ids_ptr, u_ptr, draft_ptr, probs_ptr, temp_ptr,
+                           top_k_ptr, top_p_ptr, min_p_ptr, step, P, V, C, logits_stride, logits_offset,
+                           R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    if step == 0:
+        prev = tl.load(first_ptr + b)
+    else:
+        prev = tl.load(draft_ptr + b * P + step - 1)
+    prev = tl.minimum(tl.maximum(prev, 0), V - 1).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_C)
+    valid = lanes < C
+    cell = (b * P + step) * C
+    ids = tl.load(ids_ptr + cell + lanes, mask=valid, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), V - 1).to(tl.int64)
+    z = _candidate_logits(logits_ptr, b * logits_stride + step + logits_offset, w1_ptr, w2_ptr, prev, ids, valid,
+                          V, R, BLOCK_R)
+
+    temperature = tl.load(temp_ptr + b)
+    top_k = tl.load(top_k_ptr + b).to(tl.int32)
+    if (temperature < GREEDY_TEMPERATURE) or (top_k == 1):  # greedy: one-hot at the first largest z
+        best = tl.min(tl.where(z == tl.max(z, axis=0), lanes, BLOCK_C), axis=0)
+        q = tl.where(lanes == best, 1.0, 0.0)
+    else:
+        w = _filtered_weights(z, valid, lanes, temperature, top_k, tl.load(top_p_ptr + b), tl.load(min_p_ptr + b), C)
+        q = w / tl.sum(w, axis=0)
+    tl.store(probs_ptr + cell + lanes, q, mask=valid)
+
+    # inverse-CDF draw in lane order (kernels.md 2.4): first lane past t, else the last positive one
+    t = clamp_uniform(tl.load(u_ptr + b * P + step))
+    weights = tl.where(valid & (q > 0.0), q, 0.0)
+    hit = first_hit(weights, lanes, 0.0, t)
+    last = tl.max(tl.where(weights > 0.0, lanes, 0), axis=0)
+    lane = tl.where(hit == NO_HIT, last, hit)
+    tl.store(draft_ptr + b * P + step, tl.sum(tl.where(lanes == lane, ids, 0), axis=0).to(tl.int32))
+
+
+def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids,
+                                 proposal_uniforms, draft_token_ids, candidate_probabilities, step, temperature,
+                                 top_k, top_p, min_p, logits_stride, logits_offset):
+    """``dspark.kernels.markov_candidate_sample_step``: one program per row."""
+    batch, width, count = candidate_ids.shape
+    if not batch:
+        return
+    vocab, rank = markov_w1.shape
+    _candidate_step_kernel[(batch,)](
+        backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids, proposal_uniforms, draft_token_ids,
+        candidate_probabilities, temperature, top_k, top_p, min_p, step, width, vocab, count, logits_stride,
+        logits_offset, R=rank, BLOCK_C=max(16, next_pow2(count)), BLOCK_R=min(64, next_pow2(rank)), num_warps=4)
