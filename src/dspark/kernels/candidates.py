@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import implementation
-from ._validate import Checker
+from ._validate import HALF_DTYPES, Checker
 from .markov import markov_inputs, markov_step_inputs
 
 __all__ = ["markov_candidate_sample_step", "markov_candidate_sample"]
@@ -44,11 +44,6 @@ def _row_settings(c: Checker, batch: int, device, temperature, top_k, top_p, min
             c.tensor("top_k", top_k, dtype=(torch.int32, torch.int64), shape=[batch], device=device).contiguous(),
             c.tensor("top_p", top_p, dtype=(torch.float32,), shape=[batch], device=device).contiguous(),
             c.tensor("min_p", min_p, dtype=(torch.float32,), shape=[batch], device=device).contiguous())
-
-
-def _no_fp8(c: Checker, m) -> None:
-    if m.fp8:
-        c.fail("markov_w2 must be fp16 or bf16 [V, R]: FP8 W2 codes are not supported by the candidate drafter")
 
 
 def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids,
@@ -65,9 +60,9 @@ def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_pr
     ``step > 0``. Never synchronises the host on the Triton backend (graph-capturable).
     """
     c = Checker("markov_candidate_sample_step")
+    c.tensor("markov_w2", markov_w2, dtype=HALF_DTYPES)  # no FP8 codes
     m, draft, step = markov_step_inputs(c, backbone_logits, markov_w1, markov_w2, None, first_prev_tokens,
                                         draft_token_ids, step, logits_stride, logits_offset)
-    _no_fp8(c, m)
     width = draft.shape[1]
     c.tensor("draft_token_ids", draft, contiguous=True)
     ids = c.tensor("candidate_ids", candidate_ids, dtype=torch.int32, shape=[m.batch, width, None], device=m.device)
@@ -101,9 +96,9 @@ def markov_candidate_sample(backbone_logits, markov_w1, markov_w2, first_prev_to
     width = uniforms.shape[1]
     if width < 1:
         c.fail(f"proposal_uniforms must be [B, P] with P >= 1, got shape {list(uniforms.shape)}")
+    c.tensor("markov_w2", markov_w2, dtype=HALF_DTYPES)  # no FP8 codes
     m = markov_inputs(c, backbone_logits, markov_w1, markov_w2, None, first_prev_tokens, width=width, needed=width,
                       logits_stride=logits_stride, logits_offset=logits_offset)
-    _no_fp8(c, m)
     count = c.integer("candidates", candidates, low=1, high=m.vocab)
     uniforms = c.tensor("proposal_uniforms", uniforms, shape=[m.batch, width], device=m.device).contiguous()
     settings = _row_settings(c, m.batch, m.device, temperature, top_k, top_p, min_p)
