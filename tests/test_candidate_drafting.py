@@ -1,0 +1,115 @@
+"""The engine with sampled drafting over candidate sets (``EngineConfig.draft_candidates``): outputs
+still follow the target's distribution (testing.md §5, through the whole engine), a sampled request
+gives the same tokens alone and batched, and greedy requests are unchanged.
+
+The candidate drafter runs for a vanilla Markov head in half precision: the drafts here are bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import INTERPRETER_WARNINGS
+from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
+from statistics_cases import check_transitions
+from test_lossless_sampling import ENGINE_ROWS, ENGINE_TOKENS, WARPED, WARPED_VOCAB, bigram_target, nudged
+from test_request_sampling import transformers_probabilities
+
+import dspark.kernels as K
+from dspark.engine import SamplingParams
+from dspark.engine.drafting import Drafter
+from dspark.engine.llm_engine import EngineConfig, LLMEngine
+from dspark.engine.request import Request
+
+pytestmark = [pytest.mark.usefixtures("reference_backend"), INTERPRETER_WARNINGS]
+CANDIDATES = 3  # of WARPED_VOCAB = 6 tokens: the draft's q is zero on half the vocabulary
+
+
+def half_draft(target, seed: int = 0):
+    return random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), seed, target).to(
+        torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def warped_pair(one_thread):
+    """A bigram target, a bf16 random draft, and the target's chain under ``WARPED`` (transformers'
+    warpers: logit_bias, temperature, min_p, top-k, top-p)."""
+    target, logits = bigram_target(WARPED_VOCAB)
+    return target, half_draft(target), transformers_probabilities(logits, **WARPED)
+
+
+def warped_sequences(pair, monkeypatch, spoil_q: bool = False) -> torch.Tensor:
+    """``ENGINE_ROWS`` seeded requests of ``ENGINE_TOKENS`` tokens with candidate drafting (its calls
+    counted: the path must run); ``spoil_q``: the verifier gets the drafts' q off by 5 %."""
+    target, draft = pair[:2]
+    calls = []
+    sample = K.markov_candidate_sample
+    monkeypatch.setattr(K, "markov_candidate_sample", lambda *a, **kw: calls.append(1) or sample(*a, **kw))
+    if spoil_q:
+        accept = K.probabilistic_accept
+        monkeypatch.setattr(K, "probabilistic_accept", lambda p, q, *a, **kw: accept(p, nudged(q), *a, **kw))
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=ENGINE_ROWS, draft_candidates=CANDIDATES))
+    prompts = [s % WARPED_VOCAB for s in range(ENGINE_ROWS)]
+    results = engine.generate([Request([p], ENGINE_TOKENS, SamplingParams(**WARPED, seed=s), stop_ids=[],
+                                       ignore_eos=True) for s, p in enumerate(prompts)])
+    assert calls, "the candidate drafter never ran"
+    return torch.tensor([[p] + r.token_ids for p, r in zip(prompts, results)])
+
+
+@pytest.mark.slow
+def test_outputs_follow_the_target_with_candidate_drafting(warped_pair, monkeypatch):
+    """Every transition of 65 536 follows the target's warped chain, although the drafts come from
+    3 of 6 tokens with the request's filters applied over those only."""
+    problem = check_transitions(warped_sequences(warped_pair, monkeypatch), warped_pair[2])
+    assert problem is None, problem
+
+
+@pytest.mark.slow
+def test_the_check_catches_a_verifier_given_another_q(warped_pair, monkeypatch):
+    """The check has teeth: q off by 5 % from the one the drafts came from fails it."""
+    assert check_transitions(warped_sequences(warped_pair, monkeypatch, spoil_q=True), warped_pair[2]) is not None
+
+
+# ------------------------------------------------------------------------------ greedy and request stability
+
+NEW_TOKENS = 24
+PROMPT = [5, 17, 2, 40]
+
+
+@pytest.fixture(scope="module")
+def pair(one_thread):
+    target = tiny_qwen3_target(vocab_size=96)
+    return target, half_draft(target, seed=1)
+
+
+def generate(pair, candidates: int, sampling: list[SamplingParams]):
+    engine = LLMEngine(*pair, EngineConfig(max_batch=len(sampling), draft_candidates=candidates))
+    return engine.generate([Request(PROMPT, NEW_TOKENS, s, ignore_eos=True) for s in sampling])
+
+
+def test_a_greedy_batch_drafts_as_without_candidates(pair):
+    """Plain greedy rows only: the fused greedy round, untouched -- same tokens, same rounds."""
+    greedy = [SamplingParams(), SamplingParams(seed=2)]
+    for with_c, without in zip(generate(pair, 8, greedy), generate(pair, 0, greedy)):
+        assert with_c.token_ids == without.token_ids
+        assert with_c.stats.accept_lengths == without.stats.accept_lengths
+
+
+def test_mixed_batch_greedy_is_plain_decoding_and_sampled_rows_are_request_stable(pair, monkeypatch):
+    """Beside sampled rows greedy requests still emit the target's argmax (plain decoding; with a
+    bias, the output of the full-vocabulary drafter), though they draft over candidates there, and a
+    sampled request gives the same tokens alone and batched."""
+    calls = []
+    propose = Drafter._candidate_round
+    monkeypatch.setattr(Drafter, "_candidate_round", lambda self, *a: calls.append(1) or propose(self, *a))
+    hot = SamplingParams(0.8, top_k=20, top_p=0.9, min_p=0.02, seed=7)
+    plain = LLMEngine(pair[0], None, EngineConfig(max_batch=1)).generate(
+        [Request(PROMPT, NEW_TOKENS, SamplingParams(), ignore_eos=True)])[0].token_ids
+    biased = SamplingParams(logit_bias={plain[2]: -100.0, 11: 3.0})
+    biased_full_vocabulary = generate(pair, 0, [biased])[0].token_ids
+    alone = generate(pair, 8, [hot])[0].token_ids
+    mixed = generate(pair, 8, [SamplingParams(), hot, biased, SamplingParams(1.0, seed=3)])
+    assert calls
+    assert mixed[0].token_ids == plain
+    assert mixed[1].token_ids == alone
+    assert mixed[2].token_ids == biased_full_vocabulary != plain
