@@ -1,5 +1,8 @@
 """Benchmarks of the sampled DSpark path on the GPU: probabilities (temperature, top-k, top-p), dense
-draws, probabilistic accept, and the whole sampled drafting round (P fused Markov steps, CUDA graph).
+draws, probabilistic accept, and the whole sampled drafting round (P fused Markov steps, CUDA graph);
+the engine's round over the vocabulary (Markov logits, request stage, draw) beside its round over
+candidate sets (``markov_candidate_sample``, C = 32 / 64, q scattered into the dense ``[B, 7, V]``
+rows verification reads).
 
 ``python -m dspark.bench --family sampling --out sampling.json`` runs ``run``.
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 
 import dspark.kernels as K
+from dspark.engine.drafting import request_probabilities
 from dspark.kernels.reference import sampling as ref_sampling
 from dspark.kernels.reference import verify as ref_verify
 
@@ -183,7 +187,59 @@ def _bench_round(ceiling: float, quick: bool) -> list[dict]:
             out.clear()
 
 
+def _row_settings(batch: int, top_k: int, top_p: float) -> tuple:
+    """Per-row ``(temperature, top_k, top_p, min_p)`` tensors ``[B]`` of the engine's request stage."""
+    full = lambda value, dtype=torch.float32: torch.full((batch,), value, dtype=dtype, device="cuda")  # noqa: E731
+    return full(TEMPERATURE), full(top_k, torch.int32), full(top_p), full(0.0)
+
+
+def _bench_candidate_round(ceiling: float, quick: bool):
+    """The engine's sampled drafting round: over the vocabulary (``build_markov_logits``, the request
+    stage, ``sample_probability_rows``, the store) and over candidate sets of C tokens."""
+    for rank in RANKS:
+        for batch in BATCHES:
+            backbone, w1, w2, first, uniforms, tokens, probs = round_inputs(rank, batch)
+            for name, (top_k, top_p) in FILTERS.items():
+                if quick and name != "top-k 50 + top-p 0.9":
+                    continue
+                settings = _row_settings(batch, top_k, top_p)
+
+                def vocabulary_round(settings=settings):
+                    for step in range(PROPOSAL_LEN):
+                        corrected = K.build_markov_logits(backbone, w1, w2, first, tokens, step)
+                        q = request_probabilities(corrected, *settings)
+                        K.sample_probability_rows(q, uniforms, tokens, step)
+                        K.store_draft_step_probabilities(q, probs, step)
+
+                shape = dict(B=batch, V=VOCAB, R=rank, P=PROPOSAL_LEN, dtype="float16", T=TEMPERATURE, filter=name)
+                out = []
+                append_row(out, lambda: row(
+                    "engine_sampled_round", "triton", {**shape, "candidates": "vocabulary"},
+                    _graph_us(vocabulary_round), PROPOSAL_LEN * (VOCAB * rank * 2 + 2 * batch * VOCAB * 4), ceiling,
+                    target="the full-vocabulary baseline of candidate_sampled_round"))
+                for count in (32, 64):
+                    def candidate_round(settings=settings, count=count):
+                        drafted, ids, q = K.markov_candidate_sample(backbone, w1, w2, first, uniforms, *settings,
+                                                                    candidates=count)
+                        probs.zero_().scatter_(2, ids.long(), q)  # the dense rows verification reads
+                        return drafted
+
+                    def measure(candidate_round=candidate_round, count=count):
+                        with K.use_backend("triton"):
+                            us = _graph_us(candidate_round)
+                        with K.use_backend("reference"):
+                            reference_us = baseline_us(candidate_round)
+                        # backbone read once (top-k), C rows of W2 per step, dense q written
+                        nbytes = 2 * batch * PROPOSAL_LEN * VOCAB * 4 + PROPOSAL_LEN * batch * count * rank * 2
+                        return row("candidate_sampled_round", "triton", {**shape, "candidates": count}, us, nbytes,
+                                   ceiling, reference_us=reference_us,
+                                   target="<= 0.5x engine_sampled_round of the same shape and filter")
+
+                    append_row(out, measure)
+                yield from out
+
+
 def run(ceiling_gbps: float, quick: bool = False):
     """All sampled-path benchmark rows at V = 151936 (``dspark.bench.common.row``), yielded group by group."""
-    for bench in (_bench_draws, _bench_accept, _bench_probabilities, _bench_round):
+    for bench in (_bench_draws, _bench_accept, _bench_probabilities, _bench_round, _bench_candidate_round):
         yield from bench(ceiling_gbps, quick)
