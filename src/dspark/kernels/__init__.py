@@ -3,8 +3,8 @@
 Families (one module each): ``markov`` (Markov correction, fused greedy steps, FP8 W2, whole-round
 greedy drafter), ``sampling`` (uniforms, probabilities, samplers, stores, the sampled Markov steps),
 ``candidates`` (sampled Markov drafting over candidate sets), ``verify`` (verify tokens, greedy and
-probabilistic accept, proposal lengths), ``confidence``
-(confidence head and the threshold / SPS schedulers), ``layers`` (RMSNorm, RoPE + KV store, cached
+probabilistic accept, proposal lengths), ``confidence`` (confidence head and the threshold / SPS
+schedulers), ``layers`` (RMSNorm, RoPE + KV store, cached
 attention, SwiGLU for the engine's model runners), ``rng`` (request-stable uniforms), ``tree``
 (the DDTree builder and greedy tree acceptance; PyTorch only so far). Backends: PyTorch reference and Triton, see
 ``use_backend``; the full contract of each function is on the public function.

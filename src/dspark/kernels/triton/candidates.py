@@ -98,7 +98,9 @@ def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_pr
     if not batch:
         return
     vocab, rank = markov_w1.shape
+    block_c = max(16, next_pow2(count))
     _candidate_step_kernel[(batch,)](
         backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids, proposal_uniforms, draft_token_ids,
         candidate_probabilities, temperature, top_k, top_p, min_p, step, width, vocab, count, logits_stride,
-        logits_offset, R=rank, BLOCK_C=max(16, next_pow2(count)), BLOCK_R=min(64, next_pow2(rank)), num_warps=4)
+        logits_offset, R=rank, BLOCK_C=block_c, BLOCK_R=min(64, next_pow2(rank)),
+        num_warps=4 if block_c <= 64 else 8)  # the [C, C] rank comparisons live in registers
