@@ -22,7 +22,7 @@ from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 
 pytestmark = [pytest.mark.usefixtures("reference_backend"), INTERPRETER_WARNINGS]
-CANDIDATES = 3  # of WARPED_VOCAB = 6 tokens: the draft's q is zero on half the vocabulary
+CANDIDATES, SUCCESSORS = 3, 1  # of WARPED_VOCAB = 6 tokens: q is zero on two or more of them
 
 
 def half_draft(target, seed: int = 0):
@@ -48,7 +48,8 @@ def warped_sequences(pair, monkeypatch, spoil_q: bool = False) -> torch.Tensor:
     if spoil_q:
         accept = K.probabilistic_accept
         monkeypatch.setattr(K, "probabilistic_accept", lambda p, q, *a, **kw: accept(p, nudged(q), *a, **kw))
-    engine = LLMEngine(target, draft, EngineConfig(max_batch=ENGINE_ROWS, draft_candidates=CANDIDATES))
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=ENGINE_ROWS, draft_candidates=CANDIDATES,
+                                                   draft_successors=SUCCESSORS))
     prompts = [s % WARPED_VOCAB for s in range(ENGINE_ROWS)]
     results = engine.generate([Request([p], ENGINE_TOKENS, SamplingParams(**WARPED, seed=s), stop_ids=[],
                                        ignore_eos=True) for s, p in enumerate(prompts)])
@@ -59,7 +60,8 @@ def warped_sequences(pair, monkeypatch, spoil_q: bool = False) -> torch.Tensor:
 @pytest.mark.slow
 def test_outputs_follow_the_target_with_candidate_drafting(warped_pair, monkeypatch):
     """Every transition of 65 536 follows the target's warped chain, although the drafts come from
-    3 of 6 tokens with the request's filters applied over those only."""
+    at most 4 of 6 tokens (3 backbone candidates, 1 successor) with the request's filters applied
+    over those only."""
     problem = check_transitions(warped_sequences(warped_pair, monkeypatch), warped_pair[2])
     assert problem is None, problem
 
@@ -83,7 +85,8 @@ def pair(one_thread):
 
 
 def generate(pair, candidates: int, sampling: list[SamplingParams]):
-    engine = LLMEngine(*pair, EngineConfig(max_batch=len(sampling), draft_candidates=candidates))
+    engine = LLMEngine(*pair, EngineConfig(max_batch=len(sampling), draft_candidates=candidates,
+                                           draft_successors=4 if candidates else 0))
     return engine.generate([Request(PROMPT, NEW_TOKENS, s, ignore_eos=True) for s in sampling])
 
 

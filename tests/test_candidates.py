@@ -1,7 +1,8 @@
 """Sampled Markov drafting over candidate sets (``dspark.kernels.candidates``): the filters are the
-engine's request stage over the candidates, every C = V is the full-vocabulary path, draws follow the
-stored q, each row is request-stable, both backends agree (Triton under ``TRITON_INTERPRET=1`` on the
-CPU: tiny shapes), and bad inputs are refused by name.
+engine's request stage over the candidates, every C = V is the full-vocabulary path, the successor
+table is the bigram's top-M and joins the candidates without duplicates, draws follow the stored q,
+each row is request-stable, both backends agree (Triton under ``TRITON_INTERPRET=1`` on the CPU:
+tiny shapes), and bad inputs are refused by name.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from statistics_cases import assert_distribution, draws_for, uniforms
 import dspark.kernels as K
 import sampling_cases as cases
 from dspark.engine.drafting import request_probabilities
+from dspark.kernels import candidates as candidates_module
 from dspark.kernels.reference.candidates import candidate_probabilities
 
 pytestmark = [INTERPRETER_WARNINGS]
@@ -39,8 +41,8 @@ def round_inputs(batch, width, vocab, rank, *, logits_stride=0, logits_offset=0,
 
 
 def dense(ids: torch.Tensor, q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Candidate probabilities ``[..., C]`` scattered into ``[..., V]`` rows (zeros elsewhere)."""
-    return torch.zeros(*q.shape[:-1], vocab).scatter_(-1, ids.long(), q)
+    """Candidate probabilities ``[..., C]`` added into ``[..., V]`` rows of zeros."""
+    return torch.zeros(*q.shape[:-1], vocab).scatter_add_(-1, ids.long(), q)
 
 
 def test_the_filters_are_the_request_stage_over_the_candidates():
@@ -80,6 +82,32 @@ def test_candidates_are_the_top_backbone_logits_and_q_lives_on_them():
     assert bool(((q * drafted).sum(-1) > 0).all()), "every draft has mass under its q"
 
 
+def test_successor_table_is_the_bigram_top_m(monkeypatch):
+    case = round_inputs(1, 1, 50, 8)
+    w1, w2 = case["markov_w1"], case["markov_w2"]
+    monkeypatch.setattr(candidates_module, "_TABLE_ROWS", 7)  # several chunks
+    table = K.markov_successor_table(w1, w2, 5)
+    bigram = w1.float() @ w2.float().t()
+    assert table.dtype == I32 and table.shape == (50, 5)
+    torch.testing.assert_close(bigram.gather(1, table.long()), bigram.topk(5, dim=-1).values)
+
+
+def test_successors_join_the_candidates_without_duplicates():
+    """Each step's last M candidates are its previous token's successors; an id already among the
+    backbone candidates gets no mass, and the dense q (added, not assigned) is a distribution."""
+    vocab, width, count, m = 40, 3, 6, 5
+    case = round_inputs(6, width, vocab, 8, seed=3)
+    table = K.markov_successor_table(case["markov_w1"], case["markov_w2"], m)
+    table[:, 0] = case["backbone_logits"][0, 0].argmax()  # a duplicate of row 0's first candidate at step 0
+    tokens, ids, q = K.markov_candidate_sample(**case, candidates=count, successor_ids=table)
+    prev = torch.cat([case["first_prev_tokens"][:, None], tokens[:, :-1]], dim=1)
+    assert torch.equal(ids[..., count:], table[prev.long()])
+    assert q[0, 0, count] == 0, "a duplicate lane holds no mass"
+    q_dense = torch.zeros(6, width, vocab).scatter_add_(2, ids.long(), q)
+    torch.testing.assert_close(q_dense.sum(-1), torch.ones(6, width))
+    assert bool((q_dense.gather(2, tokens[..., None].long()) > 0).all())
+
+
 def test_draws_follow_the_stored_distribution():
     """q is exactly what each draft was drawn from: N rows sharing the backbone and the first token,
     each step's drafts fit the mean of the rows' q (chi-square and TV, testing.md §5)."""
@@ -91,7 +119,8 @@ def test_draws_follow_the_stored_distribution():
     case["proposal_uniforms"] = uniforms(rows, width, offset=11)
     case.update(temperature=torch.full((rows,), 0.9), top_k=torch.full((rows,), 5, dtype=I32),
                 top_p=torch.full((rows,), 0.95), min_p=torch.full((rows,), 0.02))
-    tokens, ids, q = K.markov_candidate_sample(**case, candidates=count)
+    table = K.markov_successor_table(case["markov_w1"], case["markov_w2"], 3)
+    tokens, ids, q = K.markov_candidate_sample(**case, candidates=count, successor_ids=table)
     for step in range(width):
         mass = dense(ids[:, step], q[:, step], vocab).double().sum(0)
         assert_distribution(tokens[:, step], mass, f"draft step {step}")
@@ -100,25 +129,27 @@ def test_draws_follow_the_stored_distribution():
 def test_a_row_drafts_the_same_alone_and_batched():
     vocab, width = 60, 3
     case = round_inputs(5, width, vocab, 16, logits_stride=4, logits_offset=1, seed=2)
-    batched = K.markov_candidate_sample(**case, candidates=7)
+    table = K.markov_successor_table(case["markov_w1"], case["markov_w2"], 4)
+    batched = K.markov_candidate_sample(**case, candidates=7, successor_ids=table)
     for b in range(5):
         alone = {name: value[b:b + 1] if name not in ("markov_w1", "markov_w2") and isinstance(value, torch.Tensor)
                  else value for name, value in case.items()}
-        for got, want in zip(K.markov_candidate_sample(**alone, candidates=7), batched):
+        for got, want in zip(K.markov_candidate_sample(**alone, candidates=7, successor_ids=table), batched):
             assert torch.equal(got, want[b:b + 1])
 
 
 @requires_triton
-@pytest.mark.parametrize("batch, width, vocab, rank, count, stride, offset", [
-    (1, 1, 37, 8, 1, 0, 0), (3, 3, 130, 24, 16, 5, 1), (6, 4, 64, 64, 33, 0, 0)])
-def test_backends_agree(batch, width, vocab, rank, count, stride, offset):
-    """Same drafts (given the same uniforms) and q to fp32 rounding on both backends; a uniform within
-    1e-6 of a CDF boundary could go either way, which these seeds do not meet."""
+@pytest.mark.parametrize("batch, width, vocab, rank, count, successors, stride, offset", [
+    (1, 1, 37, 8, 1, 0, 0, 0), (3, 3, 130, 24, 16, 0, 5, 1), (6, 4, 64, 64, 33, 0, 0, 0), (6, 3, 40, 16, 9, 6, 4, 1)])
+def test_backends_agree(batch, width, vocab, rank, count, successors, stride, offset):
+    """Same drafts (given the same uniforms), candidates and q to fp32 rounding on both backends; a
+    uniform within 1e-6 of a CDF boundary could go either way, which these seeds do not meet."""
     case = round_inputs(batch, width, vocab, rank, logits_stride=stride, logits_offset=offset, seed=vocab)
+    table = K.markov_successor_table(case["markov_w1"], case["markov_w2"], successors) if successors else None
     results = []
     for backend in ("reference", "triton"):
         with K.use_backend(backend):
-            results.append(K.markov_candidate_sample(**case, candidates=count))
+            results.append(K.markov_candidate_sample(**case, candidates=count, successor_ids=table))
     (tokens, ids, q), (t_tokens, t_ids, t_q) = results
     assert torch.equal(ids, t_ids)
     torch.testing.assert_close(t_q, q, atol=1e-5, rtol=0)
@@ -144,8 +175,12 @@ def test_bad_inputs_are_refused_by_name():
     ids = torch.zeros(2, 2, 4, dtype=I32)
     with pytest.raises(TypeError, match="markov_candidate_sample_step: candidate_ids must have dtype torch.int32, got torch.int64"):
         K.markov_candidate_sample_step(**step_args, candidate_ids=ids.long())
-    with pytest.raises(ValueError, match=r"candidate_ids\[:, 0\] holds token id 30, outside \[0, 30\)"):
+    with pytest.raises(ValueError, match=r"candidate_ids\[:, 0, :C\] holds token id 30, outside \[0, 30\)"):
         K.markov_candidate_sample_step(**step_args, candidate_ids=ids + 30)
+    with pytest.raises(ValueError, match=r"successor_ids must have shape \[30, \*\], got \[29, 2\]"):
+        K.markov_candidate_sample_step(**step_args, candidate_ids=ids, successor_ids=torch.zeros(29, 2, dtype=I32))
+    with pytest.raises(ValueError, match=r"candidate_ids must hold C >= 1 backbone candidates and the M = 4 "):
+        K.markov_candidate_sample_step(**step_args, candidate_ids=ids, successor_ids=torch.zeros(30, 4, dtype=I32))
     with pytest.raises(ValueError, match=r"candidate_probabilities must have shape \[2, 2, 4\], got \[2, 2, 3\]"):
         K.markov_candidate_sample_step(**{**step_args, "candidate_probabilities": torch.zeros(2, 2, 3)},
                                        candidate_ids=ids)

@@ -49,7 +49,7 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
              sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0,
              progress: Callable[[int, int], None] | None = None, engine: str = "auto", cost_table=None,
              min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0,
-             draft_candidates: int = 0) -> dict:
+             draft_candidates: int = 0, draft_successors: int = 0) -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
@@ -58,7 +58,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     ``progress(done, total)`` is called after each prompt. ``engine``: as ``engine_config`` (one
     prompt at a time either way, so that per-prompt speedups stay comparable; ``"batched"`` adds CUDA
     graphs on a GPU); ``scheduler="cost"`` with ``cost_table`` and ``min_predicted_gain``, and tree
-    mode with ``draft_top_k`` > 1 and ``tree_budget``, and ``draft_candidates``, as ``EngineConfig``."""
+    mode with ``draft_top_k`` > 1 and ``tree_budget``, and ``draft_candidates`` / ``draft_successors``, as
+    ``EngineConfig``."""
     c = Checker("evaluate")
     if not drafts:
         c.fail("drafts must name at least one draft model")
@@ -68,7 +69,7 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
                            gpu_memory_utilization=None,
                            scheduler=scheduler, threshold=threshold, cost_table=cost_table,
                            min_predicted_gain=min_predicted_gain, draft_top_k=draft_top_k, tree_budget=tree_budget,
-                           draft_candidates=draft_candidates)
+                           draft_candidates=draft_candidates, draft_successors=draft_successors)
     engines = {name: LLMEngine(target, draft, config) for name, draft in drafts.items()}
     speculative = {name: _runner(e, sampling) for name, e in engines.items()}
     baseline = _runner(next(iter(engines.values())).plain(), sampling)
@@ -92,6 +93,7 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
         "draft_top_k": draft_top_k,
         "tree_budget": tree_budget,
         "draft_candidates": draft_candidates,
+        "draft_successors": draft_successors,
         "plain": _timing(plain_stats),
         "drafts": [],
     }

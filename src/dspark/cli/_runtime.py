@@ -225,6 +225,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-candidates", type=int, default=0,
                         help="sampled requests draft over each position's top-C drafter logits (exact: verified "
                              "against the distribution they came from); 0: over the whole vocabulary")
+    parser.add_argument("--draft-successors", type=int, default=0,
+                        help="with --draft-candidates: also the previous token's M likeliest successors under the "
+                             "drafter's Markov head")
 
 
 def add_eager_argument(parser: argparse.ArgumentParser) -> None:
@@ -292,6 +295,8 @@ def check_scheduler_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--threshold must be in [0, 1] (a survival probability), got {args.threshold}")
     if args.draft_candidates < 0:
         raise ValueError(f"--draft-candidates must be >= 0 (0 = the whole vocabulary), got {args.draft_candidates}")
+    if args.draft_successors and not args.draft_candidates:
+        raise ValueError(f"--draft-successors {args.draft_successors} needs --draft-candidates C > 0")
     if args.draft_top_k == 1 and args.tree_budget:
         raise ValueError(f"--tree-budget {args.tree_budget} needs tree mode: add --draft-top-k K (2..8)")
     if args.scheduler in ("off", "cost") and args.threshold != 0.0:

@@ -134,8 +134,9 @@ class LLM:
     weights load (only for a trusted checkpoint). ``device`` / ``dtype``: where directories are
     loaded (default: the device of a model passed in, else the CPU; dtype: float32 on a CPU, the
     checkpoint's half precision on a GPU, as ``default_dtype``). ``draft_top_k`` > 1: tree mode
-    (DDTree) with ``tree_budget`` nodes per round (0: block size + 1), and ``draft_candidates`` (sampled
-    drafts over each slot's top-C drafter logits; 0: the vocabulary), as ``EngineConfig``. On a GPU
+    (DDTree) with ``tree_budget`` nodes per round (0: block size + 1), and ``draft_candidates`` /
+    ``draft_successors`` (sampled drafts over each slot's top-C drafter logits and the previous token's
+    Markov successors; 0: the vocabulary), as ``EngineConfig``. On a GPU
     every CUDA graph the engine replays is captured here, before the first call (one log line,
     ``dspark.engine``: how many and how long), so that no call waits for a capture;
     ``enforce_eager=True`` (vLLM's name) captures none and runs every step eagerly. KV memory
@@ -150,7 +151,8 @@ class LLM:
                  cost_table=None, min_predicted_gain: float = 0.04, allow_pickle: bool = False, device=None,
                  dtype=None, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = 0.9,
-                 num_kv_blocks: int | None = None, kv_block_size: int = 16, draft_candidates: int = 0):
+                 num_kv_blocks: int | None = None, kv_block_size: int = 16, draft_candidates: int = 0,
+                 draft_successors: int = 0):
         c = Checker("LLM")
         target, draft = _models(c, target, draft, no_draft)
         self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -162,7 +164,8 @@ class LLM:
                                cuda_graphs=not c.boolean("enforce_eager", enforce_eager),
                                enable_prefix_caching=enable_prefix_caching,
                                gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
-                               kv_block_size=kv_block_size, draft_candidates=draft_candidates)
+                               kv_block_size=kv_block_size, draft_candidates=draft_candidates,
+                               draft_successors=draft_successors)
         if allow_pickle and isinstance(target, str):  # the engine's own loader reads safetensors only
             target = load_target_model(target, device=device, dtype=dtype, allow_pickle=True)
         self.decoder = LLMEngine(target, draft, config)

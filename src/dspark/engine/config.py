@@ -39,7 +39,8 @@ class EngineConfig:
     block size + 1, as TensorRT-Edge-LLM), no deeper than ``threshold`` (the survival floor) allows
     under the threshold / sps schedulers, whose confidences also bias the tree's scores.
     ``draft_candidates`` C > 0: sampled chain drafts are drawn over each slot's top-C backbone logits
-    (``Drafter``; exact: verification sees the distribution each draft came from); 0: over the vocabulary.
+    and the previous token's ``draft_successors`` likeliest Markov successors (``Drafter``; exact:
+    verification sees the distribution each draft came from); 0: over the vocabulary.
 
     KV memory is paged (``block_manager``): ``kv_block_size`` positions per block; on a GPU as many
     blocks as ``gpu_memory_utilization`` of its memory leaves after the weights and the step's
@@ -69,6 +70,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = 0.9
     num_kv_blocks: int | None = None
     draft_candidates: int = 0
+    draft_successors: int = 0
 
     def __post_init__(self):
         c = Checker("EngineConfig")
@@ -96,6 +98,7 @@ class EngineConfig:
         c.integer("draft_top_k", self.draft_top_k, low=1, high=MAX_TREE_TOP_K)
         c.integer("tree_budget", self.tree_budget, low=0, high=MAX_TREE_NODES)
         c.integer("draft_candidates", self.draft_candidates, low=0)
+        c.integer("draft_successors", self.draft_successors, low=0)
         if self.tree_budget == 1:
             c.fail(f"tree_budget must be 0 (the block size + 1) or in [2, {MAX_TREE_NODES}], got 1")
         if self.draft_top_k > 1 and self.scheduler == "cost":

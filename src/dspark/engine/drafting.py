@@ -9,8 +9,10 @@ drafts the P tokens left to right:
   sampled, each step's corrected logits from ``K.build_markov_logits``, then the request stage
   (``RowSampling.filtered_probabilities``) and ``K.sample_probability_rows``, which keeps the exact q
   each token was drawn from; or, with ``draft_candidates`` C > 0, over candidate sets
-  (``K.markov_candidate_sample``: each slot's top-C backbone logits, the correction and the request's
-  filters on those only, q zero elsewhere -- still the exact distribution of each draft). A greedy
+  (``K.markov_candidate_sample``: each slot's top-C backbone logits and the ``draft_successors`` M
+  likeliest bigram successors of the previous token (``K.markov_successor_table``, built once), the
+  correction and the request's filters on those only, q zero elsewhere -- still the exact
+  distribution of each draft). A greedy
   row in such a batch drafts the argmax of its candidates (its output is the target's argmax either
   way); a batch of greedy rows only takes the fused greedy round, unchanged;
 * otherwise (gated / rnn heads, no Markov head at rank 0, a vanilla rank the fused greedy kernel
@@ -241,12 +243,13 @@ class Drafter:
     ``scheduler``: ``"off"``, ``"threshold"`` (``threshold`` = minimum prefix survival) or
     ``"sps"`` (``threshold`` = survival floor); the latter two need the confidence head.
     ``min_proposal_len`` / ``max_proposal_len`` (0 = P) bound the scheduled length.
-    ``draft_candidates`` C > 0: sampled rows draft over each slot's top-C backbone logits (module
-    docstring; a vanilla head in half precision, others draft over the vocabulary); 0: the vocabulary.
+    ``draft_candidates`` C > 0: sampled rows draft over each slot's top-C backbone logits and the
+    previous token's ``draft_successors`` M likeliest bigram successors (module docstring; a vanilla
+    head in half precision, others draft over the vocabulary); 0: the vocabulary.
     """
 
     def __init__(self, model, *, scheduler: str = "off", threshold: float = 0.0, min_proposal_len: int = 1,
-                 max_proposal_len: int = 0, draft_candidates: int = 0):
+                 max_proposal_len: int = 0, draft_candidates: int = 0, draft_successors: int = 0):
         c = Checker("Drafter")
         if scheduler not in SCHEDULERS:
             c.fail(f"scheduler must be one of {list(SCHEDULERS)}, got {scheduler!r}")
@@ -260,6 +263,7 @@ class Drafter:
         self.min_proposal_len = c.integer("min_proposal_len", min_proposal_len, low=0)
         self.max_proposal_len = c.integer("max_proposal_len", max_proposal_len, low=0)
         self.draft_candidates = c.integer("draft_candidates", draft_candidates, low=0)
+        draft_successors = c.integer("draft_successors", draft_successors, low=0)
         self.num_draft_tokens = self.config.num_draft_tokens
         self.block_size = self.config.block_size
         self.slot_offset = 0 if self.config.sample_from_anchor else 1
@@ -271,6 +275,10 @@ class Drafter:
         self.kernel_confidence = kernel_heads and scheduler != "off" and self.sts_temperatures is None
         if kernel_heads:
             self.markov_w1, self.markov_w2 = model.markov_w1.detach(), model.markov_w2_target.detach()
+        self.successor_ids = None  # int32 [V, M]: the candidate drafter's bigram successors
+        if self.kernel_markov and self.draft_candidates and draft_successors:
+            vocab = self.markov_w1.shape[0]
+            self.successor_ids = K.markov_successor_table(self.markov_w1, self.markov_w2, min(draft_successors, vocab))
         if self.kernel_confidence:
             self.confidence_weight, self.confidence_bias = model.confidence_weight.detach(), model.confidence_bias.detach()
         self.workspace = None  # a K.Workspace owned by the caller (the engine's runner), else the kernels' default
@@ -312,8 +320,9 @@ class Drafter:
         tokens, ids, q = K.markov_candidate_sample(
             logits, self.markov_w1, self.markov_w2, anchors, uniforms, sampling.temperature, sampling.top_k,
             sampling.top_p, sampling.min_p, candidates=min(self.draft_candidates, vocab),
-            logits_stride=self.block_size, logits_offset=self.slot_offset)
-        probs = torch.zeros(*tokens.shape, vocab, device=logits.device).scatter_(2, ids.long(), q)
+            successor_ids=self.successor_ids, logits_stride=self.block_size, logits_offset=self.slot_offset)
+        # add, not assign: a duplicate candidate holds 0 and must not overwrite its first lane's mass
+        probs = torch.zeros(*tokens.shape, vocab, device=logits.device).scatter_add_(2, ids.long(), q)
         return tokens, probs
 
     def _stepwise(self, hidden, logits, anchors, sampling, uniforms, stacked_logits=None):

@@ -78,7 +78,7 @@ class LLMEngine(OfflineGeneration):
             per_row = ("threshold", 0.0) if config.scheduler == "cost" else (config.scheduler, config.threshold)
             drafter = Drafter(self.draft_model, scheduler=per_row[0], threshold=per_row[1],
                               min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len,
-                              draft_candidates=config.draft_candidates)
+                              draft_candidates=config.draft_candidates, draft_successors=config.draft_successors)
         tree = None
         stateful = sorted(getattr(self.target, "stateful", {}))  # hybrid layers: states beside the KV cache
         if config.draft_top_k > 1:

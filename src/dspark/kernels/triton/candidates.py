@@ -1,7 +1,8 @@
 """Triton candidate-set drafting step (contract: ``dspark.kernels.candidates``): one program per row.
 
-A row's C candidates (C <= a few hundred) live in registers: the program gathers their backbone
-logits and W2 rows, adds ``W2[ids] . W1[prev]`` in ``BLOCK_R`` chunks of the rank, ranks them for
+A row's C + M candidates (a few hundred at most) live in registers: the program appends the previous
+token's M successors to its C backbone candidates (writing their ids), masks ids already held by an
+earlier lane, gathers the backbone logits and W2 rows, adds ``W2[ids] . W1[prev]`` in ``BLOCK_R`` chunks of the rank, ranks them for
 top-k / top-p with ``[C, C]`` pairwise comparisons (no sort), normalises, stores q and draws the
 token. It reads ``C * R`` weights instead of W2 whole, and never synchronises the host.
 """
@@ -37,14 +38,15 @@ def _candidate_logits(logits_ptr, base_row, w1_ptr, w2_ptr, prev, ids, valid, V,
 
 
 @triton.jit
-def _filtered_weights(z, valid, lanes, temperature, top_k, top_p, min_p, C):
+def _filtered_weights(z, valid, lanes, temperature, top_k, top_p, min_p):
     """Unnormalised q of a sampled row: ``exp(z/T - max)`` after min_p, top-k and top-p (ranks from
     pairwise comparisons; ties to the lower lane)."""
     x = tl.where(valid, z / temperature, float("-inf"))
     w = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
     keep = valid & (w >= min_p)
     greater = (x[None, :] > x[:, None]) & valid[None, :]  # [i, j]: x_j > x_i
-    k = tl.where((top_k > 0) & (top_k < C), top_k, C)
+    count = tl.sum(valid.to(tl.int32), axis=0)
+    k = tl.where((top_k > 0) & (top_k < count), top_k, count)
     keep = keep & (tl.sum(greater.to(tl.int32), axis=1) < k)
     w = tl.where(keep, w, 0.0)
     before = greater | ((x[None, :] == x[:, None]) & (lanes[None, :] < lanes[:, None]))
@@ -54,9 +56,10 @@ def _filtered_weights(z, valid, lanes, temperature, top_k, top_p, min_p, C):
 
 
 @triton.jit
-def _candidate_step_kernel(logits_ptr, w1_ptr, w2_ptr, first_ptr, ids_ptr, u_ptr, draft_ptr, probs_ptr, temp_ptr,
-                           top_k_ptr, top_p_ptr, min_p_ptr, step, P, V, C, logits_stride, logits_offset,
-                           R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+def _candidate_step_kernel(logits_ptr, w1_ptr, w2_ptr, first_ptr, ids_ptr, succ_ptr, u_ptr, draft_ptr, probs_ptr,
+                           temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, step, P, V, C, M, logits_stride,
+                           logits_offset, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Step ``step`` of row ``program_id``: C backbone candidates, then M successors (M may be 0)."""
     b = tl.program_id(0).to(tl.int64)
     if step == 0:
         prev = tl.load(first_ptr + b)
@@ -64,10 +67,15 @@ def _candidate_step_kernel(logits_ptr, w1_ptr, w2_ptr, first_ptr, ids_ptr, u_ptr
         prev = tl.load(draft_ptr + b * P + step - 1)
     prev = tl.minimum(tl.maximum(prev, 0), V - 1).to(tl.int64)
     lanes = tl.arange(0, BLOCK_C)
-    valid = lanes < C
-    cell = (b * P + step) * C
-    ids = tl.load(ids_ptr + cell + lanes, mask=valid, other=0)
+    width = C + M
+    cell = (b * P + step) * width
+    successor = (lanes >= C) & (lanes < width)
+    succ = tl.load(succ_ptr + prev * M + (lanes - C), mask=successor, other=0)
+    tl.store(ids_ptr + cell + lanes, succ, mask=successor)
+    ids = tl.where(successor, succ, tl.load(ids_ptr + cell + lanes, mask=lanes < C, other=0))
     ids = tl.minimum(tl.maximum(ids, 0), V - 1).to(tl.int64)
+    earlier = (ids[None, :] == ids[:, None]) & (lanes[None, :] < lanes[:, None])  # [i, j]: lane j < i holds it
+    valid = (lanes < width) & (tl.max(earlier.to(tl.int32), axis=1) == 0)
     z = _candidate_logits(logits_ptr, b * logits_stride + step + logits_offset, w1_ptr, w2_ptr, prev, ids, valid,
                           V, R, BLOCK_R)
 
@@ -77,9 +85,9 @@ def _candidate_step_kernel(logits_ptr, w1_ptr, w2_ptr, first_ptr, ids_ptr, u_ptr
         best = tl.min(tl.where(z == tl.max(z, axis=0), lanes, BLOCK_C), axis=0)
         q = tl.where(lanes == best, 1.0, 0.0)
     else:
-        w = _filtered_weights(z, valid, lanes, temperature, top_k, tl.load(top_p_ptr + b), tl.load(min_p_ptr + b), C)
+        w = _filtered_weights(z, valid, lanes, temperature, top_k, tl.load(top_p_ptr + b), tl.load(min_p_ptr + b))
         q = w / tl.sum(w, axis=0)
-    tl.store(probs_ptr + cell + lanes, q, mask=valid)
+    tl.store(probs_ptr + cell + lanes, q, mask=lanes < width)
 
     # inverse-CDF draw in lane order (kernels.md 2.4): first lane past t, else the last positive one
     t = clamp_uniform(tl.load(u_ptr + b * P + step))
@@ -91,16 +99,18 @@ def _candidate_step_kernel(logits_ptr, w1_ptr, w2_ptr, first_ptr, ids_ptr, u_ptr
 
 
 def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids,
-                                 proposal_uniforms, draft_token_ids, candidate_probabilities, step, temperature,
-                                 top_k, top_p, min_p, logits_stride, logits_offset):
+                                 successor_ids, proposal_uniforms, draft_token_ids, candidate_probabilities, step,
+                                 temperature, top_k, top_p, min_p, logits_stride, logits_offset):
     """``dspark.kernels.markov_candidate_sample_step``: one program per row."""
     batch, width, count = candidate_ids.shape
     if not batch:
         return
     vocab, rank = markov_w1.shape
+    successors = 0 if successor_ids is None else successor_ids.shape[1]
     block_c = max(16, next_pow2(count))
     _candidate_step_kernel[(batch,)](
-        backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids, proposal_uniforms, draft_token_ids,
-        candidate_probabilities, temperature, top_k, top_p, min_p, step, width, vocab, count, logits_stride,
-        logits_offset, R=rank, BLOCK_C=block_c, BLOCK_R=min(64, next_pow2(rank)),
+        backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids,
+        candidate_ids if successor_ids is None else successor_ids, proposal_uniforms, draft_token_ids,
+        candidate_probabilities, temperature, top_k, top_p, min_p, step, width, vocab, count - successors, successors,
+        logits_stride, logits_offset, R=rank, BLOCK_C=block_c, BLOCK_R=min(64, next_pow2(rank)),
         num_warps=4 if block_c <= 64 else 8)  # the [C, C] rank comparisons live in registers
