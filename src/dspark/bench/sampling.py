@@ -1,8 +1,8 @@
 """Benchmarks of the sampled DSpark path on the GPU: probabilities (temperature, top-k, top-p), dense
 draws, probabilistic accept, and the whole sampled drafting round (P fused Markov steps, CUDA graph);
 the engine's round over the vocabulary (Markov logits, request stage, draw) beside its round over
-candidate sets (``markov_candidate_sample``, C = 32 / 64, q scattered into the dense ``[B, 7, V]``
-rows verification reads).
+candidate sets (``markov_candidate_sample``: C backbone candidates + M bigram successors, q added into
+the dense ``[B, 7, V]`` rows verification reads).
 
 ``python -m dspark.bench --family sampling --out sampling.json`` runs ``run``.
 
@@ -27,6 +27,7 @@ from .common import graph_us as _graph_us
 from .common import row, try_compile
 
 VOCAB, PROPOSAL_LEN, TEMPERATURE = 151936, 7, 0.8
+CANDIDATE_SETS = ((32, 0), (64, 0), (48, 16))  # (C backbone candidates, M successors) per step
 BATCHES, RANKS = (1, 8, 64), (64, 256)
 FILTERS = {"none": (0, 1.0), "top-k 50": (50, 1.0), "top-p 0.9": (0, 0.9), "top-k 50 + top-p 0.9": (50, 0.9)}
 
@@ -197,8 +198,11 @@ def _bench_candidate_round(ceiling: float, quick: bool):
     """The engine's sampled drafting round: over the vocabulary (``build_markov_logits``, the request
     stage, ``sample_probability_rows``, the store) and over candidate sets of C tokens."""
     for rank in RANKS:
+        table = None
         for batch in BATCHES:
             backbone, w1, w2, first, uniforms, tokens, probs = round_inputs(rank, batch)
+            if table is None:
+                table = K.markov_successor_table(w1, w2, max(m for _, m in CANDIDATE_SETS))
             for name, (top_k, top_p) in FILTERS.items():
                 if quick and name != "top-k 50 + top-p 0.9":
                     continue
@@ -217,21 +221,24 @@ def _bench_candidate_round(ceiling: float, quick: bool):
                     "engine_sampled_round", "triton", {**shape, "candidates": "vocabulary"},
                     _graph_us(vocabulary_round), PROPOSAL_LEN * (VOCAB * rank * 2 + 2 * batch * VOCAB * 4), ceiling,
                     target="the full-vocabulary baseline of candidate_sampled_round"))
-                for count in (32, 64):
-                    def candidate_round(settings=settings, count=count):
-                        drafted, ids, q = K.markov_candidate_sample(backbone, w1, w2, first, uniforms, *settings,
-                                                                    candidates=count)
-                        probs.zero_().scatter_(2, ids.long(), q)  # the dense rows verification reads
+                for count, successors in CANDIDATE_SETS:
+                    def candidate_round(settings=settings, count=count, successors=successors):
+                        drafted, ids, q = K.markov_candidate_sample(
+                            backbone, w1, w2, first, uniforms, *settings, candidates=count,
+                            successor_ids=table[:, :successors].contiguous() if successors else None)
+                        probs.zero_().scatter_add_(2, ids.long(), q)  # the dense rows verification reads
                         return drafted
 
-                    def measure(candidate_round=candidate_round, count=count):
+                    def measure(candidate_round=candidate_round, count=count, successors=successors):
                         with K.use_backend("triton"):
                             us = _graph_us(candidate_round)
                         with K.use_backend("reference"):
                             reference_us = baseline_us(candidate_round)
                         # backbone read once (top-k), C rows of W2 per step, dense q written
-                        nbytes = 2 * batch * PROPOSAL_LEN * VOCAB * 4 + PROPOSAL_LEN * batch * count * rank * 2
-                        return row("candidate_sampled_round", "triton", {**shape, "candidates": count}, us, nbytes,
+                        nbytes = (2 * batch * PROPOSAL_LEN * VOCAB * 4
+                                  + PROPOSAL_LEN * batch * (count + successors) * rank * 2)
+                        return row("candidate_sampled_round", "triton",
+                                   {**shape, "candidates": count, "successors": successors}, us, nbytes,
                                    ceiling, reference_us=reference_us,
                                    target="<= 0.5x engine_sampled_round of the same shape and filter")
 

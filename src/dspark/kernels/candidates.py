@@ -42,7 +42,7 @@ from .markov import markov_inputs, markov_step_inputs
 
 __all__ = ["markov_successor_table", "markov_candidate_sample_step", "markov_candidate_sample"]
 
-_TABLE_ROWS = 4096  # previous tokens per chunk of markov_successor_table: [4096, V] fp32 bias rows at a time
+_TABLE_ROWS = 1024  # previous tokens per chunk of markov_successor_table: [1024, V] fp32 bias rows at a time
 
 
 def markov_successor_table(markov_w1, markov_w2, count):
