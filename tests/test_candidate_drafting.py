@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETER_WARNINGS
+from conftest import INTERPRETER_WARNINGS, gpu
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 from test_lossless_sampling import ENGINE_ROWS, ENGINE_TOKENS, WARPED, WARPED_VOCAB, bigram_target, nudged
@@ -116,3 +116,24 @@ def test_mixed_batch_greedy_is_plain_decoding_and_sampled_rows_are_request_stabl
     assert mixed[0].token_ids == plain
     assert mixed[1].token_ids == alone
     assert mixed[2].token_ids == biased_full_vocabulary != plain
+
+
+@gpu
+def test_cuda_graphs_replay_candidate_drafting():
+    """On CUDA with every graph captured up front and a bf16 draft: greedy beside sampled rows is
+    plain decoding, a sampled request gives the same tokens alone and batched, no step captures."""
+    target = tiny_qwen3_target(vocab_size=96)
+    draft = half_draft(target, seed=1).cuda()
+    target = target.cuda()
+    config = EngineConfig(max_batch=3, device="cuda", draft_candidates=8, draft_successors=4)
+    plain = LLMEngine(target, None, EngineConfig(max_batch=1, device="cuda")).generate(
+        [Request(PROMPT, NEW_TOKENS, SamplingParams(), ignore_eos=True)])[0].token_ids
+    engine = LLMEngine(target, draft, config)
+    engine.capture_graphs()
+    captured = engine.runner.captures
+    hot = SamplingParams(0.8, top_k=20, top_p=0.9, seed=7)
+    alone = engine.generate([Request(PROMPT, NEW_TOKENS, hot, ignore_eos=True)])[0].token_ids
+    mixed = engine.generate([Request(PROMPT, NEW_TOKENS, s, ignore_eos=True)
+                             for s in (SamplingParams(), hot, SamplingParams(1.0, seed=3))])
+    assert mixed[0].token_ids == plain and mixed[1].token_ids == alone
+    assert engine.runner.captures == captured and not engine.runner.uncapturable

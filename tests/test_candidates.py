@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETER_WARNINGS, requires_triton
+from conftest import DEVICE, INTERPRETER_WARNINGS, gpu, requires_triton
 from statistics_cases import assert_distribution, draws_for, uniforms
 
 import dspark.kernels as K
@@ -154,6 +154,31 @@ def test_backends_agree(batch, width, vocab, rank, count, successors, stride, of
     assert torch.equal(ids, t_ids)
     torch.testing.assert_close(t_q, q, atol=1e-5, rtol=0)
     assert torch.equal(t_tokens, tokens)
+
+
+@requires_triton
+@gpu
+def test_real_size_round_matches_reference_and_replays_as_a_cuda_graph():
+    """V = 151936, R = 256, C = 32 + M = 16: the Triton round equals the reference, and a CUDA graph of
+    it replays the same drafts."""
+    batch, width, vocab = 8, 7, 151936
+    case = cases.markov_sample_inputs(batch, width, vocab, 256, dtype=torch.float16, seed=4, device=DEVICE)
+    case.update({name: value.to(DEVICE) for name, value in row_settings(batch).items()})
+    table = K.markov_successor_table(case["markov_w1"], case["markov_w2"], 16)
+    results = []
+    for backend in ("reference", "triton"):
+        with K.use_backend(backend):
+            results.append(K.markov_candidate_sample(**case, candidates=32, successor_ids=table))
+    (tokens, ids, q), (t_tokens, t_ids, t_q) = results
+    assert torch.equal(t_ids, ids) and torch.equal(t_tokens, tokens)
+    torch.testing.assert_close(t_q, q, atol=1e-5, rtol=0)
+    graph = torch.cuda.CUDAGraph()
+    with K.use_backend("triton"):
+        K.markov_candidate_sample(**case, candidates=32, successor_ids=table)  # compiled before the capture
+        with torch.cuda.graph(graph):
+            replayed = K.markov_candidate_sample(**case, candidates=32, successor_ids=table)
+    graph.replay()
+    assert torch.equal(replayed[0], tokens)
 
 
 def test_bad_inputs_are_refused_by_name():
