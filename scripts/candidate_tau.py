@@ -3,8 +3,9 @@ backbone's top-C + the previous token's M bigram successors), on the CPU: fp32 t
 that the vanilla-head kernels -- and candidate drafting -- run). Every configuration sees the same
 prompts and seeds (paired), T = 1 and T = 0.7 / top-p 0.9.
 
-usage: PYTHONPATH=src python scripts/candidate_tau.py NUM_PROMPTS NEW_TOKENS C/M,C/M,... OUT.json SEEDS
-(SEEDS: comma-separated seed bases; request i of a batch takes seed i + base)
+usage: PYTHONPATH=src python scripts/candidate_tau.py NUM_PROMPTS NEW_TOKENS C/M,C/M,... OUT.json SEEDS [SETTINGS]
+(SEEDS: comma-separated seed bases, request i of a batch taking seed i + base; SETTINGS: T1 and / or
+T0.7-p0.9, comma-separated, default both)
 """
 import json, sys, time
 import torch
@@ -20,6 +21,7 @@ num_prompts, new_tokens = int(sys.argv[1]), int(sys.argv[2])
 configs = [tuple(int(x) for x in cm.split("/")) for cm in sys.argv[3].split(",")]
 seed_bases = [int(x) for x in sys.argv[5].split(",")]
 settings = {"T1": dict(temperature=1.0), "T0.7-p0.9": dict(temperature=0.7, top_p=0.9)}
+settings = {name: settings[name] for name in (sys.argv[6].split(",") if len(sys.argv) > 6 else settings)}
 pair = demo_pair()
 tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
 draft = load_draft(str(pair.draft), dtype=torch.float32).to(torch.bfloat16)
