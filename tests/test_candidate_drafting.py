@@ -16,7 +16,8 @@ from test_lossless_sampling import ENGINE_ROWS, ENGINE_TOKENS, WARPED, WARPED_VO
 from test_request_sampling import transformers_probabilities
 
 import dspark.kernels as K
-from dspark.engine import SamplingParams
+from dspark.cli import _runtime
+from dspark.engine import SamplingParams, config
 from dspark.engine.drafting import Drafter
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
@@ -70,6 +71,11 @@ def test_outputs_follow_the_target_with_candidate_drafting(warped_pair, monkeypa
 def test_the_check_catches_a_verifier_given_another_q(warped_pair, monkeypatch):
     """The check has teeth: q off by 5 % from the one the drafts came from fails it."""
     assert check_transitions(warped_sequences(warped_pair, monkeypatch, spoil_q=True), warped_pair[2]) is not None
+
+
+def test_the_cli_defaults_are_the_engine_defaults():
+    assert (_runtime.DEFAULT_DRAFT_CANDIDATES, _runtime.DEFAULT_DRAFT_SUCCESSORS) == (
+        config.DEFAULT_DRAFT_CANDIDATES, config.DEFAULT_DRAFT_SUCCESSORS)
 
 
 # ------------------------------------------------------------------------------ greedy and request stability

@@ -17,6 +17,7 @@ from dataclasses import fields
 from typing import Callable
 
 from .engine import GenerationStats, LLMEngine, Request, SamplingParams, engine_config
+from .engine.config import DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS
 from .kernels._validate import Checker
 
 __all__ = ["merge_stats", "speedup", "evaluate", "format_table", "format_per_prompt"]
@@ -49,7 +50,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
              sampling: SamplingParams = SamplingParams(), scheduler: str = "off", threshold: float = 0.0,
              progress: Callable[[int, int], None] | None = None, engine: str = "auto", cost_table=None,
              min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0,
-             draft_candidates: int = 0, draft_successors: int = 0) -> dict:
+             draft_candidates: int = DEFAULT_DRAFT_CANDIDATES,
+             draft_successors: int = DEFAULT_DRAFT_SUCCESSORS) -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,

@@ -16,6 +16,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The engine's schedulers (``dspark.engine.config.ENGINE_SCHEDULERS``), spelled out so that building
 # a parser never imports the engine (and torch); tests/test_cli_runtime.py keeps the two equal.
 SCHEDULER_CHOICES = ("off", "threshold", "sps", "cost")
+# ``dspark.engine.config.DEFAULT_DRAFT_CANDIDATES`` / ``_SUCCESSORS``, spelled out likewise
+# (tests/test_candidate_drafting.py keeps them equal)
+DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS = 64, 16
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -222,12 +225,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost scheduler: trim verification only when the predicted goodput beats the full "
                              "block by this fraction")
     add_tree_arguments(parser)
-    parser.add_argument("--draft-candidates", type=int, default=0,
+    parser.add_argument("--draft-candidates", type=int, default=DEFAULT_DRAFT_CANDIDATES,
                         help="sampled requests draft over each position's top-C drafter logits (exact: verified "
                              "against the distribution they came from); 0: over the whole vocabulary")
-    parser.add_argument("--draft-successors", type=int, default=0,
-                        help="with --draft-candidates: also the previous token's M likeliest successors under the "
-                             "drafter's Markov head")
+    parser.add_argument("--draft-successors", type=int, default=DEFAULT_DRAFT_SUCCESSORS,
+                        help="with --draft-candidates C > 0: also the previous token's M likeliest successors under "
+                             "the drafter's Markov head")
 
 
 def add_eager_argument(parser: argparse.ArgumentParser) -> None:
@@ -295,8 +298,8 @@ def check_scheduler_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--threshold must be in [0, 1] (a survival probability), got {args.threshold}")
     if args.draft_candidates < 0:
         raise ValueError(f"--draft-candidates must be >= 0 (0 = the whole vocabulary), got {args.draft_candidates}")
-    if args.draft_successors and not args.draft_candidates:
-        raise ValueError(f"--draft-successors {args.draft_successors} needs --draft-candidates C > 0")
+    if args.draft_successors < 0:
+        raise ValueError(f"--draft-successors must be >= 0, got {args.draft_successors}")
     if args.draft_top_k == 1 and args.tree_budget:
         raise ValueError(f"--tree-budget {args.tree_budget} needs tree mode: add --draft-top-k K (2..8)")
     if args.scheduler in ("off", "cost") and args.threshold != 0.0:

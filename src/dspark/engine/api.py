@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..kernels._validate import Checker
+from .config import DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS
 from .decoder import check_token_ids
 from .llm_engine import LLMEngine, engine_config
 from .request import GenerationInterrupted, GenerationResult, Request
@@ -151,8 +152,8 @@ class LLM:
                  cost_table=None, min_predicted_gain: float = 0.04, allow_pickle: bool = False, device=None,
                  dtype=None, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = 0.9,
-                 num_kv_blocks: int | None = None, kv_block_size: int = 16, draft_candidates: int = 0,
-                 draft_successors: int = 0):
+                 num_kv_blocks: int | None = None, kv_block_size: int = 16,
+                 draft_candidates: int = DEFAULT_DRAFT_CANDIDATES, draft_successors: int = DEFAULT_DRAFT_SUCCESSORS):
         c = Checker("LLM")
         target, draft = _models(c, target, draft, no_draft)
         self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
