@@ -156,8 +156,8 @@ class RowPenalties:
         presence, frequency, repetition = (s[:, None, None] for s in self.settings.unbind(1))
         seen = ((flags & PROMPT) != 0) | (counts > 0)
         penalty = torch.where(seen, repetition, 1.0)
-        x = torch.where(x < 0, x * penalty, x / penalty, out=x)  # transformers' order of operations
-        return x.sub_(frequency * counts + presence * (counts > 0))
+        x = torch.where(x < 0, x * penalty, x / penalty, out=x)  # transformers' operations
+        return x.sub_(frequency * counts).sub_(presence * (counts > 0))  # vLLM's
 
 
 class PenaltyState:

@@ -1,0 +1,185 @@
+"""The controls that read a request's tokens so far -- presence / frequency / repetition penalties,
+min_tokens, bad_words -- as vLLM applies them, exact under speculative decoding (``penalties.py``).
+
+Oracles: transformers' processors (``RepetitionPenaltyLogitsProcessor``, ``NoBadWordsLogitsProcessor``,
+``MinNewTokensLengthLogitsProcessor``, ``SequenceBiasLogitsProcessor``) and, for presence / frequency
+(transformers has none), vLLM's two subtractions as a processor here. transformers matches a bad
+word's prefix against prompt + output, vLLM (and dspark) against the output only: the cases here
+keep prefixes off the prompt's end, where the two agree. A verify position's oracle is the
+processors run on the output with the drafts before it appended; the same positions without the
+window's drafts must differ (the check has teeth)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
+                                                    MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
+                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
+
+from dspark.engine import SamplingParams
+from dspark.engine.penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, PenaltyState, Window
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 64
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """presence / frequency penalties over the output tokens (``input_ids`` after ``prompt_len``), as
+    vLLM's ``apply_penalties`` subtracts them."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        output = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def oracle(prompt_len: int, sampling: SamplingParams, stop_ids=()) -> LogitsProcessorList:
+    """transformers' processors (and ``OpenAIPenalties``) for ``sampling``, in vLLM's order: bias,
+    min_tokens, bad words, repetition, frequency and presence."""
+    procs = []
+    if sampling.logit_bias:
+        procs.append(SequenceBiasLogitsProcessor({(i,): b for i, b in sampling.logit_bias}))
+    if sampling.min_tokens:
+        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, sampling.min_tokens, sorted(stop_ids)))
+    if sampling.bad_words:
+        procs.append(NoBadWordsLogitsProcessor([list(w) for w in sampling.bad_words]))
+    if sampling.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        procs.append(OpenAIPenalties(prompt_len, sampling.presence_penalty, sampling.frequency_penalty))
+    return LogitsProcessorList(procs)
+
+
+def expected_logits(logits: torch.Tensor, sampling: SamplingParams, prompt: list[int], output: list[int],
+                    stop_ids=()) -> torch.Tensor:
+    """The oracle's processed ``logits`` [V] after ``prompt`` and ``output``."""
+    ids = torch.tensor([prompt + output])
+    return oracle(len(prompt), sampling, stop_ids)(ids, logits[None].clone())[0]
+
+
+def staged(cases: list[tuple]) -> PenaltyState:
+    """A ``PenaltyState`` with case i = ``(sampling, prompt, output, stop_ids)`` staged in slot i."""
+    state = PenaltyState(len(cases) + 1, VOCAB, 8, torch.device("cpu"))
+    for slot, case in enumerate(cases):
+        state.stage(slot, *case)
+    state.flush()
+    return state
+
+
+def processed(state: PenaltyState, sampling: list[SamplingParams], logits: torch.Tensor, window=None):
+    rows = [s.rows(1, "cpu", VOCAB) for s in sampling]
+    settings = rows[0].__class__(*(torch.cat([getattr(r, f) for r in rows]) for f in
+                                   ("temperature", "top_k", "top_p", "min_p")),
+                                 torch.cat([torch.zeros(1, VOCAB) if r.logit_bias is None else r.logit_bias for r in rows]),
+                                 state.rows(torch.arange(len(sampling))))
+    return settings.processed(logits, window)
+
+
+PROMPT = [3, 9, 9, 40, 12, 7]
+STOPS = frozenset({2, 5})
+CASES = [  # (settings, output so far)
+    (SamplingParams(repetition_penalty=1.7), [12, 33, 33]),
+    (SamplingParams(repetition_penalty=0.6), [50]),
+    (SamplingParams(presence_penalty=0.8, frequency_penalty=-0.4), [33, 33, 21, 33]),
+    (SamplingParams(min_tokens=4), [33, 21, 8]),  # 3 < 4: stop ids banned
+    (SamplingParams(min_tokens=3), [33, 21, 8]),  # 3 >= 3: allowed
+    # one-token word; a prefix ending the output; one longer than the output; one not matching
+    (SamplingParams(bad_words=((44,), (21, 8, 30), (1, 2, 3, 33, 21, 8, 31), (8, 33, 32))), [33, 21, 8]),
+    (SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, min_tokens=9,
+                    bad_words=((8, 17), (60,)), logit_bias={17: 4.0, 9: -2.0}), [30, 17, 8]),
+    (SamplingParams(), [5, 6]),
+]
+
+
+def test_committed_state_is_transformers_processors():
+    """Every control on the committed output (a decode step, a seat's first token): the oracle's logits."""
+    state = staged([(s, PROMPT, out, STOPS) for s, out in CASES])
+    logits = torch.randn(len(CASES), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    got = processed(state, [s for s, _ in CASES], logits)
+    for i, (sampling, output) in enumerate(CASES):
+        assert torch.equal(got[i], expected_logits(logits[i], sampling, PROMPT, output, STOPS)), sampling
+
+
+def window_case():
+    """A chain round that repeats a penalised draft (21 at 1 and 3), completes a bad word's prefix
+    (33, 21 -> 44 banned at position 2) and passes min_tokens mid-window (3 committed + 2 drafts = 5)."""
+    sampling = SamplingParams(presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.4, min_tokens=5,
+                              bad_words=((33, 21, 44), (60,)))
+    output, drafts = [50, 8, 33], [21, 44, 21, 9, 12]
+    return sampling, output, drafts
+
+
+def test_each_verify_position_counts_the_drafts_before_it():
+    """Position l of a chain window (after drafts 1..l) is the oracle on the output plus those drafts;
+    the committed state alone is not (the window matters at these positions)."""
+    sampling, output, drafts = window_case()
+    state = staged([(sampling, PROMPT, output, STOPS)])
+    tokens = torch.tensor([[output[-1]] + drafts])  # the anchor (committed), then the drafts
+    logits = torch.randn(1, tokens.shape[1], VOCAB, generator=torch.Generator().manual_seed(2)) * 3
+    got = processed(state, [sampling], logits, Window.chain(tokens))[0]
+    expected = torch.stack([expected_logits(logits[0, l], sampling, PROMPT, output + drafts[:l], STOPS)
+                            for l in range(tokens.shape[1])])
+    assert torch.equal(got, expected)
+    without = processed(state, [sampling], logits)[0]
+    assert all(not torch.equal(without[l], expected[l]) for l in range(1, tokens.shape[1]))
+
+
+def test_each_tree_node_counts_its_ancestors():
+    """A tree node's logits are the oracle on the output plus the tokens from the root's child down
+    to the node -- its siblings' and cousins' tokens are not in its output."""
+    sampling, output, _ = window_case()
+    #        0 (anchor 33)
+    #       / \
+    #   1: 21  2: 9
+    #     |  \     \
+    #  3: 44 4: 21  5: 21
+    tokens = torch.tensor([[33, 21, 9, 44, 21, 21]])
+    parents = [-1, 0, 0, 1, 1, 2]
+    depths = torch.tensor([[0, 1, 1, 2, 2, 2]])
+    paths = [[]]
+    for node in range(1, 6):
+        paths.append(paths[parents[node]] + [node])
+    bits = torch.tensor([[sum(1 << n for n in [0] + path) for path in paths]])
+    state = staged([(sampling, PROMPT, output, STOPS)])
+    logits = torch.randn(1, 6, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    got = processed(state, [sampling], logits, Window.tree(tokens, depths, bits))[0]
+    for node, path in enumerate(paths):
+        appended = [int(tokens[0, n]) for n in path]
+        assert torch.equal(got[node], expected_logits(logits[0, node], sampling, PROMPT, output + appended, STOPS)), node
+
+
+def test_committed_tokens_join_the_state():
+    """``commit`` appends accepted tokens (a round's first n): the state is then the one staged with
+    the longer output; rows of length 0 change nothing."""
+    sampling, output, drafts = window_case()
+    state = staged([(sampling, PROMPT, output, STOPS), (sampling, PROMPT, output, STOPS)])
+    state.commit(torch.tensor([0, 1]), torch.tensor([drafts, drafts], dtype=torch.int32),
+                 torch.tensor([3, 0], dtype=torch.int32))
+    again = staged([(sampling, PROMPT, output + drafts[:3], STOPS), (sampling, PROMPT, output, STOPS)])
+    for name in ("counts", "flags", "produced", "recent"):
+        assert torch.equal(getattr(state, name)[:2], getattr(again, name)[:2]), name
+
+
+def test_bad_settings_name_the_field():
+    cases = [(dict(presence_penalty=2.5), ValueError, r"presence_penalty must be in \[-2.0, 2.0\], got 2.5"),
+             (dict(frequency_penalty=-3), ValueError, r"frequency_penalty must be in \[-2.0, 2.0\], got -3"),
+             (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be > 0, got 0.0"),
+             (dict(repetition_penalty="2"), TypeError, "repetition_penalty must be a float, got str"),
+             (dict(min_tokens=-1), ValueError, r"min_tokens must be in \[0, inf\], got -1"),
+             (dict(bad_words="no"), TypeError, "bad_words must be a list of token-id sequences, got str"),
+             (dict(bad_words=[[]]), TypeError, r"bad_words\[0\] must be a non-empty list of token ids, got \[\]"),
+             (dict(bad_words=[[1, -2]]), ValueError, r"bad_words\[0\] token id must be in \[0, inf\], got -2"),
+             (dict(bad_words=[list(range(MAX_BAD_WORD_TOKENS + 1))]), ValueError,
+              rf"bad_words\[0\] may hold at most {MAX_BAD_WORD_TOKENS} tokens, got {MAX_BAD_WORD_TOKENS + 1}"),
+             (dict(bad_words=[[1, i] for i in range(MAX_BAD_WORDS + 1)]), ValueError,
+              f"bad_words may hold at most {MAX_BAD_WORDS} sequences of two tokens or more, got {MAX_BAD_WORDS + 1}")]
+    for kwargs, kind, message in cases:
+        with pytest.raises(kind, match="SamplingParams: " + message):
+            SamplingParams(**kwargs)
+    assert SamplingParams(bad_words=[[5], (1, 2)]).bad_words == ((5,), (1, 2))
+    assert SamplingParams(bad_words=[[i] for i in range(1000)]).reads_history  # one-token words: any number
