@@ -17,7 +17,9 @@ from transformers.generation.logits_process import (LogitsProcessor, LogitsProce
                                                     MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
-from dspark.engine import SamplingParams
+from test_request_sampling import demo  # noqa: F401 -- the demo pair's fixture
+
+from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from dspark.engine.penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, PenaltyState, Window
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -183,3 +185,83 @@ def test_bad_settings_name_the_field():
             SamplingParams(**kwargs)
     assert SamplingParams(bad_words=[[5], (1, 2)]).bad_words == ((5,), (1, 2))
     assert SamplingParams(bad_words=[[i] for i in range(1000)]).reads_history  # one-token words: any number
+
+
+# ---------------------------------------------------------------------------- through the engine
+
+NEW_TOKENS = 24
+MODES = {"plain": None, "speculative": {}, "tree": dict(draft_top_k=2)}
+
+
+def transformers_greedy(model, prompt: list[int], sampling: SamplingParams, stop_ids=()) -> list[int]:
+    """transformers' greedy ``generate()`` with ``oracle``'s processors, ending at a stop id (else
+    after ``NEW_TOKENS``, the model's EOS kept out as ``ignore_eos``)."""
+    ends = dict(eos_token_id=sorted(stop_ids)) if stop_ids else dict(eos_token_id=None, min_new_tokens=NEW_TOKENS)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             logits_processor=oracle(len(prompt), sampling, stop_ids), **ends)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def greedy_cases(demo):
+    """(name, settings, stop ids, transformers' output) of greedy requests, each control binding:
+    every output differs from plain greedy decoding (which would stop at ``plain[6]`` as a stop id)."""
+    _, model, prompt, plain = demo
+    stop = (plain[6],)
+    assert prompt[-1] not in (plain[3], plain[5])  # the bad words' prefixes are off the prompt's end
+    cases = [("repetition", SamplingParams(repetition_penalty=1.3), ()),
+             ("presence, frequency", SamplingParams(presence_penalty=1.5, frequency_penalty=0.9), ()),
+             ("min_tokens", SamplingParams(min_tokens=12), stop),
+             ("bad_words", SamplingParams(bad_words=((plain[8],), (plain[3], plain[4]))), ()),
+             ("all", SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5, min_tokens=10,
+                                    bad_words=((plain[5], plain[6]), (plain[11],)), logit_bias={plain[2]: -3.0}), stop)]
+    cases = [(name, sampling, stops, transformers_greedy(model, prompt, sampling, stops))
+             for name, sampling, stops in cases]
+    for name, _, stops, expected in cases:
+        assert expected != (plain[:7] if stops else plain), name
+    return cases
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_equals_transformers_generate(demo, greedy_cases, mode):
+    """Greedy requests with each control and all of them (with a bias) in one batch beside a plain
+    greedy and a sampled request with penalties: each output is transformers' ``generate()`` with
+    the same processors, plain decoding's, DSpark's and tree mode's alike; the sampled request gives
+    the same tokens alone, and a plain request later seated where penalised ones ran stays plain."""
+    pair, _, prompt, plain = demo
+    draft = None if MODES[mode] is None else str(pair.draft)
+    engine = LLMEngine(str(pair.target), draft, EngineConfig(max_batch=8, max_model_len=256, **(MODES[mode] or {})))
+    sampled = Request(prompt, NEW_TOKENS, SamplingParams(0.9, top_p=0.9, seed=5, repetition_penalty=1.3,
+                                                         presence_penalty=0.7, min_tokens=3,
+                                                         bad_words=((plain[0],), (plain[1], plain[2]))),
+                      stop_ids=(plain[6],), ignore_eos=True)
+    requests = [Request(prompt, NEW_TOKENS, sampling, stop_ids=stops, ignore_eos=True)
+                for _, sampling, stops, _ in greedy_cases]
+    out = engine.generate(requests + [Request(prompt, NEW_TOKENS, SamplingParams(), ignore_eos=True), sampled])
+    for (name, _, _, expected), result in zip(greedy_cases, out):
+        assert result.token_ids == expected, name
+    assert out[-2].token_ids == plain
+    again = engine.generate([sampled, Request(prompt, NEW_TOKENS, SamplingParams(), ignore_eos=True)])
+    assert again[0].token_ids == out[-1].token_ids and again[1].token_ids == plain
+
+
+def test_drafts_of_the_penalised_output_are_all_accepted(demo):
+    """Benchmark drafts that are the penalised greedy output itself (acceptance 1): every draft is
+    accepted and the output is transformers'. A window that left out the drafts before a position
+    would reject the drafts whose choice the earlier drafts' penalties decided."""
+    from dspark.bench.oracle import OracleEngine
+
+    pair, model, prompt, plain = demo
+    sampling = SamplingParams(repetition_penalty=1.5, presence_penalty=2.0, frequency_penalty=1.0,
+                              bad_words=((plain[3], plain[4]),))
+    expected = transformers_greedy(model, prompt, sampling)
+    engine = OracleEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=2, max_model_len=256),
+                          acceptance=1.0)
+    engine.add_request(Request(prompt, NEW_TOKENS, sampling, ignore_eos=True), oracle_ids=expected)
+    tokens = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens += output.new_token_ids
+    assert tokens == expected
+    assert engine.metrics.accepted_tokens == engine.metrics.draft_tokens > 0, "a draft of the output was rejected"
