@@ -11,12 +11,15 @@ window's drafts must differ (the check has teeth)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
                                                     MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
+from statistics_cases import check_conditionals
 from test_request_sampling import demo  # noqa: F401 -- the demo pair's fixture
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams
@@ -265,3 +268,58 @@ def test_drafts_of_the_penalised_output_are_all_accepted(demo):
             tokens += output.new_token_ids
     assert tokens == expected
     assert engine.metrics.accepted_tokens == engine.metrics.draft_tokens > 0, "a draft of the output was rejected"
+
+
+# ---------------------------------------------------------------------------- sampled, through the engine
+
+# about 51 000 draws (rows stop after min_tokens) in 10 bins: an exact sampler's TV ~ 0.4 * sqrt(10 / N) = 0.0056
+SAMPLED_VOCAB, SAMPLED_ROWS, SAMPLED_TOKENS = 5, 256, 256
+SAMPLED_STOP = 4
+SAMPLED = SamplingParams(1.0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.6, min_tokens=200,
+                         bad_words=((1, 2),))
+
+
+@pytest.fixture(scope="module")
+def penalised_pair(one_thread):
+    """A bigram target (its next token depends on the last one only), its logits after each token
+    ``[V, V]`` and a random draft."""
+    from model_cases import random_draft, tiny_draft_config
+    from test_lossless_sampling import bigram_target
+
+    target, logits = bigram_target(SAMPLED_VOCAB)
+    draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), 0, target)
+    return target, logits, draft
+
+
+def transformers_conditionals(sequences: list[list[int]], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each output token of ``sequences`` (prompt token, then output) and the distribution it was
+    drawn from given everything before it: the bigram logits after the last token through ``oracle``'s
+    processors for ``SAMPLED``, softmaxed (temperature 1). Returns (tokens [N], probs [N, V], previous [N])."""
+    tokens, probs, previous = [], [], []
+    for t in range(1, max(map(len, sequences))):
+        rows = torch.tensor([s[:t + 1] for s in sequences if len(s) > t])
+        scores = oracle(1, SAMPLED, {SAMPLED_STOP})(rows[:, :t], logits[rows[:, t - 1]].clone())
+        tokens.append(rows[:, t])
+        probs.append(scores.softmax(-1))
+        previous.append(rows[:, t - 1])
+    return torch.cat(tokens), torch.cat(probs), torch.cat(previous)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampled_outputs_follow_the_processed_distribution(penalised_pair, mode):
+    """Speculative sampling (chain and tree) with every control (temperature 1): each token of 256
+    seeded requests is distributed as the target's processed distribution given its history --
+    binned by token and by whether it repeats the token before it -- and no banned token (a stop id
+    before min_tokens, a bad word's end) is ever drawn. A window that leaves out the drafts before a
+    position fails both (TV 0.04, and banned draws)."""
+    target, logits, draft = penalised_pair
+    tree = dict(draft_top_k=2) if mode == "tree" else {}
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=SAMPLED_ROWS, **tree))
+    requests = [Request([0], SAMPLED_TOKENS, replace(SAMPLED, seed=seed), stop_ids=(SAMPLED_STOP,), ignore_eos=True)
+                for seed in range(SAMPLED_ROWS)]
+    sequences = [[0] + r.token_ids for r in engine.generate(requests)]
+    tokens, probs, previous = transformers_conditionals(sequences, logits)
+    bins = torch.arange(SAMPLED_VOCAB) * 2 + (torch.arange(SAMPLED_VOCAB) == previous[:, None])
+    problem = check_conditionals(tokens, probs, bins)
+    assert problem is None, problem
