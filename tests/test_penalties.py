@@ -77,12 +77,10 @@ def staged(cases: list[tuple]) -> PenaltyState:
 
 
 def processed(state: PenaltyState, sampling: list[SamplingParams], logits: torch.Tensor, window=None):
-    rows = [s.rows(1, "cpu", VOCAB) for s in sampling]
-    settings = rows[0].__class__(*(torch.cat([getattr(r, f) for r in rows]) for f in
-                                   ("temperature", "top_k", "top_p", "min_p")),
-                                 torch.cat([torch.zeros(1, VOCAB) if r.logit_bias is None else r.logit_bias for r in rows]),
-                                 state.rows(torch.arange(len(sampling))))
-    return settings.processed(logits, window)
+    """The processed logits (bias, masks, penalties) of row i with ``sampling[i]``, staged in slot i."""
+    bias = torch.cat([s.rows(1, "cpu", VOCAB).logit_bias if s.logit_bias else torch.zeros(1, VOCAB) for s in sampling])
+    rows = replace(sampling[0].rows(1, "cpu"), logit_bias=bias, penalties=state.rows(torch.arange(len(sampling))))
+    return rows.processed(logits, window)
 
 
 PROMPT = [3, 9, 9, 40, 12, 7]
@@ -155,7 +153,8 @@ def test_each_tree_node_counts_its_ancestors():
     got = processed(state, [sampling], logits, Window.tree(tokens, depths, bits))[0]
     for node, path in enumerate(paths):
         appended = [int(tokens[0, n]) for n in path]
-        assert torch.equal(got[node], expected_logits(logits[0, node], sampling, PROMPT, output + appended, STOPS)), node
+        expected = expected_logits(logits[0, node], sampling, PROMPT, output + appended, STOPS)
+        assert torch.equal(got[node], expected), node
 
 
 def test_committed_tokens_join_the_state():

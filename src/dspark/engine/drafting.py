@@ -19,9 +19,11 @@ than through bf16 copies of W1/W2 and the confidence weights, which would flip g
 against the model's own math.
 
 Drafts are sampled through the same request stage as the target's probabilities
-(``RowSampling``: logit_bias, temperature, min_p, top-k, top-p as vLLM applies them), so drafts
-stay likely under the distribution verification reproduces, and q is exactly the distribution each
-token came from, so verification stays lossless (runtime.md §3.9 note, §12). The request's logit
+(``RowSampling``: logit_bias, temperature, min_p, top-k, top-p as vLLM applies them, and the
+penalties, min_tokens and bad_words on the committed output -- not on the drafts before each step,
+which verification counts: that gained nothing measurable), so drafts stay likely under the
+distribution verification reproduces, and q is exactly the distribution each token came from, so
+verification stays lossless (runtime.md §3.9 note, §12). The request's logit
 bias is added to the block's backbone logits: the Markov correction is additive too, so every
 corrected step carries it. Scheduling (chain mode, one row):
 ``off`` verifies all P drafts; ``threshold`` / ``sps`` go through
@@ -326,10 +328,10 @@ class Drafter:
         ``sampling`` the rows' settings (None: every row greedy; a greedy row among sampled ones draws
         its one-hot argmax) and ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy).
         ``logit_bias`` f32 ``[B, V]`` (None: none) is added to every slot of block b (the rows'
-        ``logit_bias``; sampled rows pass theirs in ``sampling`` too, whose filters alone run on the
-        corrected logits). ``stacked_logits`` f32 ``[B, P+1, V]`` (tree mode, greedy): depth row
-        ``s + 1`` receives step ``s``'s Markov-corrected logits along the greedy chain. No host
-        synchronisation.
+        ``logit_bias``; sampled rows pass theirs in ``sampling`` too, whose penalties, on the committed
+        output, and filters run on the corrected logits). ``stacked_logits`` f32 ``[B, P+1, V]`` (tree
+        mode, greedy): depth row ``s + 1`` receives step ``s``'s Markov-corrected logits along the
+        greedy chain. No host synchronisation.
         """
         if logit_bias is not None:
             logits = (logits.view(anchors.shape[0], self.block_size, -1) + logit_bias[:, None]).view(logits.shape)
@@ -368,6 +370,8 @@ class Drafter:
             if sampling is None:  # greedy: the argmax (no distribution to build: a sort of V per step)
                 tokens[:, step] = corrected.argmax(-1)
             else:
+                if sampling.penalties is not None:  # on the committed output: q nearer the verified p
+                    corrected = sampling.penalties.apply(corrected)
                 q = sampling.filtered_probabilities(corrected)
                 K.sample_probability_rows(q, uniforms, tokens, step, workspace=self.workspace)
                 K.store_draft_step_probabilities(q, probs, step)

@@ -162,12 +162,13 @@ class RowPenalties:
 
 class PenaltyState:
     """The penalty state of every cache slot (``lines``: the block table's lines, the last the
-    padding line) over a ``vocab``-token model, committing up to ``width`` tokens a step: ``counts`` f32 ``[lines, V]`` and ``flags`` uint8
-    ``[lines, V]`` (5 bytes per line and token: 49 MB at 64 slots of a 152k vocabulary), ``produced``
-    int32 ``[lines]``, ``recent`` int32 ``[lines, RECENT]``, ``settings`` f32 ``[lines, 3]``,
-    ``min_tokens`` int32 ``[lines]``, ``bad_words`` int32 ``[lines, MAX_BAD_WORDS, RECENT + 1]``
-    (``RowPenalties`` says what each holds). ``PROMPT`` is set only for a request with a repetition
-    penalty and ``STOP`` only with ``min_tokens`` (their only readers).
+    padding line) over a ``vocab``-token model, committing up to ``width`` tokens a step: ``counts``
+    f32 ``[lines, V]`` and ``flags`` uint8 ``[lines, V]`` (5 bytes per line and token: 49 MB at 64
+    slots of a 152k vocabulary), ``produced`` int32 ``[lines]``, ``recent`` int32 ``[lines, RECENT]``,
+    ``settings`` f32 ``[lines, 3]``, ``min_tokens`` int32 ``[lines]``, ``bad_words`` int32
+    ``[lines, MAX_BAD_WORDS, RECENT + 1]`` (``RowPenalties`` says what each holds). ``PROMPT`` is set
+    only for a request with a repetition penalty and ``STOP`` only with ``min_tokens`` (their only
+    readers).
 
     ``stage`` (host) queues a slot's state when a request takes it; ``flush`` writes the queued
     slots before a step's launches, in one pinned transfer, in stream order behind the work already

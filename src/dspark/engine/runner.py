@@ -129,7 +129,8 @@ class ModelRunner(CudaGraphs):
         self.readout = torch.zeros(r, t + 3 + p, **i32)
         self.readout_columns = readout_columns(t, p)
         self.proposer = None if drafter is None else DSparkProposer(
-            drafter, self.state, self.readout, self.readout_columns, paged, t, max_model_len, tree, target.vocab_size)
+            drafter, self.state, self.penalties, self.readout, self.readout_columns, paged, t, max_model_len, tree,
+            target.vocab_size)
         on_cuda = dev.type == "cuda"
         self.host_readouts = [torch.zeros(r, t + 3 + p, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
         self.readout_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
@@ -145,7 +146,8 @@ class ModelRunner(CudaGraphs):
         if drafter is not None:
             drafter.workspace = self.workspace
         width = drafter.config.num_capture_layers * drafter.config.hidden_size if drafter is not None else None
-        self.verifier = Verifier(self.state, self.penalties, self.readout, self.readout_columns, self.cache, max_batch=b,
+        self.verifier = Verifier(self.state, self.penalties, self.readout, self.readout_columns, self.cache,
+                                 max_batch=b,
                                  verify_len=t, num_drafts=p, tree=tree, dummy_slot=self.dummy_slot,
                                  vocab_size=target.vocab_size, capture_width=width, capture_dtype=target.dtype,
                                  workspace=self.workspace)

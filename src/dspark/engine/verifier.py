@@ -12,8 +12,6 @@ bucket: the runner captures them in its CUDA graphs.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from .. import kernels as K
@@ -27,17 +25,17 @@ __all__ = ["Verifier", "pad_requests", "sample_rows"]
 
 class Verifier:
     """The target pass over ``state`` (the runner's rows ``0 .. max_batch``, the last a scratch
-    row) and ``penalties`` (the request state the penalties read, per slot: each position's logits
-    processed with the window's tokens before it, committed tokens appended): ``verify_len`` tokens per row at most (the chain's anchor and ``num_drafts`` drafts, or a
-    tree's ``budget`` nodes), the readout's target-pass columns (``readout``, ``columns``), ``cache``
-    (an accepted tree path's K/V move there), the kernels' ``workspace``. Owns the flat per-token
-    buffers the runner's steps fill: ``logit_rows`` f32 ``[max_batch * T + 1, V]`` (row ``r * T + i``:
+    row) and ``penalties`` (the state the penalties read, per slot: each position's logits processed
+    with the window's tokens before it, committed tokens appended): ``verify_len`` tokens per row at
+    most (the chain's anchor and ``num_drafts`` drafts, or a tree's ``budget`` nodes), the readout's
+    target-pass columns (``readout``, ``columns``), ``cache`` (an accepted tree path's K/V move
+    there), the kernels' ``workspace``. Owns the flat per-token buffers the runner's steps fill: ``logit_rows`` f32 ``[max_batch * T + 1, V]`` (row ``r * T + i``:
     verify token i of row r; the last takes padding tokens; read back for log-probabilities) and,
     with a drafter, ``capture_rows`` ``[max_batch * T + 1, width]`` (the hidden states the draft
     context is made from; ``state.capture`` is its view)."""
 
-    def __init__(self, state: RowState, penalties: PenaltyState, readout: torch.Tensor, columns: dict[str, slice], cache,
-                 *, max_batch: int, verify_len: int, num_drafts: int, tree: TreeSettings | None, dummy_slot: int,
+    def __init__(self, state: RowState, penalties: PenaltyState, readout: torch.Tensor, columns: dict[str, slice],
+                 cache, *, max_batch: int, verify_len: int, num_drafts: int, tree: TreeSettings | None, dummy_slot: int,
                  vocab_size: int, capture_width: int | None, capture_dtype: torch.dtype, workspace):
         self.state, self.readout, self.columns, self.cache, self.workspace = state, readout, columns, cache, workspace
         self.penalties = penalties
@@ -58,11 +56,6 @@ class Verifier:
         self.flat_offsets = torch.arange(b * t, **i32)
         self.cu = {n: torch.arange(0, (b + 1) * n, n, **i32) for n in range(1, t + 1)}
 
-    def sampling(self, b: int) -> RowSampling:
-        """Rows ``0 .. b-1``'s request stage: their settings and bias, and their slots' penalty state."""
-        s = self.state
-        return replace(s.sampling(b), penalties=self.penalties.rows(s.slot_ids[:b]))
-
     def attention_batch(self, b: int, query_len: int) -> AttentionBatch:
         s = self.state
         return AttentionBatch(s.slot_ids[:b], s.anchor_pos[:b], self.cu[query_len][: b + 1], query_len)
@@ -75,8 +68,8 @@ class Verifier:
         if capture is not None:
             s.capture[:b, 0] = capture
             self.readout[:b, t + 1] = 0  # drafts verified
-        s.accepted[:b, 0] = sample_rows(logits, self.sampling(b) if sampled else None, s.seeds[:b], s.anchor_pos[:b],
-                                         self.workspace)
+        sampling = s.sampling(b, self.penalties) if sampled else None
+        s.accepted[:b, 0] = sample_rows(logits, sampling, s.seeds[:b], s.anchor_pos[:b], self.workspace)
         s.accept_length[:b] = 1
         self.advance(b, 1)
 
@@ -149,8 +142,8 @@ class Verifier:
         tree = K.TreeBatch(s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b], None, None, s.tree_nodes[:b],
                            None, None)
         if sampled:
-            probs = self.sampling(b).probabilities(logits, Window.tree(s.tree_tokens[:b], s.tree_depths[:b],
-                                                                        s.tree_bits[:b]))
+            window = Window.tree(s.tree_tokens[:b], s.tree_depths[:b], s.tree_bits[:b])  # a node after its path
+            probs = s.sampling(b, self.penalties).probabilities(logits, window)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_TREE,
                                           (p + 1) * (self.tree.top_k + 1)).view(b, p + 1, self.tree.top_k + 1)
             accepted, nodes, n = K.sampled_tree_accept(probs, tree, uniforms, max_depth=p)
@@ -190,7 +183,7 @@ class Verifier:
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
         window = Window.chain(torch.cat([s.anchor[:b, None], drafts], 1))  # position j follows drafts 1..j
-        probs = self.sampling(b).probabilities(logits, window)
+        probs = s.sampling(b, self.penalties).probabilities(logits, window)
         return K.probabilistic_accept(probs, s.draft_probs[:b], drafts, verified, uniforms, p,
                                       workspace=self.workspace)
 
