@@ -34,7 +34,7 @@ import torch
 if TYPE_CHECKING:
     from .drafting import SamplingParams
 
-__all__ = ["MAX_BAD_WORDS", "MAX_BAD_WORD_TOKENS", "PenaltyState", "RowPenalties", "Window"]
+__all__ = ["BYTES_PER_TOKEN", "MAX_BAD_WORDS", "MAX_BAD_WORD_TOKENS", "PenaltyState", "RowPenalties", "Window"]
 
 MAX_BAD_WORDS = 64  # bad words of two tokens or more per request (one-token bad words: any number)
 MAX_BAD_WORD_TOKENS = 16  # tokens per bad word
@@ -43,6 +43,7 @@ PROMPT, STOP, BANNED = 1, 2, 4  # bits of ``PenaltyState.flags``
 ANY = -1  # a prefix place a shorter bad word leaves free
 NO_TOKEN = -2  # a recent-output place before the first output token (matches no prefix token)
 NEUTRAL = (0.0, 0.0, 1.0)  # presence, frequency, repetition that change nothing
+BYTES_PER_TOKEN = 5  # device memory per slot and vocabulary entry: counts (f32) and flags (uint8)
 
 
 @dataclass(frozen=True)
@@ -248,8 +249,9 @@ class PenaltyState:
             self._copied.synchronize()
         if self._host64 is None or self._host64.numel() < len(ints) or self._hostf.numel() < len(floats):
             size = 1 << max(len(ints), len(floats), 1024).bit_length()
-            self._host64 = torch.empty(size, dtype=torch.int64, pin_memory=pinned)
-            self._hostf = torch.empty(size, dtype=torch.float32, pin_memory=pinned)
+            with torch.inference_mode(False):  # written by later flushes, in or out of inference mode
+                self._host64 = torch.empty(size, dtype=torch.int64, pin_memory=pinned)
+                self._hostf = torch.empty(size, dtype=torch.float32, pin_memory=pinned)
         self._host64[:len(ints)] = torch.from_numpy(ints.astype(np.int64))
         self._hostf[:len(floats)] = torch.from_numpy(floats)
         uploaded = (self._host64[:len(ints)].to(self.device, non_blocking=pinned),
