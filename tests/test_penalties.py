@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (LogitsProcessor, LogitsProce
 from statistics_cases import check_conditionals
 from test_request_sampling import demo  # noqa: F401 -- the demo pair's fixture
 
-from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, encode_bad_words
 from dspark.engine.penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, PenaltyState, Window
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -169,6 +169,27 @@ def test_committed_tokens_join_the_state():
         assert torch.equal(getattr(state, name)[:2], getattr(again, name)[:2]), name
 
 
+def test_bad_words_are_tokenized_as_vllm():
+    """Each word (leading spaces stripped) as it is and, when a leading space makes other tokens of
+    the same count, with one (vLLM's ``SamplingParams.update_from_tokenizer``)."""
+    from transformers import AutoTokenizer
+
+    from dspark.training.data import demo_pair
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_pair().target))
+
+    def encoded(text):
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    assert len(encoded(" 123")) != len(encoded("123"))  # so "123" has no spaced form
+    assert encode_bad_words(["import os", "  def", "123"], tokenizer) == (
+        encoded("import os"), encoded(" import os"), encoded("def"), encoded(" def"), encoded("123"))
+    with pytest.raises(ValueError, match=r"generate: bad_words\[1\] is empty: it has no tokens"):
+        encode_bad_words(["x", "\n "], tokenizer)
+    with pytest.raises(ValueError, match=rf"bad_words\[0\] \('{'a b ' * 10}.*is \d+ tokens; at most {MAX_BAD_WORD_TOKENS}"):
+        encode_bad_words(["a b " * 20], tokenizer)
+
+
 def test_bad_settings_name_the_field():
     cases = [(dict(presence_penalty=2.5), ValueError, r"presence_penalty must be in \[-2.0, 2.0\], got 2.5"),
              (dict(frequency_penalty=-3), ValueError, r"frequency_penalty must be in \[-2.0, 2.0\], got -3"),
@@ -195,12 +216,13 @@ NEW_TOKENS = 24
 MODES = {"plain": None, "speculative": {}, "tree": dict(draft_top_k=2)}
 
 
-def transformers_greedy(model, prompt: list[int], sampling: SamplingParams, stop_ids=()) -> list[int]:
+def transformers_greedy(model, prompt: list[int], sampling: SamplingParams, stop_ids=(),
+                        new_tokens: int = NEW_TOKENS) -> list[int]:
     """transformers' greedy ``generate()`` with ``oracle``'s processors, ending at a stop id (else
-    after ``NEW_TOKENS``, the model's EOS kept out as ``ignore_eos``)."""
-    ends = dict(eos_token_id=sorted(stop_ids)) if stop_ids else dict(eos_token_id=None, min_new_tokens=NEW_TOKENS)
+    after ``new_tokens``, the model's EOS kept out as ``ignore_eos``)."""
+    ends = dict(eos_token_id=sorted(stop_ids)) if stop_ids else dict(eos_token_id=None, min_new_tokens=new_tokens)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                              logits_processor=oracle(len(prompt), sampling, stop_ids), **ends)
     return out[0, len(prompt):].tolist()
 
