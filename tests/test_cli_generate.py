@@ -203,7 +203,8 @@ def test_penalties_and_bad_words_reach_the_request(checkpoints, greedy, capsys, 
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"prompt_ids": PROMPT, "presence_penalty": 1.0, "frequency_penalty": 0.5,
                                     "repetition_penalty": 1.5, "bad_words": [f"t{greedy[3]}"]}) + "\n")
-    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-file", str(requests), "--max-new-tokens", "8", "--json")
+    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-file", str(requests), "--max-new-tokens", "8",
+                          "--json")
     assert status == 0 and json.loads(out)["generated_ids"] == expected
     status, out, _ = _run(capsys, *args, "--stop", f"t{greedy[1]}", "--min-tokens", "4")
     assert status == 0 and json.loads(out)["generated_ids"][:4] == greedy[:4]

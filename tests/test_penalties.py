@@ -186,7 +186,8 @@ def test_bad_words_are_tokenized_as_vllm():
         encoded("import os"), encoded(" import os"), encoded("def"), encoded(" def"), encoded("123"))
     with pytest.raises(ValueError, match=r"generate: bad_words\[1\] is empty: it has no tokens"):
         encode_bad_words(["x", "\n "], tokenizer)
-    with pytest.raises(ValueError, match=rf"bad_words\[0\] \('{'a b ' * 10}.*is \d+ tokens; at most {MAX_BAD_WORD_TOKENS}"):
+    too_long = rf"bad_words\[0\] \('{'a b ' * 10}.*is \d+ tokens; at most {MAX_BAD_WORD_TOKENS}"
+    with pytest.raises(ValueError, match=too_long):
         encode_bad_words(["a b " * 20], tokenizer)
 
 

@@ -100,7 +100,8 @@ def encode_bad_words(words, tokenizer, *, name: str = "generate") -> tuple[tuple
         if not plain:
             c.fail(f"bad_words[{i}] is empty: it has no tokens")
         if len(plain) > MAX_BAD_WORD_TOKENS:
-            c.fail(f"bad_words[{i}] ({word[:40]!r}) is {len(plain)} tokens; at most {MAX_BAD_WORD_TOKENS} are supported")
+            c.fail(f"bad_words[{i}] ({word[:40]!r}) is {len(plain)} tokens; at most {MAX_BAD_WORD_TOKENS} are "
+                   "supported")
         sequences.append(tuple(plain))
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if spaced[0] != plain[0] and len(spaced) == len(plain):
@@ -238,7 +239,8 @@ class LLM:
 def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-             min_tokens: int = 0, bad_words: Sequence[str] | None = None, scheduler: str = "off", threshold: float = 0.0,
+             min_tokens: int = 0, bad_words: Sequence[str] | None = None, scheduler: str = "off",
+             threshold: float = 0.0,
              eos_token_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
              tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,

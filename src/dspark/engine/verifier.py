@@ -29,10 +29,11 @@ class Verifier:
     with the window's tokens before it, committed tokens appended): ``verify_len`` tokens per row at
     most (the chain's anchor and ``num_drafts`` drafts, or a tree's ``budget`` nodes), the readout's
     target-pass columns (``readout``, ``columns``), ``cache`` (an accepted tree path's K/V move
-    there), the kernels' ``workspace``. Owns the flat per-token buffers the runner's steps fill: ``logit_rows`` f32 ``[max_batch * T + 1, V]`` (row ``r * T + i``:
-    verify token i of row r; the last takes padding tokens; read back for log-probabilities) and,
-    with a drafter, ``capture_rows`` ``[max_batch * T + 1, width]`` (the hidden states the draft
-    context is made from; ``state.capture`` is its view)."""
+    there), the kernels' ``workspace``. Owns the flat per-token buffers the runner's steps fill:
+    ``logit_rows`` f32 ``[max_batch * T + 1, V]`` (row ``r * T + i``: verify token i of row r; the
+    last takes padding tokens; read back for log-probabilities) and, with a drafter,
+    ``capture_rows`` ``[max_batch * T + 1, width]`` (the hidden states the draft context is made
+    from; ``state.capture`` is its view)."""
 
     def __init__(self, state: RowState, penalties: PenaltyState, readout: torch.Tensor, columns: dict[str, slice],
                  cache, *, max_batch: int, verify_len: int, num_drafts: int, tree: TreeSettings | None, dummy_slot: int,
