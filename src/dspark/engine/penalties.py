@@ -48,7 +48,7 @@ BYTES_PER_TOKEN = 5  # device memory per slot and vocabulary entry: counts (f32)
 
 @dataclass(frozen=True)
 class Window:
-    """The tokens a round adds to each row's output ahead of each processed position.
+    """The tokens a verify round adds to each row's output ahead of each of its positions.
 
     ``tokens`` int64 ``[B, W]``: token 0 the anchor (committed already), then the drafts or tree
     nodes; ``depths`` int ``[B or 1, W]``: each token's depth (the anchor's 0); ``path`` bool
@@ -77,10 +77,6 @@ class Window:
         path = (ancestor_bits[:, :, None] & bits) != 0
         path[:, :, 0] = False
         return cls(tokens.long(), depths, path)
-
-    def last(self) -> "Window":
-        """The window's last position alone (a draft step: after every token so far)."""
-        return Window(self.tokens, self.depths, self.path[:, -1:])
 
 
 @dataclass(frozen=True)

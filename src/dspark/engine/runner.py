@@ -147,8 +147,7 @@ class ModelRunner(CudaGraphs):
             drafter.workspace = self.workspace
         width = drafter.config.num_capture_layers * drafter.config.hidden_size if drafter is not None else None
         self.verifier = Verifier(self.state, self.penalties, self.readout, self.readout_columns, self.cache,
-                                 max_batch=b,
-                                 verify_len=t, num_drafts=p, tree=tree, dummy_slot=self.dummy_slot,
+                                 max_batch=b, verify_len=t, num_drafts=p, tree=tree, dummy_slot=self.dummy_slot,
                                  vocab_size=target.vocab_size, capture_width=width, capture_dtype=target.dtype,
                                  workspace=self.workspace)
 

@@ -36,8 +36,8 @@ class Verifier:
     from; ``state.capture`` is its view)."""
 
     def __init__(self, state: RowState, penalties: PenaltyState, readout: torch.Tensor, columns: dict[str, slice],
-                 cache, *, max_batch: int, verify_len: int, num_drafts: int, tree: TreeSettings | None, dummy_slot: int,
-                 vocab_size: int, capture_width: int | None, capture_dtype: torch.dtype, workspace):
+                 cache, *, max_batch: int, verify_len: int, num_drafts: int, tree: TreeSettings | None,
+                 dummy_slot: int, vocab_size: int, capture_width: int | None, capture_dtype: torch.dtype, workspace):
         self.state, self.readout, self.columns, self.cache, self.workspace = state, readout, columns, cache, workspace
         self.penalties = penalties
         self.max_batch, self.verify_len, self.num_drafts, self.tree = max_batch, verify_len, num_drafts, tree
