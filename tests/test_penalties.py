@@ -15,12 +15,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import gpu
+from statistics_cases import check_conditionals
+from test_request_sampling import demo  # noqa: F401 -- the demo pair's fixture
 from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
                                                     MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
-
-from statistics_cases import check_conditionals
-from test_request_sampling import demo  # noqa: F401 -- the demo pair's fixture
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, encode_bad_words
 from dspark.engine.penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, PenaltyState, Window
@@ -248,27 +248,57 @@ def greedy_cases(demo):
     return cases
 
 
+def penalised_sampled(prompt: list[int], plain: list[int]) -> Request:
+    """A sampled request with penalties, min_tokens and bad words."""
+    sampling = SamplingParams(0.9, top_p=0.9, seed=5, repetition_penalty=1.3, presence_penalty=0.7, min_tokens=3,
+                              bad_words=((plain[0],), (plain[1], plain[2])))
+    return Request(prompt, NEW_TOKENS, sampling, stop_ids=(plain[6],), ignore_eos=True)
+
+
+def assert_mixed_batch(engine: LLMEngine, demo, greedy_cases) -> list[int]:
+    """``greedy_cases``' requests, a plain greedy one and ``penalised_sampled`` in one batch on
+    ``engine``: each greedy output is transformers' (the plain one plain greedy decoding's). Returns
+    the sampled request's tokens."""
+    _, _, prompt, plain = demo
+    requests = [Request(prompt, NEW_TOKENS, sampling, stop_ids=stops, ignore_eos=True)
+                for _, sampling, stops, _ in greedy_cases]
+    out = engine.generate(requests + [Request(prompt, NEW_TOKENS, SamplingParams(), ignore_eos=True),
+                                      penalised_sampled(prompt, plain)])
+    for (name, _, _, expected), result in zip(greedy_cases, out):
+        assert result.token_ids == expected, name
+    assert out[-2].token_ids == plain
+    return out[-1].token_ids
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_equals_transformers_generate(demo, greedy_cases, mode):
     """Greedy requests with each control and all of them (with a bias) in one batch beside a plain
     greedy and a sampled request with penalties: each output is transformers' ``generate()`` with
     the same processors, plain decoding's, DSpark's and tree mode's alike; the sampled request gives
-    the same tokens alone, and a plain request later seated where penalised ones ran stays plain."""
+    the same tokens again beside another request, and a plain request later seated where penalised
+    ones ran stays plain."""
     pair, _, prompt, plain = demo
     draft = None if MODES[mode] is None else str(pair.draft)
     engine = LLMEngine(str(pair.target), draft, EngineConfig(max_batch=8, max_model_len=256, **(MODES[mode] or {})))
-    sampled = Request(prompt, NEW_TOKENS, SamplingParams(0.9, top_p=0.9, seed=5, repetition_penalty=1.3,
-                                                         presence_penalty=0.7, min_tokens=3,
-                                                         bad_words=((plain[0],), (plain[1], plain[2]))),
-                      stop_ids=(plain[6],), ignore_eos=True)
-    requests = [Request(prompt, NEW_TOKENS, sampling, stop_ids=stops, ignore_eos=True)
-                for _, sampling, stops, _ in greedy_cases]
-    out = engine.generate(requests + [Request(prompt, NEW_TOKENS, SamplingParams(), ignore_eos=True), sampled])
-    for (name, _, _, expected), result in zip(greedy_cases, out):
-        assert result.token_ids == expected, name
-    assert out[-2].token_ids == plain
-    again = engine.generate([sampled, Request(prompt, NEW_TOKENS, SamplingParams(), ignore_eos=True)])
-    assert again[0].token_ids == out[-1].token_ids and again[1].token_ids == plain
+    sampled = assert_mixed_batch(engine, demo, greedy_cases)
+    again = engine.generate([penalised_sampled(prompt, plain), Request(prompt, NEW_TOKENS, SamplingParams(),
+                                                                       ignore_eos=True)])
+    assert again[0].token_ids == sampled and again[1].token_ids == plain
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["speculative", "tree"])
+def test_cuda_graphs_replay_penalised_rows(demo, greedy_cases, mode):
+    """On CUDA (float32) with every graph captured up front: the mixed batch as on the CPU, the
+    sampled request's tokens the same alone, and no step captures a graph."""
+    pair, _, prompt, plain = demo
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(
+        max_batch=8, max_model_len=256, device="cuda", dtype=torch.float32, **MODES[mode]))
+    engine.capture_graphs()
+    captured = engine.runner.captures
+    alone = engine.generate([penalised_sampled(prompt, plain)])[0].token_ids
+    assert assert_mixed_batch(engine, demo, greedy_cases) == alone
+    assert engine.runner.captures == captured and not engine.runner.uncapturable
 
 
 def test_drafts_of_the_penalised_output_are_all_accepted(demo):

@@ -61,15 +61,15 @@ PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| at most, as OpenA
 class SamplingParams:
     """A request's sampling, as vLLM's sampler and transformers' warpers define it (``RowSampling``):
     ``logit_bias`` (token id -> bias in [-100, 100], added to the raw logits), the controls that
-    read the tokens so far (``penalties``: ``min_tokens`` >= 0, the stop / EOS ids banned until that
-    many tokens were generated; ``bad_words``, token-id sequences whose last token is banned where
-    the others end the output; ``repetition_penalty`` > 0 over prompt and output;
-    ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] over the output), ``temperature``,
+    read the tokens so far (``reads_history``; ``penalties.py``: ``min_tokens`` >= 0, the stop / EOS
+    ids banned until that many tokens were generated; ``bad_words``, token-id sequences whose last
+    token is banned where the others end the output; ``repetition_penalty`` > 0 over prompt and
+    output; ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] over the output), ``temperature``,
     ``min_p`` in [0, 1] (keep tokens with ``p >= min_p * p_max``), ``top_k``, ``top_p`` (the
     standard nucleus: the boundary token kept whole) and the uniforms' ``seed``.
 
     ``top_k`` 0 or negative (vLLM's -1) means no top-k filter (stored as 0). Greedy when
-    ``temperature < K.GREEDY_TEMPERATURE`` or ``top_k == 1``: the argmax of the biased logits.
+    ``temperature < K.GREEDY_TEMPERATURE`` or ``top_k == 1``: the argmax of the processed logits.
     ``logit_bias`` is stored as ``((token id, bias), ...)`` sorted by id (a mapping or pairs are
     taken; at most ``MAX_LOGIT_BIAS_TOKENS`` ids, each once); ``bad_words`` as a tuple of tuples
     (at most ``MAX_BAD_WORDS`` of two tokens or more, each at most ``MAX_BAD_WORD_TOKENS``); the
