@@ -9,10 +9,13 @@ built for them and with plain decoding: greedy output identical to ``generate()`
 same alone and in a batch, prompts chunked into running steps; a sampled request is the same alone
 and in a batch. Attention soft-capping is refused with an error naming it.
 
-Every family, a tiny random checkpoint decoded by ``dspark.generate``, has one outcome written
-down: transformers' greedy tokens (the fused Llama / Qwen path and the families above) or a refusal
-naming the layers whose state is not a KV cache (hybrid and recurrent families: Qwen3-Next, Qwen3.5,
-LFM2, Falcon-H1, Jamba, Nemotron-H, Bamba, Zamba2, Granite-MoE-hybrid, Mamba, RWKV, RecurrentGemma).
+The hybrid families whose stateful layers the engine keeps (gated DeltaNet: Qwen3-Next with
+experts, Qwen3.5; Mamba-2: Bamba, Granite-4, Falcon-H1; short convolutions: LFM2) are among the
+families above.
+Every family, a tiny random checkpoint decoded by ``dspark.generate``, has one outcome written down:
+transformers' greedy tokens (the fused Llama / Qwen path and the families above) or a refusal naming
+the layers whose state the engine does not keep (Jamba, Nemotron-H, Zamba2, Mamba, RWKV,
+RecurrentGemma).
 ``draft_config`` builds a drafter for targets that spell the norm epsilon and head counts otherwise.
 
 CUDA graphs: the families whose transformers code synchronises the host are declared from the
@@ -34,6 +37,7 @@ from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 from dspark.model.hf_target import HFTarget
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, NEW = 96, 12
 PROMPTS = [[3, 17, 42, 8, 61, 5], [9, 1], [44, 2, 71, 7, 7, 30, 12, 55, 90, 3, 18], [60]]
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -69,29 +73,34 @@ SPECS = {
         shared_expert_intermediate_size=32)),
     "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(**KV, head_dim=16, **_LINEAR)),
     "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(
-        **KV, num_hidden_layers=2, full_attn_idxs=[1], conv_L_cache=3, block_auto_adjust_ff_dim=False)),
-    "falcon-h1": ("FalconH1ForCausalLM", "FalconH1Config", dict(
-        **KV, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128, **_MAMBA2)),
+        **KV, num_hidden_layers=3, full_attn_idxs=[1], conv_L_cache=3, block_auto_adjust_ff_dim=False)),
+    "falcon-h1": ("FalconH1ForCausalLM", "FalconH1Config", dict(  # MuP multipliers of its own
+        **KV, num_hidden_layers=3, head_dim=16, mamba_d_ssm=128, **_MAMBA2, ssm_in_multiplier=0.7,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9])),
     "jamba": ("JambaForCausalLM", "JambaConfig", dict(
         **KV, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1, expert_layer_period=1,
         expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8)),
     "nemotron-h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
         **KV, layers_block_type=["linear_attention", "full_attention", "mlp"], num_hidden_layers=3, head_dim=16,
         mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=1, chunk_size=16, conv_kernel=4)),
-    "bamba": ("BambaForCausalLM", "BambaConfig", dict(**KV, num_hidden_layers=2, attn_layer_indices=[1], **_MAMBA2)),
+    "bamba": ("BambaForCausalLM", "BambaConfig", dict(
+        **KV, num_hidden_layers=3, attn_layer_indices=[1], **{**_MAMBA2, "mamba_d_head": "auto"})),
     "zamba2": ("Zamba2ForCausalLM", "Zamba2Config", dict(
         **KV, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_headdim=32, mamba_d_state=8,
         n_mamba_heads=4, mamba_ngroups=1, chunk_size=16)),
     "granite-moe-hybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
-        **KV, num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=0,
-        shared_intermediate_size=128, **_MAMBA2)),
+        **KV, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=0,
+        shared_intermediate_size=128, **{**_MAMBA2, "mamba_d_head": "auto"})),
     "mamba": ("MambaForCausalLM", "MambaConfig", dict(num_hidden_layers=2, state_size=8)),
     "rwkv": ("RwkvForCausalLM", "RwkvConfig", dict(num_hidden_layers=2, attention_hidden_size=64, context_length=64)),
     "recurrent-gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", dict(
         num_hidden_layers=2, lru_width=64, head_dim=16, block_types=["recurrent", "attention"],
         attention_window_size=16)),
 }
-FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding"]
+# hybrid families whose stateful layers the engine runs exactly (``dspark.model.hybrid``)
+HYBRID = ["qwen3.5", "qwen3-next", "lfm2", "bamba", "granite-moe-hybrid", "falcon-h1"]
+FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding", *HYBRID]
+MOE = {"qwen3-moe", "qwen3-next"}  # experts that loop on the host by default
 
 
 def _model(name, size=COMMON):
@@ -201,15 +210,9 @@ REFUSAL = "This engine cannot run that layer type exactly yet"
 # holding the state, or the declared type alone; declared names vary across transformers releases)
 OUTCOMES = {
     **{name: ("equal", ()) for name in ("llama", "qwen2", "qwen3", *FAMILIES)},
-    "qwen3-next": ("refused", (([0, 1, 2], "Qwen3NextGatedDeltaNet"),)),
-    "qwen3.5": ("refused", (([0, 1, 2], "Qwen3_5GatedDeltaNet"),)),
-    "lfm2": ("refused", (([0], "Lfm2ShortConv"),)),
-    "falcon-h1": ("refused", (([0, 1], "FalconH1Mixer"),)),
     "jamba": ("refused", (([0], "JambaMambaMixer"),)),
     "nemotron-h": ("refused", (([0], "NemotronHMamba2Mixer"), ([2], "'mlp'"))),
-    "bamba": ("refused", (([0], "BambaMixer"),)),
     "zamba2": ("refused", (([0], "Zamba2MambaMixer"), ([1], "Zamba2MambaDecoderLayer"))),
-    "granite-moe-hybrid": ("refused", (([0], "GraniteMoeHybridMambaLayer"),)),
     "mamba": ("refused", (([0, 1], "MambaMixer"),)),
     "rwkv": ("refused", (([0, 1], "RwkvBlock without an attention module"),)),
     "recurrent-gemma": ("refused", (([0], "RecurrentGemmaRecurrentBlock"),)),
@@ -246,8 +249,8 @@ def test_hybrid_layers_are_found_from_the_config_or_the_modules_alone():
     """A config that declares every layer softmax attention does not hide a convolution layer, and
     a declared non-attention layer is refused even where the modules look like attention."""
     lfm2 = _model("lfm2")
-    lfm2.config.layer_types = ["full_attention"] * 2
-    with pytest.raises(ValueError, match=re.escape("Lfm2ForCausalLM: layers [0] are Lfm2ShortConv. " + REFUSAL)):
+    lfm2.config.layer_types = ["full_attention"] * 3
+    with pytest.raises(ValueError, match=re.escape("Lfm2ForCausalLM: layers [0, 2] are Lfm2ShortConv. " + REFUSAL)):
         HFTarget(lfm2)
     mistral = _model("mistral")
     mistral.config.layer_types = ["full_attention", "linear_attention", "full_attention", "full_attention"]
@@ -311,7 +314,7 @@ def test_graphability_is_declared_from_the_config():
     never tries a capture): dynamic / LongRoPE frequencies, experts that loop on the host."""
     import transformers as t
 
-    assert all(HFTarget(_model(name)).graphable for name in FAMILIES if name != "qwen3-moe")
+    assert all(HFTarget(_model(name)).graphable for name in FAMILIES if name not in MOE)
     moe = _model("qwen3-moe")
     moe.config._experts_implementation = "grouped_mm"  # transformers 5's default where torch has the kernel
     assert "'grouped_mm' in torch.float32" in HFTarget(moe).eager_reason
@@ -460,6 +463,8 @@ def test_cuda_graphs_greedy_equals_transformers_generate(name):
     tokens as transformers' ``generate()`` on the same device, with a draft and without; the
     families declared graphable replay graphs and none failed its capture (fp32 Qwen3-MoE: eager,
     declared)."""
+    if name in HYBRID and name != "lfm2":
+        pytest.importorskip("fla", reason="gated DeltaNet on a GPU runs flash-linear-attention's kernel (fla-core)")
     model = _model(name)
     drafter = _drafter(model).to("cuda")
     expected = _cuda_expected(model.to("cuda"))
@@ -468,7 +473,7 @@ def test_cuda_graphs_greedy_equals_transformers_generate(name):
         assert engine.runner.device.type == "cuda"
         assert [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])] == expected, name
         runner = engine.runner
-        assert engine.target.graphable == (name != "qwen3-moe"), engine.target.eager_reason
+        assert engine.target.graphable == (name not in MOE), engine.target.eager_reason
         assert bool(runner.graphs) == engine.target.graphable and not runner.uncapturable, (name, runner.uncapturable)
         if engine.target.graphable:
             assert {key[0] for key in runner.graphs} >= ({"verify", "draft"} if draft is not None else {"decode"})

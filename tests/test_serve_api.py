@@ -291,11 +291,8 @@ CHAT_NOOPS = {**{k: v for k, v in NOOPS.items() if k != "suffix"}, "logprobs": F
               "modalities": ["text"], "max_completion_tokens": None, "reasoning_effort": None, "audio": None,
               "prediction": None, "chat_template_kwargs": {}, "continue_final_message": False}
 
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 REFUSED = [  # (field, a value that would change the output, the param named)
-    ("best_of", 2, "best_of"), ("length_penalty", 0.5, "length_penalty"),
-    ("use_beam_search", True, "use_beam_search"), ("response_format", {"type": "json_object"}, "response_format"),
-    ("guided_choice", ["a", "b"], "guided_choice"), ("tools", [TOOL], "tools"), ("tool_choice", "required", "tool_choice"),
+    ("best_of", 2, "best_of"), ("length_penalty", 0.5, "length_penalty"), ("use_beam_search", True, "use_beam_search"),
     ("include_stop_str_in_output", True, "include_stop_str_in_output"), ("skip_special_tokens", False, "skip_special_tokens"),
     ("truncate_prompt_tokens", 4, "truncate_prompt_tokens"), ("allowed_token_ids", [1, 2], "allowed_token_ids"),
     ("store", True, "store"), ("metadata", "run-7", "metadata"), ("temprature", 0.5, "temprature"),  # a typo
@@ -342,11 +339,10 @@ def test_refusals_name_the_field_through_the_openai_client(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"allowed_token_ids": [3]})
     assert info.value.body["param"] == "allowed_token_ids"
     assert "allowed_token_ids is not supported" in info.value.body["message"]
-    call = {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    turn = {"role": "assistant", "content": "x", "refusal": "no"}
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}, call], max_tokens=2)
-    assert info.value.body["param"] == "messages[1].tool_calls"
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}, turn], max_tokens=2)
+    assert info.value.body["param"] == "messages[1].refusal"
 
 
 def test_min_p_and_logit_bias_are_honoured(served, http, client, tokenizer, prompts):

@@ -10,13 +10,13 @@ Layers (data flows one way, top to bottom):
 __version__ = "0.1.0"
 
 
-__all__ = ["LLM", "generate", "__version__"]
+__all__ = ["LLM", "StructuredOutputs", "generate", "__version__"]
 
 
 def __getattr__(name: str):
     # `dspark.LLM` / `dspark.generate` without importing the engine (torch, transformers) on
     # `import dspark.kernels` or `dspark --help`.
-    if name in ("LLM", "generate"):
+    if name in ("LLM", "generate", "StructuredOutputs"):
         from .engine import api
 
         return getattr(api, name)

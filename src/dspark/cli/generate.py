@@ -16,6 +16,8 @@ kernels, graphs, caches), --compare-runs timed runs of each side, alternating; t
 and its range, the statistics of the median run. In greedy mode it checks that every run's outputs
 are identical (exit status 1 otherwise in float32; in bfloat16/float16 a difference is reported as
 rounding).
+Structured outputs (llama.cpp's flags): --json-schema FILE, --json-object, --regex RE, --grammar FILE
+(EBNF, xgrammar's dialect) or --choice TEXT (repeated): every output matches, and ends when complete.
 --json prints one JSON object per request per line, in input order. Ctrl-C prints the statistics so
 far and exits with status 130.
 """
@@ -58,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence token")
     add_sampling_arguments(parser)
     add_penalty_arguments(parser)
+    add_structured_arguments(parser)
     add_scheduler_arguments(parser)
     add_runtime_arguments(parser)
     parser.add_argument("--engine", choices=("auto", "batched", "reference"), default="auto",
@@ -72,6 +75,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"--compare: timed runs of each side after one untimed run of each; prints their median "
                              f"speedup and range (default: {COMPARE_RUNS})")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
+
+
+def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    """Structured outputs, llama.cpp's flags: at most one of them."""
+    group = parser.add_argument_group("structured outputs (at most one; the output ends when it is complete)")
+    group.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this JSON schema file")
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+    group.add_argument("--grammar", metavar="FILE", help="the output matches this EBNF grammar file (xgrammar's "
+                                                         "dialect: root ::= ...)")
+    group.add_argument("--choice", metavar="TEXT", action="append", help="the output is one of these strings "
+                                                                         "(repeat the flag)")
+
+
+def structured_outputs(args: argparse.Namespace):
+    """The ``StructuredOutputs`` of --json-schema / --json-object / --regex / --grammar / --choice, or
+    None; ValueError naming the flags when more than one is given or a file cannot be read."""
+    from dspark.engine import StructuredOutputs
+
+    given = {flag: value for flag, value in (("--json-schema", args.json_schema), ("--json-object", args.json_object),
+                                             ("--regex", args.regex), ("--grammar", args.grammar),
+                                             ("--choice", args.choice)) if value}
+    if len(given) > 1:
+        raise ValueError(f"give at most one of --json-schema, --json-object, --regex, --grammar, --choice; got "
+                         f"{', '.join(given)}")
+    if not given:
+        return None
+    (flag, value), = given.items()
+    if flag in ("--json-schema", "--grammar"):
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except OSError as exc:
+            raise ValueError(f"{flag}: cannot read {value}: {exc.strerror}") from None
+    field = {"--json-schema": "json", "--json-object": "json_object", "--regex": "regex", "--grammar": "grammar",
+             "--choice": "choice"}[flag]
+    try:
+        return StructuredOutputs(**{field: value})
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 @dataclass
@@ -129,10 +172,12 @@ def run(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace):
     """``(engine, tokenizer, requests, dtype)``: options checked, models loaded (``LLM``), every
     request built and checked against the target (an over-long prompt is refused before anything runs)."""
+    from dataclasses import replace
+
     from dspark.engine import check_target_directory, load_tokenizer
     from dspark.engine.api import LLM
 
-    sampling = sampling_params(args, "generate")
+    sampling = replace(sampling_params(args, "generate"), structured_outputs=structured_outputs(args))
     device, dtype = runtime(args)
     check_scheduler_arguments(args)
     if args.no_draft and args.compare:

@@ -8,6 +8,7 @@ state in the engine, ``GenerationResult``), ``target`` (loading a Hugging Face t
 (``SpeculativeDecoder``: one prompt at a time on the engine), ``api`` (the
 user-facing ``generate``: text or token-id prompts, one or many, decoded text, stop strings),
 ``schedulers`` (the paper's batch prefix scheduler and SPS cost tables), ``stats`` (per-call statistics),
+``structured`` (structured outputs: xgrammar grammars, their verify-position masks),
 ``text`` (incremental detokenisation with stop strings: the server's, the API's and the CLI's).
 """
 
@@ -18,6 +19,7 @@ from .llm_engine import ENGINES, EngineConfig, LLMEngine, engine_config
 from .request import FINISH_REASONS, GenerationInterrupted, GenerationResult, Request, RequestOutput
 from .schedulers import SPSCostTable, batch_schedule, prefix_schedule, prefix_survival
 from .stats import GenerationStats
+from .structured import StructuredOutputs
 from .text import TextOutput, TextStream
 from .target import check_target_directory, default_dtype, eos_token_ids, load_target_model, resolve_device
 
@@ -27,6 +29,6 @@ __all__ = [
     "SCHEDULERS", "Drafter", "Proposal", "SamplingParams",
     "ENGINES", "EngineConfig", "LLMEngine", "engine_config", "Request", "RequestOutput",
     "SPSCostTable", "batch_schedule", "prefix_schedule", "prefix_survival",
-    "GenerationStats",
+    "GenerationStats", "StructuredOutputs",
     "check_target_directory", "default_dtype", "eos_token_ids", "load_target_model", "resolve_device",
 ]

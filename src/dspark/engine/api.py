@@ -25,6 +25,7 @@ from .request import GenerationInterrupted, GenerationResult, Request
 from .target import load_target_model, resolve_device
 from .drafting import SamplingParams
 from .penalties import MAX_BAD_WORD_TOKENS
+from .structured import StructuredOutputs
 from .text import TextStream
 
 __all__ = ["LLM", "generate", "generate_texts", "load_tokenizer", "encode_bad_words", "encode_prompts",
@@ -192,6 +193,7 @@ class LLM:
         if allow_pickle and isinstance(target, str):  # the engine's own loader reads safetensors only
             target = load_target_model(target, device=device, dtype=dtype, allow_pickle=True)
         self.decoder = LLMEngine(target, draft, config)
+        self.decoder.tokenizer = self.tokenizer  # what structured outputs compile against
         start = time.perf_counter()
         graphs = self.decoder.capture_graphs()  # none on a CPU or eagerly
         if graphs:
@@ -203,7 +205,8 @@ class LLM:
                  min_tokens: int = 0, bad_words: Sequence[str] | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
                  ignore_eos: bool = False, stop: str | Sequence[str] | None = None,
-                 on_tokens: Callable[[list[int]], "bool | None"] | None = None
+                 on_tokens: Callable[[list[int]], "bool | None"] | None = None,
+                 structured_outputs: StructuredOutputs | None = None
                  ) -> GenerationResult | list[GenerationResult]:
         """Generate for ``prompts``: one prompt -- a string (tokenized with the tokenizer), a list of
         token ids or a 1-D tensor -- or a list of prompts; returns one ``GenerationResult`` or a
@@ -216,14 +219,17 @@ class LLM:
         were generated), ``bad_words`` (strings never generated: ``encode_bad_words``),
         ``repetition_penalty`` (> 0, over prompt and output), ``frequency_penalty`` and
         ``presence_penalty`` (in [-2, 2], over the output), ``temperature`` (0 = greedy), ``min_p``,
-        ``top_k``, ``top_p`` (the standard nucleus), ``seed``."""
+        ``top_k``, ``top_p`` (the standard nucleus), ``seed``. ``structured_outputs``: what every
+        output must match (``StructuredOutputs``: a JSON schema, any JSON object, a regex, a choice,
+        an EBNF grammar); the output ends when it is complete."""
         c = Checker("generate")
         if on_tokens is not None and not callable(on_tokens):
             c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
         stop = _stop_strings(c, stop)
-        sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, logit_bias or (), presence_penalty,
-                                  frequency_penalty, repetition_penalty, min_tokens,
-                                  encode_bad_words(bad_words or (), self.tokenizer))
+        sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, logit_bias or (), structured_outputs,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                                  bad_words=encode_bad_words(bad_words or (), self.tokenizer))
         batch, single = encode_prompts(prompts, self.tokenizer)
         if on_tokens is not None and not single:
             c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
@@ -243,7 +249,7 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
              threshold: float = 0.0,
              eos_token_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
-             tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
+             structured_outputs: StructuredOutputs | None = None, tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
              dtype=None, engine: str = "auto", max_batch: int = 64, no_draft: bool = False, cost_table=None,
              min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False,
              enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = 0.9,
@@ -269,7 +275,7 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
                         seed=seed, min_p=min_p, logit_bias=logit_bias, presence_penalty=presence_penalty,
                         frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                         min_tokens=min_tokens, bad_words=bad_words, eos_token_id=eos_token_id, ignore_eos=ignore_eos,
-                        stop=stop, on_tokens=on_tokens)
+                        stop=stop, on_tokens=on_tokens, structured_outputs=structured_outputs)
 
 
 def _models(c: Checker, target, draft, no_draft: bool):

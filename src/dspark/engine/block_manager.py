@@ -220,5 +220,7 @@ def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tok
     logits = 2 * (config.max_batch * verify_len + max_chunks) * target.vocab_size * 4
     activations = step_tokens * target.shape.hidden_size * 64
     penalties = (config.max_batch + 1) * target.vocab_size * penalty_bytes
+    # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
+    states = target.state_bytes(config.max_batch + 1, verify_len) if hasattr(target, "state_bytes") else 0
     return blocks_in_memory(target.device, config.gpu_memory_utilization, per_token * config.kv_block_size,
-                            GRAPH_POOL_BYTES + logits + activations + penalties)
+                            GRAPH_POOL_BYTES + logits + activations + penalties + states)

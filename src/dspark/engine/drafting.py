@@ -45,6 +45,7 @@ import torch
 from .. import kernels as K
 from ..kernels._validate import HALF_DTYPES, Checker
 from .penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, RowPenalties, Window
+from .structured import StructuredOutputs
 
 __all__ = ["Drafter", "Proposal", "RowSampling", "SamplingParams", "SCHEDULERS", "MAX_LOGIT_BIAS_TOKENS",
            "LOGIT_BIAS_LIMIT", "PENALTY_LIMIT", "request_probabilities"]
@@ -74,6 +75,8 @@ class SamplingParams:
     taken; at most ``MAX_LOGIT_BIAS_TOKENS`` ids, each once); ``bad_words`` as a tuple of tuples
     (at most ``MAX_BAD_WORDS`` of two tokens or more, each at most ``MAX_BAD_WORD_TOKENS``); the
     engine checks the ids against its vocabulary (and ``min_tokens`` against ``max_new_tokens``).
+    ``structured_outputs``: what the output must match (``structured.StructuredOutputs``: a JSON
+    schema, any JSON object, a regex, a choice, an EBNF grammar), or None.
     """
 
     temperature: float = 0.0
@@ -82,6 +85,7 @@ class SamplingParams:
     seed: int = 0
     min_p: float = 0.0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutputs | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -99,6 +103,9 @@ class SamplingParams:
         c.integer("seed", self.seed, low=0, high=2**64 - 1)
         c.real("min_p", self.min_p, low=0.0, high=1.0)
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(c, self.logit_bias))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            c.fail("structured_outputs must be a StructuredOutputs (or None), got "
+                   f"{type(self.structured_outputs).__name__}", TypeError)
         for name in ("presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, c.real(name, getattr(self, name), low=-PENALTY_LIMIT, high=PENALTY_LIMIT))
         if c.real("repetition_penalty", self.repetition_penalty) <= 0.0:

@@ -81,18 +81,23 @@ class CudaGraphs:
 
     def _snapshot(self) -> Callable[[], None]:
         """Copies of the row state a step writes (the slots' penalty state and the draft override's
-        buffers too), and a function that puts them back: a graph's warm-up run must leave no
-        trace. The captured hidden states and draft probabilities are excluded: every step rewrites
-        the rows it reads."""
+        buffers too), a hybrid target's layer states frozen, and a function that puts them back: a
+        graph's warm-up run must leave no trace. The captured hidden states and draft probabilities
+        are excluded: every step rewrites the rows it reads."""
         live = [t for name, t in self.state.tensors() if name not in ("capture", "draft_probs")]
         live += self.penalties.buffers()
         if self.draft_override is not None:
             live += self.draft_override.buffers()
         saved = [t.clone() for t in live]
+        states = getattr(self.cache, "states", None)  # a hybrid target's: written to scratch until restored
+        if states is not None:
+            states.frozen = True
 
         def restore() -> None:
             for t, value in zip(live, saved):
                 t.copy_(value)
+            if states is not None:
+                states.frozen = False
 
         return restore
 

@@ -36,6 +36,7 @@ from .scheduler import Scheduler
 from .schedulers import batch_schedule, drafting_pays
 from .stats import EngineMetrics
 from .step import StepPlan, StepResult
+from .structured import GrammarRow, GrammarStager, Grammars, StructuredOutputs
 from .target import load_models
 
 __all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "engine_config", "token_logprobs"]
@@ -78,7 +79,11 @@ class LLMEngine(OfflineGeneration):
             drafter = Drafter(self.draft_model, scheduler=per_row[0], threshold=per_row[1],
                               min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len)
         tree = None
+        stateful = sorted(getattr(self.target, "stateful", {}))  # hybrid layers: states beside the KV cache
         if config.draft_top_k > 1:
+            if stateful:
+                c.fail(f"tree mode (draft_top_k > 1) is not supported on a hybrid target (layers {stateful} carry a "
+                       "recurrent or convolution state): verifying a tree would need a state per tree node")
             if drafter is None or not isinstance(self.target, TargetLM):
                 c.fail("tree mode (draft_top_k > 1) needs a draft and a Llama / Qwen target (TargetLM)")
             tree = TreeSettings(config.draft_top_k, config.tree_budget or drafter.block_size + 1,
@@ -104,7 +109,9 @@ class LLMEngine(OfflineGeneration):
         # positions a running request writes past its committed tokens in one step: the verify
         # window, then the draft block after the new anchor
         lookahead = verify_len + (drafter.block_size if drafter is not None else 0) - 1
-        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching)
+        # a hybrid target's cached blocks would need the recurrent state at their end: no prefix cache
+        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size,
+                              config.enable_prefix_caching and not stateful)
         self.scheduler = Scheduler(self.runner, blocks, config.max_batch, lookahead, self.metrics)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -120,6 +127,12 @@ class LLMEngine(OfflineGeneration):
         # (off, trees: the next step is launched behind the running draft pass)
         self._reads_proposals = drafter is not None and tree is None and config.scheduler != "off"
         self._plain: LLMEngine | None = None
+        # structured outputs: the tokenizer xgrammar reads (default: the target directory's), the
+        # compiled grammars and the host side of the runner's mask buffers, built on first use
+        self.tokenizer = None
+        self._tokenizer_source = target
+        self._grammars: Grammars | None = None
+        self._stager: GrammarStager | None = None
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -133,6 +146,9 @@ class LLMEngine(OfflineGeneration):
         outside the vocabulary."""
         stops = self.check_request(request)
         seq = Sequence(self._next_id, request, stops, prefill_len=len(request.prompt_ids))
+        spec = request.sampling.structured_outputs
+        if spec is not None:
+            seq.grammar = self.grammars().matcher(spec)
         seq.stats.num_drafts, seq.stats.prompt_tokens = self.num_drafts, len(request.prompt_ids)
         if request.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(request.prompt_ids)
@@ -165,7 +181,38 @@ class LLMEngine(OfflineGeneration):
                                    f"[0, {vocab})")
                 error.param = field  # the request field at fault, for the server's 400 (kept when pickled)
                 raise error
+        if request.sampling.structured_outputs is not None:
+            self._check_structured(c, request.sampling.structured_outputs)
         return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
+
+    def _check_structured(self, c: Checker, spec: StructuredOutputs) -> None:
+        """A structured output's spec compiles (ValueError naming the problem, ``param``
+        ``structured_outputs``) and this engine can run it."""
+        try:
+            if self.runner.tree is not None:
+                c.fail("structured_outputs are not supported in tree mode (draft_top_k > 1): a tree's nodes would "
+                       "each need the grammar state of their own path; use chain drafting (draft_top_k 1)")
+            self.grammars().compile(spec)
+        except ValueError as exc:
+            exc.param = "structured_outputs"  # the request field at fault, for the server's 400
+            raise
+
+    def grammars(self) -> Grammars:
+        """The engine's compiled grammars (built on first use from ``self.tokenizer``, else the target
+        directory's tokenizer)."""
+        if self._grammars is None:
+            tokenizer = self.tokenizer
+            if tokenizer is None:
+                from .api import load_tokenizer
+
+                source = self._tokenizer_source
+                tokenizer = load_tokenizer(source if isinstance(source, str) else getattr(source, "name_or_path", None))
+            if tokenizer is None:
+                Checker("add_request").fail("structured_outputs need the target's tokenizer, and it has none "
+                                            "(set LLMEngine.tokenizer)")
+            self._grammars = Grammars(tokenizer, self.target.vocab_size, self.eos_ids)
+            self._stager = GrammarStager(self.runner.state, self.runner.verify_len, self._grammars.width)
+        return self._grammars
 
     @torch.inference_mode()
     def abort(self, request_id: int, reason: str = "abort") -> None:
@@ -199,6 +246,7 @@ class LLMEngine(OfflineGeneration):
             self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
                                                                tree_budget=0, gpu_memory_utilization=None))
             self._plain.eos_ids = self.eos_ids
+            self._plain.tokenizer, self._plain._tokenizer_source = self.tokenizer, self._tokenizer_source
             if self.runner.captures:  # captured up front as this engine (LLM): no timed call captures
                 self._plain.capture_graphs()
         return self._plain
@@ -231,6 +279,7 @@ class LLMEngine(OfflineGeneration):
         rows = len(self.scheduler.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
         chunks = self._plan_scored_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows), outputs)
+        lens = self._constrain(rows, lens, chunks)
         planned = time.perf_counter()
         overlapped = planned - start if self.runner.device_busy() else 0.0  # behind the last draft pass
         joined = self._run_step(StepPlan(rows, lens, draft, chunks), outputs)
@@ -238,6 +287,33 @@ class LLMEngine(OfflineGeneration):
         end = time.perf_counter()
         self.metrics.record_host(end - start, end - start, overlapped, plan=planned - start, launch=end - planned)
         self._step_host = end - start - overlapped
+
+    def _constrain(self, rows: int, lens: list[int] | None, chunks) -> list[int] | None:
+        """Stage the grammar masks of the step's constrained rows (``GrammarStager``) and return the
+        verify lengths cut to their grammar-valid drafts; with any, the drafter's first-position masks
+        are staged between the step's passes (``ModelRunner.between_passes``). The drafts are read
+        from the device: a constrained step waits for the last draft pass."""
+        self.runner.between_passes = None
+        if self._stager is None:  # no structured request yet
+            return lens
+        running = [GrammarRow(i, seq.grammar) for i, seq in enumerate(self.scheduler.running[:rows])
+                   if seq.grammar is not None]
+        seated = [GrammarRow(chunk.row, seq.grammar, commits=not seq.output_ids) for seq, chunk in chunks
+                  if chunk.row >= 0 and seq.grammar is not None]
+        self._stager.stage_seats(seated)
+        if not running and not seated:
+            return lens
+        drafts = None
+        if running and lens is not None:
+            drafts = self.runner.state.draft_tokens[:rows].cpu()
+        lens = self._stager.stage_round(running, lens, drafts)
+        if self.runner.drafter is not None:
+            def stage_drafts() -> None:
+                result = self.runner.read(max(r.row for r in running + seated) + 1)
+                self._stager.stage_drafts(running + seated, result.tokens)
+
+            self.runner.between_passes = stage_drafts
+        return lens
 
     def _run_step(self, plan: StepPlan, outputs) -> list[Sequence]:
         """Launch ``plan``; returns the requests whose prompt ended (now running, last rows). A failed
@@ -253,6 +329,7 @@ class LLMEngine(OfflineGeneration):
                     raise
                 log.warning("a step with prompt chunks failed (%s): retrying without them", exc)
                 self._probe(plan.chunks, outputs)
+                self._restart_stateful_prompts(plan.chunks)
                 plan = replace(plan, chunks=[])
                 if plan.rows:
                     self.runner.launch(plan)
@@ -267,6 +344,14 @@ class LLMEngine(OfflineGeneration):
                 joined.append(seq)
         self.scheduler.count()
         return joined
+
+    def _restart_stateful_prompts(self, plan) -> None:
+        """After a failed forward with prompt chunks, a hybrid target's chunk requests run their
+        prompts again from position 0: a K/V write the failed forward made is rewritten by the
+        retry, but its layer-state writes may have landed on the state a chunk starts from."""
+        if getattr(self.target, "stateful", None):
+            for seq, _ in plan:
+                seq.prefilled = 0
 
     def _probe(self, plan, outputs) -> None:
         for seq, chunk in plan:
@@ -405,6 +490,8 @@ class LLMEngine(OfflineGeneration):
         for i, seq in enumerate(running):
             resumed = seq.request_id in joined and seq.request_id not in first
             kept = [] if resumed else seq.commit(result.tokens[i], max_len)
+            if seq.grammar is not None and kept and seq.grammar.advance(kept) and seq.finish_reason is None:
+                seq.finish_reason = "stop"  # the grammar is complete
             kept_of.append(kept)
             if seq.request_id in first:
                 seq.stats.prefill_tokens, seq.stats.prefill_time = len(kept), now - seq.admitted_at

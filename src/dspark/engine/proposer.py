@@ -19,6 +19,7 @@ from ..model.draft_runner import DraftRunner, draft_cache
 from .drafting import Drafter
 from .penalties import PenaltyState
 from .rows import RowState, TreeSettings
+from .structured import apply_bitmask
 
 __all__ = ["DSparkProposer"]
 
@@ -64,6 +65,7 @@ class DSparkProposer:
         self.context_rows(b)
         hidden = self.draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
         logits = self.drafter.model.backbone_logits(hidden)
+        self._mask_first_draft(b, logits)
         sampling = uniforms = None
         if sampled and self.tree is None:
             sampling = s.sampling(b, self.penalties)
@@ -79,6 +81,15 @@ class DSparkProposer:
             s.draft_probs[:b] = proposal.probabilities
         if self.tree is not None:
             self._grow_trees(b)
+
+    def _mask_first_draft(self, b: int, logits: torch.Tensor) -> None:
+        """The grammar mask of each row's first draft position (every bit set for a free row) on its
+        block's backbone logits ``[b * N, V]``: the Markov correction is additive, so the corrected
+        logits (and a sampled draft's q) carry it, and a constrained row's first draft is valid."""
+        blocks = logits.view(b, self.drafter.block_size, -1)
+        first = blocks[:, self.drafter.slot_offset].clone()
+        apply_bitmask(first, self.state.draft_mask[:b])
+        blocks[:, self.drafter.slot_offset] = first
 
     def publish(self, b: int) -> None:
         """Rows ``0 .. b-1``'s proposal lengths and confidences into the readout."""

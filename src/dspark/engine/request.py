@@ -13,6 +13,7 @@ from ..kernels._validate import Checker
 from .block_manager import SequenceBlocks
 from .drafting import SamplingParams
 from .stats import GenerationStats
+from .structured import RequestGrammar
 
 __all__ = ["FINISH_REASONS", "GenerationInterrupted", "GenerationResult", "Request", "RequestOutput", "Sequence",
            "SequenceStatus", "TokenLogprobs", "MAX_LOGPROBS", "token_logprobs"]
@@ -171,6 +172,7 @@ class Sequence:
     strikes: int = 0  # failed steps that ran this request's prompt
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt position, filled as its chunks run
     stats: GenerationStats = field(default_factory=GenerationStats)
+    grammar: RequestGrammar | None = None  # the structured output's matcher (committed tokens taken)
 
     @property
     def prompt_len(self) -> int:

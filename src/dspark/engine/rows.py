@@ -39,10 +39,14 @@ class RowState:
     greedy; ``top_k``; ``top_p``; ``min_p``; ``logit_bias``, f32 ``[max_batch + 1, V]``: dense, so
     that any request's bias is one row a graph adds -- 39 MB at 64 rows of a 152k vocabulary),
     ``draft_tokens`` / ``proposal_lengths`` (the next round's
-    drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens).
+    drafts and how many the drafter proposes), ``accepted`` / ``accept_length`` (this round's tokens),
+    ``grammar_mask`` (int32 ``[max_batch + 1, verify_len, ceil(V / 32)]``: each verify position's
+    token bitmask, every bit set for a free row; ``structured.GrammarStager`` fills a constrained
+    row's).
     With a draft: ``capture`` (the last verify's captured hidden states, ``[B, verify_len, width]``),
     ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
-    ``draft_probs`` (``[max_batch, P, V]`` f32: the distributions the drafts came from); tree mode:
+    ``draft_probs`` (``[max_batch, P, V]`` f32: the distributions the drafts came from);
+    ``draft_mask`` (int32 ``[max_batch + 1, ceil(V / 32)]``: the drafter's first position's bitmask); tree mode:
     the next round's tree per row
     (``tree_tokens``, ``tree_parents``, ``tree_depths``, ``tree_bits``: int64 ancestor masks,
     ``tree_nodes``)."""
@@ -62,10 +66,12 @@ class RowState:
     proposal_lengths: torch.Tensor
     accepted: torch.Tensor
     accept_length: torch.Tensor
+    grammar_mask: torch.Tensor
     capture: torch.Tensor | None = None
     verify_lens: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
     draft_probs: torch.Tensor | None = None
+    draft_mask: torch.Tensor | None = None
     tree_tokens: torch.Tensor | None = None
     tree_parents: torch.Tensor | None = None
     tree_depths: torch.Tensor | None = None

@@ -41,6 +41,7 @@ biased logits, which gives the same tokens).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import Callable
@@ -57,9 +58,16 @@ from .penalties import PenaltyState
 from .proposer import DSparkProposer
 from .rows import DraftOverride, RowState, TreeSettings
 from .step import Proposals, StepPlan, StepResult, readout_columns
+from .structured import FREE_MASK, apply_bitmask, bitmask_width
 from .verifier import Verifier, sample_rows
 
 __all__ = ["ForwardFailed", "ModelRunner"]
+
+
+def _state_window(target, verify_len: int) -> dict:
+    """A hybrid target's cache also keeps its stateful layers' states for windows of the verify length."""
+    return {"window": verify_len} if getattr(target, "stateful", None) else {}
+
 
 class ForwardFailed(RuntimeError):
     """A step's target forward raised before any row state changed (its KV writes sit at positions
@@ -89,10 +97,13 @@ class ModelRunner(CudaGraphs):
         self.kv_block_size = kv_block_size
         self.num_kv_blocks = num_kv_blocks or max_batch * self.block_tables.blocks_per_line + 1
         paged = (self.num_kv_blocks, kv_block_size, self.block_tables.table)
-        self.cache = target.new_paged_cache(*paged)
+        self.cache = target.new_paged_cache(*paged, **_state_window(target, self.verify_len))
         self._init_graphs(max_batch, cuda_graphs)
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
         self.drafted = True  # whether the last launched step drafted its rows' next round
+        # host work between a step's target pass and its draft pass (the engine's, for constrained
+        # rows: the drafter's grammar masks after the committed tokens); None: the passes run back to back
+        self.between_passes: Callable[[], None] | None = None
         # (verify s, draft s) of the last round without prompt chunks, on a device that runs as it is
         # called (the CPU); None elsewhere (a GPU round is timed only as a whole, at its readout)
         self.round_times: tuple[float, float] | None = None
@@ -107,10 +118,12 @@ class ModelRunner(CudaGraphs):
             top_k=torch.zeros(r, **i32), top_p=torch.ones(r, device=dev), min_p=torch.zeros(r, device=dev),
             logit_bias=torch.zeros(r, target.vocab_size, device=dev),
             draft_tokens=torch.zeros(r, max(p, 1), **i32), proposal_lengths=torch.full((r,), max(p, 1), **i32),
-            accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32))
+            accepted=torch.zeros(r, t, **i32), accept_length=torch.ones(r, **i32),
+            grammar_mask=torch.full((r, t, bitmask_width(target.vocab_size)), FREE_MASK, **i32))
         if drafter is not None:
             self.state.verify_lens = torch.ones(r, **i32)
             self.state.confidence = torch.zeros(r, p, device=dev)
+            self.state.draft_mask = torch.full((r, bitmask_width(target.vocab_size)), FREE_MASK, **i32)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
             if tree is None:  # sampled chain drafting (trees draft greedily); allocated here, as every row
                 # buffer: one made inside the engine's inference-mode step could not be written outside it
@@ -166,6 +179,9 @@ class ModelRunner(CudaGraphs):
         s.slot_ids[row] = self.dummy_slot
         for t in (s.active, s.anchor, s.anchor_pos, s.ctx_pos):
             t[row] = 0
+        for mask in (s.grammar_mask, s.draft_mask):
+            if mask is not None:
+                mask[row] = FREE_MASK
         self.row_sampled[row] = False
 
     # ---- one step -----------------------------------------------------------------------------
@@ -225,6 +241,7 @@ class ModelRunner(CudaGraphs):
         start = time.perf_counter()
         self._replay(key, target_pass)
         self._send_readout(0)
+        self._between_passes()
         verified = time.perf_counter()
         if self.drafted:
             self._draft(b, sampled)
@@ -233,6 +250,10 @@ class ModelRunner(CudaGraphs):
         self._send_readout(1)
         if self.device.type == "cpu":
             self.round_times = (verified - start, time.perf_counter() - verified)
+
+    def _between_passes(self) -> None:
+        if self.between_passes is not None and self.drafter is not None:
+            self.between_passes()
 
     def launch_decode(self, rows: int, chunks: list[PrefillChunk] = ()) -> None:
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
@@ -340,6 +361,7 @@ class ModelRunner(CudaGraphs):
             num_tokens = b * self.verify_len
         self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
         self._send_readout(0)
+        self._between_passes()
         for c in joined:
             self.row_sampled[c.row] = not c.sampling.plain_argmax
         total = rows + len(joined)
@@ -407,6 +429,7 @@ class ModelRunner(CudaGraphs):
         ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
         ch.write_seat_biases(s.logit_bias)
         settings = replace(ch.seat_sampling, logit_bias=s.logit_bias[rows], penalties=self.penalties.rows(slots))
+        apply_bitmask(logits, s.grammar_mask[rows, 0])
         drawn = sample_rows(logits, settings, ch.seat_seeds, ends - 1, self.workspace)
         kept = ch.seat_anchors >= 0  # a preempted request's anchor: its slot's state holds it already
         tokens = torch.where(kept, ch.seat_anchors, drawn).to(torch.int32)
@@ -439,11 +462,14 @@ class ModelRunner(CudaGraphs):
         ``start ..`` of cache line ``slot``, by an eager forward of that line alone (outside the
         batched step and its graphs, which keep only a chunk's last logits): what prompt
         log-probabilities are read from. Run before the step that runs these tokens as a chunk, so
-        that its K/V writes are the ones that step makes again."""
+        that its K/V writes are the ones that step makes again; a hybrid target's layer states are not
+        written (they could reach the state the chunk starts from)."""
         self.block_tables.flush()
         n, i32 = len(token_ids), dict(dtype=torch.int32, device=self.device)
         positions = torch.arange(start, start + n, **i32)
         batch = AttentionBatch(torch.tensor([slot], **i32), torch.tensor([start], **i32), torch.tensor([0, n], **i32),
                                n)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return self.target.forward(ids, positions, torch.full((n,), slot, **i32), batch, self.cache)
+        states = getattr(self.cache, "states", None)
+        with states.frozen_writes() if states is not None else contextlib.nullcontext():
+            return self.target.forward(ids, positions, torch.full((n,), slot, **i32), batch, self.cache)

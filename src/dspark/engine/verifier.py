@@ -19,6 +19,7 @@ from ..model.llama import AttentionBatch
 from .drafting import RowSampling
 from .penalties import PenaltyState, Window
 from .rows import RowState, TreeSettings
+from .structured import apply_bitmask
 
 __all__ = ["Verifier", "pad_requests", "sample_rows"]
 
@@ -65,6 +66,7 @@ class Verifier:
         """Commit one token per row from the logits ``[b, V]`` of the anchors (and, in a DSpark
         runner, their captured states ``[b, width]``: verify token 0 of a round that verified none)."""
         s, t = self.state, self.verify_len
+        apply_bitmask(logits, s.grammar_mask[:b, 0].contiguous())
         self.logit_rows[: b * t].view(b, t, -1)[:, 0] = logits
         if capture is not None:
             s.capture[:b, 0] = capture
@@ -124,6 +126,9 @@ class Verifier:
         s, t = self.state, self.verify_len
         self.capture_rows.index_copy_(0, flat, capture)
         self.logit_rows.index_copy_(0, flat, logits)
+        # each verify position's grammar mask (every bit set for a free row): what acceptance and
+        # the log-probabilities see is the masked distribution
+        apply_bitmask(self.logit_rows[: b * t], s.grammar_mask[:b].view(b * t, -1))
         if self.tree is not None:
             self._tree_commit(b, sampled)
             return

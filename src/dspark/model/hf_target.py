@@ -11,13 +11,17 @@ for the rows asked for (``logits_to_keep``).
 
 Sliding-window layers mask per query (the window the modeling code passes). Attention variants
 the ragged op cannot express exactly are refused with an error naming them: attention-logit
-soft-capping, chunked attention, attention sinks, non-causal layers. So are hybrid and recurrent
-targets -- any decoder layer whose sequence mixer is not softmax attention (linear attention /
-gated DeltaNet, Mamba and other state-space layers, short convolutions, RWKV, RG-LRU, MLP-only
-layers): their recurrent or convolution state is not in the engine's KV cache, so they would decode
-wrong from the first tokens. They are found from the config's declared layer types and, whatever the
-config says, from the layers' modules (a ``Conv1d``, a class named for a recurrent mixer, no
-attention with a ``layer_idx``).
+soft-capping, chunked attention, attention sinks, non-causal layers.
+
+Hybrid targets whose stateful layers ``hybrid`` runs exactly -- gated DeltaNet (Qwen3-Next,
+Qwen3.5), Mamba-2 (Bamba, Granite-4, Falcon-H1) and short convolutions (LFM2) -- keep those layers'
+states in a ``StatePool`` beside the KV cache (``new_paged_cache(..., window=)``), their mixers
+routed through it during the engine's forwards. Every other decoder layer whose sequence mixer is
+not softmax attention (other Mamba / state-space mixers: Jamba's Mamba-1, Nemotron-H's, Zamba2's;
+RWKV, RG-LRU, MLP-only layers, ...) is refused: its recurrent or convolution state would not be
+kept, so it would decode wrong from the first tokens. They are found from the config's declared
+layer types and, whatever the config says, from the layers' modules (a ``Conv1d``, a class named for
+a recurrent mixer, no attention with a ``layer_idx``).
 
 The forward is capturable in a CUDA graph (static shapes per call, no host synchronisation in
 dspark's part; transformers builds no mask for the ragged attention) unless the model's own code
@@ -41,6 +45,7 @@ import torch
 
 from .. import kernels as K
 from ..kernels._validate import Checker
+from . import hybrid
 from .layers import KVCache
 from .llama import ATTENTION_LAYER_TYPES, AttentionBatch, CachedTarget, declared_layer_types
 
@@ -116,7 +121,9 @@ class HFTarget(CachedTarget):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.model, self.config = model.eval(), config
         self.layers = _decoder_layers(c, model)
-        _check_sequence_mixers(c, model, config, self.layers)
+        # decoder layer index -> its stateful mixer that ``hybrid`` runs (empty: attention only)
+        self.stateful = _check_sequence_mixers(c, model, config, self.layers)
+        hybrid.install(self.stateful)
         _check_attention(c, config, self.layers)
         heads = config.num_attention_heads
         self.shape = _HFShape(
@@ -138,6 +145,27 @@ class HFTarget(CachedTarget):
 
         model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype or "auto", use_safetensors=True)
         return cls(model.to(device or "cpu"), capture_layer_ids)
+
+    def new_cache(self, num_slots: int, max_len: int, window: int = 1) -> KVCache:
+        """``CachedTarget.new_cache``; a hybrid target's also holds its layers' states for rounds
+        of up to ``window`` tokens per line."""
+        return self._with_states(super().new_cache(num_slots, max_len), window)
+
+    def new_paged_cache(self, num_blocks: int, block_size: int, block_table: torch.Tensor,
+                        window: int = 1) -> KVCache:
+        """``CachedTarget.new_paged_cache``; a hybrid target's also holds its layers' states for
+        rounds of up to ``window`` tokens per line (the verify length)."""
+        return self._with_states(super().new_paged_cache(num_blocks, block_size, block_table), window)
+
+    def state_bytes(self, lines: int, window: int) -> int:
+        """Bytes of the stateful layers' states for ``lines`` cache lines and windows of ``window``
+        tokens (0 for a target of attention layers only)."""
+        return hybrid.pool_bytes(self.stateful, lines, window, self.dtype)
+
+    def _with_states(self, cache: KVCache, window: int) -> KVCache:
+        if self.stateful:
+            cache.states = hybrid.new_pool(self.stateful, cache.num_slots, window, self.device, self.dtype)
+        return cache
 
     @property
     def graphable(self) -> bool:
@@ -167,6 +195,11 @@ class HFTarget(CachedTarget):
             raise ValueError("HFTarget does not verify token trees (cache_positions): tree mode needs a TargetLM")
         groups = [(0, input_ids.numel(), batch)] if isinstance(batch, AttentionBatch) else list(batch)
         token = _STEP.set(_Step(cache, cache.index(token_slots, positions), groups))
+        states = None
+        if self.stateful:
+            if cache.states is None:
+                raise ValueError("a hybrid target's forward needs a cache from its new_cache / new_paged_cache")
+            states = hybrid.HYBRID.set(hybrid.Forward(cache.states, hybrid.Tokens.of(token_slots, positions, groups)))
         hooks = self._capture_hooks(capture_out)
         configs = {id(c): c for c in (self.model.config, self.config)}.values()
         previous = [c._attn_implementation for c in configs]
@@ -188,6 +221,8 @@ class HFTarget(CachedTarget):
             for hook in hooks:
                 hook.remove()
             _STEP.reset(token)
+            if states is not None:
+                hybrid.HYBRID.reset(states)
         return out.logits[0].float()
 
     def _capture_hooks(self, capture_out):
@@ -215,27 +250,48 @@ def _decoder_layers(c: Checker, model) -> torch.nn.ModuleList:
     c.fail(f"cannot find the decoder layers of {type(model).__name__} (looked for layers / h / blocks)")
 
 
-def _check_sequence_mixers(c: Checker, model, config, layers) -> None:
-    """Refuse every decoder layer that is not softmax attention (see the module docstring), naming
-    the model, the layers and what they are."""
+def _check_sequence_mixers(c: Checker, model, config, layers) -> dict[int, torch.nn.Module]:
+    """The stateful mixers ``hybrid`` runs (decoder layer index -> module); refuse every other decoder
+    layer that is not softmax attention (see the module docstring), naming the model, the layers and
+    what they are."""
     declared = declared_layer_types(config)
     family = re.sub(r"(For[A-Z]\w*|LMHeadModel|Model)$", "", type(model).__name__)
     found: dict[str, list[int]] = {}
+    stateful = {}
     for i, layer in enumerate(layers):
-        kind = _non_attention_kind(declared[i] if i < len(declared) else None, layer, family)
+        kind_declared = declared[i] if i < len(declared) else None
+        mixer = _supported_mixer(layer, kind_declared)
+        if mixer is not None:
+            stateful[i] = mixer
+            continue
+        kind = _non_attention_kind(kind_declared, layer, family)
         if kind is not None:
             found.setdefault(kind, []).append(i)
     if found:
         what = "; ".join(f"layers {indices} are {kind}" for kind, indices in found.items())
         c.fail(f"{type(model).__name__}: {what}. This engine cannot run that layer type exactly yet: it runs "
-               f"full and sliding-window softmax attention layers only, whose state is its KV cache (hybrid "
-               f"targets, with recurrent or convolution states, are a separate planned feature)")
+               f"full and sliding-window softmax attention layers, whose state is its KV cache, and the hybrid "
+               f"layers whose states it keeps: gated DeltaNet, Mamba-2 of Bamba / Granite-4 / Falcon-H1, short "
+               f"convolutions")
+    return stateful
+
+
+def _supported_mixer(layer, declared: str | None):
+    """The one stateful mixer of ``layer`` that ``hybrid`` runs exactly, or None (the layer has none,
+    or holds another stateful module too)."""
+    mixers = [m for m in layer.modules() if m is not layer and hybrid.is_supported_mixer(m, declared)]
+    if len(mixers) != 1:
+        return None
+    others = [m for m in layer.modules() if m is not layer and m is not mixers[0]
+              and m not in set(mixers[0].modules()) and _is_stateful(m, "")]
+    return None if others else mixers[0]
 
 
 def _non_attention_kind(declared: str | None, layer, family: str) -> str | None:
     """What decoder ``layer`` holds that is not softmax attention -- its declared type, the module
     with the state -- or None when it is softmax attention."""
-    stateful = next((type(m).__name__ for m in layer.modules() if m is not layer and _is_stateful(m, family)), None)
+    stateful = next((type(m).__name__ + _limit(m) for m in layer.modules()
+                     if m is not layer and _is_stateful(m, family)), None)
     if declared is not None and declared not in _SOFTMAX_LAYER_TYPES:
         return f"{declared!r}" + (f" ({stateful})" if stateful else "")
     if stateful is not None:
@@ -243,6 +299,13 @@ def _non_attention_kind(declared: str | None, layer, family: str) -> str | None:
     if _attention_module(layer) is None:
         return f"{type(layer).__name__} without an attention module (one with a layer_idx, for its cache)"
     return None
+
+
+def _limit(module) -> str:
+    """Why a mixer of a class ``hybrid`` runs cannot run exactly with its settings, as a suffix ("" if
+    nothing stops it)."""
+    reason = hybrid.unsupported_setting(module)
+    return f" with {reason}" if reason else ""
 
 
 def _is_stateful(module, family: str) -> bool:

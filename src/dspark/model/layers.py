@@ -18,7 +18,8 @@ class KVCache:
     d]``. Line (slot) ``s`` holds position ``p`` at block ``block_table[s, p // block_size]``, row ``p %
     block_size`` (``block_table`` int32 ``[num_slots, blocks_per_line]``, on the cache's device); the
     engine's lines share one table between the target's and the draft's caches and change it as
-    requests take and free blocks. ``KVCache.contiguous``: one block of ``max_len`` rows per line."""
+    requests take and free blocks. ``KVCache.contiguous``: one block of ``max_len`` rows per line.
+    ``states``: a hybrid target's layer states beside the K/V (``hybrid.StatePool``; None: none)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, block_table: torch.Tensor):
@@ -26,6 +27,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_table, self.block_size = block_table, block_size
+        self.states = None
 
     @classmethod
     def contiguous(cls, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,

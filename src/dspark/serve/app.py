@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -32,8 +33,10 @@ from ..engine.api import encode_bad_words
 from ..engine.drafting import LOGIT_BIAS_LIMIT, SamplingParams
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request, RequestOutput, TokenLogprobs
+from ..engine.structured import StructuredOutputs
 from .engine_loop import ACCEPTED, EngineDead, EngineLoop, Handle, QueueFull, ServerClosing
 from .engine_process import EngineClient
+from .tools import ToolCallStream, ToolChoice, ToolError
 from .metrics import Latency, ServerCounters, registry
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
@@ -175,6 +178,67 @@ def _http_error(raw: HTTPRequest, exc: HTTPException) -> JSONResponse:
     else:
         message = f"{where}: {exc.detail}"
     return APIError(exc.status_code, message, headers=exc.headers).response()
+
+
+STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured_outputs keys we take
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """The request's structured output from whichever field carries it (``response_format``,
+    ``structured_outputs``, ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``), or None; 400 naming the field when it is malformed or more than one is set.
+    Whether it compiles the engine says (400 too)."""
+    given = []
+    if isinstance(body, ChatCompletionRequest):
+        tools = _tool_choice(body)
+        schema = None if tools is None else tools.schema()
+        if schema is not None:
+            given.append(("tool_choice", {"json": schema}))
+    fmt = body.response_format
+    if fmt is not None and fmt != {"type": "text"}:
+        given.append(("response_format", _response_format(fmt)))
+    if body.structured_outputs is not None:
+        unknown = sorted(set(body.structured_outputs) - set(STRUCTURED_KEYS))
+        if unknown:
+            raise APIError(400, f"structured_outputs: unsupported key(s) {unknown}; this server takes "
+                                f"{list(STRUCTURED_KEYS)}", "structured_outputs")
+        given.append(("structured_outputs", {k: v for k, v in body.structured_outputs.items() if v is not None}))
+    for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(body, field) is not None:
+            given.append((field, {key: getattr(body, field)}))
+    if len(given) > 1:
+        raise APIError(400, f"at most one structured output per request, got {', '.join(f for f, _ in given)}",
+                       given[1][0])
+    if not given:
+        return None
+    (field, spec), = given
+    try:
+        return StructuredOutputs(**spec)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"{field}: {exc}", field) from None
+
+
+def _tool_choice(body: ChatCompletionRequest) -> ToolChoice | None:
+    """The request's ``tools`` / ``tool_choice`` (``tools.ToolChoice``); 400 naming the field."""
+    try:
+        return ToolChoice.of(body.tools, body.tool_choice)
+    except ToolError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+
+
+def _response_format(fmt: dict) -> dict:
+    """OpenAI's ``response_format`` as ``StructuredOutputs`` fields."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise APIError(400, "response_format: type json_schema needs json_schema.schema", "response_format")
+        return {"json": schema}
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {short_repr(kind)}",
+                   "response_format")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -444,7 +508,8 @@ class _Server:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, f"top_logprobs ({body.top_logprobs}) needs logprobs: true", "top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        prompt_ids = self._chat_prompt(body)
+        tools = _tool_choice(body)
+        prompt_ids = self._chat_prompt(body, tools)
         wanted = body.max_completion_tokens or body.max_tokens
         choices = await self._start(body, [prompt_ids], [self._max_tokens(prompt_ids, wanted, "messages")], k,
                                     body.prompt_logprobs)
@@ -455,10 +520,18 @@ class _Server:
             return None if k is None else self._chat_logprobs([lp for p in pieces for lp in p.logprobs], k)
 
         if body.stream:
+            streams = {g.index: ToolCallStream(tools) for g in choices.gens} if tools is not None else {}
+
             def chunk(gen: Generation, piece: Piece, first: bool, usage: UsageInfo | None) -> ChatCompletionChunk:
+                content, calls, finish = piece.text, None, piece.finish_reason
+                stream = streams.get(gen.index)
+                if stream is not None:
+                    content, calls = _tool_delta(stream, piece)
+                    finish = _tool_finish(finish, stream.calls)
                 choice = ChatStreamChoice(
-                    index=gen.index, delta=DeltaMessage(role="assistant" if first else None, content=piece.text),
-                    logprobs=logprobs([piece]), finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
+                    index=gen.index, delta=DeltaMessage(role="assistant" if first else None, content=content,
+                                                        tool_calls=calls),
+                    logprobs=logprobs([piece]), finish_reason=finish, stop_reason=piece.stop_reason,
                     token_ids=piece.token_ids if tokens else None)
                 return ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage,
                                            prompt_token_ids=prompt_out if first else None)
@@ -466,11 +539,18 @@ class _Server:
             return self._sse(choices, body, chunk,
                              lambda usage: ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=usage))
         pieces = await self._collect(raw, choices)
-        choice_list = [ChatChoice(index=g.index, message=AssistantMessage(content="".join(p.text for p in ps)),
-                                  logprobs=logprobs(ps), finish_reason=ps[-1].finish_reason,
+
+        def message(ps: list[Piece]) -> tuple[AssistantMessage, str | None]:
+            text = "".join(p.text for p in ps)
+            if tools is None:
+                return AssistantMessage(content=text), ps[-1].finish_reason
+            content, calls = tools.parse(text)
+            return AssistantMessage(content=content, tool_calls=calls), _tool_finish(ps[-1].finish_reason, len(calls))
+
+        choice_list = [ChatChoice(index=g.index, message=msg, logprobs=logprobs(ps), finish_reason=finish,
                                   stop_reason=ps[-1].stop_reason,
                                   token_ids=[t for p in ps for t in p.token_ids] if tokens else None)
-                       for g in choices.gens for ps in [pieces[g.index]]]
+                       for g in choices.gens for ps in [pieces[g.index]] for msg, finish in [message(ps)]]
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choice_list, usage=choices.usage,
                                       prompt_token_ids=prompt_out,
                                       prompt_logprobs=self._prompt_logprobs(choices.gens[0].prompt_logprobs,
@@ -532,7 +612,7 @@ class _Server:
             return sent
         return "" if self.tokenizer is None else self.tokenizer.decode(prompt_ids)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolChoice | None) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer, which chat needs: use /v1/completions with token ids",
                            "messages")
@@ -545,10 +625,13 @@ class _Server:
                                 "not available: use /v1/completions, or start the server with --chat-template FILE",
                            "messages")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
-                     else "".join(part.text for part in m.content), **({"name": m.name} if m.name else {})}
+                     else "".join(part.text for part in m.content), **({"name": m.name} if m.name else {}),
+                     **({"tool_calls": _template_calls(m.tool_calls)} if m.tool_calls else {}),
+                     **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
                     for m in body.messages]
+        tools = None if tools is None else list(tools.tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools,
                                                       add_generation_prompt=body.add_generation_prompt)
         except TemplateError as exc:
             raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from None
@@ -626,11 +709,14 @@ class _Server:
         if (body.min_tokens or 0) > max_tokens:
             raise APIError(400, f"min_tokens must be at most max_tokens ({max_tokens}), got {body.min_tokens}",
                            "min_tokens")
+        structured = structured_outputs(body)
         try:
             sampling = SamplingParams(
                 1.0 if body.temperature is None else body.temperature, top_k, 1.0 if body.top_p is None else body.top_p,
-                seed, body.min_p or 0.0, logit_bias, body.presence_penalty or 0.0, body.frequency_penalty or 0.0,
-                1.0 if body.repetition_penalty is None else body.repetition_penalty, body.min_tokens or 0, bad_words)
+                seed, body.min_p or 0.0, logit_bias, structured, presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_tokens=body.min_tokens or 0, bad_words=bad_words)
             return Request(prompt_ids, max_tokens, sampling, stop_ids=tuple(sorted(stop_ids)),
                            ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except (ValueError, TypeError) as exc:
@@ -763,6 +849,35 @@ class _Server:
                 choices.close()
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _tool_delta(stream: ToolCallStream, piece: Piece) -> tuple[str | None, list[dict] | None]:
+    """A streamed piece's content and tool-call deltas (the calls completed at the end)."""
+    content, calls = stream.feed(piece.text)
+    if piece.finish_reason is not None:
+        more, finished = stream.finish()
+        content, calls = (content or "") + (more or "") or None, calls + finished
+    return content, calls or None
+
+
+def _tool_finish(reason: str | None, calls: int) -> str | None:
+    """An answer that ended by itself with tool calls ends with ``"tool_calls"`` (OpenAI's)."""
+    return "tool_calls" if reason == "stop" and calls else reason
+
+
+def _template_calls(calls: list[dict]) -> list[dict]:
+    """An assistant turn's ``tool_calls`` as chat templates read them: Qwen's and Hermes' write
+    ``function.arguments`` as JSON, so a string of it is parsed back (others stay as sent)."""
+    out = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass
+        out.append({**call, "function": function})
+    return out
 
 
 def _prompt_list(prompt) -> list:

@@ -12,8 +12,10 @@ refused otherwise; a field nobody defines is refused too (as OpenAI does:
 ``add_generation_prompt`` and ``chat_template``. As vLLM: ``prompt`` may be a list of prompts (one
 choice per prompt and sample), ``n`` samples per prompt, ``logprobs``
 (completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``),
-``prompt_logprobs`` (0..``MAX_LOGPROBS``: each prompt token's log-probability, not streamed) and, for
-completions, ``echo`` (the prompt before the completion, in the text and the logprobs; with
+``prompt_logprobs`` (0..``MAX_LOGPROBS``: each prompt token's log-probability, not streamed), structured
+outputs (``response_format`` ``json_object`` / ``json_schema``, ``structured_outputs`` with ``json``,
+``json_object``, ``regex``, ``choice``, ``grammar``, the older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``; at most one) and, for completions, ``echo`` (the prompt before the completion, in the text and the logprobs; with
 ``max_tokens`` 0 only the prompt, scored).
 """
 
@@ -60,8 +62,6 @@ NOOP_VALUES: dict[str, tuple] = {
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "include_reasoning": (None, True),
     "verbosity": (None,), "web_search_options": (None,), "request_id": (None,),
     # structured outputs, tools
-    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "functions": (None, []),
     "function_call": (None, "none", "auto"),
@@ -74,7 +74,7 @@ NOOP_VALUES: dict[str, tuple] = {
 COMPLETION_NOOPS = {**NOOP_VALUES, "suffix": (None, ""), "add_special_tokens": (None, True), "prompt_embeds": (None,)}
 CHAT_NOOPS = {**NOOP_VALUES, "add_special_tokens": (None, False), "continue_final_message": (None, False),
               "documents": (None,), "chat_template_kwargs": (None, {})}
-MESSAGE_NOOPS = {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "refusal": (None,),
+MESSAGE_NOOPS = {"function_call": (None,), "refusal": (None,),
                  "audio": (None,), "reasoning_content": (None,), "reasoning": (None,)}
 
 
@@ -181,6 +181,14 @@ class SamplingFields(OpenAIModel):
     return_token_ids: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
+    # structured outputs (vLLM's fields; at most one): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* (``app.structured_outputs`` reads them)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -201,6 +209,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, to the chat template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -213,6 +223,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # vLLM's echo of the last message: refused (not implemented)
+    tools: list[dict] | None = None  # OpenAI's function tools (``tools.ToolChoice``)
+    tool_choice: Union[str, dict, None] = None
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -321,6 +333,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatStreamChoice(BaseModel):

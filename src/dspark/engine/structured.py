@@ -1,0 +1,316 @@
+"""Structured outputs: a request's output constrained to a JSON schema, any JSON object, a regex, one
+of a few strings or an EBNF grammar (xgrammar: its ``GrammarCompiler`` builds the token automaton,
+its ``GrammarMatcher`` tracks one request's state and fills token bitmasks).
+
+How a grammar stays exact under speculative decoding (docs/structured-outputs.md): each round the
+host advances the request's matcher through the round's drafts, one bitmask row per verify position
+(the state after the drafts before it), cuts the drafts after the first one the grammar refuses (that
+one is verified and rejected by its mask: its residual draw keeps sampling exact), and rolls the
+matcher back; the rows are staged into the runner's fixed ``[rows, verify_len, ceil(V / 32)]`` int32
+buffer (all ones for a free row) and the target's logits at every verify position are masked before
+acceptance, so greedy takes the masked argmax and speculative sampling reproduces the masked
+distribution. After the round the matcher takes the committed tokens. The drafter's first position
+is masked with the state after the committed tokens, so its first draft is always valid.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+__all__ = ["FREE_MASK", "GrammarRow", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs", "apply_bitmask",
+           "bitmask_width", "walk_windows", "Window"]
+
+FREE_MASK = -1  # an int32 bitmask word with every bit set: every token allowed (a free row's mask)
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match -- exactly one of: ``json`` a JSON schema (its text or a
+    dict), ``json_object`` True (any JSON object), ``regex`` (xgrammar's regex dialect), ``choice``
+    (one of these strings, a tuple), ``grammar`` (EBNF, xgrammar's dialect). A dict schema is kept as
+    its compact JSON text (key order kept), so equal specs share one compiled grammar."""
+
+    json: str | Mapping | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputs: exactly one of json, json_object, regex, choice, grammar must be "
+                             f"set, got {given or 'none'}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"StructuredOutputs: json_object must be a bool, got {type(self.json_object).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"StructuredOutputs: {name} must be a non-empty string, got {value!r:.60}")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _choices(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is (the field that is set)."""
+        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema as canonical text: a dict (or a JSON text of one) sorted and compact."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"StructuredOutputs: json must be a JSON schema, got text that is not JSON ({exc})") from None
+    if not isinstance(schema, (Mapping, bool)):
+        raise TypeError(f"StructuredOutputs: json must be a JSON schema (a dict or its text), got "
+                        f"{type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"))  # key order kept: it is the properties' order
+
+
+def _choices(choice) -> tuple[str, ...]:
+    if isinstance(choice, str) or not isinstance(choice, (tuple, list)):
+        raise TypeError(f"StructuredOutputs: choice must be a list of strings, got {type(choice).__name__}")
+    if not choice or not all(isinstance(c, str) and c for c in choice):
+        raise ValueError(f"StructuredOutputs: choice must be a non-empty list of non-empty strings, got {list(choice)!r:.80}")
+    return tuple(choice)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of one bitmask row over a ``vocab_size``-token vocabulary: ceil(V / 32)."""
+    return -(-vocab_size // 32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set f32 ``logits`` ``[R, V]`` to -inf in place where int32 ``bitmask`` ``[R, ceil(V / 32)]``
+    has a 0 bit (xgrammar's kernel: Triton on CUDA, C++ on the CPU). Fixed shapes, no host
+    synchronisation: capturable."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+
+
+class Grammars:
+    """Compiled grammars of one engine: ``tokenizer`` (Hugging Face) over the model's ``vocab_size``
+    logits (ids past the tokenizer's are never allowed), ``stop_ids`` the tokens that end a finished
+    grammar (the model's EOS). xgrammar's compiler caches each spec's grammar."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        import xgrammar as xgr
+
+        self.vocab_size, self.width = vocab_size, bitmask_width(vocab_size)
+        self.stop_ids = sorted(stop_ids)
+        if not self.stop_ids:  # a grammar is complete when it takes a stop token
+            raise ValueError("structured_outputs need the target's end-of-sequence token id, and it has none")
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
+        self.compiler = xgr.GrammarCompiler(info)
+
+    def compile(self, spec: StructuredOutputs):
+        """``spec``'s compiled grammar; ValueError naming the field and the problem when it cannot
+        compile."""
+        c, kind = self.compiler, spec.kind
+        try:
+            if kind == "json":
+                return c.compile_json_schema(spec.json, any_whitespace=False)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return c.compile_regex(spec.regex)
+            if kind == "choice":  # EBNF string literals take JSON's escapes
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+            return c.compile_grammar(spec.grammar)
+        except Exception as exc:  # noqa: BLE001 -- xgrammar raises RuntimeError / ValueError / its own
+            raise ValueError(f"structured_outputs: the {kind} cannot be compiled: {_first_line(exc)}") from None
+
+    def matcher(self, spec: StructuredOutputs) -> "RequestGrammar":
+        """A fresh matcher of ``spec`` for one request."""
+        import xgrammar as xgr
+
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class Window:
+    """A verify window's grammar walk: ``valid`` drafts the grammar takes (forced ones included), and
+    ``forced``: draft position -> the only token its mask allows, where the drafter proposed another."""
+
+    valid: int
+    forced: dict[int, int]
+
+
+class RequestGrammar:
+    """One request's grammar state (an xgrammar ``GrammarMatcher``) over a ``vocab_size``-token model
+    and the bitmask rows the engine stages for it: int32 ``[*, ceil(V / 32)]`` host tensors."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the grammar is complete and took its stop token: the output ends."""
+        return self.matcher.is_terminated()
+
+    def only_token(self, row: torch.Tensor) -> int | None:
+        """The one token an int32 bitmask row ``[width]`` allows, or None (none or several)."""
+        words = row.numpy().view(np.uint32).copy()
+        if self.vocab_size % 32:  # bits past the vocabulary in the last word are not tokens
+            words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        set_words = np.flatnonzero(words)
+        if set_words.size != 1:
+            return None
+        word = int(words[set_words[0]])
+        return int(set_words[0]) * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
+
+    def next_mask(self, out: torch.Tensor) -> None:
+        """Fill ``out`` int32 ``[width]`` with the bitmask after the committed tokens (every bit
+        set once the grammar has terminated: nothing follows)."""
+        if self.matcher.is_terminated():
+            out[:] = FREE_MASK
+        else:
+            self.matcher.fill_next_token_bitmask(out[None], 0)
+
+    def mask_after(self, tokens: list[int], out: torch.Tensor) -> None:
+        """``next_mask`` after ``tokens`` more, leaving the matcher where it was."""
+        taken = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            taken += 1
+        self.next_mask(out)
+        if taken:
+            self.matcher.rollback(taken)
+
+    def advance(self, tokens: list[int]) -> bool:
+        """Take committed ``tokens``; returns whether the grammar terminated. A token the grammar
+        refuses raises: verification never commits one."""
+        for token in tokens:
+            if self.matcher.is_terminated():
+                return True
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refused committed token {token}: a verify row's mask was wrong")
+        return self.matcher.is_terminated()
+
+
+def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks: torch.Tensor, first_rows: list[int],
+                 batch) -> list[Window]:
+    """Each request's verify window: row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``,
+    host) becomes request i's bitmask after its committed tokens and its first j drafts, for each j up
+    to its grammar-valid prefix of ``drafts[i]``; rows after it are left as they are (never read: they
+    follow a refused draft, which its row rejects). A position whose mask allows one token only takes
+    that token as its draft (``Window.forced``): the target's masked distribution there is that token
+    alone, so it is accepted whatever was drafted. Position by position, the masks of every request
+    still walking are filled at once (``batch``: an xgrammar ``BatchGrammarMatcher``, in parallel);
+    the matchers are rolled back."""
+    valid, forced = [0] * len(grammars), [{} for _ in grammars]
+    walking = list(range(len(grammars)))
+    while walking:
+        batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in walking], masks,
+                                            [first_rows[i] + valid[i] for i in walking])
+        still = []
+        for i in walking:
+            grammar, j = grammars[i], valid[i]
+            if j == len(drafts[i]):
+                continue
+            token, only = drafts[i][j], grammar.only_token(masks[first_rows[i] + j])
+            if only is not None and only != token:
+                forced[i][j], token = only, only
+            if not grammar.matcher.accept_token(token):
+                continue
+            valid[i] += 1
+            if not grammar.terminated:  # the stop token ends the output: no row follows it
+                still.append(i)
+        walking = still
+    for grammar, n in zip(grammars, valid):
+        if n:
+            grammar.matcher.rollback(n)
+    return [Window(n, f) for n, f in zip(valid, forced)]
+
+
+@dataclass(frozen=True)
+class GrammarRow:
+    """A constrained request in a step: its batch ``row``, its grammar, and whether the step commits
+    new tokens for it (a preempted request seated again keeps its committed anchor: none)."""
+
+    row: int
+    grammar: RequestGrammar
+    commits: bool = True
+
+
+class GrammarStager:
+    """The host side of the runner's grammar buffers (``RowState.grammar_mask`` int32
+    ``[rows, verify_len, width]``: a verify position's mask; ``RowState.draft_mask`` ``[rows, width]``:
+    the drafter's first position's): each step fills the constrained rows' masks in pinned host
+    copies and sends those rows to the device; a free row keeps every bit set (``clear_row``)."""
+
+    def __init__(self, state, verify_len: int, width: int):
+        import xgrammar as xgr
+
+        self.state, self.verify_len = state, verify_len
+        rows, device = state.grammar_mask.shape[0], state.grammar_mask.device
+        pinned = device.type == "cuda"
+        self.verify_masks = torch.full((rows, verify_len, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
+        self.draft_masks = torch.full((rows, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
+        self.batch = xgr.BatchGrammarMatcher()  # fills many requests' masks in parallel threads
+
+    def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None):
+        """Masks of the constrained running ``rows`` for this round, and the round's verify lengths
+        cut after each row's first grammar-refused draft. That draft stays: its mask gives it target
+        probability 0, so it is rejected and its position draws from the residual of its q, as
+        speculative sampling must -- drawing there from the target's distribution instead (cutting it
+        too) would skew a sampled row's output towards q's valid tokens. A position the grammar
+        forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``).
+        ``drafts`` int ``[rows, P]`` on the host (None for a plain round, ``verify_lens`` None: one
+        position per row)."""
+        lens = None if verify_lens is None else list(verify_lens)
+        if lens is None:
+            for r in rows:
+                r.grammar.next_mask(self.verify_masks[r.row, 0])
+        else:
+            windows = walk_windows([r.grammar for r in rows], [drafts[r.row, :lens[r.row] - 1].tolist() for r in rows],
+                                   self.verify_masks.view(-1, self.verify_masks.shape[-1]),
+                                   [r.row * self.verify_len for r in rows], self.batch)
+            for r, window in zip(rows, windows):
+                lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
+                self._force(r.row, window.forced)
+        for r in rows:
+            self.state.grammar_mask[r.row].copy_(self.verify_masks[r.row], non_blocking=True)
+        return lens
+
+    def _force(self, row: int, forced: dict[int, int]) -> None:
+        """Row ``row``'s forced drafts into the device state, each with a one-hot q (the
+        distribution it was drawn from; sampled chain rounds read it)."""
+        s = self.state
+        for position, token in forced.items():
+            s.draft_tokens[row, position] = token
+            if s.draft_probs is not None:
+                s.draft_probs[row, position].zero_()
+                s.draft_probs[row, position, token] = 1.0
+
+    def stage_seats(self, rows: list[GrammarRow]) -> None:
+        """The first-token masks of constrained requests seated this step (the state after their
+        committed tokens). A free request's row has every bit set: a row is cleared when its request
+        leaves (``ModelRunner.clear_row``)."""
+        for r in rows:
+            r.grammar.next_mask(self.verify_masks[r.row, 0])
+            self.state.grammar_mask[r.row, 0].copy_(self.verify_masks[r.row, 0], non_blocking=True)
+
+    def stage_drafts(self, rows: list[GrammarRow], tokens: list[list[int]]) -> None:
+        """The drafter's first-position masks: each row's state after the step's ``tokens`` (row
+        i's its own list), before the engine commits them."""
+        for r in rows:
+            r.grammar.mask_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row])
+            self.state.draft_mask[r.row].copy_(self.draft_masks[r.row], non_blocking=True)

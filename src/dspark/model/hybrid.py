@@ -1,0 +1,363 @@
+"""Hybrid targets: sequence mixers with a convolution or recurrent state, run exactly on the engine's
+flat ragged tokens -- gated DeltaNet (Qwen3-Next, Qwen3.5: a short causal conv1d, then the gated
+delta rule's ``[heads, dk, dv]`` state), Mamba-2 (Bamba, Granite-4, Falcon-H1: a short causal
+conv1d, then the selective state space's ``[heads, head_dim, d_state]`` state) and LFM2's short
+convolutions.
+
+**States by position.** Each stateful layer keeps, per cache line, a short ring of states indexed by
+position: the conv's inputs at ``p % conv_window`` and the recurrent state *after* position ``p`` at
+``p % window``. A forward's tokens of a line at positions ``start ..`` read the state after
+``start - 1`` (zero at position 0) and write one per token. So the state after any accepted prefix of
+a verify window is already there -- the engine's rollback is choosing the next anchor position, as
+for the KV cache -- and rounds with no drafts, plain decoding, chunked prefill (a chunk starts from
+the previous one's last state), preemption (a request runs again from position 0) and a slot reused
+after an abort need nothing more. The rings are sized so that no write of a window (at most
+``verify_len`` tokens past the committed ones) reaches a state a later round reads:
+``window = verify_len + 1`` recurrent states (also keeping a retried window's start state) and
+``verify_len + kernel - 1`` conv inputs. The cost is ``verify_len + 1`` recurrent states per line
+(kept per position instead of checkpoint + recompute: the window's states come out of the scan that
+runs it, and re-running accepted tokens would cost a second forward per round).
+
+The scans run one position at a time, all requests of a ragged group at once (static shapes, no
+host synchronisation: CUDA-graph capturable): the gated delta rule as flash-linear-attention's fused
+recurrent kernel on a GPU, elsewhere the modeling file's own ``torch_recurrent_gated_delta_rule`` (the
+PyTorch reference transformers falls back to); Mamba-2 as the modeling file's
+``mamba2_selective_state_update`` (transformers' recurrent step, which it maps to mamba-ssm's kernel
+where its kernel hub provides it). The conv is ``F.conv1d`` over each token's ``kernel`` inputs, as
+transformers computes it. Tree verification, which would need a state per tree node, and
+prefix caching, which would need a state snapshot per cached block, are refused / turned off by the
+engine for these targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "causal_conv", "delta_rule", "install",
+           "is_supported_mixer", "new_pool", "pool_bytes", "state_scan",
+           "unsupported_setting"]
+
+_DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
+# the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
+_SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
+              "Qwen3_5GatedDeltaNet": (_DELTANET, ("linear_attention",)),
+              "Lfm2ShortConv": (_SHORT_CONV, ("conv",)),
+              "BambaMixer": (_MAMBA2, ("mamba", "linear_attention")),
+              "GraniteMoeHybridMambaLayer": (_MAMBA2, ("mamba", "linear_attention")),
+              "FalconH1Mixer": (_MAMBA2, ("mamba", "hybrid"))}  # beside attention in a "hybrid" layer
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Where each of a forward's ``N`` flat tokens is (int64 ``[N]``): its cache line (``slots``),
+    ``positions``, ``offsets`` (its index among its request's tokens in this forward) and
+    ``lengths`` (that request's token count); ``groups``: the forward's ragged groups
+    ``(first token, end token, AttentionBatch)``."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    groups: list
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, positions: torch.Tensor, groups: list) -> "Tokens":
+        offsets, lengths = [], []
+        for lo, hi, batch in groups:
+            cu = batch.cu_query_lens.long()
+            counts = cu[1:] - cu[:-1]
+            request = torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts,
+                                              output_size=hi - lo)
+            offsets.append(torch.arange(hi - lo, device=cu.device) - cu[request])
+            lengths.append(counts[request])
+        return cls(slots.long(), positions.long(), torch.cat(offsets), torch.cat(lengths), groups)
+
+
+@dataclass
+class LayerStates:
+    """One stateful layer's rings, a line per cache slot plus a scratch line (masked writes):
+    ``conv`` ``[lines, conv_window, channels]`` (the conv's inputs, model dtype) and, for gated
+    DeltaNet / Mamba-2, ``recurrent`` f32 ``[lines, window, heads, dk, dv]`` / ``[lines, window,
+    heads, head_dim, d_state]`` (the state after each position)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor | None = None
+
+
+class StatePool:
+    """The states of a hybrid target's stateful layers beside its KV cache: ``layers[i]`` the
+    ``LayerStates`` of decoder layer ``i``; ``window`` the tokens a line runs per round at most (the
+    verify length). ``scratch`` is the line masked writes go to; while ``frozen`` every write goes
+    there (a CUDA graph's warm-up run: a prompt chunk longer than the rings would overwrite the
+    state it starts from, which the captured step then reads again)."""
+
+    def __init__(self, layers: dict[int, LayerStates], window: int):
+        self.layers, self.window = layers, window
+        self.scratch = next(iter(layers.values())).conv.shape[0] - 1
+        self.frozen = False
+
+    @contextlib.contextmanager
+    def frozen_writes(self):
+        """Within: every write goes to the scratch line (a forward whose states the next one makes again)."""
+        self.frozen = True
+        try:
+            yield
+        finally:
+            self.frozen = False
+
+    def write_lines(self, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The lines to write tokens (or requests) of ``slots`` at: theirs where ``keep``, else the scratch line."""
+        return torch.where(keep & (not self.frozen), slots, self.scratch)
+
+
+@dataclass
+class Forward:
+    """What a mixer needs from the current engine forward."""
+
+    pool: StatePool
+    tokens: Tokens
+
+
+HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_forward")
+
+
+def is_supported_mixer(module, declared: str | None) -> bool:
+    """Whether ``module`` is a stateful mixer run here (gated DeltaNet, Mamba-2 of Bamba / Granite-4 /
+    Falcon-H1, LFM2's short convolution) in a layer declared as its type (``declared``; None: none
+    declared)."""
+    kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
+    return kind is not None and (declared is None or declared in types) and unsupported_setting(module) is None
+
+
+def unsupported_setting(module) -> str | None:
+    """A setting of a mixer of a class run here under which no single recurrence equals
+    transformers' (None: none): a Mamba-2 ``time_step_limit`` other than (0, inf), which transformers
+    applies to a prompt's chunked scan and not to its decoding steps."""
+    limit = getattr(module, "time_step_limit", None)
+    if _SUPPORTED.get(type(module).__name__, (None,))[0] != _MAMBA2 or limit is None:
+        return None
+    return None if tuple(limit) == (0.0, float("inf")) else f"time_step_limit {tuple(limit)} (transformers clamps " \
+        "dt in a prompt's chunked scan only)"
+
+
+def _kind(module) -> str:
+    return _SUPPORTED[type(module).__name__][0]
+
+
+def install(mixers: dict[int, torch.nn.Module]) -> None:
+    """Route the forward of each mixer (decoder layer index -> module) through the engine's states
+    while an engine forward runs (``HYBRID`` set); outside it the module runs its own code, so
+    the model stays usable on its own. Idempotent; bound methods, so that a deep copy of the model
+    routes its own mixers."""
+    for index, module in mixers.items():
+        if getattr(module, "_dspark_original_forward", None) is None:
+            module._dspark_layer, module._dspark_original_forward = index, module.forward
+            module.forward = types.MethodType(_routed_forward, module)
+
+
+def new_pool(mixers: dict[int, torch.nn.Module], lines: int, window: int, device, dtype) -> StatePool:
+    """Zero states for ``lines`` cache lines (plus the scratch line) and windows of ``window`` tokens."""
+    layers = {}
+    for index, module in mixers.items():
+        conv_shape, recurrent_shape = _state_shapes(module, lines, window)
+        if _kind(module) == _DELTANET:
+            delta_rule(module, torch.device(device))  # a missing kernel is named before any step
+        recurrent = None if recurrent_shape is None else torch.zeros(recurrent_shape, device=device)
+        layers[index] = LayerStates(torch.zeros(conv_shape, dtype=dtype, device=device), recurrent)
+    return StatePool(layers, window)
+
+
+def pool_bytes(mixers: dict[int, torch.nn.Module], lines: int, window: int, dtype) -> int:
+    """What ``new_pool`` allocates, in bytes."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for module in mixers.values():
+        conv_shape, recurrent_shape = _state_shapes(module, lines, window)
+        total += size * conv_shape.numel() + (0 if recurrent_shape is None else 4 * recurrent_shape.numel())
+    return total
+
+
+def _state_shapes(module, lines: int, window: int) -> tuple[torch.Size, torch.Size | None]:
+    """A mixer's conv ring ``[lines + 1, window + kernel - 1, channels]`` and its recurrent ring
+    ``[lines + 1, window + 1, ...]`` (None for a short convolution; module docstring: why these sizes)."""
+    conv = _conv(module)
+    conv_shape = torch.Size((lines + 1, window + conv.kernel_size[0] - 1, conv.in_channels))
+    kind, states = _kind(module), (lines + 1, window + 1)
+    if kind == _DELTANET:
+        return conv_shape, torch.Size((*states, module.num_v_heads, module.head_k_dim, module.head_v_dim))
+    if kind == _MAMBA2:
+        return conv_shape, torch.Size((*states, module.num_heads, module.head_dim, module.ssm_state_size))
+    return conv_shape, None
+
+
+def _conv(module) -> torch.nn.Conv1d:
+    return module.conv1d if hasattr(module, "conv1d") else module.conv
+
+
+def _routed_forward(module, hidden_states, *args, **kwargs):
+    """A routed mixer's forward: the engine's (its decoder layer's states) while ``HYBRID`` is set."""
+    current = HYBRID.get(None)
+    if current is None:
+        return module._dspark_original_forward(hidden_states, *args, **kwargs)
+    mix = {_DELTANET: _gated_deltanet, _SHORT_CONV: _short_conv, _MAMBA2: _mamba2}[_kind(module)]
+    return mix(module, hidden_states[0], current.pool.layers[module._dspark_layer], current)[None]
+
+
+# ---- the mixers -------------------------------------------------------------------------------
+
+
+def _short_conv(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
+    """LFM2's ``Lfm2ShortConv`` on ``hidden`` ``[N, H]``: ``out_proj(C * conv(B * x))``."""
+    b, c, x = module.in_proj(hidden).chunk(3, dim=-1)
+    conv = causal_conv(b * x, module.conv, states.conv, current)
+    return module.out_proj(c * conv)
+
+
+def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
+    """Qwen3-Next's / Qwen3.5's gated DeltaNet on ``hidden`` ``[N, H]`` (their forward, less the
+    cache: the conv and the delta rule run on the engine's states)."""
+    n = hidden.shape[0]
+    mixed, z, b, a = _deltanet_projections(module, hidden)
+    mixed = _activation(module.activation)(causal_conv(mixed, module.conv1d, states.conv, current))
+    query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query, key = (t.reshape(n, -1, module.head_k_dim) for t in (query, key))
+    value = value.reshape(n, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    groups = module.num_v_heads // module.num_k_heads
+    if groups > 1:
+        query, key = (t.repeat_interleave(groups, dim=1, output_size=module.num_v_heads) for t in (query, key))
+    rule = delta_rule(module, hidden.device)
+
+    def step(state, q, k, v, g_t, beta_t):
+        o, after = rule(q[:, None], k[:, None], v[:, None], g=g_t[:, None], beta=beta_t[:, None], initial_state=state,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o[:, 0], after
+
+    core = state_scan(step, (query, key, value, g, beta), states.recurrent, current)
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(n, -1))
+
+
+def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
+    """Bamba's / Granite-4's / Falcon-H1's Mamba-2 mixer on ``hidden`` ``[N, H]`` (their forward,
+    less the cache): ``in_proj`` -> gate | conv input | dt (Falcon-H1: its input multiplier and MuP
+    vector around it); the conv on the engine's states; the selective state update position by
+    position (the modeling file's ``mamba2_selective_state_update``, transformers' own recurrent
+    step); the gated norm (Falcon-H1 without one: a SiLU gate) and ``out_proj``."""
+    if hasattr(module, "mup_vector"):  # Falcon-H1
+        projected = module.in_proj(hidden * module.ssm_in_multiplier) * module.mup_vector.view(-1)
+    else:
+        projected = module.in_proj(hidden)
+    gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+    xbc = _activation(module.activation)(causal_conv(xbc, module.conv1d, states.conv, current))
+    groups = module.n_groups * module.ssm_state_size
+    x, b, c = torch.split(xbc, [module.intermediate_size, groups, groups], dim=-1)
+    update = sys.modules[type(module).__module__].mamba2_selective_state_update
+    heads, head_dim, size = module.num_heads, module.head_dim, module.ssm_state_size
+    a = (-torch.exp(module.A_log.float()))[:, None, None].expand(-1, head_dim, size)
+    d, dt_bias = module.D[:, None].expand(-1, head_dim), module.dt_bias[:, None].expand(-1, head_dim)
+
+    def step(state, x_t, dt_t, b_t, c_t):
+        after = state.clone()  # updated in place
+        r = x_t.shape[0]
+        out = update(after, x_t.view(r, heads, head_dim), dt_t[:, :, None].expand(-1, -1, head_dim), a,
+                     b_t.view(r, module.n_groups, size), c_t.view(r, module.n_groups, size), d, dt_bias=dt_bias,
+                     dt_softplus=True)
+        return out.reshape(r, -1), after
+
+    scan = state_scan(step, (x, dt, b, c), states.recurrent, current)
+    gated = module.norm(scan, gate) if getattr(module, "mamba_rms_norm", True) else scan * F.silu(gate)
+    return module.out_proj(gated.to(hidden.dtype))
+
+
+def _deltanet_projections(module, hidden: torch.Tensor):
+    """``(conv input [N, 2*key_dim + value_dim] (q | k | v), z [N, hv, dv], b [N, hv], a [N, hv])``
+    of either family's projections."""
+    n = hidden.shape[0]
+    if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key head
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden[None]),
+                                                               module.in_proj_ba(hidden[None]))
+        mixed = torch.cat([t.reshape(n, -1) for t in (q, k, v)], dim=-1)
+        return mixed, z[0], b[0], a[0]
+    z = module.in_proj_z(hidden).reshape(n, -1, module.head_v_dim)
+    return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
+
+
+def delta_rule(module, device: torch.device):
+    """The gated delta rule over positions, ``(q, k, v, g=, beta=, initial_state=,
+    output_final_state=, use_qk_l2norm_in_kernel=) -> (out, state)``: on a GPU flash-linear-attention's
+    fused recurrent Triton kernel (what transformers itself dispatches to there; ``fla-core``),
+    elsewhere the modeling file's PyTorch reference, ``torch_recurrent_gated_delta_rule``."""
+    if device.type != "cuda":
+        return sys.modules[type(module).__module__].torch_recurrent_gated_delta_rule
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError as exc:
+        raise RuntimeError(f"{type(module).__name__} layers on a GPU run flash-linear-attention's gated delta rule "
+                           "kernel, which is not installed: pip install fla-core") from exc
+    return fused_recurrent_gated_delta_rule
+
+
+def _activation(name: str):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+# ---- the states -------------------------------------------------------------------------------
+
+
+def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, current: Forward) -> torch.Tensor:
+    """A depthwise causal ``conv`` (kernel ``K``) of each token's input ``x`` ``[N, C]`` and the
+    ``K - 1`` inputs before it -- this forward's tokens of its request, earlier positions from
+    ``ring`` ``[lines, conv_window, C]`` (zero before position 0) -- as ``F.conv1d`` over those
+    ``K`` inputs (transformers' own op); then the last ``conv_window`` inputs of each request go
+    into ``ring``. Returns ``[N, C]`` in ``x``'s dtype."""
+    t, pool = current.tokens, current.pool
+    kernel, window = conv.kernel_size[0], ring.shape[1]
+    n = x.shape[0]
+    rows = torch.arange(n, device=x.device)
+    taps = []
+    for back in range(kernel - 1, 0, -1):  # oldest first, as the kernel's weights
+        before = t.positions - back
+        cached = ring[t.slots, before % window] * (before >= 0)[:, None].to(ring.dtype)
+        inside = x[(rows - back).clamp(min=0)]
+        taps.append(torch.where((t.offsets >= back)[:, None], inside, cached.to(x.dtype)))
+    inputs = torch.stack([*taps, x], dim=-1).to(conv.weight.dtype)  # [N, C, K]
+    out = F.conv1d(inputs, conv.weight, conv.bias, groups=inputs.shape[1])[..., 0]
+    last = t.offsets >= t.lengths - window  # one write per ring entry
+    ring[pool.write_lines(t.slots, last), t.positions % window] = x.to(ring.dtype)
+    return out.to(x.dtype)
+
+
+def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, current: Forward) -> torch.Tensor:
+    """A recurrence over each request's tokens in order, one position of every request of a ragged
+    group per ``step(state [R, ...], *inputs at that position [R, ...]) -> (out [R, ...], state
+    after)``, from the state after the position before each request's first token (``ring`` f32
+    ``[lines, window, ...]``; zero at position 0), writing the state after every token at its
+    position. ``inputs``: per-token tensors ``[N, ...]``. Returns the outputs ``[N, ...]``."""
+    n, window, pool = inputs[0].shape[0], ring.shape[1], current.pool
+    out = None
+    for lo, _, batch in current.tokens.groups:
+        cu, starts, slots = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
+        counts = cu[1:] - cu[:-1]
+        state = ring[slots, (starts - 1) % window] * (starts > 0).to(ring.dtype).view(-1, *[1] * (ring.dim() - 2))
+        for i in range(batch.max_query_len):
+            valid = counts > i
+            token = torch.where(valid, lo + cu[:-1] + i, n)
+            read = token.clamp(max=n - 1)
+            o, after = step(state, *(t[read] for t in inputs))
+            if out is None:  # row n: the padding steps' outputs
+                out = o.new_zeros((n + 1,) + tuple(o.shape[1:]))
+            state = torch.where(valid.view(-1, *[1] * (state.dim() - 1)), after.to(state.dtype), state)
+            out[token] = o
+            ring[pool.write_lines(slots, valid), (starts + i) % window] = state
+    return out[:n]

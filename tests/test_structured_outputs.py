@@ -1,0 +1,318 @@
+"""Structured outputs (``engine/structured.py``, xgrammar) exact under speculative decoding: every
+output matches its schema / regex / choice / grammar, greedy and sampled, beside free rows; greedy
+with the drafter is plain greedy decoding under the same grammar, token for token, batched or alone;
+a verify window's masks are the matcher's states after the drafts before each position and the
+drafts are cut to their valid prefix; sampled outputs follow the target's masked distribution
+(chi-square / TV over a bigram target's transitions, testing.md §5)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import xgrammar as xgr
+from conftest import gpu
+from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
+from statistics_cases import check_transitions
+
+from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputs
+from dspark.engine.structured import FREE_MASK, walk_windows
+from dspark.training.data import demo_pair, read_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+                         "address": {"type": "object", "additionalProperties": False, "required": ["zip"],
+                                     "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+SCORE = {"type": "object", "additionalProperties": False, "required": ["ok", "score"],
+         "properties": {"ok": {"type": "boolean"}, "score": {"type": "number", "minimum": -1, "maximum": 1}}}
+REGEX = r"def [a-z_]{1,12}\((self)?\):\n    return [0-9]{1,4}\n"
+CHOICES = ("True", "False", "None")
+
+
+def matches(schema: dict, value) -> bool:
+    """``value`` satisfies ``schema`` (the keywords the schemas above use, as JSON Schema defines them)."""
+    kind = schema.get("type")
+    if "enum" in schema:
+        return value in schema["enum"]
+    if kind == "object":
+        props = schema["properties"]
+        return (isinstance(value, dict) and all(k in value for k in schema.get("required", ()))
+                and (schema.get("additionalProperties", True) or set(value) <= set(props))
+                and all(matches(props[k], v) for k, v in value.items() if k in props))
+    if kind == "array":
+        return (isinstance(value, list) and len(value) <= schema.get("maxItems", len(value))
+                and all(matches(schema["items"], v) for v in value))
+    if kind == "string":
+        return (isinstance(value, str) and schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 1 << 30)
+                and re.search(schema.get("pattern", ""), value) is not None)
+    if kind in ("integer", "number"):
+        exact = isinstance(value, int) if kind == "integer" else isinstance(value, (int, float))
+        return (exact and not isinstance(value, bool) and schema.get("minimum", value) <= value
+                <= schema.get("maximum", value))
+    return kind == "boolean" and isinstance(value, bool)
+
+
+def test_the_checker_has_teeth():
+    assert matches(PERSON, {"name": "ab", "age": 3, "tags": ["red"], "address": {"zip": "12345"}})
+    for bad in ({"name": "", "age": 3, "tags": [], "address": {"zip": "12345"}},
+                {"name": "a", "age": 121, "tags": [], "address": {"zip": "12345"}},
+                {"name": "a", "age": 3, "tags": ["pink"], "address": {"zip": "12345"}},
+                {"name": "a", "age": 3, "tags": [], "address": {"zip": "1234"}},
+                {"name": "a", "age": 3, "tags": [], "address": {"zip": "12345"}, "x": 1}):
+        assert not matches(PERSON, bad)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """(demo pair, tokenizer, two prompts, an engine with the drafter, a plain engine)."""
+    from transformers import AutoTokenizer
+
+    pair = demo_pair()
+    tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
+    prompts = [tokenizer(r["text"][:100])["input_ids"] for r in read_prompts(str(pair.prompts))[:2]]
+    config = EngineConfig(max_batch=8, max_model_len=512)
+    return (pair, tokenizer, prompts, LLMEngine(str(pair.target), str(pair.draft), config),
+            LLMEngine(str(pair.target), None, config))
+
+
+def check_output(spec: StructuredOutputs, text: str) -> None:
+    if spec.json is not None:
+        assert matches(json.loads(spec.json), json.loads(text)), text
+    elif spec.regex is not None:
+        assert re.fullmatch(spec.regex, text), text
+    else:
+        assert text in spec.choice, text
+
+
+SPECS = [StructuredOutputs(json=PERSON), StructuredOutputs(json=json.dumps(SCORE)), StructuredOutputs(regex=REGEX),
+         StructuredOutputs(choice=CHOICES)]
+
+
+def test_every_output_matches_greedy_and_sampled_beside_free_rows(demo):
+    """Each spec, greedy and sampled (two seeds), in one batch with free rows: every constrained
+    output completes (finish reason "stop", the EOS last) and matches; the free rows stay what they
+    are alone."""
+    pair, tokenizer, prompts, engine, _ = demo
+    free = [Request(p, 24, SamplingParams(), ignore_eos=True) for p in prompts]
+    alone = [r.token_ids for r in engine.generate(free)]
+    constrained = [Request(prompts[i % 2], 96, SamplingParams(t, seed=i, structured_outputs=spec))
+                   for i, spec in enumerate(SPECS) for t in (0.0, 1.0, 1.0)]
+    out = engine.generate(free[:1] + constrained + free[1:])
+    assert [out[0].token_ids, out[-1].token_ids] == alone
+    for request, result in zip(constrained, out[1:-1]):
+        assert result.finish_reason == "stop" and result.token_ids[-1] in engine.eos_ids
+        check_output(request.sampling.structured_outputs, tokenizer.decode(result.token_ids[:-1]))
+
+
+def test_greedy_with_the_drafter_is_plain_greedy_under_the_grammar_batched_or_alone(demo):
+    """Token for token: speculative greedy equals plain greedy decoding under the same grammar, and a
+    request's output does not depend on its batch."""
+    pair, tokenizer, prompts, engine, plain = demo
+    requests = [Request(p, 96, SamplingParams(structured_outputs=spec)) for spec in SPECS[:3] for p in prompts]
+    expected = [r.token_ids for r in plain.generate(requests)]
+    assert [r.token_ids for r in engine.generate(requests)] == expected
+    assert engine.generate(requests[2:3])[0].token_ids == expected[2]
+
+
+class ForcedDrafts:
+    """Drafts replaced by a known continuation (``tokens`` after the prompt of ``prompt_len``), with
+    the draft at ``wrong`` made a token the grammar refuses: the round's valid prefix is known."""
+
+    def __init__(self, tokens: list[int], prompt_len: int, wrong: int, refused: int):
+        self.tokens, self.prompt_len, self.wrong, self.refused = tokens + [0] * 16, prompt_len, wrong, refused
+
+    def apply(self, runner, b: int) -> None:
+        s = runner.state
+        start = int(s.anchor_pos[0]) + 1 - self.prompt_len
+        drafts = torch.tensor(self.tokens[start:start + runner.num_drafts], dtype=torch.int32)
+        drafts[self.wrong] = self.refused
+        s.draft_tokens[0] = drafts
+
+    def buffers(self) -> list[torch.Tensor]:
+        return []
+
+
+def test_drafts_are_cut_to_their_valid_prefix_and_each_position_takes_its_own_state(demo):
+    """Drafts that follow plain greedy decoding under the grammar (what the target will choose) up
+    to a refused token at position 2: every round verifies the two valid drafts and the refused one
+    (cut after it), accepts the two and rejects the third (a mask row taken from another state would
+    change the masked argmax), and the output is plain greedy's."""
+    pair, tokenizer, prompts, engine, plain = demo
+    request = Request(prompts[0], 40, SamplingParams(structured_outputs=SPECS[0]))
+    expected = plain.generate([request])[0].token_ids
+    refused = tokenizer("\n")["input_ids"][0]  # never inside JSON
+    engine.runner.draft_override = ForcedDrafts(expected, len(prompts[0]), 2, refused)
+    try:
+        result = engine.generate([request])[0]
+    finally:
+        engine.runner.draft_override = None
+    assert result.token_ids == expected
+    rounds = result.stats.scheduled_lengths[:-1]  # the last round may be cut by the request's end
+    assert rounds and set(rounds) == {3} and set(result.stats.accept_lengths[:-1]) == {3}
+
+
+def test_a_window_masks_each_position_by_the_state_before_it(demo):
+    """``walk_windows`` (two requests walked together, the second's rows after the first's): row j is
+    a fresh matcher's bitmask after the first j drafts, the valid prefix stops at the first refused
+    draft, a position the grammar forces to one token takes it (here the EOS once the regex is
+    complete), and the matchers are rolled back."""
+    pair, tokenizer, _, engine, _ = demo
+    grammars = engine.grammars()
+    prefix = tokenizer("12x")["input_ids"]
+    refused = tokenizer("z")["input_ids"]
+    specs = (StructuredOutputs(regex=r"[0-9]+x[a-c]"), StructuredOutputs(regex=r"[0-9]+x"))
+    expected = ((len(prefix), {}), (len(prefix) + 1, {len(prefix): engine.eos_ids}))
+    size = len(prefix) + 2
+    grammar_list = [grammars.matcher(spec) for spec in specs]
+    out = torch.full((2 * size, grammars.width), FREE_MASK, dtype=torch.int32)
+    windows = walk_windows(grammar_list, [prefix + refused] * 2, out, [0, size], xgr.BatchGrammarMatcher())
+    for i, (spec, window, (valid, forced)) in enumerate(zip(specs, windows, expected)):
+        assert window.valid == valid
+        assert {k: {v} for k, v in window.forced.items()} == {k: set(v) for k, v in forced.items()}
+        for j in range(len(prefix) + 1):
+            fresh = grammars.matcher(spec)
+            assert fresh.advance(prefix[:j]) is False
+            row = torch.zeros(1, grammars.width, dtype=torch.int32)
+            fresh.next_mask(row[0])
+            assert torch.equal(out[i * size + j], row[0]), (spec, j)
+        assert grammar_list[i].advance(prefix) is False  # rolled back: the drafts are taken again
+
+
+def test_bad_specs_name_the_problem(demo):
+    engine = demo[3]
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar"):
+        StructuredOutputs(regex="a", choice=("a",))
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(TypeError, match="choice must be a list of strings"):
+        StructuredOutputs(choice="yes")
+    with pytest.raises(ValueError, match="json must be a JSON schema"):
+        StructuredOutputs(json="{not json")
+    for spec, kind in ((StructuredOutputs(regex="(a"), "regex"), (StructuredOutputs(grammar="root ::= missing"), "grammar"),
+                       (StructuredOutputs(json={"type": "nonsense"}), "json")):
+        with pytest.raises(ValueError, match=f"structured_outputs: the {kind} cannot be compiled"):
+            engine.add_request(Request([1, 2], 4, SamplingParams(structured_outputs=spec)))
+
+
+@gpu
+def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo):
+    """On CUDA with every graph captured up front: a constrained greedy row is plain greedy decoding
+    under its grammar (the CPU's, float32), a free row beside it stays what it is alone, a sampled
+    constrained row gives the same tokens alone and in the batch, every output matches, and no step
+    captures a graph (the masks are per-row state in fixed buffers)."""
+    pair, tokenizer, prompts, _, plain = demo
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=4, max_model_len=512, device="cuda",
+                                                                       dtype=torch.float32))
+    engine.capture_graphs()
+    captured = engine.runner.captures
+    greedy = Request(prompts[0], 96, SamplingParams(structured_outputs=SPECS[0]))
+    free = Request(prompts[1], 24, SamplingParams(), ignore_eos=True)
+    sampled = Request(prompts[1], 96, SamplingParams(1.0, seed=3, structured_outputs=SPECS[2]))
+    alone = [engine.generate([r])[0].token_ids for r in (free, sampled)]
+    out = engine.generate([greedy, free, sampled])
+    assert out[0].token_ids == plain.generate([greedy])[0].token_ids
+    assert [out[1].token_ids, out[2].token_ids] == alone
+    for request, result in ((greedy, out[0]), (sampled, out[2])):
+        check_output(request.sampling.structured_outputs, tokenizer.decode(result.token_ids[:-1]))
+    assert engine.runner.captures == captured and not engine.runner.uncapturable
+
+
+def test_tree_mode_refuses_structured_outputs(demo):
+    pair = demo[0]
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=1, max_model_len=64, draft_top_k=2))
+    with pytest.raises(ValueError, match=r"not supported in tree mode \(draft_top_k > 1\): a tree's nodes") as info:
+        engine.add_request(Request([1, 2], 4, SamplingParams(structured_outputs=SPECS[3])))
+    assert info.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--choice", "yes", "--choice", "no"], StructuredOutputs(choice=("yes", "no"))),
+    (["--regex", "[0-9]+"], StructuredOutputs(regex="[0-9]+")),
+    (["--json-object"], StructuredOutputs(json_object=True)),
+    ([], None),
+])
+def test_cli_flags_give_the_structured_output(argv, expected):
+    import argparse
+
+    from dspark.cli.generate import add_arguments, structured_outputs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert structured_outputs(parser.parse_args(argv)) == expected
+
+
+def test_cli_flags_read_files_and_refuse_two(tmp_path):
+    import argparse
+
+    from dspark.cli.generate import add_arguments, structured_outputs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    schema, grammar = tmp_path / "s.json", tmp_path / "g.ebnf"
+    schema.write_text(json.dumps(SCORE))
+    grammar.write_text('root ::= "a"')
+    assert structured_outputs(parser.parse_args(["--json-schema", str(schema)])) == StructuredOutputs(json=SCORE)
+    assert structured_outputs(parser.parse_args(["--grammar", str(grammar)])).grammar == 'root ::= "a"'
+    with pytest.raises(ValueError, match="give at most one of .*; got --regex, --choice"):
+        structured_outputs(parser.parse_args(["--regex", "a", "--choice", "a"]))
+    with pytest.raises(ValueError, match="--json-schema: cannot read"):
+        structured_outputs(parser.parse_args(["--json-schema", str(tmp_path / "missing.json")]))
+
+
+# ------------------------------------------------------------------------------ sampled: the masked distribution
+
+ROWS, TOKENS = 128, 256  # 32 768 transitions over 8 allowed pairs: an exact engine's TV ~ 0.006
+EOS = 4
+
+
+@pytest.fixture(scope="module")
+def bigram_grammar_pair(one_thread):
+    """A bigram target over tokens a b c d (and EOS, biased away), a random draft, a tokenizer, and
+    the target's logits after each of a b c d ``[4, 4]``."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    target = tiny_qwen3_target(vocab_size=5, num_layers=2, eos_token_id=EOS)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+        logits = target(torch.arange(4)[:, None]).logits[:, 0, :4]
+    draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), 0, target)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {"a": 0, "b": 1, "c": 2, "d": 3, "<eos>": EOS}, unk_token="a")), eos_token="<eos>")
+    return target, draft, tokenizer, logits
+
+
+# regex -> tokens allowed after a, b, c, d (the grammar's state is the last token's); the second forces
+# b after c / d and a after b (the EOS aside), which the engine drafts itself (``Window.forced``)
+GRAMMAR_CHAINS = {"([ab][cd])+": [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]],
+                  "(a[cd]b)+": [[0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regex", list(GRAMMAR_CHAINS))
+def test_sampled_outputs_follow_the_masked_target(bigram_grammar_pair, regex):
+    """Every transition of sampled speculative outputs under the grammar follows the target's masked
+    distribution (after each token, the target's distribution over what the grammar allows next,
+    renormalised); the same outputs do not follow the unmasked one (the check has teeth)."""
+    target, draft, tokenizer, logits = bigram_grammar_pair
+    allowed = torch.tensor(GRAMMAR_CHAINS[regex], dtype=torch.bool)
+    chain = logits.masked_fill(~allowed, -float("inf")).softmax(-1)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=ROWS))
+    engine.tokenizer = tokenizer
+    spec = StructuredOutputs(regex=regex)
+    out = engine.generate([Request([s % 4], TOKENS, SamplingParams(1.0, seed=s, structured_outputs=spec,
+                                                                   logit_bias={EOS: -100.0}), ignore_eos=True)
+                           for s in range(ROWS)])
+    sequences = torch.tensor([r.token_ids for r in out])
+    assert sequences.shape == (ROWS, TOKENS)
+    assert check_transitions(sequences, chain) is None
+    with torch.no_grad():
+        unmasked = target(torch.arange(4)[:, None]).logits[:, 0, :4].softmax(-1)
+    assert check_transitions(sequences, unmasked) is not None
