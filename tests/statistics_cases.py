@@ -79,6 +79,26 @@ def check_transitions(sequences: torch.Tensor, table: torch.Tensor) -> str | Non
     return None
 
 
+def check_conditionals(tokens: torch.Tensor, probs: torch.Tensor, bins: torch.Tensor) -> str | None:
+    """None when draws ``tokens`` [N], each from its own distribution ``probs`` [N, V] (a history's,
+    say), fit them; else what is wrong. Outcomes are pooled into bins (``bins`` int [N, V]: the bin
+    of each draw's each outcome): the draws per bin against the sum of their outcomes'
+    probabilities, chi-square (bins with expected count >= 5, the rest pooled; p > 1e-3:
+    conservative, a draw's variance p(1-p) being at most the multinomial's) and TV < 0.01. A draw
+    of probability 0 is an immediate failure."""
+    drawn = probs.gather(1, tokens[:, None].long())[:, 0]
+    outside = int((drawn <= 0).sum())
+    if outside:
+        return f"{outside} draws outside their support"
+    size = int(bins.max()) + 1
+    observed = torch.bincount(bins.gather(1, tokens[:, None].long())[:, 0], minlength=size)
+    expected = torch.zeros(size, dtype=torch.float64).index_add_(0, bins.flatten(), probs.flatten().double())
+    p_value, tv = fit(observed, expected)
+    if p_value <= 1e-3 or tv >= 0.01:
+        return f"chi-square p = {p_value:.2e}, TV = {tv:.4f}"
+    return None
+
+
 def assert_rate(hits: torch.Tensor, rate: float, what: str) -> None:
     """Binomial frequency within 4.5 standard errors of ``rate``."""
     observed = float(hits.double().mean())

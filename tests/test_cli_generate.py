@@ -139,6 +139,11 @@ def test_sampled_generation_is_reproducible_per_seed(checkpoints, capsys):
     (["--prompt-ids", "1", "--logit-bias", "5=200"], "logit_bias[5] must be in [-100.0, 100.0], got 200.0"),
     (["--prompt-ids", "1", "--logit-bias", "500=1"], "logit_bias holds token id 500, outside the target's vocabulary"),
     (["--prompt-ids", "1", "--min-p", "1.5"], "min_p must be in [0.0, 1.0], got 1.5"),
+    (["--prompt-ids", "1", "--presence-penalty", "3"], "presence_penalty must be in [-2.0, 2.0], got 3.0"),
+    (["--prompt-ids", "1", "--repetition-penalty", "0"], "repetition_penalty must be > 0, got 0.0"),
+    (["--prompt-ids", "1", "--max-new-tokens", "8", "--min-tokens", "9"],
+     "min_tokens must be at most max_new_tokens (8), got 9"),
+    (["--prompt-ids", "1", "--bad-words", "t5"], "--bad-words: bad_words are text and need the target's tokenizer"),
 ])
 def test_bad_options_are_one_line_errors(checkpoints, capsys, args, message):
     status, out, err = _run(capsys, *_pair(checkpoints, target="bare"), *args)
@@ -178,6 +183,31 @@ def test_logit_bias_and_min_p_reach_the_request(checkpoints, greedy, capsys, tmp
     sampled = [*args, "--temperature", "1.0", "--seed", "3"]
     runs = [json.loads(_run(capsys, *sampled, "--min-p", str(m))[1])["generated_ids"] for m in (0.0, 0.0, 0.9)]
     assert runs[0] == runs[1] != runs[2]
+
+
+def test_penalties_and_bad_words_reach_the_request(checkpoints, greedy, capsys, tmp_path):
+    """``--presence-penalty`` / ``--frequency-penalty`` / ``--repetition-penalty`` / ``--bad-words`` and a
+    .jsonl line's keys: greedy decoding is transformers' with the same processors; ``--min-tokens``
+    keeps a ``--stop`` string from ending the first tokens."""
+    from test_penalties import transformers_greedy
+
+    from dspark.engine import SamplingParams
+
+    sampling = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5,
+                              bad_words=((greedy[3],),))
+    expected = transformers_greedy(checkpoints[2], PROMPT, sampling, new_tokens=8)
+    args = [*_pair(checkpoints), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--json"]
+    status, out, _ = _run(capsys, *args, "--presence-penalty", "1", "--frequency-penalty", "0.5",
+                          "--repetition-penalty", "1.5", "--bad-words", f"t{greedy[3]}")
+    assert status == 0 and json.loads(out)["generated_ids"] == expected != greedy[:8]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt_ids": PROMPT, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+                                    "repetition_penalty": 1.5, "bad_words": [f"t{greedy[3]}"]}) + "\n")
+    status, out, _ = _run(capsys, *_pair(checkpoints), "--prompt-file", str(requests), "--max-new-tokens", "8",
+                          "--json")
+    assert status == 0 and json.loads(out)["generated_ids"] == expected
+    status, out, _ = _run(capsys, *args, "--stop", f"t{greedy[1]}", "--min-tokens", "4")
+    assert status == 0 and json.loads(out)["generated_ids"][:4] == greedy[:4]
 
 
 def test_broken_target_checkpoints_are_named(checkpoints, capsys, tmp_path):
@@ -257,6 +287,8 @@ def test_prompt_file_text_stdin_and_jsonl(checkpoints, greedy, capsys, monkeypat
     (b'{"prompt_ids": [1]}\n{"prompt_ids": [1], "top_p": 2.0}\n', "requests.jsonl:2: SamplingParams: top_p must be in"),
     (b'{"prompt_ids": [1], "logit_bias": {"a": 1}}\n', "requests.jsonl:1: 'logit_bias' must be an object of token ids"),
     (b'{"prompt_ids": [1], "min_p": "0.1"}\n', "requests.jsonl:1: 'min_p' must be a number, got '0.1'"),
+    (b'{"prompt_ids": [1], "min_tokens": 1.5}\n', "requests.jsonl:1: 'min_tokens' must be an integer, got 1.5"),
+    (b'{"prompt_ids": [1], "bad_words": "t5"}\n', "requests.jsonl:1: bad_words must be a list of strings, got 't5'"),
     (b'{"prompt_ids": [1]}\n\n{"prompt": "t1 \xff"}\n', "requests.jsonl:3 is not UTF-8 text (byte 0xff)"),
     (b'{"prompt_ids": [1, 99]}\n', "requests.jsonl:1: add_request: prompt_ids holds token id 99"),
     (b'["t1"]\n', "requests.jsonl:1: a request must be a JSON object, got list"),

@@ -164,6 +164,29 @@ def test_logit_bias_and_min_p(pair):
         llm.generate(PROMPT, min_p=-0.1)
 
 
+def test_penalties_min_tokens_and_bad_words(pair):
+    """Each control reaches the engine from ``LLM.generate`` / ``dspark.generate``: a bad word (text)
+    never comes; ``min_tokens`` keeps an EOS id, and a stop string, from ending the first tokens;
+    penalties change the greedy output. Their exactness: test_penalties.py."""
+    target, _, draft, greedy, _ = pair
+    k = next(i for i in range(2, 16) if greedy[i] not in greedy[:i])
+    llm = dspark.LLM(target, draft, engine="batched", max_batch=2)
+    banned = llm.generate(PROMPT, max_new_tokens=k + 4, bad_words=[f"t{greedy[k]}"]).token_ids
+    assert banned[:k] == greedy[:k] and greedy[k] not in banned
+    assert dspark.generate(target, draft, PROMPT, max_new_tokens=k + 4, bad_words=[f"t{greedy[k]}"]).token_ids == banned
+    held = llm.generate(PROMPT, max_new_tokens=16, eos_token_id=greedy[k], min_tokens=k + 2).token_ids
+    assert held[:k] == greedy[:k] and greedy[k] not in held[:k + 2]
+    unstopped = llm.generate(PROMPT, max_new_tokens=16, stop=[f"t{greedy[k]}"], min_tokens=k + 2)
+    assert unstopped.token_ids[:k + 1] == greedy[:k + 1] and f"t{greedy[k]}" in unstopped.text
+    strong = dict(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=3.0)
+    penalised = [llm.generate(PROMPT, max_new_tokens=8, **{name: value}).token_ids for name, value in strong.items()]
+    assert all(ids != greedy[:8] for ids in penalised)
+    with pytest.raises(TypeError, match="generate: bad_words must be a list of strings, got 't5'"):
+        llm.generate(PROMPT, bad_words="t5")
+    with pytest.raises(ValueError, match=r"Request: min_tokens must be at most max_new_tokens \(4\), got 5"):
+        llm.generate(PROMPT, max_new_tokens=4, min_tokens=5)
+
+
 def test_none_none_is_the_demo_pair():
     from dspark.training.data import demo_pair
 

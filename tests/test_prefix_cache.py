@@ -10,6 +10,8 @@ off; with too few blocks for the batch, requests are preempted and run again, an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dspark.engine import SamplingParams
@@ -156,11 +158,14 @@ def test_prefix_caching_keeps_every_token_and_every_accepted_draft(pair, prompts
                          ids=["chain", "tree", "plain"])
 def test_preempted_requests_end_with_the_tokens_they_give_with_room(pair, prompts, options):
     """Six requests, four rows, KV blocks for about two of them at a time: requests are preempted
-    and run again (their last token kept as the anchor), yet every request -- greedy or sampled --
-    ends with exactly the tokens it gives on an engine with blocks to spare."""
+    and run again (their last token kept as the anchor), yet every request -- greedy or sampled,
+    with penalties or without (their state staged again from the output so far) -- ends with
+    exactly the tokens it gives on an engine with blocks to spare."""
     draft = options.pop("draft", pair.draft)
-    requests = [Request(prompts[i][:60], max_new_tokens=NEW, sampling=SamplingParams() if i % 2 else _hot(i))
-                for i in range(6)]
+    penalties = dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=NEW // 2,
+                     bad_words=((prompts[0][3], prompts[0][4]),))
+    sampling = [SamplingParams(), _hot(1), SamplingParams(**penalties), replace(_hot(3), **penalties)]
+    requests = [Request(prompts[i][:60], max_new_tokens=NEW, sampling=sampling[i % 4]) for i in range(6)]
     config = dict(max_batch=4, max_model_len=128, **options)
     roomy = LLMEngine(pair.target, draft, EngineConfig(**config))
     tight = LLMEngine(pair.target, draft, EngineConfig(**config, num_kv_blocks=20))

@@ -292,11 +292,7 @@ CHAT_NOOPS = {**{k: v for k, v in NOOPS.items() if k != "suffix"}, "logprobs": F
               "prediction": None, "chat_template_kwargs": {}, "continue_final_message": False}
 
 REFUSED = [  # (field, a value that would change the output, the param named)
-    ("presence_penalty", 0.5, "presence_penalty"),
-    ("frequency_penalty", -0.5, "frequency_penalty"), ("repetition_penalty", 1.1, "repetition_penalty"),
-    ("repetition_penalty", True, "repetition_penalty"),  # true is not 1
-    ("min_tokens", 4, "min_tokens"), ("best_of", 2, "best_of"),
-    ("use_beam_search", True, "use_beam_search"),
+    ("best_of", 2, "best_of"), ("length_penalty", 0.5, "length_penalty"), ("use_beam_search", True, "use_beam_search"),
     ("include_stop_str_in_output", True, "include_stop_str_in_output"), ("skip_special_tokens", False, "skip_special_tokens"),
     ("truncate_prompt_tokens", 4, "truncate_prompt_tokens"), ("allowed_token_ids", [1, 2], "allowed_token_ids"),
     ("store", True, "store"), ("metadata", "run-7", "metadata"), ("temprature", 0.5, "temprature"),  # a typo
@@ -340,8 +336,9 @@ def test_fields_the_server_would_ignore_are_refused(http, field, value, param):
 
 def test_refusals_name_the_field_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 3})
-    assert info.value.body["param"] == "min_tokens" and "min_tokens is not supported" in info.value.body["message"]
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"allowed_token_ids": [3]})
+    assert info.value.body["param"] == "allowed_token_ids"
+    assert "allowed_token_ids is not supported" in info.value.body["message"]
     turn = {"role": "assistant", "content": "x", "refusal": "no"}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}, turn], max_tokens=2)
@@ -379,6 +376,54 @@ def test_min_p_and_logit_bias_are_honoured(served, http, client, tokenizer, prom
     ("logit_bias", {"5000": 1}, "logit_bias holds token id 5000, outside the target's vocabulary [0, 2048)"),
 ])
 def test_bad_min_p_and_logit_bias_are_400s_naming_the_field(http, field, value, message):
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "x"}]})):
+        r = http.post(path, json={**body, "max_tokens": 2, field: value})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and message in error["message"], error
+
+
+def test_penalties_and_filters_are_honoured(served, client, tokenizer, prompts):
+    """presence / frequency / repetition penalties, min_tokens and bad_words on one greedy request
+    (through the openai client as it spells them): transformers' ``generate()`` with the same
+    processors (test_penalties.py); chat honours them too (a bad word never comes)."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark.engine import encode_bad_words
+    from test_penalties import transformers_greedy
+
+    greedy, prompt = served[1][0], tokenizer(prompts[0])["input_ids"]
+    word = next(w for w in (tokenizer.decode([t]).strip() for t in greedy[3:]) if w)
+    fields = dict(presence_penalty=1.0, frequency_penalty=0.5, extra_body=dict(
+        repetition_penalty=1.3, min_tokens=5, bad_words=[word], stop_token_ids=[greedy[1]]))
+    sampling = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, min_tokens=5,
+                              bad_words=encode_bad_words([word], tokenizer))
+    model = AutoModelForCausalLM.from_pretrained(str(demo_pair().target), dtype=torch.float32).eval()
+    expected = transformers_greedy(model, prompt, sampling, stop_ids=(0, greedy[1]), new_tokens=NEW)
+    assert _ids(_complete(client, prompts[0], **fields).choices[0]) == expected != greedy
+    messages = [{"role": "user", "content": "import os"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0,
+                                           extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+    banned = tokenizer.decode([plain[0]]).strip()
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0.0,
+                                          extra_body={"return_token_ids": True, "bad_words": [banned]})
+    assert banned not in tokenizer.decode(chat.choices[0].model_extra["token_ids"])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("presence_penalty", 2.5, "presence_penalty: Input should be less than or equal to 2, got 2.5"),
+    ("frequency_penalty", -3, "frequency_penalty: Input should be greater than or equal to -2, got -3"),
+    ("repetition_penalty", 0, "repetition_penalty: Input should be greater than 0, got 0"),
+    ("repetition_penalty", True, "repetition_penalty: Input should be a valid number, got true"),
+    ("min_tokens", -1, "min_tokens: Input should be greater than or equal to 0, got -1"),
+    ("min_tokens", 3, "min_tokens must be at most max_tokens (2), got 3"),
+    ("bad_words", "x", 'bad_words: Input should be a valid list, got "x"'),
+    ("bad_words", [""], "bad_words[0] is empty: it has no tokens"),
+    ("bad_words", ["x" * 200], "tokens; at most 16 are supported"),
+    ("bad_words", [f"x{i} y" for i in range(65)], "bad_words may hold at most 64 sequences of two tokens or more"),
+])
+def test_bad_penalties_are_400s_naming_the_field(http, field, value, message):
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
                                                               {"messages": [{"role": "user", "content": "x"}]})):
         r = http.post(path, json={**body, "max_tokens": 2, field: value})

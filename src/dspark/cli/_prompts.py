@@ -2,8 +2,9 @@
 
 A ``.jsonl`` line is an object with ``prompt`` (text) or ``prompt_ids`` (a list of token ids) and
 optionally ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``logit_bias`` (an
-object of token ids, as strings, to numbers: OpenAI's) and ``seed``, which override the command's
-options for that request. Blank lines are skipped; every error names the file and line.
+object of token ids, as strings, to numbers: OpenAI's), ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``min_tokens``, ``bad_words`` (a list of strings) and ``seed``, which
+override the command's options for that request. Blank lines are skipped; every error names the file and line.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sys
 from pathlib import Path
 
 OVERRIDES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
-             "logit_bias": dict, "seed": int}
+             "logit_bias": dict, "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
+             "min_tokens": int, "bad_words": list, "seed": int}
 
 
 def read_prompt_file(path: str) -> list[tuple[str, dict]]:
@@ -70,7 +72,7 @@ def _request(where: str, line: str) -> dict:
         raise ValueError(f"{where}: 'prompt_ids' must be a list of token ids (integers), got {ids!r}"[:300])
     for key, kind in OVERRIDES.items():
         value = record.get(key)
-        if kind is dict or key not in record:
+        if kind in (dict, list) or key not in record:  # checked where they are read
             continue
         if type(value) is not int and not (kind is float and type(value) is float):
             raise ValueError(f"{where}: '{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")

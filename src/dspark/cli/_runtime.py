@@ -212,6 +212,31 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling uniforms")
 
 
+def add_penalty_arguments(parser: argparse.ArgumentParser) -> None:
+    """The controls that read the tokens so far (vLLM's; exact under speculative decoding too)."""
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="in [-2, 2]: subtracted from the logit of each token the output holds (OpenAI's)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="in [-2, 2]: subtracted from a token's logit once per time the output holds it")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 0: the logits of tokens in the prompt or output divided by it when positive, "
+                             "multiplied when not (transformers' and vLLM's); 1 = off")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="ban the EOS and stop ids (and stop strings) until this many tokens were generated")
+    parser.add_argument("--bad-words", metavar="TEXT", action="append", default=[],
+                        help="never generate this text (its tokens, at the start or after a space, as vLLM); "
+                             "repeatable; needs the tokenizer")
+
+
+def penalty_settings(args: argparse.Namespace, tokenizer) -> dict:
+    """The ``SamplingParams`` fields of ``add_penalty_arguments`` (bad words tokenized)."""
+    from dspark.engine import encode_bad_words
+
+    return dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+                bad_words=encode_bad_words(args.bad_words, tokenizer, name="--bad-words"))
+
+
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", choices=SCHEDULER_CHOICES, default="off",
                         help="how many drafts to verify per round: off = all, threshold / sps = by the confidence "

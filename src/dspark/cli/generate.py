@@ -7,8 +7,9 @@ the scheduler sent to verification per round. Without --target/--draft the demo 
 the package runs; --target / --draft may also be Hugging Face Hub names (from the cache, else downloaded
 unless HF_HUB_OFFLINE=1), and --no-draft decodes with the target alone. Prompts: --prompt, --prompt-ids or --prompt-file (a text file is one prompt, - reads
 stdin, a .jsonl file holds one request per line: {"prompt": TEXT} or {"prompt_ids": [...]}, optionally
-with max_new_tokens, temperature, top_k, top_p, min_p, logit_bias (token ids as keys), seed). The
-output ends after the target's EOS (unless --ignore-eos), before a --stop string, at --max-new-tokens
+with max_new_tokens, temperature, top_k, top_p, min_p, logit_bias (token ids as keys), presence_penalty,
+frequency_penalty, repetition_penalty, min_tokens, bad_words (strings), seed). The output ends after the
+target's EOS (unless --ignore-eos; not before --min-tokens tokens), before a --stop string, at --max-new-tokens
 or at the context limit (--max-model-len; an over-long prompt is refused). --compare also runs plain target decoding and
 prints the speedup (ratio of tokens/s): after the printed run and one untimed plain run (warm-ups:
 kernels, graphs, caches), --compare-runs timed runs of each side, alternating; the median speedup
@@ -27,12 +28,12 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ._prompts import read_prompt_file
-from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_runtime_arguments, add_sampling_arguments,
-                       add_scheduler_arguments, check_scheduler_arguments, kv_cache_options, mismatch_status,
-                       resolve_pair, runtime, sampling_params, stop_string)
+from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_penalty_arguments, add_runtime_arguments,
+                       add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments, kv_cache_options,
+                       mismatch_status, penalty_settings, resolve_pair, runtime, sampling_params, stop_string)
 
 COMPARE_RUNS = 5  # --compare's timed runs of each side by default (the README's first command: ~N x 4 s)
 
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama.cpp: \\n, \\t, \\r, \\\\, \\\", \\', \\xHH, \\uXXXX")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence token")
     add_sampling_arguments(parser)
+    add_penalty_arguments(parser)
     add_structured_arguments(parser)
     add_scheduler_arguments(parser)
     add_runtime_arguments(parser)
@@ -190,6 +192,7 @@ def _prepare(args: argparse.Namespace):
     tokenizer = load_tokenizer(args.target)
     if args.stop and tokenizer is None:
         raise ValueError(f"--stop needs the target's tokenizer, but {args.target_name} has none")
+    sampling = replace(sampling, **penalty_settings(args, tokenizer))
     records = _prompt_records(args)
     requests = [_request(args, tokenizer, sampling, where, record) for where, record in records]
     llm = LLM(args.target, args.draft, no_draft=args.no_draft, tokenizer=tokenizer, engine=args.engine,
@@ -240,16 +243,17 @@ def _prompt_records(args: argparse.Namespace) -> list[tuple[str, dict]]:
 
 def _request(args: argparse.Namespace, tokenizer, sampling, where: str, record: dict):
     """The ``Request`` of one prompt record, its overrides applied; errors name ``where``."""
-    from dataclasses import replace
-
-    from dspark.engine import Request, encode_prompts
+    from dspark.engine import Request, encode_bad_words, encode_prompts
 
     if "prompt" in record and tokenizer is None:
         raise ValueError(f"{where}: a text prompt needs the target's tokenizer, but {args.target_name} has none; "
                          f"give token ids instead (--prompt-ids, or prompt_ids in a .jsonl file)")
     ids = _named(where, encode_prompts, record["prompt"], tokenizer, name=where)[0][0] if "prompt" in record else \
         record["prompt_ids"]
-    overrides = {k: record[k] for k in ("temperature", "top_k", "top_p", "min_p", "logit_bias", "seed") if k in record}
+    overrides = {k: record[k] for k in ("temperature", "top_k", "top_p", "min_p", "logit_bias", "presence_penalty",
+                                        "frequency_penalty", "repetition_penalty", "min_tokens", "seed") if k in record}
+    if "bad_words" in record:
+        overrides["bad_words"] = _named(where, encode_bad_words, record["bad_words"], tokenizer, name=where)
     return _named(where, lambda: Request(ids, record.get("max_new_tokens", args.max_new_tokens),
                                          replace(sampling, **overrides), ignore_eos=args.ignore_eos))
 
@@ -300,7 +304,9 @@ def _baseline(engine, request, tokenizer, stop):
     (stop strings included)."""
     from dspark.engine import TextStream
 
-    text = None if tokenizer is None or not stop else TextStream(tokenizer, request.prompt_ids, stop)
+    text = None
+    if tokenizer is not None and stop:
+        text = TextStream(tokenizer, request.prompt_ids, stop, request.sampling.min_tokens)
     stream = None if text is None else (lambda _i, tokens: text.add(tokens))
     result = engine.plain().generate_requests([request], on_tokens=stream)[0]
     if text is not None:

@@ -12,7 +12,7 @@ user-facing ``generate``: text or token-id prompts, one or many, decoded text, s
 ``text`` (incremental detokenisation with stop strings: the server's, the API's and the CLI's).
 """
 
-from .api import encode_prompts, generate, generate_texts, load_tokenizer
+from .api import encode_bad_words, encode_prompts, generate, generate_texts, load_tokenizer
 from .decoder import SpeculativeDecoder
 from .drafting import SCHEDULERS, Drafter, Proposal, SamplingParams
 from .llm_engine import ENGINES, EngineConfig, LLMEngine, engine_config
@@ -24,7 +24,7 @@ from .text import TextOutput, TextStream
 from .target import check_target_directory, default_dtype, eos_token_ids, load_target_model, resolve_device
 
 __all__ = [
-    "TextOutput", "TextStream", "encode_prompts", "generate", "generate_texts", "load_tokenizer",
+    "TextOutput", "TextStream", "encode_bad_words", "encode_prompts", "generate", "generate_texts", "load_tokenizer",
     "FINISH_REASONS", "GenerationInterrupted", "GenerationResult", "SpeculativeDecoder",
     "SCHEDULERS", "Drafter", "Proposal", "SamplingParams",
     "ENGINES", "EngineConfig", "LLMEngine", "engine_config", "Request", "RequestOutput",

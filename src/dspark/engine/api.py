@@ -25,10 +25,12 @@ from .llm_engine import LLMEngine, engine_config
 from .request import GenerationInterrupted, GenerationResult, Request
 from .target import load_target_model, resolve_device
 from .drafting import SamplingParams
+from .penalties import MAX_BAD_WORD_TOKENS
 from .structured import StructuredOutputs
 from .text import TextStream
 
-__all__ = ["LLM", "generate", "generate_texts", "load_tokenizer", "encode_prompts", "TOKENIZER_FILES"]
+__all__ = ["LLM", "generate", "generate_texts", "load_tokenizer", "encode_bad_words", "encode_prompts",
+           "TOKENIZER_FILES"]
 
 log = logging.getLogger("dspark.engine")
 
@@ -84,6 +86,31 @@ def encode_prompts(prompts, tokenizer, *, name: str = "generate") -> tuple[list[
     return batch, False
 
 
+def encode_bad_words(words, tokenizer, *, name: str = "generate") -> tuple[tuple[int, ...], ...]:
+    """vLLM's token sequences of the ``bad_words`` strings: each word (its leading spaces stripped)
+    tokenized as it is (the start of the output) and, when a leading space makes other tokens of
+    the same count, with one (a word inside the text). ValueError / TypeError naming the word (an
+    empty one, one longer than ``MAX_BAD_WORD_TOKENS``, no tokenizer)."""
+    c = Checker(name)
+    if isinstance(words, str) or not isinstance(words, Sequence) or not all(isinstance(w, str) for w in words):
+        c.fail(f"bad_words must be a list of strings, got {words!r}"[:200], TypeError)
+    if words and tokenizer is None:
+        c.fail("bad_words are text and need the target's tokenizer, and it has none")
+    sequences = []
+    for i, word in enumerate(words):
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            c.fail(f"bad_words[{i}] is empty: it has no tokens")
+        if len(plain) > MAX_BAD_WORD_TOKENS:
+            c.fail(f"bad_words[{i}] ({word[:40]!r}) is {len(plain)} tokens; at most {MAX_BAD_WORD_TOKENS} are "
+                   "supported")
+        sequences.append(tuple(plain))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(tuple(spaced))
+    return tuple(sequences)
+
+
 def generate_texts(engine: LLMEngine, requests: Sequence[Request], tokenizer, *, stop: Sequence[str] = (),
                    on_tokens: Callable[[int, list[int]], "bool | None"] | None = None,
                    on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
@@ -98,7 +125,8 @@ def generate_texts(engine: LLMEngine, requests: Sequence[Request], tokenizer, *,
             c.fail(f"{name} must be callable, got {type(value).__name__}", TypeError)
     if tokenizer is None and (stop or on_text is not None):
         c.fail("stop strings and text streaming need the target's tokenizer, and it has none")
-    streams = None if tokenizer is None else [TextStream(tokenizer, r.prompt_ids, stop) for r in requests]
+    streams = None if tokenizer is None else [TextStream(tokenizer, r.prompt_ids, stop, r.sampling.min_tokens)
+                                              for r in requests]
 
     def callback(i: int, tokens: list[int]) -> bool:
         stopped = bool(on_tokens(i, tokens)) if on_tokens is not None else False
@@ -178,6 +206,8 @@ class LLM:
 
     def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 min_tokens: int = 0, bad_words: Sequence[str] | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
                  ignore_eos: bool = False, stop: str | Sequence[str] | None = None,
                  on_tokens: Callable[[list[int]], "bool | None"] | None = None,
@@ -190,14 +220,21 @@ class LLM:
         string, ``max_new_tokens`` tokens, or the context. ``on_tokens(tokens)`` streams a single
         prompt's tokens as they are accepted. Sampling as vLLM's sampler (``SamplingParams``):
         ``logit_bias`` (token id -> bias in [-100, 100], added to the logits, greedy decoding's too),
-        ``temperature`` (0 = greedy), ``min_p``, ``top_k``, ``top_p`` (the standard nucleus), ``seed``.
-        ``structured_outputs``: what every output must match (``StructuredOutputs``: a JSON schema, any
-        JSON object, a regex, a choice, an EBNF grammar); the output ends when it is complete."""
+        ``min_tokens`` (the EOS / stop ids banned, stop strings not matched, until that many tokens
+        were generated), ``bad_words`` (strings never generated: ``encode_bad_words``),
+        ``repetition_penalty`` (> 0, over prompt and output), ``frequency_penalty`` and
+        ``presence_penalty`` (in [-2, 2], over the output), ``temperature`` (0 = greedy), ``min_p``,
+        ``top_k``, ``top_p`` (the standard nucleus), ``seed``. ``structured_outputs``: what every
+        output must match (``StructuredOutputs``: a JSON schema, any JSON object, a regex, a choice,
+        an EBNF grammar); the output ends when it is complete."""
         c = Checker("generate")
         if on_tokens is not None and not callable(on_tokens):
             c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
         stop = _stop_strings(c, stop)
-        sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, logit_bias or (), structured_outputs)
+        sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, logit_bias or (), structured_outputs,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                                  bad_words=encode_bad_words(bad_words or (), self.tokenizer))
         batch, single = encode_prompts(prompts, self.tokenizer)
         if on_tokens is not None and not single:
             c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
@@ -212,7 +249,9 @@ class LLM:
 
 def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
-             scheduler: str = "off", threshold: float = 0.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+             min_tokens: int = 0, bad_words: Sequence[str] | None = None, scheduler: str = "off",
+             threshold: float = 0.0,
              eos_token_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              stop: str | Sequence[str] | None = None, on_tokens: Callable[[list[int]], "bool | None"] | None = None,
              structured_outputs: StructuredOutputs | None = None, tokenizer=None, max_model_len: int | None = None, allow_pickle: bool = False, device=None,
@@ -238,7 +277,9 @@ def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: 
               tree_budget=tree_budget, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
               gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks, kv_block_size=kv_block_size)
     return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, min_p=min_p, logit_bias=logit_bias, eos_token_id=eos_token_id, ignore_eos=ignore_eos,
+                        seed=seed, min_p=min_p, logit_bias=logit_bias, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                        min_tokens=min_tokens, bad_words=bad_words, eos_token_id=eos_token_id, ignore_eos=ignore_eos,
                         stop=stop, on_tokens=on_tokens, structured_outputs=structured_outputs)
 
 

@@ -203,10 +203,12 @@ def blocks_in_memory(device, utilization: float, bytes_per_block: int, working_b
 def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tokens: int) -> int | None:
     """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
     block), after a step's working memory: its tokens' activations, the verify rows' f32 logits
-    (and their probabilities) and a margin for the CUDA graphs' pools; None off CUDA (the runner
-    then holds ``max_batch`` full lines, as with ``gpu_memory_utilization`` None)."""
+    (and their probabilities), the slots' penalty state and a margin for the CUDA graphs' pools;
+    None off CUDA (the runner then holds ``max_batch`` full lines, as with
+    ``gpu_memory_utilization`` None)."""
     from ..model.layers import KVCache
     from .chunks import MAX_CHUNKS as max_chunks
+    from .penalties import BYTES_PER_TOKEN as penalty_bytes
 
     if config.gpu_memory_utilization is None:
         return None
@@ -217,7 +219,8 @@ def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tok
                                              draft_model.dtype)
     logits = 2 * (config.max_batch * verify_len + max_chunks) * target.vocab_size * 4
     activations = step_tokens * target.shape.hidden_size * 64
+    penalties = (config.max_batch + 1) * target.vocab_size * penalty_bytes
     # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
     states = target.state_bytes(config.max_batch + 1, verify_len) if hasattr(target, "state_bytes") else 0
     return blocks_in_memory(target.device, config.gpu_memory_utilization, per_token * config.kv_block_size,
-                            GRAPH_POOL_BYTES + logits + activations + states)
+                            GRAPH_POOL_BYTES + logits + activations + penalties + states)

@@ -25,9 +25,11 @@ than through bf16 copies of W1/W2 and the confidence weights, which would flip g
 against the model's own math.
 
 Drafts are sampled through the same request stage as the target's probabilities
-(``RowSampling``: logit_bias, temperature, min_p, top-k, top-p as vLLM applies them), so drafts
-stay likely under the distribution verification reproduces, and q is exactly the distribution each
-token came from, so verification stays lossless (runtime.md §3.9 note, §12). The request's logit
+(``RowSampling``: logit_bias, temperature, min_p, top-k, top-p as vLLM applies them, and the
+penalties, min_tokens and bad_words on the committed output -- not on the drafts before each step,
+which verification counts: that gained nothing measurable), so drafts stay likely under the
+distribution verification reproduces, and q is exactly the distribution each token came from, so
+verification stays lossless (runtime.md §3.9 note, §12). The request's logit
 bias is added to the block's backbone logits: the Markov correction is additive too, so every
 corrected step carries it. Scheduling (chain mode, one row):
 ``off`` verifies all P drafts; ``threshold`` / ``sps`` go through
@@ -48,31 +50,39 @@ import torch
 
 from .. import kernels as K
 from ..kernels._validate import HALF_DTYPES, Checker
+from .penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, RowPenalties, Window
 from .structured import StructuredOutputs
 
 __all__ = ["Drafter", "Proposal", "RowSampling", "SamplingParams", "SCHEDULERS", "MAX_LOGIT_BIAS_TOKENS",
-           "LOGIT_BIAS_LIMIT", "request_probabilities"]
+           "LOGIT_BIAS_LIMIT", "PENALTY_LIMIT", "request_probabilities"]
 
 SCHEDULERS = ("off", "threshold", "sps")
 # token ids one request may bias: the runner stages a joining request's biases at fixed addresses
 # (``ChunkBuffers``), this many per seat
 MAX_LOGIT_BIAS_TOKENS = 1024
 LOGIT_BIAS_LIMIT = 100.0  # |bias| at most, as OpenAI's API
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| at most, as OpenAI's API
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """A request's sampling, as vLLM's sampler and transformers' warpers define it (``RowSampling``):
-    ``logit_bias`` (token id -> bias in [-100, 100], added to the raw logits), ``temperature``,
+    ``logit_bias`` (token id -> bias in [-100, 100], added to the raw logits), the controls that
+    read the tokens so far (``reads_history``; ``penalties.py``: ``min_tokens`` >= 0, the stop / EOS
+    ids banned until that many tokens were generated; ``bad_words``, token-id sequences whose last
+    token is banned where the others end the output; ``repetition_penalty`` > 0 over prompt and
+    output; ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] over the output), ``temperature``,
     ``min_p`` in [0, 1] (keep tokens with ``p >= min_p * p_max``), ``top_k``, ``top_p`` (the
     standard nucleus: the boundary token kept whole) and the uniforms' ``seed``.
 
     ``top_k`` 0 or negative (vLLM's -1) means no top-k filter (stored as 0). Greedy when
-    ``temperature < K.GREEDY_TEMPERATURE`` or ``top_k == 1``: the argmax of the biased logits.
+    ``temperature < K.GREEDY_TEMPERATURE`` or ``top_k == 1``: the argmax of the processed logits.
     ``logit_bias`` is stored as ``((token id, bias), ...)`` sorted by id (a mapping or pairs are
-    taken; at most ``MAX_LOGIT_BIAS_TOKENS`` ids, each once); the engine checks the ids against its
-    vocabulary. ``structured_outputs``: what the output must match (``structured.StructuredOutputs``:
-    a JSON schema, any JSON object, a regex, a choice, an EBNF grammar), or None.
+    taken; at most ``MAX_LOGIT_BIAS_TOKENS`` ids, each once); ``bad_words`` as a tuple of tuples
+    (at most ``MAX_BAD_WORDS`` of two tokens or more, each at most ``MAX_BAD_WORD_TOKENS``); the
+    engine checks the ids against its vocabulary (and ``min_tokens`` against ``max_new_tokens``).
+    ``structured_outputs``: what the output must match (``structured.StructuredOutputs``: a JSON
+    schema, any JSON object, a regex, a choice, an EBNF grammar), or None.
     """
 
     temperature: float = 0.0
@@ -82,6 +92,11 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     structured_outputs: StructuredOutputs | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         c = Checker("SamplingParams")
@@ -97,16 +112,29 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             c.fail("structured_outputs must be a StructuredOutputs (or None), got "
                    f"{type(self.structured_outputs).__name__}", TypeError)
+        for name in ("presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, c.real(name, getattr(self, name), low=-PENALTY_LIMIT, high=PENALTY_LIMIT))
+        if c.real("repetition_penalty", self.repetition_penalty) <= 0.0:
+            c.fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        c.integer("min_tokens", self.min_tokens, low=0)
+        object.__setattr__(self, "bad_words", _bad_words(c, self.bad_words))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < K.GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
+    def reads_history(self) -> bool:
+        """Whether a control reads the tokens so far (penalties, min_tokens, bad_words)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0 or bool(self.bad_words))
+
+    @property
     def plain_argmax(self) -> bool:
-        """Whether the token is the argmax of the raw logits (greedy, no bias): the runner's argmax
-        paths serve such a row without building its distribution."""
-        return self.greedy and not self.logit_bias
+        """Whether the token is the argmax of the raw logits (greedy, no bias, no penalty): the
+        runner's argmax paths serve such a row without building its distribution."""
+        return self.greedy and not self.logit_bias and not self.reads_history
 
     @property
     def seed_bits(self) -> int:
@@ -150,16 +178,37 @@ def _logit_bias_pairs(c: Checker, logit_bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(checked.items()))
 
 
+def _bad_words(c: Checker, bad_words) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` (token-id sequences) as a tuple of non-empty tuples of int ids >= 0, within the
+    device table's bounds; TypeError / ValueError naming the entry otherwise."""
+    if isinstance(bad_words, (str, bytes)) or not isinstance(bad_words, (tuple, list)):
+        c.fail(f"bad_words must be a list of token-id sequences, got {type(bad_words).__name__}", TypeError)
+    words = []
+    for i, word in enumerate(bad_words):
+        if isinstance(word, (str, bytes)) or not isinstance(word, (tuple, list)) or not word:
+            c.fail(f"bad_words[{i}] must be a non-empty list of token ids, got {word!r}", TypeError)
+        if len(word) > MAX_BAD_WORD_TOKENS:
+            c.fail(f"bad_words[{i}] may hold at most {MAX_BAD_WORD_TOKENS} tokens, got {len(word)}")
+        words.append(tuple(c.integer(f"bad_words[{i}] token id", t, low=0) for t in word))
+    multi = sum(len(w) > 1 for w in words)
+    if multi > MAX_BAD_WORDS:
+        c.fail(f"bad_words may hold at most {MAX_BAD_WORDS} sequences of two tokens or more, got {multi}")
+    return tuple(words)
+
+
 @dataclass(frozen=True)
 class RowSampling:
     """Sampling settings of B rows as device tensors -- ``temperature`` f32 ``[B]`` (a greedy row:
     below ``K.GREEDY_TEMPERATURE``, or ``top_k`` 1), ``top_k`` int32 ``[B]`` (0: off), ``top_p`` f32
-    ``[B]``, ``min_p`` f32 ``[B]`` (0: off), ``logit_bias`` f32 ``[B, V]`` (dense; None: no bias) --
-    so that one launch, and one CUDA graph, serves rows of any settings; each row's result is the one
-    its own settings give (every operation works along a row).
+    ``[B]``, ``min_p`` f32 ``[B]`` (0: off), ``logit_bias`` f32 ``[B, V]`` (dense; None: no bias),
+    ``penalties`` (the state the penalties, min_tokens and bad_words read; None: none) -- so that
+    one launch, and one CUDA graph, serves rows of any settings; each row's result is the one its
+    own settings give (every operation works along a row).
 
     The request stage, in vLLM's sampler order (``vllm/v1/sample/sampler.py``): the bias added to the
-    raw logits; a greedy row's one-hot argmax of those; else temperature (a division, as vLLM and
+    raw logits; min_tokens' and bad_words' masks, the repetition, frequency and presence penalties
+    (``RowPenalties.apply``: at each position of a verify window, with the window's tokens before
+    it); a greedy row's one-hot argmax of those; else temperature (a division, as vLLM and
     transformers' ``TemperatureLogitsWarper``), min_p on the softmax of the scaled logits, then top-k
     (ties with the k-th value kept) and top-p (the standard nucleus over what min_p and top-k left,
     the boundary token kept whole) as vLLM's ``apply_top_k_top_p``, and the softmax of what is left.
@@ -173,6 +222,7 @@ class RowSampling:
     top_p: torch.Tensor
     min_p: torch.Tensor
     logit_bias: torch.Tensor | None = None
+    penalties: RowPenalties | None = None
 
     def biased(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[B, V]`` or ``[B, L, V]`` plus each row's bias (row b's on its L rows)."""
@@ -180,14 +230,21 @@ class RowSampling:
             return logits
         return logits + (self.logit_bias if logits.dim() == 2 else self.logit_bias[:, None])
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+    def processed(self, logits: torch.Tensor, window: Window | None = None) -> torch.Tensor:
+        """fp32 logits ``[B, V]`` or ``[B, L, V]`` with the bias, masks and penalties of each row
+        (position l of a verify ``window`` with the window's tokens on its path); ``logits`` is kept."""
+        logits = self.biased(logits)
+        return logits if self.penalties is None else self.penalties.apply(logits, window)
+
+    def probabilities(self, logits: torch.Tensor, window: Window | None = None) -> torch.Tensor:
         """f32 probabilities of fp32 logits ``[B, V]`` (or ``[B, L, V]``: row b's settings on its L
-        rows) through the whole request stage (class docstring). No host synchronisation."""
-        return self.filtered_probabilities(self.biased(logits))
+        rows, at the positions of ``window``) through the whole request stage (class docstring). No
+        host synchronisation."""
+        return self.filtered_probabilities(self.processed(logits, window))
 
     def filtered_probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """``probabilities`` of logits that already carry their bias (the drafter's, biased in its
-        backbone logits)."""
+        """``probabilities`` of logits that already carry their bias and penalties (the drafter's,
+        biased in its backbone logits)."""
         rows = logits.reshape(-1, logits.shape[-1])
         repeat = rows.shape[0] // self.temperature.shape[0]
         settings = (t.repeat_interleave(repeat) if repeat > 1 else t
@@ -293,10 +350,10 @@ class Drafter:
         ``sampling`` the rows' settings (None: every row greedy; a greedy row among sampled ones draws
         its one-hot argmax) and ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy).
         ``logit_bias`` f32 ``[B, V]`` (None: none) is added to every slot of block b (the rows'
-        ``logit_bias``; sampled rows pass theirs in ``sampling`` too, whose filters alone run on the
-        corrected logits). ``stacked_logits`` f32 ``[B, P+1, V]`` (tree mode, greedy): depth row
-        ``s + 1`` receives step ``s``'s Markov-corrected logits along the greedy chain. No host
-        synchronisation.
+        ``logit_bias``; sampled rows pass theirs in ``sampling`` too, whose penalties, on the committed
+        output, and filters run on the corrected logits). ``stacked_logits`` f32 ``[B, P+1, V]`` (tree
+        mode, greedy): depth row ``s + 1`` receives step ``s``'s Markov-corrected logits along the
+        greedy chain. No host synchronisation.
         """
         if logit_bias is not None:
             logits = (logits.view(anchors.shape[0], self.block_size, -1) + logit_bias[:, None]).view(logits.shape)
@@ -350,6 +407,8 @@ class Drafter:
             if sampling is None:  # greedy: the argmax (no distribution to build: a sort of V per step)
                 tokens[:, step] = corrected.argmax(-1)
             else:
+                if sampling.penalties is not None:  # on the committed output: q nearer the verified p
+                    corrected = sampling.penalties.apply(corrected)
                 q = sampling.filtered_probabilities(corrected)
                 K.sample_probability_rows(q, uniforms, tokens, step, workspace=self.workspace)
                 K.store_draft_step_probabilities(q, probs, step)

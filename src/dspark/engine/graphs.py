@@ -30,7 +30,7 @@ __all__ = ["CudaGraphs"]
 
 class CudaGraphs:
     """The CUDA graphs of a ``ModelRunner`` (which provides the rows, the forwards and the draft pass
-    the graphs record: ``state``, ``chunks``, ``_decode_rows``, ``_verify_rows``, ``_draft``,
+    the graphs record: ``state``, ``penalties``, ``chunks``, ``_decode_rows``, ``_verify_rows``, ``_draft``,
     ``_mixed_rows``, ...)."""
 
     def _init_graphs(self, max_batch: int, cuda_graphs: bool) -> None:
@@ -80,11 +80,12 @@ class CudaGraphs:
         graph.replay()
 
     def _snapshot(self) -> Callable[[], None]:
-        """Copies of the row state a step writes (and the draft override's buffers), a hybrid
-        target's layer states frozen, and a function that puts them back: a graph's warm-up run
-        must leave no trace. The captured hidden states and draft probabilities are excluded: every
-        step rewrites the rows it reads."""
+        """Copies of the row state a step writes (the slots' penalty state and the draft override's
+        buffers too), a hybrid target's layer states frozen, and a function that puts them back: a
+        graph's warm-up run must leave no trace. The captured hidden states and draft probabilities
+        are excluded: every step rewrites the rows it reads."""
         live = [t for name, t in self.state.tensors() if name not in ("capture", "draft_probs")]
+        live += self.penalties.buffers()
         if self.draft_override is not None:
             live += self.draft_override.buffers()
         saved = [t.clone() for t in live]

@@ -143,8 +143,8 @@ class LLMEngine(OfflineGeneration):
 
     def add_request(self, request: Request) -> int:
         """Queue a request; returns its id. Raises ValueError (naming the problem) for a prompt
-        that does not fit the context, or a prompt, stop ids or logit bias holding ids outside the
-        vocabulary."""
+        that does not fit the context, or a prompt, stop ids, logit bias or bad words holding ids
+        outside the vocabulary."""
         stops = self.check_request(request)
         seq = Sequence(self._next_id, request, stops, prefill_len=len(request.prompt_ids))
         spec = request.sampling.structured_outputs
@@ -174,12 +174,14 @@ class LLMEngine(OfflineGeneration):
         bad = next((i for i in request.stop_ids if i >= vocab), None)
         if bad is not None:
             c.fail(f"stop_ids holds token id {bad}, outside the target's vocabulary [0, {vocab})")
-        bad = next((i for i, _ in request.sampling.logit_bias if i >= vocab), None)
-        if bad is not None:
-            error = ValueError(f"add_request: logit_bias holds token id {bad}, outside the target's vocabulary "
-                               f"[0, {vocab})")
-            error.param = "logit_bias"  # the request field at fault, for the server's 400 (kept when pickled)
-            raise error
+        for field, ids in (("logit_bias", [i for i, _ in request.sampling.logit_bias]),
+                           ("bad_words", [i for word in request.sampling.bad_words for i in word])):
+            bad = next((i for i in ids if i >= vocab), None)
+            if bad is not None:
+                error = ValueError(f"add_request: {field} holds token id {bad}, outside the target's vocabulary "
+                                   f"[0, {vocab})")
+                error.param = field  # the request field at fault, for the server's 400 (kept when pickled)
+                raise error
         if request.sampling.structured_outputs is not None:
             self._check_structured(c, request.sampling.structured_outputs)
         return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)

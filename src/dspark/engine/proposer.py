@@ -17,6 +17,7 @@ import torch
 from .. import kernels as K
 from ..model.draft_runner import DraftRunner, draft_cache
 from .drafting import Drafter
+from .penalties import PenaltyState
 from .rows import RowState, TreeSettings
 from .structured import apply_bitmask
 
@@ -29,9 +30,11 @@ class DSparkProposer:
     id names both caches' K/V); ``readout``: the runner's readout rows (its ``columns``);
     ``max_model_len``: a tree never grows past it; ``vocab_size``: the target's."""
 
-    def __init__(self, drafter: Drafter, state: RowState, readout: torch.Tensor, columns: dict[str, slice],
-                 paged: tuple, verify_len: int, max_model_len: int, tree: TreeSettings | None, vocab_size: int):
-        self.drafter, self.state, self.readout, self.columns = drafter, state, readout, columns
+    def __init__(self, drafter: Drafter, state: RowState, penalties: PenaltyState, readout: torch.Tensor,
+                 columns: dict[str, slice], paged: tuple, verify_len: int, max_model_len: int,
+                 tree: TreeSettings | None, vocab_size: int):
+        self.drafter, self.state, self.penalties = drafter, state, penalties
+        self.readout, self.columns = readout, columns
         self.draft = DraftRunner(drafter.model, draft_cache(drafter.model, paged=paged))
         self.verify_len, self.max_model_len, self.tree = verify_len, max_model_len, tree
         device = state.anchor.device
@@ -65,7 +68,7 @@ class DSparkProposer:
         self._mask_first_draft(b, logits)
         sampling = uniforms = None
         if sampled and self.tree is None:
-            sampling = s.sampling(b)
+            sampling = s.sampling(b, self.penalties)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_PROPOSAL, p)
         stacked = self.stacked[:b] if self.tree is not None else None
         bias = s.logit_bias[:b] if sampled else None  # a plain greedy batch has none: its rows' are zero

@@ -55,6 +55,8 @@ class Request:
         c.integer("max_new_tokens", self.max_new_tokens, low=0)
         if not isinstance(self.sampling, SamplingParams):
             c.fail(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}", TypeError)
+        if self.sampling.min_tokens > self.max_new_tokens:
+            c.fail(f"min_tokens must be at most max_new_tokens ({self.max_new_tokens}), got {self.sampling.min_tokens}")
         stops = self.stop_ids
         if isinstance(stops, torch.Tensor):
             stops = stops.reshape(-1).tolist()

@@ -11,6 +11,7 @@ import torch
 from .drafting import RowSampling
 
 if TYPE_CHECKING:
+    from .penalties import PenaltyState
     from .runner import ModelRunner
 
 __all__ = ["DraftOverride", "RowState", "TreeSettings", "batch_buckets"]
@@ -81,9 +82,10 @@ class RowState:
         """``(name, tensor)`` of every buffer this runner has."""
         return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
 
-    def sampling(self, b: int) -> RowSampling:
-        """Rows ``0 .. b-1``'s sampling settings."""
-        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b], self.min_p[:b], self.logit_bias[:b])
+    def sampling(self, b: int, penalties: "PenaltyState | None" = None) -> RowSampling:
+        """Rows ``0 .. b-1``'s sampling settings, with their slots' ``penalties`` state when given."""
+        return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b], self.min_p[:b], self.logit_bias[:b],
+                           None if penalties is None else penalties.rows(self.slot_ids[:b]))
 
 
 class DraftOverride(Protocol):

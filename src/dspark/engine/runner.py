@@ -54,6 +54,7 @@ from .block_manager import BlockTable
 from .chunks import MAX_CHUNKS, ChunkBuffers, PrefillChunk, pads_verify
 from .drafting import Drafter
 from .graphs import CudaGraphs
+from .penalties import PenaltyState
 from .proposer import DSparkProposer
 from .rows import DraftOverride, RowState, TreeSettings
 from .step import Proposals, StepPlan, StepResult, readout_columns
@@ -134,13 +135,15 @@ class ModelRunner(CudaGraphs):
             self.state.tree_depths = torch.zeros(r, size, **i32)
             self.state.tree_bits = (1 << torch.arange(size, device=dev)).repeat(r, 1)  # int64 ancestor masks
             self.state.tree_nodes = torch.ones(r, **i32)
+        self.penalties = PenaltyState(max_batch + 1, target.vocab_size, t, dev)  # per slot (the dummy line last)
         self.chunks = ChunkBuffers(max_chunk_tokens, MAX_CHUNKS, dev)
         # accepted | accept length | verified drafts (the target pass's) | next proposal length | next
         # confidences (f32 bits; the draft pass's), sent to pinned host copies as each pass ends
         self.readout = torch.zeros(r, t + 3 + p, **i32)
         self.readout_columns = readout_columns(t, p)
         self.proposer = None if drafter is None else DSparkProposer(
-            drafter, self.state, self.readout, self.readout_columns, paged, t, max_model_len, tree, target.vocab_size)
+            drafter, self.state, self.penalties, self.readout, self.readout_columns, paged, t, max_model_len, tree,
+            target.vocab_size)
         on_cuda = dev.type == "cuda"
         self.host_readouts = [torch.zeros(r, t + 3 + p, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
         self.readout_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
@@ -156,8 +159,8 @@ class ModelRunner(CudaGraphs):
         if drafter is not None:
             drafter.workspace = self.workspace
         width = drafter.config.num_capture_layers * drafter.config.hidden_size if drafter is not None else None
-        self.verifier = Verifier(self.state, self.readout, self.readout_columns, self.cache, max_batch=b,
-                                 verify_len=t, num_drafts=p, tree=tree, dummy_slot=self.dummy_slot,
+        self.verifier = Verifier(self.state, self.penalties, self.readout, self.readout_columns, self.cache,
+                                 max_batch=b, verify_len=t, num_drafts=p, tree=tree, dummy_slot=self.dummy_slot,
                                  vocab_size=target.vocab_size, capture_width=width, capture_dtype=target.dtype,
                                  workspace=self.workspace)
 
@@ -203,6 +206,7 @@ class ModelRunner(CudaGraphs):
         step with chunks always drafts. ``self.drafted`` says whether this step did."""
         self.drafted, self.round_times = draft or bool(chunks), None
         self.block_tables.flush()
+        self.penalties.flush()
         if verify_lens is None:
             self._launch_plain(rows, chunks)
             return
@@ -255,6 +259,7 @@ class ModelRunner(CudaGraphs):
         """Start one plain decoding step for the first ``rows`` rows (no wait; ``read`` collects it),
         with ``chunks`` as ``launch_round``."""
         self.block_tables.flush()
+        self.penalties.flush()
         if chunks:
             self._mixed_step(self.bucket(rows) if rows else 0, rows, None, chunks)
             return
@@ -414,18 +419,21 @@ class ModelRunner(CudaGraphs):
     def _seat(self, logits: torch.Tensor) -> None:
         """Rows for requests whose prompt ended (``self.chunks``' seats; padded seats go to the
         scratch row): the first token from the last position's logits ``[max_chunks, V]`` by each
-        seat's settings (keyed as a round's draw: seed, position; a greedy seat's is the argmax of its
-        biased logits), row state (the seat's logit bias written into its row first), the readout as
-        a one-token round, the logits kept for log-probabilities."""
+        seat's settings and its slot's penalty state (keyed as a round's draw: seed, position; a greedy
+        seat's is the argmax of its processed logits), the token appended to that state, row state (the
+        seat's logit bias written into its row first), the readout as a one-token round, the logits
+        kept for log-probabilities."""
         s, t, ch = self.state, self.verify_len, self.chunks
         meta = ch.device_meta()
         rows, ends, slots = ch.seat_rows, meta["seat_ends"], meta["seat_slots"]
         ones = torch.ones(ch.max_chunks, dtype=torch.int32, device=self.device)  # a graph cannot copy host scalars
         ch.write_seat_biases(s.logit_bias)
-        settings = replace(ch.seat_sampling, logit_bias=s.logit_bias[rows])
+        settings = replace(ch.seat_sampling, logit_bias=s.logit_bias[rows], penalties=self.penalties.rows(slots))
         apply_bitmask(logits, s.grammar_mask[rows, 0])
         drawn = sample_rows(logits, settings, ch.seat_seeds, ends - 1, self.workspace)
-        tokens = torch.where(ch.seat_anchors >= 0, ch.seat_anchors, drawn).to(torch.int32)
+        kept = ch.seat_anchors >= 0  # a preempted request's anchor: its slot's state holds it already
+        tokens = torch.where(kept, ch.seat_anchors, drawn).to(torch.int32)
+        self.penalties.commit(slots, tokens[:, None], (~kept & (rows != self.scratch_row)).to(torch.int32))
         for buffer, value in ((s.slot_ids, slots), (s.active, ones), (s.anchor_pos, ends), (s.ctx_pos, ends),
                               (s.anchor, tokens), (s.seeds, ch.seat_seeds), (s.accept_length, ones),
                               (s.temperature, settings.temperature), (s.top_k, settings.top_k),

@@ -53,7 +53,8 @@ class Scheduler:
 
     def admit(self) -> list[Sequence]:
         """Give waiting requests a cache slot while rows are free, with the prefix cache's blocks of
-        their prompt (their prompts then run in chunks from there); returns them."""
+        their prompt (their prompts then run in chunks from there) and the slot's penalty state (its
+        prompt and output so far); returns them."""
         admitted = []
         while self.waiting and self.free_slots and len(self.running) + len(self.prefilling) < self.max_batch:
             seq = self.waiting.popleft()
@@ -66,6 +67,8 @@ class Scheduler:
                 if not seq.output_ids:
                     seq.stats.cached_tokens = seq.prefilled
             self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
+            self.runner.penalties.stage(seq.slot, seq.request.sampling, seq.request.prompt_ids, seq.output_ids,
+                                        seq.stop_ids)
             self.prefilling.append(seq)
             admitted.append(seq)
         self.count()

@@ -7,8 +7,9 @@ back a token whose text ends in U+FFFD: byte-level tokenizers split a UTF-8 char
 and the replacement character means its bytes are not all there yet.
 
 ``TextOutput`` adds stop strings on top: the text is searched as it grows (a token at a time, so the
-output ends at the token that completes the stop string); at a match the output ends just before
-the stop string. Text that could be the start of a stop string is held back until the next token
+output ends at the token that completes the stop string) once more than the request's
+``min_tokens`` tokens were generated (vLLM's rule); at a match the output ends just before the stop
+string. Text that could be the start of a stop string is held back until the next token
 shows it is not. ``TextStream`` is what the Python API and the CLI keep per request on top: the
 text so far and the output tokens up to the one that completed a stop string.
 """
@@ -53,12 +54,14 @@ class TextOutput:
     """The output text of one request: ``add`` an engine step's tokens, get the text released now.
 
     ``stopped`` is the stop string that ended the text (then no more text comes); ``flush()``
-    releases what was held back once generation ended for another reason.
+    releases what was held back once generation ended for another reason. No stop string ends the
+    first ``min_tokens`` tokens.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], min_tokens: int = 0):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = [s for s in stop if s]
+        self.min_tokens, self.tokens = min_tokens, 0
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""  # decoded, not released: could still begin a stop string
         self.stopped: str | None = None
@@ -70,6 +73,7 @@ class TextOutput:
             return self._grow(self.detok.add(token_ids)), len(token_ids)
         text = ""
         for used, token in enumerate(token_ids, 1):
+            self.tokens += 1
             text += self._grow(self.detok.add([token]))
             if self.stopped is not None:
                 return text, used
@@ -88,7 +92,8 @@ class TextOutput:
         if self.stopped is not None or not piece:
             return ""
         self.pending += piece
-        hits = [(i, s) for s in self.stop if (i := self.pending.find(s)) >= 0]
+        searched = self.tokens > self.min_tokens
+        hits = [(i, s) for s in self.stop if searched and (i := self.pending.find(s)) >= 0]
         if hits:
             end, self.stopped = min(hits)
             released, self.pending = self.pending[:end], ""
@@ -103,8 +108,8 @@ class TextStream:
     needs -- ``text`` so far and ``stop_tokens``, the output tokens up to the one that completed a
     stop string (None before one)."""
 
-    def __init__(self, tokenizer, prompt_ids, stop=()):
-        self.output = TextOutput(tokenizer, list(prompt_ids), list(stop))
+    def __init__(self, tokenizer, prompt_ids, stop=(), min_tokens: int = 0):
+        self.output = TextOutput(tokenizer, list(prompt_ids), list(stop), min_tokens)
         self.ids: list[int] = []
         self.text, self.emitted = "", 0
         self.stop_tokens: int | None = None

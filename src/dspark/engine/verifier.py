@@ -17,6 +17,7 @@ import torch
 from .. import kernels as K
 from ..model.llama import AttentionBatch
 from .drafting import RowSampling
+from .penalties import PenaltyState, Window
 from .rows import RowState, TreeSettings
 from .structured import apply_bitmask
 
@@ -25,18 +26,21 @@ __all__ = ["Verifier", "pad_requests", "sample_rows"]
 
 class Verifier:
     """The target pass over ``state`` (the runner's rows ``0 .. max_batch``, the last a scratch
-    row): ``verify_len`` tokens per row at most (the chain's anchor and ``num_drafts`` drafts, or a
-    tree's ``budget`` nodes), the readout's target-pass columns (``readout``, ``columns``), ``cache``
-    (an accepted tree path's K/V move there), the kernels' ``workspace``. Owns the flat per-token
-    buffers the runner's steps fill: ``logit_rows`` f32 ``[max_batch * T + 1, V]`` (row ``r * T + i``:
-    verify token i of row r; the last takes padding tokens; read back for log-probabilities) and,
-    with a drafter, ``capture_rows`` ``[max_batch * T + 1, width]`` (the hidden states the draft
-    context is made from; ``state.capture`` is its view)."""
+    row) and ``penalties`` (the state the penalties read, per slot: each position's logits processed
+    with the window's tokens before it, committed tokens appended): ``verify_len`` tokens per row at
+    most (the chain's anchor and ``num_drafts`` drafts, or a tree's ``budget`` nodes), the readout's
+    target-pass columns (``readout``, ``columns``), ``cache`` (an accepted tree path's K/V move
+    there), the kernels' ``workspace``. Owns the flat per-token buffers the runner's steps fill:
+    ``logit_rows`` f32 ``[max_batch * T + 1, V]`` (row ``r * T + i``: verify token i of row r; the
+    last takes padding tokens; read back for log-probabilities) and, with a drafter,
+    ``capture_rows`` ``[max_batch * T + 1, width]`` (the hidden states the draft context is made
+    from; ``state.capture`` is its view)."""
 
-    def __init__(self, state: RowState, readout: torch.Tensor, columns: dict[str, slice], cache, *, max_batch: int,
-                 verify_len: int, num_drafts: int, tree: TreeSettings | None, dummy_slot: int, vocab_size: int,
-                 capture_width: int | None, capture_dtype: torch.dtype, workspace):
+    def __init__(self, state: RowState, penalties: PenaltyState, readout: torch.Tensor, columns: dict[str, slice],
+                 cache, *, max_batch: int, verify_len: int, num_drafts: int, tree: TreeSettings | None,
+                 dummy_slot: int, vocab_size: int, capture_width: int | None, capture_dtype: torch.dtype, workspace):
         self.state, self.readout, self.columns, self.cache, self.workspace = state, readout, columns, cache, workspace
+        self.penalties = penalties
         self.max_batch, self.verify_len, self.num_drafts, self.tree = max_batch, verify_len, num_drafts, tree
         self.dummy_slot = dummy_slot
         b, t, dev = max_batch, verify_len, state.anchor.device
@@ -67,8 +71,8 @@ class Verifier:
         if capture is not None:
             s.capture[:b, 0] = capture
             self.readout[:b, t + 1] = 0  # drafts verified
-        s.accepted[:b, 0] = sample_rows(logits, s.sampling(b) if sampled else None, s.seeds[:b], s.anchor_pos[:b],
-                                         self.workspace)
+        sampling = s.sampling(b, self.penalties) if sampled else None
+        s.accepted[:b, 0] = sample_rows(logits, sampling, s.seeds[:b], s.anchor_pos[:b], self.workspace)
         s.accept_length[:b] = 1
         self.advance(b, 1)
 
@@ -144,7 +148,8 @@ class Verifier:
         tree = K.TreeBatch(s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b], None, None, s.tree_nodes[:b],
                            None, None)
         if sampled:
-            probs = s.sampling(b).probabilities(logits)
+            window = Window.tree(s.tree_tokens[:b], s.tree_depths[:b], s.tree_bits[:b])  # a node after its path
+            probs = s.sampling(b, self.penalties).probabilities(logits, window)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_TREE,
                                           (p + 1) * (self.tree.top_k + 1)).view(b, p + 1, self.tree.top_k + 1)
             accepted, nodes, n = K.sampled_tree_accept(probs, tree, uniforms, max_depth=p)
@@ -173,7 +178,7 @@ class Verifier:
         drafts each (rows past a row's length are never read). With sampled rows every row takes
         speculative sampling: a greedy row's one-hot target distribution accepts exactly the drafts
         that equal its argmax and then emits the argmax, whatever its drafts' q. A plain greedy batch
-        takes the argmax of the raw logits (no row has a bias there)."""
+        takes the argmax of the raw logits (no row has a bias or a penalty there)."""
         s, p = self.state, self.num_drafts
         drafts = s.draft_tokens[:b]
         if not sampled:
@@ -183,14 +188,17 @@ class Verifier:
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_ACCEPT, p, out=uniforms[:, :p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
-        probs = s.sampling(b).probabilities(logits)
+        window = Window.chain(torch.cat([s.anchor[:b, None], drafts], 1))  # position j follows drafts 1..j
+        probs = s.sampling(b, self.penalties).probabilities(logits, window)
         return K.probabilistic_accept(probs, s.draft_probs[:b], drafts, verified, uniforms, p,
                                       workspace=self.workspace)
 
     def advance(self, b: int, verify_len: int) -> None:
-        """Commit the accepted prefix on the device: the caches' lengths are the anchor positions."""
+        """Commit the accepted prefix on the device: the caches' lengths are the anchor positions, the
+        tokens join their slots' penalty state (padding rows' none)."""
         s = self.state
         n = s.accept_length[:b]
+        self.penalties.commit(s.slot_ids[:b], s.accepted[:b, :verify_len], n * s.active[:b])
         self.readout[:b, :verify_len] = s.accepted[:b, :verify_len]
         self.readout[:b, self.verify_len] = n
         s.ctx_pos[:b] = s.anchor_pos[:b]

@@ -29,6 +29,7 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from ..engine.api import encode_bad_words
 from ..engine.drafting import LOGIT_BIAS_LIMIT, SamplingParams
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request, RequestOutput, TokenLogprobs
@@ -255,6 +256,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
             raise APIError(400, f"logit_bias names token id {int(key)} twice (as {short_repr(key)})", "logit_bias")
         checked[int(key)] = value
     return checked
+
+
+def _field_named(message: str) -> str | None:
+    """The request field an engine error (``"SamplingParams: bad_words may ..."``) names, if any."""
+    words = message.split(": ", 1)[-1].replace("[", " ").split()
+    return words[0] if words and words[0] in SamplingFields.model_fields else None
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -659,12 +666,15 @@ class _Server:
                                 f"holds in flight ({capacity}): send fewer prompts or a smaller n", "n")
         stop = [body.stop] if isinstance(body.stop, (str, int)) else body.stop or []
         stop_ids = frozenset([s for s in stop if isinstance(s, int)] + (body.stop_token_ids or []))
+        bad_words = self._bad_words(body)
         gens = []
         for j, (prompt_ids, limit) in enumerate(zip(prompts, max_tokens)):
             for i in range(body.n):
-                request = self._request(body, prompt_ids, limit, self._seed(body.seed, i), stop_ids, logprobs,
-                                        prompt_logprobs)
-                text = TextOutput(self.tokenizer, prompt_ids, self._stop_strings(body)) if self.tokenizer else None
+                request = self._request(body, prompt_ids, limit, self._seed(body.seed, i), stop_ids, bad_words,
+                                        logprobs, prompt_logprobs)
+                text = None
+                if self.tokenizer is not None:
+                    text = TextOutput(self.tokenizer, prompt_ids, self._stop_strings(body), body.min_tokens or 0)
                 gens.append(Generation(j * body.n + i, request, text, stop_ids, self.latency))
         queue: asyncio.Queue = asyncio.Queue()
         choices = Choices(gens, queue, self.counters, sum(len(p) for p in prompts))
@@ -684,20 +694,33 @@ class _Server:
         ``seed + sample`` (vLLM's rule: the n samples differ and each repeats)."""
         return secrets.randbits(64) if seed is None else (seed + sample) % (UINT64_MAX + 1)
 
+    def _bad_words(self, body: SamplingFields) -> tuple[tuple[int, ...], ...]:
+        """``bad_words`` tokenized as vLLM (``encode_bad_words``); a 400 naming the field otherwise."""
+        try:
+            return encode_bad_words(body.bad_words or [], self.tokenizer, name="request")
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), "bad_words") from None
+
     @staticmethod
     def _request(body: SamplingFields, prompt_ids: list[int], max_tokens: int, seed: int, stop_ids: frozenset[int],
-                 logprobs: int | None, prompt_logprobs: int | None) -> Request:
+                 bad_words: tuple[tuple[int, ...], ...], logprobs: int | None, prompt_logprobs: int | None) -> Request:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # vLLM's -1 / 0: off
         logit_bias = _logit_bias(body.logit_bias)
+        if (body.min_tokens or 0) > max_tokens:
+            raise APIError(400, f"min_tokens must be at most max_tokens ({max_tokens}), got {body.min_tokens}",
+                           "min_tokens")
         structured = structured_outputs(body)
         try:
-            sampling = SamplingParams(1.0 if body.temperature is None else body.temperature, top_k,
-                                      1.0 if body.top_p is None else body.top_p, seed, body.min_p or 0.0, logit_bias,
-                                      structured)
+            sampling = SamplingParams(
+                1.0 if body.temperature is None else body.temperature, top_k, 1.0 if body.top_p is None else body.top_p,
+                seed, body.min_p or 0.0, logit_bias, structured, presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_tokens=body.min_tokens or 0, bad_words=bad_words)
             return Request(prompt_ids, max_tokens, sampling, stop_ids=tuple(sorted(stop_ids)),
                            ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), _field_named(str(exc))) from None
 
     def _submit(self, request: Request, queue: asyncio.Queue, index: int) -> Handle:
         event_loop = asyncio.get_running_loop()

@@ -3,13 +3,14 @@
 Requests are validated strictly (a string is not a number, a float is not an int), and no field is
 silently dropped: the fields the models below declare are honoured; the other OpenAI / vLLM fields
 (``NOOP_VALUES``, per endpoint ``COMPLETION_NOOPS`` / ``CHAT_NOOPS``) are accepted only at values
-that change nothing (``presence_penalty: 0``, ``min_tokens: 0``, ``best_of`` equal to ``n``, any
-``metadata``) and refused otherwise; a field nobody defines is refused too (as OpenAI does:
+that change nothing (``length_penalty: 1``, ``best_of`` equal to ``n``, any ``metadata``) and
+refused otherwise; a field nobody defines is refused too (as OpenAI does:
 "Unrecognized request argument"). ``OpenAIModel.refused_field`` finds the first, nested bodies
 (messages, content parts, ``stream_options``) included. Beyond OpenAI, the vLLM extensions
-``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (token ids in every choice and
-chunk) and, for chat, ``add_generation_prompt`` and ``chat_template``. As vLLM: ``prompt`` may be a
-list of prompts (one choice per prompt and sample), ``n`` samples per prompt, ``logprobs``
+``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``stop_token_ids``,
+``ignore_eos``, ``return_token_ids`` (token ids in every choice and chunk) and, for chat,
+``add_generation_prompt`` and ``chat_template``. As vLLM: ``prompt`` may be a list of prompts (one
+choice per prompt and sample), ``n`` samples per prompt, ``logprobs``
 (completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``),
 ``prompt_logprobs`` (0..``MAX_LOGPROBS``: each prompt token's log-probability, not streamed), structured
 outputs (``response_format`` ``json_object`` / ``json_schema``, ``structured_outputs`` with ``json``,
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.drafting import PENALTY_LIMIT
 
 MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default --max-logprobs; OpenAI's limit)
 
@@ -48,12 +51,9 @@ class AnyOf:
 
 
 # field -> the values that change nothing (accepted as if left out); any other value is refused.
-# Penalties, min_tokens, bad_words, ... are not implemented yet.
 NOOP_VALUES: dict[str, tuple] = {
     # sampling
-    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "min_tokens": (None, 0), "allowed_token_ids": (None,),
-    "bad_words": (None, []), "best_of": (None, 1, SameAs("n")), "use_beam_search": (None, False),
+    "allowed_token_ids": (None,), "best_of": (None, 1, SameAs("n")), "use_beam_search": (None, False),
     "length_penalty": (None, 1), "logits_processors": (None, []),
     # what the output holds
     "include_stop_str_in_output": (None, False),
@@ -154,8 +154,11 @@ class StreamOptions(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """The generation fields completions and chat share. Sampling as vLLM's sampler (the engine's
     ``SamplingParams``): ``logit_bias`` (OpenAI's: token ids as strings -> bias in [-100, 100], added
-    to the logits, greedy requests' too), temperature, ``min_p``, ``top_k``, ``top_p`` (the standard
-    nucleus); the ids are checked against the vocabulary by the engine."""
+    to the logits, greedy requests' too), ``min_tokens`` (the stop / EOS ids banned and stop strings
+    not matched until that many tokens were generated), ``bad_words`` (strings tokenized as vLLM),
+    ``repetition_penalty`` (> 0, over prompt and output), ``frequency_penalty`` and
+    ``presence_penalty`` (in [-2, 2], over the output), temperature, ``min_p``, ``top_k``, ``top_p``
+    (the standard nucleus); the ids are checked against the vocabulary by the engine."""
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0)
@@ -163,6 +166,11 @@ class SamplingFields(OpenAIModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
+    bad_words: list[str] | None = None
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     stop: Union[str, list[str], list[int], None] = None
     stop_token_ids: list[int] | None = None
