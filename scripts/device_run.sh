@@ -36,7 +36,7 @@ for step in "$@"; do
              --out "$OUT/prefixchat" -- --engine-factory dspark.bench.replay:random_engine --max-batch 64 \
              --max-model-len 4096 > "$OUT/prefixchat.log" 2>&1 ;;
     capacity) timeout "${CAPACITY_LIMIT:-400}" python -m dspark.bench.capacity --shape qwen3-8b --request-tokens 4096 \
-             --new 256 > "$OUT/capacity.json" 2> "$OUT/capacity.log" ;;
+             --new 64 --enforce-eager > "$OUT/capacity.json" 2> "$OUT/capacity.log" ;;
     backends) timeout 175 python -m dspark.bench.engine --backends fused,hf --shapes qwen3-8b --batches 1,8,64 \
              --prompt 128 --new 64 --out "$OUT/backends" > "$OUT/backends.log" 2>&1 ;;
     breakdown) timeout 90 python -m dspark.bench.breakdown --case "logits_to_probabilities rows=512 top-p 0.9" \

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="4352,8192,32768", help="per-slot lines to compare (max_model_len)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--step-tokens", type=int, default=16384, help="max_num_batched_tokens")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (their pool is budgeted either way)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    engine = engine_for(fit + fit // 4)
+    engine = engine_for(fit + fit // 4, graphs=not args.enforce_eager)
     fit, blocks = requests_held(engine, args.request_tokens), engine.runner.num_kv_blocks - 1
     block_size, per_token = engine.config.kv_block_size, kv_bytes_per_token(engine)
     report = {"shape": args.shape, "request_tokens": args.request_tokens, "new": args.new,
