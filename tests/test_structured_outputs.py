@@ -163,7 +163,7 @@ def test_a_window_masks_each_position_by_the_state_before_it(demo):
     draft, a position the grammar forces to one token takes it (here the EOS once the regex is
     complete), and the matchers are rolled back."""
     pair, tokenizer, _, engine, _ = demo
-    grammars = engine.grammars()
+    grammars = engine.structured.grammars(engine.tokenizer, engine.eos_ids)
     prefix = tokenizer("12x")["input_ids"]
     refused = tokenizer("z")["input_ids"]
     specs = (StructuredOutputs(regex=r"[0-9]+x[a-c]"), StructuredOutputs(regex=r"[0-9]+x"))

@@ -36,7 +36,7 @@ from .scheduler import Scheduler
 from .schedulers import batch_schedule, drafting_pays
 from .stats import EngineMetrics
 from .step import StepPlan, StepResult
-from .structured import GrammarRow, GrammarStager, Grammars, StructuredOutputs
+from .structured import StructuredStage
 from .target import load_models
 
 __all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "engine_config", "token_logprobs"]
@@ -128,12 +128,8 @@ class LLMEngine(OfflineGeneration):
         # (off, trees: the next step is launched behind the running draft pass)
         self._reads_proposals = drafter is not None and tree is None and config.scheduler != "off"
         self._plain: LLMEngine | None = None
-        # structured outputs: the tokenizer xgrammar reads (default: the target directory's), the
-        # compiled grammars and the host side of the runner's mask buffers, built on first use
-        self.tokenizer = None
-        self._tokenizer_source = target
-        self._grammars: Grammars | None = None
-        self._stager: GrammarStager | None = None
+        self.tokenizer = None  # what structured outputs compile against (None: the target directory's)
+        self.structured = StructuredStage(self.runner, target)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -149,7 +145,7 @@ class LLMEngine(OfflineGeneration):
         seq = Sequence(self._next_id, request, stops, prefill_len=len(request.prompt_ids))
         spec = request.sampling.structured_outputs
         if spec is not None:
-            seq.grammar = self.grammars().matcher(spec)
+            seq.grammar = self.structured.grammars(self.tokenizer, self.eos_ids).matcher(spec)
         seq.stats.num_drafts, seq.stats.prompt_tokens = self.num_drafts, len(request.prompt_ids)
         if request.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(request.prompt_ids)
@@ -183,37 +179,8 @@ class LLMEngine(OfflineGeneration):
                 error.param = field  # the request field at fault, for the server's 400 (kept when pickled)
                 raise error
         if request.sampling.structured_outputs is not None:
-            self._check_structured(c, request.sampling.structured_outputs)
+            self.structured.check(request.sampling.structured_outputs, self.tokenizer, self.eos_ids)
         return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
-
-    def _check_structured(self, c: Checker, spec: StructuredOutputs) -> None:
-        """A structured output's spec compiles (ValueError naming the problem, ``param``
-        ``structured_outputs``) and this engine can run it."""
-        try:
-            if self.runner.tree is not None:
-                c.fail("structured_outputs are not supported in tree mode (draft_top_k > 1): a tree's nodes would "
-                       "each need the grammar state of their own path; use chain drafting (draft_top_k 1)")
-            self.grammars().compile(spec)
-        except ValueError as exc:
-            exc.param = "structured_outputs"  # the request field at fault, for the server's 400
-            raise
-
-    def grammars(self) -> Grammars:
-        """The engine's compiled grammars (built on first use from ``self.tokenizer``, else the target
-        directory's tokenizer)."""
-        if self._grammars is None:
-            tokenizer = self.tokenizer
-            if tokenizer is None:
-                from .api import load_tokenizer
-
-                source = self._tokenizer_source
-                tokenizer = load_tokenizer(source if isinstance(source, str) else getattr(source, "name_or_path", None))
-            if tokenizer is None:
-                Checker("add_request").fail("structured_outputs need the target's tokenizer, and it has none "
-                                            "(set LLMEngine.tokenizer)")
-            self._grammars = Grammars(tokenizer, self.target.vocab_size, self.eos_ids)
-            self._stager = GrammarStager(self.runner.state, self.runner.verify_len, self._grammars.width)
-        return self._grammars
 
     @torch.inference_mode()
     def abort(self, request_id: int, reason: str = "abort") -> None:
@@ -247,7 +214,7 @@ class LLMEngine(OfflineGeneration):
             self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
                                                                tree_budget=0, gpu_memory_utilization=None))
             self._plain.eos_ids = self.eos_ids
-            self._plain.tokenizer, self._plain._tokenizer_source = self.tokenizer, self._tokenizer_source
+            self._plain.tokenizer, self._plain.structured.tokenizer_source = self.tokenizer, self.structured.tokenizer_source
             if self.runner.captures:  # captured up front as this engine (LLM): no timed call captures
                 self._plain.capture_graphs()
         return self._plain
@@ -280,7 +247,7 @@ class LLMEngine(OfflineGeneration):
         rows = len(self.scheduler.running)
         lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
         chunks = self._plan_scored_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows), outputs)
-        lens = self._constrain(rows, lens, chunks)
+        lens = self.structured.constrain(self.scheduler.running[:rows], lens, chunks)
         planned = time.perf_counter()
         overlapped = planned - start if self.runner.device_busy() else 0.0  # behind the last draft pass
         joined = self._run_step(StepPlan(rows, lens, draft, chunks), outputs)
@@ -288,33 +255,6 @@ class LLMEngine(OfflineGeneration):
         end = time.perf_counter()
         self.metrics.record_host(end - start, end - start, overlapped, plan=planned - start, launch=end - planned)
         self._step_host = end - start - overlapped
-
-    def _constrain(self, rows: int, lens: list[int] | None, chunks) -> list[int] | None:
-        """Stage the grammar masks of the step's constrained rows (``GrammarStager``) and return the
-        verify lengths cut to their grammar-valid drafts; with any, the drafter's first-position masks
-        are staged between the step's passes (``ModelRunner.between_passes``). The drafts are read
-        from the device: a constrained step waits for the last draft pass."""
-        self.runner.between_passes = None
-        if self._stager is None:  # no structured request yet
-            return lens
-        running = [GrammarRow(i, seq.grammar) for i, seq in enumerate(self.scheduler.running[:rows])
-                   if seq.grammar is not None]
-        seated = [GrammarRow(chunk.row, seq.grammar, commits=not seq.output_ids) for seq, chunk in chunks
-                  if chunk.row >= 0 and seq.grammar is not None]
-        self._stager.stage_seats(seated)
-        if not running and not seated:
-            return lens
-        drafts = None
-        if running and lens is not None:
-            drafts = self.runner.state.draft_tokens[:rows].cpu()
-        lens = self._stager.stage_round(running, lens, drafts)
-        if self.runner.drafter is not None:
-            def stage_drafts() -> None:
-                result = self.runner.read(max(r.row for r in running + seated) + 1)
-                self._stager.stage_drafts(running + seated, result.tokens)
-
-            self.runner.between_passes = stage_drafts
-        return lens
 
     def _run_step(self, plan: StepPlan, outputs) -> list[Sequence]:
         """Launch ``plan``; returns the requests whose prompt ended (now running, last rows). A failed

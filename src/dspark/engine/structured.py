@@ -22,8 +22,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-__all__ = ["FREE_MASK", "GrammarRow", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs", "apply_bitmask",
-           "bitmask_width", "walk_windows", "Window"]
+from ..kernels._validate import Checker
+
+__all__ = ["FREE_MASK", "GrammarRow", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs",
+           "StructuredStage", "apply_bitmask", "bitmask_width", "walk_windows", "Window"]
 
 FREE_MASK = -1  # an int32 bitmask word with every bit set: every token allowed (a free row's mask)
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -314,3 +316,68 @@ class GrammarStager:
         for r in rows:
             r.grammar.mask_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row])
             self.state.draft_mask[r.row].copy_(self.draft_masks[r.row], non_blocking=True)
+
+
+class StructuredStage:
+    """An engine's structured outputs: its grammars (``Grammars``, compiled on first use against the
+    engine's tokenizer, else ``tokenizer_source``'s: the target directory's) and the host side of
+    ``runner``'s mask buffers (``GrammarStager``), staged before each step's launch."""
+
+    def __init__(self, runner, tokenizer_source):
+        self.runner, self.tokenizer_source = runner, tokenizer_source
+        self.compiled: Grammars | None = None
+        self.stager: GrammarStager | None = None
+
+    def grammars(self, tokenizer, eos_ids) -> Grammars:
+        """The compiled grammars, built on the first structured request."""
+        if self.compiled is None:
+            if tokenizer is None:
+                from .api import load_tokenizer
+
+                source = self.tokenizer_source
+                tokenizer = load_tokenizer(source if isinstance(source, str) else getattr(source, "name_or_path", None))
+            if tokenizer is None:
+                Checker("add_request").fail("structured_outputs need the target's tokenizer, and it has none "
+                                            "(set LLMEngine.tokenizer)")
+            self.compiled = Grammars(tokenizer, self.runner.target.vocab_size, eos_ids)
+            self.stager = GrammarStager(self.runner.state, self.runner.verify_len, self.compiled.width)
+        return self.compiled
+
+    def check(self, spec: StructuredOutputs, tokenizer, eos_ids) -> None:
+        """``spec`` compiles (ValueError naming the problem, ``param`` ``structured_outputs``) and the
+        engine can run it."""
+        try:
+            if self.runner.tree is not None:
+                Checker("add_request").fail(
+                    "structured_outputs are not supported in tree mode (draft_top_k > 1): a tree's nodes would "
+                    "each need the grammar state of their own path; use chain drafting (draft_top_k 1)")
+            self.grammars(tokenizer, eos_ids).compile(spec)
+        except ValueError as exc:
+            exc.param = "structured_outputs"  # the request field at fault, for the server's 400
+            raise
+
+    def constrain(self, running: list, verify_lens: list[int] | None, chunks) -> list[int] | None:
+        """Stage the masks of the step's constrained rows (``running``: the step's running requests,
+        row i first; ``chunks``: its (request, prompt chunk) pairs) and return the verify lengths cut
+        to their grammar-valid drafts; with any, the drafter's first-position masks are staged between
+        the step's passes (``ModelRunner.between_passes``). The drafts are read from the device: a
+        constrained step waits for the last draft pass."""
+        runner = self.runner
+        runner.between_passes = None
+        if self.stager is None:  # no structured request yet
+            return verify_lens
+        rows = [GrammarRow(i, seq.grammar) for i, seq in enumerate(running) if seq.grammar is not None]
+        seated = [GrammarRow(chunk.row, seq.grammar, commits=not seq.output_ids) for seq, chunk in chunks
+                  if chunk.row >= 0 and seq.grammar is not None]
+        self.stager.stage_seats(seated)
+        if not rows and not seated:
+            return verify_lens
+        drafts = runner.state.draft_tokens[:len(running)].cpu() if rows and verify_lens is not None else None
+        verify_lens = self.stager.stage_round(rows, verify_lens, drafts)
+        if runner.drafter is not None:
+            def stage_drafts() -> None:
+                result = runner.read(max(r.row for r in rows + seated) + 1)
+                self.stager.stage_drafts(rows + seated, result.tokens)
+
+            runner.between_passes = stage_drafts
+        return verify_lens
