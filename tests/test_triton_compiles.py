@@ -50,6 +50,10 @@ KERNELS = {
         [dict(R=256, BLOCK_R=256, TILES_PER_PROGRAM=4, PREV_IS_KEY=key, FP8=False, ARGMAX=argmax, WRITE_ROWS=not argmax,
               STATS=not argmax, GROUPS=not argmax, GROUP_SIZE=32, BLOCK_V=128, BLOCK_B=16, NUM_STAGES=3, INTERPRET_=False,
               ROW_TEMP=temp) for key, argmax, temp in ((False, False, False), (False, False, True), (True, True, False))]),
+    "candidates._candidate_step_kernel": (
+        {"logits_ptr": "*bf16", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "first_ptr": I32, "ids_ptr": I32,
+         "succ_ptr": I32, "draft_ptr": I32, "top_k_ptr": I32},
+        [dict(R=256, BLOCK_C=b, BLOCK_R=64) for b in (64, 128)]),
     "markov._quantize_fp8_kernel": ({"w2_ptr": "*bf16", "codes_ptr": "*u8"}, [dict(R=256, BLOCK_ROWS=16, BLOCK_R=256)]),
     "markov._finalize_kernel": ({"keys_ptr": "*i64", "tokens_ptr": I32}, [dict(BLOCK=1024)]),
     "markov._store_column_kernel": ({"src_ptr": "*i64", "dst_ptr": I32}, [dict(BLOCK=1024)]),
