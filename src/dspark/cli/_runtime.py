@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULER_CHOICES = ("off", "threshold", "sps", "cost")
 # ``dspark.engine.config.DEFAULT_DRAFT_CANDIDATES`` / ``_SUCCESSORS``, spelled out likewise
 # (tests/test_candidate_drafting.py keeps them equal)
-DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS = 64, 16
+DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS = 0, 16
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
