@@ -376,6 +376,11 @@ def test_min_p_and_logit_bias_are_honoured(served, http, client, tokenizer, prom
     ("logit_bias", {"5000": 1}, "logit_bias holds token id 5000, outside the target's vocabulary [0, 2048)"),
 ])
 def test_bad_min_p_and_logit_bias_are_400s_naming_the_field(http, field, value, message):
+    assert_400_naming_the_field(http, field, value, message)
+
+
+def assert_400_naming_the_field(http, field, value, message):
+    """Completions and chat both answer 400 with ``param`` = ``field`` and ``message`` in the text."""
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
                                                               {"messages": [{"role": "user", "content": "x"}]})):
         r = http.post(path, json={**body, "max_tokens": 2, field: value})
@@ -424,12 +429,7 @@ def test_penalties_and_filters_are_honoured(served, client, tokenizer, prompts):
     ("bad_words", [f"x{i} y" for i in range(65)], "bad_words may hold at most 64 sequences of two tokens or more"),
 ])
 def test_bad_penalties_are_400s_naming_the_field(http, field, value, message):
-    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
-                                                              {"messages": [{"role": "user", "content": "x"}]})):
-        r = http.post(path, json={**body, "max_tokens": 2, field: value})
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == field and message in error["message"], error
+    assert_400_naming_the_field(http, field, value, message)
 
 
 # ---- the API key ----------------------------------------------------------------------------------
