@@ -43,9 +43,19 @@ def test_bad_hex_escapes_are_refused(given, message):
 
 
 def test_scheduler_choices_are_the_engines():
-    from dspark.engine.config import ENGINE_SCHEDULERS
+    from dspark.engine.config import ENGINE_SCHEDULERS, SCHEDULE_SIGNALS
 
     assert _runtime.SCHEDULER_CHOICES == ENGINE_SCHEDULERS
+    assert _runtime.SCHEDULE_SIGNALS == SCHEDULE_SIGNALS
+
+
+def test_the_online_signal_needs_a_scheduler_that_reads_it():
+    parser = argparse.ArgumentParser()
+    _runtime.add_scheduler_arguments(parser)
+    for argv in (["--schedule-signal", "online"], ["--schedule-signal", "online", "--scheduler", "sps", "--draft-top-k", "2"]):
+        with pytest.raises(ValueError, match="--schedule-signal online needs --scheduler threshold, sps or cost"):
+            _runtime.check_scheduler_arguments(parser.parse_args(argv))
+    _runtime.check_scheduler_arguments(parser.parse_args(["--schedule-signal", "online", "--scheduler", "sps"]))
 
 
 def _cache(root: Path, repos: dict[str, Path]) -> Path:

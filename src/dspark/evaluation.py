@@ -51,7 +51,7 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
              progress: Callable[[int, int], None] | None = None, engine: str = "auto", cost_table=None,
              min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0,
              draft_candidates: int = DEFAULT_DRAFT_CANDIDATES,
-             draft_successors: int = DEFAULT_DRAFT_SUCCESSORS) -> dict:
+             draft_successors: int = DEFAULT_DRAFT_SUCCESSORS, schedule_signal: str = "confidence") -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
@@ -60,8 +60,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     ``progress(done, total)`` is called after each prompt. ``engine``: as ``engine_config`` (one
     prompt at a time either way, so that per-prompt speedups stay comparable; ``"batched"`` adds CUDA
     graphs on a GPU); ``scheduler="cost"`` with ``cost_table`` and ``min_predicted_gain``, and tree
-    mode with ``draft_top_k`` > 1 and ``tree_budget``, and ``draft_candidates`` / ``draft_successors``, as
-    ``EngineConfig``."""
+    mode with ``draft_top_k`` > 1 and ``tree_budget``, and ``draft_candidates`` / ``draft_successors`` and
+    ``schedule_signal``, as ``EngineConfig``."""
     c = Checker("evaluate")
     if not drafts:
         c.fail("drafts must name at least one draft model")
@@ -71,7 +71,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
                            gpu_memory_utilization=None,
                            scheduler=scheduler, threshold=threshold, cost_table=cost_table,
                            min_predicted_gain=min_predicted_gain, draft_top_k=draft_top_k, tree_budget=tree_budget,
-                           draft_candidates=draft_candidates, draft_successors=draft_successors)
+                           draft_candidates=draft_candidates, draft_successors=draft_successors,
+                           schedule_signal=schedule_signal)
     engines = {name: LLMEngine(target, draft, config) for name, draft in drafts.items()}
     speculative = {name: _runner(e, sampling) for name, e in engines.items()}
     baseline = _runner(next(iter(engines.values())).plain(), sampling)

@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The engine's schedulers (``dspark.engine.config.ENGINE_SCHEDULERS``), spelled out so that building
 # a parser never imports the engine (and torch); tests/test_cli_runtime.py keeps the two equal.
 SCHEDULER_CHOICES = ("off", "threshold", "sps", "cost")
+SCHEDULE_SIGNALS = ("confidence", "online")  # ``dspark.engine.config.SCHEDULE_SIGNALS``, likewise
 # ``dspark.engine.config.DEFAULT_DRAFT_CANDIDATES`` / ``_SUCCESSORS``, spelled out likewise
 # (tests/test_candidate_drafting.py keeps them equal)
 DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS = 0, 16
@@ -249,6 +250,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-predicted-gain", type=float, default=0.04,
                         help="cost scheduler: trim verification only when the predicted goodput beats the full "
                              "block by this fraction")
+    add_schedule_signal_argument(parser)
     add_tree_arguments(parser)
     parser.add_argument("--draft-candidates", type=int, default=DEFAULT_DRAFT_CANDIDATES,
                         help="sampled requests draft over each position's top-C drafter logits (exact: verified "
@@ -256,6 +258,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-successors", type=int, default=DEFAULT_DRAFT_SUCCESSORS,
                         help="with --draft-candidates C > 0: also the previous token's M likeliest successors under "
                              "the drafter's Markov head")
+
+
+def add_schedule_signal_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schedule-signal", choices=SCHEDULE_SIGNALS, default="confidence",
+                        help="what the threshold / sps / cost schedulers read as each draft's acceptance: the "
+                             "drafter's confidence head, or online: the acceptances observed so far, per request")
 
 
 def add_eager_argument(parser: argparse.ArgumentParser) -> None:
@@ -327,6 +335,9 @@ def check_scheduler_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft-successors must be >= 0, got {args.draft_successors}")
     if args.draft_top_k == 1 and args.tree_budget:
         raise ValueError(f"--tree-budget {args.tree_budget} needs tree mode: add --draft-top-k K (2..8)")
+    if args.schedule_signal == "online" and (args.scheduler == "off" or args.draft_top_k > 1):
+        raise ValueError("--schedule-signal online needs --scheduler threshold, sps or cost on chains "
+                         f"(--draft-top-k 1), got --scheduler {args.scheduler} --draft-top-k {args.draft_top_k}")
     if args.scheduler in ("off", "cost") and args.threshold != 0.0:
         raise ValueError(f"--threshold {args.threshold} does nothing with --scheduler {args.scheduler}: "
                          f"add --scheduler threshold or --scheduler sps")

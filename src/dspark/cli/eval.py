@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
                           min_predicted_gain=args.min_predicted_gain, engine=args.engine,
                           draft_top_k=args.draft_top_k, tree_budget=args.tree_budget,
                           draft_candidates=args.draft_candidates, draft_successors=args.draft_successors,
+                          schedule_signal=args.schedule_signal,
                           progress=None if bar is None else lambda done, total: bar.update(
                               done / total, f"prompt {done}/{total}"))
         if bar is not None:

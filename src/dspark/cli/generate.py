@@ -201,6 +201,7 @@ def _prepare(args: argparse.Namespace):
               min_predicted_gain=args.min_predicted_gain, allow_pickle=args.allow_pickle, device=device, dtype=dtype,
               draft_top_k=args.draft_top_k, tree_budget=args.tree_budget, enforce_eager=args.enforce_eager,
               draft_candidates=args.draft_candidates, draft_successors=args.draft_successors,
+              schedule_signal=args.schedule_signal,
               **kv_cache_options(args))
     for (where, _), request in zip(records, requests):
         _named(where, llm.decoder.check_request, request)

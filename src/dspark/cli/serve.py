@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_runtime_arguments, add_tree_arguments,
-                       kv_cache_options, resolve_pair, runtime)
+from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_runtime_arguments, add_schedule_signal_argument,
+                       add_tree_arguments, kv_cache_options, resolve_pair, runtime)
 
 DEMO_MODEL_NAME = "dspark-demo"
 API_KEY_ENV = "DSPARK_API_KEY"  # as vLLM's VLLM_API_KEY
@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost scheduler: the JSON that dspark profile writes (default: none; needed by cost)")
     parser.add_argument("--min-predicted-gain", type=float, default=0.04,
                         help="cost scheduler: trim verification only when predicted goodput beats the full block by this")
+    add_schedule_signal_argument(parser)
     add_tree_arguments(parser)
     add_eager_argument(parser)
     add_kv_cache_arguments(parser)
@@ -212,7 +213,8 @@ def build_engine(args: argparse.Namespace):
                           threshold=args.threshold, device=device, dtype=dtype, cost_table=args.cost_table,
                           min_predicted_gain=args.min_predicted_gain,
                           max_num_batched_tokens=args.max_num_batched_tokens, draft_top_k=args.draft_top_k,
-                          tree_budget=args.tree_budget, cuda_graphs=not args.enforce_eager, **kv_cache_options(args))
+                          tree_budget=args.tree_budget, cuda_graphs=not args.enforce_eager,
+                          schedule_signal=args.schedule_signal, **kv_cache_options(args))
     if args.engine_factory is not None:
         engine = _factory(args.engine_factory)(config)
         if not isinstance(engine, LLMEngine):

@@ -159,7 +159,8 @@ class LLM:
     (``self.decoder``), so outputs agree. ``max_model_len``: the context, prompt + output (default
     the target's ``max_position_embeddings``, at most 4096). Scheduling: ``scheduler`` / ``threshold``
     as ``Drafter``, or ``"cost"`` with ``cost_table`` (the JSON ``dspark profile`` writes, or an
-    ``SPSCostTable``) and ``min_predicted_gain``. ``allow_pickle`` lets a target with only pickled
+    ``SPSCostTable``) and ``min_predicted_gain``; ``schedule_signal`` (``"confidence"`` or
+    ``"online"``) what those schedulers read, as ``EngineConfig``. ``allow_pickle`` lets a target with only pickled
     weights load (only for a trusted checkpoint). ``device`` / ``dtype``: where directories are
     loaded (default: the device of a model passed in, else the CPU; dtype: float32 on a CPU, the
     checkpoint's half precision on a GPU, as ``default_dtype``). ``draft_top_k`` > 1: tree mode
@@ -181,7 +182,8 @@ class LLM:
                  dtype=None, draft_top_k: int = 1, tree_budget: int = 0, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = 0.9,
                  num_kv_blocks: int | None = None, kv_block_size: int = 16,
-                 draft_candidates: int = DEFAULT_DRAFT_CANDIDATES, draft_successors: int = DEFAULT_DRAFT_SUCCESSORS):
+                 draft_candidates: int = DEFAULT_DRAFT_CANDIDATES, draft_successors: int = DEFAULT_DRAFT_SUCCESSORS,
+                 schedule_signal: str = "confidence"):
         c = Checker("LLM")
         target, draft = _models(c, target, draft, no_draft)
         self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -194,7 +196,7 @@ class LLM:
                                enable_prefix_caching=enable_prefix_caching,
                                gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
                                kv_block_size=kv_block_size, draft_candidates=draft_candidates,
-                               draft_successors=draft_successors)
+                               draft_successors=draft_successors, schedule_signal=schedule_signal)
         if allow_pickle and isinstance(target, str):  # the engine's own loader reads safetensors only
             target = load_target_model(target, device=device, dtype=dtype, allow_pickle=True)
         self.decoder = LLMEngine(target, draft, config)
@@ -211,7 +213,7 @@ class LLM:
                  eos_token_id: int | Sequence[int] | None = None,
                  ignore_eos: bool = False, stop: str | Sequence[str] | None = None,
                  on_tokens: Callable[[list[int]], "bool | None"] | None = None,
-                 structured_outputs: StructuredOutputs | None = None
+                 structured_outputs: StructuredOutputs | None = None, disable_spec_decode: bool = False
                  ) -> GenerationResult | list[GenerationResult]:
         """Generate for ``prompts``: one prompt -- a string (tokenized with the tokenizer), a list of
         token ids or a 1-D tensor -- or a list of prompts; returns one ``GenerationResult`` or a
@@ -226,7 +228,8 @@ class LLM:
         ``presence_penalty`` (in [-2, 2], over the output), ``temperature`` (0 = greedy), ``min_p``,
         ``top_k``, ``top_p`` (the standard nucleus), ``seed``. ``structured_outputs``: what every
         output must match (``StructuredOutputs``: a JSON schema, any JSON object, a regex, a choice,
-        an EBNF grammar); the output ends when it is complete."""
+        an EBNF grammar); the output ends when it is complete. ``disable_spec_decode``: these requests
+        verify no draft (plain decoding on the DSpark engine, exact as ever)."""
         c = Checker("generate")
         if on_tokens is not None and not callable(on_tokens):
             c.fail(f"on_tokens must be callable, got {type(on_tokens).__name__}", TypeError)
@@ -240,8 +243,8 @@ class LLM:
             c.fail(f"on_tokens streams a single prompt; got a list of {len(batch)} prompts")
         stop_ids = () if eos_token_id is None else check_token_ids(c, "eos_token_id", eos_token_id,
                                                                    self.decoder.target.vocab_size)
-        requests = [Request(ids, max_new_tokens, sampling, stop_ids, ignore_eos or eos_token_id is not None)
-                    for ids in batch]
+        requests = [Request(ids, max_new_tokens, sampling, stop_ids, ignore_eos or eos_token_id is not None,
+                            disable_spec_decode=disable_spec_decode) for ids in batch]
         stream = None if on_tokens is None else (lambda _i, tokens: on_tokens(tokens))
         results = generate_texts(self.decoder, requests, self.tokenizer, stop=stop, on_tokens=stream)
         return results[0] if single else results

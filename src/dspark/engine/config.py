@@ -13,10 +13,14 @@ from .drafting import SCHEDULERS
 from .schedulers import SPSCostTable
 
 __all__ = ["DEFAULT_BATCHED_TOKENS", "DEFAULT_DRAFT_CANDIDATES", "DEFAULT_DRAFT_SUCCESSORS", "DEFAULT_MAX_MODEL_LEN",
-           "ENGINES", "ENGINE_SCHEDULERS", "EngineConfig", "engine_config"]
+           "ENGINES", "ENGINE_SCHEDULERS", "SCHEDULE_SIGNALS", "EngineConfig", "engine_config"]
 
 DEFAULT_MAX_MODEL_LEN = 4096
 ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
+# what the threshold / sps / cost schedulers read as each draft's conditional acceptance: the drafter's
+# confidence head, or the online estimator of the acceptances observed (acceptance.OnlineAcceptance);
+# the confidence head stays the default: the CPU replay measurement (docs/serving.md) did not decide it
+SCHEDULE_SIGNALS = ("confidence", "online")
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows first, prompt chunks after
 ENGINES = ("auto", "batched", "reference")
 # sampled drafting over the full vocabulary until candidate drafting (64 backbone candidates + 16 bigram
@@ -44,7 +48,10 @@ class EngineConfig:
     ``draft_candidates`` C > 0: sampled chain drafts are drawn over each slot's top-C backbone logits
     and the previous token's ``draft_successors`` likeliest Markov successors (``Drafter``; exact:
     verification sees the distribution each draft came from; successors ignored at C = 0); 0: over the
-    vocabulary.
+    vocabulary. ``schedule_signal``: what the threshold / sps / cost schedulers read as each draft's
+    conditional acceptance -- ``"confidence"`` (the drafter's confidence head) or ``"online"`` (the
+    acceptances observed so far, ``acceptance.OnlineAcceptance``: host-side, no confidence head
+    needed; chains only).
 
     KV memory is paged (``block_manager``): ``kv_block_size`` positions per block; on a GPU as many
     blocks as ``gpu_memory_utilization`` of its memory leaves after the weights and the step's
@@ -75,6 +82,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     draft_candidates: int = DEFAULT_DRAFT_CANDIDATES
     draft_successors: int = DEFAULT_DRAFT_SUCCESSORS
+    schedule_signal: str = "confidence"
 
     def __post_init__(self):
         c = Checker("EngineConfig")
@@ -107,6 +115,11 @@ class EngineConfig:
             c.fail(f"tree_budget must be 0 (the block size + 1) or in [2, {MAX_TREE_NODES}], got 1")
         if self.draft_top_k > 1 and self.scheduler == "cost":
             c.fail("tree mode (draft_top_k > 1) takes the off / threshold / sps schedulers")
+        if self.schedule_signal not in SCHEDULE_SIGNALS:
+            c.fail(f"schedule_signal must be one of {list(SCHEDULE_SIGNALS)}, got {self.schedule_signal!r}")
+        if self.schedule_signal == "online" and (self.scheduler == "off" or self.draft_top_k > 1):
+            c.fail("schedule_signal 'online' needs the threshold, sps or cost scheduler on chains (draft_top_k 1), "
+                   f"got scheduler {self.scheduler!r} with draft_top_k {self.draft_top_k}")
 
 
 def engine_config(engine: str, on_device, *, name: str = "engine", **fields) -> "EngineConfig":

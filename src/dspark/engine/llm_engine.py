@@ -22,8 +22,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from .. import kernels as K
 from ..kernels._validate import Checker
 from ..model.llama import TargetLM
+from .acceptance import OnlineAcceptance
 from .block_manager import BlockManager, kv_blocks_from_memory
 from .chunks import PrefillChunk
 from .config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, ENGINES, EngineConfig, engine_config
@@ -74,8 +76,10 @@ class LLMEngine(OfflineGeneration):
         drafter = None
         if self.draft_model is not None:
             # the cost scheduler decides on the host from every position's confidence: the drafter
-            # computes them (threshold 0 schedules every draft)
-            per_row = ("threshold", 0.0) if config.scheduler == "cost" else (config.scheduler, config.threshold)
+            # computes them (threshold 0 schedules every draft); on the online signal the host
+            # schedules from what it observed, and the drafter computes no confidence
+            per_row = ("off", 0.0) if config.schedule_signal == "online" else \
+                ("threshold", 0.0) if config.scheduler == "cost" else (config.scheduler, config.threshold)
             drafter = Drafter(self.draft_model, scheduler=per_row[0], threshold=per_row[1],
                               min_proposal_len=config.min_proposal_len, max_proposal_len=config.max_proposal_len,
                               draft_candidates=config.draft_candidates, draft_successors=config.draft_successors)
@@ -126,7 +130,10 @@ class LLMEngine(OfflineGeneration):
         # whether the host picks verify lengths from the drafter's proposals (threshold / sps / cost
         # on chains: a step waits for its draft pass), or only from what rows may still produce
         # (off, trees: the next step is launched behind the running draft pass)
-        self._reads_proposals = drafter is not None and tree is None and config.scheduler != "off"
+        self._reads_proposals = drafter is not None and tree is None and drafter.scheduler != "off"
+        self.acceptance = None  # the online acceptance estimator (schedule_signal "online")
+        if drafter is not None and config.schedule_signal == "online":
+            self.acceptance = OnlineAcceptance(config.max_batch + 1, drafter.num_draft_tokens)
         self._plain: LLMEngine | None = None
         self.tokenizer = None  # what structured outputs compile against (None: the target directory's)
         self.structured = StructuredStage(self.runner, target)
@@ -180,6 +187,11 @@ class LLMEngine(OfflineGeneration):
                 raise error
         if request.sampling.structured_outputs is not None:
             self.structured.check(request.sampling.structured_outputs, self.tokenizer, self.eos_ids)
+        if request.disable_spec_decode and self.runner.tree is not None:
+            error = ValueError("add_request: disable_spec_decode is not supported in tree mode (draft_top_k > 1): "
+                               "every row of a round verifies its tree")
+            error.param = "disable_spec_decode"
+            raise error
         return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
 
     @torch.inference_mode()
@@ -361,33 +373,58 @@ class LLMEngine(OfflineGeneration):
         decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the confidences."""
         if self.config.scheduler != "cost":
             return (self._verify_lens(self._scheduled_drafts()) if self._drafted else None), True
-        # Algorithm 1 across the batch on the (STS-calibrated) confidences and the profiled cost table,
-        # the step's prompt chunks in its forward (at most what the budget leaves the longest verify)
-        confidence = np.stack([seq.confidence for seq in self.scheduler.running])
+        running = self.scheduler.running
+        drafting = [i for i, seq in enumerate(running) if not seq.request.disable_spec_decode]
+        if not drafting:  # every row opted out of drafting: plain rounds
+            return None, False
+        # Algorithm 1 across the drafting rows on their signal (STS-calibrated confidences or the
+        # online estimates) and the profiled cost table; the opted-out rows' anchors and the step's
+        # prompt chunks share the forward (the chunks: at most what the budget leaves the longest verify)
+        signal = self._acceptance_signal([running[i] for i in drafting])
         pending = sum(seq.prefill_len - seq.prefilled for seq in self.scheduler.prefilling)
-        prefill = min(pending, max(0, self.max_num_batched_tokens - len(self.scheduler.running) * (self.num_drafts + 1)))
+        prefill = min(pending, max(0, self.max_num_batched_tokens - len(running) * (self.num_drafts + 1)))
+        others = prefill + len(running) - len(drafting)
         gain = self.config.min_predicted_gain
-        drafts = batch_schedule(confidence, self.cost_table, gain, self._host_ms[0], prefill)
+        scheduled = batch_schedule(signal, self.cost_table, gain, self._host_ms[0], others)
         # until a plain round is measured, price its host time as a drafting round's (keep drafting)
         host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
-        draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(confidence, self.cost_table, gain, host, drafts,
-                                                                     prefill)
+        draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(signal, self.cost_table, gain, host, scheduled,
+                                                                     others)
+        drafts = [0] * len(running)
+        for i, n in zip(drafting, scheduled):
+            drafts[i] = n
         return (self._verify_lens(drafts) if self._drafted else None), draft
 
+    def _acceptance_signal(self, rows: list[Sequence]) -> np.ndarray:
+        """Each draft's conditional acceptance for ``rows`` ``[R, P]``: the drafter's confidences of
+        their pending proposals, or the online estimator's estimates (``schedule_signal``)."""
+        if self.acceptance is not None:
+            return self.acceptance.estimate([seq.slot for seq in rows])
+        return np.stack([seq.confidence for seq in rows])
+
     def _scheduled_drafts(self) -> list[int]:
-        """Drafts per running row under the ``off`` / ``threshold`` / ``sps`` schedulers."""
+        """Drafts per running row under the ``off`` / ``threshold`` / ``sps`` schedulers: the drafter's
+        proposal lengths, or on the online signal the same rule on the estimates."""
+        running = self.scheduler.running
         if self.config.scheduler == "off":
-            return [self.num_drafts] * len(self.scheduler.running)
-        return [seq.next_length for seq in self.scheduler.running]
+            return [self.num_drafts] * len(running)
+        if self.acceptance is None:
+            return [seq.next_length for seq in running]
+        rule = K.threshold_proposal_lengths if self.config.scheduler == "threshold" else K.sps_proposal_lengths
+        estimate = torch.from_numpy(self._acceptance_signal(running)).float()
+        return rule(estimate, self.config.threshold, min_proposal_len=self.config.min_proposal_len,
+                    max_proposal_len=self.config.max_proposal_len).tolist()
 
     def _verify_lens(self, drafts: list[int]) -> list[int]:
         """Verify tokens per running row (drafts + 1), never past what the row may still produce (its
         ``max_new_tokens``, the context limit): a draft there could not be kept, and its position
-        would lie beyond the context. At least one draft (the accept kernels verify >= 1); a tree
-        verifies all its nodes (its depth is bounded where it is grown)."""
+        would lie beyond the context. At least one draft (the accept kernels walk >= 1), none for a
+        request that opted out of drafting (``disable_spec_decode``: the verifier keeps its first
+        token only); a tree verifies all its nodes (its depth is bounded where it is grown)."""
         if self.runner.tree is not None:
             return [self.runner.verify_len] * len(self.scheduler.running)
-        return [1 + max(1, min(n, seq.room(self.max_model_len) - 1)) for n, seq in zip(drafts, self.scheduler.running)]
+        return [1 + (0 if seq.request.disable_spec_decode else max(1, min(n, seq.room(self.max_model_len) - 1)))
+                for n, seq in zip(drafts, self.scheduler.running)]
 
     def _admit(self) -> None:
         """Admission (``Scheduler.admit``; a benchmark's engine also stages what it admitted)."""
@@ -430,6 +467,8 @@ class LLMEngine(OfflineGeneration):
         first = {seq.request_id for seq in running if seq.request_id in joined and not seq.output_ids}
         for i, seq in enumerate(running):
             resumed = seq.request_id in joined and seq.request_id not in first
+            if self.acceptance is not None and seq.request_id in joined:  # a new request in its slot
+                self.acceptance.reset(seq.slot)
             kept = [] if resumed else seq.commit(result.tokens[i], max_len)
             if seq.grammar is not None and kept and seq.grammar.advance(kept) and seq.finish_reason is None:
                 seq.finish_reason = "stop"  # the grammar is complete
@@ -447,7 +486,10 @@ class LLMEngine(OfflineGeneration):
             else:
                 seq.stats.record_round(0, 1, len(kept))
         if drafted_rows:
-            self.metrics.record_rounds(result.verified[drafted_rows], result.accept_lengths[drafted_rows])
+            verified, accept_lengths = result.verified[drafted_rows], result.accept_lengths[drafted_rows]
+            self.metrics.record_rounds(verified, accept_lengths)
+            if self.acceptance is not None:
+                self.acceptance.observe([running[i].slot for i in drafted_rows], verified, accept_lengths - 1)
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
         lps = {}
         if wanted:

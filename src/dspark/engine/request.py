@@ -35,6 +35,9 @@ class Request:
     ``prompt_logprobs``: None, or k >= 0: the log-probability of each prompt token after the first
     given those before it, and the k most likely tokens' (``RequestOutput.prompt_logprobs``, vLLM's
     ``prompt_logprobs``); with ``max_new_tokens`` 0 the request only scores its prompt.
+    ``disable_spec_decode``: the request verifies no draft -- plain decoding inside a DSpark batch,
+    on the same graphs: greedy, its output is plain decoding's; sampled, each token is drawn from the
+    target's distribution (not supported in tree mode).
     """
 
     prompt_ids: list[int]
@@ -44,6 +47,7 @@ class Request:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    disable_spec_decode: bool = False
 
     def __post_init__(self):
         c = Checker("Request")
@@ -63,8 +67,9 @@ class Request:
         if isinstance(stops, (str, bytes, int)) or not isinstance(stops, (_IdSequence, set, frozenset)):
             c.fail(f"stop_ids must be a sequence of token ids, got {_describe(self.stop_ids)}", TypeError)
         self.stop_ids = tuple(c.integer("stop_ids[]", i, low=0) for i in stops)
-        if not isinstance(self.ignore_eos, bool):
-            c.fail(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}", TypeError)
+        for name in ("ignore_eos", "disable_spec_decode"):
+            if not isinstance(getattr(self, name), bool):
+                c.fail(f"{name} must be a bool, got {type(getattr(self, name)).__name__}", TypeError)
         if self.logprobs is not None:
             c.integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:

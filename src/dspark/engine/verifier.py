@@ -133,8 +133,13 @@ class Verifier:
             self._tree_commit(b, sampled)
             return
         verified = s.verify_lens[:b] - 1
-        s.accepted[:b], s.accept_length[:b] = self._accept(self.logit_rows[: b * t].view(b, t, -1), b, verified,
-                                                           sampled)
+        accepted, n = self._accept(self.logit_rows[: b * t].view(b, t, -1), b, verified, sampled)
+        # the accept kernels walk at least one draft; a row verifying none (verify length 1: a
+        # request that opted out of drafting) keeps only its first token -- the argmax of its
+        # anchor's logits, or speculative sampling's first token, which is distributed as the target's
+        n = torch.minimum(n, s.verify_lens[:b])
+        s.accepted[:b] = torch.where(self.offsets[None, :] < n[:, None], accepted, 0)
+        s.accept_length[:b] = n
         self.readout[:b, t + 1] = verified
         self.advance(b, t)
 

@@ -718,7 +718,8 @@ class _Server:
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 min_tokens=body.min_tokens or 0, bad_words=bad_words)
             return Request(prompt_ids, max_tokens, sampling, stop_ids=tuple(sorted(stop_ids)),
-                           ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                           ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                           disable_spec_decode=body.disable_spec_decode)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), _field_named(str(exc))) from None
 

@@ -8,7 +8,8 @@ refused otherwise; a field nobody defines is refused too (as OpenAI does:
 "Unrecognized request argument"). ``OpenAIModel.refused_field`` finds the first, nested bodies
 (messages, content parts, ``stream_options``) included. Beyond OpenAI, the vLLM extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``stop_token_ids``,
-``ignore_eos``, ``return_token_ids`` (token ids in every choice and chunk) and, for chat,
+``ignore_eos``, ``return_token_ids`` (token ids in every choice and chunk), ``disable_spec_decode``
+(the request opts out of speculative decoding) and, for chat,
 ``add_generation_prompt`` and ``chat_template``. As vLLM: ``prompt`` may be a list of prompts (one
 choice per prompt and sample), ``n`` samples per prompt, ``logprobs``
 (completions: 0..``MAX_LOGPROBS`` alternatives; chat: ``logprobs`` + ``top_logprobs``),
@@ -178,6 +179,7 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    disable_spec_decode: bool = False  # this request verifies no draft (plain decoding in the DSpark batch)
     return_token_ids: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
