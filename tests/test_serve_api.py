@@ -459,6 +459,33 @@ def test_api_key_guards_every_v1_route(served, prompts):
     assert [m.id for m in openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0).models.list()] == [MODEL]
 
 
+# ---- opting out of speculative decoding -----------------------------------------------------------
+
+
+def test_disable_spec_decode_verifies_no_draft_and_keeps_the_output(served, client, http, prompts):
+    """``disable_spec_decode: true`` (vLLM's name, an extra body field): the greedy output is the
+    same, completions and chat, streamed or not, and the server's draft counters do not move -- while
+    the same request without it verifies drafts. A non-bool is a 400 naming the field."""
+    def drafts():
+        families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+        return sum(s.value for s in families["dspark:spec_decode_num_draft_tokens"].samples if s.name.endswith("_total"))
+
+    before = drafts()
+    opted = _complete(client, prompts, extra_body={"disable_spec_decode": True})
+    assert [_ids(c) for c in opted.choices] == served[1]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=NEW, temperature=0.0,
+                                            stream=True, extra_body={"disable_spec_decode": True,
+                                                                     "return_token_ids": True}))
+    assert [t for c in chunks for choice in c.choices for t in choice.model_extra["token_ids"]] == served[1][0]
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": prompts[1]}], max_tokens=NEW, temperature=0.0)
+    opted_chat = client.chat.completions.create(**chat, extra_body={"disable_spec_decode": True})
+    assert drafts() == before
+    assert opted_chat.choices[0].message == client.chat.completions.create(**chat).choices[0].message
+    assert drafts() > before  # the same chat request without the opt-out verified drafts
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "disable_spec_decode": 1})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "disable_spec_decode"
+
+
 # ---- metrics --------------------------------------------------------------------------------------
 
 
