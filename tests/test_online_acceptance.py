@@ -107,3 +107,24 @@ def test_the_online_signal_verifies_what_is_accepted(target, greedy):
     p = engine.num_drafts
     assert set(lengths[1.0]) == {p}
     assert lengths[0.0][-1] == 1 and sum(lengths[0.0]) < p * len(lengths[0.0]) / 2
+
+
+def test_the_signals_bench_scores_a_signal_that_knows_each_request():
+    """``bench.signals`` on two kinds of requests -- every draft accepted, or none -- whose confidences
+    say 0.5 everywhere: the online estimator learns each request (better ECE, Brier and AUC) and,
+    priced by a table where verify tokens cost, verifies what is accepted (more goodput than the
+    confidences, at most the oracle's; fixed blocks the unit)."""
+    from dspark.bench.signals import calibration, goodput
+
+    p = 3
+    traces = [[[p] + [0.5] * p] * 40, [[0] + [0.5] * p] * 40] * 3
+    report = calibration(traces)
+    online, confidence = report["online"], report["confidence"]
+    assert online["ece"] < confidence["ece"] and online["brier"] < confidence["brier"]
+    assert online["auc"] > 0.9 and confidence["auc"] == 0.5
+    table = SPSCostTable((1, 64), (10.0, 73.0))  # 10 ms a step and 1 ms a verify token
+    result = goodput(traces, 4, table, steps=200)
+    assert result["online"]["tokens_per_ms"] > 1.1 * max(result["confidence"]["tokens_per_ms"],
+                                                          result["fixed"]["tokens_per_ms"])
+    assert result["online"]["tokens_per_ms"] <= result["oracle"]["tokens_per_ms"]
+    assert result["oracle"]["tau"] == result["fixed"]["tau"]  # the oracle verifies only what is accepted

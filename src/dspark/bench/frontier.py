@@ -6,7 +6,8 @@ replay: ``python -m dspark.bench.frontier --out DIR`` (on a GPU; the paper's Fig
 2. Serve the target three times (``dspark serve --engine-factory dspark.bench.replay:...``) and drive
    each with ``python -m dspark.bench.serve`` at concurrency 1, 2, 4, ..., 64: ``plain`` decoding,
    ``dspark-fixed`` (DSpark verifying every draft: ``--scheduler off``) and ``dspark-scheduled``
-   (the paper's Algorithm 1 across the batch: ``--scheduler cost --cost-table DIR/cost_table.json``).
+   (the paper's Algorithm 1 across the batch: ``--scheduler cost --cost-table DIR/cost_table.json``);
+   ``--configs`` may add ``dspark-scheduled-online`` (the same on ``--schedule-signal online``).
    The target is ``bench.replay.peaked_target`` (random weights, 8B shape, bf16); DSpark's drafter is
    a random one of that shape whose acceptance and confidences replay the demo pair's recorded rounds
    (``bench.replay``), so tau and the confidence-acceptance relation are the demo pair's.
@@ -40,7 +41,11 @@ CONFIGS = {  # label -> (engine factory, scheduler arguments)
     "plain": ("plain_engine", []),
     "dspark-fixed": ("replay_engine", ["--scheduler", "off"]),
     "dspark-scheduled": ("replay_engine", ["--scheduler", "cost", "--cost-table", "{cost_table}"]),
+    # Algorithm 1 on the online acceptance estimator instead of the confidence head (--configs only)
+    "dspark-scheduled-online": ("replay_engine", ["--scheduler", "cost", "--cost-table", "{cost_table}",
+                                                  "--schedule-signal", "online"]),
 }
+DEFAULT_CONFIGS = ("plain", "dspark-fixed", "dspark-scheduled")
 
 
 def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only redo frontier.md/.json/.png from the runs already in --out")
     args = parser.parse_args(argv)
     known = MIXED_CONFIGS if args.workload == "mixed" else CONFIGS
-    labels = [x for x in (args.configs or ",".join(known)).split(",") if x]
+    labels = [x for x in (args.configs or ",".join(MIXED_CONFIGS if args.workload == "mixed" else DEFAULT_CONFIGS))
+              .split(",") if x]
     unknown = [x for x in labels if x not in known]
     if unknown or not labels:
         parser.error(f"--configs must name some of {list(known)}, got {args.configs!r}")
