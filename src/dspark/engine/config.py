@@ -19,7 +19,8 @@ DEFAULT_MAX_MODEL_LEN = 4096
 ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
 # what the threshold / sps / cost schedulers read as each draft's conditional acceptance: the drafter's
 # confidence head, or the online estimator of the acceptances observed (acceptance.OnlineAcceptance);
-# the confidence head stays the default: the CPU replay measurement (docs/serving.md) did not decide it
+# the confidence head stays the default until the H200 frontier compares them (docs/serving.md: the CPU
+# replay favours the online estimator, but it prices rounds by a table)
 SCHEDULE_SIGNALS = ("confidence", "online")
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows first, prompt chunks after
 ENGINES = ("auto", "batched", "reference")
