@@ -5,8 +5,9 @@ tokens, the outputs (``dspark:engine_host_seconds_total``) -- timed alone: the r
 nothing and its readout is drawn at random (accepted tokens, accept lengths, the next proposals'
 confidences), so each ``LLMEngine.step`` runs only the engine's Python. Per number of running rows R
 it prints microseconds per step for plain decoding, DSpark with ``--scheduler off`` and with
-``--scheduler cost`` (Algorithm 1 on ``--cost-table``), and cost minus off: the scheduler's own
-price per step. The demo pair's checkpoints set the shapes (block 7); the figures are the host's,
+``--scheduler cost`` (Algorithm 1 on ``--cost-table``) on the confidence signal and on the online one
+(``cost-online``: the estimator's update and estimates instead of reading the proposals), and cost
+minus off: the scheduler's own price per step. The demo pair's checkpoints set the shapes (block 7); the figures are the host's,
 so any CPU measures them (best of ``--repeats`` runs of ``--steps`` steps).
 """
 
@@ -24,7 +25,7 @@ from ..engine.request import Request
 from ..engine.step import Proposals, StepResult
 from ..training.data import demo_pair
 
-CONFIGS = ("plain", "off", "cost")
+CONFIGS = ("plain", "off", "cost", "cost-online")
 
 
 def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
@@ -59,8 +60,9 @@ def host_time(config: str, rows: int, *, cost_table=None, steps: int = 50, repea
     """Microseconds per step of ``config`` (``CONFIGS``) at ``rows`` running rows on a fake device
     (best of ``repeats`` runs of ``steps`` steps; no request finishes meanwhile)."""
     fields = dict(max_batch=rows, cuda_graphs=False, device="cpu", dtype=torch.float32)
-    if config == "cost":
-        fields.update(scheduler="cost", cost_table=cost_table)
+    if config.startswith("cost"):
+        fields.update(scheduler="cost", cost_table=cost_table,
+                      schedule_signal="online" if config == "cost-online" else "confidence")
     pair = demo_pair()
     engine = LLMEngine(pair.target, None if config == "plain" else pair.draft, EngineConfig(**fields))
     fake_device(engine)
