@@ -88,6 +88,8 @@ def test_the_engine_on_the_online_signal_is_exact_and_never_waits_for_the_draft_
     assert [r.token_ids for r in results] == greedy
     tried = engine.acceptance.pooled_trials - 1.0  # the initial prior's weight aside, decayed counts
     assert tried[0] > 0 and engine.metrics.position_trials[0] >= tried[0]
+    if scheduler == "cost":  # --compare's baseline: plain decoding, which reads no signal
+        assert engine.plain().config.schedule_signal == "confidence"
 
 
 def test_the_online_signal_verifies_what_is_accepted(target, greedy):

@@ -223,8 +223,8 @@ class LLMEngine(OfflineGeneration):
         with KV blocks for ``max_batch`` requests of ``max_model_len`` (this engine holds its share
         of the GPU's memory already: ``gpu_memory_utilization`` None)."""
         if self._plain is None:
-            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", draft_top_k=1,
-                                                               tree_budget=0, gpu_memory_utilization=None))
+            self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", schedule_signal="confidence",
+                                                               draft_top_k=1, tree_budget=0, gpu_memory_utilization=None))
             self._plain.eos_ids = self.eos_ids
             self._plain.tokenizer, self._plain.structured.tokenizer_source = self.tokenizer, self.structured.tokenizer_source
             if self.runner.captures:  # captured up front as this engine (LLM): no timed call captures
