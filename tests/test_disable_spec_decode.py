@@ -114,3 +114,23 @@ def test_tree_mode_refuses_an_opted_out_request(target):
     assert info.value.param == "disable_spec_decode"
     with pytest.raises(TypeError, match="disable_spec_decode must be a bool, got int"):
         Request(PROMPTS[0], 4, disable_spec_decode=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler, signal", [("off", "confidence"), ("cost", "online")])
+def test_opted_out_rows_on_cuda_graphs(target, greedy, scheduler, signal):
+    """On CUDA after the start-up capture: opted-out rows (greedy and sampled) beside drafting rows
+    replay the captured graphs -- no capture while decoding -- verify no draft, and every greedy
+    output is plain decoding's."""
+    cuda_target = tiny_qwen3_target().cuda()
+    draft = random_draft(tiny_draft_config(target.config), 0, target).cuda()
+    engine = LLMEngine(cuda_target, draft, EngineConfig(max_batch=4, scheduler=scheduler, schedule_signal=signal,
+                                                        cost_table=SPSCostTable((1, 64), (1.0, 8.0))))
+    engine.capture_graphs()
+    captured = engine.runner.captures
+    hot = SamplingParams(temperature=0.8, top_k=20, seed=5)
+    requests = [Request(p, NEW, disable_spec_decode=i in OPTED_OUT) for i, p in enumerate(PROMPTS)]
+    results = engine.generate(requests + [Request(PROMPTS[0], NEW, hot, disable_spec_decode=True)])
+    assert [r.token_ids for r in results[:4]] == greedy and len(results[4].token_ids) == NEW
+    assert all(set(results[i].stats.scheduled_lengths) == {0} for i in (*OPTED_OUT, 4))
+    assert engine.runner.captures == captured, "an opted-out row met a graph shape capture_graphs left out"
