@@ -17,3 +17,13 @@ def test_the_host_benchmark_times_each_scheduler_on_a_fake_device(tmp_path, caps
         assert int(values[0]) == rows and all(float(v) > 0 for v in values[1:5])
     with pytest.raises(ValueError, match="past the context"):
         host.host_time("off", 1, steps=10_000, repeats=1)
+
+
+def test_the_host_benchmark_times_the_cost_schedulers_planning_alone(tmp_path, capsys):
+    table = tmp_path / "cost.json"
+    SPSCostTable((1, 8, 64), (1.0, 1.2, 3.0)).write_json(table)
+    assert host.main(["--plan", "--rows", "2", "--cost-table", str(table), "--repeats", "1"]) == 0
+    values = capsys.readouterr().out.splitlines()[1].split()
+    assert values[0] == "2" and all(float(v) > 0 for v in values[1:5])
+    with pytest.raises(SystemExit):
+        host.main(["--plan"])

@@ -7,7 +7,8 @@ confidences), so each ``LLMEngine.step`` runs only the engine's Python. Per numb
 it prints microseconds per step for plain decoding, DSpark with ``--scheduler off`` and with
 ``--scheduler cost`` (Algorithm 1 on ``--cost-table``) on the confidence signal and on the online one
 (``cost-online``: the estimator's update and estimates instead of reading the proposals), and cost
-minus off: the scheduler's own price per step. The demo pair's checkpoints set the shapes (block 7); the figures are the host's,
+minus off: the scheduler's own price per step; ``--plan``: the cost scheduler's planning of a round
+and its signal's host work (reading the proposals back, or the estimator's update) timed alone. The demo pair's checkpoints set the shapes (block 7); the figures are the host's,
 so any CPU measures them (best of ``--repeats`` runs of ``--steps`` steps).
 """
 
@@ -56,9 +57,8 @@ def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
     runner.launch = runner.move_row = runner.clear_row = nothing
 
 
-def host_time(config: str, rows: int, *, cost_table=None, steps: int = 50, repeats: int = 4) -> float:
-    """Microseconds per step of ``config`` (``CONFIGS``) at ``rows`` running rows on a fake device
-    (best of ``repeats`` runs of ``steps`` steps; no request finishes meanwhile)."""
+def _running_engine(config: str, rows: int, cost_table) -> LLMEngine:
+    """An engine of ``config`` (``CONFIGS``) on a fake device with ``rows`` running requests."""
     fields = dict(max_batch=rows, cuda_graphs=False, device="cpu", dtype=torch.float32)
     if config.startswith("cost"):
         fields.update(scheduler="cost", cost_table=cost_table,
@@ -71,17 +71,47 @@ def host_time(config: str, rows: int, *, cost_table=None, steps: int = 50, repea
         engine.add_request(Request(prompt, max_new_tokens=budget, ignore_eos=True))
     while len(engine.scheduler.running) < rows:
         engine.step()
-    room = budget - max(len(seq.output_ids) for seq in engine.scheduler.running)
-    if repeats * steps * engine.runner.verify_len > room:
-        raise ValueError(f"{repeats} x {steps} steps may run past the context ({engine.max_model_len}); take fewer")
+    return engine
+
+
+def _best(fn, calls: int, repeats: int) -> float:
+    """Microseconds per call of ``fn``: the best of ``repeats`` runs of ``calls`` calls."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        best = min(best, (time.perf_counter() - start) / steps)
-    assert len(engine.scheduler.running) == rows and not engine.metrics.errors
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
     return 1e6 * best
+
+
+def plan_time(config: str, rows: int, *, cost_table, calls: int = 200, repeats: int = 9) -> dict[str, float]:
+    """The cost scheduler's own host work per step at ``rows`` running rows, in microseconds:
+    ``plan`` (the round's verify lengths and whether it drafts: ``LLMEngine._plan_round``) and
+    ``signal`` (reading the proposals back, or the online estimator's update) of ``config``
+    ``"cost"`` or ``"cost-online"``."""
+    engine = _running_engine(config, rows, cost_table)
+    running = list(engine.scheduler.running)
+    if engine.acceptance is None:
+        signal = lambda: engine._await_proposals(running, [])  # noqa: E731
+    else:
+        slots, p = np.array([seq.slot for seq in running]), engine.num_drafts
+        verified, accepted = np.full(rows, p), np.arange(rows) % (p + 1)
+        signal = lambda: engine.acceptance.observe(slots, verified, accepted)  # noqa: E731
+    return {"plan": _best(engine._plan_round, calls, repeats), "signal": _best(signal, calls, repeats)}
+
+
+def host_time(config: str, rows: int, *, cost_table=None, steps: int = 50, repeats: int = 4) -> float:
+    """Microseconds per step of ``config`` (``CONFIGS``) at ``rows`` running rows on a fake device
+    (best of ``repeats`` runs of ``steps`` steps; no request finishes meanwhile)."""
+    engine = _running_engine(config, rows, cost_table)
+    budget = engine.max_model_len - 16
+    room = budget - max(len(seq.output_ids) for seq in engine.scheduler.running)
+    if repeats * steps * engine.runner.verify_len > room:
+        raise ValueError(f"{repeats} x {steps} steps may run past the context ({engine.max_model_len}); take fewer")
+    best = _best(engine.step, steps, repeats)
+    assert len(engine.scheduler.running) == rows and not engine.metrics.errors
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           "without it the cost column is left out")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--plan", action="store_true",
+                        help="instead: the cost scheduler's planning and signal alone (needs --cost-table)")
     args = parser.parse_args(argv)
     try:
         rows_list = [int(r) for r in args.rows.split(",")]
@@ -100,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rows must be positive integers separated by commas, got {args.rows!r}")
     if args.steps < 1 or args.repeats < 1:
         parser.error(f"--steps and --repeats must be at least 1, got {args.steps} and {args.repeats}")
+    if args.plan:
+        if not args.cost_table:
+            parser.error("--plan times the cost scheduler: give --cost-table")
+        print("rows  cost plan  proposals read  cost-online plan  estimator update  (us per step)")
+        for rows in rows_list:
+            us = [plan_time(c, rows, cost_table=args.cost_table, repeats=args.repeats) for c in CONFIGS[2:]]
+            print(f"{rows:4d}  {us[0]['plan']:9.1f}  {us[0]['signal']:14.1f}  {us[1]['plan']:16.1f}  "
+                  f"{us[1]['signal']:16.1f}", flush=True)
+        return 0
     configs = CONFIGS if args.cost_table else CONFIGS[:2]
     print("rows  " + "  ".join(f"{c:>8s}" for c in configs) + ("  cost - off" if args.cost_table else "") + "  (us per step)")
     for rows in rows_list:
