@@ -84,8 +84,8 @@ def test_an_opted_out_row_does_not_change_the_rows_beside_it(target):
 def test_opted_out_sampled_tokens_follow_the_target_distribution():
     """V = 4, temperature 1, top-k 2: an opted-out sampled row's first two tokens (each request its
     own seed, batches of opted-out rows and drafting rows mixed) follow the exact target
-    distribution (chi-square p > 1e-3, TV < 0.03 over 3000 requests)."""
-    runs, vocab, top_k, prompt = 3000, 4, 2, [1, 3, 2, 0, 2]
+    distribution (chi-square p > 1e-3, TV < 0.05 over 1000 requests)."""
+    runs, vocab, top_k, prompt = 1000, 4, 2, [1, 3, 2, 0, 2]
     target = tiny_qwen3_target(vocab_size=vocab)
     draft = random_draft(tiny_draft_config(target.config, block_size=2), 0, target)
     engine = LLMEngine(target, draft, EngineConfig(max_batch=256))
@@ -103,7 +103,7 @@ def test_opted_out_sampled_tokens_follow_the_target_distribution():
     second = (first[:, None] * probs([prompt + [a] for a in range(vocab)])).sum(0)
     for position, exact in ((0, first), (1, second)):
         p_value, tv = _fit(out[:, position], exact)
-        assert p_value > 1e-3 and tv < 0.03, (position, p_value, tv)
+        assert p_value > 1e-3 and tv < 0.05, (position, p_value, tv)
 
 
 def test_tree_mode_refuses_an_opted_out_request(target):
