@@ -11,7 +11,7 @@ transformers' ``generate()``, and after every step each running request's states
 state and the conv inputs before its anchor -- equal those of its committed tokens run alone in one
 forward (a prompt run in chunks included): a rollback that kept a rejected draft's state, or a stale
 state of a slot's earlier request, fails here even where the greedy tokens happen to agree. Tree
-mode is refused naming the reason; the prefix cache is off for these targets.
+mode is refused naming the reason. Prefix caching on these targets: tests/test_hybrid_prefix_cache.py.
 """
 
 import contextlib
@@ -58,14 +58,14 @@ def _reference_states(model, tokens: list[int]) -> dict:
 
 
 def _states_at(pool, layer: int, line: int, n: int):
-    """Layer ``layer``'s states of ``line`` after ``n`` tokens, by position (the rings' sizes differ
-    between pools): the recurrent state after position n-1 (None: a conv-only layer) and the conv
-    inputs at positions n-K+1 .. n-1 (K the kernel)."""
+    """Layer ``layer``'s states of ``line`` after ``n`` tokens, by position (the pools' layouts
+    differ): the recurrent state after position n-1 (None: a conv-only layer) and the conv inputs at
+    positions n-K+1 .. n-1 (K the kernel)."""
     states = pool.layers[layer]
-    recurrent = None if states.recurrent is None else states.recurrent[line, (n - 1) % states.recurrent.shape[1]]
-    kernel = states.conv.shape[1] - pool.window + 1
-    positions = torch.arange(max(n - kernel + 1, 0), n)
-    return recurrent, states.conv[line, positions % states.conv.shape[1]]
+    last = torch.tensor(n - 1)
+    recurrent = None if states.recurrent is None else states.recurrent[line, pool.recurrent_entries(last, states.recurrent)]
+    positions = torch.arange(max(n - states.kernel + 1, 0), n)
+    return recurrent, states.conv[line, pool.conv_entries(positions, states.conv, states.kernel)[0]]
 
 
 def _check_running_states(engine, model) -> int:
@@ -159,22 +159,22 @@ def test_preempted_requests_run_again_from_zero_states(hybrid):
     assert engine.metrics.preemptions > 0
 
 
-def test_tree_mode_is_refused_and_the_prefix_cache_is_off(hybrid):
-    """A tree round would need a state per node: tree mode is refused naming why. A cached block
-    would need the state at its end: the prefix cache is off for these targets. The states' bytes
-    (which the GPU's KV block count leaves room for) are those allocated."""
+def test_tree_mode_is_refused_and_the_states_take_the_bytes_counted(hybrid):
+    """A tree round would need a state per node: tree mode is refused naming why. The states'
+    bytes (which the GPU's KV block count leaves room for) are those allocated, with the prefix
+    cache's block ends and snapshots and without."""
     model, draft, _ = hybrid
     with pytest.raises(ValueError, match=r"tree mode \(draft_top_k > 1\) is not supported on a hybrid target "
                                          r"\(layers \[[0-9, ]+\] carry a recurrent or convolution state\): verifying "
                                          r"a tree would need a state per tree node"):
         LLMEngine(model, draft, EngineConfig(draft_top_k=2, cuda_graphs=False))
-    engine = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False))
-    assert engine.config.enable_prefix_caching and not engine.scheduler.blocks.prefix_caching
-    # the GPU's block count leaves room for the states: what they take is what is allocated
-    pool = engine.runner.cache.states
-    allocated = sum(t.numel() * t.element_size() for s in pool.layers.values() for t in (s.conv, s.recurrent)
-                    if t is not None)
-    assert engine.target.state_bytes(2 + 1, engine.runner.verify_len) == allocated
+    for caching in (True, False):
+        engine = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False, enable_prefix_caching=caching))
+        pool = engine.runner.cache.states
+        assert (pool.layout.snapshots, engine.scheduler.blocks.prefix_caching) == (4 if caching else 0, caching)
+        allocated = sum(t.numel() * t.element_size() for s in pool.layers.values()
+                        for t in (s.conv, s.recurrent, s.snapshot_conv, s.snapshot_recurrent) if t is not None)
+        assert engine.target.state_bytes(2 + 1, pool.layout) == allocated
 
 
 def test_gated_deltanet_on_a_gpu_names_the_missing_kernel(monkeypatch):
@@ -190,7 +190,7 @@ def test_gated_deltanet_on_a_gpu_names_the_missing_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
     with pytest.raises(RuntimeError, match=r"Qwen3_5GatedDeltaNet layers on a GPU run flash-linear-attention's gated "
                                            r"delta rule kernel, which is not installed: pip install fla-core"):
-        hybrid.new_pool({0: mixer}, 2, 4, "cuda", torch.float32)
+        hybrid.new_pool({0: mixer}, 2, hybrid.StateLayout(4), "cuda", torch.float32)
 
 
 def test_a_graphs_warm_up_run_leaves_the_states_as_they_were(hybrid, monkeypatch):
