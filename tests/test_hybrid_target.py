@@ -149,10 +149,11 @@ def test_an_aborted_requests_slot_gives_the_next_request_no_state(hybrid):
 
 def test_preempted_requests_run_again_from_zero_states(hybrid):
     """KV blocks for about one request at a time among three rows: requests are preempted and run
-    their tokens again from position 0 (no prefix cache), with the tokens they give alone."""
+    their tokens again from position 0 (no prefix cache; with it: test_hybrid_prefix_cache), with
+    the tokens they give alone."""
     model, draft, expected = hybrid
     engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_model_len=32, kv_block_size=4, num_kv_blocks=16,
-                                                  cuda_graphs=False))
+                                                  cuda_graphs=False, enable_prefix_caching=False))
     ids = [engine.add_request(Request(p, NEW)) for p in PROMPTS]
     outputs, _ = _run(engine, model, ids)
     assert [outputs[i] for i in ids] == expected
