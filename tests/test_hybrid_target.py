@@ -294,3 +294,39 @@ def test_a_deep_copy_of_a_wrapped_model_runs_its_own_mixers(hybrid):
         assert engine.generate([Request(PROMPTS[0], NEW)])[0].token_ids == expected[0]
     finally:
         model.load_state_dict(copy.state_dict())
+
+
+SAMPLED_VOCAB, SAMPLED_TOP_K = 4, 3
+SAMPLED_ROWS, SAMPLED_TOKENS = 128, 128  # 16 384 draws: an exact sampler's expected TV ~ 0.4 * sqrt(3 / N) = 0.005
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3.5", "bamba", "lfm2"])
+def test_sampled_outputs_follow_the_targets_distribution(name):
+    """Sampled speculative decoding (temperature 1, top-k 3) on a tiny hybrid target of 4 tokens:
+    every emitted token -- accepted drafts, residual draws, bonus tokens -- follows the target's
+    distribution given the whole output before it (each position's own distribution, from
+    transformers' forward over the output: chi-square and TV of the draws per token id,
+    ``statistics_cases.check_conditionals``), so a state the rollback left wrong shows; and the
+    check has teeth: the same draws against the distributions off by 5 % fail it."""
+    from statistics_cases import check_conditionals
+    from test_hf_target import COMMON
+    from test_lossless_sampling import nudged
+
+    import dspark.kernels as K
+    from dspark.engine import SamplingParams
+
+    model = _model(name, {**COMMON, "vocab_size": SAMPLED_VOCAB, "initializer_range": 0.3})
+    engine = LLMEngine(model, _drafter(model), EngineConfig(max_batch=SAMPLED_ROWS, cuda_graphs=False))
+    prompts = [[s % SAMPLED_VOCAB, (s // SAMPLED_VOCAB) % SAMPLED_VOCAB] for s in range(SAMPLED_ROWS)]
+    results = engine.generate([Request(p, SAMPLED_TOKENS, SamplingParams(temperature=1.0, top_k=SAMPLED_TOP_K, seed=s),
+                                       stop_ids=[], ignore_eos=True) for s, p in enumerate(prompts)])
+    assert sum(len(r.stats.accept_lengths) for r in results) < SAMPLED_ROWS * SAMPLED_TOKENS  # drafts were kept
+    sequences = torch.tensor([p + r.token_ids for p, r in zip(prompts, results)])
+    with torch.no_grad():
+        logits = model(sequences).logits[:, 1:-1].float()  # the distribution of each output token
+    probs = K.logits_to_probabilities(logits.reshape(-1, SAMPLED_VOCAB), 1.0, top_k=SAMPLED_TOP_K)
+    tokens, bins = sequences[:, 2:].flatten(), torch.arange(SAMPLED_VOCAB).expand(probs.shape[0], -1)
+    problem = check_conditionals(tokens, probs, bins)
+    assert problem is None, f"{name}: {problem}"
+    assert check_conditionals(tokens, nudged(probs), bins) is not None
