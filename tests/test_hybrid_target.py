@@ -11,7 +11,9 @@ transformers' ``generate()``, and after every step each running request's states
 state and the conv inputs before its anchor -- equal those of its committed tokens run alone in one
 forward (a prompt run in chunks included): a rollback that kept a rejected draft's state, or a stale
 state of a slot's earlier request, fails here even where the greedy tokens happen to agree. Tree
-mode is refused naming the reason. Prefix caching on these targets: tests/test_hybrid_prefix_cache.py.
+mode is refused naming the reason. Sampled speculative decoding follows the target's distribution
+given each output's history (slow: chi-square and TV over every position's own distribution).
+Prefix caching on these targets: tests/test_hybrid_prefix_cache.py.
 """
 
 import contextlib
