@@ -29,6 +29,7 @@ from dspark.engine import llm_engine
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 from dspark.engine.schedulers import SPSCostTable
+from dspark.model import hybrid
 from dspark.model.hf_target import HFTarget
 from dspark.model.llama import AttentionBatch
 
@@ -49,14 +50,26 @@ def hybrid(request):
 
 
 def _reference_states(model, tokens: list[int]) -> dict:
-    """The states after ``tokens`` run alone in one forward on a fresh cache (``_states_at``)."""
+    """The states after ``tokens`` run alone in one forward on a fresh cache, position by position
+    (the sequential scan, also for gated DeltaNet: the chunked one is what is checked; ``_states_at``)."""
     target, n = HFTarget(model), len(tokens)
     cache = target.new_cache(1, n + 1)
     i32 = dict(dtype=torch.int32)
-    target.forward(torch.tensor(tokens), torch.arange(n, **i32), torch.zeros(n, **i32),
-                   AttentionBatch(torch.tensor([0], **i32), torch.tensor([0], **i32), torch.tensor([0, n], **i32), n),
-                   cache)
+    with _sequential_scans():
+        target.forward(torch.tensor(tokens), torch.arange(n, **i32), torch.zeros(n, **i32),
+                       AttentionBatch(torch.tensor([0], **i32), torch.tensor([0], **i32), torch.tensor([0, n], **i32),
+                                      n), cache)
     return {layer: _states_at(cache.states, layer, 0, n) for layer in cache.states.layers}
+
+
+@contextlib.contextmanager
+def _sequential_scans():
+    """Within: gated DeltaNet prompt chunks scanned position by position (``hybrid.CHUNKED_PROMPTS``)."""
+    hybrid.CHUNKED_PROMPTS = False
+    try:
+        yield
+    finally:
+        hybrid.CHUNKED_PROMPTS = True
 
 
 def _states_at(pool, layer: int, line: int, n: int):
@@ -185,8 +198,6 @@ def test_gated_deltanet_on_a_gpu_names_the_missing_kernel(monkeypatch):
     flash-linear-attention's kernel, and an engine without ``fla-core`` is refused naming it."""
     import sys
 
-    from dspark.model import hybrid
-
     mixer = _model("qwen3.5").model.layers[0].linear_attn
     reference = sys.modules[type(mixer).__module__].torch_recurrent_gated_delta_rule
     assert hybrid.delta_rule(mixer, torch.device("cpu")) is reference
@@ -254,6 +265,39 @@ def test_a_failed_step_with_prompt_chunks_runs_them_again_from_zero_states(hybri
     finally:
         hook.remove()
     assert len(mixed) > 2 and outputs[late] == _generate(model, prompt, 8)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-next"])
+def test_gated_deltanet_prompt_chunks_scanned_whole_are_the_sequential_scan(name):
+    """Gated DeltaNet prompt chunks run through the chunked delta rule (split at the chunk's last
+    block end with the prefix cache on): the states after every step equal the position-by-position
+    scan's (fp32, to reassociation: ``_check_running_states``), and the tokens are the sequential
+    engine's and the greedy ones of transformers' forward over the whole sequence, with the prefix
+    cache on and off. (Not ``generate()``'s: at these lengths it departs from that forward's argmax
+    on these random models, by logit margins of 0.02.)"""
+    model = _model(name)
+    draft = _drafter(model)
+    prompts = [[(7 * i + 3) % 90 for i in range(70)], [(5 * i + 1) % 90 for i in range(37)]]
+    expected = [_forward_greedy(model, p, 8) for p in prompts]
+    for caching in (True, False):
+        config = EngineConfig(max_batch=2, max_num_batched_tokens=2 * 5 + 24, kv_block_size=8, cuda_graphs=False,
+                              enable_prefix_caching=caching)
+        engine = LLMEngine(model, draft, config)
+        ids = [engine.add_request(Request(p, 8)) for p in prompts]
+        outputs, checked = _run(engine, model, ids)
+        assert [outputs[i] for i in ids] == expected and checked > 4
+        with _sequential_scans():
+            sequential = LLMEngine(model, draft, config).generate([Request(p, 8) for p in prompts])
+        assert [r.token_ids for r in sequential] == expected
+
+
+def _forward_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens, each the argmax of transformers' forward over the whole sequence so far."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
 
 
 def test_a_mamba2_dt_limit_is_refused_naming_it():

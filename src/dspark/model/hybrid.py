@@ -18,7 +18,14 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 (kept per position instead of checkpoint + recompute: the window's states come out of the scan that
 runs it, and re-running accepted tokens would cost a second forward per round).
 
-The scans run one position at a time, all requests of a ragged group at once (static shapes, no
+Gated DeltaNet prompt chunks (groups longer than a round) are scanned whole, every request of the
+group padded to the group's length with inputs that leave the state as it is, by the chunked delta
+rule -- flash-linear-attention's ``chunk_gated_delta_rule`` on a GPU, the modeling file's
+``torch_chunk_gated_delta_rule`` elsewhere, as transformers runs a prompt -- writing only the states
+later forwards read: after each request's last token and, with prefix caching, after the last block
+end among its tokens (the scan split there). Exact to the sequential scan up to the chunked form's
+reassociation (fp32: tests/test_hybrid_target.py). The other scans, and every round's,
+run one position at a time, all requests of a ragged group at once (static shapes, no
 host synchronisation: CUDA-graph capturable): the gated delta rule as flash-linear-attention's fused
 recurrent kernel on a GPU, elsewhere the modeling file's own ``torch_recurrent_gated_delta_rule`` (the
 PyTorch reference transformers falls back to); Mamba-2 as the modeling file's
@@ -50,10 +57,13 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "conv_tail",
-           "delta_rule", "install", "is_supported_mixer", "new_pool", "pool_bytes", "state_scan",
+           "delta_chunk_rule", "delta_rule", "install", "is_supported_mixer", "new_pool", "pool_bytes", "state_scan",
            "unsupported_setting"]
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
+# gated DeltaNet prompt chunks scanned whole (the chunked delta rule) rather than position by
+# position; False: the sequential scan for every group (the reference the chunked scan is tested on)
+CHUNKED_PROMPTS = True
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
 _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
               "Qwen3_5GatedDeltaNet": (_DELTANET, ("linear_attention",)),
@@ -339,14 +349,19 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
     groups = module.num_v_heads // module.num_k_heads
     if groups > 1:
         query, key = (t.repeat_interleave(groups, dim=1, output_size=module.num_v_heads) for t in (query, key))
-    rule = delta_rule(module, hidden.device)
+    rule, chunk_rule = delta_rule(module, hidden.device), delta_chunk_rule(module, hidden.device)
 
     def step(state, q, k, v, g_t, beta_t):
         o, after = rule(q[:, None], k[:, None], v[:, None], g=g_t[:, None], beta=beta_t[:, None], initial_state=state,
                         output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o[:, 0], after
 
-    core = state_scan(step, (query, key, value, g, beta), states.recurrent, current)
+    def chunked(state, q, k, v, g_t, beta_t):  # whole prompt chunks [R, T, ...]
+        return chunk_rule(q, k, v, g=g_t, beta=beta_t, initial_state=state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+
+    core = state_scan(step, (query, key, value, g, beta), states.recurrent, current,
+                      chunked if CHUNKED_PROMPTS else None)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(n, -1))
 
@@ -411,6 +426,17 @@ def delta_rule(module, device: torch.device):
     return fused_recurrent_gated_delta_rule
 
 
+def delta_chunk_rule(module, device: torch.device):
+    """``delta_rule`` over whole sequences in chunks (the same arguments, ``[R, T, ...]``): on a GPU
+    flash-linear-attention's chunked Triton kernel, elsewhere the modeling file's
+    ``torch_chunk_gated_delta_rule`` -- what transformers runs a prompt with."""
+    if device.type != "cuda":
+        return sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # installed: delta_rule checked it
+
+    return chunk_gated_delta_rule
+
+
 def _activation(name: str):
     from transformers.activations import ACT2FN
 
@@ -450,27 +476,67 @@ def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, curr
     return out.to(x.dtype)
 
 
-def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, current: Forward) -> torch.Tensor:
+def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, current: Forward,
+               chunked=None) -> torch.Tensor:
     """A recurrence over each request's tokens in order, one position of every request of a ragged
     group per ``step(state [R, ...], *inputs at that position [R, ...]) -> (out [R, ...], state
     after)``, from the state after the position before each request's first token (``ring`` f32
     ``[lines, entries, ...]``; zero at position 0), writing the state after every token at its
     position's entry (``StatePool.recurrent_entries``). ``inputs``: per-token tensors ``[N, ...]``.
-    Returns the outputs ``[N, ...]``."""
+    ``chunked``: optionally a scan of whole sequences for the groups longer than a round (prompt
+    chunks; ``_chunked_group``). Returns the outputs ``[N, ...]``."""
     n, pool = inputs[0].shape[0], current.pool
-    out = None
+    outputs = []  # (token indices, their outputs); index n: padding
     for lo, _, batch in current.tokens.groups:
         cu, starts, slots = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
         counts = cu[1:] - cu[:-1]
         state = ring[slots, pool.recurrent_entries(starts - 1, ring)] * (starts > 0).to(ring.dtype).view(-1, *[1] * (ring.dim() - 2))
+        if chunked is not None and batch.max_query_len > pool.window:
+            outputs.append(_chunked_group(chunked, state, inputs, ring, pool, lo + cu[:-1], starts, counts, slots,
+                                          batch.max_query_len, n))
+            continue
         for i in range(batch.max_query_len):
             valid = counts > i
             token = torch.where(valid, lo + cu[:-1] + i, n)
             read = token.clamp(max=n - 1)
             o, after = step(state, *(t[read] for t in inputs))
-            if out is None:  # row n: the padding steps' outputs
-                out = o.new_zeros((n + 1,) + tuple(o.shape[1:]))
             state = torch.where(valid.view(-1, *[1] * (state.dim() - 1)), after.to(state.dtype), state)
-            out[token] = o
+            outputs.append((token, o))
             ring[pool.write_lines(slots, valid), pool.recurrent_entries(starts + i, ring)] = state
+    first = outputs[0][1]
+    out = first.new_zeros((n + 1,) + tuple(first.shape[1:]))
+    for token, o in outputs:
+        out[token] = o.to(out.dtype)
     return out[:n]
+
+
+def _chunked_group(chunked, state: torch.Tensor, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, pool: StatePool,
+                   firsts: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, length: int,
+                   n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ragged group's requests scanned whole: their tokens padded to ``[R, length, ...]`` with
+    zeros (inputs that leave the state as it is: the gated delta rule's zero key, value, beta and
+    log-decay), ``chunked(state [R, ...], *inputs [R, T, ...]) -> (out [R, T, ...], state after
+    the last)``. Only the states later forwards and snapshots read are written: after each request's
+    last token and, with prefix caching, after the last block end among its tokens (the scan is
+    split there: before it, then from it with its state). Returns ``(token indices [R * T], outputs
+    [R * T, ...])`` (index ``n``: padding)."""
+    steps = torch.arange(length, device=counts.device)
+    valid = steps[None] < counts[:, None]
+    token = torch.where(valid, firsts[:, None] + steps, n)
+    padded = [t[token.clamp(max=n - 1)] for t in inputs]
+
+    def only(mask):
+        return [torch.where(mask.view(*mask.shape, *[1] * (t.dim() - 2)), t, torch.zeros_like(t)) for t in padded]
+
+    layout = pool.layout
+    if layout.boundaries:
+        split = (starts + counts) // layout.block_size * layout.block_size - 1 - starts  # < 0: no block end
+        before = steps[None] <= split[:, None]
+        out_before, middle = chunked(state, *only(before & valid))
+        out_after, state = chunked(middle.to(state.dtype), *only(valid & ~before))
+        out = torch.where(before.view(*before.shape, *[1] * (out_before.dim() - 2)), out_before, out_after)
+        ring[pool.write_lines(slots, split >= 0), pool.recurrent_entries(starts + split, ring)] = middle.to(ring.dtype)
+    else:
+        out, state = chunked(state, *only(valid))
+    ring[pool.write_lines(slots, counts > 0), pool.recurrent_entries(starts + counts - 1, ring)] = state.to(ring.dtype)
+    return token.flatten(), out.flatten(0, 1)
