@@ -62,12 +62,13 @@ from .step import Proposals, StepPlan, StepResult, readout_columns
 from .structured import FREE_MASK, apply_bitmask, bitmask_width
 from .verifier import Verifier, sample_rows
 
-__all__ = ["ForwardFailed", "ModelRunner"]
+__all__ = ["ForwardFailed", "ModelRunner", "state_layout"]
 
 
-def _state_layout(target, verify_len: int, block_size: int, snapshots: int) -> dict:
-    """A hybrid target's cache also keeps its stateful layers' states for windows of the verify length
-    (and ``snapshots`` snapshot slots of prefix caching, 0: none)."""
+def state_layout(target, verify_len: int, block_size: int, snapshots: int) -> dict:
+    """The ``states=`` of a target's ``new_cache`` / ``new_paged_cache`` (empty for an attention-only
+    target): a hybrid target's cache keeps its stateful layers' states for windows of the verify
+    length (and ``snapshots`` snapshot slots of prefix caching over blocks of ``block_size``, 0: none)."""
     if not getattr(target, "stateful", None):
         return {}
     return {"states": StateLayout.of(verify_len, block_size, snapshots)}
@@ -101,7 +102,7 @@ class ModelRunner(CudaGraphs):
         self.kv_block_size = kv_block_size
         self.num_kv_blocks = num_kv_blocks or max_batch * self.block_tables.blocks_per_line + 1
         paged = (self.num_kv_blocks, kv_block_size, self.block_tables.table)
-        self.cache = target.new_paged_cache(*paged, **_state_layout(target, self.verify_len, kv_block_size,
+        self.cache = target.new_paged_cache(*paged, **state_layout(target, self.verify_len, kv_block_size,
                                                                     state_snapshots))
         self._init_graphs(max_batch, cuda_graphs)
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
