@@ -29,7 +29,7 @@ from dspark.engine import llm_engine
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 from dspark.engine.schedulers import SPSCostTable
-from dspark.model import hybrid
+from dspark.model import hybrid as hybrid_model  # (``hybrid`` is the fixture)
 from dspark.model.hf_target import HFTarget
 from dspark.model.llama import AttentionBatch
 
@@ -65,11 +65,11 @@ def _reference_states(model, tokens: list[int]) -> dict:
 @contextlib.contextmanager
 def _sequential_scans():
     """Within: gated DeltaNet prompt chunks scanned position by position (``hybrid.CHUNKED_PROMPTS``)."""
-    hybrid.CHUNKED_PROMPTS = False
+    hybrid_model.CHUNKED_PROMPTS = False
     try:
         yield
     finally:
-        hybrid.CHUNKED_PROMPTS = True
+        hybrid_model.CHUNKED_PROMPTS = True
 
 
 def _states_at(pool, layer: int, line: int, n: int):
@@ -200,11 +200,11 @@ def test_gated_deltanet_on_a_gpu_names_the_missing_kernel(monkeypatch):
 
     mixer = _model("qwen3.5").model.layers[0].linear_attn
     reference = sys.modules[type(mixer).__module__].torch_recurrent_gated_delta_rule
-    assert hybrid.delta_rule(mixer, torch.device("cpu")) is reference
+    assert hybrid_model.delta_rule(mixer, torch.device("cpu")) is reference
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
     with pytest.raises(RuntimeError, match=r"Qwen3_5GatedDeltaNet layers on a GPU run flash-linear-attention's gated "
                                            r"delta rule kernel, which is not installed: pip install fla-core"):
-        hybrid.new_pool({0: mixer}, 2, hybrid.StateLayout(4), "cuda", torch.float32)
+        hybrid_model.new_pool({0: mixer}, 2, hybrid_model.StateLayout(4), "cuda", torch.float32)
 
 
 def test_a_graphs_warm_up_run_leaves_the_states_as_they_were(hybrid, monkeypatch):
