@@ -86,7 +86,8 @@ def test_a_chat_sharing_a_system_prompt_keeps_every_token_and_every_accepted_dra
     snapshot after its last full block, 16 tokens); the second takes those and finds the system
     prompt's third block with no snapshot, so it runs it, its chunk ending where its prompt leaves
     the cached blocks (a snapshot there); the next two take all three; the next turn of the first
-    chat (its prompt, answer and more) takes its blocks up to its answer's last full block. Cache on = off, round for round, and = ``generate()``. Every family."""
+    chat (its prompt, answer and more) takes its blocks up to its answer's last full block. Cache on
+    = off, round for round, and = ``generate()``. Every family."""
     model, draft = family
     first = SYSTEM + USERS[0]
     answer = _generate(model, first, NEW)

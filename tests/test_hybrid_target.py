@@ -78,7 +78,8 @@ def _states_at(pool, layer: int, line: int, n: int):
     positions n-K+1 .. n-1 (K the kernel)."""
     states = pool.layers[layer]
     last = torch.tensor(n - 1)
-    recurrent = None if states.recurrent is None else states.recurrent[line, pool.recurrent_entries(last, states.recurrent)]
+    recurrent = None if states.recurrent is None else \
+        states.recurrent[line, pool.recurrent_entries(last, states.recurrent)]
     positions = torch.arange(max(n - states.kernel + 1, 0), n)
     return recurrent, states.conv[line, pool.conv_entries(positions, states.conv, states.kernel)[0]]
 

@@ -122,7 +122,8 @@ class BlockManager:
             parent = hash(key)
         usable = len(matched)
         if self.snapshots is not None:
-            usable = next((i + 1 for i in range(len(matched) - 1, -1, -1) if matched[i][1] in self.snapshots.slot_of), 0)
+            with_snapshot = [i + 1 for i, (_, block) in enumerate(matched) if block in self.snapshots.slot_of]
+            usable = with_snapshot[-1] if with_snapshot else 0
             if usable:
                 self.snapshots.touch(matched[usable - 1][1])
         for key, block in matched[:usable]:

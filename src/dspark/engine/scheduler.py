@@ -68,7 +68,8 @@ class Scheduler:
                     seq.stats.cached_tokens = seq.prefilled
                 if seq.prefilled and self.blocks.snapshots is not None:  # a hybrid target's states there
                     last = len(seq.blocks.block_ids) - 1
-                    self.runner.restore_states(seq.slot, last, self.blocks.snapshots.slot_of[seq.blocks.block_ids[last]])
+                    snapshot = self.blocks.snapshots.slot_of[seq.blocks.block_ids[last]]
+                    self.runner.restore_states(seq.slot, last, snapshot)
             self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
             self.runner.penalties.stage(seq.slot, seq.request.sampling, seq.request.prompt_ids, seq.output_ids,
                                         seq.stop_ids)

@@ -173,7 +173,8 @@ class StatePool:
             return positions % window
         return torch.where((positions + 1) % size == 0, window + (positions // size) % ends, positions % window)
 
-    def conv_entries(self, positions: torch.Tensor, ring: torch.Tensor, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def conv_entries(self, positions: torch.Tensor, ring: torch.Tensor,
+                     kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(entries, at a block's end)``: the entries of conv ``ring`` ``[lines, entries, C]``
         holding the inputs at ``positions`` (int64, any shape) -- a block's last ``kernel - 1``
         positions in its block-end entries, the others by position modulo the window -- and which
@@ -490,7 +491,8 @@ def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, curre
     for lo, _, batch in current.tokens.groups:
         cu, starts, slots = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
         counts = cu[1:] - cu[:-1]
-        state = ring[slots, pool.recurrent_entries(starts - 1, ring)] * (starts > 0).to(ring.dtype).view(-1, *[1] * (ring.dim() - 2))
+        state = ring[slots, pool.recurrent_entries(starts - 1, ring)]
+        state = state * (starts > 0).to(ring.dtype).view(-1, *[1] * (ring.dim() - 2))
         if chunked is not None and batch.max_query_len > pool.window:
             outputs.append(_chunked_group(chunked, state, inputs, ring, pool, lo + cu[:-1], starts, counts, slots,
                                           batch.max_query_len, n))
