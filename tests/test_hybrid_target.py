@@ -11,7 +11,9 @@ transformers' ``generate()``, and after every step each running request's states
 state and the conv inputs before its anchor -- equal those of its committed tokens run alone in one
 forward (a prompt run in chunks included): a rollback that kept a rejected draft's state, or a stale
 state of a slot's earlier request, fails here even where the greedy tokens happen to agree. Tree
-mode is refused naming the reason; the prefix cache is off for these targets.
+mode is refused naming the reason. Sampled speculative decoding follows the target's distribution
+given each output's history (slow: chi-square and TV over every position's own distribution).
+Prefix caching on these targets: tests/test_hybrid_prefix_cache.py.
 """
 
 import contextlib
@@ -27,6 +29,7 @@ from dspark.engine import llm_engine
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 from dspark.engine.schedulers import SPSCostTable
+from dspark.model import hybrid as hybrid_model  # (``hybrid`` is the fixture)
 from dspark.model.hf_target import HFTarget
 from dspark.model.llama import AttentionBatch
 
@@ -47,25 +50,38 @@ def hybrid(request):
 
 
 def _reference_states(model, tokens: list[int]) -> dict:
-    """The states after ``tokens`` run alone in one forward on a fresh cache (``_states_at``)."""
+    """The states after ``tokens`` run alone in one forward on a fresh cache, position by position
+    (the sequential scan, also for gated DeltaNet: the chunked one is what is checked; ``_states_at``)."""
     target, n = HFTarget(model), len(tokens)
     cache = target.new_cache(1, n + 1)
     i32 = dict(dtype=torch.int32)
-    target.forward(torch.tensor(tokens), torch.arange(n, **i32), torch.zeros(n, **i32),
-                   AttentionBatch(torch.tensor([0], **i32), torch.tensor([0], **i32), torch.tensor([0, n], **i32), n),
-                   cache)
+    with _sequential_scans():
+        target.forward(torch.tensor(tokens), torch.arange(n, **i32), torch.zeros(n, **i32),
+                       AttentionBatch(torch.tensor([0], **i32), torch.tensor([0], **i32), torch.tensor([0, n], **i32),
+                                      n), cache)
     return {layer: _states_at(cache.states, layer, 0, n) for layer in cache.states.layers}
 
 
+@contextlib.contextmanager
+def _sequential_scans():
+    """Within: gated DeltaNet prompt chunks scanned position by position (``hybrid.CHUNKED_PROMPTS``)."""
+    hybrid_model.CHUNKED_PROMPTS = False
+    try:
+        yield
+    finally:
+        hybrid_model.CHUNKED_PROMPTS = True
+
+
 def _states_at(pool, layer: int, line: int, n: int):
-    """Layer ``layer``'s states of ``line`` after ``n`` tokens, by position (the rings' sizes differ
-    between pools): the recurrent state after position n-1 (None: a conv-only layer) and the conv
-    inputs at positions n-K+1 .. n-1 (K the kernel)."""
+    """Layer ``layer``'s states of ``line`` after ``n`` tokens, by position (the pools' layouts
+    differ): the recurrent state after position n-1 (None: a conv-only layer) and the conv inputs at
+    positions n-K+1 .. n-1 (K the kernel)."""
     states = pool.layers[layer]
-    recurrent = None if states.recurrent is None else states.recurrent[line, (n - 1) % states.recurrent.shape[1]]
-    kernel = states.conv.shape[1] - pool.window + 1
-    positions = torch.arange(max(n - kernel + 1, 0), n)
-    return recurrent, states.conv[line, positions % states.conv.shape[1]]
+    last = torch.tensor(n - 1)
+    recurrent = None if states.recurrent is None else \
+        states.recurrent[line, pool.recurrent_entries(last, states.recurrent)]
+    positions = torch.arange(max(n - states.kernel + 1, 0), n)
+    return recurrent, states.conv[line, pool.conv_entries(positions, states.conv, states.kernel)[0]]
 
 
 def _check_running_states(engine, model) -> int:
@@ -149,32 +165,33 @@ def test_an_aborted_requests_slot_gives_the_next_request_no_state(hybrid):
 
 def test_preempted_requests_run_again_from_zero_states(hybrid):
     """KV blocks for about one request at a time among three rows: requests are preempted and run
-    their tokens again from position 0 (no prefix cache), with the tokens they give alone."""
+    their tokens again from position 0 (no prefix cache; with it: test_hybrid_prefix_cache), with
+    the tokens they give alone."""
     model, draft, expected = hybrid
     engine = LLMEngine(model, draft, EngineConfig(max_batch=3, max_model_len=32, kv_block_size=4, num_kv_blocks=16,
-                                                  cuda_graphs=False))
+                                                  cuda_graphs=False, enable_prefix_caching=False))
     ids = [engine.add_request(Request(p, NEW)) for p in PROMPTS]
     outputs, _ = _run(engine, model, ids)
     assert [outputs[i] for i in ids] == expected
     assert engine.metrics.preemptions > 0
 
 
-def test_tree_mode_is_refused_and_the_prefix_cache_is_off(hybrid):
-    """A tree round would need a state per node: tree mode is refused naming why. A cached block
-    would need the state at its end: the prefix cache is off for these targets. The states' bytes
-    (which the GPU's KV block count leaves room for) are those allocated."""
+def test_tree_mode_is_refused_and_the_states_take_the_bytes_counted(hybrid):
+    """A tree round would need a state per node: tree mode is refused naming why. The states'
+    bytes (which the GPU's KV block count leaves room for) are those allocated, with the prefix
+    cache's block ends and snapshots and without."""
     model, draft, _ = hybrid
     with pytest.raises(ValueError, match=r"tree mode \(draft_top_k > 1\) is not supported on a hybrid target "
                                          r"\(layers \[[0-9, ]+\] carry a recurrent or convolution state\): verifying "
                                          r"a tree would need a state per tree node"):
         LLMEngine(model, draft, EngineConfig(draft_top_k=2, cuda_graphs=False))
-    engine = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False))
-    assert engine.config.enable_prefix_caching and not engine.scheduler.blocks.prefix_caching
-    # the GPU's block count leaves room for the states: what they take is what is allocated
-    pool = engine.runner.cache.states
-    allocated = sum(t.numel() * t.element_size() for s in pool.layers.values() for t in (s.conv, s.recurrent)
-                    if t is not None)
-    assert engine.target.state_bytes(2 + 1, engine.runner.verify_len) == allocated
+    for caching in (True, False):
+        engine = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False, enable_prefix_caching=caching))
+        pool = engine.runner.cache.states
+        assert (pool.layout.snapshots, engine.scheduler.blocks.prefix_caching) == (4 if caching else 0, caching)
+        allocated = sum(t.numel() * t.element_size() for s in pool.layers.values()
+                        for t in (s.conv, s.recurrent, s.snapshot_conv, s.snapshot_recurrent) if t is not None)
+        assert engine.target.state_bytes(2 + 1, pool.layout) == allocated
 
 
 def test_gated_deltanet_on_a_gpu_names_the_missing_kernel(monkeypatch):
@@ -182,15 +199,13 @@ def test_gated_deltanet_on_a_gpu_names_the_missing_kernel(monkeypatch):
     flash-linear-attention's kernel, and an engine without ``fla-core`` is refused naming it."""
     import sys
 
-    from dspark.model import hybrid
-
     mixer = _model("qwen3.5").model.layers[0].linear_attn
     reference = sys.modules[type(mixer).__module__].torch_recurrent_gated_delta_rule
-    assert hybrid.delta_rule(mixer, torch.device("cpu")) is reference
+    assert hybrid_model.delta_rule(mixer, torch.device("cpu")) is reference
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
     with pytest.raises(RuntimeError, match=r"Qwen3_5GatedDeltaNet layers on a GPU run flash-linear-attention's gated "
                                            r"delta rule kernel, which is not installed: pip install fla-core"):
-        hybrid.new_pool({0: mixer}, 2, 4, "cuda", torch.float32)
+        hybrid_model.new_pool({0: mixer}, 2, hybrid_model.StateLayout(4), "cuda", torch.float32)
 
 
 def test_a_graphs_warm_up_run_leaves_the_states_as_they_were(hybrid, monkeypatch):
@@ -253,6 +268,39 @@ def test_a_failed_step_with_prompt_chunks_runs_them_again_from_zero_states(hybri
     assert len(mixed) > 2 and outputs[late] == _generate(model, prompt, 8)
 
 
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-next"])
+def test_gated_deltanet_prompt_chunks_scanned_whole_are_the_sequential_scan(name):
+    """Gated DeltaNet prompt chunks run through the chunked delta rule (split at the chunk's last
+    block end with the prefix cache on): the states after every step equal the position-by-position
+    scan's (fp32, to reassociation: ``_check_running_states``), and the tokens are the sequential
+    engine's and the greedy ones of transformers' forward over the whole sequence, with the prefix
+    cache on and off. (Not ``generate()``'s: at these lengths it departs from that forward's argmax
+    on these random models, by logit margins of 0.02.)"""
+    model = _model(name)
+    draft = _drafter(model)
+    prompts = [[(7 * i + 3) % 90 for i in range(70)], [(5 * i + 1) % 90 for i in range(37)]]
+    expected = [_forward_greedy(model, p, 8) for p in prompts]
+    for caching in (True, False):
+        config = EngineConfig(max_batch=2, max_num_batched_tokens=2 * 5 + 24, kv_block_size=8, cuda_graphs=False,
+                              enable_prefix_caching=caching)
+        engine = LLMEngine(model, draft, config)
+        ids = [engine.add_request(Request(p, 8)) for p in prompts]
+        outputs, checked = _run(engine, model, ids)
+        assert [outputs[i] for i in ids] == expected and checked > 4
+        with _sequential_scans():
+            sequential = LLMEngine(model, draft, config).generate([Request(p, 8) for p in prompts])
+        assert [r.token_ids for r in sequential] == expected
+
+
+def _forward_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens, each the argmax of transformers' forward over the whole sequence so far."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
 def test_a_mamba2_dt_limit_is_refused_naming_it():
     """transformers clamps Mamba-2's dt to ``time_step_limit`` in a prompt's chunked scan but not
     in its decoding steps, so no single recurrence equals it under a limit: such a target is refused
@@ -293,3 +341,39 @@ def test_a_deep_copy_of_a_wrapped_model_runs_its_own_mixers(hybrid):
         assert engine.generate([Request(PROMPTS[0], NEW)])[0].token_ids == expected[0]
     finally:
         model.load_state_dict(copy.state_dict())
+
+
+SAMPLED_VOCAB, SAMPLED_TOP_K = 4, 3
+SAMPLED_ROWS, SAMPLED_TOKENS = 128, 128  # 16 384 draws: an exact sampler's expected TV ~ 0.4 * sqrt(3 / N) = 0.005
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3.5", "bamba", "lfm2"])
+def test_sampled_outputs_follow_the_targets_distribution(name):
+    """Sampled speculative decoding (temperature 1, top-k 3) on a tiny hybrid target of 4 tokens:
+    every emitted token -- accepted drafts, residual draws, bonus tokens -- follows the target's
+    distribution given the whole output before it (each position's own distribution, from
+    transformers' forward over the output: chi-square and TV of the draws per token id,
+    ``statistics_cases.check_conditionals``), so a state the rollback left wrong shows; and the
+    check has teeth: the same draws against the distributions off by 5 % fail it."""
+    from statistics_cases import check_conditionals
+    from test_hf_target import COMMON
+    from test_lossless_sampling import nudged
+
+    import dspark.kernels as K
+    from dspark.engine import SamplingParams
+
+    model = _model(name, {**COMMON, "vocab_size": SAMPLED_VOCAB, "initializer_range": 0.3})
+    engine = LLMEngine(model, _drafter(model), EngineConfig(max_batch=SAMPLED_ROWS, cuda_graphs=False))
+    prompts = [[s % SAMPLED_VOCAB, (s // SAMPLED_VOCAB) % SAMPLED_VOCAB] for s in range(SAMPLED_ROWS)]
+    results = engine.generate([Request(p, SAMPLED_TOKENS, SamplingParams(temperature=1.0, top_k=SAMPLED_TOP_K, seed=s),
+                                       stop_ids=[], ignore_eos=True) for s, p in enumerate(prompts)])
+    assert sum(len(r.stats.accept_lengths) for r in results) < SAMPLED_ROWS * SAMPLED_TOKENS  # drafts were kept
+    sequences = torch.tensor([p + r.token_ids for p, r in zip(prompts, results)])
+    with torch.no_grad():
+        logits = model(sequences).logits[:, 1:-1].float()  # the distribution of each output token
+    probs = K.logits_to_probabilities(logits.reshape(-1, SAMPLED_VOCAB), 1.0, top_k=SAMPLED_TOP_K)
+    tokens, bins = sequences[:, 2:].flatten(), torch.arange(SAMPLED_VOCAB).expand(probs.shape[0], -1)
+    problem = check_conditionals(tokens, probs, bins)
+    assert problem is None, f"{name}: {problem}"
+    assert check_conditionals(tokens, nudged(probs), bins) is not None

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from dspark.engine import SamplingParams
-from dspark.engine.block_manager import NULL_BLOCK, BlockManager, SequenceBlocks
+from dspark.engine.block_manager import NULL_BLOCK, BlockManager, SequenceBlocks, StateSnapshots
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 from dspark.training.data import demo_pair, read_prompts
@@ -83,6 +83,41 @@ def test_prefix_caching_off_finds_nothing():
     manager.reserve(seq, 4)
     manager.cache_committed(seq, 4, lambda lo, hi: tokens(4)[lo:hi])
     assert manager.take_cached_prefix(SequenceBlocks(), tokens(6), limit=5) == 0 and not manager.cached
+
+
+def test_a_hybrid_targets_prefix_ends_at_its_last_block_with_a_snapshot():
+    """With state snapshots (a hybrid target) a matched prefix is taken up to its last block with a
+    snapshot; the blocks matched past it are named (``matched_tokens``), not held nor counted."""
+    manager = BlockManager(num_blocks=16, block_size=4, snapshots=StateSnapshots(2))
+    first = SequenceBlocks()
+    manager.reserve(first, 16)
+    manager.cache_committed(first, 16, lambda lo, hi: tokens(16)[lo:hi])
+    assert manager.take_cached_prefix(SequenceBlocks(), tokens(20), limit=19) == 0  # no snapshot yet
+    assert manager.snapshot_slot(first, 1) is not None and manager.snapshot_slot(first, 1) is None  # one per block
+    second = SequenceBlocks()
+    assert manager.take_cached_prefix(second, tokens(20), limit=19) == 8
+    assert (second.block_ids, second.matched_tokens) == (first.block_ids[:2], 16)
+    assert [manager.ref_counts[b] for b in first.block_ids] == [2, 2, 1, 1] and manager.hits == 8
+
+
+def test_snapshots_go_least_recently_used_first_and_with_their_blocks():
+    """Two snapshot slots: a third snapshot takes the least recently used one's (a hit counts as a
+    use); a cached block evicted for a new block takes its snapshot with it."""
+    manager = BlockManager(num_blocks=5, block_size=2, snapshots=StateSnapshots(2))  # 4 usable blocks
+    seq = SequenceBlocks()
+    manager.reserve(seq, 6)
+    manager.cache_committed(seq, 6, lambda lo, hi: tokens(6)[lo:hi])
+    slots = [manager.snapshot_slot(seq, i) for i in (0, 1)]
+    assert sorted(slots) == [0, 1]
+    hit = SequenceBlocks()
+    assert manager.take_cached_prefix(hit, tokens(3), limit=2) == 2  # block 0's snapshot used
+    assert manager.snapshot_slot(seq, 2) == slots[1]  # block 1's went
+    blocks = list(seq.block_ids)
+    assert set(manager.snapshots.slot_of) == {blocks[0], blocks[2]}
+    manager.release(seq)
+    manager.release(hit)
+    manager.reserve(SequenceBlocks(), 4)  # the never-used block, then the least recently freed: blocks[2]
+    assert set(manager.snapshots.slot_of) == {blocks[0]} and manager.snapshots.free == [slots[1]]
 
 
 # ------------------------------------------------------------------------------- engine

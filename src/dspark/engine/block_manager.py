@@ -10,6 +10,11 @@ block is needed and it is the least recently freed. Only positions whose K/V are
 cached: a request's committed tokens before its anchor (the last token, not yet run), never drafts.
 ``BlockTable`` is the device copy the kernels read (``K.cached_attention(block_table=...)``), kept at
 one address for the CUDA graphs and updated by a copy of the rows that changed.
+
+A hybrid target's cached block is usable only with its layers' states after its last position
+(``model.hybrid``): ``StateSnapshots`` gives such snapshots slots (a bounded pool, least recently
+used first out; a snapshot goes with its block when that is evicted), and a prefix found in the cache
+is taken up to its last block with a snapshot.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["NULL_BLOCK", "BlockManager", "BlockTable", "SequenceBlocks", "blocks_in_memory", "kv_blocks_from_memory"]
+__all__ = ["NULL_BLOCK", "BlockManager", "BlockTable", "SequenceBlocks", "StateSnapshots", "blocks_in_memory",
+           "kv_blocks_from_memory"]
 
 GRAPH_POOL_BYTES = 2 << 30  # what the memory budget leaves the CUDA graphs' pool and the allocator's slack
 # Block 0 is never handed out: unused table entries and the padding line point to it, so a stray
@@ -32,21 +38,51 @@ NULL_BLOCK = 0
 class SequenceBlocks:
     """The blocks one request holds: ``block_ids`` in line order; ``keys`` the prefix-cache keys of
     its first ``len(keys)`` blocks (registered, or found in the cache); ``cached_tokens`` the prompt
-    tokens its admission found in the cache."""
+    tokens its admission took from the cache; ``matched_tokens`` those the cache held (more, for a
+    hybrid target, when the blocks after its last snapshot matched too)."""
 
     block_ids: list[int] = field(default_factory=list)
     keys: list[tuple] = field(default_factory=list)
     cached_tokens: int = 0
+    matched_tokens: int = 0
     next_key_at: int = 0  # the committed positions at which its next block is full (the host's quick test)
+
+
+class StateSnapshots:
+    """``capacity`` slots for a hybrid target's state snapshots (``StatePool``'s), each holding the
+    states after a cached block's last position: ``slot_of`` block id -> slot, least recently used
+    first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.slot_of: OrderedDict[int, int] = OrderedDict()
+        self.free = list(range(capacity))
+
+    def take(self, block: int) -> int:
+        """A slot for ``block``'s snapshot: a free one, else the least recently used snapshot's."""
+        slot = self.free.pop() if self.free else self.slot_of.popitem(last=False)[1]
+        self.slot_of[block] = slot
+        return slot
+
+    def drop(self, block: int) -> None:
+        """Free ``block``'s snapshot, if it has one (its block left the prefix cache)."""
+        slot = self.slot_of.pop(block, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def touch(self, block: int) -> None:
+        self.slot_of.move_to_end(block)
 
 
 class BlockManager:
     """``num_blocks`` blocks of ``block_size`` positions (block 0 reserved: ``NULL_BLOCK``), with
-    prefix caching when ``prefix_caching``. ``queries`` / ``hits``: prompt tokens looked up in the
-    cache and found there (vLLM's prefix-cache counters)."""
+    prefix caching when ``prefix_caching``; for a hybrid target ``snapshots`` (its blocks' state
+    snapshots: a cached prefix is usable up to its last block with one). ``queries`` / ``hits``:
+    prompt tokens looked up in the cache and found there usable (vLLM's prefix-cache counters)."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        self.block_size, self.prefix_caching = block_size, prefix_caching
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 snapshots: StateSnapshots | None = None):
+        self.block_size, self.prefix_caching, self.snapshots = block_size, prefix_caching, snapshots
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[tuple | None] = [None] * num_blocks
         self.unused = 1  # blocks unused..num_blocks-1 were never handed out (a GPU may hold millions)
@@ -70,24 +106,45 @@ class BlockManager:
 
     def take_cached_prefix(self, seq: SequenceBlocks, token_ids: list[int], limit: int) -> int:
         """Give an empty ``seq`` the cached blocks of the longest prefix of ``token_ids[:limit]``
-        (full blocks); returns how many tokens they hold (also ``seq.cached_tokens``)."""
+        (full blocks; with snapshots, up to the last of them that has one); returns how many tokens
+        they hold (also ``seq.cached_tokens``; ``seq.matched_tokens``: the matched prefix)."""
         if not self.prefix_caching:
+            seq.cached_tokens = seq.matched_tokens = 0
             return 0
-        size, parent = self.block_size, None
+        size, parent, matched = self.block_size, None, []
         self.queries += limit
         for start in range(0, limit - size + 1, size):
             key = (parent, tuple(token_ids[start:start + size]))
             block = self.cached.get(key)
             if block is None:
                 break
+            matched.append((key, block))
+            parent = hash(key)
+        usable = len(matched)
+        if self.snapshots is not None:
+            with_snapshot = [i + 1 for i, (_, block) in enumerate(matched) if block in self.snapshots.slot_of]
+            usable = with_snapshot[-1] if with_snapshot else 0
+            if usable:
+                self.snapshots.touch(matched[usable - 1][1])
+        for key, block in matched[:usable]:
             self._hold(block)
             seq.block_ids.append(block)
             seq.keys.append(key)
-            parent = hash(key)
-        seq.cached_tokens = len(seq.block_ids) * size
+        seq.cached_tokens, seq.matched_tokens = usable * size, len(matched) * size
         seq.next_key_at = seq.cached_tokens + size
         self.hits += seq.cached_tokens
         return seq.cached_tokens
+
+    def snapshot_slot(self, seq: SequenceBlocks, index: int) -> int | None:
+        """A snapshot slot for the states after ``seq``'s block ``index`` (registered in the cache),
+        held by the block the cache keeps for its key; None when that one has a snapshot already
+        (or there are no snapshots)."""
+        if self.snapshots is None or index >= len(seq.keys):
+            return None
+        block = self.cached.get(seq.keys[index])
+        if block is None or block in self.snapshots.slot_of:
+            return None
+        return self.snapshots.take(block)
 
     def reserve(self, seq: SequenceBlocks, positions: int) -> int | None:
         """Append fresh blocks until ``seq`` covers ``positions`` positions; returns how many it took,
@@ -143,6 +200,8 @@ class BlockManager:
         if key is not None:
             del self.cached[key]
             self.block_keys[block] = None
+            if self.snapshots is not None:
+                self.snapshots.drop(block)
         self.ref_counts[block] = 1
         return block
 
@@ -200,12 +259,15 @@ def blocks_in_memory(device, utilization: float, bytes_per_block: int, working_b
     return max(0, int(budget // bytes_per_block))
 
 
-def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tokens: int) -> int | None:
+def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tokens: int,
+                          state_snapshots: int = 0) -> int | None:
     """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
     block), after a step's working memory: its tokens' activations, the verify rows' f32 logits
-    (and their probabilities), the slots' penalty state and a margin for the CUDA graphs' pools;
+    (and their probabilities), the slots' penalty state, a hybrid target's layer states (with
+    ``state_snapshots`` snapshot slots) and a margin for the CUDA graphs' pools;
     None off CUDA (the runner then holds ``max_batch`` full lines, as with
     ``gpu_memory_utilization`` None)."""
+    from ..model.hybrid import StateLayout
     from ..model.layers import KVCache
     from .chunks import MAX_CHUNKS as max_chunks
     from .penalties import BYTES_PER_TOKEN as penalty_bytes
@@ -221,6 +283,7 @@ def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tok
     activations = step_tokens * target.shape.hidden_size * 64
     penalties = (config.max_batch + 1) * target.vocab_size * penalty_bytes
     # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
-    states = target.state_bytes(config.max_batch + 1, verify_len) if hasattr(target, "state_bytes") else 0
+    layout = StateLayout.of(verify_len, config.kv_block_size, state_snapshots)
+    states = target.state_bytes(config.max_batch + 1, layout) if hasattr(target, "state_bytes") else 0
     return blocks_in_memory(target.device, config.gpu_memory_utilization, per_token * config.kv_block_size,
                             GRAPH_POOL_BYTES + logits + activations + penalties + states)

@@ -13,7 +13,8 @@ from .drafting import SCHEDULERS
 from .schedulers import SPSCostTable
 
 __all__ = ["DEFAULT_BATCHED_TOKENS", "DEFAULT_DRAFT_CANDIDATES", "DEFAULT_DRAFT_SUCCESSORS", "DEFAULT_MAX_MODEL_LEN",
-           "ENGINES", "ENGINE_SCHEDULERS", "SCHEDULE_SIGNALS", "EngineConfig", "engine_config"]
+           "DEFAULT_STATE_SNAPSHOTS_PER_ROW", "ENGINES", "ENGINE_SCHEDULERS", "SCHEDULE_SIGNALS", "EngineConfig",
+           "engine_config"]
 
 DEFAULT_MAX_MODEL_LEN = 4096
 ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
@@ -27,6 +28,9 @@ ENGINES = ("auto", "batched", "reference")
 # sampled drafting over the full vocabulary until candidate drafting (64 backbone candidates + 16 bigram
 # successors keep 97.7 % of tau on the demo pair at T 1: docs/serving.md) is timed on the H200
 DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS = 0, 16
+# a hybrid target's prefix-cache state snapshots per batch row (each about a prompt's, or a leaving
+# request's, last full block: docs/engine.md has their bytes)
+DEFAULT_STATE_SNAPSHOTS_PER_ROW = 2
 
 
 @dataclass
@@ -61,7 +65,9 @@ class EngineConfig:
     requests of ``max_model_len``; ``num_kv_blocks`` sets the count. When blocks run out a running request is preempted (its
     blocks freed, its tokens run again later: vLLM's recompute). ``enable_prefix_caching``: full
     blocks of committed tokens are shared between requests whose tokens start alike (target and
-    draft K/V alike)."""
+    draft K/V alike); a hybrid target's with snapshots of its layers' states at block ends, at most
+    ``state_snapshots`` of them (None: ``DEFAULT_STATE_SNAPSHOTS_PER_ROW`` x ``max_batch``; their
+    bytes: docs/engine.md)."""
 
     max_batch: int = 16
     max_model_len: int | None = None
@@ -84,6 +90,7 @@ class EngineConfig:
     draft_candidates: int = DEFAULT_DRAFT_CANDIDATES
     draft_successors: int = DEFAULT_DRAFT_SUCCESSORS
     schedule_signal: str = "confidence"
+    state_snapshots: int | None = None
 
     def __post_init__(self):
         c = Checker("EngineConfig")
@@ -96,6 +103,8 @@ class EngineConfig:
             c.fail(f"gpu_memory_utilization must be in (0, 1] or None, got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None:
             c.integer("num_kv_blocks", self.num_kv_blocks, low=2)
+        if self.state_snapshots is not None:
+            c.integer("state_snapshots", self.state_snapshots, low=1)
         if self.max_model_len is not None:
             c.integer("max_model_len", self.max_model_len, low=2)
         if self.scheduler not in ENGINE_SCHEDULERS:

@@ -24,11 +24,13 @@ import torch
 
 from .. import kernels as K
 from ..kernels._validate import Checker
+from ..model import hybrid
 from ..model.llama import TargetLM
 from .acceptance import OnlineAcceptance
-from .block_manager import BlockManager, kv_blocks_from_memory
+from .block_manager import BlockManager, StateSnapshots, kv_blocks_from_memory
 from .chunks import PrefillChunk
-from .config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, ENGINES, EngineConfig, engine_config
+from .config import (DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_STATE_SNAPSHOTS_PER_ROW, ENGINES,
+                     EngineConfig, engine_config)
 from .drafting import Drafter
 from .offline import OfflineGeneration
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs, token_logprobs
@@ -99,11 +101,12 @@ class LLMEngine(OfflineGeneration):
         if budget < rows_tokens:
             c.fail(f"max_num_batched_tokens must be at least max_batch x verify length = {config.max_batch} x "
                    f"{verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
+        snapshots = self._state_snapshots(c, stateful)
         blocks = config.num_kv_blocks or kv_blocks_from_memory(self.target, self.draft_model, config, verify_len,
-                                                              budget)
+                                                              budget, snapshots)
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
                                   max_chunk_tokens=budget, cuda_graphs=config.cuda_graphs, tree=tree,
-                                  num_kv_blocks=blocks, kv_block_size=config.kv_block_size)
+                                  num_kv_blocks=blocks, kv_block_size=config.kv_block_size, state_snapshots=snapshots)
         line_blocks = self.runner.block_tables.blocks_per_line
         if self.runner.num_kv_blocks <= line_blocks:
             c.fail(f"num_kv_blocks is {self.runner.num_kv_blocks}: a request of max_model_len {limit} needs "
@@ -114,9 +117,8 @@ class LLMEngine(OfflineGeneration):
         # positions a running request writes past its committed tokens in one step: the verify
         # window, then the draft block after the new anchor
         lookahead = verify_len + (drafter.block_size if drafter is not None else 0) - 1
-        # a hybrid target's cached blocks would need the recurrent state at their end: no prefix cache
-        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size,
-                              config.enable_prefix_caching and not stateful)
+        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching,
+                              StateSnapshots(snapshots) if snapshots else None)
         self.scheduler = Scheduler(self.runner, blocks, config.max_batch, lookahead, self.metrics)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -137,6 +139,20 @@ class LLMEngine(OfflineGeneration):
         self._plain: LLMEngine | None = None
         self.tokenizer = None  # what structured outputs compile against (None: the target directory's)
         self.structured = StructuredStage(self.runner, target)
+
+    def _state_snapshots(self, c: Checker, stateful: list[int]) -> int:
+        """How many state snapshots a hybrid target's prefix cache keeps (0: not a hybrid target, or
+        no prefix caching). Refused: blocks shorter than a conv's inputs before a position (a
+        snapshot holds the conv inputs of its block's last ``kernel - 1`` positions)."""
+        config = self.config
+        if not stateful or not config.enable_prefix_caching:
+            return 0
+        tail = hybrid.conv_tail(self.target.stateful)
+        if config.kv_block_size < tail:
+            c.fail(f"prefix caching on this hybrid target needs kv_block_size >= {tail} (its convolutions read "
+                   f"{tail} inputs before each position, kept per block end), got {config.kv_block_size}; "
+                   "or set enable_prefix_caching=False")
+        return config.state_snapshots or DEFAULT_STATE_SNAPSHOTS_PER_ROW * config.max_batch
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -299,12 +315,14 @@ class LLMEngine(OfflineGeneration):
         return joined
 
     def _restart_stateful_prompts(self, plan) -> None:
-        """After a failed forward with prompt chunks, a hybrid target's chunk requests run their
-        prompts again from position 0: a K/V write the failed forward made is rewritten by the
-        retry, but its layer-state writes may have landed on the state a chunk starts from."""
+        """After a failed forward with prompt chunks, a hybrid target's chunk requests are queued
+        again (first) to run their prompts from the cache's last snapshot, or from position 0: a
+        K/V write the failed forward made is rewritten by the retry, but its layer-state writes may
+        have landed on the state a chunk starts from."""
         if getattr(self.target, "stateful", None):
-            for seq, _ in plan:
-                seq.prefilled = 0
+            for seq, _ in reversed(plan):
+                if seq.status is SequenceStatus.PREFILLING:
+                    self.scheduler.requeue(seq)
 
     def _probe(self, plan, outputs) -> None:
         for seq, chunk in plan:

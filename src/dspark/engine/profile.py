@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..model.llama import AttentionBatch, TargetLM
+from .runner import state_layout
 from .schedulers import SPSCostTable
 
 __all__ = ["default_token_counts", "profile_draft", "profile_verify"]
@@ -32,7 +33,8 @@ def profile_verify(target: TargetLM, token_counts: list[int], *, context: int = 
     """Median milliseconds of a verify forward for each total token count -> ``SPSCostTable``."""
     dev = target.device
     rows_max = -(-max(token_counts) // tokens_per_row)
-    cache = target.new_cache(rows_max, context + tokens_per_row)
+    # a hybrid target's states for rounds of tokens_per_row (its verify scan, as the engine's)
+    cache = target.new_cache(rows_max, context + tokens_per_row, **state_layout(target, tokens_per_row, 0, 0))
     times = []
     for n in token_counts:
         rows = -(-n // tokens_per_row)

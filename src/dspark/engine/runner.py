@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 
 from .. import kernels as K
+from ..model.hybrid import StateLayout
 from ..model.llama import AttentionBatch, TargetLM
 from .block_manager import BlockTable
 from .chunks import MAX_CHUNKS, ChunkBuffers, PrefillChunk, pads_verify
@@ -61,12 +62,16 @@ from .step import Proposals, StepPlan, StepResult, readout_columns
 from .structured import FREE_MASK, apply_bitmask, bitmask_width
 from .verifier import Verifier, sample_rows
 
-__all__ = ["ForwardFailed", "ModelRunner"]
+__all__ = ["ForwardFailed", "ModelRunner", "state_layout"]
 
 
-def _state_window(target, verify_len: int) -> dict:
-    """A hybrid target's cache also keeps its stateful layers' states for windows of the verify length."""
-    return {"window": verify_len} if getattr(target, "stateful", None) else {}
+def state_layout(target, verify_len: int, block_size: int, snapshots: int) -> dict:
+    """The ``states=`` of a target's ``new_cache`` / ``new_paged_cache`` (empty for an attention-only
+    target): a hybrid target's cache keeps its stateful layers' states for windows of the verify
+    length (and ``snapshots`` snapshot slots of prefix caching over blocks of ``block_size``, 0: none)."""
+    if not getattr(target, "stateful", None):
+        return {}
+    return {"states": StateLayout.of(verify_len, block_size, snapshots)}
 
 
 class ForwardFailed(RuntimeError):
@@ -79,7 +84,7 @@ class ModelRunner(CudaGraphs):
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
                  max_chunk_tokens: int = 2048, cuda_graphs: bool = True, tree: TreeSettings | None = None,
-                 num_kv_blocks: int | None = None, kv_block_size: int = 16):
+                 num_kv_blocks: int | None = None, kv_block_size: int = 16, state_snapshots: int = 0):
         self.target, self.drafter = target, drafter
         self.device = dev = target.device
         self.max_batch, self.max_model_len = max_batch, max_model_len
@@ -97,7 +102,8 @@ class ModelRunner(CudaGraphs):
         self.kv_block_size = kv_block_size
         self.num_kv_blocks = num_kv_blocks or max_batch * self.block_tables.blocks_per_line + 1
         paged = (self.num_kv_blocks, kv_block_size, self.block_tables.table)
-        self.cache = target.new_paged_cache(*paged, **_state_window(target, self.verify_len))
+        self.cache = target.new_paged_cache(*paged, **state_layout(target, self.verify_len, kv_block_size,
+                                                                    state_snapshots))
         self._init_graphs(max_batch, cuda_graphs)
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
         self.drafted = True  # whether the last launched step drafted its rows' next round
@@ -183,6 +189,24 @@ class ModelRunner(CudaGraphs):
             if mask is not None:
                 mask[row] = FREE_MASK
         self.row_sampled[row] = False
+
+    # ---- a hybrid target's state snapshots (prefix caching) --------------------------------------
+
+    def save_states(self, snapshots: list[tuple[int, int, int]]) -> None:
+        """A hybrid target's states after the last position of a line's block into a snapshot slot,
+        per ``(slot, block index in the line, snapshot slot)``; queued behind the forwards that wrote
+        them, before any later one (which could overwrite them)."""
+        if snapshots:
+            self.cache.states.save(*self._snapshot_indices(snapshots))
+
+    def restore_states(self, slot: int, block: int, snapshot: int) -> None:
+        """``save_states`` backwards for one line: the states after its block ``block`` from
+        ``snapshot``, read by its next tokens (queued before them)."""
+        self.cache.states.restore(*self._snapshot_indices([(slot, block, snapshot)]))
+
+    def _snapshot_indices(self, snapshots: list[tuple[int, int, int]]) -> tuple[torch.Tensor, ...]:
+        columns = torch.tensor(snapshots, dtype=torch.int64).T.contiguous()
+        return tuple(c.to(self.device) for c in columns)
 
     # ---- one step -----------------------------------------------------------------------------
 

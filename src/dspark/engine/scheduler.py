@@ -66,6 +66,10 @@ class Scheduler:
                                                                seq.prefill_len - 1)
                 if not seq.output_ids:
                     seq.stats.cached_tokens = seq.prefilled
+                if seq.prefilled and self.blocks.snapshots is not None:  # a hybrid target's states there
+                    last = len(seq.blocks.block_ids) - 1
+                    snapshot = self.blocks.snapshots.slot_of[seq.blocks.block_ids[last]]
+                    self.runner.restore_states(seq.slot, last, snapshot)
             self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
             self.runner.penalties.stage(seq.slot, seq.request.sampling, seq.request.prompt_ids, seq.output_ids,
                                         seq.stop_ids)
@@ -107,6 +111,11 @@ class Scheduler:
         keeps as its anchor (``PrefillChunk.anchor``), so that its next round is the one it would
         have run."""
         log.info("request %s preempted (KV blocks ran out): %d tokens to run again", seq.request_id, seq.num_tokens)
+        self.requeue(seq)
+        self.metrics.preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """``preempt`` without counting it: ``seq`` leaves the batch, to run its tokens again first."""
         if seq.status is SequenceStatus.RUNNING:
             self._leave_row(seq)
             self._cache_output(seq)
@@ -116,7 +125,6 @@ class Scheduler:
         seq.status, seq.prefilled = SequenceStatus.WAITING, 0
         seq.prefill_len = seq.num_tokens - 1 if seq.output_ids else seq.prompt_len
         self.waiting.appendleft(seq)
-        self.metrics.preemptions += 1
         self.count()
 
     # ---- prompt chunks ---------------------------------------------------------------------------
@@ -129,7 +137,7 @@ class Scheduler:
         for seq in list(self.prefilling):
             if budget <= 0 or len(plan) == MAX_CHUNKS:
                 break
-            n = self._chunk_tokens(seq, min(seq.prefill_len - seq.prefilled, budget))
+            n = self._chunk_tokens(seq, min(self._chunk_end(seq) - seq.prefilled, budget))
             if n == 0:
                 break
             ends = seq.prefilled + n == seq.prefill_len
@@ -139,6 +147,14 @@ class Scheduler:
             row += ends
             budget -= n
         return plan
+
+    @staticmethod
+    def _chunk_end(seq: Sequence) -> int:
+        """Where ``seq``'s next chunk ends at most: its prompt's end, or for a hybrid target whose
+        prompt matched cached blocks past the last one with a state snapshot, the end of the match
+        (a chunk's last full block gets a snapshot: the next request with this prefix takes it all)."""
+        junction = seq.blocks.matched_tokens
+        return junction if seq.prefilled < junction < seq.prefill_len else seq.prefill_len
 
     def _chunk_tokens(self, seq: Sequence, n: int) -> int:
         """How many of the next ``n`` tokens of ``seq``'s prompt get blocks this step (a chunk that
@@ -163,6 +179,7 @@ class Scheduler:
         seats the request in its row."""
         seq.prefilled += len(chunk.token_ids)
         self.blocks.cache_committed(seq.blocks, seq.prefilled, seq.token_ids)
+        self._snapshot(seq, seq.prefilled, chunk.start)
         if chunk.row >= 0:
             self.prefilling.remove(seq)
             seq.status, seq.row = SequenceStatus.RUNNING, chunk.row
@@ -174,6 +191,19 @@ class Scheduler:
         leaves rather than every step -- the next turn of a chat comes after it; prompts are cached
         as their chunks run."""
         self.blocks.cache_committed(seq.blocks, seq.num_tokens - 1, seq.token_ids)
+        self._snapshot(seq, seq.num_tokens - 1, seq.blocks.cached_tokens)
+
+    def _snapshot(self, seq: Sequence, final: int, ran_from: int) -> None:
+        """A hybrid target's states after the last full block of ``seq``'s positions ``< final``
+        into a snapshot slot, when its line ran that block's end (at ``ran_from`` or after: the
+        states are in its ring's block-end entries, ``model.hybrid``), the block is cached and its
+        cached copy has no snapshot yet."""
+        index = final // self.blocks.block_size - 1
+        if index < 0 or (index + 1) * self.blocks.block_size <= ran_from:
+            return
+        slot = self.blocks.snapshot_slot(seq.blocks, index)
+        if slot is not None:
+            self.runner.save_states([(seq.slot, index, slot)])
 
     # ---- leaving ---------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ soft-capping, chunked attention, attention sinks, non-causal layers.
 
 Hybrid targets whose stateful layers ``hybrid`` runs exactly -- gated DeltaNet (Qwen3-Next,
 Qwen3.5), Mamba-2 (Bamba, Granite-4, Falcon-H1) and short convolutions (LFM2) -- keep those layers'
-states in a ``StatePool`` beside the KV cache (``new_paged_cache(..., window=)``), their mixers
+states in a ``StatePool`` beside the KV cache (``new_paged_cache(..., states=)``), their mixers
 routed through it during the engine's forwards. Every other decoder layer whose sequence mixer is
 not softmax attention (other Mamba / state-space mixers: Jamba's Mamba-1, Nemotron-H's, Zamba2's;
 RWKV, RG-LRU, MLP-only layers, ...) is refused: its recurrent or convolution state would not be
@@ -146,25 +146,26 @@ class HFTarget(CachedTarget):
         model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype or "auto", use_safetensors=True)
         return cls(model.to(device or "cpu"), capture_layer_ids)
 
-    def new_cache(self, num_slots: int, max_len: int, window: int = 1) -> KVCache:
-        """``CachedTarget.new_cache``; a hybrid target's also holds its layers' states for rounds
-        of up to ``window`` tokens per line."""
-        return self._with_states(super().new_cache(num_slots, max_len), window)
+    def new_cache(self, num_slots: int, max_len: int, states: hybrid.StateLayout | None = None) -> KVCache:
+        """``CachedTarget.new_cache``; a hybrid target's also holds its layers' states laid out as
+        ``states`` (None: rounds of one token, no prefix caching)."""
+        return self._with_states(super().new_cache(num_slots, max_len), states)
 
     def new_paged_cache(self, num_blocks: int, block_size: int, block_table: torch.Tensor,
-                        window: int = 1) -> KVCache:
-        """``CachedTarget.new_paged_cache``; a hybrid target's also holds its layers' states for
-        rounds of up to ``window`` tokens per line (the verify length)."""
-        return self._with_states(super().new_paged_cache(num_blocks, block_size, block_table), window)
+                        states: hybrid.StateLayout | None = None) -> KVCache:
+        """``CachedTarget.new_paged_cache``; a hybrid target's also holds its layers' states laid out
+        as ``states`` (the verify length; the block ends and snapshots of prefix caching)."""
+        return self._with_states(super().new_paged_cache(num_blocks, block_size, block_table), states)
 
-    def state_bytes(self, lines: int, window: int) -> int:
-        """Bytes of the stateful layers' states for ``lines`` cache lines and windows of ``window``
-        tokens (0 for a target of attention layers only)."""
-        return hybrid.pool_bytes(self.stateful, lines, window, self.dtype)
+    def state_bytes(self, lines: int, states: hybrid.StateLayout) -> int:
+        """Bytes of the stateful layers' states for ``lines`` cache lines laid out as ``states`` (0
+        for a target of attention layers only)."""
+        return hybrid.pool_bytes(self.stateful, lines, states, self.dtype)
 
-    def _with_states(self, cache: KVCache, window: int) -> KVCache:
+    def _with_states(self, cache: KVCache, states: hybrid.StateLayout | None) -> KVCache:
         if self.stateful:
-            cache.states = hybrid.new_pool(self.stateful, cache.num_slots, window, self.device, self.dtype)
+            cache.states = hybrid.new_pool(self.stateful, cache.num_slots, states or hybrid.StateLayout(1),
+                                           self.device, self.dtype)
         return cache
 
     @property

@@ -18,15 +18,31 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 (kept per position instead of checkpoint + recompute: the window's states come out of the scan that
 runs it, and re-running accepted tokens would cost a second forward per round).
 
-The scans run one position at a time, all requests of a ragged group at once (static shapes, no
+Gated DeltaNet prompt chunks (groups longer than a round) are scanned whole, every request of the
+group padded to the group's length with inputs that leave the state as it is, by the chunked delta
+rule -- flash-linear-attention's ``chunk_gated_delta_rule`` on a GPU, the modeling file's
+``torch_chunk_gated_delta_rule`` elsewhere, as transformers runs a prompt -- writing only the states
+later forwards read: after each request's last token and, with prefix caching, after the last block
+end among its tokens (the scan split there). Exact to the sequential scan up to the chunked form's
+reassociation (fp32: tests/test_hybrid_target.py). The other scans, and every round's,
+run one position at a time, all requests of a ragged group at once (static shapes, no
 host synchronisation: CUDA-graph capturable): the gated delta rule as flash-linear-attention's fused
 recurrent kernel on a GPU, elsewhere the modeling file's own ``torch_recurrent_gated_delta_rule`` (the
 PyTorch reference transformers falls back to); Mamba-2 as the modeling file's
 ``mamba2_selective_state_update`` (transformers' recurrent step, which it maps to mamba-ssm's kernel
 where its kernel hub provides it). The conv is ``F.conv1d`` over each token's ``kernel`` inputs, as
-transformers computes it. Tree verification, which would need a state per tree node, and
-prefix caching, which would need a state snapshot per cached block, are refused / turned off by the
-engine for these targets.
+transformers computes it. Tree verification, which would need a state per tree node, is refused
+by the engine for these targets.
+
+**Prefix caching** (``StateLayout.boundaries`` > 0): a cached block is usable for a hybrid target
+only with the states after its last position. The rings keep those apart: the recurrent state after
+the last position of a block, and the conv inputs of the block's last ``kernel - 1`` positions, go to
+``boundaries`` extra entries per line, chosen by the block's index (``(p // block_size) %
+boundaries``), not by ``p % window``; every other position is kept as before. A window never writes
+``boundaries`` block ends apart, so the states after the last full block of committed tokens stay in
+the ring until the line's anchor passes the next one: the engine copies them into a snapshot slot
+(``StatePool.save``: a chunk's last full block, a leaving request's last full block) and back into a
+line whose request found that block in the cache (``StatePool.restore``).
 """
 
 from __future__ import annotations
@@ -40,11 +56,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HYBRID", "Forward", "LayerStates", "StatePool", "Tokens", "causal_conv", "delta_rule", "install",
-           "is_supported_mixer", "new_pool", "pool_bytes", "state_scan",
+__all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "conv_tail",
+           "delta_chunk_rule", "delta_rule", "install", "is_supported_mixer", "new_pool", "pool_bytes", "state_scan",
            "unsupported_setting"]
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
+# gated DeltaNet prompt chunks scanned whole (the chunked delta rule) rather than position by
+# position; False: the sequential scan for every group (the reference the chunked scan is tested on)
+CHUNKED_PROMPTS = True
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
 _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
               "Qwen3_5GatedDeltaNet": (_DELTANET, ("linear_attention",)),
@@ -80,26 +99,54 @@ class Tokens:
         return cls(slots.long(), positions.long(), torch.cat(offsets), torch.cat(lengths), groups)
 
 
+@dataclass(frozen=True)
+class StateLayout:
+    """How a ``StatePool``'s rings are laid out: ``window`` tokens a line runs per round at most (the
+    verify length); with prefix caching, ``boundaries`` ring entries for the states at the ends of
+    blocks of ``block_size`` positions and ``snapshots`` slots to copy them to (0, 0: no prefix
+    caching)."""
+
+    window: int
+    block_size: int = 0
+    boundaries: int = 0
+    snapshots: int = 0
+
+    @classmethod
+    def of(cls, window: int, block_size: int, snapshots: int) -> "StateLayout":
+        """Rounds of ``window`` tokens; with ``snapshots`` > 0 prefix caching over blocks of
+        ``block_size``, with enough block-end entries that no window past a line's committed tokens
+        reaches the entry of its last full block (one block end past it, and one per ``block_size``
+        tokens of the window beyond the first)."""
+        if not snapshots:
+            return cls(window)
+        return cls(window, block_size, 2 + (window - 1) // block_size, snapshots)
+
+
 @dataclass
 class LayerStates:
     """One stateful layer's rings, a line per cache slot plus a scratch line (masked writes):
     ``conv`` ``[lines, conv_window, channels]`` (the conv's inputs, model dtype) and, for gated
     DeltaNet / Mamba-2, ``recurrent`` f32 ``[lines, window, heads, dk, dv]`` / ``[lines, window,
-    heads, head_dim, d_state]`` (the state after each position)."""
+    heads, head_dim, d_state]`` (the state after each position); ``kernel`` the conv's. With prefix
+    caching, snapshot slots of the states after a block's last position: ``snapshot_conv``
+    ``[snapshots, kernel - 1, channels]`` and ``snapshot_recurrent`` ``[snapshots, ...]``."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor | None = None
+    kernel: int = 1
+    snapshot_conv: torch.Tensor | None = None
+    snapshot_recurrent: torch.Tensor | None = None
 
 
 class StatePool:
     """The states of a hybrid target's stateful layers beside its KV cache: ``layers[i]`` the
-    ``LayerStates`` of decoder layer ``i``; ``window`` the tokens a line runs per round at most (the
-    verify length). ``scratch`` is the line masked writes go to; while ``frozen`` every write goes
-    there (a CUDA graph's warm-up run: a prompt chunk longer than the rings would overwrite the
-    state it starts from, which the captured step then reads again)."""
+    ``LayerStates`` of decoder layer ``i``; ``layout`` their ``StateLayout`` (``window`` the tokens
+    a line runs per round at most). ``scratch`` is the line masked writes go to; while ``frozen``
+    every write goes there (a CUDA graph's warm-up run: a prompt chunk longer than the rings would
+    overwrite the state it starts from, which the captured step then reads again)."""
 
-    def __init__(self, layers: dict[int, LayerStates], window: int):
-        self.layers, self.window = layers, window
+    def __init__(self, layers: dict[int, LayerStates], layout: StateLayout):
+        self.layers, self.layout, self.window = layers, layout, layout.window
         self.scratch = next(iter(layers.values())).conv.shape[0] - 1
         self.frozen = False
 
@@ -115,6 +162,57 @@ class StatePool:
     def write_lines(self, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """The lines to write tokens (or requests) of ``slots`` at: theirs where ``keep``, else the scratch line."""
         return torch.where(keep & (not self.frozen), slots, self.scratch)
+
+    def recurrent_entries(self, positions: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        """The entries of recurrent ``ring`` ``[lines, entries, ...]`` holding the states after
+        ``positions`` (int64, any shape): a block's last position at its block-end entry, the others
+        by position modulo the window (module docstring)."""
+        ends, size = self.layout.boundaries, self.layout.block_size
+        window = ring.shape[1] - ends
+        if not ends:
+            return positions % window
+        return torch.where((positions + 1) % size == 0, window + (positions // size) % ends, positions % window)
+
+    def conv_entries(self, positions: torch.Tensor, ring: torch.Tensor,
+                     kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(entries, at a block's end)``: the entries of conv ``ring`` ``[lines, entries, C]``
+        holding the inputs at ``positions`` (int64, any shape) -- a block's last ``kernel - 1``
+        positions in its block-end entries, the others by position modulo the window -- and which
+        positions are of those last ones."""
+        ends, size, tail = self.layout.boundaries, self.layout.block_size, kernel - 1
+        window = ring.shape[1] - ends * tail
+        if not ends:
+            return positions % window, torch.zeros_like(positions, dtype=torch.bool)
+        into = positions % size - (size - tail)
+        at_end = into >= 0
+        return torch.where(at_end, window + (positions // size) % ends * tail + into, positions % window), at_end
+
+    def save(self, lines: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy the states after the last position of block ``blocks[i]`` (its index in the line)
+        of cache line ``lines[i]`` into snapshot slot ``slots[i]`` (int64 ``[n]`` each): the
+        recurrent state and the conv inputs of the block's last ``kernel - 1`` positions."""
+        for states, recurrent, conv in self._block_ends(lines, blocks):
+            if recurrent is not None:
+                states.snapshot_recurrent[slots] = states.recurrent[lines, recurrent]
+            states.snapshot_conv[slots] = states.conv[lines[:, None], conv]
+
+    def restore(self, lines: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        """``save`` backwards: snapshot ``slots[i]`` into line ``lines[i]``'s states after block
+        ``blocks[i]``, where its next tokens read them."""
+        for states, recurrent, conv in self._block_ends(lines, blocks):
+            if recurrent is not None:
+                states.recurrent[lines, recurrent] = states.snapshot_recurrent[slots]
+            states.conv[lines[:, None], conv] = states.snapshot_conv[slots]
+
+    def _block_ends(self, lines: torch.Tensor, blocks: torch.Tensor):
+        """Per layer: ``(LayerStates, recurrent entries [n] or None, conv entries [n, kernel - 1])``
+        of the states after the last position of each block."""
+        ends = (blocks + 1) * self.layout.block_size - 1
+        for states in self.layers.values():
+            back = torch.arange(states.kernel - 2, -1, -1, device=ends.device)  # oldest first
+            conv, _ = self.conv_entries(ends[:, None] - back, states.conv, states.kernel)
+            recurrent = None if states.recurrent is None else self.recurrent_entries(ends, states.recurrent)
+            yield states, recurrent, conv
 
 
 @dataclass
@@ -162,34 +260,52 @@ def install(mixers: dict[int, torch.nn.Module]) -> None:
             module.forward = types.MethodType(_routed_forward, module)
 
 
-def new_pool(mixers: dict[int, torch.nn.Module], lines: int, window: int, device, dtype) -> StatePool:
-    """Zero states for ``lines`` cache lines (plus the scratch line) and windows of ``window`` tokens."""
+def new_pool(mixers: dict[int, torch.nn.Module], lines: int, layout: StateLayout, device, dtype) -> StatePool:
+    """Zero states for ``lines`` cache lines (plus the scratch line) laid out as ``layout``."""
     layers = {}
     for index, module in mixers.items():
-        conv_shape, recurrent_shape = _state_shapes(module, lines, window)
+        conv_shape, recurrent_shape = _state_shapes(module, lines, layout)
         if _kind(module) == _DELTANET:
             delta_rule(module, torch.device(device))  # a missing kernel is named before any step
+        conv = torch.zeros(conv_shape, dtype=dtype, device=device)
         recurrent = None if recurrent_shape is None else torch.zeros(recurrent_shape, device=device)
-        layers[index] = LayerStates(torch.zeros(conv_shape, dtype=dtype, device=device), recurrent)
-    return StatePool(layers, window)
+        kernel = _conv(module).kernel_size[0]
+        snapshots = {}
+        if layout.snapshots:
+            snapshots = dict(snapshot_conv=conv.new_zeros((layout.snapshots, kernel - 1, conv_shape[2])),
+                             snapshot_recurrent=None if recurrent is None else
+                             recurrent.new_zeros((layout.snapshots, *recurrent_shape[2:])))
+        layers[index] = LayerStates(conv, recurrent, kernel, **snapshots)
+    return StatePool(layers, layout)
 
 
-def pool_bytes(mixers: dict[int, torch.nn.Module], lines: int, window: int, dtype) -> int:
+def conv_tail(mixers: dict[int, torch.nn.Module]) -> int:
+    """The most inputs before a position that a mixer's conv reads (its kernel less one)."""
+    return max(_conv(module).kernel_size[0] - 1 for module in mixers.values())
+
+
+def pool_bytes(mixers: dict[int, torch.nn.Module], lines: int, layout: StateLayout, dtype) -> int:
     """What ``new_pool`` allocates, in bytes."""
     size = torch.empty(0, dtype=dtype).element_size()
     total = 0
     for module in mixers.values():
-        conv_shape, recurrent_shape = _state_shapes(module, lines, window)
-        total += size * conv_shape.numel() + (0 if recurrent_shape is None else 4 * recurrent_shape.numel())
+        conv_shape, recurrent_shape = _state_shapes(module, lines, layout)
+        conv_snapshot = conv_shape[2] * (_conv(module).kernel_size[0] - 1)
+        recurrent = 0 if recurrent_shape is None else recurrent_shape.numel()
+        recurrent_snapshot = 0 if recurrent_shape is None else recurrent_shape[2:].numel()
+        total += size * (conv_shape.numel() + layout.snapshots * conv_snapshot)
+        total += 4 * (recurrent + layout.snapshots * recurrent_snapshot)
     return total
 
 
-def _state_shapes(module, lines: int, window: int) -> tuple[torch.Size, torch.Size | None]:
-    """A mixer's conv ring ``[lines + 1, window + kernel - 1, channels]`` and its recurrent ring
-    ``[lines + 1, window + 1, ...]`` (None for a short convolution; module docstring: why these sizes)."""
-    conv = _conv(module)
-    conv_shape = torch.Size((lines + 1, window + conv.kernel_size[0] - 1, conv.in_channels))
-    kind, states = _kind(module), (lines + 1, window + 1)
+def _state_shapes(module, lines: int, layout: StateLayout) -> tuple[torch.Size, torch.Size | None]:
+    """A mixer's conv ring ``[lines + 1, window + kernel - 1 + boundaries * (kernel - 1), channels]``
+    and its recurrent ring ``[lines + 1, window + 1 + boundaries, ...]`` (None for a short
+    convolution; module docstring: why these sizes)."""
+    conv, window, ends = _conv(module), layout.window, layout.boundaries
+    tail = conv.kernel_size[0] - 1
+    conv_shape = torch.Size((lines + 1, window + tail + ends * tail, conv.in_channels))
+    kind, states = _kind(module), (lines + 1, window + 1 + ends)
     if kind == _DELTANET:
         return conv_shape, torch.Size((*states, module.num_v_heads, module.head_k_dim, module.head_v_dim))
     if kind == _MAMBA2:
@@ -234,14 +350,19 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
     groups = module.num_v_heads // module.num_k_heads
     if groups > 1:
         query, key = (t.repeat_interleave(groups, dim=1, output_size=module.num_v_heads) for t in (query, key))
-    rule = delta_rule(module, hidden.device)
+    rule, chunk_rule = delta_rule(module, hidden.device), delta_chunk_rule(module, hidden.device)
 
     def step(state, q, k, v, g_t, beta_t):
         o, after = rule(q[:, None], k[:, None], v[:, None], g=g_t[:, None], beta=beta_t[:, None], initial_state=state,
                         output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o[:, 0], after
 
-    core = state_scan(step, (query, key, value, g, beta), states.recurrent, current)
+    def chunked(state, q, k, v, g_t, beta_t):  # whole prompt chunks [R, T, ...]
+        return chunk_rule(q, k, v, g=g_t, beta=beta_t, initial_state=state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+
+    core = state_scan(step, (query, key, value, g, beta), states.recurrent, current,
+                      chunked if CHUNKED_PROMPTS else None)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(n, -1))
 
@@ -306,6 +427,17 @@ def delta_rule(module, device: torch.device):
     return fused_recurrent_gated_delta_rule
 
 
+def delta_chunk_rule(module, device: torch.device):
+    """``delta_rule`` over whole sequences in chunks (the same arguments, ``[R, T, ...]``): on a GPU
+    flash-linear-attention's chunked Triton kernel, elsewhere the modeling file's
+    ``torch_chunk_gated_delta_rule`` -- what transformers runs a prompt with."""
+    if device.type != "cuda":
+        return sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # installed: delta_rule checked it
+
+    return chunk_gated_delta_rule
+
+
 def _activation(name: str):
     from transformers.activations import ACT2FN
 
@@ -318,46 +450,95 @@ def _activation(name: str):
 def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, current: Forward) -> torch.Tensor:
     """A depthwise causal ``conv`` (kernel ``K``) of each token's input ``x`` ``[N, C]`` and the
     ``K - 1`` inputs before it -- this forward's tokens of its request, earlier positions from
-    ``ring`` ``[lines, conv_window, C]`` (zero before position 0) -- as ``F.conv1d`` over those
-    ``K`` inputs (transformers' own op); then the last ``conv_window`` inputs of each request go
-    into ``ring``. Returns ``[N, C]`` in ``x``'s dtype."""
+    ``ring`` ``[lines, entries, C]`` (zero before position 0; ``StatePool.conv_entries``) -- as
+    ``F.conv1d`` over those ``K`` inputs (transformers' own op); then each token's input goes into
+    ``ring`` unless a later token of its request takes the same entry. Returns ``[N, C]`` in ``x``'s
+    dtype."""
     t, pool = current.tokens, current.pool
-    kernel, window = conv.kernel_size[0], ring.shape[1]
+    kernel = conv.kernel_size[0]
     n = x.shape[0]
     rows = torch.arange(n, device=x.device)
     taps = []
     for back in range(kernel - 1, 0, -1):  # oldest first, as the kernel's weights
         before = t.positions - back
-        cached = ring[t.slots, before % window] * (before >= 0)[:, None].to(ring.dtype)
+        cached = ring[t.slots, pool.conv_entries(before, ring, kernel)[0]] * (before >= 0)[:, None].to(ring.dtype)
         inside = x[(rows - back).clamp(min=0)]
         taps.append(torch.where((t.offsets >= back)[:, None], inside, cached.to(x.dtype)))
     inputs = torch.stack([*taps, x], dim=-1).to(conv.weight.dtype)  # [N, C, K]
     out = F.conv1d(inputs, conv.weight, conv.bias, groups=inputs.shape[1])[..., 0]
-    last = t.offsets >= t.lengths - window  # one write per ring entry
-    ring[pool.write_lines(t.slots, last), t.positions % window] = x.to(ring.dtype)
+    entries, at_end = pool.conv_entries(t.positions, ring, kernel)
+    # one write per entry: the window's entries repeat every `window` positions, a block end's every
+    # `boundaries` blocks
+    layout = pool.layout
+    repeat = torch.where(at_end, layout.boundaries * layout.block_size,
+                         ring.shape[1] - layout.boundaries * (kernel - 1))
+    last = t.offsets >= t.lengths - repeat
+    ring[pool.write_lines(t.slots, last), entries] = x.to(ring.dtype)
     return out.to(x.dtype)
 
 
-def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, current: Forward) -> torch.Tensor:
+def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, current: Forward,
+               chunked=None) -> torch.Tensor:
     """A recurrence over each request's tokens in order, one position of every request of a ragged
     group per ``step(state [R, ...], *inputs at that position [R, ...]) -> (out [R, ...], state
     after)``, from the state after the position before each request's first token (``ring`` f32
-    ``[lines, window, ...]``; zero at position 0), writing the state after every token at its
-    position. ``inputs``: per-token tensors ``[N, ...]``. Returns the outputs ``[N, ...]``."""
-    n, window, pool = inputs[0].shape[0], ring.shape[1], current.pool
-    out = None
+    ``[lines, entries, ...]``; zero at position 0), writing the state after every token at its
+    position's entry (``StatePool.recurrent_entries``). ``inputs``: per-token tensors ``[N, ...]``.
+    ``chunked``: optionally a scan of whole sequences for the groups longer than a round (prompt
+    chunks; ``_chunked_group``). Returns the outputs ``[N, ...]``."""
+    n, pool = inputs[0].shape[0], current.pool
+    outputs = []  # (token indices, their outputs); index n: padding
     for lo, _, batch in current.tokens.groups:
         cu, starts, slots = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
         counts = cu[1:] - cu[:-1]
-        state = ring[slots, (starts - 1) % window] * (starts > 0).to(ring.dtype).view(-1, *[1] * (ring.dim() - 2))
+        state = ring[slots, pool.recurrent_entries(starts - 1, ring)]
+        state = state * (starts > 0).to(ring.dtype).view(-1, *[1] * (ring.dim() - 2))
+        if chunked is not None and batch.max_query_len > pool.window:
+            outputs.append(_chunked_group(chunked, state, inputs, ring, pool, lo + cu[:-1], starts, counts, slots,
+                                          batch.max_query_len, n))
+            continue
         for i in range(batch.max_query_len):
             valid = counts > i
             token = torch.where(valid, lo + cu[:-1] + i, n)
             read = token.clamp(max=n - 1)
             o, after = step(state, *(t[read] for t in inputs))
-            if out is None:  # row n: the padding steps' outputs
-                out = o.new_zeros((n + 1,) + tuple(o.shape[1:]))
             state = torch.where(valid.view(-1, *[1] * (state.dim() - 1)), after.to(state.dtype), state)
-            out[token] = o
-            ring[pool.write_lines(slots, valid), (starts + i) % window] = state
+            outputs.append((token, o))
+            ring[pool.write_lines(slots, valid), pool.recurrent_entries(starts + i, ring)] = state
+    first = outputs[0][1]
+    out = first.new_zeros((n + 1,) + tuple(first.shape[1:]))
+    for token, o in outputs:
+        out[token] = o.to(out.dtype)
     return out[:n]
+
+
+def _chunked_group(chunked, state: torch.Tensor, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, pool: StatePool,
+                   firsts: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, length: int,
+                   n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ragged group's requests scanned whole: their tokens padded to ``[R, length, ...]`` with
+    zeros (inputs that leave the state as it is: the gated delta rule's zero key, value, beta and
+    log-decay), ``chunked(state [R, ...], *inputs [R, T, ...]) -> (out [R, T, ...], state after
+    the last)``. Only the states later forwards and snapshots read are written: after each request's
+    last token and, with prefix caching, after the last block end among its tokens (the scan is
+    split there: before it, then from it with its state). Returns ``(token indices [R * T], outputs
+    [R * T, ...])`` (index ``n``: padding)."""
+    steps = torch.arange(length, device=counts.device)
+    valid = steps[None] < counts[:, None]
+    token = torch.where(valid, firsts[:, None] + steps, n)
+    padded = [t[token.clamp(max=n - 1)] for t in inputs]
+
+    def only(mask):
+        return [torch.where(mask.view(*mask.shape, *[1] * (t.dim() - 2)), t, torch.zeros_like(t)) for t in padded]
+
+    layout = pool.layout
+    if layout.boundaries:
+        split = (starts + counts) // layout.block_size * layout.block_size - 1 - starts  # < 0: no block end
+        before = steps[None] <= split[:, None]
+        out_before, middle = chunked(state, *only(before & valid))
+        out_after, state = chunked(middle.to(state.dtype), *only(valid & ~before))
+        out = torch.where(before.view(*before.shape, *[1] * (out_before.dim() - 2)), out_before, out_after)
+        ring[pool.write_lines(slots, split >= 0), pool.recurrent_entries(starts + split, ring)] = middle.to(ring.dtype)
+    else:
+        out, state = chunked(state, *only(valid))
+    ring[pool.write_lines(slots, counts > 0), pool.recurrent_entries(starts + counts - 1, ring)] = state.to(ring.dtype)
+    return token.flatten(), out.flatten(0, 1)
