@@ -43,6 +43,10 @@ SHAPES = {  # Qwen3 model shapes (config.json of the public models)
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, capture=[1, 13, 25]),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, capture=[1, 9, 17, 25, 33]),
+    # Llama-3-70B's dimensions as a Qwen3 config (per-head q/k norms besides): ~141 GB of bf16 weights, more
+    # than one H200 holds -- the tensor-parallel benchmark's (bench.tensor_parallel)
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, capture=[1, 20, 40, 60, 78]),
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, tie_word_embeddings=False, capture=[0, 1], vocab=1024)  # --backends on the CPU: the plumbing
@@ -50,27 +54,42 @@ BACKENDS = ("fused", "hf")  # TargetLM, HFTarget
 VOCAB = 151936
 
 
-def random_target(shape: dict, seed: int = 0, *, vocab: int = VOCAB, device="cuda", dtype=torch.bfloat16):
-    """A random-weight Qwen3ForCausalLM (std 0.02, as HF initialises; bf16 on the GPU by default)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def qwen3_config(shape: dict, vocab: int = VOCAB):
+    """The ``Qwen3Config`` of a benchmark shape (``SHAPES``)."""
+    from transformers import Qwen3Config
 
     settings = {k: v for k, v in shape.items() if k not in ("capture", "vocab")}
-    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None, **settings)
+    return Qwen3Config(vocab_size=vocab, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None, **settings)
+
+
+def random_target(shape: dict, seed: int = 0, *, vocab: int = VOCAB, device="cuda", dtype=torch.bfloat16):
+    """A random-weight Qwen3ForCausalLM (std 0.02, as HF initialises; bf16 on the GPU by default)."""
+    from transformers import Qwen3ForCausalLM
+
+    config = qwen3_config(shape, vocab)
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(dtype)
     return model.eval().requires_grad_(False)
 
 
-@torch.no_grad()
 def random_drafter(target, shape: dict, layers: int = 1, rank: int = 256, block: int = 7):
     """A random DSpark drafter for ``target`` (its device and dtype): the real draft's cost,
     meaningless drafts."""
+    return drafter_for(target.config, target.get_input_embeddings().weight, target.get_output_embeddings().weight,
+                       shape, layers, rank, block)
+
+
+@torch.no_grad()
+def drafter_for(t, embed: torch.Tensor, head: torch.Tensor, shape: dict, layers: int = 1, rank: int = 256,
+                block: int = 7):
+    """``random_drafter`` of a target of config ``t`` whose embedding and head are ``embed`` / ``head``
+    ``[V, H]`` (the drafter's device and dtype)."""
     from ..model import DSparkConfig, DSparkDraftModel
 
-    t, vocab, dtype = target.config, target.config.vocab_size, target.dtype
+    vocab, dtype, device = t.vocab_size, embed.dtype, embed.device
     config = DSparkConfig(
         hidden_size=t.hidden_size, num_hidden_layers=layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
@@ -79,12 +98,12 @@ def random_drafter(target, shape: dict, layers: int = 1, rank: int = 256, block:
         markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True,
         layer_types=["full_attention"] * layers, rms_norm_eps=1e-6, rope_theta=1000000.0,
         dtype=str(dtype).replace("torch.", ""))
-    with torch.device(target.device):
+    with torch.device(device):
         model = DSparkDraftModel(config).to(dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
-        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        model.lm_head.weight.copy_(target.get_output_embeddings().weight)
+        model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(head)
     return model.eval().requires_grad_(False)
 
 

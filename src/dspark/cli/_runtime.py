@@ -272,6 +272,12 @@ def add_eager_argument(parser: argparse.ArgumentParser) -> None:
                              "start-up, so no request waits for a capture)")
 
 
+def add_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard the target over N GPUs (one process each, rank r on cuda:r; Llama / Qwen2 / "
+                             "Qwen3 targets), the draft replicated on each")
+
+
 def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="share the KV blocks of prompts that start alike between requests (full blocks of "

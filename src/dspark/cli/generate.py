@@ -31,9 +31,10 @@ import sys
 from dataclasses import dataclass, replace
 
 from ._prompts import read_prompt_file
-from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_penalty_arguments, add_runtime_arguments,
-                       add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments, kv_cache_options,
-                       mismatch_status, penalty_settings, resolve_pair, runtime, sampling_params, stop_string)
+from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_parallel_argument, add_penalty_arguments,
+                       add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
+                       kv_cache_options, mismatch_status, penalty_settings, resolve_pair, runtime, sampling_params,
+                       stop_string)
 
 COMPARE_RUNS = 5  # --compare's timed runs of each side by default (the README's first command: ~N x 4 s)
 
@@ -69,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "graphs); auto: batched on CUDA, else reference")
     add_eager_argument(parser)
     add_kv_cache_arguments(parser)
+    add_parallel_argument(parser)
     parser.add_argument("--max-batch", type=int, default=64, help="batched engine: requests decoded together")
     parser.add_argument("--compare", action="store_true", help="also run plain target decoding and report the speedup")
     parser.add_argument("--compare-runs", type=int, default=None, metavar="N",
@@ -201,7 +203,7 @@ def _prepare(args: argparse.Namespace):
               min_predicted_gain=args.min_predicted_gain, allow_pickle=args.allow_pickle, device=device, dtype=dtype,
               draft_top_k=args.draft_top_k, tree_budget=args.tree_budget, enforce_eager=args.enforce_eager,
               draft_candidates=args.draft_candidates, draft_successors=args.draft_successors,
-              schedule_signal=args.schedule_signal,
+              schedule_signal=args.schedule_signal, tensor_parallel_size=args.tensor_parallel_size,
               **kv_cache_options(args))
     for (where, _), request in zip(records, requests):
         _named(where, llm.decoder.check_request, request)

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_runtime_arguments, add_schedule_signal_argument,
-                       add_tree_arguments, kv_cache_options, resolve_pair, runtime)
+from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_parallel_argument, add_runtime_arguments,
+                       add_schedule_signal_argument, add_tree_arguments, kv_cache_options, resolve_pair, runtime)
 
 DEMO_MODEL_NAME = "dspark-demo"
 API_KEY_ENV = "DSPARK_API_KEY"  # as vLLM's VLLM_API_KEY
@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tree_arguments(parser)
     add_eager_argument(parser)
     add_kv_cache_arguments(parser)
+    add_parallel_argument(parser)
     add_runtime_arguments(parser)
     for dest in ("allow_pickle", "quiet"):  # switches: the shared help shows no default for them
         _action(parser, dest).help += " (default: off)"
@@ -214,7 +215,8 @@ def build_engine(args: argparse.Namespace):
                           min_predicted_gain=args.min_predicted_gain,
                           max_num_batched_tokens=args.max_num_batched_tokens, draft_top_k=args.draft_top_k,
                           tree_budget=args.tree_budget, cuda_graphs=not args.enforce_eager,
-                          schedule_signal=args.schedule_signal, **kv_cache_options(args))
+                          schedule_signal=args.schedule_signal, tensor_parallel_size=args.tensor_parallel_size,
+                          **kv_cache_options(args))
     if args.engine_factory is not None:
         engine = _factory(args.engine_factory)(config)
         if not isinstance(engine, LLMEngine):

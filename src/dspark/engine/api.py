@@ -173,7 +173,9 @@ class LLM:
     (``EngineConfig``): ``enable_prefix_caching`` (prompts that start alike share their blocks),
     ``gpu_memory_utilization`` (the fraction of the GPU's memory the engine may fill with KV blocks;
     None: blocks for ``max_batch`` requests of ``max_model_len``), ``num_kv_blocks``,
-    ``kv_block_size``.
+    ``kv_block_size``. ``tensor_parallel_size`` N > 1 (vLLM's name): the target sharded over N GPUs,
+    one process each, driven by this one (``EngineConfig``; Llama / Qwen2 / Qwen3 targets); ``close()``
+    stops them.
     """
 
     def __init__(self, target=None, draft=None, *, no_draft: bool = False, tokenizer=None, engine: str = "auto",
@@ -183,7 +185,7 @@ class LLM:
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = 0.9,
                  num_kv_blocks: int | None = None, kv_block_size: int = 16,
                  draft_candidates: int = DEFAULT_DRAFT_CANDIDATES, draft_successors: int = DEFAULT_DRAFT_SUCCESSORS,
-                 schedule_signal: str = "confidence"):
+                 schedule_signal: str = "confidence", tensor_parallel_size: int = 1):
         c = Checker("LLM")
         target, draft = _models(c, target, draft, no_draft)
         self.tokenizer = _default_tokenizer(target) if tokenizer is None else tokenizer
@@ -196,7 +198,8 @@ class LLM:
                                enable_prefix_caching=enable_prefix_caching,
                                gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
                                kv_block_size=kv_block_size, draft_candidates=draft_candidates,
-                               draft_successors=draft_successors, schedule_signal=schedule_signal)
+                               draft_successors=draft_successors, schedule_signal=schedule_signal,
+                               tensor_parallel_size=tensor_parallel_size)
         if allow_pickle and isinstance(target, str):  # the engine's own loader reads safetensors only
             target = load_target_model(target, device=device, dtype=dtype, allow_pickle=True)
         self.decoder = LLMEngine(target, draft, config)
@@ -248,6 +251,10 @@ class LLM:
         stream = None if on_tokens is None else (lambda _i, tokens: on_tokens(tokens))
         results = generate_texts(self.decoder, requests, self.tokenizer, stop=stop, on_tokens=stream)
         return results[0] if single else results
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel processes (nothing on one GPU); no call after this."""
+        self.decoder.close()
 
 
 def generate(target, draft, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,

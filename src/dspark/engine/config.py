@@ -67,7 +67,11 @@ class EngineConfig:
     blocks of committed tokens are shared between requests whose tokens start alike (target and
     draft K/V alike); a hybrid target's with snapshots of its layers' states at block ends, at most
     ``state_snapshots`` of them (None: ``DEFAULT_STATE_SNAPSHOTS_PER_ROW`` x ``max_batch``; their
-    bytes: docs/engine.md)."""
+    bytes: docs/engine.md).
+
+    ``tensor_parallel_size`` N > 1: the target sharded over N processes, one per GPU (rank r on
+    ``cuda:r``; gloo processes on the CPU), the draft replicated on each (``ranks``); the engine
+    the caller holds is rank 0, which drives the others."""
 
     max_batch: int = 16
     max_model_len: int | None = None
@@ -91,6 +95,7 @@ class EngineConfig:
     draft_successors: int = DEFAULT_DRAFT_SUCCESSORS
     schedule_signal: str = "confidence"
     state_snapshots: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         c = Checker("EngineConfig")
@@ -121,6 +126,7 @@ class EngineConfig:
         c.integer("tree_budget", self.tree_budget, low=0, high=MAX_TREE_NODES)
         c.integer("draft_candidates", self.draft_candidates, low=0)
         c.integer("draft_successors", self.draft_successors, low=0)
+        c.integer("tensor_parallel_size", self.tensor_parallel_size, low=1)
         if self.tree_budget == 1:
             c.fail(f"tree_budget must be 0 (the block size + 1) or in [2, {MAX_TREE_NODES}], got 1")
         if self.draft_top_k > 1 and self.scheduler == "cost":

@@ -15,6 +15,7 @@ produced::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -26,6 +27,7 @@ from .. import kernels as K
 from ..kernels._validate import Checker
 from ..model import hybrid
 from ..model.llama import TargetLM
+from ..model.parallel import SINGLE_RANK, TensorParallel
 from .acceptance import OnlineAcceptance
 from .block_manager import BlockManager, StateSnapshots, kv_blocks_from_memory
 from .chunks import PrefillChunk
@@ -33,6 +35,7 @@ from .config import (DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_STAT
                      EngineConfig, engine_config)
 from .drafting import Drafter
 from .offline import OfflineGeneration
+from .ranks import Op, RankGroup, rank_device
 from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs, token_logprobs
 from .rows import TreeSettings
 from .runner import ForwardFailed, ModelRunner
@@ -41,7 +44,7 @@ from .schedulers import batch_schedule, drafting_pays
 from .stats import EngineMetrics
 from .step import StepPlan, StepResult
 from .structured import StructuredStage
-from .target import load_models
+from .target import check_parallel_target, load_models
 
 __all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "engine_config", "token_logprobs"]
 
@@ -54,8 +57,8 @@ PROMPT_LOGITS_TOKENS = 512  # prompt tokens per eager forward that scores a prom
 
 
 class EngineDeadError(RuntimeError):
-    """The device failed in a way no request can recover from (a sticky CUDA error): the engine
-    cannot go on, and its owner should stop."""
+    """The device failed in a way no request can recover from (a sticky CUDA error, a failed
+    tensor-parallel rank): the engine cannot go on, and its owner should stop."""
 
 
 class LLMEngine(OfflineGeneration):
@@ -64,13 +67,41 @@ class LLMEngine(OfflineGeneration):
     ``target``: a Hugging Face checkpoint directory or a loaded causal LM (Llama / Qwen2 / Qwen3 run
     the fused ``TargetLM``; any other decoder-only family its own modeling code, ``HFTarget``);
     ``draft``: a DSpark checkpoint directory, a ``DSparkDraftModel`` or None (plain decoding on the
-    same runner -- the baseline).
+    same runner -- the baseline). With ``config.tensor_parallel_size`` N > 1 this engine is rank 0
+    of N (``ranks``: it starts the others, each building the same engine on its GPU, and sends them
+    every call); ``rank`` is given only to the others' engines.
     """
 
-    def __init__(self, target, draft=None, config: EngineConfig | None = None):
-        self.config = config = config or EngineConfig()
+    def __init__(self, target, draft=None, config: EngineConfig | None = None, *, rank: TensorParallel | None = None):
+        config = config or EngineConfig()
         c = Checker("LLMEngine")
-        self.target, self.draft_model, self.eos_ids = load_models(c, target, draft, config)
+        self.ranks: RankGroup | None = None
+        self.tp = rank or SINGLE_RANK
+        self._tokenizer = None
+        size = config.tensor_parallel_size
+        if size > 1:
+            check_parallel_target(c, target, size)  # before any process starts
+            if rank is None:
+                self.ranks = RankGroup.start(size, rank_device(config.device, 0, size), type(self), target, draft,
+                                             config)
+                self.tp = self.ranks.tp
+            config = replace(config, device=rank_device(config.device, self.tp.rank, size))
+        try:
+            self._build(c, target, draft, config)
+            if self.ranks is not None:
+                self.ranks.wait_ready()
+        except (ValueError, TypeError):  # a check every rank makes alike: said as it is
+            if self.ranks is not None:
+                self.ranks.close(failed=True)
+            raise
+        except Exception as exc:
+            if self.ranks is None:
+                raise
+            raise self.ranks.failure(exc) from exc
+
+    def _build(self, c: Checker, target, draft, config: EngineConfig) -> None:
+        self.config = config
+        self.target, self.draft_model, self.eos_ids = load_models(c, target, draft, config, self.tp)
         positions = self.target.shape.max_positions
         self.max_model_len = limit = config.max_model_len or min(positions, DEFAULT_MAX_MODEL_LEN)
         if limit > positions:
@@ -104,6 +135,8 @@ class LLMEngine(OfflineGeneration):
         snapshots = self._state_snapshots(c, stateful)
         blocks = config.num_kv_blocks or kv_blocks_from_memory(self.target, self.draft_model, config, verify_len,
                                                               budget, snapshots)
+        if blocks is not None:  # the ranks' caches hold the same blocks: what every GPU can
+            blocks = self.tp.min(blocks)
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
                                   max_chunk_tokens=budget, cuda_graphs=config.cuda_graphs, tree=tree,
                                   num_kv_blocks=blocks, kv_block_size=config.kv_block_size, state_snapshots=snapshots)
@@ -137,7 +170,6 @@ class LLMEngine(OfflineGeneration):
         if drafter is not None and config.schedule_signal == "online":
             self.acceptance = OnlineAcceptance(config.max_batch + 1, drafter.num_draft_tokens)
         self._plain: LLMEngine | None = None
-        self.tokenizer = None  # what structured outputs compile against (None: the target directory's)
         self.structured = StructuredStage(self.runner, target)
 
     def _state_snapshots(self, c: Checker, stateful: list[int]) -> int:
@@ -153,6 +185,44 @@ class LLMEngine(OfflineGeneration):
                    f"{tail} inputs before each position, kept per block end), got {config.kv_block_size}; "
                    "or set enable_prefix_caching=False")
         return config.state_snapshots or DEFAULT_STATE_SNAPSHOTS_PER_ROW * config.max_batch
+
+    @property
+    def tokenizer(self):
+        """What structured outputs compile against (None: the target directory's)."""
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._mirror(Op("tokenizer", (tokenizer,)))
+
+    # ---- tensor parallelism ---------------------------------------------------------------------
+
+    def _mirror(self, op: Op) -> None:
+        """Rank 0: ``op`` to the other ranks, which make the same call on their engines."""
+        if self.ranks is not None:
+            self.ranks.send(op)
+
+    @contextlib.contextmanager
+    def _rank_failures(self):
+        """Rank 0: an error inside ends every rank, raised as ``EngineDeadError`` naming the rank
+        that failed first (a rank's own error, when it sent one, is the cause of rank 0's); an
+        interrupt (Ctrl-C) stops the ranks too -- they may be inside a step rank 0 left -- and goes on."""
+        if self.ranks is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001
+            raise self.ranks.failure(exc) from exc
+        except BaseException:
+            self.ranks.close(failed=True)
+            raise
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing with one rank). The engine runs no more steps."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -175,6 +245,7 @@ class LLMEngine(OfflineGeneration):
         self._next_id += 1
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
+        self._mirror(Op("add", (request,)))
         return seq.request_id
 
     def check_request(self, request: Request) -> frozenset[int]:
@@ -217,6 +288,7 @@ class LLMEngine(OfflineGeneration):
         step: the rows it compacts are the step's.)"""
         if self._launched is not None:
             Checker("abort").fail("abort() between launch() and finish(): the launched round still runs")
+        self._mirror(Op("abort", (request_id, reason)))
         seq = self.sequences.get(request_id)
         if seq is None or seq.status is SequenceStatus.FINISHED:
             return
@@ -232,12 +304,18 @@ class LLMEngine(OfflineGeneration):
         if self.scheduler.running:
             Checker("capture_graphs").fail(f"capture_graphs needs an idle engine, but {len(self.scheduler.running)} "
                                            "requests run")
-        return self.runner.capture_graphs(plain_rounds=self.config.scheduler == "cost")
+        self._mirror(Op("capture"))
+        with self._rank_failures():
+            return self.runner.capture_graphs(plain_rounds=self.config.scheduler == "cost")
 
     def plain(self) -> "LLMEngine":
         """Plain decoding on this engine's target runner (the baseline of ``--compare``), built once,
         with KV blocks for ``max_batch`` requests of ``max_model_len`` (this engine holds its share
         of the GPU's memory already: ``gpu_memory_utilization`` None)."""
+        if self.tp.size > 1:
+            Checker("plain").fail(f"the plain-decoding baseline runs on one GPU; this engine is tensor-parallel "
+                                  f"(tensor_parallel_size {self.tp.size}): build one with tensor_parallel_size 1 and "
+                                  "no draft to compare")
         if self._plain is None:
             self._plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", schedule_signal="confidence",
                                                                draft_top_k=1, tree_budget=0, gpu_memory_utilization=None))
@@ -268,6 +346,12 @@ class LLMEngine(OfflineGeneration):
         (finish reason ``"error"``) and the engine goes on; ``EngineDeadError`` when the device cannot."""
         if self._launched is not None:
             Checker("launch").fail("launch() was called twice: finish() collects the launched round first")
+        # the host times are rank 0's: the cost scheduler's choice of a plain round is the same on every rank
+        self._mirror(Op("launch", (tuple(self._host_ms),)))
+        with self._rank_failures():
+            self._launch()
+
+    def _launch(self) -> None:
         start, outputs = time.perf_counter(), []
         self._step_captures = self.runner.captures
         self._admit()
@@ -294,7 +378,7 @@ class LLMEngine(OfflineGeneration):
             try:
                 self.runner.launch(plan)
             except ForwardFailed as exc:
-                if not plan.chunks:
+                if not plan.chunks or self.tp.size > 1:  # a rank's retry would run collectives the others do not
                     raise
                 log.warning("a step with prompt chunks failed (%s): retrying without them", exc)
                 self._probe(plan.chunks, outputs)
@@ -344,6 +428,11 @@ class LLMEngine(OfflineGeneration):
         for the next round's proposals; returns the step's outputs."""
         if self._launched is None:
             Checker("finish").fail("finish() without launch()")
+        self._mirror(Op("finish"))
+        with self._rank_failures():
+            return self._finish()
+
+    def _finish(self) -> list[RequestOutput]:
         start = time.perf_counter()
         (outputs, rows, joined, drafted), self._launched = self._launched, None
         waited = hidden = 0.0
@@ -565,7 +654,12 @@ class LLMEngine(OfflineGeneration):
                                      seq.stats.cached_tokens if first else None))
 
     def _fail(self, seqs: list[Sequence], exc: Exception, outputs: list[RequestOutput], what: str) -> None:
-        """End ``seqs`` with finish reason ``"error"`` (logged with the traceback); the rest go on."""
+        """End ``seqs`` with finish reason ``"error"`` (logged with the traceback); the rest go on.
+        Under tensor parallelism the error ends the engine instead: a failure only some ranks saw would
+        leave their states different."""
+        if self.tp.size > 1:
+            raise RuntimeError(f"{what} failed for request(s) {[q.request_id for q in seqs]} on tensor-parallel rank "
+                               f"{self.tp.rank}: {type(exc).__name__}: {exc}") from exc
         log.error("%s failed for request(s) %s", what, [q.request_id for q in seqs], exc_info=exc)
         for seq in seqs:
             seq.finish_reason, seq.error = "error", f"{type(exc).__name__}: {exc}"

@@ -17,7 +17,7 @@ import torch
 from ..kernels._validate import Checker
 
 __all__ = ["eos_token_ids", "load_target_model", "check_target_checkpoint", "check_target_directory",
-           "resolve_device", "default_dtype", "load_models"]
+           "resolve_device", "default_dtype", "load_models", "check_parallel_target", "is_builder"]
 
 PICKLE_HINT = ("; convert them to safetensors, or, only for a checkpoint you trust (unpickling can run code), "
                "pass allow_pickle=True (dspark: --allow-pickle)")
@@ -139,12 +139,45 @@ def default_dtype(device: torch.device, target=None) -> torch.dtype:
 # ---------------------------------------------------------------------------------- the engine's models
 
 
-def load_models(c: Checker, target, draft, config):
-    """(TargetLM, draft model or None, EOS ids) from directories or loaded models."""
+def check_parallel_target(c: Checker, target, size: int) -> None:
+    """Under tensor parallelism (``size`` > 1) the target must be one ``TargetLM`` shards: a Llama /
+    Qwen2 / Qwen3 checkpoint directory or loaded model. Any other family runs its own modeling code
+    (``HFTarget``), which dspark does not shard: ValueError naming it."""
+    from ..model.llama import SUPPORTED_MODEL_TYPES
+
+    if size == 1 or is_builder(target):  # a builder makes the shard of the rank it is given
+        return
+    if isinstance(target, (str, Path)):
+        model_type = _model_type(Path(target))
+    elif isinstance(target, torch.nn.Module):
+        model_type = getattr(target.config, "model_type", None)
+    else:
+        c.fail(f"tensor_parallel_size {size} needs the target as a checkpoint directory, a Hugging Face causal LM "
+               f"or a builder (each rank makes its own shard), got {type(target).__name__}", TypeError)
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        c.fail(f"tensor_parallel_size {size} shards the fused Llama / Qwen2 / Qwen3 runner (model types "
+               f"{list(SUPPORTED_MODEL_TYPES)}); a {model_type!r} target runs its own modeling code (the Hugging Face "
+               "backend), which is not sharded: use tensor_parallel_size 1")
+
+
+def is_builder(model) -> bool:
+    """Whether ``model`` is a builder: a picklable function that makes the model where it runs --
+    ``target(capture_layer_ids, tp=, device=)`` a ``TargetLM`` (this rank's shard), ``draft(device=)``
+    a ``DSparkDraftModel`` (benchmarks' random models, which no rank could receive whole)."""
+    return callable(model) and not isinstance(model, torch.nn.Module)
+
+
+def load_models(c: Checker, target, draft, config, tp=None):
+    """(TargetLM, draft model or None, EOS ids) from directories, loaded models or builders
+    (``is_builder``); under tensor parallelism (``tp``: a ``TensorParallel`` of size > 1) the target
+    is rank ``tp``'s shard and a loaded draft is copied to this rank's device."""
     from ..model import check_target_compatible, load_draft
     from ..model.hf_target import HFTarget
     from ..model.llama import SUPPORTED_MODEL_TYPES, TargetLM
+    from ..model.parallel import SINGLE_RANK
 
+    tp = tp or SINGLE_RANK
+    check_parallel_target(c, target, tp.size)
     device = torch.device(config.device) if config.device is not None else None
     # where a target directory loads: the device asked for, else a loaded draft's, else the CPU (load_draft's)
     dev = device or (draft.device if isinstance(draft, torch.nn.Module) else torch.device("cpu"))
@@ -154,19 +187,30 @@ def load_models(c: Checker, target, draft, config):
         if dtype is None:  # the CLI's --dtype auto: float32 on a CPU, the checkpoint's half precision on a GPU
             dtype = default_dtype(dev, target)
     draft_model = draft
-    if isinstance(draft, (str, Path)):  # weights a speculators 0.9 draft leaves out come from the target
+    if is_builder(draft):
+        draft_model = draft(device=dev)
+    elif isinstance(draft, (str, Path)):  # weights a speculators 0.9 draft leaves out come from the target
         draft_model = load_draft(draft, target=target if isinstance(target, (str, Path, torch.nn.Module)) else None,
                                  device=device, dtype=dtype)
     capture = list(draft_model.config.capture_layer_ids) if draft_model is not None else []
     # TargetLM: the fused forward of the families it knows; any other causal LM runs its own
     # modeling code through the same runner contract (HFTarget)
     if isinstance(target, (str, Path)):
-        runner = TargetLM if _model_type(Path(target)) in SUPPORTED_MODEL_TYPES else HFTarget
-        lm = runner.from_pretrained(target, capture, device=dev, dtype=dtype)
+        if tp.size > 1:  # this rank's slices of the checkpoint
+            lm = TargetLM.from_pretrained(target, capture, device=dev, dtype=dtype, tp=tp)
+        else:
+            runner = TargetLM if _model_type(Path(target)) in SUPPORTED_MODEL_TYPES else HFTarget
+            lm = runner.from_pretrained(target, capture, device=dev, dtype=dtype)
         eos = frozenset(_directory_eos(Path(target)) or _config_eos(lm.config))
+    elif is_builder(target):
+        lm = target(capture, tp=tp, device=dev)
+        eos = frozenset(_config_eos(lm.config))
     elif isinstance(target, torch.nn.Module):
         fused = getattr(target.config, "model_type", None) in SUPPORTED_MODEL_TYPES
-        lm = TargetLM.from_hf_model(target, capture) if fused else HFTarget(target, capture)
+        if tp.size > 1:  # this rank's slices on this rank's device
+            lm = TargetLM.from_hf_model(target, capture, tp=tp, device=device)
+        else:
+            lm = TargetLM.from_hf_model(target, capture) if fused else HFTarget(target, capture)
         eos = frozenset(eos_token_ids(target))
     elif isinstance(target, TargetLM):  # another engine's runner (same weights); EOS ids set by the caller
         lm = TargetLM(target.config, dict(embed=target.embed, layers=target.layers, norm=target.norm,
@@ -178,6 +222,8 @@ def load_models(c: Checker, target, draft, config):
     else:
         c.fail(f"target must be a checkpoint directory or a Hugging Face causal LM, got {type(target).__name__}", TypeError)
     if draft_model is not None:
+        if tp.rank > 0 and draft_model.device != lm.device:  # rank 0's loaded draft, unpickled here
+            draft_model = draft_model.to(lm.device)
         check_target_compatible(draft_model.config, lm.config)
         if draft_model.device != lm.device:
             c.fail(f"the draft is on {draft_model.device} but the target on {lm.device}")

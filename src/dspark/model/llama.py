@@ -7,10 +7,17 @@ runs *flat* tokens of many requests at once over a paged KV cache (``KVCache``) 
 launches and a whole step can live in one CUDA graph. Transformers stays the source of configs
 (``AutoConfig``, RoPE frequencies) and the numerical oracle in tests; weights are read with
 safetensors only.
+
+Under tensor parallelism (``tp``: a ``parallel.TensorParallel`` of size > 1) a ``TargetLM`` holds one
+rank's shard -- its attention heads, MLP features and vocabulary rows, read from the checkpoint as
+slices (no rank reads the whole model) -- and its forward adds the ranks' partial sums after each
+attention and MLP and gathers the logits' vocabulary columns, so that every rank returns the full
+logits (``parallel``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +29,10 @@ import torch.nn.functional as F
 from .. import kernels as K
 from ..kernels._validate import Checker
 from .layers import KVCache, attention, decoder_layer, rms_norm, rope_inv_freq, swiglu
+from .parallel import SINGLE_RANK, TensorParallel
 
-__all__ = ["AttentionBatch", "CachedTarget", "TargetLM", "SUPPORTED_MODEL_TYPES", "ATTENTION_LAYER_TYPES",
-           "declared_layer_types"]
+__all__ = ["AttentionBatch", "CachedTarget", "TargetLM", "TensorSource", "SUPPORTED_MODEL_TYPES",
+           "ATTENTION_LAYER_TYPES", "declared_layer_types"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # the layer types of softmax attention: whatever else a config declares (linear attention, Mamba,
@@ -49,7 +57,15 @@ class AttentionBatch:
 class CachedTarget:
     """What the engine's target runners (``TargetLM``, ``HFTarget``) share: a KV cache of their
     ``shape`` (``num_layers``, ``num_kv_heads``, ``head_dim``) in their ``dtype`` on their ``device``,
-    and the copy of a capture layer's input into the draft's buffer."""
+    and the copy of a capture layer's input into the draft's buffer. ``tp``: the tensor-parallel rank
+    whose shard it holds (its cache holds that rank's K/V heads)."""
+
+    tp: TensorParallel = SINGLE_RANK
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """K/V heads per position in this rank's cache."""
+        return self.shape.num_kv_heads // self.tp.size
 
     def _capture(self, capture_out, layer: int, hidden: torch.Tensor) -> None:
         """Layer ``layer``'s input ``hidden`` ``[N, H]`` into its columns of ``capture_out`` ``[N, m*H]``."""
@@ -63,18 +79,19 @@ class CachedTarget:
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """``num_slots`` contiguous lines of ``max_len`` positions."""
         s = self.shape
-        return KVCache.contiguous(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+        return KVCache.contiguous(s.num_layers, num_slots, max_len, self.cache_kv_heads, s.head_dim, self.dtype,
+                                  self.device)
 
     def new_paged_cache(self, num_blocks: int, block_size: int, block_table: torch.Tensor) -> KVCache:
         """``num_blocks`` blocks of ``block_size`` positions, lines through ``block_table``."""
         s = self.shape
-        return KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device,
+        return KVCache(s.num_layers, num_blocks, block_size, self.cache_kv_heads, s.head_dim, self.dtype, self.device,
                        block_table)
 
     @property
     def kv_bytes_per_token(self) -> int:
         s = self.shape
-        return KVCache.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+        return KVCache.bytes_per_token(s.num_layers, self.cache_kv_heads, s.head_dim, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -98,14 +115,17 @@ class TargetLM(CachedTarget):
 
     ``capture_layer_ids``: Hugging Face ``output_hidden_states`` indices (0 = embedding output,
     ``a`` = input of decoder layer ``a``) whose rows the forward writes, concatenated, into a
-    caller's buffer for the draft model.
+    caller's buffer for the draft model. ``weights``: ``_merge``'s, the shard of rank ``tp``.
     """
 
-    def __init__(self, config, weights: dict[str, torch.Tensor], capture_layer_ids: Sequence[int] = ()):
+    def __init__(self, config, weights: dict[str, torch.Tensor], capture_layer_ids: Sequence[int] = (),
+                 tp: TensorParallel = SINGLE_RANK):
         c = Checker("TargetLM")
-        self.config = config
+        self.config, self.tp = config, tp
         self.shape = _shape_of(c, config)
         s = self.shape
+        self.num_heads = s.num_heads // tp.size  # this rank's query heads
+        self.vocab_lo = tp.vocab_part(s.vocab_size)[0]  # the first token id of this rank's embedding rows
         self.capture_layer_ids = [c.integer("capture_layer_ids[]", i, low=0, high=s.num_layers - 1)
                                   for i in capture_layer_ids]
         self.embed = weights["embed"]
@@ -118,8 +138,10 @@ class TargetLM(CachedTarget):
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path, capture_layer_ids: Sequence[int] = (), *, device=None, dtype=None) -> "TargetLM":
-        """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded too)."""
+    def from_pretrained(cls, path, capture_layer_ids: Sequence[int] = (), *, device=None, dtype=None,
+                        tp: TensorParallel = SINGLE_RANK) -> "TargetLM":
+        """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded too); under
+        tensor parallelism only rank ``tp``'s slices of its tensors are read."""
         from transformers import AutoConfig
 
         from .checkpoint import read_json_object
@@ -133,15 +155,23 @@ class TargetLM(CachedTarget):
             read_json_object(path / "config.json")  # a bad file is named, with line and column
         config = AutoConfig.from_pretrained(path)
         dtype = dtype or _config_dtype(config)
-        tensors = _read_safetensors(c, path, device or "cpu", dtype)
-        return cls(config, _merge(c, config, tensors), capture_layer_ids)
+        with _SafetensorsSource(c, path, device or "cpu", dtype) as tensors:
+            return cls(config, _merge(c, config, tensors, tp), capture_layer_ids, tp)
 
     @classmethod
-    def from_hf_model(cls, model: torch.nn.Module, capture_layer_ids: Sequence[int] = ()) -> "TargetLM":
-        """Share the weights of a loaded Hugging Face model (its device and dtype)."""
+    def from_tensor_source(cls, config, source: "TensorSource", capture_layer_ids: Sequence[int] = (), *,
+                           tp: TensorParallel = SINGLE_RANK) -> "TargetLM":
+        """Rank ``tp``'s shard of the model ``config`` describes, its tensors read from ``source``."""
+        return cls(config, _merge(Checker("TargetLM"), config, source, tp), capture_layer_ids, tp)
+
+    @classmethod
+    def from_hf_model(cls, model: torch.nn.Module, capture_layer_ids: Sequence[int] = (), *,
+                      tp: TensorParallel = SINGLE_RANK, device=None) -> "TargetLM":
+        """Share the weights of a loaded Hugging Face model (its device and dtype); under tensor
+        parallelism, copies of rank ``tp``'s slices (on ``device``, default the model's)."""
         c = Checker("TargetLM.from_hf_model")
-        state = {k: v.detach() for k, v in model.state_dict().items()}
-        return cls(model.config, _merge(c, model.config, state), capture_layer_ids)
+        state = TensorSource({k: v.detach() for k, v in model.state_dict().items()}, device)
+        return cls(model.config, _merge(c, model.config, state, tp), capture_layer_ids, tp)
 
     @property
     def device(self) -> torch.device:
@@ -153,7 +183,7 @@ class TargetLM(CachedTarget):
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.shape[0]
+        return self.shape.vocab_size
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -172,21 +202,30 @@ class TargetLM(CachedTarget):
         view of that shape) receives the hidden states at ``capture_layer_ids``. ``cache_positions``
         int ``[N]`` (tree verification): each token's cache row when it is not its position.
         """
-        s = self.shape
-        h, residual = F.embedding(input_ids, self.embed), None
+        s, tp = self.shape, self.tp
+        h, residual = self._embed(input_ids), None
         for i, layer in enumerate(self.layers):
             h, residual = decoder_layer(
                 layer, h, residual, s.eps,
-                lambda x, i=i, layer=layer: attention(layer, x, s.num_heads, positions, token_slots, self.cos_sin,
-                                                      cache.k[i], cache.v[i], s.eps,
-                                                      self._attend(batch, cache, i), cache_positions,
-                                                      cache.block_table),
-                lambda x, layer=layer: swiglu(x, layer["gate_up"], layer["down"]),
+                lambda x, i=i, layer=layer: tp.all_reduce(attention(
+                    layer, x, self.num_heads, positions, token_slots, self.cos_sin, cache.k[i], cache.v[i], s.eps,
+                    self._attend(batch, cache, i), cache_positions, cache.block_table)),
+                lambda x, layer=layer: tp.all_reduce(swiglu(x, layer["gate_up"], layer["down"])),
                 on_input=lambda hidden, i=i: self._capture(capture_out, i, hidden))
         x, _ = rms_norm(h, self.norm, s.eps, residual=residual)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        return F.linear(x, self.lm_head).float()
+        return tp.gather_vocab(F.linear(x, self.lm_head), s.vocab_size).float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows ``[N, H]`` of ``input_ids``: under tensor parallelism each rank's own
+        vocabulary rows (zeros for the others' ids), summed over the ranks."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_lo
+        mine = (local >= 0) & (local < self.embed.shape[0])  # the padding rows past the vocabulary are zeros
+        rows = F.embedding(torch.where(mine, local, 0), self.embed)
+        return self.tp.all_reduce(rows * mine[:, None].to(rows.dtype))
 
     def _attend(self, batch, cache: KVCache, layer: int):
         """``attend(q)`` over layer ``layer`` of ``cache``: causal, one launch per row group of a list
@@ -271,75 +310,153 @@ def _config_dtype(config) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def _read_safetensors(c: Checker, path: Path, device, dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint (``model.safetensors`` or a sharded index), cast to ``dtype``."""
-    from safetensors import SafetensorError, safe_open
+class TensorSource:
+    """Where ``TargetLM`` reads its weights from, by Hugging Face name (``keys()``, ``in``): here a
+    loaded model's state dict; a checkpoint's files or a benchmark's random weights subclass it.
+    ``shape(key)``: the tensor's full shape; ``read(key, split)``
+    -- the whole tensor (shared, unless ``device`` moves it), or a copy of its rows / columns
+    ``split = (dim, lo, hi)`` (on ``device``; None: where the tensor is)."""
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
+    def __init__(self, state: dict[str, torch.Tensor], device=None):
+        self.state, self.device = state, device
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.state
+
+    def keys(self):
+        return self.state.keys()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.state[key].shape)
+
+    def read(self, key: str, split: tuple[int, int, int] | None = None) -> torch.Tensor:
+        t = self.state[key]
+        if split is None:
+            return t if self.device is None else t.to(self.device)
+        return t.narrow(split[0], split[1], split[2] - split[1]).to(self.device or t.device, copy=True)
+
+
+class _SafetensorsSource(TensorSource):
+    """The tensors of a checkpoint directory (``model.safetensors`` or a sharded index), opened
+    (a context manager) and read one at a time, each cast to ``dtype`` on ``device``: a split reads
+    only its slice of the file."""
+
+    def __init__(self, c: Checker, path: Path, device, dtype):
+        super().__init__({})
+        self.c, self.path, self.device, self.dtype = c, path, device, dtype
+        self.files = contextlib.ExitStack()
+
+    def __enter__(self) -> "_SafetensorsSource":
+        from safetensors import safe_open
+
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            c.fail(f"{index} is not a safetensors index with a weight_map: {exc}")
-        files = sorted(set(weight_map.values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+            for name in self._file_names():
+                file = self.path / name
+                if not file.is_file():
+                    self.c.fail(f"{file} is listed in the checkpoint index but missing")
+                handle = self._guarded(file, lambda file=file: self.files.enter_context(
+                    safe_open(str(file), framework="pt", device=str(self.device))))
+                for key in self._guarded(file, handle.keys):
+                    self.state[key] = (file, handle)
+        except BaseException:
+            self.files.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.files.close()
+
+    def _file_names(self) -> list[str]:
+        path, c = self.path, self.c
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                c.fail(f"{index} is not a safetensors index with a weight_map: {exc}")
+            return sorted(set(weight_map.values()))
+        if (path / "model.safetensors").is_file():
+            return ["model.safetensors"]
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         found = f"; it holds only pickle weights ({', '.join(pickles)}), which dspark does not load" if pickles else ""
         c.fail(f"{path} has no model.safetensors or model.safetensors.index.json{found}")
-    tensors = {}
-    for name in files:
-        file = path / name
-        if not file.is_file():
-            c.fail(f"{file} is listed in the checkpoint index but missing")
+
+    def _guarded(self, file: Path, read):
+        from safetensors import SafetensorError
+
         try:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for key in f.keys():
-                    t = f.get_tensor(key)
-                    tensors[key] = t.to(dtype) if t.is_floating_point() else t
+            return read()
         except (SafetensorError, OSError, RuntimeError) as exc:
-            c.fail(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}")
-    return tensors
+            self.c.fail(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}")
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        file, handle = self.state[key]
+        return tuple(self._guarded(file, lambda: handle.get_slice(key).get_shape()))
+
+    def read(self, key: str, split: tuple[int, int, int] | None = None) -> torch.Tensor:
+        file, handle = self.state[key]
+        if split is None:
+            t = self._guarded(file, lambda: handle.get_tensor(key))
+        else:
+            dim, lo, hi = split
+            t = self._guarded(file, lambda: handle.get_slice(key)[(slice(None),) * dim + (slice(lo, hi),)])
+        return t.to(self.device, self.dtype) if t.is_floating_point() else t.to(self.device)
 
 
-def _merge(c: Checker, config, state: dict[str, torch.Tensor]) -> dict:
-    """Hugging Face parameter names -> merged weights; every tensor checked for presence and shape."""
+def _merge(c: Checker, config, tensors: TensorSource, tp: TensorParallel = SINGLE_RANK) -> dict:
+    """Hugging Face parameter names -> merged weights of rank ``tp``'s shard (``parallel``); every
+    tensor checked for presence and its full shape before its slice is read."""
     s = _shape_of(c, config)
-    prefix = "model." if any(k.startswith("model.") for k in state) else ""
-
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        key = prefix + name if not name.startswith("lm_head") else name
-        if key not in state:
-            c.fail(f"the target checkpoint has no tensor {key!r}")
-        t = state[key]
-        if tuple(t.shape) != shape:
-            c.fail(f"target tensor {key!r} has shape {list(t.shape)}, expected {list(shape)} from config.json")
-        return t
-
+    prefix = "model." if any(k.startswith("model.") for k in tensors.keys()) else ""
     h, d, inter = s.hidden_size, s.head_dim, s.intermediate_size
     q_size, kv_size = s.num_heads * d, s.num_kv_heads * d
+    if tp.size > 1:  # a rank holds whole heads: check they split (the errors name the heads, not the rows)
+        tp.part(s.num_heads, "attention heads")
+        tp.part(s.num_kv_heads, "key/value heads")
+    # (dim, lo, hi) of each split kind: this rank's heads' rows, its MLP features, its vocabulary rows
+    q_rows, kv_rows = tp.part(q_size, "query rows"), tp.part(kv_size, "key/value rows")
+    features = tp.part(inter, "MLP intermediate features (intermediate_size)")
+    vocab_lo, vocab_hi, vocab_rows = tp.vocab_part(s.vocab_size)
+
+    def get(name: str, shape: tuple[int, ...], split: tuple[int, tuple[int, int]] | None = None) -> torch.Tensor:
+        key = prefix + name if not name.startswith("lm_head") else name
+        if key not in tensors:
+            c.fail(f"the target checkpoint has no tensor {key!r}")
+        if tensors.shape(key) != shape:
+            c.fail(f"target tensor {key!r} has shape {list(tensors.shape(key))}, expected {list(shape)} from config.json")
+        if tp.size == 1 or split is None:
+            return tensors.read(key)
+        dim, (lo, hi) = split
+        return tensors.read(key, (dim, lo, hi))
+
+    def vocab(name: str) -> torch.Tensor:
+        rows = get(name, (s.vocab_size, h), (0, (vocab_lo, vocab_hi)))
+        if rows.shape[0] == vocab_rows:
+            return rows
+        return torch.cat([rows, rows.new_zeros(vocab_rows - rows.shape[0], h)])  # the last shard's padding
+
     layers = []
     for i in range(s.num_layers):
         p = f"layers.{i}."
         layer = {
             "input_norm": get(p + "input_layernorm.weight", (h,)),
             "post_norm": get(p + "post_attention_layernorm.weight", (h,)),
-            "qkv": torch.cat([get(p + "self_attn.q_proj.weight", (q_size, h)),
-                              get(p + "self_attn.k_proj.weight", (kv_size, h)),
-                              get(p + "self_attn.v_proj.weight", (kv_size, h))]),
-            "o": get(p + "self_attn.o_proj.weight", (h, q_size)),
-            "gate_up": torch.cat([get(p + "mlp.gate_proj.weight", (inter, h)), get(p + "mlp.up_proj.weight", (inter, h))]),
-            "down": get(p + "mlp.down_proj.weight", (h, inter)),
+            "qkv": torch.cat([get(p + "self_attn.q_proj.weight", (q_size, h), (0, q_rows)),
+                              get(p + "self_attn.k_proj.weight", (kv_size, h), (0, kv_rows)),
+                              get(p + "self_attn.v_proj.weight", (kv_size, h), (0, kv_rows))]),
+            "o": get(p + "self_attn.o_proj.weight", (h, q_size), (1, q_rows)),
+            "gate_up": torch.cat([get(p + "mlp.gate_proj.weight", (inter, h), (0, features)),
+                                  get(p + "mlp.up_proj.weight", (inter, h), (0, features))]),
+            "down": get(p + "mlp.down_proj.weight", (h, inter), (1, features)),
         }
         if s.qkv_bias:
-            layer["qkv_bias"] = torch.cat([get(p + "self_attn.q_proj.bias", (q_size,)),
-                                           get(p + "self_attn.k_proj.bias", (kv_size,)),
-                                           get(p + "self_attn.v_proj.bias", (kv_size,))])
+            layer["qkv_bias"] = torch.cat([get(p + "self_attn.q_proj.bias", (q_size,), (0, q_rows)),
+                                           get(p + "self_attn.k_proj.bias", (kv_size,), (0, kv_rows)),
+                                           get(p + "self_attn.v_proj.bias", (kv_size,), (0, kv_rows))])
         if s.qk_norm:
             layer["q_norm"] = get(p + "self_attn.q_norm.weight", (d,))
             layer["k_norm"] = get(p + "self_attn.k_norm.weight", (d,))
         layers.append(layer)
-    embed = get("embed_tokens.weight", (s.vocab_size, h))
-    lm_head = embed if s.tied and "lm_head.weight" not in state else get("lm_head.weight", (s.vocab_size, h))
+    embed = vocab("embed_tokens.weight")
+    lm_head = embed if s.tied and "lm_head.weight" not in tensors else vocab("lm_head.weight")
     return {"embed": embed, "layers": layers, "norm": get("norm.weight", (h,)), "lm_head": lm_head}
