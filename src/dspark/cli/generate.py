@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 
 from ._prompts import read_prompt_file
 from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_parallel_argument, add_penalty_arguments,
-                       add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
-                       kv_cache_options, mismatch_status, penalty_settings, resolve_pair, runtime, sampling_params,
-                       stop_string)
+                       add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments,
+                       check_scheduler_arguments, kv_cache_options, mismatch_status, penalty_settings, resolve_pair,
+                       runtime, sampling_params, stop_string)
 
 COMPARE_RUNS = 5  # --compare's timed runs of each side by default (the README's first command: ~N x 4 s)
 

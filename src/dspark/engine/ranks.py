@@ -176,7 +176,8 @@ class RankGroup:
             dead = next(((r, p) for r, p in enumerate(self.processes, start=1) if p.poll() is not None), None)
             if dead is not None or time.monotonic() > deadline:
                 listener.close()
-                what = f"exited with code {dead[1].returncode}" if dead else f"did not connect in {START_TIMEOUT_S:.0f} s"
+                what = (f"exited with code {dead[1].returncode}" if dead
+                        else f"did not connect in {START_TIMEOUT_S:.0f} s")
                 raise _dead(f"tensor-parallel rank {dead[0] if dead else len(accepted) + 1} {what} while starting")
         self.conns = [accepted[r] for r in range(1, self.size)]
         return self.conns
@@ -237,7 +238,8 @@ class RankGroup:
                     raise self.failure(RuntimeError(f"rank {rank} left before {stage!r}"))
                 waiting.pop(rank)
             if time.monotonic() > deadline:
-                raise _dead(f"tensor-parallel ranks {sorted(waiting)} did not reach {stage!r} in {START_TIMEOUT_S:.0f} s")
+                raise _dead(f"tensor-parallel ranks {sorted(waiting)} did not reach {stage!r} in "
+                            f"{START_TIMEOUT_S:.0f} s")
 
     def send(self, op: Op) -> None:
         """``op`` to every other rank (in order; they apply it as rank 0 does)."""

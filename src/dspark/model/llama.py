@@ -423,7 +423,8 @@ def _merge(c: Checker, config, tensors: TensorSource, tp: TensorParallel = SINGL
         if key not in tensors:
             c.fail(f"the target checkpoint has no tensor {key!r}")
         if tensors.shape(key) != shape:
-            c.fail(f"target tensor {key!r} has shape {list(tensors.shape(key))}, expected {list(shape)} from config.json")
+            c.fail(f"target tensor {key!r} has shape {list(tensors.shape(key))}, expected {list(shape)} "
+                   "from config.json")
         if tp.size == 1 or split is None:
             return tensors.read(key)
         dim, (lo, hi) = split
