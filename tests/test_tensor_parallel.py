@@ -76,13 +76,18 @@ class FailingEngine(LLMEngine):
 
 class TestTwoRanks:
     """One engine of two ranks for these tests, the last of which ends it (one tensor-parallel engine
-    per process at a time: the ranks' process group is the process's default one)."""
+    per process at a time: the ranks' process group is the process's default one). The sps scheduler
+    on the online acceptance estimator: verify lengths from host state, which the ranks must agree
+    on (or their collectives would not match)."""
+
+    SETTINGS = dict(scheduler="sps", threshold=0.3, schedule_signal="online")
 
     @pytest.fixture(scope="class")
     def engines(self, pair):
         _, target, draft = pair
-        two = FailingEngine(target, draft, EngineConfig(max_batch=4, device="cpu", tensor_parallel_size=2))
-        yield _engine(pair, 1), two
+        two = FailingEngine(target, draft, EngineConfig(max_batch=4, device="cpu", tensor_parallel_size=2,
+                                                        **self.SETTINGS))
+        yield _engine(pair, 1, **self.SETTINGS), two
         two.close()
 
     def test_greedy_output_is_one_process_output(self, engines):
