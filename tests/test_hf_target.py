@@ -10,12 +10,14 @@ same alone and in a batch, prompts chunked into running steps; a sampled request
 and in a batch. Attention soft-capping is refused with an error naming it.
 
 The hybrid families whose stateful layers the engine keeps (gated DeltaNet: Qwen3-Next with
-experts, Qwen3.5; Mamba-2: Bamba, Granite-4, Falcon-H1; short convolutions: LFM2) are among the
-families above.
+experts, Qwen3.5, Qwen3.5-MoE, LaraMini, OLMo-Hybrid; Mamba-2: Bamba, Granite-4, Falcon-H1,
+Nemotron-H with MLP-only layers, Mamba2; Mamba-1: Jamba with experts, Mamba, FalconMamba; short
+convolutions: LFM2, LFM2-MoE, LFM3) are among the families above; Mamba, FalconMamba and Mamba2 have
+no attention layer at all.
 Every family, a tiny random checkpoint decoded by ``dspark.generate``, has one outcome written down:
 transformers' greedy tokens (the fused Llama / Qwen path and the families above) or a refusal naming
-the layers whose state the engine does not keep (Jamba, Nemotron-H, Zamba2, Mamba, RWKV,
-RecurrentGemma).
+the layers whose state the engine does not keep (Zamba2, RWKV, RecurrentGemma here;
+``test_hybrid_families`` lists every stateful family of transformers).
 ``draft_config`` builds a drafter for targets that spell the norm epsilon and head counts otherwise.
 
 CUDA graphs: the families whose transformers code synchronises the host are declared from the
@@ -77,9 +79,10 @@ SPECS = {
     "falcon-h1": ("FalconH1ForCausalLM", "FalconH1Config", dict(  # MuP multipliers of its own
         **KV, num_hidden_layers=3, head_dim=16, mamba_d_ssm=128, **_MAMBA2, ssm_in_multiplier=0.7,
         ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9])),
+    # Mamba-1 beside attention, experts in every layer
     "jamba": ("JambaForCausalLM", "JambaConfig", dict(
-        **KV, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1, expert_layer_period=1,
-        expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8)),
+        **KV, num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+        expert_layer_period=1, expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8)),
     "nemotron-h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
         **KV, layers_block_type=["linear_attention", "full_attention", "mlp"], num_hidden_layers=3, head_dim=16,
         mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=1, chunk_size=16, conv_kernel=4)),
@@ -91,16 +94,40 @@ SPECS = {
     "granite-moe-hybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
         **KV, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=0,
         shared_intermediate_size=128, **{**_MAMBA2, "mamba_d_head": "auto"})),
-    "mamba": ("MambaForCausalLM", "MambaConfig", dict(num_hidden_layers=2, state_size=8)),
+    # attention-free: no K/V at all
+    "mamba": ("MambaForCausalLM", "MambaConfig", dict(num_hidden_layers=3, state_size=8)),
+    "falcon-mamba": ("FalconMambaForCausalLM", "FalconMambaConfig", dict(num_hidden_layers=3, state_size=8)),
+    "mamba2": ("Mamba2ForCausalLM", "Mamba2Config", dict(
+        hidden_size=32, num_hidden_layers=3, num_heads=4, head_dim=16, state_size=8, n_groups=1, chunk_size=16)),
+    # the mixers above in other families' layers
+    "lfm2-moe": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig", dict(
+        **KV, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_dense_layers=1, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32)),
+    "lfm3": ("Lfm3ForCausalLM", "Lfm3Config", dict(
+        **KV, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], head_dim=8, sliding_window=None)),
+    "qwen3.5-moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(
+        **KV, head_dim=16, **_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
+    "olmo-hybrid": ("OlmoHybridForCausalLM", "OlmoHybridConfig", dict(  # beta in [0, 2], projections of its own
+        **KV, **_LINEAR, layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])),
+    "lara-mini": ("LaraMiniForCausalLM", "LaraMiniConfig", dict(  # sliding-window layers too
+        **KV, head_dim=16, **_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
     "rwkv": ("RwkvForCausalLM", "RwkvConfig", dict(num_hidden_layers=2, attention_hidden_size=64, context_length=64)),
     "recurrent-gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", dict(
         num_hidden_layers=2, lru_width=64, head_dim=16, block_types=["recurrent", "attention"],
         attention_window_size=16)),
 }
-# hybrid families whose stateful layers the engine runs exactly (``dspark.model.hybrid``)
-HYBRID = ["qwen3.5", "qwen3-next", "lfm2", "bamba", "granite-moe-hybrid", "falcon-h1"]
-FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding", *HYBRID]
-MOE = {"qwen3-moe", "qwen3-next"}  # experts that loop on the host by default
+# hybrid families whose stateful layers the engine runs exactly (``dspark.model.hybrid``, ``.mamba``):
+# each mixer kind through every rollback case (``test_hybrid_target``) ...
+HYBRID = ["qwen3.5", "qwen3-next", "lfm2", "bamba", "granite-moe-hybrid", "falcon-h1", "jamba", "mamba"]
+# ... and the same mixers in other families (Mamba-2 of Nemotron-H with its MLP-only layers, pure Mamba-2)
+HYBRID_ALIKE = ["falcon-mamba", "mamba2", "nemotron-h", "lfm2-moe", "lfm3", "qwen3.5-moe", "lara-mini", "olmo-hybrid"]
+DELTANET = {"qwen3.5", "qwen3-next", "qwen3.5-moe", "lara-mini", "olmo-hybrid"}  # fla's kernel on a GPU
+FAMILIES = ["mistral", "phi3", "qwen3-moe", "gpt-neox", "olmo2", "mistral-sliding", "gemma3-sliding", *HYBRID,
+            *HYBRID_ALIKE]
+# experts that loop on the host by default (Nemotron-H's config declares them without MoE layers here)
+MOE = {"qwen3-moe", "qwen3-next", "jamba", "lfm2-moe", "qwen3.5-moe", "lara-mini", "nemotron-h"}
 
 
 def _model(name, size=COMMON):
@@ -164,8 +191,9 @@ def test_a_checkpoint_directory_of_another_family(tmp_path):
     assert engine.generate([Request(PROMPTS[0], NEW)])[0].token_ids == _generate(model, PROMPTS[0], NEW)
 
 
-def test_sampled_request_is_the_same_alone_and_in_a_batch(family):
-    name, model, _ = family
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name not in HYBRID_ALIKE])  # mixers sampled here
+def test_sampled_request_is_the_same_alone_and_in_a_batch(name):
+    model = _model(name)
     engine = LLMEngine(model, _drafter(model), EngineConfig(max_batch=4))
     hot = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
     alone = engine.generate([Request(PROMPTS[2], NEW, hot)])[0].token_ids
@@ -210,10 +238,7 @@ REFUSAL = "This engine cannot run that layer type exactly yet"
 # holding the state, or the declared type alone; declared names vary across transformers releases)
 OUTCOMES = {
     **{name: ("equal", ()) for name in ("llama", "qwen2", "qwen3", *FAMILIES)},
-    "jamba": ("refused", (([0], "JambaMambaMixer"),)),
-    "nemotron-h": ("refused", (([0], "NemotronHMamba2Mixer"), ([2], "'mlp'"))),
-    "zamba2": ("refused", (([0], "Zamba2MambaMixer"), ([1], "Zamba2MambaDecoderLayer"))),
-    "mamba": ("refused", (([0, 1], "MambaMixer"),)),
+    "zamba2": ("refused", (([1], "Zamba2MambaDecoderLayer"),)),  # its shared attention; the Mamba-2 layer runs
     "rwkv": ("refused", (([0, 1], "RwkvBlock without an attention module"),)),
     "recurrent-gemma": ("refused", (([0], "RecurrentGemmaRecurrentBlock"),)),
 }
@@ -463,7 +488,7 @@ def test_cuda_graphs_greedy_equals_transformers_generate(name):
     tokens as transformers' ``generate()`` on the same device, with a draft and without; the
     families declared graphable replay graphs and none failed its capture (fp32 Qwen3-MoE: eager,
     declared)."""
-    if name in HYBRID and name != "lfm2":
+    if name in DELTANET:
         pytest.importorskip("fla", reason="gated DeltaNet on a GPU runs flash-linear-attention's kernel (fla-core)")
     model = _model(name)
     drafter = _drafter(model).to("cuda")

@@ -1,12 +1,14 @@
 """Hybrid targets (gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba-2: Bamba, Granite-4, Falcon-H1;
-short convolutions: LFM2) through the engine: the states of their stateful layers
-(``dspark.model.hybrid``) are exact however a round ends.
+Mamba-1: Jamba with experts, attention-free Mamba; short convolutions: LFM2) through the engine:
+the states of their stateful layers (``dspark.model.hybrid``, ``dspark.model.mamba``) are exact
+however a round ends.
 
 The peers' reported failures are the cases: acceptance decided per draft (``bench.oracle`` drafts
 of the target's own continuation, each kept with probability 1/2: rejected first drafts, partial and
 full acceptance), ragged verify lengths and rounds with zero drafts (the cost scheduler's plain
 rounds), the context limit, an abort between rounds with the slot reused by a new request,
-preemption, a failed step, a CUDA graph's warm-up run. In every case the output equals
+preemption, a failed step, a CUDA graph's warm-up run, a Mamba-2 dt limit (clamping prompt positions
+only, as transformers does). In every case the output equals
 transformers' ``generate()``, and after every step each running request's states -- the recurrent
 state and the conv inputs before its anchor -- equal those of its committed tokens run alone in one
 forward (a prompt run in chunks included): a rollback that kept a rejected draft's state, or a stale
@@ -17,7 +19,6 @@ Prefix caching on these targets: tests/test_hybrid_prefix_cache.py.
 """
 
 import contextlib
-import re
 from copy import deepcopy
 
 import pytest
@@ -256,7 +257,7 @@ def test_a_failed_step_with_prompt_chunks_runs_them_again_from_zero_states(hybri
             if len(mixed) == 2:
                 raise RuntimeError("a failure inside the forward")
 
-    hook = model.model.layers[2].register_forward_pre_hook(fail_once, with_kwargs=True)
+    hook = HFTarget(model).layers[2].register_forward_pre_hook(fail_once, with_kwargs=True)
     try:
         engine = LLMEngine(model, draft, EngineConfig(max_batch=2, max_num_batched_tokens=24, cuda_graphs=False))
         first = engine.add_request(Request(PROMPTS[0], NEW))
@@ -301,18 +302,29 @@ def _forward_greedy(model, prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt):]
 
 
-def test_a_mamba2_dt_limit_is_refused_naming_it():
-    """transformers clamps Mamba-2's dt to ``time_step_limit`` in a prompt's chunked scan but not
-    in its decoding steps, so no single recurrence equals it under a limit: such a target is refused
-    naming the setting."""
-    model = _model("bamba")
-    for layer in model.model.layers:
-        if hasattr(layer, "mamba"):
-            layer.mamba.time_step_limit = (0.001, float("inf"))
-    setting = re.escape("(BambaMixer with time_step_limit (0.001, inf) (transformers clamps dt in a prompt's "
-                        "chunked scan only))")
-    with pytest.raises(ValueError, match=r"BambaForCausalLM: layers \[0, 2\] are '\w+' " + setting):
-        HFTarget(model)  # the declared type's name varies across transformers releases
+def test_a_mamba2_dt_limit_clamps_the_prompt_positions_only(monkeypatch):
+    """transformers clamps Mamba-2's dt to ``time_step_limit`` in a prompt's chunked scan and not in
+    its recurrent decoding step: Nemotron-H under a limit that changes its tokens decodes as
+    ``generate()`` (prompts in chunks, batched, with a draft and without), and would not if the
+    engine clamped every position or none."""
+    model = _model("nemotron-h")
+    free = [_generate(model, p, NEW) for p in PROMPTS]
+    for module in model.modules():
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.9, 1.3)
+    expected = [_generate(model, p, NEW) for p in PROMPTS]
+    assert expected != free
+
+    def decode(draft):
+        engine = LLMEngine(model, draft, EngineConfig(**CHUNKED))
+        return [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])]
+
+    assert decode(_drafter(model)) == decode(None) == expected
+    set_prompt_len = hybrid_model.StatePool.set_prompt_len
+    for clamped in (10 ** 9, 0):  # every position, none
+        monkeypatch.setattr(hybrid_model.StatePool, "set_prompt_len",
+                            lambda pool, slot, n: set_prompt_len(pool, slot, clamped))
+        assert decode(None) != expected
 
 
 def test_prompt_log_probabilities_leave_the_states_to_the_chunks(hybrid):

@@ -264,9 +264,9 @@ def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tok
     """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
     block), after a step's working memory: its tokens' activations, the verify rows' f32 logits
     (and their probabilities), the slots' penalty state, a hybrid target's layer states (with
-    ``state_snapshots`` snapshot slots) and a margin for the CUDA graphs' pools;
-    None off CUDA (the runner then holds ``max_batch`` full lines, as with
-    ``gpu_memory_utilization`` None)."""
+    ``state_snapshots`` snapshot slots) and a margin for the CUDA graphs' pools; None off CUDA, or
+    where there are no K/V (an attention-free target, plain decoding): the runner then holds
+    ``max_batch`` full lines, as with ``gpu_memory_utilization`` None."""
     from ..model.hybrid import StateLayout
     from ..model.layers import KVCache
     from .chunks import MAX_CHUNKS as max_chunks
@@ -275,6 +275,8 @@ def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tok
     if config.gpu_memory_utilization is None:
         return None
     per_token = target.kv_bytes_per_token
+    if draft_model is None and per_token == 0:
+        return None
     if draft_model is not None:
         cfg = draft_model.config
         per_token += KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,

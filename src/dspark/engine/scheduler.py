@@ -73,6 +73,8 @@ class Scheduler:
             self.runner.block_tables.set_line(seq.slot, seq.blocks.block_ids)
             self.runner.penalties.stage(seq.slot, seq.request.sampling, seq.request.prompt_ids, seq.output_ids,
                                         seq.stop_ids)
+            if self.runner.cache.states is not None:  # a hybrid target's layers that treat prompt positions apart
+                self.runner.cache.states.set_prompt_len(seq.slot, len(seq.request.prompt_ids))
             self.prefilling.append(seq)
             admitted.append(seq)
         self.count()

@@ -13,15 +13,17 @@ Sliding-window layers mask per query (the window the modeling code passes). Atte
 the ragged op cannot express exactly are refused with an error naming them: attention-logit
 soft-capping, chunked attention, attention sinks, non-causal layers.
 
-Hybrid targets whose stateful layers ``hybrid`` runs exactly -- gated DeltaNet (Qwen3-Next,
-Qwen3.5), Mamba-2 (Bamba, Granite-4, Falcon-H1) and short convolutions (LFM2) -- keep those layers'
-states in a ``StatePool`` beside the KV cache (``new_paged_cache(..., states=)``), their mixers
-routed through it during the engine's forwards. Every other decoder layer whose sequence mixer is
-not softmax attention (other Mamba / state-space mixers: Jamba's Mamba-1, Nemotron-H's, Zamba2's;
-RWKV, RG-LRU, MLP-only layers, ...) is refused: its recurrent or convolution state would not be
-kept, so it would decode wrong from the first tokens. They are found from the config's declared
-layer types and, whatever the config says, from the layers' modules (a ``Conv1d``, a class named for
-a recurrent mixer, no attention with a ``layer_idx``).
+Hybrid targets whose stateful layers ``hybrid`` runs exactly -- gated DeltaNet, Mamba-1, Mamba-2
+and short convolutions (``hybrid.py``: which families) -- keep those layers' states in a
+``StatePool`` beside the KV cache (``new_paged_cache(..., states=)``), their mixers routed through
+it during the engine's forwards; a target without attention layers (Mamba, Mamba2) has an empty KV
+cache. Layers declared MLP-only (``mlp`` / ``moe``) carry nothing between positions and run as they
+are. Every other decoder layer whose sequence mixer is not softmax attention (Zamba's mixers and
+shared attention, Kimi Delta Attention, lightning attention, RWKV, RG-LRU, xLSTM, ...) is refused,
+naming why for the mixers transformers has (``_NOT_RUN``): its recurrent or convolution state would
+not be kept, so it would decode wrong from the first tokens. They are found from the config's
+declared layer types and, whatever the config says, from the layers' modules (a ``Conv1d``, a class
+named for a recurrent mixer, no attention with a ``layer_idx``).
 
 The forward is capturable in a CUDA graph (static shapes per call, no host synchronisation in
 dspark's part; transformers builds no mask for the ragged attention) unless the model's own code
@@ -56,6 +58,31 @@ ATTENTION = "dspark_ragged"
 # declared layer types of softmax attention: the older layers_block_type spells it "attention";
 # chunked attention is refused on its own, by name
 _SOFTMAX_LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "attention", "chunked_attention")
+# declared layer types with no sequence mixer (Nemotron-H's MLP and mixture-of-experts layers)
+_FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")
+_SHARED_ATTENTION = ("a shared attention block (one attention module serving several layers, its KV cache picked per "
+                     "call, not by its layer_idx)")
+_INNER_CONVOLUTIONS = "short convolutions inside its attention and MLP blocks (a conv state per block)"
+# the stateful modules of transformers' families that the engine does not run, by class name: why (the
+# refusal says it); hybrid.py's mixers run, the rest are refused with the generic reason
+_NOT_RUN = {
+    **{name: "Kimi Delta Attention (a delta rule decaying per key channel, not per head)" for name in (
+        "KimiLinearDeltaAttention", "Glm5NextTextLinearAttention", "BailingHybridDeltaAttention")},
+    "MiniMaxLightningAttention": "lightning attention (linear attention with a fixed decay per head, run in blocks)",
+    "RecurrentGemmaRecurrentBlock": "Griffin's RG-LRU recurrence after a short convolution",
+    "RwkvBlock": "RWKV's WKV recurrence and token shift",
+    "xLSTMBlock": "xLSTM's matrix memory (mLSTM)",
+    "ZambaMambaMixer": "Zamba's Mamba-1 split into n_mamba_heads heads",
+    "ZambaHybridLayer": _SHARED_ATTENTION,
+    "Zamba2HybridLayer": _SHARED_ATTENTION,
+    "ZayaCCAProjection": "compressed convolutional attention (a causal convolution over queries and keys, a delayed "
+                         "value state)",
+    "Qwen4ExpTextQSAIndexer": "sparse attention over the key blocks an indexer picks, not full softmax attention",
+    "Qwen4ExpTextGatedDeltaNet": "in a model whose n-gram embeddings and hyper-connections this engine does not check",
+    **{name: _INNER_CONVOLUTIONS for name in (
+        "InklingShortConvolution", "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution",
+        "Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution")},
+}
 # class names (less the family's prefix) of sequence mixers with a recurrent or convolution state
 _STATEFUL_MIXER = re.compile(r"Mamba|SSM|Ssm|DeltaNet|LinearAttention|Lightning|ShortConv|Recurrent|Rglru|RGLRU|"
                              r"Rwkv|RWKV|LSTM|Retention|Mixer")
@@ -125,11 +152,10 @@ class HFTarget(CachedTarget):
         self.stateful = _check_sequence_mixers(c, model, config, self.layers)
         hybrid.install(self.stateful)
         _check_attention(c, config, self.layers)
-        heads = config.num_attention_heads
+        num_kv_heads, head_dim = _kv_shape(config, self.layers, self.stateful)
         self.shape = _HFShape(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=len(self.layers),
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim,
             max_positions=int(getattr(config, "max_position_embeddings", 0) or 0) or 4096)
         self.capture_layer_ids = [c.integer("capture_layer_ids[]", i, low=0, high=self.shape.num_layers - 1)
                                   for i in capture_layer_ids]
@@ -261,7 +287,7 @@ def _check_sequence_mixers(c: Checker, model, config, layers) -> dict[int, torch
     stateful = {}
     for i, layer in enumerate(layers):
         kind_declared = declared[i] if i < len(declared) else None
-        mixer = _supported_mixer(layer, kind_declared)
+        mixer = _supported_mixer(layer, kind_declared, family)
         if mixer is not None:
             stateful[i] = mixer
             continue
@@ -272,41 +298,36 @@ def _check_sequence_mixers(c: Checker, model, config, layers) -> dict[int, torch
         what = "; ".join(f"layers {indices} are {kind}" for kind, indices in found.items())
         c.fail(f"{type(model).__name__}: {what}. This engine cannot run that layer type exactly yet: it runs "
                f"full and sliding-window softmax attention layers, whose state is its KV cache, and the hybrid "
-               f"layers whose states it keeps: gated DeltaNet, Mamba-2 of Bamba / Granite-4 / Falcon-H1, short "
-               f"convolutions")
+               f"layers whose states it keeps: gated DeltaNet, Mamba-1, Mamba-2, short convolutions")
     return stateful
 
 
-def _supported_mixer(layer, declared: str | None):
+def _supported_mixer(layer, declared: str | None, family: str):
     """The one stateful mixer of ``layer`` that ``hybrid`` runs exactly, or None (the layer has none,
     or holds another stateful module too)."""
     mixers = [m for m in layer.modules() if m is not layer and hybrid.is_supported_mixer(m, declared)]
     if len(mixers) != 1:
         return None
     others = [m for m in layer.modules() if m is not layer and m is not mixers[0]
-              and m not in set(mixers[0].modules()) and _is_stateful(m, "")]
+              and m not in set(mixers[0].modules()) and _is_stateful(m, family)]
     return None if others else mixers[0]
 
 
 def _non_attention_kind(declared: str | None, layer, family: str) -> str | None:
     """What decoder ``layer`` holds that is not softmax attention -- its declared type, the module
     with the state -- or None when it is softmax attention."""
-    stateful = next((type(m).__name__ + _limit(m) for m in layer.modules()
+    stateful = next((type(m).__name__ for m in layer.modules()
                      if m is not layer and _is_stateful(m, family)), None)
+    if declared in _FEED_FORWARD_LAYER_TYPES and stateful is None:
+        return None  # no sequence mixer: nothing carried between positions
+    why = next((f", {_NOT_RUN[type(m).__name__]}" for m in layer.modules() if type(m).__name__ in _NOT_RUN), "")
     if declared is not None and declared not in _SOFTMAX_LAYER_TYPES:
-        return f"{declared!r}" + (f" ({stateful})" if stateful else "")
+        return f"{declared!r}" + (f" ({stateful})" if stateful else "") + why
     if stateful is not None:
-        return stateful
+        return stateful + why
     if _attention_module(layer) is None:
-        return f"{type(layer).__name__} without an attention module (one with a layer_idx, for its cache)"
+        return f"{type(layer).__name__} without an attention module (one with a layer_idx, for its cache)" + why
     return None
-
-
-def _limit(module) -> str:
-    """Why a mixer of a class ``hybrid`` runs cannot run exactly with its settings, as a suffix ("" if
-    nothing stops it)."""
-    reason = hybrid.unsupported_setting(module)
-    return f" with {reason}" if reason else ""
 
 
 def _is_stateful(module, family: str) -> bool:
@@ -320,6 +341,21 @@ def _is_stateful(module, family: str) -> bool:
 def _attention_module(layer):
     """The module of ``layer`` whose ``layer_idx`` names its cache (None: it has none)."""
     return next((m for m in layer.modules() if hasattr(m, "layer_idx") and m is not layer), None)
+
+
+def _kv_shape(config, layers, stateful: dict[int, torch.nn.Module]) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` of the KV cache; ``(0, 0)`` for a target without attention
+    (pure Mamba / Mamba-2 / FalconMamba: every layer's state is in the ``StatePool``, and the K/V
+    blocks, empty, only account each request's positions)."""
+    def has_attention(i, layer):  # a module with a layer_idx beside the layer's stateful mixer
+        mixer = set(stateful[i].modules()) if i in stateful else set()
+        return any(hasattr(m, "layer_idx") for m in layer.modules() if m is not layer and m not in mixer)
+
+    if not any(has_attention(i, layer) for i, layer in enumerate(layers)):
+        return 0, 0
+    heads = config.num_attention_heads
+    return (getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def _check_attention(c: Checker, config, layers) -> None:

@@ -1,8 +1,9 @@
 """Hybrid targets: sequence mixers with a convolution or recurrent state, run exactly on the engine's
-flat ragged tokens -- gated DeltaNet (Qwen3-Next, Qwen3.5: a short causal conv1d, then the gated
-delta rule's ``[heads, dk, dv]`` state), Mamba-2 (Bamba, Granite-4, Falcon-H1: a short causal
-conv1d, then the selective state space's ``[heads, head_dim, d_state]`` state) and LFM2's short
-convolutions.
+flat ragged tokens -- gated DeltaNet (Qwen3-Next, Qwen3.5 and its copies, OLMo-Hybrid: a short
+causal conv1d, then the gated delta rule's ``[heads, dk, dv]`` state), Mamba-2 (Bamba, Granite-4,
+Falcon-H1, Nemotron-H, Mamba2: a short causal conv1d, then the selective state space's ``[heads,
+head_dim, d_state]`` state), Mamba-1 (Mamba, FalconMamba, Jamba: ``mamba``, on these states) and
+LFM2's short convolutions (LFM2, LFM2-MoE, LFM3).
 
 **States by position.** Each stateful layer keeps, per cache line, a short ring of states indexed by
 position: the conv's inputs at ``p % conv_window`` and the recurrent state *after* position ``p`` at
@@ -56,21 +57,30 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import mamba
+
 __all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "conv_tail",
-           "delta_chunk_rule", "delta_rule", "install", "is_supported_mixer", "new_pool", "pool_bytes", "state_scan",
-           "unsupported_setting"]
+           "delta_chunk_rule", "delta_rule", "install", "is_supported_mixer", "new_pool", "pool_bytes", "state_scan"]
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
+_MAMBA_TYPES = ("mamba", "linear_attention")  # what configs declare Mamba layers as (older releases: "mamba")
 # gated DeltaNet prompt chunks scanned whole (the chunked delta rule) rather than position by
 # position; False: the sequential scan for every group (the reference the chunked scan is tested on)
 CHUNKED_PROMPTS = True
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
 _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
-              "Qwen3_5GatedDeltaNet": (_DELTANET, ("linear_attention",)),
-              "Lfm2ShortConv": (_SHORT_CONV, ("conv",)),
-              "BambaMixer": (_MAMBA2, ("mamba", "linear_attention")),
-              "GraniteMoeHybridMambaLayer": (_MAMBA2, ("mamba", "linear_attention")),
-              "FalconH1Mixer": (_MAMBA2, ("mamba", "hybrid"))}  # beside attention in a "hybrid" layer
+              # Qwen3.5's gated DeltaNet, in the families that copy it
+              **{name: (_DELTANET, ("linear_attention",)) for name in (
+                  "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                  "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet")},
+              **{name: (_SHORT_CONV, ("conv",)) for name in ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")},
+              "BambaMixer": (_MAMBA2, _MAMBA_TYPES),
+              "GraniteMoeHybridMambaLayer": (_MAMBA2, _MAMBA_TYPES),
+              "NemotronHMamba2Mixer": (_MAMBA2, _MAMBA_TYPES),
+              "Mamba2Mixer": (_MAMBA2, _MAMBA_TYPES),
+              "Zamba2MambaMixer": (_MAMBA2, _MAMBA_TYPES),
+              "FalconH1Mixer": (_MAMBA2, ("mamba", "hybrid")),  # beside attention in a "hybrid" layer
+              **{name: (mamba.MAMBA1, _MAMBA_TYPES) for name in mamba.MAMBA1_MIXERS}}
 
 
 @dataclass(frozen=True)
@@ -143,12 +153,21 @@ class StatePool:
     ``LayerStates`` of decoder layer ``i``; ``layout`` their ``StateLayout`` (``window`` the tokens
     a line runs per round at most). ``scratch`` is the line masked writes go to; while ``frozen``
     every write goes there (a CUDA graph's warm-up run: a prompt chunk longer than the rings would
-    overwrite the state it starts from, which the captured step then reads again)."""
+    overwrite the state it starts from, which the captured step then reads again). ``prompt_lens``
+    int64 ``[lines]``: the prompt length of each line's request (``set_prompt_len``; 0 until set),
+    the positions where Mamba-2 clamps dt to its ``time_step_limit`` -- transformers clamps it in a
+    prompt's chunked scan and not in its recurrent decoding step."""
 
     def __init__(self, layers: dict[int, LayerStates], layout: StateLayout):
         self.layers, self.layout, self.window = layers, layout, layout.window
-        self.scratch = next(iter(layers.values())).conv.shape[0] - 1
+        conv = next(iter(layers.values())).conv
+        self.scratch = conv.shape[0] - 1
+        self.prompt_lens = torch.zeros(conv.shape[0], dtype=torch.long, device=conv.device)
         self.frozen = False
+
+    def set_prompt_len(self, slot: int, length: int) -> None:
+        """Line ``slot`` now holds a request of a ``length``-token prompt (a stream-ordered write)."""
+        self.prompt_lens[slot] = length
 
     @contextlib.contextmanager
     def frozen_writes(self):
@@ -227,22 +246,10 @@ HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_
 
 
 def is_supported_mixer(module, declared: str | None) -> bool:
-    """Whether ``module`` is a stateful mixer run here (gated DeltaNet, Mamba-2 of Bamba / Granite-4 /
-    Falcon-H1, LFM2's short convolution) in a layer declared as its type (``declared``; None: none
-    declared)."""
+    """Whether ``module`` is a stateful mixer run here (gated DeltaNet, Mamba-1, Mamba-2, short
+    convolutions: ``_SUPPORTED``) in a layer declared as its type (``declared``; None: none declared)."""
     kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
-    return kind is not None and (declared is None or declared in types) and unsupported_setting(module) is None
-
-
-def unsupported_setting(module) -> str | None:
-    """A setting of a mixer of a class run here under which no single recurrence equals
-    transformers' (None: none): a Mamba-2 ``time_step_limit`` other than (0, inf), which transformers
-    applies to a prompt's chunked scan and not to its decoding steps."""
-    limit = getattr(module, "time_step_limit", None)
-    if _SUPPORTED.get(type(module).__name__, (None,))[0] != _MAMBA2 or limit is None:
-        return None
-    return None if tuple(limit) == (0.0, float("inf")) else f"time_step_limit {tuple(limit)} (transformers clamps " \
-        "dt in a prompt's chunked scan only)"
+    return kind is not None and (declared is None or declared in types)
 
 
 def _kind(module) -> str:
@@ -310,6 +317,8 @@ def _state_shapes(module, lines: int, layout: StateLayout) -> tuple[torch.Size, 
         return conv_shape, torch.Size((*states, module.num_v_heads, module.head_k_dim, module.head_v_dim))
     if kind == _MAMBA2:
         return conv_shape, torch.Size((*states, module.num_heads, module.head_dim, module.ssm_state_size))
+    if kind == mamba.MAMBA1:
+        return conv_shape, torch.Size((*states, module.intermediate_size, module.ssm_state_size))
     return conv_shape, None
 
 
@@ -322,7 +331,8 @@ def _routed_forward(module, hidden_states, *args, **kwargs):
     current = HYBRID.get(None)
     if current is None:
         return module._dspark_original_forward(hidden_states, *args, **kwargs)
-    mix = {_DELTANET: _gated_deltanet, _SHORT_CONV: _short_conv, _MAMBA2: _mamba2}[_kind(module)]
+    mix = {_DELTANET: _gated_deltanet, _SHORT_CONV: _short_conv, _MAMBA2: _mamba2, mamba.MAMBA1: mamba.mamba1}[
+        _kind(module)]
     return mix(module, hidden_states[0], current.pool.layers[module._dspark_layer], current)[None]
 
 
@@ -337,15 +347,16 @@ def _short_conv(module, hidden: torch.Tensor, states: LayerStates, current: Forw
 
 
 def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
-    """Qwen3-Next's / Qwen3.5's gated DeltaNet on ``hidden`` ``[N, H]`` (their forward, less the
-    cache: the conv and the delta rule run on the engine's states)."""
+    """Qwen3-Next's / Qwen3.5's / OLMo-Hybrid's gated DeltaNet on ``hidden`` ``[N, H]`` (their forward,
+    less the cache: the conv and the delta rule run on the engine's states). OLMo-Hybrid's beta
+    spans [0, 2] (``allow_neg_eigval``); its gated norm and output projection are ``o_norm`` / ``o_proj``."""
     n = hidden.shape[0]
     mixed, z, b, a = _deltanet_projections(module, hidden)
     mixed = _activation(module.activation)(causal_conv(mixed, module.conv1d, states.conv, current))
     query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query, key = (t.reshape(n, -1, module.head_k_dim) for t in (query, key))
     value = value.reshape(n, -1, module.head_v_dim)
-    beta = b.sigmoid()
+    beta = b.sigmoid() * (2.0 if getattr(module, "allow_neg_eigval", False) else 1.0)
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     groups = module.num_v_heads // module.num_k_heads
     if groups > 1:
@@ -363,16 +374,20 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
 
     core = state_scan(step, (query, key, value, g, beta), states.recurrent, current,
                       chunked if CHUNKED_PROMPTS else None)
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(n, -1))
+    norm, out = (module.o_norm, module.o_proj) if hasattr(module, "o_proj") else (module.norm, module.out_proj)
+    core = norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return out(core.reshape(n, -1))
 
 
 def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward) -> torch.Tensor:
-    """Bamba's / Granite-4's / Falcon-H1's Mamba-2 mixer on ``hidden`` ``[N, H]`` (their forward,
-    less the cache): ``in_proj`` -> gate | conv input | dt (Falcon-H1: its input multiplier and MuP
-    vector around it); the conv on the engine's states; the selective state update position by
-    position (the modeling file's ``mamba2_selective_state_update``, transformers' own recurrent
-    step); the gated norm (Falcon-H1 without one: a SiLU gate) and ``out_proj``."""
+    """A Mamba-2 mixer (Bamba, Granite-4, Falcon-H1, Nemotron-H, Mamba2, Zamba2) on ``hidden`` ``[N,
+    H]`` (their forward, less the cache): ``in_proj`` -> gate | conv input | dt (Falcon-H1: its input
+    multiplier and MuP vector around it); the conv on the engine's states; ``softplus(dt + dt_bias)``,
+    clamped to ``time_step_limit`` at prompt positions only (``StatePool.prompt_lens``), as
+    transformers' chunked prompt scan clamps and its recurrent step does not; the selective state
+    update position by position (the modeling file's ``mamba2_selective_state_update``,
+    transformers' own recurrent step); the gated norm (Falcon-H1 without one: a SiLU gate) and
+    ``out_proj``."""
     if hasattr(module, "mup_vector"):  # Falcon-H1
         projected = module.in_proj(hidden * module.ssm_in_multiplier) * module.mup_vector.view(-1)
     else:
@@ -384,14 +399,17 @@ def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward)
     update = sys.modules[type(module).__module__].mamba2_selective_state_update
     heads, head_dim, size = module.num_heads, module.head_dim, module.ssm_state_size
     a = (-torch.exp(module.A_log.float()))[:, None, None].expand(-1, head_dim, size)
-    d, dt_bias = module.D[:, None].expand(-1, head_dim), module.dt_bias[:, None].expand(-1, head_dim)
+    d = module.D[:, None].expand(-1, head_dim)
+    dt = F.softplus(dt + module.dt_bias.to(dt.dtype))
+    low, high = module.time_step_limit or (0.0, float("inf"))
+    t = current.tokens
+    dt = torch.where((t.positions < current.pool.prompt_lens[t.slots])[:, None], dt.clamp(low, high), dt)
 
     def step(state, x_t, dt_t, b_t, c_t):
         after = state.clone()  # updated in place
         r = x_t.shape[0]
         out = update(after, x_t.view(r, heads, head_dim), dt_t[:, :, None].expand(-1, -1, head_dim), a,
-                     b_t.view(r, module.n_groups, size), c_t.view(r, module.n_groups, size), d, dt_bias=dt_bias,
-                     dt_softplus=True)
+                     b_t.view(r, module.n_groups, size), c_t.view(r, module.n_groups, size), d)
         return out.reshape(r, -1), after
 
     scan = state_scan(step, (x, dt, b, c), states.recurrent, current)
@@ -401,13 +419,17 @@ def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward)
 
 def _deltanet_projections(module, hidden: torch.Tensor):
     """``(conv input [N, 2*key_dim + value_dim] (q | k | v), z [N, hv, dv], b [N, hv], a [N, hv])``
-    of either family's projections."""
+    of each family's projections (Qwen3-Next interleaved, OLMo-Hybrid one each, Qwen3.5 fused q | k | v)."""
     n = hidden.shape[0]
     if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key head
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden[None]),
                                                                module.in_proj_ba(hidden[None]))
         mixed = torch.cat([t.reshape(n, -1) for t in (q, k, v)], dim=-1)
         return mixed, z[0], b[0], a[0]
+    if hasattr(module, "g_proj"):  # OLMo-Hybrid: a projection each, the gate z is g_proj's
+        mixed = torch.cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)], dim=-1)
+        z = module.g_proj(hidden).reshape(n, -1, module.head_v_dim)
+        return mixed, z, module.b_proj(hidden), module.a_proj(hidden)
     z = module.in_proj_z(hidden).reshape(n, -1, module.head_v_dim)
     return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
 
