@@ -37,7 +37,7 @@ CONFIG = dict(max_batch=3, kv_block_size=BLOCK, max_num_batched_tokens=3 * 4 + 1
               state_snapshots=16)
 
 
-KINDS = ["qwen3.5", "bamba", "lfm2"]  # one family per kind of layer state: gated DeltaNet, Mamba-2, short conv
+KINDS = ["qwen3.5", "bamba", "lfm2", "jamba"]  # a family per kind of layer state: gated DeltaNet, Mamba-2, short conv, Mamba-1
 
 
 @pytest.fixture(scope="module", params=KINDS)
