@@ -37,7 +37,8 @@ CONFIG = dict(max_batch=3, kv_block_size=BLOCK, max_num_batched_tokens=3 * 4 + 1
               state_snapshots=16)
 
 
-KINDS = ["qwen3.5", "bamba", "lfm2", "jamba"]  # a family per kind of layer state: gated DeltaNet, Mamba-2, short conv, Mamba-1
+# a family per kind of layer state: gated DeltaNet, Mamba-2, short conv, Mamba-1
+KINDS = ["qwen3.5", "bamba", "lfm2", "jamba"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
