@@ -320,6 +320,8 @@ def test_a_mamba2_dt_limit_clamps_the_prompt_positions_only(monkeypatch):
         return [r.token_ids for r in engine.generate([Request(p, NEW) for p in PROMPTS])]
 
     assert decode(_drafter(model)) == decode(None) == expected
+    # a cached block's states would hold the prompt length of the request that wrote them: no prefix cache
+    assert not LLMEngine(model, None, EngineConfig(**CHUNKED)).scheduler.blocks.prefix_caching
     set_prompt_len = hybrid_model.StatePool.set_prompt_len
     for clamped in (10 ** 9, 0):  # every position, none
         monkeypatch.setattr(hybrid_model.StatePool, "set_prompt_len",

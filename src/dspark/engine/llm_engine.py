@@ -132,7 +132,9 @@ class LLMEngine(OfflineGeneration):
         if budget < rows_tokens:
             c.fail(f"max_num_batched_tokens must be at least max_batch x verify length = {config.max_batch} x "
                    f"{verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
-        snapshots = self._state_snapshots(c, stateful)
+        # a Mamba-2 dt limit makes a hybrid target's states depend on the prompt's length: no prefix cache
+        caching = config.enable_prefix_caching and not hybrid.prompt_dependent(getattr(self.target, "stateful", {}))
+        snapshots = self._state_snapshots(c, stateful, caching)
         blocks = config.num_kv_blocks or kv_blocks_from_memory(self.target, self.draft_model, config, verify_len,
                                                               budget, snapshots)
         if blocks is not None:  # the ranks' caches hold the same blocks: what every GPU can
@@ -150,7 +152,7 @@ class LLMEngine(OfflineGeneration):
         # positions a running request writes past its committed tokens in one step: the verify
         # window, then the draft block after the new anchor
         lookahead = verify_len + (drafter.block_size if drafter is not None else 0) - 1
-        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching,
+        blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size, caching,
                               StateSnapshots(snapshots) if snapshots else None)
         self.scheduler = Scheduler(self.runner, blocks, config.max_batch, lookahead, self.metrics)
         self.sequences: dict[int, Sequence] = {}
@@ -172,12 +174,12 @@ class LLMEngine(OfflineGeneration):
         self._plain: LLMEngine | None = None
         self.structured = StructuredStage(self.runner, target)
 
-    def _state_snapshots(self, c: Checker, stateful: list[int]) -> int:
+    def _state_snapshots(self, c: Checker, stateful: list[int], caching: bool) -> int:
         """How many state snapshots a hybrid target's prefix cache keeps (0: not a hybrid target, or
         no prefix caching). Refused: blocks shorter than a conv's inputs before a position (a
         snapshot holds the conv inputs of its block's last ``kernel - 1`` positions)."""
         config = self.config
-        if not stateful or not config.enable_prefix_caching:
+        if not stateful or not caching:
             return 0
         tail = hybrid.conv_tail(self.target.stateful)
         if config.kv_block_size < tail:

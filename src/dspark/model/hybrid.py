@@ -60,7 +60,8 @@ import torch.nn.functional as F
 from . import mamba
 
 __all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "conv_tail",
-           "delta_chunk_rule", "delta_rule", "install", "is_supported_mixer", "new_pool", "pool_bytes", "state_scan"]
+           "delta_chunk_rule", "delta_rule", "install", "is_supported_mixer", "new_pool", "pool_bytes",
+           "prompt_dependent", "state_scan"]
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
 _MAMBA_TYPES = ("mamba", "linear_attention")  # what configs declare Mamba layers as (older releases: "mamba")
@@ -250,6 +251,14 @@ def is_supported_mixer(module, declared: str | None) -> bool:
     convolutions: ``_SUPPORTED``) in a layer declared as its type (``declared``; None: none declared)."""
     kind, types = _SUPPORTED.get(type(module).__name__, (None, ()))
     return kind is not None and (declared is None or declared in types)
+
+
+def prompt_dependent(mixers: dict[int, torch.nn.Module]) -> bool:
+    """Whether a mixer's recurrence depends on which positions were the prompt -- a Mamba-2
+    ``time_step_limit`` other than (0, inf), clamped at prompt positions only: its states after a
+    cached block hold the prompt length of the request that wrote them, so they cannot serve another."""
+    free = (0.0, float("inf"))
+    return any(_kind(m) == _MAMBA2 and tuple(m.time_step_limit or free) != free for m in mixers.values())
 
 
 def _kind(module) -> str:
