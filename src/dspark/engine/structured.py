@@ -25,7 +25,7 @@ import torch
 from ..kernels._validate import Checker
 
 __all__ = ["FREE_MASK", "GrammarRow", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs",
-           "StructuredStage", "apply_bitmask", "bitmask_width", "walk_windows", "Window"]
+           "StructuredStage", "TreeWalk", "apply_bitmask", "bitmask_width", "walk_tree", "walk_windows", "Window"]
 
 FREE_MASK = -1  # an int32 bitmask word with every bit set: every token allowed (a free row's mask)
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -243,6 +243,77 @@ def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks:
 
 
 @dataclass(frozen=True)
+class TreeWalk:
+    """A token tree cut to what its grammar takes: the kept nodes, root first, in the tree's order
+    (parents before children). ``source``: each kept node's index in the drafted tree; ``tokens``
+    (a forced token in place of the drafter's), ``parents`` (kept indices; -1 for the root) and
+    ``depths`` per kept node; ``forced``: drafted index -> the only token its parent's mask allows,
+    where no child had drafted it."""
+
+    source: list[int]
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    forced: dict[int, int]
+
+    def layout(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cut tree as the runner's tree rows of ``size`` node slots: ``(tokens int32, parents
+        int32, depths int32, ancestor_bits int64)``, each ``[size]``; unused slots as the builder leaves
+        them (the root's token, parent -1, depth 0, their own bit)."""
+        n = len(self.source)
+        tokens = torch.full((size,), self.tokens[0], dtype=torch.int32)
+        parents = torch.full((size,), -1, dtype=torch.int32)
+        depths = torch.zeros(size, dtype=torch.int32)
+        tokens[:n], parents[:n], depths[:n] = (torch.tensor(v, dtype=torch.int32)
+                                               for v in (self.tokens, self.parents, self.depths))
+        bits = [1 << i for i in range(size)]
+        for i in range(1, n):  # parents come first: a node's mask is its parent's plus itself
+            bits[i] |= bits[self.parents[i]]
+        return tokens, parents, depths, torch.tensor(bits, dtype=torch.int64)
+
+
+def walk_tree(grammar: RequestGrammar, tokens: list[int], parents: list[int], depths: list[int],
+              masks: torch.Tensor) -> TreeWalk:
+    """One request's drafted tree (``tokens`` / ``parents`` / ``depths`` of its nodes, node 0 the
+    root: the anchor, whose state the matcher holds) walked down every path: ``masks`` int32
+    ``[>= len(tokens), width]`` (host) row i becomes node i's bitmask -- the grammar's state after the
+    tokens of its path below the root, what the target's logits at node i are masked with. A node the
+    grammar refuses is cut with its subtree, and so is everything after a stop token the grammar
+    takes (the output ends there). Where a node's mask allows one token only and no child drafted
+    it, its first child takes it (``TreeWalk.forced``; the target's masked distribution there is that
+    token alone). The matcher is rolled back. Rows of cut nodes are left as they are.
+
+    Cutting a refused node is exact, greedy and sampled: its masked target probability is 0, so the
+    greedy walk never follows it, and the sampled walk (``K.sampled_tree_accept``, which tests fixed
+    candidates against the target and never reads a draft distribution) accepts it with probability
+    0 and removes no mass from its later siblings' tests."""
+    children: list[list[int]] = [[] for _ in tokens]
+    for node in range(1, len(tokens)):
+        children[parents[node]].append(node)
+    tokens, kept, forced = list(tokens), [0], {}
+    matcher = grammar.matcher
+
+    def visit(node: int) -> None:
+        grammar.next_mask(masks[node])
+        if grammar.terminated:  # this node took the stop token: nothing after it is output
+            return
+        only, kids = grammar.only_token(masks[node]), children[node]
+        if only is not None and kids and all(tokens[c] != only for c in kids):
+            forced[kids[0]] = tokens[kids[0]] = only
+        for child in kids:
+            if matcher.accept_token(tokens[child]):
+                kept.append(child)
+                visit(child)
+                matcher.rollback(1)
+
+    visit(0)
+    kept.sort()
+    index = {old: new for new, old in enumerate(kept)}
+    return TreeWalk(kept, [tokens[i] for i in kept], [-1] + [index[parents[i]] for i in kept[1:]],
+                    [depths[i] for i in kept], forced)
+
+
+@dataclass(frozen=True)
 class GrammarRow:
     """A constrained request in a step: its batch ``row``, its grammar, and whether the step commits
     new tokens for it (a preempted request seated again keeps its committed anchor: none)."""
@@ -291,6 +362,29 @@ class GrammarStager:
         for r in rows:
             self.state.grammar_mask[r.row].copy_(self.verify_masks[r.row], non_blocking=True)
         return lens
+
+    def stage_trees(self, rows: list[GrammarRow]) -> None:
+        """Tree mode: each constrained running row's drafted tree walked by its grammar
+        (``walk_tree``): node i's mask (the state after its path) staged as verify position i's, and
+        the tree cut to the nodes its grammar takes (forced tokens in place) written back over the
+        row's tree (tokens, parents, depths, ancestor masks, node count). The trees are read from the
+        device: the step waits for the last draft pass."""
+        s, size = self.state, self.verify_len
+        last = max(r.row for r in rows) + 1
+        tokens, parents, depths, counts = (t[:last].cpu() for t in (s.tree_tokens, s.tree_parents, s.tree_depths,
+                                                                      s.tree_nodes))
+        scratch = torch.empty(size, self.verify_masks.shape[-1], dtype=torch.int32)
+        for r in rows:
+            n = int(counts[r.row])
+            walk = walk_tree(r.grammar, tokens[r.row, :n].tolist(), parents[r.row, :n].tolist(),
+                             depths[r.row, :n].tolist(), scratch)
+            masks = self.verify_masks[r.row]
+            masks.fill_(FREE_MASK)
+            masks[:len(walk.source)] = scratch[walk.source]
+            for buffer, value in zip((s.tree_tokens, s.tree_parents, s.tree_depths, s.tree_bits), walk.layout(size)):
+                buffer[r.row].copy_(value)
+            s.tree_nodes[r.row] = len(walk.source)
+            s.grammar_mask[r.row].copy_(masks, non_blocking=True)
 
     def _force(self, row: int, forced: dict[int, int]) -> None:
         """Row ``row``'s forced drafts into the device state, each with a one-hot q (the
@@ -344,13 +438,8 @@ class StructuredStage:
         return self.compiled
 
     def check(self, spec: StructuredOutputs, tokenizer, eos_ids) -> None:
-        """``spec`` compiles (ValueError naming the problem, ``param`` ``structured_outputs``) and the
-        engine can run it."""
+        """``spec`` compiles (ValueError naming the problem, ``param`` ``structured_outputs``)."""
         try:
-            if self.runner.tree is not None:
-                Checker("add_request").fail(
-                    "structured_outputs are not supported in tree mode (draft_top_k > 1): a tree's nodes would "
-                    "each need the grammar state of their own path; use chain drafting (draft_top_k 1)")
             self.grammars(tokenizer, eos_ids).compile(spec)
         except ValueError as exc:
             exc.param = "structured_outputs"  # the request field at fault, for the server's 400
@@ -372,8 +461,11 @@ class StructuredStage:
         self.stager.stage_seats(seated)
         if not rows and not seated:
             return verify_lens
-        drafts = runner.state.draft_tokens[:len(running)].cpu() if rows and verify_lens is not None else None
-        verify_lens = self.stager.stage_round(rows, verify_lens, drafts)
+        if rows and verify_lens is not None and runner.tree is not None:
+            self.stager.stage_trees(rows)  # a tree verifies its nodes: the lengths stay
+        else:
+            drafts = runner.state.draft_tokens[:len(running)].cpu() if rows and verify_lens is not None else None
+            verify_lens = self.stager.stage_round(rows, verify_lens, drafts)
         if runner.drafter is not None:
             def stage_drafts() -> None:
                 result = runner.read(max(r.row for r in rows + seated) + 1)
