@@ -18,7 +18,7 @@ from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputs
-from dspark.engine.structured import FREE_MASK, walk_windows
+from dspark.engine.structured import FREE_MASK, Grammars, walk_tree, walk_windows
 from dspark.training.data import demo_pair, read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -223,12 +223,64 @@ def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo):
     assert engine.runner.captures == captured and not engine.runner.uncapturable
 
 
-def test_tree_mode_refuses_structured_outputs(demo):
-    pair = demo[0]
-    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=1, max_model_len=64, draft_top_k=2))
-    with pytest.raises(ValueError, match=r"not supported in tree mode \(draft_top_k > 1\): a tree's nodes") as info:
-        engine.add_request(Request([1, 2], 4, SamplingParams(structured_outputs=SPECS[3])))
-    assert info.value.param == "structured_outputs"
+def test_tree_mode_greedy_is_plain_greedy_under_the_grammar_and_sampled_outputs_match(demo):
+    """Tree mode (top-4 trees of 16 nodes, each node masked by its path's state, refused nodes cut):
+    greedy is plain greedy decoding under the grammar token for token, batched; sampled outputs
+    complete and match, and a sampled request's tokens do not depend on its batch."""
+    pair, tokenizer, prompts, _, plain = demo
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=8, max_model_len=512, draft_top_k=4,
+                                                                       tree_budget=16))
+    greedy = [Request(p, 96, SamplingParams(structured_outputs=spec)) for spec in SPECS for p in prompts]
+    assert [r.token_ids for r in engine.generate(greedy)] == [r.token_ids for r in plain.generate(greedy)]
+    sampled = [Request(prompts[i % 2], 96, SamplingParams(1.0, seed=i, structured_outputs=spec))
+               for i, spec in enumerate(SPECS)]
+    out = engine.generate(sampled)
+    for request, result in zip(sampled, out):
+        assert result.finish_reason == "stop" and result.token_ids[-1] in engine.eos_ids
+        check_output(request.sampling.structured_outputs, tokenizer.decode(result.token_ids[:-1]))
+    assert engine.generate(sampled[2:3])[0].token_ids == out[2].token_ids
+
+
+def letters_tokenizer():
+    """A word-level tokenizer of a b c d (ids 0..3) and ``<eos>`` (``EOS``)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {"a": 0, "b": 1, "c": 2, "d": 3, "<eos>": EOS}, unk_token="a")), eos_token="<eos>")
+
+
+def test_a_tree_walk_masks_each_node_by_its_path_and_cuts_what_the_grammar_refuses():
+    """``walk_tree`` on ``(a[cd]b)+`` over a drafted tree: node i's mask is a fresh matcher's after
+    the tokens of i's path; a refused node goes with its subtree, so does what follows a stop token;
+    a node forced to one token gives its first child that token; the kept nodes are renumbered in
+    order with their parents, depths and ancestor masks; the matcher is rolled back."""
+    a, b, c, d = range(4)
+    grammars = Grammars(letters_tokenizer(), 5, [EOS])
+    spec = StructuredOutputs(regex="(a[cd]b)+")
+    # node:        0  1  2  3  4  5  6  7    8  9
+    tokens = [b, a, c, c, a, b, d, EOS, a, a]
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 7, 6]
+    depths = [0, 1, 1, 2, 2, 2, 3, 4, 5, 4]
+    grammar = grammars.matcher(spec)
+    masks = torch.zeros(len(tokens), grammars.width, dtype=torch.int32)
+    walk = walk_tree(grammar, tokens, parents, depths, masks)
+    assert walk.source == [0, 1, 3, 6, 7, 9] and walk.forced == {6: b}  # 2 (and 5), 4, 8 cut; d -> b
+    assert walk.tokens == [b, a, c, b, EOS, a] and walk.parents == [-1, 0, 1, 2, 3, 3]
+    assert walk.depths == [0, 1, 2, 3, 4, 4]
+    paths = {0: [], 1: [a], 3: [a, c], 6: [a, c, b], 7: [a, c, b, EOS], 9: [a, c, b, a]}
+    for node, path in paths.items():
+        fresh = grammars.matcher(spec)
+        fresh.advance(path)
+        row = torch.zeros(1, grammars.width, dtype=torch.int32)
+        fresh.next_mask(row[0])
+        assert torch.equal(masks[node], row[0]), node
+    assert int(masks[7, 0]) == FREE_MASK  # after the stop token: nothing is masked, nothing follows
+    laid_tokens, laid_parents, laid_depths, bits = walk.layout(8)
+    assert laid_tokens.tolist() == [b, a, c, b, EOS, a, b, b] and laid_parents.tolist() == [-1, 0, 1, 2, 3, 3, -1, -1]
+    assert laid_depths.tolist() == [0, 1, 2, 3, 4, 4, 0, 0]
+    assert bits.tolist() == [1, 0b11, 0b111, 0b1111, 0b11111, 0b101111, 1 << 6, 1 << 7]
+    assert grammar.advance([a, d, b]) is False  # rolled back: the root's state again
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -275,18 +327,13 @@ EOS = 4
 def bigram_grammar_pair(one_thread):
     """A bigram target over tokens a b c d (and EOS, biased away), a random draft, a tokenizer, and
     the target's logits after each of a b c d ``[4, 4]``."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     target = tiny_qwen3_target(vocab_size=5, num_layers=2, eos_token_id=EOS)
     with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.zero_()
         logits = target(torch.arange(4)[:, None]).logits[:, 0, :4]
     draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), 0, target)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
-        {"a": 0, "b": 1, "c": 2, "d": 3, "<eos>": EOS}, unk_token="a")), eos_token="<eos>")
-    return target, draft, tokenizer, logits
+    return target, draft, letters_tokenizer(), logits
 
 
 # regex -> tokens allowed after a, b, c, d (the grammar's state is the last token's); the second forces
@@ -296,15 +343,18 @@ GRAMMAR_CHAINS = {"([ab][cd])+": [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("top_k", [1, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize("regex", list(GRAMMAR_CHAINS))
-def test_sampled_outputs_follow_the_masked_target(bigram_grammar_pair, regex):
+def test_sampled_outputs_follow_the_masked_target(bigram_grammar_pair, regex, top_k):
     """Every transition of sampled speculative outputs under the grammar follows the target's masked
     distribution (after each token, the target's distribution over what the grammar allows next,
-    renormalised); the same outputs do not follow the unmasked one (the check has teeth)."""
+    renormalised), chained drafts and trees alike (top-3 trees of 6 nodes: refused nodes cut, forced
+    ones put in); the same outputs do not follow the unmasked one (the check has teeth)."""
     target, draft, tokenizer, logits = bigram_grammar_pair
     allowed = torch.tensor(GRAMMAR_CHAINS[regex], dtype=torch.bool)
     chain = logits.masked_fill(~allowed, -float("inf")).softmax(-1)
-    engine = LLMEngine(target, draft, EngineConfig(max_batch=ROWS))
+    tree = dict(draft_top_k=top_k, tree_budget=6) if top_k > 1 else {}
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=ROWS, **tree))
     engine.tokenizer = tokenizer
     spec = StructuredOutputs(regex=regex)
     out = engine.generate([Request([s % 4], TOKENS, SamplingParams(1.0, seed=s, structured_outputs=spec,
