@@ -317,6 +317,30 @@ def test_cli_flags_read_files_and_refuse_two(tmp_path):
         structured_outputs(parser.parse_args(["--json-schema", str(tmp_path / "missing.json")]))
 
 
+def test_the_drafter_is_masked_where_the_state_is_known_before_drafting():
+    """``draft_masks_after`` on ``(a[cd]b)+``: position 0's mask is the state after the new tokens;
+    through a forced run (b after a c) each next position's is the state after it; from the first
+    position with a choice on, every bit is set; the matcher is rolled back."""
+    a, b, c, d = range(4)
+    grammars = Grammars(letters_tokenizer(), 5, [EOS])
+    grammar = grammars.matcher(StructuredOutputs(regex="(a[cd]b)+"))
+
+    def state(path):
+        fresh = grammars.matcher(StructuredOutputs(regex="(a[cd]b)+"))
+        fresh.advance(path)
+        row = torch.zeros(grammars.width, dtype=torch.int32)
+        fresh.next_mask(row)
+        return row
+
+    out = torch.zeros(4, grammars.width, dtype=torch.int32)
+    grammar.draft_masks_after([a, c], out)  # b forced, then a or the EOS
+    assert torch.equal(out[0], state([a, c])) and torch.equal(out[1], state([a, c, b]))
+    assert (out[2:] == FREE_MASK).all() and not torch.equal(out[0], out[1])
+    grammar.draft_masks_after([a], out)  # c or d: nothing known after
+    assert torch.equal(out[0], state([a])) and (out[1:] == FREE_MASK).all()
+    assert grammar.advance([a, d, b]) is False  # rolled back
+
+
 # ------------------------------------------------------------------------------ sampled: the masked distribution
 
 ROWS, TOKENS = 128, 256  # 32 768 transitions over 8 allowed pairs: an exact engine's TV ~ 0.006

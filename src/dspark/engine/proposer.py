@@ -65,7 +65,7 @@ class DSparkProposer:
         self.context_rows(b)
         hidden = self.draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
         logits = self.drafter.model.backbone_logits(hidden)
-        self._mask_first_draft(b, logits)
+        self._mask_drafts(b, logits)
         sampling = uniforms = None
         if sampled and self.tree is None:
             sampling = s.sampling(b, self.penalties)
@@ -82,14 +82,16 @@ class DSparkProposer:
         if self.tree is not None:
             self._grow_trees(b)
 
-    def _mask_first_draft(self, b: int, logits: torch.Tensor) -> None:
-        """The grammar mask of each row's first draft position (every bit set for a free row) on its
-        block's backbone logits ``[b * N, V]``: the Markov correction is additive, so the corrected
-        logits (and a sampled draft's q) carry it, and a constrained row's first draft is valid."""
+    def _mask_drafts(self, b: int, logits: torch.Tensor) -> None:
+        """Each row's grammar masks of its draft positions (``state.draft_mask``: every bit set for a
+        free row and where a constrained row's state depends on the drafts) on its block's backbone
+        logits ``[b * N, V]``: the Markov correction is additive, so the corrected logits (and a
+        sampled draft's q, the distribution it is drawn from) carry them."""
+        p, offset = self.drafter.num_draft_tokens, self.drafter.slot_offset
         blocks = logits.view(b, self.drafter.block_size, -1)
-        first = blocks[:, self.drafter.slot_offset].clone()
-        apply_bitmask(first, self.state.draft_mask[:b])
-        blocks[:, self.drafter.slot_offset] = first
+        slots = blocks[:, offset:offset + p].reshape(b * p, -1)
+        apply_bitmask(slots, self.state.draft_mask[:b].reshape(b * p, -1))
+        blocks[:, offset:offset + p] = slots.view(b, p, -1)
 
     def publish(self, b: int) -> None:
         """Rows ``0 .. b-1``'s proposal lengths and confidences into the readout."""

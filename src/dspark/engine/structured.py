@@ -185,16 +185,26 @@ class RequestGrammar:
         else:
             self.matcher.fill_next_token_bitmask(out[None], 0)
 
-    def mask_after(self, tokens: list[int], out: torch.Tensor) -> None:
-        """``next_mask`` after ``tokens`` more, leaving the matcher where it was."""
-        taken = 0
+    def draft_masks_after(self, tokens: list[int], out: torch.Tensor) -> None:
+        """The drafter's masks after ``tokens`` more, leaving the matcher where it was: ``out`` int32
+        ``[P, width]`` row j is draft position j's where the grammar's state there is known before
+        drafting -- position 0's (the state after ``tokens``), and while a position's mask allows one
+        token only (a forced run), the next one's after it -- and every bit set after that (the
+        state depends on what is drafted)."""
+        matcher, taken = self.matcher, 0
         for token in tokens:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            if matcher.is_terminated() or not matcher.accept_token(token):
                 break
             taken += 1
-        self.next_mask(out)
+        out[:] = FREE_MASK
+        for j in range(out.shape[0]):
+            self.next_mask(out[j])
+            only = self.only_token(out[j])
+            if only is None or j == out.shape[0] - 1 or matcher.is_terminated() or not matcher.accept_token(only):
+                break
+            taken += 1
         if taken:
-            self.matcher.rollback(taken)
+            matcher.rollback(taken)
 
     def advance(self, tokens: list[int]) -> bool:
         """Take committed ``tokens``; returns whether the grammar terminated. A token the grammar
@@ -325,8 +335,9 @@ class GrammarRow:
 
 class GrammarStager:
     """The host side of the runner's grammar buffers (``RowState.grammar_mask`` int32
-    ``[rows, verify_len, width]``: a verify position's mask; ``RowState.draft_mask`` ``[rows, width]``:
-    the drafter's first position's): each step fills the constrained rows' masks in pinned host
+    ``[rows, verify_len, width]``: a verify position's mask; ``RowState.draft_mask``
+    ``[rows, P, width]``: the drafter's, at the positions whose state is known before drafting):
+    each step fills the constrained rows' masks in pinned host
     copies and sends those rows to the device; a free row keeps every bit set (``clear_row``)."""
 
     def __init__(self, state, verify_len: int, width: int):
@@ -336,7 +347,8 @@ class GrammarStager:
         rows, device = state.grammar_mask.shape[0], state.grammar_mask.device
         pinned = device.type == "cuda"
         self.verify_masks = torch.full((rows, verify_len, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
-        self.draft_masks = torch.full((rows, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
+        self.draft_masks = None if state.draft_mask is None else torch.full(  # None: no drafter
+            state.draft_mask.shape, FREE_MASK, dtype=torch.int32, pin_memory=pinned)
         self.batch = xgr.BatchGrammarMatcher()  # fills many requests' masks in parallel threads
 
     def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None):
@@ -405,10 +417,10 @@ class GrammarStager:
             self.state.grammar_mask[r.row, 0].copy_(self.verify_masks[r.row, 0], non_blocking=True)
 
     def stage_drafts(self, rows: list[GrammarRow], tokens: list[list[int]]) -> None:
-        """The drafter's first-position masks: each row's state after the step's ``tokens`` (row
-        i's its own list), before the engine commits them."""
+        """The drafter's masks (``RequestGrammar.draft_masks_after``): each row's states after the
+        step's ``tokens`` (row i's its own list), before the engine commits them."""
         for r in rows:
-            r.grammar.mask_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row])
+            r.grammar.draft_masks_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row])
             self.state.draft_mask[r.row].copy_(self.draft_masks[r.row], non_blocking=True)
 
 
