@@ -111,50 +111,72 @@ def test_every_output_matches_greedy_and_sampled_beside_free_rows(demo):
 
 
 def test_greedy_with_the_drafter_is_plain_greedy_under_the_grammar_batched_or_alone(demo):
-    """Token for token: speculative greedy equals plain greedy decoding under the same grammar, and a
-    request's output does not depend on its batch."""
+    """Token for token: speculative greedy equals plain greedy decoding under the same grammar (its
+    refused drafts drafted again), beside a sampled row too (the sampled path: the drafts made
+    again carry a one-hot q), and a request's output does not depend on its batch."""
     pair, tokenizer, prompts, engine, plain = demo
     requests = [Request(p, 96, SamplingParams(structured_outputs=spec)) for spec in SPECS[:3] for p in prompts]
     expected = [r.token_ids for r in plain.generate(requests)]
     assert [r.token_ids for r in engine.generate(requests)] == expected
+    sampled = Request(prompts[0], 96, SamplingParams(1.0, seed=5, structured_outputs=SPECS[2]))
+    assert [r.token_ids for r in engine.generate(requests + [sampled])[:-1]] == expected
     assert engine.generate(requests[2:3])[0].token_ids == expected[2]
 
 
 class ForcedDrafts:
-    """Drafts replaced by a known continuation (``tokens`` after the prompt of ``prompt_len``), with
-    the draft at ``wrong`` made a token the grammar refuses: the round's valid prefix is known."""
+    """Drafts replaced by a known continuation (``tokens`` after the prompt of ``prompt_len``; None:
+    the drafter's own), with the draft at ``wrong`` made a token the grammar refuses."""
 
-    def __init__(self, tokens: list[int], prompt_len: int, wrong: int, refused: int):
-        self.tokens, self.prompt_len, self.wrong, self.refused = tokens + [0] * 16, prompt_len, wrong, refused
+    def __init__(self, tokens: list[int] | None, prompt_len: int, wrong: int, refused: int):
+        self.tokens = None if tokens is None else tokens + [0] * 16
+        self.prompt_len, self.wrong, self.refused = prompt_len, wrong, refused
 
     def apply(self, runner, b: int) -> None:
         s = runner.state
-        start = int(s.anchor_pos[0]) + 1 - self.prompt_len
-        drafts = torch.tensor(self.tokens[start:start + runner.num_drafts], dtype=torch.int32)
-        drafts[self.wrong] = self.refused
-        s.draft_tokens[0] = drafts
+        if self.tokens is not None:
+            start = int(s.anchor_pos[0]) + 1 - self.prompt_len
+            s.draft_tokens[0] = torch.tensor(self.tokens[start:start + runner.num_drafts], dtype=torch.int32)
+        s.draft_tokens[0, self.wrong] = self.refused
 
     def buffers(self) -> list[torch.Tensor]:
         return []
 
 
-def test_drafts_are_cut_to_their_valid_prefix_and_each_position_takes_its_own_state(demo):
+def forced_run(engine, request, drafts: ForcedDrafts):
+    engine.runner.draft_override = drafts
+    try:
+        return engine.generate([request])[0]
+    finally:
+        engine.runner.draft_override = None
+
+
+def test_a_greedy_rows_refused_draft_is_drafted_again_under_the_grammar(demo):
     """Drafts that follow plain greedy decoding under the grammar (what the target will choose) up
-    to a refused token at position 2: every round verifies the two valid drafts and the refused one
-    (cut after it), accepts the two and rejects the third (a mask row taken from another state would
-    change the masked argmax), and the output is plain greedy's."""
+    to a refused token at position 2: the refused draft and those after it are drafted again under
+    the grammar, so every round verifies all its drafts and accepts at least the two valid ones and
+    the target's token (a mask row taken from another state would change the masked argmax), and the
+    output is plain greedy's."""
     pair, tokenizer, prompts, engine, plain = demo
     request = Request(prompts[0], 40, SamplingParams(structured_outputs=SPECS[0]))
     expected = plain.generate([request])[0].token_ids
     refused = tokenizer("\n")["input_ids"][0]  # never inside JSON
-    engine.runner.draft_override = ForcedDrafts(expected, len(prompts[0]), 2, refused)
-    try:
-        result = engine.generate([request])[0]
-    finally:
-        engine.runner.draft_override = None
+    result = forced_run(engine, request, ForcedDrafts(expected, len(prompts[0]), 2, refused))
     assert result.token_ids == expected
     rounds = result.stats.scheduled_lengths[:-1]  # the last round may be cut by the request's end
-    assert rounds and set(rounds) == {3} and set(result.stats.accept_lengths[:-1]) == {3}
+    assert rounds and set(rounds) == {engine.runner.num_drafts}
+    assert min(result.stats.accept_lengths[:-1]) >= 3
+
+
+def test_a_sampled_rows_drafts_are_cut_after_the_first_refused_one(demo):
+    """A sampled row under ``[a-z ]+`` (nothing forced) whose draft at position 1 the grammar
+    refuses: every round verifies its valid first draft and the refused one (cut after it, the
+    refused one kept for its residual draw), never accepts the refused one, and the output matches."""
+    pair, tokenizer, prompts, engine, _ = demo
+    spec = StructuredOutputs(regex="[a-z ]+")
+    request = Request(prompts[0], 40, SamplingParams(1.0, seed=1, structured_outputs=spec))
+    result = forced_run(engine, request, ForcedDrafts(None, len(prompts[0]), 1, tokenizer("\n")["input_ids"][0]))
+    assert max(result.stats.scheduled_lengths) == 2 and max(result.stats.accept_lengths) <= 2
+    assert re.fullmatch("[a-z ]+", tokenizer.decode(result.token_ids).removesuffix(tokenizer.eos_token))
 
 
 def test_a_window_masks_each_position_by_the_state_before_it(demo):

@@ -16,7 +16,7 @@ is masked with the state after the committed tokens, so its first draft is alway
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -148,7 +148,8 @@ def _first_line(exc: Exception) -> str:
 @dataclass(frozen=True)
 class Window:
     """A verify window's grammar walk: ``valid`` drafts the grammar takes (forced ones included), and
-    ``forced``: draft position -> the only token its mask allows, where the drafter proposed another."""
+    ``forced``: draft position -> the token that replaces the drafter's there (the only token its mask
+    allows, or a greedy row's draft made again)."""
 
     valid: int
     forced: dict[int, int]
@@ -218,28 +219,48 @@ class RequestGrammar:
 
 
 def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks: torch.Tensor, first_rows: list[int],
-                 batch) -> list[Window]:
+                 batch, redraft: Callable | None = None, greedy: list[bool] | None = None) -> list[Window]:
     """Each request's verify window: row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``,
     host) becomes request i's bitmask after its committed tokens and its first j drafts, for each j up
     to its grammar-valid prefix of ``drafts[i]``; rows after it are left as they are (never read: they
-    follow a refused draft, which its row rejects). A position whose mask allows one token only takes
-    that token as its draft (``Window.forced``): the target's masked distribution there is that token
-    alone, so it is accepted whatever was drafted. Position by position, the masks of every request
-    still walking are filled at once (``batch``: an xgrammar ``BatchGrammarMatcher``, in parallel);
-    the matchers are rolled back."""
+    follow a refused draft, which its row rejects). A position whose mask allows one token only
+    takes that token as its draft (``Window.forced``): the target's masked distribution there is
+    that token alone, so it is accepted whatever was drafted. A ``greedy[i]`` request's refused draft,
+    and every draft after it, is drafted again under its mask (``redraft(requests, positions,
+    prefixes, masks) -> tokens``: ``DSparkProposer.redraft``; ``Window.forced`` too): its acceptance
+    never reads how a draft was made. Position by position, the masks of every request still walking
+    are filled at once (``batch``: an xgrammar ``BatchGrammarMatcher``, in parallel); the matchers
+    are rolled back."""
     valid, forced = [0] * len(grammars), [{} for _ in grammars]
+    greedy = greedy if redraft is not None and greedy is not None else [False] * len(grammars)
+    redrafting = [False] * len(grammars)  # a draft was made again: the pass's later ones followed another
+    drafts = [list(d) for d in drafts]
     walking = list(range(len(grammars)))
     while walking:
         batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in walking], masks,
                                             [first_rows[i] + valid[i] for i in walking])
+        again = []
+        for i in walking:
+            j = valid[i]
+            if j == len(drafts[i]):
+                continue
+            only = grammars[i].only_token(masks[first_rows[i] + j])
+            if only is not None and only != drafts[i][j]:
+                forced[i][j] = drafts[i][j] = only
+            elif greedy[i] and (redrafting[i] or not allows(masks[first_rows[i] + j], drafts[i][j])):
+                again.append(i)
+        if again:
+            rows = [first_rows[i] + valid[i] for i in again]
+            tokens = redraft(again, [valid[i] for i in again], [drafts[i][:valid[i]] for i in again], masks[rows])
+            for i, token in zip(again, tokens):
+                forced[i][valid[i]] = drafts[i][valid[i]] = token
+                redrafting[i] = True
         still = []
         for i in walking:
             grammar, j = grammars[i], valid[i]
             if j == len(drafts[i]):
                 continue
-            token, only = drafts[i][j], grammar.only_token(masks[first_rows[i] + j])
-            if only is not None and only != token:
-                forced[i][j], token = only, only
+            token = drafts[i][j]
             if not grammar.matcher.accept_token(token):
                 continue
             valid[i] += 1
@@ -250,6 +271,11 @@ def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks:
         if n:
             grammar.matcher.rollback(n)
     return [Window(n, f) for n, f in zip(valid, forced)]
+
+
+def allows(row: torch.Tensor, token: int) -> bool:
+    """Whether int32 bitmask ``row`` ``[width]`` allows ``token``."""
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
 @dataclass(frozen=True)
@@ -325,12 +351,14 @@ def walk_tree(grammar: RequestGrammar, tokens: list[int], parents: list[int], de
 
 @dataclass(frozen=True)
 class GrammarRow:
-    """A constrained request in a step: its batch ``row``, its grammar, and whether the step commits
-    new tokens for it (a preempted request seated again keeps its committed anchor: none)."""
+    """A constrained request in a step: its batch ``row``, its grammar, whether the step commits
+    new tokens for it (a preempted request seated again keeps its committed anchor: none) and whether
+    it decodes greedily (then its refused drafts are made again under its grammar)."""
 
     row: int
     grammar: RequestGrammar
     commits: bool = True
+    greedy: bool = False
 
 
 class GrammarStager:
@@ -351,13 +379,17 @@ class GrammarStager:
             state.draft_mask.shape, FREE_MASK, dtype=torch.int32, pin_memory=pinned)
         self.batch = xgr.BatchGrammarMatcher()  # fills many requests' masks in parallel threads
 
-    def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None):
+    def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None,
+                    redraft: Callable | None = None):
         """Masks of the constrained running ``rows`` for this round, and the round's verify lengths
         cut after each row's first grammar-refused draft. That draft stays: its mask gives it target
         probability 0, so it is rejected and its position draws from the residual of its q, as
         speculative sampling must -- drawing there from the target's distribution instead (cutting it
         too) would skew a sampled row's output towards q's valid tokens. A position the grammar
-        forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``).
+        forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``); with
+        ``redraft`` (``DSparkProposer.redraft``), a greedy row's refused draft and the ones after it
+        are made again under the grammar (a one-hot q too: what a greedy row's sampled-path acceptance
+        reads).
         ``drafts`` int ``[rows, P]`` on the host (None for a plain round, ``verify_lens`` None: one
         position per row)."""
         lens = None if verify_lens is None else list(verify_lens)
@@ -365,9 +397,12 @@ class GrammarStager:
             for r in rows:
                 r.grammar.next_mask(self.verify_masks[r.row, 0])
         else:
+            again = None if redraft is None else (
+                lambda requests, *args: redraft([rows[i].row for i in requests], *args))
             windows = walk_windows([r.grammar for r in rows], [drafts[r.row, :lens[r.row] - 1].tolist() for r in rows],
                                    self.verify_masks.view(-1, self.verify_masks.shape[-1]),
-                                   [r.row * self.verify_len for r in rows], self.batch)
+                                   [r.row * self.verify_len for r in rows], self.batch, again,
+                                   [r.greedy for r in rows])
             for r, window in zip(rows, windows):
                 lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
                 self._force(r.row, window.forced)
@@ -467,7 +502,8 @@ class StructuredStage:
         runner.between_passes = None
         if self.stager is None:  # no structured request yet
             return verify_lens
-        rows = [GrammarRow(i, seq.grammar) for i, seq in enumerate(running) if seq.grammar is not None]
+        rows = [GrammarRow(i, seq.grammar, greedy=seq.request.sampling.greedy) for i, seq in enumerate(running)
+                if seq.grammar is not None]
         seated = [GrammarRow(chunk.row, seq.grammar, commits=not seq.output_ids) for seq, chunk in chunks
                   if chunk.row >= 0 and seq.grammar is not None]
         self.stager.stage_seats(seated)
@@ -477,7 +513,8 @@ class StructuredStage:
             self.stager.stage_trees(rows)  # a tree verifies its nodes: the lengths stay
         else:
             drafts = runner.state.draft_tokens[:len(running)].cpu() if rows and verify_lens is not None else None
-            verify_lens = self.stager.stage_round(rows, verify_lens, drafts)
+            verify_lens = self.stager.stage_round(rows, verify_lens, drafts,
+                                                  None if runner.proposer is None else runner.proposer.redraft)
         if runner.drafter is not None:
             def stage_drafts() -> None:
                 result = runner.read(max(r.row for r in rows + seated) + 1)
