@@ -84,15 +84,12 @@ class DSparkProposer:
             self._grow_trees(b)
 
     def _mask_drafts(self, b: int, logits: torch.Tensor) -> None:
-        """Each row's grammar masks of its draft positions (``state.draft_mask``: every bit set for a
-        free row and where a constrained row's state depends on the drafts) on its block's backbone
-        logits ``[b * N, V]``: the Markov correction is additive, so the corrected logits (and a
-        sampled draft's q, the distribution it is drawn from) carry them."""
-        p, offset = self.drafter.num_draft_tokens, self.drafter.slot_offset
-        blocks = logits.view(b, self.drafter.block_size, -1)
-        slots = blocks[:, offset:offset + p].reshape(b * p, -1)
-        apply_bitmask(slots, self.state.draft_mask[:b].reshape(b * p, -1))
-        blocks[:, offset:offset + p] = slots.view(b, p, -1)
+        """Each row's grammar masks of its block slots (``state.draft_mask``, slot k + offset: draft
+        position k's; every bit set for a free row and where a constrained row's state depends on
+        the drafts) on the block's backbone logits ``[b * N, V]``, in place: the Markov correction is
+        additive, so the corrected logits (and a sampled draft's q, the distribution it is drawn
+        from) carry them."""
+        apply_bitmask(logits, self.state.draft_mask[:b].view(b * self.drafter.block_size, -1))
 
     def redraft(self, rows: list[int], positions: list[int], prefixes: list[list[int]], masks: torch.Tensor) -> list[int]:
         """Greedy drafts again, outside the draft pass: row ``rows[i]``'s draft at ``positions[i]``

@@ -129,7 +129,7 @@ class ModelRunner(CudaGraphs):
         if drafter is not None:
             self.state.verify_lens = torch.ones(r, **i32)
             self.state.confidence = torch.zeros(r, p, device=dev)
-            self.state.draft_mask = torch.full((r, max(p, 1), bitmask_width(target.vocab_size)), FREE_MASK, **i32)
+            self.state.draft_mask = torch.full((r, block, bitmask_width(target.vocab_size)), FREE_MASK, **i32)
             self.state.block_hidden = torch.zeros(r, drafter.block_size, drafter.config.hidden_size,
                                                   dtype=drafter.model.dtype, device=dev)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")

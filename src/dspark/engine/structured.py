@@ -364,14 +364,14 @@ class GrammarRow:
 class GrammarStager:
     """The host side of the runner's grammar buffers (``RowState.grammar_mask`` int32
     ``[rows, verify_len, width]``: a verify position's mask; ``RowState.draft_mask``
-    ``[rows, P, width]``: the drafter's, at the positions whose state is known before drafting):
-    each step fills the constrained rows' masks in pinned host
+    ``[rows, N, width]``: the drafter's per block slot, ``draft_slots`` those of the draft positions,
+    set where the state is known before drafting): each step fills the constrained rows' masks in pinned host
     copies and sends those rows to the device; a free row keeps every bit set (``clear_row``)."""
 
-    def __init__(self, state, verify_len: int, width: int):
+    def __init__(self, state, verify_len: int, width: int, draft_slots: slice | None = None):
         import xgrammar as xgr
 
-        self.state, self.verify_len = state, verify_len
+        self.state, self.verify_len, self.draft_slots = state, verify_len, draft_slots
         rows, device = state.grammar_mask.shape[0], state.grammar_mask.device
         pinned = device.type == "cuda"
         self.verify_masks = torch.full((rows, verify_len, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
@@ -455,7 +455,7 @@ class GrammarStager:
         """The drafter's masks (``RequestGrammar.draft_masks_after``): each row's states after the
         step's ``tokens`` (row i's its own list), before the engine commits them."""
         for r in rows:
-            r.grammar.draft_masks_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row])
+            r.grammar.draft_masks_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row, self.draft_slots])
             self.state.draft_mask[r.row].copy_(self.draft_masks[r.row], non_blocking=True)
 
 
@@ -481,7 +481,9 @@ class StructuredStage:
                 Checker("add_request").fail("structured_outputs need the target's tokenizer, and it has none "
                                             "(set LLMEngine.tokenizer)")
             self.compiled = Grammars(tokenizer, self.runner.target.vocab_size, eos_ids)
-            self.stager = GrammarStager(self.runner.state, self.runner.verify_len, self.compiled.width)
+            drafter = self.runner.drafter
+            slots = None if drafter is None else slice(drafter.slot_offset, drafter.slot_offset + drafter.num_draft_tokens)
+            self.stager = GrammarStager(self.runner.state, self.runner.verify_len, self.compiled.width, slots)
         return self.compiled
 
     def check(self, spec: StructuredOutputs, tokenizer, eos_ids) -> None:
