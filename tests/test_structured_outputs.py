@@ -223,14 +223,15 @@ def test_bad_specs_name_the_problem(demo):
 
 
 @gpu
-def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo):
-    """On CUDA with every graph captured up front: a constrained greedy row is plain greedy decoding
-    under its grammar (the CPU's, float32), a free row beside it stays what it is alone, a sampled
-    constrained row gives the same tokens alone and in the batch, every output matches, and no step
-    captures a graph (the masks are per-row state in fixed buffers)."""
+@pytest.mark.parametrize("tree", [{}, dict(draft_top_k=4, tree_budget=16)], ids=["chain", "tree"])
+def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo, tree):
+    """On CUDA with every graph captured up front, chained and in trees: a constrained greedy row is
+    plain greedy decoding under its grammar (the CPU's, float32), a free row beside it stays what it
+    is alone, a sampled constrained row gives the same tokens alone and in the batch, every output
+    matches, and no step captures a graph (the masks are per-row state in fixed buffers)."""
     pair, tokenizer, prompts, _, plain = demo
     engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=4, max_model_len=512, device="cuda",
-                                                                       dtype=torch.float32))
+                                                                       dtype=torch.float32, **tree))
     engine.capture_graphs()
     captured = engine.runner.captures
     greedy = Request(prompts[0], 96, SamplingParams(structured_outputs=SPECS[0]))

@@ -91,7 +91,8 @@ class DSparkProposer:
         from) carry them."""
         apply_bitmask(logits, self.state.draft_mask[:b].view(b * self.drafter.block_size, -1))
 
-    def redraft(self, rows: list[int], positions: list[int], prefixes: list[list[int]], masks: torch.Tensor) -> list[int]:
+    def redraft(self, rows: list[int], positions: list[int], prefixes: list[list[int]],
+                masks: torch.Tensor) -> list[int]:
         """Greedy drafts again, outside the draft pass: row ``rows[i]``'s draft at ``positions[i]``
         after the drafts ``prefixes[i]`` before it (its own tokens, which may differ from what the
         pass drafted), the argmax of the drafter's Markov-corrected logits there -- the chain stepped

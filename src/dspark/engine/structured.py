@@ -4,13 +4,17 @@ its ``GrammarMatcher`` tracks one request's state and fills token bitmasks).
 
 How a grammar stays exact under speculative decoding (docs/structured-outputs.md): each round the
 host advances the request's matcher through the round's drafts, one bitmask row per verify position
-(the state after the drafts before it), cuts the drafts after the first one the grammar refuses (that
-one is verified and rejected by its mask: its residual draw keeps sampling exact), and rolls the
-matcher back; the rows are staged into the runner's fixed ``[rows, verify_len, ceil(V / 32)]`` int32
+(the state after the drafts before it), and rolls it back; a sampled row's drafts are cut after the
+first one the grammar refuses (that one is verified and rejected by its mask: its residual draw keeps
+sampling exact), a greedy row's refused draft and those after it are drafted again under the grammar
+(greedy acceptance never reads how a draft was made), and a tree's nodes are masked by the state
+after their paths, refused nodes cut with their subtrees (tree acceptance reads no draft
+distribution). The rows are staged into the runner's fixed ``[rows, verify_len, ceil(V / 32)]`` int32
 buffer (all ones for a free row) and the target's logits at every verify position are masked before
 acceptance, so greedy takes the masked argmax and speculative sampling reproduces the masked
-distribution. After the round the matcher takes the committed tokens. The drafter's first position
-is masked with the state after the committed tokens, so its first draft is always valid.
+distribution. After the round the matcher takes the committed tokens. The drafter is masked where the
+state is known before drafting: its first position (the state after the committed tokens) and the
+positions after a forced run.
 """
 
 from __future__ import annotations
@@ -482,7 +486,8 @@ class StructuredStage:
                                             "(set LLMEngine.tokenizer)")
             self.compiled = Grammars(tokenizer, self.runner.target.vocab_size, eos_ids)
             drafter = self.runner.drafter
-            slots = None if drafter is None else slice(drafter.slot_offset, drafter.slot_offset + drafter.num_draft_tokens)
+            offset = 0 if drafter is None else drafter.slot_offset
+            slots = None if drafter is None else slice(offset, offset + drafter.num_draft_tokens)
             self.stager = GrammarStager(self.runner.state, self.runner.verify_len, self.compiled.width, slots)
         return self.compiled
 
@@ -497,7 +502,7 @@ class StructuredStage:
     def constrain(self, running: list, verify_lens: list[int] | None, chunks) -> list[int] | None:
         """Stage the masks of the step's constrained rows (``running``: the step's running requests,
         row i first; ``chunks``: its (request, prompt chunk) pairs) and return the verify lengths cut
-        to their grammar-valid drafts; with any, the drafter's first-position masks are staged between
+        to their grammar-valid drafts; with any, the drafter's masks are staged between
         the step's passes (``ModelRunner.between_passes``). The drafts are read from the device: a
         constrained step waits for the last draft pass."""
         runner = self.runner
