@@ -18,7 +18,7 @@ from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputs
-from dspark.engine.structured import FREE_MASK, Grammars, walk_tree, walk_windows
+from dspark.engine.structured import FREE_MASK, Grammars, bitmask_width, walk_tree, walk_windows
 from dspark.training.data import demo_pair, read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -165,6 +165,28 @@ def test_a_greedy_rows_refused_draft_is_drafted_again_under_the_grammar(demo):
     rounds = result.stats.scheduled_lengths[:-1]  # the last round may be cut by the request's end
     assert rounds and set(rounds) == {engine.runner.num_drafts}
     assert min(result.stats.accept_lengths[:-1]) >= 3
+
+
+def test_redraft_is_the_drafters_greedy_chain_under_a_mask(demo):
+    """``DSparkProposer.redraft`` after a draft pass: with every token allowed and the pass's own
+    drafts before it, each position's redraft is the pass's draft (the Markov chain stepped through
+    the prefix over the kept block); a mask refusing that draft gives another, allowed token."""
+    pair, tokenizer, prompts, engine, _ = demo
+    rid = engine.add_request(Request(prompts[0], 64, SamplingParams(), ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    runner = engine.runner
+    drafts, p = runner.state.draft_tokens[0].tolist(), runner.num_drafts
+    free = torch.full((p, bitmask_width(runner.target.vocab_size)), FREE_MASK, dtype=torch.int32)
+    assert runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
+    refusing = free.clone()
+    for j, token in enumerate(drafts):
+        refusing[j, token >> 5] &= ~(1 << (token & 31))
+    again = runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], refusing)
+    assert all(a != d for a, d in zip(again, drafts)) and all(0 <= a < runner.target.vocab_size for a in again)
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_a_sampled_rows_drafts_are_cut_after_the_first_refused_one(demo):
@@ -387,6 +409,32 @@ def bigram_grammar_pair(one_thread):
 # b after c / d and a after b (the EOS aside), which the engine drafts itself (``Window.forced``)
 GRAMMAR_CHAINS = {"([ab][cd])+": [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]],
                   "(a[cd]b)+": [[0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]]}
+
+
+@pytest.mark.parametrize("head, from_anchor", [("vanilla", True), ("gated", False), ("rnn", False)])
+def test_redrafted_greedy_rows_with_every_markov_head(bigram_grammar_pair, head, from_anchor):
+    """Random drafters of each Markov head, drafting from the anchor's slot or the next: a free draft
+    pass's drafts are what ``redraft`` makes again with every token allowed (its chain, slot offset
+    and rnn state follow the pass's), and greedy rows under a grammar -- their refused drafts
+    redrafted -- are plain greedy decoding under it."""
+    target, _, tokenizer, _ = bigram_grammar_pair
+    draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"], markov_head_type=head,
+                                           sample_from_anchor=from_anchor), 1, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=4))
+    plain = LLMEngine(target, None, EngineConfig(max_batch=4))
+    engine.tokenizer = plain.tokenizer = tokenizer
+    rid = engine.add_request(Request([0, 2], 32, SamplingParams(), ignore_eos=True))
+    for _ in range(2):
+        engine.step()
+    runner, p = engine.runner, engine.runner.num_drafts
+    drafts = runner.state.draft_tokens[0].tolist()
+    free = torch.full((p, bitmask_width(5)), FREE_MASK, dtype=torch.int32)
+    assert runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
+    engine.abort(rid)
+    requests = [Request([s % 4], 24, SamplingParams(structured_outputs=StructuredOutputs(regex=regex),
+                                                    logit_bias={EOS: -100.0}), ignore_eos=True)
+                for s in range(4) for regex in GRAMMAR_CHAINS]
+    assert [r.token_ids for r in engine.generate(requests)] == [r.token_ids for r in plain.generate(requests)]
 
 
 @pytest.mark.slow

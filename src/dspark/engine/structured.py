@@ -251,7 +251,7 @@ def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks:
             only = grammars[i].only_token(masks[first_rows[i] + j])
             if only is not None and only != drafts[i][j]:
                 forced[i][j] = drafts[i][j] = only
-            elif greedy[i] and (redrafting[i] or not allows(masks[first_rows[i] + j], drafts[i][j])):
+            elif greedy[i] and (redrafting[i] or not _allows(masks[first_rows[i] + j], drafts[i][j])):
                 again.append(i)
         if again:
             rows = [first_rows[i] + valid[i] for i in again]
@@ -277,7 +277,7 @@ def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks:
     return [Window(n, f) for n, f in zip(valid, forced)]
 
 
-def allows(row: torch.Tensor, token: int) -> bool:
+def _allows(row: torch.Tensor, token: int) -> bool:
     """Whether int32 bitmask ``row`` ``[width]`` allows ``token``."""
     return bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
@@ -369,8 +369,9 @@ class GrammarStager:
     """The host side of the runner's grammar buffers (``RowState.grammar_mask`` int32
     ``[rows, verify_len, width]``: a verify position's mask; ``RowState.draft_mask``
     ``[rows, N, width]``: the drafter's per block slot, ``draft_slots`` those of the draft positions,
-    set where the state is known before drafting): each step fills the constrained rows' masks in pinned host
-    copies and sends those rows to the device; a free row keeps every bit set (``clear_row``)."""
+    set where the state is known before drafting): each step fills the constrained rows' masks in
+    pinned host copies and sends those rows to the device; a free row keeps every bit set
+    (``clear_row``)."""
 
     def __init__(self, state, verify_len: int, width: int, draft_slots: slice | None = None):
         import xgrammar as xgr
@@ -386,7 +387,8 @@ class GrammarStager:
     def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None,
                     redraft: Callable | None = None):
         """Masks of the constrained running ``rows`` for this round, and the round's verify lengths
-        cut after each row's first grammar-refused draft. That draft stays: its mask gives it target
+        cut after each row's first grammar-refused draft (a greedy row's, with ``redraft``, are made
+        again instead: below). That draft stays: its mask gives it target
         probability 0, so it is rejected and its position draws from the residual of its q, as
         speculative sampling must -- drawing there from the target's distribution instead (cutting it
         too) would skew a sampled row's output towards q's valid tokens. A position the grammar
