@@ -1,10 +1,13 @@
 """τ (tokens per round) of the demo pair with and without a structured output, on the CPU:
 six held-out prompts, 64 new tokens, greedy and sampled (T = 1); docs/structured-outputs.md's table.
 
-    PYTHONPATH=src python scripts/structured_tau.py
+    PYTHONPATH=src python scripts/structured_tau.py                               # chain drafting
+    PYTHONPATH=src python scripts/structured_tau.py --draft-top-k 4 --tree-budget 16   # tree mode
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from transformers import AutoTokenizer
@@ -27,11 +30,17 @@ def tau(engine: LLMEngine, prompts: list[list[int]], spec: StructuredOutputs | N
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft-top-k", type=int, default=1, help="> 1: tree mode, top-k candidates per depth")
+    parser.add_argument("--tree-budget", type=int, default=0, help="tree nodes with the root (0: block size + 1)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     pair = demo_pair()
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
     prompts = [tokenizer(r["text"][:200])["input_ids"] for r in read_prompts(str(pair.prompts))[:6]]
-    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=8, max_model_len=512))
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=8, max_model_len=512,
+                                                                       draft_top_k=args.draft_top_k,
+                                                                       tree_budget=args.tree_budget))
     free = {t: tau(engine, prompts, None, t) for t in (0.0, 1.0)}
     for name, spec in SPECS.items():
         cells = [(tau(engine, prompts, spec, t) if spec else free[t], free[t]) for t in (0.0, 1.0)]

@@ -8,6 +8,7 @@ Qwen ``<tool_call>`` blocks (the model made to write one by a regex), with ids a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -26,13 +27,14 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
 
 
-@pytest.fixture(scope="module")
-def client():
+@contextlib.contextmanager
+def serving(**config):
+    """An ``openai`` client of a server of the demo pair with ``EngineConfig(**config)``."""
     from transformers import AutoTokenizer
 
     pair = demo_pair()
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
-    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=4, max_model_len=256))
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=4, max_model_len=256, **config))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -40,6 +42,12 @@ def client():
             yield openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving() as chain_client:
+        yield chain_client
 
 
 # the demo tokenizer's template with the tools written first (as Qwen's does, in its system turn)
@@ -135,6 +143,25 @@ def test_chat_takes_response_format(client):
         model=MODEL, messages=[{"role": "user", "content": "a record"}], max_tokens=48, temperature=0.0,
         response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
     assert set(json.loads(response.choices[0].message.content)) == {"ok", "n"}
+
+
+def test_a_tree_mode_server_answers_json_schemas(client):
+    """A tree-mode server (top-4 trees of 16 nodes): ``response_format`` ``json_schema`` gives JSON
+    of the schema, greedy (the chain server's answer: both are plain greedy decoding under the
+    grammar) and sampled."""
+    def ask(server, **kw):
+        return server.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a record"}], max_tokens=48,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}, **kw).choices[0]
+
+    with serving(draft_top_k=4, tree_budget=16) as tree_client:
+        greedy = ask(tree_client, temperature=0.0)
+        assert greedy.message.content == ask(client, temperature=0.0).message.content
+        for seed in range(3):
+            choice = ask(tree_client, temperature=1.0, seed=seed)
+            value = json.loads(choice.message.content)
+            assert choice.finish_reason == "stop" and set(value) == {"ok", "n"} and 0 <= value["n"] <= 9
+        assert set(json.loads(greedy.message.content)) == {"ok", "n"}
 
 
 @pytest.mark.parametrize("body, message", [

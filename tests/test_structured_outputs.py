@@ -18,7 +18,7 @@ from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputs
-from dspark.engine.structured import FREE_MASK, walk_windows
+from dspark.engine.structured import FREE_MASK, Grammars, bitmask_width, walk_tree, walk_windows
 from dspark.training.data import demo_pair, read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,50 +111,94 @@ def test_every_output_matches_greedy_and_sampled_beside_free_rows(demo):
 
 
 def test_greedy_with_the_drafter_is_plain_greedy_under_the_grammar_batched_or_alone(demo):
-    """Token for token: speculative greedy equals plain greedy decoding under the same grammar, and a
-    request's output does not depend on its batch."""
+    """Token for token: speculative greedy equals plain greedy decoding under the same grammar (its
+    refused drafts drafted again), beside a sampled row too (the sampled path: the drafts made
+    again carry a one-hot q), and a request's output does not depend on its batch."""
     pair, tokenizer, prompts, engine, plain = demo
     requests = [Request(p, 96, SamplingParams(structured_outputs=spec)) for spec in SPECS[:3] for p in prompts]
     expected = [r.token_ids for r in plain.generate(requests)]
     assert [r.token_ids for r in engine.generate(requests)] == expected
+    sampled = Request(prompts[0], 96, SamplingParams(1.0, seed=5, structured_outputs=SPECS[2]))
+    assert [r.token_ids for r in engine.generate(requests + [sampled])[:-1]] == expected
     assert engine.generate(requests[2:3])[0].token_ids == expected[2]
 
 
 class ForcedDrafts:
-    """Drafts replaced by a known continuation (``tokens`` after the prompt of ``prompt_len``), with
-    the draft at ``wrong`` made a token the grammar refuses: the round's valid prefix is known."""
+    """Drafts replaced by a known continuation (``tokens`` after the prompt of ``prompt_len``; None:
+    the drafter's own), with the draft at ``wrong`` made a token the grammar refuses."""
 
-    def __init__(self, tokens: list[int], prompt_len: int, wrong: int, refused: int):
-        self.tokens, self.prompt_len, self.wrong, self.refused = tokens + [0] * 16, prompt_len, wrong, refused
+    def __init__(self, tokens: list[int] | None, prompt_len: int, wrong: int, refused: int):
+        self.tokens = None if tokens is None else tokens + [0] * 16
+        self.prompt_len, self.wrong, self.refused = prompt_len, wrong, refused
 
     def apply(self, runner, b: int) -> None:
         s = runner.state
-        start = int(s.anchor_pos[0]) + 1 - self.prompt_len
-        drafts = torch.tensor(self.tokens[start:start + runner.num_drafts], dtype=torch.int32)
-        drafts[self.wrong] = self.refused
-        s.draft_tokens[0] = drafts
+        if self.tokens is not None:
+            start = int(s.anchor_pos[0]) + 1 - self.prompt_len
+            s.draft_tokens[0] = torch.tensor(self.tokens[start:start + runner.num_drafts], dtype=torch.int32)
+        s.draft_tokens[0, self.wrong] = self.refused
 
     def buffers(self) -> list[torch.Tensor]:
         return []
 
 
-def test_drafts_are_cut_to_their_valid_prefix_and_each_position_takes_its_own_state(demo):
+def forced_run(engine, request, drafts: ForcedDrafts):
+    engine.runner.draft_override = drafts
+    try:
+        return engine.generate([request])[0]
+    finally:
+        engine.runner.draft_override = None
+
+
+def test_a_greedy_rows_refused_draft_is_drafted_again_under_the_grammar(demo):
     """Drafts that follow plain greedy decoding under the grammar (what the target will choose) up
-    to a refused token at position 2: every round verifies the two valid drafts and the refused one
-    (cut after it), accepts the two and rejects the third (a mask row taken from another state would
-    change the masked argmax), and the output is plain greedy's."""
+    to a refused token at position 2: the refused draft and those after it are drafted again under
+    the grammar, so every round verifies all its drafts and accepts at least the two valid ones and
+    the target's token (a mask row taken from another state would change the masked argmax), and the
+    output is plain greedy's."""
     pair, tokenizer, prompts, engine, plain = demo
     request = Request(prompts[0], 40, SamplingParams(structured_outputs=SPECS[0]))
     expected = plain.generate([request])[0].token_ids
     refused = tokenizer("\n")["input_ids"][0]  # never inside JSON
-    engine.runner.draft_override = ForcedDrafts(expected, len(prompts[0]), 2, refused)
-    try:
-        result = engine.generate([request])[0]
-    finally:
-        engine.runner.draft_override = None
+    result = forced_run(engine, request, ForcedDrafts(expected, len(prompts[0]), 2, refused))
     assert result.token_ids == expected
     rounds = result.stats.scheduled_lengths[:-1]  # the last round may be cut by the request's end
-    assert rounds and set(rounds) == {3} and set(result.stats.accept_lengths[:-1]) == {3}
+    assert rounds and set(rounds) == {engine.runner.num_drafts}
+    assert min(result.stats.accept_lengths[:-1]) >= 3
+
+
+def test_redraft_is_the_drafters_greedy_chain_under_a_mask(demo):
+    """``DSparkProposer.redraft`` after a draft pass: with every token allowed and the pass's own
+    drafts before it, each position's redraft is the pass's draft (the Markov chain stepped through
+    the prefix over the kept block); a mask refusing that draft gives another, allowed token."""
+    pair, tokenizer, prompts, engine, _ = demo
+    rid = engine.add_request(Request(prompts[0], 64, SamplingParams(), ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    runner = engine.runner
+    drafts, p = runner.state.draft_tokens[0].tolist(), runner.num_drafts
+    free = torch.full((p, bitmask_width(runner.target.vocab_size)), FREE_MASK, dtype=torch.int32)
+    assert runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
+    refusing = free.clone()
+    for j, token in enumerate(drafts):
+        refusing[j, token >> 5] &= ~(1 << (token & 31))
+    again = runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], refusing)
+    assert all(a != d for a, d in zip(again, drafts)) and all(0 <= a < runner.target.vocab_size for a in again)
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_sampled_rows_drafts_are_cut_after_the_first_refused_one(demo):
+    """A sampled row under ``[a-z ]+`` (nothing forced) whose draft at position 1 the grammar
+    refuses: every round verifies its valid first draft and the refused one (cut after it, the
+    refused one kept for its residual draw), never accepts the refused one, and the output matches."""
+    pair, tokenizer, prompts, engine, _ = demo
+    spec = StructuredOutputs(regex="[a-z ]+")
+    request = Request(prompts[0], 40, SamplingParams(1.0, seed=1, structured_outputs=spec))
+    result = forced_run(engine, request, ForcedDrafts(None, len(prompts[0]), 1, tokenizer("\n")["input_ids"][0]))
+    assert max(result.stats.scheduled_lengths) == 2 and max(result.stats.accept_lengths) <= 2
+    assert re.fullmatch("[a-z ]+", tokenizer.decode(result.token_ids).removesuffix(tokenizer.eos_token))
 
 
 def test_a_window_masks_each_position_by_the_state_before_it(demo):
@@ -201,14 +245,15 @@ def test_bad_specs_name_the_problem(demo):
 
 
 @gpu
-def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo):
-    """On CUDA with every graph captured up front: a constrained greedy row is plain greedy decoding
-    under its grammar (the CPU's, float32), a free row beside it stays what it is alone, a sampled
-    constrained row gives the same tokens alone and in the batch, every output matches, and no step
-    captures a graph (the masks are per-row state in fixed buffers)."""
+@pytest.mark.parametrize("tree", [{}, dict(draft_top_k=4, tree_budget=16)], ids=["chain", "tree"])
+def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo, tree):
+    """On CUDA with every graph captured up front, chained and in trees: a constrained greedy row is
+    plain greedy decoding under its grammar (the CPU's, float32), a free row beside it stays what it
+    is alone, a sampled constrained row gives the same tokens alone and in the batch, every output
+    matches, and no step captures a graph (the masks are per-row state in fixed buffers)."""
     pair, tokenizer, prompts, _, plain = demo
     engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=4, max_model_len=512, device="cuda",
-                                                                       dtype=torch.float32))
+                                                                       dtype=torch.float32, **tree))
     engine.capture_graphs()
     captured = engine.runner.captures
     greedy = Request(prompts[0], 96, SamplingParams(structured_outputs=SPECS[0]))
@@ -223,12 +268,64 @@ def test_cuda_graphs_replay_any_mix_of_constrained_and_free_rows(demo):
     assert engine.runner.captures == captured and not engine.runner.uncapturable
 
 
-def test_tree_mode_refuses_structured_outputs(demo):
-    pair = demo[0]
-    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=1, max_model_len=64, draft_top_k=2))
-    with pytest.raises(ValueError, match=r"not supported in tree mode \(draft_top_k > 1\): a tree's nodes") as info:
-        engine.add_request(Request([1, 2], 4, SamplingParams(structured_outputs=SPECS[3])))
-    assert info.value.param == "structured_outputs"
+def test_tree_mode_greedy_is_plain_greedy_under_the_grammar_and_sampled_outputs_match(demo):
+    """Tree mode (top-4 trees of 16 nodes, each node masked by its path's state, refused nodes cut):
+    greedy is plain greedy decoding under the grammar token for token, batched; sampled outputs
+    complete and match, and a sampled request's tokens do not depend on its batch."""
+    pair, tokenizer, prompts, _, plain = demo
+    engine = LLMEngine(str(pair.target), str(pair.draft), EngineConfig(max_batch=8, max_model_len=512, draft_top_k=4,
+                                                                       tree_budget=16))
+    greedy = [Request(p, 96, SamplingParams(structured_outputs=spec)) for spec in SPECS for p in prompts]
+    assert [r.token_ids for r in engine.generate(greedy)] == [r.token_ids for r in plain.generate(greedy)]
+    sampled = [Request(prompts[i % 2], 96, SamplingParams(1.0, seed=i, structured_outputs=spec))
+               for i, spec in enumerate(SPECS)]
+    out = engine.generate(sampled)
+    for request, result in zip(sampled, out):
+        assert result.finish_reason == "stop" and result.token_ids[-1] in engine.eos_ids
+        check_output(request.sampling.structured_outputs, tokenizer.decode(result.token_ids[:-1]))
+    assert engine.generate(sampled[2:3])[0].token_ids == out[2].token_ids
+
+
+def letters_tokenizer():
+    """A word-level tokenizer of a b c d (ids 0..3) and ``<eos>`` (``EOS``)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {"a": 0, "b": 1, "c": 2, "d": 3, "<eos>": EOS}, unk_token="a")), eos_token="<eos>")
+
+
+def test_a_tree_walk_masks_each_node_by_its_path_and_cuts_what_the_grammar_refuses():
+    """``walk_tree`` on ``(a[cd]b)+`` over a drafted tree: node i's mask is a fresh matcher's after
+    the tokens of i's path; a refused node goes with its subtree, so does what follows a stop token;
+    a node forced to one token gives its first child that token; the kept nodes are renumbered in
+    order with their parents, depths and ancestor masks; the matcher is rolled back."""
+    a, b, c, d = range(4)
+    grammars = Grammars(letters_tokenizer(), 5, [EOS])
+    spec = StructuredOutputs(regex="(a[cd]b)+")
+    # node:        0  1  2  3  4  5  6  7    8  9
+    tokens = [b, a, c, c, a, b, d, EOS, a, a]
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 7, 6]
+    depths = [0, 1, 1, 2, 2, 2, 3, 4, 5, 4]
+    grammar = grammars.matcher(spec)
+    masks = torch.zeros(len(tokens), grammars.width, dtype=torch.int32)
+    walk = walk_tree(grammar, tokens, parents, depths, masks)
+    assert walk.source == [0, 1, 3, 6, 7, 9] and walk.forced == {6: b}  # 2 (and 5), 4, 8 cut; d -> b
+    assert walk.tokens == [b, a, c, b, EOS, a] and walk.parents == [-1, 0, 1, 2, 3, 3]
+    assert walk.depths == [0, 1, 2, 3, 4, 4]
+    paths = {0: [], 1: [a], 3: [a, c], 6: [a, c, b], 7: [a, c, b, EOS], 9: [a, c, b, a]}
+    for node, path in paths.items():
+        fresh = grammars.matcher(spec)
+        fresh.advance(path)
+        row = torch.zeros(1, grammars.width, dtype=torch.int32)
+        fresh.next_mask(row[0])
+        assert torch.equal(masks[node], row[0]), node
+    assert int(masks[7, 0]) == FREE_MASK  # after the stop token: nothing is masked, nothing follows
+    laid_tokens, laid_parents, laid_depths, bits = walk.layout(8)
+    assert laid_tokens.tolist() == [b, a, c, b, EOS, a, b, b] and laid_parents.tolist() == [-1, 0, 1, 2, 3, 3, -1, -1]
+    assert laid_depths.tolist() == [0, 1, 2, 3, 4, 4, 0, 0]
+    assert bits.tolist() == [1, 0b11, 0b111, 0b1111, 0b11111, 0b101111, 1 << 6, 1 << 7]
+    assert grammar.advance([a, d, b]) is False  # rolled back: the root's state again
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -265,6 +362,30 @@ def test_cli_flags_read_files_and_refuse_two(tmp_path):
         structured_outputs(parser.parse_args(["--json-schema", str(tmp_path / "missing.json")]))
 
 
+def test_the_drafter_is_masked_where_the_state_is_known_before_drafting():
+    """``draft_masks_after`` on ``(a[cd]b)+``: position 0's mask is the state after the new tokens;
+    through a forced run (b after a c) each next position's is the state after it; from the first
+    position with a choice on, every bit is set; the matcher is rolled back."""
+    a, b, c, d = range(4)
+    grammars = Grammars(letters_tokenizer(), 5, [EOS])
+    grammar = grammars.matcher(StructuredOutputs(regex="(a[cd]b)+"))
+
+    def state(path):
+        fresh = grammars.matcher(StructuredOutputs(regex="(a[cd]b)+"))
+        fresh.advance(path)
+        row = torch.zeros(grammars.width, dtype=torch.int32)
+        fresh.next_mask(row)
+        return row
+
+    out = torch.zeros(4, grammars.width, dtype=torch.int32)
+    grammar.draft_masks_after([a, c], out)  # b forced, then a or the EOS
+    assert torch.equal(out[0], state([a, c])) and torch.equal(out[1], state([a, c, b]))
+    assert (out[2:] == FREE_MASK).all() and not torch.equal(out[0], out[1])
+    grammar.draft_masks_after([a], out)  # c or d: nothing known after
+    assert torch.equal(out[0], state([a])) and (out[1:] == FREE_MASK).all()
+    assert grammar.advance([a, d, b]) is False  # rolled back
+
+
 # ------------------------------------------------------------------------------ sampled: the masked distribution
 
 ROWS, TOKENS = 128, 256  # 32 768 transitions over 8 allowed pairs: an exact engine's TV ~ 0.006
@@ -275,18 +396,13 @@ EOS = 4
 def bigram_grammar_pair(one_thread):
     """A bigram target over tokens a b c d (and EOS, biased away), a random draft, a tokenizer, and
     the target's logits after each of a b c d ``[4, 4]``."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     target = tiny_qwen3_target(vocab_size=5, num_layers=2, eos_token_id=EOS)
     with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.zero_()
         logits = target(torch.arange(4)[:, None]).logits[:, 0, :4]
     draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"]), 0, target)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
-        {"a": 0, "b": 1, "c": 2, "d": 3, "<eos>": EOS}, unk_token="a")), eos_token="<eos>")
-    return target, draft, tokenizer, logits
+    return target, draft, letters_tokenizer(), logits
 
 
 # regex -> tokens allowed after a, b, c, d (the grammar's state is the last token's); the second forces
@@ -295,16 +411,45 @@ GRAMMAR_CHAINS = {"([ab][cd])+": [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 
                   "(a[cd]b)+": [[0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]]}
 
 
+@pytest.mark.parametrize("head, from_anchor", [("vanilla", True), ("gated", False), ("rnn", False)])
+def test_redrafted_greedy_rows_with_every_markov_head(bigram_grammar_pair, head, from_anchor):
+    """Random drafters of each Markov head, drafting from the anchor's slot or the next: a free draft
+    pass's drafts are what ``redraft`` makes again with every token allowed (its chain, slot offset
+    and rnn state follow the pass's), and greedy rows under a grammar -- their refused drafts
+    redrafted -- are plain greedy decoding under it."""
+    target, _, tokenizer, _ = bigram_grammar_pair
+    draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"], markov_head_type=head,
+                                           sample_from_anchor=from_anchor), 1, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=4))
+    plain = LLMEngine(target, None, EngineConfig(max_batch=4))
+    engine.tokenizer = plain.tokenizer = tokenizer
+    rid = engine.add_request(Request([0, 2], 32, SamplingParams(), ignore_eos=True))
+    for _ in range(2):
+        engine.step()
+    runner, p = engine.runner, engine.runner.num_drafts
+    drafts = runner.state.draft_tokens[0].tolist()
+    free = torch.full((p, bitmask_width(5)), FREE_MASK, dtype=torch.int32)
+    assert runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
+    engine.abort(rid)
+    requests = [Request([s % 4], 24, SamplingParams(structured_outputs=StructuredOutputs(regex=regex),
+                                                    logit_bias={EOS: -100.0}), ignore_eos=True)
+                for s in range(4) for regex in GRAMMAR_CHAINS]
+    assert [r.token_ids for r in engine.generate(requests)] == [r.token_ids for r in plain.generate(requests)]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("top_k", [1, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize("regex", list(GRAMMAR_CHAINS))
-def test_sampled_outputs_follow_the_masked_target(bigram_grammar_pair, regex):
+def test_sampled_outputs_follow_the_masked_target(bigram_grammar_pair, regex, top_k):
     """Every transition of sampled speculative outputs under the grammar follows the target's masked
     distribution (after each token, the target's distribution over what the grammar allows next,
-    renormalised); the same outputs do not follow the unmasked one (the check has teeth)."""
+    renormalised), chained drafts and trees alike (top-3 trees of 6 nodes: refused nodes cut, forced
+    ones put in); the same outputs do not follow the unmasked one (the check has teeth)."""
     target, draft, tokenizer, logits = bigram_grammar_pair
     allowed = torch.tensor(GRAMMAR_CHAINS[regex], dtype=torch.bool)
     chain = logits.masked_fill(~allowed, -float("inf")).softmax(-1)
-    engine = LLMEngine(target, draft, EngineConfig(max_batch=ROWS))
+    tree = dict(draft_top_k=top_k, tree_budget=6) if top_k > 1 else {}
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=ROWS, **tree))
     engine.tokenizer = tokenizer
     spec = StructuredOutputs(regex=regex)
     out = engine.generate([Request([s % 4], TOKENS, SamplingParams(1.0, seed=s, structured_outputs=spec,

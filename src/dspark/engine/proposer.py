@@ -64,8 +64,9 @@ class DSparkProposer:
         s, p = self.state, self.drafter.num_draft_tokens
         self.context_rows(b)
         hidden = self.draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
+        s.block_hidden[:b] = hidden.view(b, self.drafter.block_size, -1)  # what ``redraft`` drafts again from
         logits = self.drafter.model.backbone_logits(hidden)
-        self._mask_first_draft(b, logits)
+        self._mask_drafts(b, logits)
         sampling = uniforms = None
         if sampled and self.tree is None:
             sampling = s.sampling(b, self.penalties)
@@ -82,14 +83,42 @@ class DSparkProposer:
         if self.tree is not None:
             self._grow_trees(b)
 
-    def _mask_first_draft(self, b: int, logits: torch.Tensor) -> None:
-        """The grammar mask of each row's first draft position (every bit set for a free row) on its
-        block's backbone logits ``[b * N, V]``: the Markov correction is additive, so the corrected
-        logits (and a sampled draft's q) carry it, and a constrained row's first draft is valid."""
-        blocks = logits.view(b, self.drafter.block_size, -1)
-        first = blocks[:, self.drafter.slot_offset].clone()
-        apply_bitmask(first, self.state.draft_mask[:b])
-        blocks[:, self.drafter.slot_offset] = first
+    def _mask_drafts(self, b: int, logits: torch.Tensor) -> None:
+        """Each row's grammar masks of its block slots (``state.draft_mask``, slot k + offset: draft
+        position k's; every bit set for a free row and where a constrained row's state depends on
+        the drafts) on the block's backbone logits ``[b * N, V]``, in place: the Markov correction is
+        additive, so the corrected logits (and a sampled draft's q, the distribution it is drawn
+        from) carry them."""
+        apply_bitmask(logits, self.state.draft_mask[:b].view(b * self.drafter.block_size, -1))
+
+    def redraft(self, rows: list[int], positions: list[int], prefixes: list[list[int]],
+                masks: torch.Tensor) -> list[int]:
+        """Greedy drafts again, outside the draft pass: row ``rows[i]``'s draft at ``positions[i]``
+        after the drafts ``prefixes[i]`` before it (its own tokens, which may differ from what the
+        pass drafted), the argmax of the drafter's Markov-corrected logits there -- the chain stepped
+        from the row's anchor through ``prefixes[i]`` over the block hidden states the last draft
+        pass kept -- masked by ``masks`` int32 ``[len(rows), width]`` (host). A greedy row's
+        acceptance never reads how its drafts were made, so any draft keeps it exact; these are the
+        drafter's best guesses under the grammar. One host read."""
+        s, model, offset = self.state, self.drafter.model, self.drafter.slot_offset
+        device = s.anchor.device
+        index = torch.tensor(rows, device=device)
+        hidden = s.block_hidden[index]  # [n, N, H]
+        last = max(positions)
+        tokens = torch.tensor([prefix[:last] + [0] * (last - min(len(prefix), last)) for prefix in prefixes],
+                              dtype=torch.int32, device=device).view(len(rows), last)
+        prev, state = s.anchor[index], model.markov_start_state(hidden[:, 0], s.anchor[index])
+        at = torch.tensor(positions, device=device)
+        bias = None
+        for step in range(last + 1):  # the chain's bias at each row's own position
+            step_bias, state = model.markov_bias(hidden[:, step + offset], prev, state)
+            bias = step_bias if bias is None else torch.where((at == step)[:, None], step_bias, bias)
+            if step < last:
+                prev = tokens[:, step]
+        rows_at = torch.arange(len(rows), device=device)
+        logits = model.backbone_logits(hidden[rows_at, at + offset]) + bias
+        apply_bitmask(logits, masks.to(device))
+        return logits.argmax(-1).tolist()
 
     def publish(self, b: int) -> None:
         """Rows ``0 .. b-1``'s proposal lengths and confidences into the readout."""

@@ -4,19 +4,23 @@ its ``GrammarMatcher`` tracks one request's state and fills token bitmasks).
 
 How a grammar stays exact under speculative decoding (docs/structured-outputs.md): each round the
 host advances the request's matcher through the round's drafts, one bitmask row per verify position
-(the state after the drafts before it), cuts the drafts after the first one the grammar refuses (that
-one is verified and rejected by its mask: its residual draw keeps sampling exact), and rolls the
-matcher back; the rows are staged into the runner's fixed ``[rows, verify_len, ceil(V / 32)]`` int32
+(the state after the drafts before it), and rolls it back; a sampled row's drafts are cut after the
+first one the grammar refuses (that one is verified and rejected by its mask: its residual draw keeps
+sampling exact), a greedy row's refused draft and those after it are drafted again under the grammar
+(greedy acceptance never reads how a draft was made), and a tree's nodes are masked by the state
+after their paths, refused nodes cut with their subtrees (tree acceptance reads no draft
+distribution). The rows are staged into the runner's fixed ``[rows, verify_len, ceil(V / 32)]`` int32
 buffer (all ones for a free row) and the target's logits at every verify position are masked before
 acceptance, so greedy takes the masked argmax and speculative sampling reproduces the masked
-distribution. After the round the matcher takes the committed tokens. The drafter's first position
-is masked with the state after the committed tokens, so its first draft is always valid.
+distribution. After the round the matcher takes the committed tokens. The drafter is masked where the
+state is known before drafting: its first position (the state after the committed tokens) and the
+positions after a forced run.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -25,7 +29,7 @@ import torch
 from ..kernels._validate import Checker
 
 __all__ = ["FREE_MASK", "GrammarRow", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs",
-           "StructuredStage", "apply_bitmask", "bitmask_width", "walk_windows", "Window"]
+           "StructuredStage", "TreeWalk", "apply_bitmask", "bitmask_width", "walk_tree", "walk_windows", "Window"]
 
 FREE_MASK = -1  # an int32 bitmask word with every bit set: every token allowed (a free row's mask)
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -148,7 +152,8 @@ def _first_line(exc: Exception) -> str:
 @dataclass(frozen=True)
 class Window:
     """A verify window's grammar walk: ``valid`` drafts the grammar takes (forced ones included), and
-    ``forced``: draft position -> the only token its mask allows, where the drafter proposed another."""
+    ``forced``: draft position -> the token that replaces the drafter's there (the only token its mask
+    allows, or a greedy row's draft made again)."""
 
     valid: int
     forced: dict[int, int]
@@ -185,16 +190,26 @@ class RequestGrammar:
         else:
             self.matcher.fill_next_token_bitmask(out[None], 0)
 
-    def mask_after(self, tokens: list[int], out: torch.Tensor) -> None:
-        """``next_mask`` after ``tokens`` more, leaving the matcher where it was."""
-        taken = 0
+    def draft_masks_after(self, tokens: list[int], out: torch.Tensor) -> None:
+        """The drafter's masks after ``tokens`` more, leaving the matcher where it was: ``out`` int32
+        ``[P, width]`` row j is draft position j's where the grammar's state there is known before
+        drafting -- position 0's (the state after ``tokens``), and while a position's mask allows one
+        token only (a forced run), the next one's after it -- and every bit set after that (the
+        state depends on what is drafted)."""
+        matcher, taken = self.matcher, 0
         for token in tokens:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            if matcher.is_terminated() or not matcher.accept_token(token):
                 break
             taken += 1
-        self.next_mask(out)
+        out[:] = FREE_MASK
+        for j in range(out.shape[0]):
+            self.next_mask(out[j])
+            only = self.only_token(out[j])
+            if only is None or j == out.shape[0] - 1 or matcher.is_terminated() or not matcher.accept_token(only):
+                break
+            taken += 1
         if taken:
-            self.matcher.rollback(taken)
+            matcher.rollback(taken)
 
     def advance(self, tokens: list[int]) -> bool:
         """Take committed ``tokens``; returns whether the grammar terminated. A token the grammar
@@ -208,28 +223,48 @@ class RequestGrammar:
 
 
 def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks: torch.Tensor, first_rows: list[int],
-                 batch) -> list[Window]:
+                 batch, redraft: Callable | None = None, greedy: list[bool] | None = None) -> list[Window]:
     """Each request's verify window: row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``,
     host) becomes request i's bitmask after its committed tokens and its first j drafts, for each j up
     to its grammar-valid prefix of ``drafts[i]``; rows after it are left as they are (never read: they
-    follow a refused draft, which its row rejects). A position whose mask allows one token only takes
-    that token as its draft (``Window.forced``): the target's masked distribution there is that token
-    alone, so it is accepted whatever was drafted. Position by position, the masks of every request
-    still walking are filled at once (``batch``: an xgrammar ``BatchGrammarMatcher``, in parallel);
-    the matchers are rolled back."""
+    follow a refused draft, which its row rejects). A position whose mask allows one token only
+    takes that token as its draft (``Window.forced``): the target's masked distribution there is
+    that token alone, so it is accepted whatever was drafted. A ``greedy[i]`` request's refused draft,
+    and every draft after it, is drafted again under its mask (``redraft(requests, positions,
+    prefixes, masks) -> tokens``: ``DSparkProposer.redraft``; ``Window.forced`` too): its acceptance
+    never reads how a draft was made. Position by position, the masks of every request still walking
+    are filled at once (``batch``: an xgrammar ``BatchGrammarMatcher``, in parallel); the matchers
+    are rolled back."""
     valid, forced = [0] * len(grammars), [{} for _ in grammars]
+    greedy = greedy if redraft is not None and greedy is not None else [False] * len(grammars)
+    redrafting = [False] * len(grammars)  # a draft was made again: the pass's later ones followed another
+    drafts = [list(d) for d in drafts]
     walking = list(range(len(grammars)))
     while walking:
         batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in walking], masks,
                                             [first_rows[i] + valid[i] for i in walking])
+        again = []
+        for i in walking:
+            j = valid[i]
+            if j == len(drafts[i]):
+                continue
+            only = grammars[i].only_token(masks[first_rows[i] + j])
+            if only is not None and only != drafts[i][j]:
+                forced[i][j] = drafts[i][j] = only
+            elif greedy[i] and (redrafting[i] or not _allows(masks[first_rows[i] + j], drafts[i][j])):
+                again.append(i)
+        if again:
+            rows = [first_rows[i] + valid[i] for i in again]
+            tokens = redraft(again, [valid[i] for i in again], [drafts[i][:valid[i]] for i in again], masks[rows])
+            for i, token in zip(again, tokens):
+                forced[i][valid[i]] = drafts[i][valid[i]] = token
+                redrafting[i] = True
         still = []
         for i in walking:
             grammar, j = grammars[i], valid[i]
             if j == len(drafts[i]):
                 continue
-            token, only = drafts[i][j], grammar.only_token(masks[first_rows[i] + j])
-            if only is not None and only != token:
-                forced[i][j], token = only, only
+            token = drafts[i][j]
             if not grammar.matcher.accept_token(token):
                 continue
             valid[i] += 1
@@ -242,39 +277,125 @@ def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks:
     return [Window(n, f) for n, f in zip(valid, forced)]
 
 
+def _allows(row: torch.Tensor, token: int) -> bool:
+    """Whether int32 bitmask ``row`` ``[width]`` allows ``token``."""
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+@dataclass(frozen=True)
+class TreeWalk:
+    """A token tree cut to what its grammar takes: the kept nodes, root first, in the tree's order
+    (parents before children). ``source``: each kept node's index in the drafted tree; ``tokens``
+    (a forced token in place of the drafter's), ``parents`` (kept indices; -1 for the root) and
+    ``depths`` per kept node; ``forced``: drafted index -> the only token its parent's mask allows,
+    where no child had drafted it."""
+
+    source: list[int]
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    forced: dict[int, int]
+
+    def layout(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cut tree as the runner's tree rows of ``size`` node slots: ``(tokens int32, parents
+        int32, depths int32, ancestor_bits int64)``, each ``[size]``; unused slots as the builder leaves
+        them (the root's token, parent -1, depth 0, their own bit)."""
+        n = len(self.source)
+        tokens = torch.full((size,), self.tokens[0], dtype=torch.int32)
+        parents = torch.full((size,), -1, dtype=torch.int32)
+        depths = torch.zeros(size, dtype=torch.int32)
+        tokens[:n], parents[:n], depths[:n] = (torch.tensor(v, dtype=torch.int32)
+                                               for v in (self.tokens, self.parents, self.depths))
+        bits = [1 << i for i in range(size)]
+        for i in range(1, n):  # parents come first: a node's mask is its parent's plus itself
+            bits[i] |= bits[self.parents[i]]
+        return tokens, parents, depths, torch.tensor(bits, dtype=torch.int64)
+
+
+def walk_tree(grammar: RequestGrammar, tokens: list[int], parents: list[int], depths: list[int],
+              masks: torch.Tensor) -> TreeWalk:
+    """One request's drafted tree (``tokens`` / ``parents`` / ``depths`` of its nodes, node 0 the
+    root: the anchor, whose state the matcher holds) walked down every path: ``masks`` int32
+    ``[>= len(tokens), width]`` (host) row i becomes node i's bitmask -- the grammar's state after the
+    tokens of its path below the root, what the target's logits at node i are masked with. A node the
+    grammar refuses is cut with its subtree, and so is everything after a stop token the grammar
+    takes (the output ends there). Where a node's mask allows one token only and no child drafted
+    it, its first child takes it (``TreeWalk.forced``; the target's masked distribution there is that
+    token alone). The matcher is rolled back. Rows of cut nodes are left as they are.
+
+    Cutting a refused node is exact, greedy and sampled: its masked target probability is 0, so the
+    greedy walk never follows it, and the sampled walk (``K.sampled_tree_accept``, which tests fixed
+    candidates against the target and never reads a draft distribution) accepts it with probability
+    0 and removes no mass from its later siblings' tests."""
+    children: list[list[int]] = [[] for _ in tokens]
+    for node in range(1, len(tokens)):
+        children[parents[node]].append(node)
+    tokens, kept, forced = list(tokens), [0], {}
+    matcher = grammar.matcher
+
+    def visit(node: int) -> None:
+        grammar.next_mask(masks[node])
+        if grammar.terminated:  # this node took the stop token: nothing after it is output
+            return
+        only, kids = grammar.only_token(masks[node]), children[node]
+        if only is not None and kids and all(tokens[c] != only for c in kids):
+            forced[kids[0]] = tokens[kids[0]] = only
+        for child in kids:
+            if matcher.accept_token(tokens[child]):
+                kept.append(child)
+                visit(child)
+                matcher.rollback(1)
+
+    visit(0)
+    kept.sort()
+    index = {old: new for new, old in enumerate(kept)}
+    return TreeWalk(kept, [tokens[i] for i in kept], [-1] + [index[parents[i]] for i in kept[1:]],
+                    [depths[i] for i in kept], forced)
+
+
 @dataclass(frozen=True)
 class GrammarRow:
-    """A constrained request in a step: its batch ``row``, its grammar, and whether the step commits
-    new tokens for it (a preempted request seated again keeps its committed anchor: none)."""
+    """A constrained request in a step: its batch ``row``, its grammar, whether the step commits
+    new tokens for it (a preempted request seated again keeps its committed anchor: none) and whether
+    it decodes greedily (then its refused drafts are made again under its grammar)."""
 
     row: int
     grammar: RequestGrammar
     commits: bool = True
+    greedy: bool = False
 
 
 class GrammarStager:
     """The host side of the runner's grammar buffers (``RowState.grammar_mask`` int32
-    ``[rows, verify_len, width]``: a verify position's mask; ``RowState.draft_mask`` ``[rows, width]``:
-    the drafter's first position's): each step fills the constrained rows' masks in pinned host
-    copies and sends those rows to the device; a free row keeps every bit set (``clear_row``)."""
+    ``[rows, verify_len, width]``: a verify position's mask; ``RowState.draft_mask``
+    ``[rows, N, width]``: the drafter's per block slot, ``draft_slots`` those of the draft positions,
+    set where the state is known before drafting): each step fills the constrained rows' masks in
+    pinned host copies and sends those rows to the device; a free row keeps every bit set
+    (``clear_row``)."""
 
-    def __init__(self, state, verify_len: int, width: int):
+    def __init__(self, state, verify_len: int, width: int, draft_slots: slice | None = None):
         import xgrammar as xgr
 
-        self.state, self.verify_len = state, verify_len
+        self.state, self.verify_len, self.draft_slots = state, verify_len, draft_slots
         rows, device = state.grammar_mask.shape[0], state.grammar_mask.device
         pinned = device.type == "cuda"
         self.verify_masks = torch.full((rows, verify_len, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
-        self.draft_masks = torch.full((rows, width), FREE_MASK, dtype=torch.int32, pin_memory=pinned)
+        self.draft_masks = None if state.draft_mask is None else torch.full(  # None: no drafter
+            state.draft_mask.shape, FREE_MASK, dtype=torch.int32, pin_memory=pinned)
         self.batch = xgr.BatchGrammarMatcher()  # fills many requests' masks in parallel threads
 
-    def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None):
+    def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None,
+                    redraft: Callable | None = None):
         """Masks of the constrained running ``rows`` for this round, and the round's verify lengths
-        cut after each row's first grammar-refused draft. That draft stays: its mask gives it target
+        cut after each row's first grammar-refused draft (a greedy row's, with ``redraft``, are made
+        again instead: below). That draft stays: its mask gives it target
         probability 0, so it is rejected and its position draws from the residual of its q, as
         speculative sampling must -- drawing there from the target's distribution instead (cutting it
         too) would skew a sampled row's output towards q's valid tokens. A position the grammar
-        forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``).
+        forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``); with
+        ``redraft`` (``DSparkProposer.redraft``), a greedy row's refused draft and the ones after it
+        are made again under the grammar (a one-hot q too: what a greedy row's sampled-path acceptance
+        reads).
         ``drafts`` int ``[rows, P]`` on the host (None for a plain round, ``verify_lens`` None: one
         position per row)."""
         lens = None if verify_lens is None else list(verify_lens)
@@ -282,15 +403,41 @@ class GrammarStager:
             for r in rows:
                 r.grammar.next_mask(self.verify_masks[r.row, 0])
         else:
+            again = None if redraft is None else (
+                lambda requests, *args: redraft([rows[i].row for i in requests], *args))
             windows = walk_windows([r.grammar for r in rows], [drafts[r.row, :lens[r.row] - 1].tolist() for r in rows],
                                    self.verify_masks.view(-1, self.verify_masks.shape[-1]),
-                                   [r.row * self.verify_len for r in rows], self.batch)
+                                   [r.row * self.verify_len for r in rows], self.batch, again,
+                                   [r.greedy for r in rows])
             for r, window in zip(rows, windows):
                 lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
                 self._force(r.row, window.forced)
         for r in rows:
             self.state.grammar_mask[r.row].copy_(self.verify_masks[r.row], non_blocking=True)
         return lens
+
+    def stage_trees(self, rows: list[GrammarRow]) -> None:
+        """Tree mode: each constrained running row's drafted tree walked by its grammar
+        (``walk_tree``): node i's mask (the state after its path) staged as verify position i's, and
+        the tree cut to the nodes its grammar takes (forced tokens in place) written back over the
+        row's tree (tokens, parents, depths, ancestor masks, node count). The trees are read from the
+        device: the step waits for the last draft pass."""
+        s, size = self.state, self.verify_len
+        last = max(r.row for r in rows) + 1
+        tokens, parents, depths, counts = (t[:last].cpu() for t in (s.tree_tokens, s.tree_parents, s.tree_depths,
+                                                                      s.tree_nodes))
+        scratch = torch.empty(size, self.verify_masks.shape[-1], dtype=torch.int32)
+        for r in rows:
+            n = int(counts[r.row])
+            walk = walk_tree(r.grammar, tokens[r.row, :n].tolist(), parents[r.row, :n].tolist(),
+                             depths[r.row, :n].tolist(), scratch)
+            masks = self.verify_masks[r.row]
+            masks.fill_(FREE_MASK)
+            masks[:len(walk.source)] = scratch[walk.source]
+            for buffer, value in zip((s.tree_tokens, s.tree_parents, s.tree_depths, s.tree_bits), walk.layout(size)):
+                buffer[r.row].copy_(value)
+            s.tree_nodes[r.row] = len(walk.source)
+            s.grammar_mask[r.row].copy_(masks, non_blocking=True)
 
     def _force(self, row: int, forced: dict[int, int]) -> None:
         """Row ``row``'s forced drafts into the device state, each with a one-hot q (the
@@ -311,10 +458,10 @@ class GrammarStager:
             self.state.grammar_mask[r.row, 0].copy_(self.verify_masks[r.row, 0], non_blocking=True)
 
     def stage_drafts(self, rows: list[GrammarRow], tokens: list[list[int]]) -> None:
-        """The drafter's first-position masks: each row's state after the step's ``tokens`` (row
-        i's its own list), before the engine commits them."""
+        """The drafter's masks (``RequestGrammar.draft_masks_after``): each row's states after the
+        step's ``tokens`` (row i's its own list), before the engine commits them."""
         for r in rows:
-            r.grammar.mask_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row])
+            r.grammar.draft_masks_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row, self.draft_slots])
             self.state.draft_mask[r.row].copy_(self.draft_masks[r.row], non_blocking=True)
 
 
@@ -340,17 +487,15 @@ class StructuredStage:
                 Checker("add_request").fail("structured_outputs need the target's tokenizer, and it has none "
                                             "(set LLMEngine.tokenizer)")
             self.compiled = Grammars(tokenizer, self.runner.target.vocab_size, eos_ids)
-            self.stager = GrammarStager(self.runner.state, self.runner.verify_len, self.compiled.width)
+            drafter = self.runner.drafter
+            offset = 0 if drafter is None else drafter.slot_offset
+            slots = None if drafter is None else slice(offset, offset + drafter.num_draft_tokens)
+            self.stager = GrammarStager(self.runner.state, self.runner.verify_len, self.compiled.width, slots)
         return self.compiled
 
     def check(self, spec: StructuredOutputs, tokenizer, eos_ids) -> None:
-        """``spec`` compiles (ValueError naming the problem, ``param`` ``structured_outputs``) and the
-        engine can run it."""
+        """``spec`` compiles (ValueError naming the problem, ``param`` ``structured_outputs``)."""
         try:
-            if self.runner.tree is not None:
-                Checker("add_request").fail(
-                    "structured_outputs are not supported in tree mode (draft_top_k > 1): a tree's nodes would "
-                    "each need the grammar state of their own path; use chain drafting (draft_top_k 1)")
             self.grammars(tokenizer, eos_ids).compile(spec)
         except ValueError as exc:
             exc.param = "structured_outputs"  # the request field at fault, for the server's 400
@@ -359,21 +504,26 @@ class StructuredStage:
     def constrain(self, running: list, verify_lens: list[int] | None, chunks) -> list[int] | None:
         """Stage the masks of the step's constrained rows (``running``: the step's running requests,
         row i first; ``chunks``: its (request, prompt chunk) pairs) and return the verify lengths cut
-        to their grammar-valid drafts; with any, the drafter's first-position masks are staged between
+        to their grammar-valid drafts; with any, the drafter's masks are staged between
         the step's passes (``ModelRunner.between_passes``). The drafts are read from the device: a
         constrained step waits for the last draft pass."""
         runner = self.runner
         runner.between_passes = None
         if self.stager is None:  # no structured request yet
             return verify_lens
-        rows = [GrammarRow(i, seq.grammar) for i, seq in enumerate(running) if seq.grammar is not None]
+        rows = [GrammarRow(i, seq.grammar, greedy=seq.request.sampling.greedy) for i, seq in enumerate(running)
+                if seq.grammar is not None]
         seated = [GrammarRow(chunk.row, seq.grammar, commits=not seq.output_ids) for seq, chunk in chunks
                   if chunk.row >= 0 and seq.grammar is not None]
         self.stager.stage_seats(seated)
         if not rows and not seated:
             return verify_lens
-        drafts = runner.state.draft_tokens[:len(running)].cpu() if rows and verify_lens is not None else None
-        verify_lens = self.stager.stage_round(rows, verify_lens, drafts)
+        if rows and verify_lens is not None and runner.tree is not None:
+            self.stager.stage_trees(rows)  # a tree verifies its nodes: the lengths stay
+        else:
+            drafts = runner.state.draft_tokens[:len(running)].cpu() if rows and verify_lens is not None else None
+            verify_lens = self.stager.stage_round(rows, verify_lens, drafts,
+                                                  None if runner.proposer is None else runner.proposer.redraft)
         if runner.drafter is not None:
             def stage_drafts() -> None:
                 result = runner.read(max(r.row for r in rows + seated) + 1)
