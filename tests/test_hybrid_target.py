@@ -269,10 +269,12 @@ def test_a_failed_step_with_prompt_chunks_runs_them_again_from_zero_states(hybri
     assert len(mixed) > 2 and outputs[late] == _generate(model, prompt, 8)
 
 
-@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-next"])
-def test_gated_deltanet_prompt_chunks_scanned_whole_are_the_sequential_scan(name):
-    """Gated DeltaNet prompt chunks run through the chunked delta rule (split at the chunk's last
-    block end with the prefix cache on): the states after every step equal the position-by-position
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-next", "bamba", "falcon-h1", "nemotron-h", "granite-moe-hybrid",
+                                  "mamba2", "jamba", "mamba", "falcon-mamba"])
+def test_prompt_chunks_scanned_whole_are_the_sequential_scan(name):
+    """Prompt chunks scanned whole -- gated DeltaNet by the chunked delta rule, Mamba-2 by the
+    chunked SSD scan, Mamba-1 by the chunked selective scan -- split at the chunk's last block end
+    with the prefix cache on: the states after every step equal the position-by-position
     scan's (fp32, to reassociation: ``_check_running_states``), and the tokens are the sequential
     engine's and the greedy ones of transformers' forward over the whole sequence, with the prefix
     cache on and off. (Not ``generate()``'s: at these lengths it departs from that forward's argmax

@@ -405,9 +405,10 @@ def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward)
     xbc = _activation(module.activation)(causal_conv(xbc, module.conv1d, states.conv, current))
     groups = module.n_groups * module.ssm_state_size
     x, b, c = torch.split(xbc, [module.intermediate_size, groups, groups], dim=-1)
-    update = sys.modules[type(module).__module__].mamba2_selective_state_update
-    heads, head_dim, size = module.num_heads, module.head_dim, module.ssm_state_size
-    a = (-torch.exp(module.A_log.float()))[:, None, None].expand(-1, head_dim, size)
+    modeling = sys.modules[type(module).__module__]
+    heads, head_dim, size, n_groups = module.num_heads, module.head_dim, module.ssm_state_size, module.n_groups
+    a_heads = -torch.exp(module.A_log.float())
+    a = a_heads[:, None, None].expand(-1, head_dim, size)
     d = module.D[:, None].expand(-1, head_dim)
     dt = F.softplus(dt + module.dt_bias.to(dt.dtype))
     low, high = module.time_step_limit or (0.0, float("inf"))
@@ -417,11 +418,20 @@ def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward)
     def step(state, x_t, dt_t, b_t, c_t):
         after = state.clone()  # updated in place
         r = x_t.shape[0]
-        out = update(after, x_t.view(r, heads, head_dim), dt_t[:, :, None].expand(-1, -1, head_dim), a,
-                     b_t.view(r, module.n_groups, size), c_t.view(r, module.n_groups, size), d)
+        out = modeling.mamba2_selective_state_update(
+            after, x_t.view(r, heads, head_dim), dt_t[:, :, None].expand(-1, -1, head_dim), a,
+            b_t.view(r, n_groups, size), c_t.view(r, n_groups, size), d)
         return out.reshape(r, -1), after
 
-    scan = state_scan(step, (x, dt, b, c), states.recurrent, current)
+    def chunked(state, x_t, dt_t, b_t, c_t):  # whole prompt chunks [R, T, ...]; dt already final (no bias, no limit)
+        r, length = dt_t.shape[:2]
+        out, after = modeling.mamba2_chunk_scan(
+            x_t.view(r, length, heads, head_dim), dt_t, a_heads, b_t.view(r, length, n_groups, size),
+            c_t.view(r, length, n_groups, size), chunk_size=module.chunk_size, D=module.D, initial_states=state,
+            return_final_states=True)
+        return out.reshape(r, length, -1).to(x_t.dtype), after
+
+    scan = state_scan(step, (x, dt, b, c), states.recurrent, current, chunked if CHUNKED_PROMPTS else None)
     gated = module.norm(scan, gate) if getattr(module, "mamba_rms_norm", True) else scan * F.silu(gate)
     return module.out_proj(gated.to(hidden.dtype))
 

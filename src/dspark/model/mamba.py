@@ -20,11 +20,14 @@ import torch.nn.functional as F
 
 from . import hybrid
 
-__all__ = ["MAMBA1", "MAMBA1_MIXERS", "mamba1"]
+__all__ = ["MAMBA1", "MAMBA1_MIXERS", "SCAN_CHUNK", "mamba1", "selective_chunk_scan"]
 
 MAMBA1 = "Mamba-1"
 # the Mamba-1 mixer classes run here (by class name, as ``hybrid`` registers mixers)
 MAMBA1_MIXERS = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
+# positions a prompt chunk's selective scan combines at once (its [R, SCAN_CHUNK, channels, d_state]
+# tensors bound the memory; the chunks run one after another)
+SCAN_CHUNK = 32
 
 
 def mamba1(module, hidden: torch.Tensor, states: "hybrid.LayerStates", current: "hybrid.Forward") -> torch.Tensor:
@@ -40,14 +43,58 @@ def mamba1(module, hidden: torch.Tensor, states: "hybrid.LayerStates", current: 
     if hasattr(module, "dt_layernorm"):  # FalconMamba, Jamba
         dt, b, c = module.dt_layernorm(dt), module.b_layernorm(b), module.c_layernorm(c)
     dt = F.linear(dt, module.dt_proj.weight)
+    if module.dt_proj.bias is not None:
+        dt = dt + module.dt_proj.bias.to(dt.dtype)
+    # before the scan, as transformers' step computes it: a padded prompt position (dt = 0) keeps the state
+    dt = F.softplus(dt)
     a = -torch.exp(module.A_log.float())
-    dt_bias = None if module.dt_proj.bias is None else module.dt_proj.bias.float()
     update = sys.modules[type(module).__module__].mamba_selective_state_update
 
     def step(state, x_t, dt_t, b_t, c_t, gate_t):
         after = state.clone()  # updated in place
-        out = update(after, x_t, dt_t, a, b_t, c_t, module.D, z=gate_t, dt_bias=dt_bias, dt_softplus=True)
+        out = update(after, x_t, dt_t, a, b_t, c_t, module.D, z=gate_t)
         return out, after
 
-    scan = hybrid.state_scan(step, (x, dt, b, c, gate), states.recurrent, current)
+    def chunked(state, x_t, dt_t, b_t, c_t, gate_t):  # whole prompt chunks [R, T, ...]
+        return selective_chunk_scan(state, x_t, dt_t, a, b_t, c_t, module.D, gate_t)
+
+    scan = hybrid.state_scan(step, (x, dt, b, c, gate), states.recurrent, current,
+                             chunked if hybrid.CHUNKED_PROMPTS else None)
     return module.out_proj(scan.to(hidden.dtype))
+
+
+def selective_chunk_scan(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         c: torch.Tensor, d: torch.Tensor, gate: torch.Tensor,
+                         chunk: int = SCAN_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Mamba-1 selective scan of whole sequences from ``state`` f32 ``[R, D, S]`` (``D`` channels,
+    ``S`` = d_state): ``h_t = exp(dt_t a) h_{t-1} + dt_t B_t x_t``, ``y_t = (h_t C_t + d x_t) silu(gate_t)``
+    -- the step's arithmetic (f32 decays and inputs, as ``mamba_selective_state_update``), reassociated:
+    ``chunk`` positions at a time, within which the pairs (decay, input) are combined by a
+    Hillis-Steele scan (products of decays, never an exponential of a sum that could overflow), the
+    state carried from chunk to chunk. ``x``, ``dt`` (after bias and softplus), ``gate`` ``[R, T, D]``;
+    ``b``, ``c`` ``[R, T, S]``; ``a`` f32 ``[D, S]``; ``d`` ``[D]``. Returns ``(y [R, T, D] in x's dtype,
+    the state after the last position f32 [R, D, S])``. (mamba-ssm's ``selective_scan_fn`` takes no
+    initial state, so it cannot continue a line's earlier chunks.)"""
+    outputs = []
+    for lo in range(0, x.shape[1], chunk):
+        part = slice(lo, lo + chunk)
+        dt_part = dt[:, part].float()[..., None]  # [R, L, D, 1]
+        decay = torch.exp(dt_part * a)
+        inputs = dt_part * b[:, part].float()[:, :, None, :] * x[:, part].float()[..., None]
+        inputs[:, 0] += decay[:, 0] * state
+        states = _linear_recurrence(decay, inputs)  # [R, L, D, S]
+        state = states[:, -1]
+        outputs.append((states.to(c.dtype) @ c[:, part, :, None])[..., 0])
+    y = torch.cat(outputs, dim=1) + x * d
+    return (y * F.silu(gate)).to(x.dtype), state
+
+
+def _linear_recurrence(decay: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """``h_t = decay_t h_{t-1} + inputs_t`` from ``h_{-1} = 0`` along dim 1 of ``[R, L, ...]``, all ``t`` at
+    once: log2(L) rounds, round ``k`` folding each position's pair into the one ``2^k`` positions later."""
+    shift = 1
+    while shift < decay.shape[1]:
+        inputs = torch.cat([inputs[:, :shift], decay[:, shift:] * inputs[:, :-shift] + inputs[:, shift:]], dim=1)
+        decay = torch.cat([decay[:, :shift], decay[:, shift:] * decay[:, :-shift]], dim=1)
+        shift *= 2
+    return inputs
