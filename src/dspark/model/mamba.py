@@ -13,6 +13,7 @@ position), so rollback is the engine choosing its anchor, as there. The step is 
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -20,14 +21,16 @@ import torch.nn.functional as F
 
 from . import hybrid
 
-__all__ = ["MAMBA1", "MAMBA1_MIXERS", "SCAN_CHUNK", "mamba1", "selective_chunk_scan"]
+__all__ = ["MAMBA1", "MAMBA1_MIXERS", "SCAN_ELEMENTS", "mamba1", "selective_chunk_scan"]
 
 MAMBA1 = "Mamba-1"
 # the Mamba-1 mixer classes run here (by class name, as ``hybrid`` registers mixers)
 MAMBA1_MIXERS = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
-# positions a prompt chunk's selective scan combines at once (its [R, SCAN_CHUNK, channels, d_state]
-# tensors bound the memory; the chunks run one after another)
-SCAN_CHUNK = 32
+# how many f32 elements of ``[R, positions, channels, d_state]`` a prompt chunk's selective scan holds per
+# tensor (64 MiB): the positions it combines at once, a power of two up to 256 (at least 16)
+SCAN_ELEMENTS = 1 << 24
+# a decay factor below exp(_NEGLIGIBLE_LOG) (4e-18) counts as 0 in the selective chunk scan (``_negligible_as_zero``)
+_NEGLIGIBLE_LOG = -40.0
 
 
 def mamba1(module, hidden: torch.Tensor, states: "hybrid.LayerStates", current: "hybrid.Forward") -> torch.Tensor:
@@ -64,22 +67,22 @@ def mamba1(module, hidden: torch.Tensor, states: "hybrid.LayerStates", current: 
 
 
 def selective_chunk_scan(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                         c: torch.Tensor, d: torch.Tensor, gate: torch.Tensor,
-                         chunk: int = SCAN_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                         c: torch.Tensor, d: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Mamba-1 selective scan of whole sequences from ``state`` f32 ``[R, D, S]`` (``D`` channels,
     ``S`` = d_state): ``h_t = exp(dt_t a) h_{t-1} + dt_t B_t x_t``, ``y_t = (h_t C_t + d x_t) silu(gate_t)``
     -- the step's arithmetic (f32 decays and inputs, as ``mamba_selective_state_update``), reassociated:
-    ``chunk`` positions at a time, within which the pairs (decay, input) are combined by a
-    Hillis-Steele scan (products of decays, never an exponential of a sum that could overflow), the
-    state carried from chunk to chunk. ``x``, ``dt`` (after bias and softplus), ``gate`` ``[R, T, D]``;
+    a run of positions at a time (``_scan_run``), within which the pairs (decay, input) are combined by
+    a Hillis-Steele scan (products of decays, never an exponential of a sum that could overflow), the
+    state carried from run to run. ``x``, ``dt`` (after bias and softplus), ``gate`` ``[R, T, D]``;
     ``b``, ``c`` ``[R, T, S]``; ``a`` f32 ``[D, S]``; ``d`` ``[D]``. Returns ``(y [R, T, D] in x's dtype,
     the state after the last position f32 [R, D, S])``. (mamba-ssm's ``selective_scan_fn`` takes no
     initial state, so it cannot continue a line's earlier chunks.)"""
+    run = _scan_run(state.numel())
     outputs = []
-    for lo in range(0, x.shape[1], chunk):
-        part = slice(lo, lo + chunk)
+    for lo in range(0, x.shape[1], run):
+        part = slice(lo, lo + run)
         dt_part = dt[:, part].float()[..., None]  # [R, L, D, 1]
-        decay = torch.exp(dt_part * a)
+        decay = _negligible_as_zero(torch.exp((dt_part * a).clamp(min=_NEGLIGIBLE_LOG)))
         inputs = dt_part * b[:, part].float()[:, :, None, :] * x[:, part].float()[..., None]
         inputs[:, 0] += decay[:, 0] * state
         states = _linear_recurrence(decay, inputs)  # [R, L, D, S]
@@ -89,12 +92,25 @@ def selective_chunk_scan(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
     return (y * F.silu(gate)).to(x.dtype), state
 
 
+def _scan_run(state_elements: int) -> int:
+    """The positions ``selective_chunk_scan`` combines at once for states of ``state_elements`` (all rows)."""
+    return 1 << max(4, min(8, (SCAN_ELEMENTS // max(state_elements, 1)).bit_length() - 1))
+
+
+def _negligible_as_zero(decay: torch.Tensor) -> torch.Tensor:
+    """``decay`` with factors below ``exp(_NEGLIGIBLE_LOG)`` set to 0, in place: what they scale is below
+    f32's resolution of the state it adds to, and products of the others stay normal numbers (the CPU
+    computes with subnormal ones tens of times slower)."""
+    return decay.masked_fill_(decay <= math.exp(_NEGLIGIBLE_LOG), 0.0)
+
+
 def _linear_recurrence(decay: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     """``h_t = decay_t h_{t-1} + inputs_t`` from ``h_{-1} = 0`` along dim 1 of ``[R, L, ...]``, all ``t`` at
-    once: log2(L) rounds, round ``k`` folding each position's pair into the one ``2^k`` positions later."""
+    once: log2(L) rounds, round ``k`` folding each position's pair into the one ``2^k`` positions later
+    (``inputs`` and ``decay`` are overwritten)."""
     shift = 1
     while shift < decay.shape[1]:
-        inputs = torch.cat([inputs[:, :shift], decay[:, shift:] * inputs[:, :-shift] + inputs[:, shift:]], dim=1)
-        decay = torch.cat([decay[:, :shift], decay[:, shift:] * decay[:, :-shift]], dim=1)
+        inputs[:, shift:] = decay[:, shift:] * inputs[:, :-shift] + inputs[:, shift:]  # the right side first
+        decay[:, shift:] = _negligible_as_zero(decay[:, shift:] * decay[:, :-shift])
         shift *= 2
     return inputs
