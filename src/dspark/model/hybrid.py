@@ -19,21 +19,27 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 (kept per position instead of checkpoint + recompute: the window's states come out of the scan that
 runs it, and re-running accepted tokens would cost a second forward per round).
 
-Gated DeltaNet prompt chunks (groups longer than a round) are scanned whole, every request of the
-group padded to the group's length with inputs that leave the state as it is, by the chunked delta
-rule -- flash-linear-attention's ``chunk_gated_delta_rule`` on a GPU, the modeling file's
-``torch_chunk_gated_delta_rule`` elsewhere, as transformers runs a prompt -- writing only the states
-later forwards read: after each request's last token and, with prefix caching, after the last block
-end among its tokens (the scan split there). Exact to the sequential scan up to the chunked form's
-reassociation (fp32: tests/test_hybrid_target.py). The other scans, and every round's,
-run one position at a time, all requests of a ragged group at once (static shapes, no
-host synchronisation: CUDA-graph capturable): the gated delta rule as flash-linear-attention's fused
-recurrent kernel on a GPU, elsewhere the modeling file's own ``torch_recurrent_gated_delta_rule`` (the
-PyTorch reference transformers falls back to); Mamba-2 as the modeling file's
-``mamba2_selective_state_update`` (transformers' recurrent step, which it maps to mamba-ssm's kernel
-where its kernel hub provides it). The conv is ``F.conv1d`` over each token's ``kernel`` inputs, as
-transformers computes it. Tree verification, which would need a state per tree node, is refused
-by the engine for these targets.
+Prompt chunks (groups longer than a round) are scanned whole, every request of the group padded to
+the group's length with inputs that leave the state as it is (gated DeltaNet: zero key, value, beta
+and log-decay; Mamba: zero dt, x, B and C), from each line's state -- gated DeltaNet by the chunked
+delta rule (flash-linear-attention's ``chunk_gated_delta_rule`` on a GPU, the modeling file's
+``torch_chunk_gated_delta_rule`` elsewhere, as transformers runs a prompt), Mamba-2 by the chunked SSD
+scan (the modeling file's ``mamba2_chunk_scan`` with the lines' states as its initial states:
+transformers' own prompt scan, which it maps to mamba-ssm's ``mamba_chunk_scan_combined`` on a GPU
+where that is installed; dt already biased, softplus'd and clamped per position, so the padding's
+zero dt stays zero), Mamba-1 by ``mamba.selective_chunk_scan`` (PyTorch everywhere: mamba-ssm's
+selective scan takes no initial state) -- writing only the states later forwards read: after each
+request's last token and, with prefix caching, after the last block end among its tokens (the scan
+split there). Exact to the sequential scan up to the chunked forms' reassociation (fp32:
+tests/test_hybrid_target.py). ``CHUNKED_PROMPTS = False``: the sequential scan for every group (the
+reference the chunked ones are tested on). Every round's scans run one position at a time, all
+requests of a ragged group at once (static shapes, no host synchronisation: CUDA-graph capturable):
+the gated delta rule as flash-linear-attention's fused recurrent kernel on a GPU, elsewhere the
+modeling file's own ``torch_recurrent_gated_delta_rule`` (the PyTorch reference transformers falls
+back to); Mamba-2 as the modeling file's ``mamba2_selective_state_update`` (transformers' recurrent
+step, which it maps to mamba-ssm's kernel where its kernel hub provides it). The conv is
+``F.conv1d`` over each token's ``kernel`` inputs, as transformers computes it. Tree verification,
+which would need a state per tree node, is refused by the engine for these targets.
 
 **Prefix caching** (``StateLayout.boundaries`` > 0): a cached block is usable for a hybrid target
 only with the states after its last position. The rings keep those apart: the recurrent state after
@@ -65,8 +71,9 @@ __all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Toke
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
 _MAMBA_TYPES = ("mamba", "linear_attention")  # what configs declare Mamba layers as (older releases: "mamba")
-# gated DeltaNet prompt chunks scanned whole (the chunked delta rule) rather than position by
-# position; False: the sequential scan for every group (the reference the chunked scan is tested on)
+# prompt chunks scanned whole (gated DeltaNet: the chunked delta rule; Mamba-2: the chunked SSD scan;
+# Mamba-1: mamba.selective_chunk_scan) rather than position by position; False: the sequential scan
+# for every group (the reference the chunked scans are tested on)
 CHUNKED_PROMPTS = True
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
 _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
@@ -395,7 +402,8 @@ def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward)
     clamped to ``time_step_limit`` at prompt positions only (``StatePool.prompt_lens``), as
     transformers' chunked prompt scan clamps and its recurrent step does not; the selective state
     update position by position (the modeling file's ``mamba2_selective_state_update``,
-    transformers' own recurrent step); the gated norm (Falcon-H1 without one: a SiLU gate) and
+    transformers' own recurrent step), prompt chunks by its chunked SSD scan (``mamba2_chunk_scan``,
+    from the lines' states; ``CHUNKED_PROMPTS``); the gated norm (Falcon-H1 without one: a SiLU gate) and
     ``out_proj``."""
     if hasattr(module, "mup_vector"):  # Falcon-H1
         projected = module.in_proj(hidden * module.ssm_in_multiplier) * module.mup_vector.view(-1)
@@ -558,11 +566,11 @@ def _chunked_group(chunked, state: torch.Tensor, inputs: tuple[torch.Tensor, ...
                    n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A ragged group's requests scanned whole: their tokens padded to ``[R, length, ...]`` with
     zeros (inputs that leave the state as it is: the gated delta rule's zero key, value, beta and
-    log-decay), ``chunked(state [R, ...], *inputs [R, T, ...]) -> (out [R, T, ...], state after
-    the last)``. Only the states later forwards and snapshots read are written: after each request's
-    last token and, with prefix caching, after the last block end among its tokens (the scan is
-    split there: before it, then from it with its state). Returns ``(token indices [R * T], outputs
-    [R * T, ...])`` (index ``n``: padding)."""
+    log-decay; Mamba's zero dt, x, B and C), ``chunked(state [R, ...], *inputs [R, T, ...]) -> (out
+    [R, T, ...], state after the last)``. Only the states later forwards and snapshots read are
+    written: after each request's last token and, with prefix caching, after the last block end
+    among its tokens (the scan is split there: before it, then from it with its state). Returns
+    ``(token indices [R * T], outputs [R * T, ...])`` (index ``n``: padding)."""
     steps = torch.arange(length, device=counts.device)
     valid = steps[None] < counts[:, None]
     token = torch.where(valid, firsts[:, None] + steps, n)

@@ -8,7 +8,10 @@ Mamba-2's per-head scalar decay). Its states live in ``hybrid``'s rings like eve
 mixer's (``hybrid.causal_conv`` for the conv inputs, ``hybrid.state_scan`` for the state after each
 position), so rollback is the engine choosing its anchor, as there. The step is the modeling file's
 ``mamba_selective_state_update`` -- transformers' own recurrent step, which it maps to mamba-ssm's
-``selective_state_update`` kernel where that is installed; elsewhere its PyTorch reference.
+``selective_state_update`` kernel where that is installed; elsewhere its PyTorch reference. Prompt
+chunks are scanned whole by ``selective_chunk_scan`` (PyTorch on every device: mamba-ssm's
+``selective_scan_fn`` starts from a zero state, and a chunk continues its line's state): runs of
+``SCAN_RUN`` positions, each a Hillis-Steele scan of (decay, input) pairs.
 """
 
 from __future__ import annotations
@@ -21,24 +24,25 @@ import torch.nn.functional as F
 
 from . import hybrid
 
-__all__ = ["MAMBA1", "MAMBA1_MIXERS", "SCAN_ELEMENTS", "mamba1", "selective_chunk_scan"]
+__all__ = ["MAMBA1", "MAMBA1_MIXERS", "SCAN_RUN", "mamba1", "selective_chunk_scan"]
 
 MAMBA1 = "Mamba-1"
 # the Mamba-1 mixer classes run here (by class name, as ``hybrid`` registers mixers)
 MAMBA1_MIXERS = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
-# how many f32 elements of ``[R, positions, channels, d_state]`` a prompt chunk's selective scan holds per
-# tensor (64 MiB): the positions it combines at once, a power of two up to 256 (at least 16)
-SCAN_ELEMENTS = 1 << 24
-# a decay factor below exp(_NEGLIGIBLE_LOG) (4e-18) counts as 0 in the selective chunk scan (``_negligible_as_zero``)
-_NEGLIGIBLE_LOG = -40.0
+# positions the chunked selective scan combines at once (log2 of it rounds over [R, SCAN_RUN, channels,
+# d_state] each): on this CPU 16 ran a 512-token scan in half the time of 256 (memory traffic)
+SCAN_RUN = 16
+# a decay factor of at most this counts as 0 in the chunked selective scan (``_negligible_as_zero``)
+NEGLIGIBLE_DECAY = 2.0 ** -60
 
 
 def mamba1(module, hidden: torch.Tensor, states: "hybrid.LayerStates", current: "hybrid.Forward") -> torch.Tensor:
     """A Mamba-1 mixer on ``hidden`` ``[N, H]`` (its forward, less the cache): ``in_proj`` -> conv input
     | gate; the conv on the engine's states and the activation; ``x_proj`` -> dt | B | C (FalconMamba,
-    Jamba: each RMS-normed); dt through ``dt_proj``'s weight (its bias goes into the step, as
-    transformers passes it); the selective state update position by position, with the ``D`` skip
-    and the SiLU gate; ``out_proj``. Returns ``[N, H]`` in ``hidden``'s dtype."""
+    Jamba: each RMS-normed); dt through ``dt_proj``, then softplus (as transformers' step computes
+    them); the selective scan with the ``D`` skip and the SiLU gate -- the selective state update
+    position by position, prompt chunks by ``selective_chunk_scan`` (``hybrid.CHUNKED_PROMPTS``);
+    ``out_proj``. Returns ``[N, H]`` in ``hidden``'s dtype."""
     x, gate = module.in_proj(hidden).chunk(2, dim=-1)
     x = module.act(hybrid.causal_conv(x, module.conv1d, states.conv, current))
     size = module.ssm_state_size
@@ -71,18 +75,18 @@ def selective_chunk_scan(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
     """The Mamba-1 selective scan of whole sequences from ``state`` f32 ``[R, D, S]`` (``D`` channels,
     ``S`` = d_state): ``h_t = exp(dt_t a) h_{t-1} + dt_t B_t x_t``, ``y_t = (h_t C_t + d x_t) silu(gate_t)``
     -- the step's arithmetic (f32 decays and inputs, as ``mamba_selective_state_update``), reassociated:
-    a run of positions at a time (``_scan_run``), within which the pairs (decay, input) are combined by
+    ``SCAN_RUN`` positions at a time, within which the pairs (decay, input) are combined by
     a Hillis-Steele scan (products of decays, never an exponential of a sum that could overflow), the
     state carried from run to run. ``x``, ``dt`` (after bias and softplus), ``gate`` ``[R, T, D]``;
     ``b``, ``c`` ``[R, T, S]``; ``a`` f32 ``[D, S]``; ``d`` ``[D]``. Returns ``(y [R, T, D] in x's dtype,
     the state after the last position f32 [R, D, S])``. (mamba-ssm's ``selective_scan_fn`` takes no
     initial state, so it cannot continue a line's earlier chunks.)"""
-    run = _scan_run(state.numel())
     outputs = []
-    for lo in range(0, x.shape[1], run):
-        part = slice(lo, lo + run)
+    for lo in range(0, x.shape[1], SCAN_RUN):
+        part = slice(lo, lo + SCAN_RUN)
         dt_part = dt[:, part].float()[..., None]  # [R, L, D, 1]
-        decay = _negligible_as_zero(torch.exp((dt_part * a).clamp(min=_NEGLIGIBLE_LOG)))
+        # exponents floored below the negligible ones (their factors then zeroed): no subnormal results
+        decay = _negligible_as_zero(torch.exp((dt_part * a).clamp(min=math.log(NEGLIGIBLE_DECAY) - 1)))
         inputs = dt_part * b[:, part].float()[:, :, None, :] * x[:, part].float()[..., None]
         inputs[:, 0] += decay[:, 0] * state
         states = _linear_recurrence(decay, inputs)  # [R, L, D, S]
@@ -92,16 +96,11 @@ def selective_chunk_scan(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
     return (y * F.silu(gate)).to(x.dtype), state
 
 
-def _scan_run(state_elements: int) -> int:
-    """The positions ``selective_chunk_scan`` combines at once for states of ``state_elements`` (all rows)."""
-    return 1 << max(4, min(8, (SCAN_ELEMENTS // max(state_elements, 1)).bit_length() - 1))
-
-
 def _negligible_as_zero(decay: torch.Tensor) -> torch.Tensor:
-    """``decay`` with factors below ``exp(_NEGLIGIBLE_LOG)`` set to 0, in place: what they scale is below
-    f32's resolution of the state it adds to, and products of the others stay normal numbers (the CPU
-    computes with subnormal ones tens of times slower)."""
-    return decay.masked_fill_(decay <= math.exp(_NEGLIGIBLE_LOG), 0.0)
+    """``decay`` with factors of at most ``NEGLIGIBLE_DECAY`` set to 0, in place: each changes a state by
+    under 1e-18 of the earlier state it scales (the sequential step keeps it), and the products of the
+    others stay normal numbers -- the CPU computes with subnormal ones tens of times slower."""
+    return decay.masked_fill_(decay <= NEGLIGIBLE_DECAY, 0.0)
 
 
 def _linear_recurrence(decay: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
