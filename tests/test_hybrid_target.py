@@ -393,3 +393,28 @@ def test_sampled_outputs_follow_the_targets_distribution(name):
     problem = check_conditionals(tokens, probs, bins)
     assert problem is None, f"{name}: {problem}"
     assert check_conditionals(tokens, nudged(probs), bins) is not None
+
+
+def test_the_chunked_selective_scan_is_the_step_by_step_scan():
+    """Mamba-1's chunked selective scan from a nonzero state over 45 positions (runs of 16 and a
+    part run), decays from ~1 to far below the negligible ones (dt up to 6, A down to -16): its
+    outputs and last state equal transformers' recurrent step applied position by position (fp32)."""
+    import sys
+
+    from dspark.model import mamba
+
+    update = sys.modules[type(_model("jamba").model.layers[0].mamba).__module__].mamba_selective_state_update
+    g = torch.Generator().manual_seed(0)
+    rows, length, channels, size = 3, 45, 12, 8
+    x, gate = torch.randn(rows, length, channels, generator=g), torch.randn(rows, length, channels, generator=g)
+    dt = torch.rand(rows, length, channels, generator=g) ** 4 * 6
+    b, c = torch.randn(rows, length, size, generator=g), torch.randn(rows, length, size, generator=g)
+    a = -torch.linspace(0.01, 16, channels * size).reshape(channels, size)
+    d, state = torch.randn(channels, generator=g), torch.randn(rows, channels, size, generator=g)
+    y, last = mamba.selective_chunk_scan(state, x, dt, a, b, c, d, gate)
+    expected, h = [], state.clone()
+    for t in range(length):
+        expected.append(update(h, x[:, t], dt[:, t], a, b[:, t], c[:, t], d, z=gate[:, t]))
+    torch.testing.assert_close(y, torch.stack(expected, dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last, h, rtol=1e-5, atol=1e-6)
+    assert (torch.exp(dt[..., None] * a) <= mamba.NEGLIGIBLE_DECAY).any() and length % mamba.SCAN_RUN
