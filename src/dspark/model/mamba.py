@@ -22,13 +22,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from . import hybrid
-
 __all__ = ["MAMBA1", "MAMBA1_MIXERS", "SCAN_RUN", "mamba1", "selective_chunk_scan"]
 
 MAMBA1 = "Mamba-1"
 # the Mamba-1 mixer classes run here (by class name, as ``hybrid`` registers mixers)
 MAMBA1_MIXERS = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
+
+# after the names ``hybrid`` reads while it is imported (it imports this module first)
+from . import hybrid  # noqa: E402
 # positions the chunked selective scan combines at once (log2 of it rounds over [R, SCAN_RUN, channels,
 # d_state] each): on this CPU 16 ran a 512-token scan in half the time of 256 (memory traffic)
 SCAN_RUN = 16
