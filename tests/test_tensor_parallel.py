@@ -41,9 +41,20 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     target = tiny_qwen3_target(vocab_size=VOCAB)
     target.save_pretrained(root / "target")
+    _word_tokenizer(VOCAB).save_pretrained(root / "target")
     write_tiny_draft(target, root / "draft", format="speculators")
     yield target, str(root / "target"), str(root / "draft")
     patch.undo()
+
+
+def _word_tokenizer(vocab: int):
+    """Token i is the word "t<i>" (``dspark eval`` reads prompts as text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words)
 
 
 def _engine(pair, size: int, **fields) -> LLMEngine:
@@ -62,16 +73,33 @@ def _sampled(prompt: list[int], seed: int) -> Request:
 # ---------------------------------------------------------------------------------------- the engine
 
 
-POISON = [66, 66, 66]  # a prompt FailingEngine's rank 1 fails on
+POISON = [66, 66, 66]  # a prompt whose forward fails on every rank: the request's own failure
+LONE = [65, 65, 65]  # a prompt whose forward fails on rank 1 alone (after its collectives): one GPU's failure
 
 
-class FailingEngine(LLMEngine):
-    """Rank 1 raises in the commit of a step that runs ``POISON`` (an error only that rank sees)."""
+def _holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
-    def _finish(self):
-        if self.tp.rank == 1 and any(seq.request.prompt_ids == POISON for seq in self.scheduler.running):
-            raise RuntimeError("injected failure on rank 1")
-        return super()._finish()
+
+class FaultyEngine(LLMEngine):
+    """Fault injection (on every rank's engine: the ranks build this class): the target's forward
+    raises for a batch holding ``POISON`` on every rank, and after its collectives on rank 1 alone
+    for one holding ``LONE``."""
+
+    def _build(self, *args):
+        super()._build(*args)
+        real = self.target.forward
+
+        def forward(input_ids, *rest, **kwargs):
+            ids = input_ids.tolist()
+            if _holds(ids, POISON):
+                raise RuntimeError("injected fault in this request")
+            logits = real(input_ids, *rest, **kwargs)
+            if self.tp.rank == 1 and _holds(ids, LONE):
+                raise RuntimeError("injected fault on rank 1")
+            return logits
+
+        self.target.forward = forward
 
 
 class TestTwoRanks:
@@ -85,9 +113,9 @@ class TestTwoRanks:
     @pytest.fixture(scope="class")
     def engines(self, pair):
         _, target, draft = pair
-        two = FailingEngine(target, draft, EngineConfig(max_batch=4, device="cpu", tensor_parallel_size=2,
-                                                        **self.SETTINGS))
-        yield _engine(pair, 1, **self.SETTINGS), two
+        one, two = (FaultyEngine(target, draft, EngineConfig(max_batch=4, device="cpu", tensor_parallel_size=size,
+                                                             **self.SETTINGS)) for size in (1, 2))
+        yield one, two
         two.close()
 
     def test_greedy_output_is_one_process_output(self, engines):
@@ -121,10 +149,24 @@ class TestTwoRanks:
         with pytest.raises(ValueError, match="tensor_parallel_size 2"):
             engines[1].plain()
 
-    def test_a_failing_rank_ends_the_job(self, engines):
+    def test_a_failing_request_fails_alone(self, engines):
+        """Its prompt's forward fails on every rank: the step is retried without the prompt chunks
+        and each tried alone, on every rank; that request ends with "error", the others' tokens are
+        one process's (which failed the same request), and the engine goes on."""
+        one, two = engines
+        requests = [Request(p, max_new_tokens=NEW) for p in [PROMPTS[0], [5, *POISON, 2], *PROMPTS[1:3]]]
+        expected = [(r.token_ids, r.finish_reason, r.error) for r in one.generate(requests)]
+        got = [(r.token_ids, r.finish_reason, r.error) for r in two.generate(requests)]
+        assert got == expected and got[1] == ([], "error", "RuntimeError: injected fault in this request")
+        assert two.metrics.errors == 1
+        assert _tokens(two, requests[2:]) == _tokens(one, requests[2:])
+
+    def test_a_failure_on_one_rank_alone_ends_the_job(self, engines):
+        """A forward fails on rank 1 alone: the ranks would differ from there, so the job ends naming it."""
         two = engines[1]
-        with pytest.raises(EngineDeadError, match="rank 1 failed: RuntimeError: injected failure on rank 1"):
-            two.generate([Request(p, max_new_tokens=NEW) for p in [*PROMPTS[:2], POISON]])
+        with pytest.raises(EngineDeadError, match=r"rank 1 failed: .*a step with prompt chunks failed for "
+                                                  r"request\(s\) \[[\d, ]+\] on (this rank alone|rank 1, but)"):
+            two.generate([Request(p, max_new_tokens=NEW) for p in [*PROMPTS[:2], LONE]])
         assert all(p.poll() is not None for p in two.ranks.processes)
 
 
@@ -219,6 +261,34 @@ def test_cli_and_llm_take_the_size(pair, capsys):
     assert "tensor_parallel_size must be in [1, inf], got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_eval_and_profile_take_the_size(pair, tmp_path, capsys):
+    """``dspark eval -tp 2``: plain decoding, then the draft, each an engine of two ranks -- the
+    report's outputs and tau are one process's; ``dspark profile -tp 2`` times the forwards on both
+    ranks and writes the table."""
+    import json
+
+    from dspark.cli import main
+
+    _, target, draft = pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": " ".join(f"t{i}" for i in p)}) + "\n" for p in PROMPTS[:2]))
+    reports = []
+    for size in (1, 2):
+        out = tmp_path / f"eval{size}.json"
+        assert main(["eval", "--target", target, "--draft", draft, "--prompts", str(prompts), "--max-new-tokens",
+                     str(NEW), "--device", "cpu", "--dtype", "float32", "--json", str(out), "-tp", str(size)]) == 0
+        reports.append(json.loads(out.read_text())["drafts"][0])
+    assert reports[1]["identical"] == 2 and reports[1]["tau"] == reports[0]["tau"]
+    assert reports[1]["acceptance_per_position"] == reports[0]["acceptance_per_position"]
+    table = tmp_path / "cost.json"
+    assert main(["profile", "--target", target, "--draft", draft, "--max-tokens", "16", "--context", "16",
+                 "--device", "cpu", "--dtype", "float32", "--out", str(table), "-tp", "2"]) == 0
+    written = json.loads(table.read_text())
+    assert written["token_counts"] == [1, 2, 4, 8, 16] and written["tensor_parallel_size"] == 2
+    assert len(written["draft_rows"]) == len(written["draft_time_ms"]) > 0
+
+
 def _serve_engine(target: str, draft: str, size: int) -> LLMEngine:
     """``dspark serve``'s engine process builds this (a module function: spawn pickles it by name)."""
     return LLMEngine(target, draft, EngineConfig(max_batch=4, device="cpu", tensor_parallel_size=size))
@@ -262,6 +332,36 @@ def test_tensor_parallel_benchmark_runs_on_the_cpu(tmp_path):
     heads = {name: [sizes[k][name]["b1_outputs_head"] for k in ("1", "2")] for name in ("plain", "dspark")}
     assert heads["plain"][0] == heads["plain"][1] == heads["dspark"][0] == heads["dspark"][1]
     assert sizes["2"]["plain_b1_step_vs_tp1"] > 0
+
+
+@pytest.mark.usefixtures("pair")  # the ranks' one thread each
+def test_replay_frontier_engine_on_two_ranks(monkeypatch):
+    """``bench.frontier --tensor-parallel-size``'s engines on the tiny shape: the acceptance-replay
+    engine learns its prompts' continuations on every rank (its own constructor arguments reach
+    them) and serves them with the same tokens as at size 1, drafts accepted; the cost table is
+    profiled on every rank at once."""
+    import json
+
+    from dspark.bench.replay import TRACES, _prompts, replay_engine
+
+    spec = dict(shape="tiny", vocab=1024, device="cpu", dtype="float32", draft_rank=16, traces=str(TRACES),
+                num_prompts=2, prompt_tokens=6, max_tokens=10)
+    outputs = []
+    for size in (1, 2):
+        monkeypatch.setenv("DSPARK_REPLAY", json.dumps({**spec, "tensor_parallel_size": size}))
+        engine = replay_engine(EngineConfig(max_batch=2, device="cpu", dtype=torch.float32, max_model_len=64,
+                                            tensor_parallel_size=size))
+        try:
+            results = engine.generate([Request(p, spec["max_tokens"]) for p in _prompts(spec)])
+            outputs.append([r.token_ids for r in results])
+            assert [r.token_ids for r in results] == [engine.known[tuple(p)][0][:10] for p in _prompts(spec)]
+            assert engine.metrics.errors == 0 and max(max(r.stats.accept_lengths) for r in results) > 1
+            if size == 2:
+                table = engine.profile_costs([1, 8], context=8, tokens_per_row=8)
+                assert len(table.step_time_ms) == 2 and table.draft_rows == tuple(engine.runner.buckets)
+        finally:
+            engine.close()
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.gpu

@@ -13,8 +13,10 @@ plain decoding's token for token (they must be identical: verification is lossle
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Callable
+
+import torch
 
 from .engine import GenerationStats, LLMEngine, Request, SamplingParams, engine_config
 from .engine.config import DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS
@@ -51,7 +53,8 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
              progress: Callable[[int, int], None] | None = None, engine: str = "auto", cost_table=None,
              min_predicted_gain: float = 0.04, draft_top_k: int = 1, tree_budget: int = 0,
              draft_candidates: int = DEFAULT_DRAFT_CANDIDATES,
-             draft_successors: int = DEFAULT_DRAFT_SUCCESSORS, schedule_signal: str = "confidence") -> dict:
+             draft_successors: int = DEFAULT_DRAFT_SUCCESSORS, schedule_signal: str = "confidence",
+             tensor_parallel_size: int = 1, device=None, dtype=None) -> dict:
     """Evaluate ``drafts`` (name -> ``DSparkDraftModel``) for ``target`` (a Hugging Face causal LM
     on the drafts' device) on ``prompts`` (token id lists). Returns the report: ``plain`` (tokens,
     time_s, tokens_per_second) and, per draft, ``tau``, ``acceptance_per_position``, ``rounds``,
@@ -61,31 +64,28 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
     prompt at a time either way, so that per-prompt speedups stay comparable; ``"batched"`` adds CUDA
     graphs on a GPU); ``scheduler="cost"`` with ``cost_table`` and ``min_predicted_gain``, and tree
     mode with ``draft_top_k`` > 1 and ``tree_budget``, and ``draft_candidates`` / ``draft_successors`` and
-    ``schedule_signal``, as ``EngineConfig``."""
+    ``schedule_signal``, as ``EngineConfig``. With ``tensor_parallel_size`` N > 1 the target is a
+    checkpoint directory and the drafts directories (or builders), run on ``device`` / ``dtype``:
+    each engine's N ranks load their shards, and as one tensor-parallel engine runs at a time, plain
+    decoding runs every prompt, then each draft does (``progress`` counts every engine's prompts)."""
     c = Checker("evaluate")
     if not drafts:
         c.fail("drafts must name at least one draft model")
     if not prompts or not all(prompts):
         c.fail("prompts must be a non-empty list of non-empty token id lists")
-    config = engine_config(engine, next(target.parameters()).device, name="evaluate", max_batch=1,
-                           gpu_memory_utilization=None,
+    parallel = tensor_parallel_size > 1
+    on_device = (device if device is not None else "cuda" if torch.cuda.is_available() else "cpu") if parallel \
+        else next(target.parameters()).device
+    where = dict(device=on_device, dtype=dtype, tensor_parallel_size=tensor_parallel_size) if parallel else {}
+    config = engine_config(engine, on_device, name="evaluate", max_batch=1, gpu_memory_utilization=None, **where,
                            scheduler=scheduler, threshold=threshold, cost_table=cost_table,
                            min_predicted_gain=min_predicted_gain, draft_top_k=draft_top_k, tree_budget=tree_budget,
                            draft_candidates=draft_candidates, draft_successors=draft_successors,
                            schedule_signal=schedule_signal)
-    engines = {name: LLMEngine(target, draft, config) for name, draft in drafts.items()}
-    speculative = {name: _runner(e, sampling) for name, e in engines.items()}
-    baseline = _runner(next(iter(engines.values())).plain(), sampling)
-    for run in [*speculative.values(), baseline]:  # first calls pay one-off costs: not timed
-        run(prompts[0], _WARMUP_TOKENS)
-
-    plain, runs = [], {name: [] for name in speculative}
-    for done, ids in enumerate(prompts, start=1):
-        plain.append(baseline(ids, max_new_tokens))
-        for name, run in speculative.items():
-            runs[name].append(run(ids, max_new_tokens))
-        if progress is not None:
-            progress(done, len(prompts))
+    if parallel:
+        plain, runs = _evaluate_in_turn(target, drafts, prompts, config, sampling, max_new_tokens, progress)
+    else:
+        plain, runs = _evaluate_side_by_side(target, drafts, prompts, config, sampling, max_new_tokens, progress)
     plain_stats = merge_stats([r.stats for r in plain])
     report = {
         "prompts": len(prompts),
@@ -117,6 +117,45 @@ def evaluate(target, drafts: dict, prompts: list[list[int]], *, max_new_tokens: 
             "per_prompt": [_prompt_row(r, p, sampling) for r, p in zip(results, plain)],
         })
     return report
+
+
+def _evaluate_side_by_side(target, drafts: dict, prompts, config, sampling, max_new_tokens: int, progress):
+    """(plain results, results per draft): every engine on one prompt, back to back, then the next."""
+    engines = {name: LLMEngine(target, draft, config) for name, draft in drafts.items()}
+    speculative = {name: _runner(e, sampling) for name, e in engines.items()}
+    baseline = _runner(next(iter(engines.values())).plain(), sampling)
+    for run in [*speculative.values(), baseline]:  # first calls pay one-off costs: not timed
+        run(prompts[0], _WARMUP_TOKENS)
+    plain, runs = [], {name: [] for name in speculative}
+    for done, ids in enumerate(prompts, start=1):
+        plain.append(baseline(ids, max_new_tokens))
+        for name, run in speculative.items():
+            runs[name].append(run(ids, max_new_tokens))
+        if progress is not None:
+            progress(done, len(prompts))
+    return plain, runs
+
+
+def _evaluate_in_turn(target, drafts: dict, prompts, config, sampling, max_new_tokens: int, progress):
+    """(plain results, results per draft) under tensor parallelism: one engine (of N ranks) at a
+    time runs every prompt -- plain decoding (no draft, ``LLMEngine.plain``'s settings), then each draft."""
+    plain_config = replace(config, scheduler="off", schedule_signal="confidence", draft_top_k=1, tree_budget=0)
+    turns = [(None, None, plain_config)] + [(name, draft, config) for name, draft in drafts.items()]
+    results, done = {}, 0
+    for name, draft, settings in turns:
+        engine = LLMEngine(target, draft, settings)
+        try:
+            run = _runner(engine, sampling)
+            run(prompts[0], _WARMUP_TOKENS)  # the first call pays one-off costs: not timed
+            results[name] = []
+            for ids in prompts:
+                results[name].append(run(ids, max_new_tokens))
+                done += 1
+                if progress is not None:
+                    progress(done, len(prompts) * len(turns))
+        finally:
+            engine.close()
+    return results.pop(None), results
 
 
 def _runner(engine: LLMEngine, sampling: SamplingParams):

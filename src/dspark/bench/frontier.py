@@ -50,6 +50,8 @@ DEFAULT_CONFIGS = ("plain", "dspark-fixed", "dspark-scheduled")
 
 def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
     """``DIR/cost_table.json`` of the spec's target (the format ``dspark profile`` writes)."""
+    if spec.get("tensor_parallel_size") is not None:
+        return _profile_parallel(spec, out, num_drafts, max_batch)
     from ..engine.profile import default_token_counts, profile_verify
     from ..model.llama import TargetLM
     from .replay import _target
@@ -81,6 +83,32 @@ def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
     return path
 
 
+def _profile_parallel(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
+    """``profile`` of the spec's tensor-parallel target: an engine of its ranks (the servers' random
+    target and drafter builders) measures on every rank at once (``LLMEngine.profile_costs``)."""
+    from ..engine import EngineConfig, LLMEngine
+    from ..engine.profile import default_token_counts
+    from .replay import _models
+
+    context = spec["prompt_tokens"] + spec["max_tokens"] // 2
+    config = EngineConfig(max_batch=max_batch, max_model_len=context + 64, device=spec["device"],
+                          dtype=getattr(torch, spec["dtype"]), gpu_memory_utilization=None,
+                          tensor_parallel_size=spec["tensor_parallel_size"])
+    engine = LLMEngine(*_models(spec, config, draft=True), config)
+    try:
+        table = engine.profile_costs(default_token_counts(max_batch * (num_drafts + 1)), context=context,
+                                     tokens_per_row=num_drafts + 1)
+    finally:
+        engine.close()
+    path = out / "cost_table.json"
+    table.write_json(path, device=spec["device"], context=context,
+                     target=f"bench.tensor_parallel.random_shard({spec['shape']!r}) x {spec['tensor_parallel_size']}")
+    del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return path
+
+
 def run_config(label: str, args, spec: dict, cost_table: Path | None, *, factory: str | None = None,
                scheduler: list[str] | None = None, load_extra: tuple[str, ...] = ()) -> int:
     """Serve one configuration (``CONFIGS[label]`` unless ``factory`` / ``scheduler`` are given) and
@@ -94,6 +122,8 @@ def run_config(label: str, args, spec: dict, cost_table: Path | None, *, factory
               # each prompt is sent many times: from the prefix cache its prefill would vanish, and
               # the frontier measures decoding (prefix_chat measures the cache)
               "--no-enable-prefix-caching"] + [a.format(cost_table=cost_table) for a in scheduler]
+    if spec.get("tensor_parallel_size") is not None:
+        server += ["--tensor-parallel-size", str(spec["tensor_parallel_size"])]
     load = ["--out", args.out, "--label", label, "--concurrency", args.concurrency,
             "--requests-per-client", str(args.requests_per_client), "--max-tokens", str(args.max_tokens),
             "--random-prompts", str(args.prompt_tokens), "--vocab", str(spec["vocab"]),
@@ -269,8 +299,9 @@ def _check(parser, args) -> tuple:
     """The target shape (a name or a dict) and the traces' drafts per round; parser errors name the flag."""
     from .engine import SHAPES
 
-    for name in ("requests_per_client", "max_tokens", "prompt_tokens", "num_prompts", "max_batch", "draft_rank"):
-        if getattr(args, name) < 1:
+    for name in ("requests_per_client", "max_tokens", "prompt_tokens", "num_prompts", "max_batch", "draft_rank",
+                 "tensor_parallel_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prompt_tokens_max is not None and args.prompt_tokens_max < args.prompt_tokens:
         parser.error(f"--prompt-tokens-max must be >= --prompt-tokens ({args.prompt_tokens}), got {args.prompt_tokens_max}")
@@ -321,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                              "plain and a random drafter under greedy and under mixed greedy / sampled requests")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="serve (and profile) the target sharded over N GPUs; its weights are then built on "
+                             "every rank (bench.tensor_parallel.random_shard: the same peaked random model at every "
+                             "N, 1 included, which no process holds whole): e.g. --shape 70b -tp 2")
     parser.add_argument("--summarize-only", action="store_true",
                         help="only redo frontier.md/.json/.png from the runs already in --out")
     args = parser.parse_args(argv)
@@ -343,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"shape": shape, "vocab": args.vocab or VOCAB, "device": args.device, "dtype": args.dtype,
             "draft_rank": args.draft_rank, "traces": args.traces, "num_prompts": args.num_prompts,
             "prompt_tokens": args.prompt_tokens, "prompt_tokens_max": args.prompt_tokens_max,
-            "max_tokens": args.max_tokens}
+            "max_tokens": args.max_tokens, "tensor_parallel_size": args.tensor_parallel_size}
     os.environ["DSPARK_REPLAY"] = json.dumps(spec)  # the servers' engine factories read it
     if args.workload == "mixed":
         return run_mixed(args, spec)

@@ -81,13 +81,14 @@ class OracleEngine(LLMEngine):
     docstring); every request comes with ``oracle_ids`` (and, replaying, ``oracle_trace``) and must
     be greedy. Chain mode only."""
 
-    def __init__(self, target, draft, config: EngineConfig, *, acceptance: float | None = None, replay: bool = False):
+    def __init__(self, target, draft, config: EngineConfig, *, acceptance: float | None = None, replay: bool = False,
+                 rank=None):
         c = Checker("OracleEngine")
         if (acceptance is None) == (not replay):
             c.fail("give acceptance (a probability) or replay=True, one of the two")
         if acceptance is not None:
             c.real("acceptance", acceptance, low=0.0, high=1.0)
-        super().__init__(target, draft, config)
+        super().__init__(target, draft, config, rank=rank)
         if self.runner.drafter is None or self.runner.tree is not None:
             c.fail("benchmark drafts need a draft in chain mode (draft_top_k 1)")
         self.runner.draft_override = OracleDrafts(self.runner, acceptance=acceptance, replay=replay)

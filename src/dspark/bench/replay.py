@@ -15,7 +15,7 @@ pair's were, so that tau and the confidence-acceptance relation are real while t
   shape's 4096). Shapes, dtypes and kernels -- the cost -- are those of the random target.
 * ``ReplayEngine``: an ``OracleEngine`` (``bench.oracle``, ``replay=True``) that knows the
   benchmark's prompts: it computes their greedy continuations once (plain decoding on its own
-  runner) and gives each request that continuation as ``oracle_ids`` and a recorded trace (prompt i
+  runner; under tensor parallelism on every rank, each knowing them) and gives each request that continuation as ``oracle_ids`` and a recorded trace (prompt i
   -> trace i mod traces) as ``oracle_trace``. A round then drafts the continuation's first ``accepted`` tokens and a rejected one,
   with the recorded confidences; the real drafter's forward, Markov chain and confidence head still
   run (their cost), the target verifies for real, and the output is the target's own greedy output.
@@ -23,7 +23,10 @@ pair's were, so that tau and the confidence-acceptance relation are real while t
   next round replays the next recorded one.
 * ``plain_engine`` / ``replay_engine`` / ``random_engine`` (a random drafter drafting for real):
   ``dspark serve --engine-factory`` functions; their settings come from the JSON in
-  ``$DSPARK_REPLAY`` (written by ``bench.frontier``).
+  ``$DSPARK_REPLAY`` (written by ``bench.frontier``). With ``tensor_parallel_size`` in it (``bench.frontier
+  --tensor-parallel-size N``) the target and drafter are builders (``bench.tensor_parallel``: each
+  rank makes its shard of the same peaked random model, which no process holds whole) at every
+  size, 1 included, so sizes give the same tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -130,14 +135,29 @@ def peaked_target(shape: dict, seed: int = 0, **settings):
 class ReplayEngine(OracleEngine):
     """``OracleEngine`` replaying recorded rounds for a known set of prompts (module docstring)."""
 
-    def __init__(self, target, draft, config: EngineConfig, prompts: list[list[int]], traces: list, max_tokens: int):
-        super().__init__(target, draft, config, replay=True)
-        plain = self.plain()
+    def __init__(self, target, draft, config: EngineConfig, prompts: list[list[int]], traces: list, max_tokens: int,
+                 *, rank=None):
+        self._replay_args = dict(prompts=prompts, traces=traces, max_tokens=max_tokens)
+        super().__init__(target, draft, config, replay=True, rank=rank)
+        self.known: dict[tuple[int, ...], tuple[list[int], list]] = {}
+        if rank is None:  # rank 0 (or the only one): every rank learns the continuations at once
+            self.on_every_rank("_learn_continuations")
+
+    def _rank_engine(self):
+        return partial(type(self), **self._replay_args)
+
+    def _learn_continuations(self) -> None:
+        """``known``: each prompt's greedy continuation (plain decoding on a twin of this engine's
+        target runner, every rank's twin in step with the others) and its trace."""
+        prompts, traces, max_tokens = (self._replay_args[k] for k in ("prompts", "traces", "max_tokens"))
+        plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", schedule_signal="confidence",
+                                                     gpu_memory_utilization=None), rank=self.tp)
+        plain.eos_ids = self.eos_ids
         continuation = max_tokens + self.num_drafts + 1  # the last round may draft past max_tokens
         results = plain.generate([Request(ids, continuation, ignore_eos=True) for ids in prompts])
         self.known = {tuple(ids): (r.token_ids, traces[i % len(traces)]) for i, (ids, r) in
                       enumerate(zip(prompts, results))}
-        self._plain = None  # its KV cache is not needed any more
+        del plain  # its KV cache is not needed any more
         if self.target.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -174,9 +194,29 @@ def _target(spec: dict):
                          device=spec.get("device", "cuda"), dtype=getattr(torch, spec.get("dtype", "bfloat16")))
 
 
+def _models(spec: dict, config: EngineConfig, draft: bool):
+    """The engine's target and (``draft``) random drafter: loaded models, or under
+    ``tensor_parallel_size`` builders of the same peaked model on every rank (``bench.tensor_parallel``)."""
+    if spec.get("tensor_parallel_size") is not None:
+        from .engine import VOCAB
+        from .tensor_parallel import random_draft, random_shard
+
+        if config.tensor_parallel_size != spec["tensor_parallel_size"]:
+            raise ValueError(f"the server's tensor_parallel_size {config.tensor_parallel_size} is not the "
+                             f"benchmark's {spec['tensor_parallel_size']}")
+        models = (spec.get("shape", "qwen3-8b"), spec.get("seed", 0), spec.get("vocab", VOCAB),
+                  spec.get("dtype", "bfloat16"))
+        return partial(random_shard, *models), partial(random_draft, *models, spec.get("draft_rank", 256)) \
+            if draft else None
+    from .engine import random_drafter
+
+    target = _target(spec)
+    return target, random_drafter(target, _shape(spec), rank=spec.get("draft_rank", 256)) if draft else None
+
+
 def plain_engine(config: EngineConfig) -> LLMEngine:
     """``--engine-factory dspark.bench.replay:plain_engine``: the peaked target, plain decoding."""
-    return LLMEngine(_target(_spec()), None, config)
+    return LLMEngine(_models(_spec(), config, draft=False)[0], None, config)
 
 
 def random_engine(config: EngineConfig) -> LLMEngine:
@@ -184,30 +224,30 @@ def random_engine(config: EngineConfig) -> LLMEngine:
     drafter of its shape, drafting for real (nearly every draft rejected, tau ~ 1): DSpark's
     mechanics and cost under any request settings, greedy and sampled (the mixed-settings workload
     of ``bench.frontier``; acceptance replay serves greedy requests only)."""
-    from .engine import random_drafter
-
-    spec = _spec()
-    target = _target(spec)
-    return LLMEngine(target, random_drafter(target, _shape(spec), rank=spec.get("draft_rank", 256)), config)
+    return LLMEngine(*_models(_spec(), config, draft=True), config)
 
 
 def replay_engine(config: EngineConfig) -> ReplayEngine:
     """``--engine-factory dspark.bench.replay:replay_engine``: the peaked target and a random DSpark
     drafter of its shape (``bench.engine.random_drafter``, Markov rank ``draft_rank``) under
     acceptance replay."""
-    from .engine import random_drafter
+    spec = _spec()
+    target, draft = _models(spec, config, draft=True)
+    traces = load_traces(spec.get("traces", TRACES))
+    engine = ReplayEngine(target, draft, config, _prompts(spec), traces["traces"], spec["max_tokens"])
+    if traces["num_drafts"] != engine.num_drafts:
+        engine.close()
+        raise ValueError(f"the traces have {traces['num_drafts']} drafts per round, the drafter {engine.num_drafts}")
+    return engine
+
+
+def _prompts(spec: dict) -> list[list[int]]:
+    """The benchmark's prompts (``bench.serve.random_prompts`` of the spec's vocabulary)."""
+    from .engine import VOCAB
     from .serve import random_prompts
 
-    spec = _spec()
-    target = _target(spec)
-    draft = random_drafter(target, _shape(spec), rank=spec.get("draft_rank", 256))
-    traces = load_traces(spec.get("traces", TRACES))
-    if traces["num_drafts"] != draft.config.num_draft_tokens:
-        raise ValueError(f"the traces have {traces['num_drafts']} drafts per round, the drafter "
-                         f"{draft.config.num_draft_tokens}")
-    prompts = random_prompts(spec["num_prompts"], spec["prompt_tokens"], target.config.vocab_size,
-                             spec.get("prompt_tokens_max"))
-    return ReplayEngine(target, draft, config, prompts, traces["traces"], spec["max_tokens"])
+    return random_prompts(spec["num_prompts"], spec["prompt_tokens"], spec.get("vocab", VOCAB),
+                          spec.get("prompt_tokens_max"))
 
 
 def main(argv: list[str] | None = None) -> int:

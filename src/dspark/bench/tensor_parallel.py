@@ -39,7 +39,8 @@ STD = 0.02  # Hugging Face's initializer_range
 
 
 class RandomSource(TensorSource):
-    """The random weights of a Qwen3 config (``shape`` of ``SHAPES`` or ``"tiny"``), by name, made
+    """The random weights of a Qwen3 config (``shape``: a name of ``SHAPES``, ``"tiny"`` or a shape
+    dict), by name, made
     on ``device``: norms 1, every other tensor N(0, 0.02) from a generator seeded by ``seed`` and its
     name (the same tensor on every rank and device); the embedding scaled and the untied head made of
     permuted embedding rows as ``bench.replay.peaked_target`` (greedy margin ~100). A split makes the
@@ -48,7 +49,7 @@ class RandomSource(TensorSource):
     def __init__(self, shape: str, seed: int, vocab: int, device, dtype: torch.dtype):
         from transformers import Qwen3ForCausalLM
 
-        self.shape_dict = TINY if shape == "tiny" else SHAPES[shape]
+        self.shape_dict = shape if isinstance(shape, dict) else TINY if shape == "tiny" else SHAPES[shape]
         self.config = qwen3_config(self.shape_dict, self.shape_dict.get("vocab", vocab))
         with torch.device("meta"):  # the names and shapes, no memory
             shapes = {k: tuple(v.shape) for k, v in Qwen3ForCausalLM(self.config).state_dict().items()}
@@ -89,20 +90,21 @@ class RandomSource(TensorSource):
         return unit[perm] * (MARGIN / rows.shape[1])
 
 
-def random_shard(shape: str, seed: int, vocab: int, dtype: str, capture_layer_ids, *, tp=SINGLE_RANK,
+def random_shard(shape, seed: int, vocab: int, dtype: str, capture_layer_ids, *, tp=SINGLE_RANK,
                  device=None) -> TargetLM:
     """A target builder (``engine.target.is_builder``): rank ``tp``'s shard of the random target."""
     source = RandomSource(shape, seed, vocab, device or "cpu", getattr(torch, dtype))
     return TargetLM.from_tensor_source(source.config, source, capture_layer_ids, tp=tp)
 
 
-def random_draft(shape: str, seed: int, vocab: int, dtype: str, *, device=None):
-    """A draft builder: the random drafter of the random target (the same on every rank)."""
+def random_draft(shape: str, seed: int, vocab: int, dtype: str, draft_rank: int = 256, *, device=None):
+    """A draft builder: the random drafter of the random target (the same on every rank; Markov rank
+    ``draft_rank``)."""
     source = RandomSource(shape, seed, vocab, device or "cpu", getattr(torch, dtype))
     with torch.random.fork_rng(devices=[source.device] if source.device.type == "cuda" else []):
         torch.manual_seed(seed)
         return drafter_for(source.config, source.read("model.embed_tokens.weight"), source.read("lm_head.weight"),
-                           source.shape_dict)
+                           source.shape_dict, rank=draft_rank)
 
 
 def measure(shape: str, size: int, *, batch: int, prompt: int, new: int, device: str, dtype: str,

@@ -272,10 +272,10 @@ def add_eager_argument(parser: argparse.ArgumentParser) -> None:
                              "start-up, so no request waits for a capture)")
 
 
-def add_parallel_argument(parser: argparse.ArgumentParser) -> None:
+def add_parallel_argument(parser: argparse.ArgumentParser, more: str = "") -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="shard the target over N GPUs (one process each, rank r on cuda:r; Llama / Qwen2 / "
-                             "Qwen3 targets), the draft replicated on each")
+                             "Qwen3 targets), the draft replicated on each" + more)
 
 
 def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:

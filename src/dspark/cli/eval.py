@@ -17,8 +17,9 @@ import argparse
 import json
 import sys
 
-from ._runtime import (add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments, check_scheduler_arguments,
-                       load_target, mismatch_status, progress_bar, resolve_pair, runtime, sampling_params)
+from ._runtime import (add_parallel_argument, add_runtime_arguments, add_sampling_arguments, add_scheduler_arguments,
+                       check_scheduler_arguments, load_target, mismatch_status, progress_bar, resolve_pair, runtime,
+                       sampling_params)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the LLMEngine and its plain twin, one prompt at a time: batched with CUDA graphs (on a "
                              "GPU), reference eagerly; auto: batched on CUDA, else reference")
     parser.add_argument("--json", default=None, help="write the report to this JSON file")
+    add_parallel_argument(parser, " (then plain decoding runs every prompt, then each draft: one engine of N ranks "
+                                  "at a time)")
     add_runtime_arguments(parser)
 
 
@@ -55,8 +58,16 @@ def run(args: argparse.Namespace) -> int:
         records = read_prompts(args.prompts)
         records = records[: args.num_prompts] if args.num_prompts else records
         resolve_pair(args, drafts="several")
-        target, tokenizer = load_target(args, device, dtype)
-        drafts = {path: load_draft(path, target=target, device=device, dtype=dtype) for path in args.draft}
+        if args.tensor_parallel_size > 1:  # each rank loads its shard of the checkpoint, and the drafts
+            from dspark.engine import load_tokenizer
+
+            target, tokenizer = args.target, load_tokenizer(args.target)
+            if tokenizer is None:
+                raise ValueError(f"--target {args.target} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+            drafts = {path: path for path in args.draft}
+        else:
+            target, tokenizer = load_target(args, device, dtype)
+            drafts = {path: load_draft(path, target=target, device=device, dtype=dtype) for path in args.draft}
         prompts = [prompt_token_ids(tokenizer, r) for r in records]
         bar = progress_bar(args, "dspark eval")
         report = evaluate(target, drafts, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -64,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
                           min_predicted_gain=args.min_predicted_gain, engine=args.engine,
                           draft_top_k=args.draft_top_k, tree_budget=args.tree_budget,
                           draft_candidates=args.draft_candidates, draft_successors=args.draft_successors,
-                          schedule_signal=args.schedule_signal,
+                          schedule_signal=args.schedule_signal, tensor_parallel_size=args.tensor_parallel_size,
+                          device=device, dtype=dtype,
                           progress=None if bar is None else lambda done, total: bar.update(
                               done / total, f"prompt {done}/{total}"))
         if bar is not None:

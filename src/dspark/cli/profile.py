@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._runtime import add_runtime_arguments, resolve_pair, runtime
+from ._runtime import add_parallel_argument, add_runtime_arguments, resolve_pair, runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="DSpark draft (a directory or a Hub name): also time its draft pass per "
                                         "batch size (default: none, the verify forward only)")
     parser.add_argument("--out", default="cost_table.json", help="JSON file to write")
+    add_parallel_argument(parser, " (every rank runs the timed forwards; rank 0's times are written)")
     add_runtime_arguments(parser)
 
 
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         device, dtype = runtime(args)
         resolve_pair(args, drafts="one" if args.draft else "none")
+        if args.tensor_parallel_size != 1:
+            return _profile_parallel(args, device, dtype)
         target = TargetLM.from_pretrained(args.target, device=device, dtype=dtype)
         engine = None
         if args.draft:
@@ -58,9 +61,31 @@ def run(args: argparse.Namespace) -> int:
 
         rows, times = profile_draft(engine)
         table = replace(table, draft_rows=rows, draft_time_ms=times)
-        for n, t in zip(rows, times):
-            print(f"{n:6d} rows    {t:8.3f} ms draft pass")
-    table.write_json(args.out, device=str(device), target=args.target_name, context=args.context)
+    return _write(args, table, device)
+
+
+def _profile_parallel(args: argparse.Namespace, device, dtype) -> int:
+    """The table of a target sharded over ``--tensor-parallel-size`` ranks: an engine of them (its
+    ranks load their shards) times the forwards on every rank at once (``LLMEngine.profile_costs``)."""
+    from dspark.engine import EngineConfig, LLMEngine
+    from dspark.engine.profile import default_token_counts
+
+    engine = LLMEngine(args.target, args.draft, EngineConfig(
+        max_batch=max(1, args.max_tokens // args.tokens_per_row), max_model_len=args.context + 64, device=device,
+        dtype=dtype, gpu_memory_utilization=None, tensor_parallel_size=args.tensor_parallel_size))
+    try:
+        table = engine.profile_costs(default_token_counts(args.max_tokens), context=args.context,
+                                     tokens_per_row=args.tokens_per_row)
+    finally:
+        engine.close()
+    return _write(args, table, device)
+
+
+def _write(args: argparse.Namespace, table, device) -> int:
+    for n, t in zip(table.draft_rows or (), table.draft_time_ms or ()):
+        print(f"{n:6d} rows    {t:8.3f} ms draft pass")
+    table.write_json(args.out, device=str(device), target=args.target_name, context=args.context,
+                     **({"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size != 1 else {}))
     for n, t in zip(table.token_counts, table.step_time_ms):
         print(f"{n:6d} tokens  {t:8.3f} ms")
     print(f"wrote {args.out}")

@@ -76,15 +76,16 @@ class LLMEngine(OfflineGeneration):
         config = config or EngineConfig()
         c = Checker("LLMEngine")
         self.ranks: RankGroup | None = None
+        self.peers = None  # under tensor parallelism: who agrees on a request's failure (``ranks.agree``)
         self.tp = rank or SINGLE_RANK
         self._tokenizer = None
         size = config.tensor_parallel_size
-        if size > 1:
+        if size > 1 and rank is None:
             check_parallel_target(c, target, size)  # before any process starts
-            if rank is None:
-                self.ranks = RankGroup.start(size, rank_device(config.device, 0, size), type(self), target, draft,
-                                             config)
-                self.tp = self.ranks.tp
+            self.ranks = RankGroup.start(size, rank_device(config.device, 0, size), self._rank_engine(), target,
+                                         draft, config)
+            self.tp, self.peers = self.ranks.tp, self.ranks
+        if size > 1:
             config = replace(config, device=rank_device(config.device, self.tp.rank, size))
         try:
             self._build(c, target, draft, config)
@@ -200,6 +201,18 @@ class LLMEngine(OfflineGeneration):
 
     # ---- tensor parallelism ---------------------------------------------------------------------
 
+    def _rank_engine(self):
+        """What the other ranks build, called as ``(target, draft, config, rank=)``: this class (a
+        subclass with more constructor arguments gives them here, e.g. a ``functools.partial``)."""
+        return type(self)
+
+    def on_every_rank(self, method: str, *args):
+        """Call this engine's ``method(*args)`` on every rank (rank 0's result): work whose
+        collectives every rank must make alike, e.g. ``profile_costs``."""
+        self._mirror(Op("call", (method, args)))
+        with self._rank_failures():
+            return getattr(self, method)(*args)
+
     def _mirror(self, op: Op) -> None:
         """Rank 0: ``op`` to the other ranks, which make the same call on their engines."""
         if self.ranks is not None:
@@ -207,14 +220,16 @@ class LLMEngine(OfflineGeneration):
 
     @contextlib.contextmanager
     def _rank_failures(self):
-        """Rank 0: an error inside ends every rank, raised as ``EngineDeadError`` naming the rank
-        that failed first (a rank's own error, when it sent one, is the cause of rank 0's); an
+        """Rank 0: an error inside (not a request's failure every rank saw: ``_fail``) ends every
+        rank, raised as ``EngineDeadError`` naming the rank that failed first (a rank's own error, when it sent one, is the cause of rank 0's); an
         interrupt (Ctrl-C) stops the ranks too -- they may be inside a step rank 0 left -- and goes on."""
         if self.ranks is None:
             yield
             return
         try:
             yield
+        except EngineDeadError:  # the ranks' failure, said already
+            raise
         except Exception as exc:  # noqa: BLE001
             raise self.ranks.failure(exc) from exc
         except BaseException:
@@ -327,6 +342,24 @@ class LLMEngine(OfflineGeneration):
                 self._plain.capture_graphs()
         return self._plain
 
+    def profile_costs(self, token_counts: list[int], *, context: int, tokens_per_row: int):
+        """The ``cost`` scheduler's table of this engine's target (``engine.profile``: a verify
+        forward per total token count over ``context`` cached positions) and, with a draft, of its
+        draft pass per batch bucket; under tensor parallelism every rank runs the forwards (rank
+        0's times). Only while no request runs."""
+        if self.scheduler.running:
+            Checker("profile_costs").fail(f"profile_costs needs an idle engine, but {len(self.scheduler.running)} "
+                                          "requests run")
+        return self.on_every_rank("_profile_costs", tuple(token_counts), context, tokens_per_row)
+
+    def _profile_costs(self, token_counts, context: int, tokens_per_row: int):
+        from .profile import profile_draft, profile_verify
+
+        table = profile_verify(self.target, list(token_counts), context=context, tokens_per_row=tokens_per_row)
+        if self.runner.drafter is not None:
+            table = replace(table, **dict(zip(("draft_rows", "draft_time_ms"), profile_draft(self))))
+        return table
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -380,14 +413,18 @@ class LLMEngine(OfflineGeneration):
             try:
                 self.runner.launch(plan)
             except ForwardFailed as exc:
-                if not plan.chunks or self.tp.size > 1:  # a rank's retry would run collectives the others do not
+                if not plan.chunks:
                     raise
+                # every rank retries, or none (a rank's retry would run collectives the others do not)
+                self._agree("a step with prompt chunks", [seq.request_id for seq, _ in plan.chunks])
                 log.warning("a step with prompt chunks failed (%s): retrying without them", exc)
                 self._probe(plan.chunks, outputs)
                 self._restart_stateful_prompts(plan.chunks)
                 plan = replace(plan, chunks=[])
                 if plan.rows:
                     self.runner.launch(plan)
+        except EngineDeadError:  # the ranks did not agree
+            raise
         except Exception as exc:  # noqa: BLE001 -- a batched round concerns every row in it
             self._fail_round(exc, outputs, [seq for seq, _ in plan.chunks])
             return []
@@ -657,17 +694,21 @@ class LLMEngine(OfflineGeneration):
 
     def _fail(self, seqs: list[Sequence], exc: Exception, outputs: list[RequestOutput], what: str) -> None:
         """End ``seqs`` with finish reason ``"error"`` (logged with the traceback); the rest go on.
-        Under tensor parallelism the error ends the engine instead: a failure only some ranks saw would
-        leave their states different."""
-        if self.tp.size > 1:
-            raise RuntimeError(f"{what} failed for request(s) {[q.request_id for q in seqs]} on tensor-parallel rank "
-                               f"{self.tp.rank}: {type(exc).__name__}: {exc}") from exc
+        Under tensor parallelism only once every rank failed the same (``_agree``)."""
+        self._agree(what, [q.request_id for q in seqs])
         log.error("%s failed for request(s) %s", what, [q.request_id for q in seqs], exc_info=exc)
         for seq in seqs:
             seq.finish_reason, seq.error = "error", f"{type(exc).__name__}: {exc}"
             self.metrics.errors += 1
             self._report(seq, [], outputs)
         self.scheduler.release(seqs)
+
+    def _agree(self, what: str, request_ids: list[int]) -> None:
+        """Under tensor parallelism, return once every rank failed ``what`` for ``request_ids``
+        (a failure that comes from the requests: raised on every rank alike); a failure some ranks
+        did not see ends the job (``ranks.RankGroup.agree``). Nothing with one rank."""
+        if self.peers is not None:
+            self.peers.agree((what, tuple(request_ids)))
 
     def _fail_round(self, exc: Exception, outputs: list[RequestOutput], chunked: list[Sequence] = ()) -> None:
         """A batched step failed: it concerns every row in it and the prompts it ran. They end

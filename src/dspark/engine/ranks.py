@@ -17,13 +17,21 @@ closes (or, inside a collective, the collective fails). Their process group is
 ``torch.distributed``'s default one, NCCL between GPUs (rank ``r`` on ``cuda:r``), gloo on the CPU:
 one tensor-parallel engine per process at a time.
 
-**Failures end the job.** A rank whose call raises sends its error to rank 0 and exits; a rank that
-dies is seen by rank 0's watcher thread, which aborts the process group so that no collective waits
-for it (gloo's fail by themselves). Rank 0 then raises ``EngineDeadError`` from the call that
-failed, naming the rank and its error, and stops every rank: the ranks' states would differ after a
-failure that only some of them saw, so under tensor parallelism no failure is recovered from -- a
-request's error on one GPU is the whole engine's here. The start fails the same way, rank 0 never
-waiting in the process group's join for a rank that failed before it.
+**A request's failure is every rank's, or the job's.** Where one process fails only the requests an
+error concerns and goes on (``LLMEngine._fail``; a step with prompt chunks retried without them),
+every rank does the same -- a failure that comes from the request (its tokens, its settings) is
+raised on every rank alike, their host logic being replicated -- but first the ranks agree on it
+(``agree``): each other rank sends rank 0 what failed (``("failed", (what, request ids))``) and
+waits; rank 0, having failed the same, answers ``agreed`` and they all go on, their states still the
+same. A failure only some ranks saw (one GPU out of memory, a rank's own bug) would leave their
+states different: rank 0 ends the job instead (a rank that failed alone gets another op than
+``agreed`` and fails; rank 0, failing alone, waits ``AGREE_TIMEOUT_S`` for the others' word).
+
+**Other failures end the job.** A rank whose call raises sends its error to rank 0 and exits; a rank
+that dies is seen by rank 0's watcher thread, which aborts the process group so that no collective
+waits for it (gloo's fail by themselves). Rank 0 then raises ``EngineDeadError`` from the call that
+failed, naming the rank and its error, and stops every rank. The start fails the same way, rank 0
+never waiting in the process group's join for a rank that failed before it.
 """
 
 from __future__ import annotations
@@ -50,13 +58,15 @@ import torch
 from ..kernels._validate import Checker
 from ..model.parallel import TensorParallel
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "Op", "RankGroup", "join_group", "rank_device", "worker_main"]
+__all__ = ["AGREE_TIMEOUT_S", "COLLECTIVE_TIMEOUT_S", "Op", "RankGroup", "RankLink", "join_group", "rank_device",
+           "worker_main"]
 
 log = logging.getLogger("dspark.engine")
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective whose peers do not all arrive within this fails (NCCL aborts)
 START_TIMEOUT_S = 600.0  # a rank that has not connected and built its engine within this fails the start
 ERROR_GRACE_S = 5.0  # after a failed call, how long rank 0 waits for a rank's own error message
+AGREE_TIMEOUT_S = 30.0  # how long a rank that failed requests waits for the others' word on the same failure
 _ENV_ADDRESS, _ENV_KEY = "DSPARK_RANK_ADDRESS", "DSPARK_RANK_KEY"
 _WORKER = "import sys; from dspark.engine.ranks import worker_main; sys.exit(worker_main(int(sys.argv[1])))"
 
@@ -65,7 +75,9 @@ _WORKER = "import sys; from dspark.engine.ranks import worker_main; sys.exit(wor
 class Op:
     """One engine call rank 0 made, for the other ranks to make too: ``name`` one of ``add``
     (``args``: the ``Request``), ``abort`` (id, reason), ``launch`` (rank 0's ``_host_ms``),
-    ``finish``, ``capture``, ``tokenizer`` (the tokenizer), ``stop``."""
+    ``finish``, ``capture``, ``tokenizer`` (the tokenizer), ``call`` (method name, args:
+    ``LLMEngine.on_every_rank``), ``stop``; or, inside a call, ``agreed``
+    (the failure every rank saw, ``agree``)."""
 
     name: str
     args: tuple = ()
@@ -82,7 +94,7 @@ def rank_device(device, rank: int, size: int) -> torch.device:
         return wanted
     if wanted.type != "cuda":
         c.fail(f"tensor parallelism runs on CUDA GPUs (NCCL) or the CPU (gloo), got device {str(wanted)!r}")
-    if wanted.index is not None:
+    if wanted.index is not None and wanted.index != rank:  # cuda:rank: a rank's own engine building another
         c.fail(f"under tensor parallelism rank r runs on cuda:r: give device 'cuda', not {str(wanted)!r} "
                "(CUDA_VISIBLE_DEVICES picks the GPUs)")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -206,7 +218,7 @@ class RankGroup:
         with self.lock:
             conn = self.conns[rank - 1]
             try:
-                if rank not in self.errors and conn.poll():
+                while rank not in self.errors and conn.poll():  # a failure it reported first, then its error
                     kind, message = conn.recv()
                     if kind == "error":
                         self.errors[rank] = message
@@ -250,6 +262,28 @@ class RankGroup:
             except OSError as exc:
                 self._collect(rank, self.processes[rank - 1])
                 raise self.failure(exc) from exc
+
+    def agree(self, failure: tuple) -> None:
+        """Rank 0 failed ``failure`` (``(what, request ids)``): return when every other rank reports
+        the same (then tell them ``agreed``), else end the job (``EngineDeadError``): a rank that
+        failed otherwise, or said nothing within ``AGREE_TIMEOUT_S`` (it went on, or waits in a
+        collective rank 0 left)."""
+        deadline = time.monotonic() + AGREE_TIMEOUT_S
+        for rank, conn in enumerate(self.conns, start=1):
+            with self.lock:
+                try:
+                    said = conn.recv() if conn.poll(max(0.0, deadline - time.monotonic())) else None
+                except (EOFError, OSError):  # it exited: the failure says how
+                    said = ("exited", None)
+                if said is not None and said[0] == "error":
+                    self.errors[rank] = said[1]
+                elif said is not None and said[0] == "failed" and said[1] != failure:
+                    self.errors[rank] = (f"{_failure_text(said[1])} on rank {rank}, but {_failure_text(failure)} "
+                                         "on rank 0: the ranks differ")
+            if said != ("failed", failure):
+                raise self.failure(RuntimeError(f"{_failure_text(failure)} on rank 0, not on rank {rank} (nothing "
+                                                f"from it in {AGREE_TIMEOUT_S:.0f} s)"))
+        self.send(Op("agreed", (failure,)))
 
     def failure(self, exc: BaseException | None) -> RuntimeError:
         """The error that ends the job after ``exc`` (rank 0's own, or None): the first rank that
@@ -300,6 +334,29 @@ class RankGroup:
                 dist.destroy_process_group()
 
 
+class RankLink:
+    """Ranks 1 ..: the connection to rank 0, for ``agree``."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def agree(self, failure: tuple) -> None:
+        """This rank failed ``failure`` (``(what, request ids)``): tell rank 0 and return once it
+        answers that every rank did; ``EngineDeadError`` (which ends this rank, and the job) when it
+        answers anything else (it went on: the failure was this rank's alone) or nothing within
+        ``AGREE_TIMEOUT_S`` (it waits in a collective this rank left)."""
+        self.conn.send(("failed", failure))
+        answer = pickle.loads(self.conn.recv_bytes()) if self.conn.poll(AGREE_TIMEOUT_S) else None
+        if answer != Op("agreed", (failure,)):
+            raise _dead(f"{_failure_text(failure)} on this rank alone (rank 0 "
+                               f"{'went on' if answer is not None else f'said nothing in {AGREE_TIMEOUT_S:.0f} s'})")
+
+
+def _failure_text(failure: tuple) -> str:
+    what, request_ids = failure
+    return f"{what} failed for request(s) {list(request_ids)}"
+
+
 def _dead(message: str) -> RuntimeError:
     """The ``EngineDeadError`` that ends a tensor-parallel engine."""
     from .llm_engine import EngineDeadError
@@ -342,6 +399,7 @@ def worker_main(rank: int) -> int:
         conn.send(("joining", None))
         tp = join_group(rank, size, address, device)
         engine = engine_class(target, draft, config, rank=tp)
+        engine.peers = RankLink(conn)
         conn.send(("ready", None))
         while True:
             op: Op = pickle.loads(conn.recv_bytes())
@@ -385,5 +443,7 @@ def _apply(engine, op: Op) -> None:
         engine.capture_graphs()
     elif op.name == "tokenizer":
         engine.tokenizer = op.args[0]
+    elif op.name == "call":
+        getattr(engine, op.args[0])(*op.args[1])
     else:
         raise ValueError(f"unknown engine call {op.name!r} from rank 0")

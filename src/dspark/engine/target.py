@@ -177,7 +177,8 @@ def load_models(c: Checker, target, draft, config, tp=None):
     from ..model.parallel import SINGLE_RANK
 
     tp = tp or SINGLE_RANK
-    check_parallel_target(c, target, tp.size)
+    if not (isinstance(target, TargetLM) and target.tp == tp):  # this rank's shard already (a rank's second engine)
+        check_parallel_target(c, target, tp.size)
     device = torch.device(config.device) if config.device is not None else None
     # where a target directory loads: the device asked for, else a loaded draft's, else the CPU (load_draft's)
     dev = device or (draft.device if isinstance(draft, torch.nn.Module) else torch.device("cpu"))
@@ -214,7 +215,7 @@ def load_models(c: Checker, target, draft, config, tp=None):
         eos = frozenset(eos_token_ids(target))
     elif isinstance(target, TargetLM):  # another engine's runner (same weights); EOS ids set by the caller
         lm = TargetLM(target.config, dict(embed=target.embed, layers=target.layers, norm=target.norm,
-                                          lm_head=target.lm_head), capture)
+                                          lm_head=target.lm_head), capture, tp=target.tp)
         eos = frozenset(_config_eos(target.config))
     elif isinstance(target, HFTarget):
         lm = HFTarget(target.model, capture)
