@@ -1,9 +1,11 @@
 """Tensor-parallel targets on the CPU (gloo, 2 processes): the sharded engine's greedy output is
 one process's, sampled requests are request-stable (alone or in a batch, the same tokens as one
-process), aborts and tree mode too, and a rank that fails (before or after it joined) or dies ends
-the job with an error naming it. Also the shards themselves (slices of the checkpoint, the padded
-vocabulary), the refusals, and (slow) ``dspark serve``'s engine process as rank 0 and the
-tensor-parallel benchmark; on 2 GPUs (gpu) NCCL with CUDA graphs.
+process), aborts and tree mode too; a request that fails on every rank fails alone (fault
+injection), while a failure one rank saw alone, a rank that fails (before or after it joined) or
+dies ends the job with an error naming it; the ranks' agreement on a failure; the acceptance-replay
+engine of ``bench.frontier -tp``. Also the shards themselves (slices of the checkpoint, the padded
+vocabulary), the refusals, and (slow) ``dspark serve``'s engine process as rank 0, ``dspark eval`` /
+``dspark profile -tp 2`` and the tensor-parallel benchmark; on 2 GPUs (gpu) NCCL with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -202,6 +204,44 @@ def test_a_rank_that_fails_before_joining_ends_the_start(pair, tmp_path, monkeyp
 
     with pytest.raises(EngineDeadError, match="rank 1 failed: ModuleNotFoundError: No module named 'only_here'"):
         LLMEngine(build, pair[2], EngineConfig(max_batch=2, device="cpu", tensor_parallel_size=2))
+
+
+def test_the_ranks_agree_on_a_failure_or_end_the_job(monkeypatch):
+    """``agree`` over a pipe (no processes): rank 0 and a rank that failed the same requests go on;
+    a rank that failed others, a rank 0 that hears nothing, a rank whose rank 0 went on: the job ends."""
+    from multiprocessing import Pipe
+
+    from dspark.engine import ranks
+
+    monkeypatch.setattr(ranks, "AGREE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(ranks, "ERROR_GRACE_S", 0.0)
+    failure = ("the batched step", (3, 4))
+
+    def rank0_and_link():
+        here, there = Pipe()
+        group = ranks.RankGroup(2, torch.device("cpu"))
+        group.conns = [here]
+        return group, ranks.RankLink(there)
+
+    group, link = rank0_and_link()
+    link.conn.send(("failed", failure))
+    group.agree(failure)
+    link.agree(failure)  # rank 0's answer is waiting: agreed
+    group.close()
+    group, link = rank0_and_link()
+    link.conn.send(("failed", ("log-probabilities", (3,))))
+    with pytest.raises(EngineDeadError, match=r"rank 1 failed: log-probabilities failed for request\(s\) \[3\] on "
+                                              r"rank 1, but the batched step failed for request\(s\) \[3, 4\] on rank 0"):
+        group.agree(failure)
+    group, link = rank0_and_link()
+    with pytest.raises(EngineDeadError, match=r"rank 0 failed: RuntimeError: the batched step failed for request\(s\) "
+                                              r"\[3, 4\] on rank 0, not on rank 1 \(nothing from it in 0 s\)"):
+        group.agree(failure)
+    group, link = rank0_and_link()
+    group.send(ranks.Op("finish"))  # rank 0 went on
+    with pytest.raises(EngineDeadError, match=r"the batched step failed for request\(s\) \[3, 4\] on this rank "
+                                              r"alone \(rank 0 went on\)"):
+        link.agree(failure)
 
 
 # ---------------------------------------------------------------------------------------- the shards

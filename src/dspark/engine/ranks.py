@@ -7,8 +7,9 @@ caller holds (``LLM``, ``dspark serve``'s engine process, a benchmark); it start
 (``RankGroup``) and sends each of them, over one connection per rank, every call that changes an
 engine's state, in the order it makes them (``Op``): ``add_request``, ``abort``, ``launch`` (with the
 host times the cost scheduler prices, the only choice an engine takes from its clock),
-``finish``, ``capture_graphs``, the tokenizer structured outputs compile with. A rank replays them
-on its own engine (``worker_main``); its outputs are rank 0's, so it sends none back.
+``finish``, ``capture_graphs``, the tokenizer structured outputs compile with, and work every rank
+must do in step (``LLMEngine.on_every_rank``: a method call, e.g. profiling). A rank replays them on
+its own engine (``worker_main``); its outputs are rank 0's, so it sends none back.
 
 The other ranks are plain subprocesses (``worker_main``), not multiprocessing children: a daemonic
 process (``dspark serve``'s engine process) may start them, and a caller's script is not imported
