@@ -150,8 +150,10 @@ class ReplayEngine(OracleEngine):
         """``known``: each prompt's greedy continuation (plain decoding on a twin of this engine's
         target runner, every rank's twin in step with the others) and its trace."""
         prompts, traces, max_tokens = (self._replay_args[k] for k in ("prompts", "traces", "max_tokens"))
+        # a rank's device by its type: the twin's rank places it (cuda:r) as it placed this engine
+        device = self.config.device if self.tp.size == 1 else torch.device(self.config.device).type
         plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", schedule_signal="confidence",
-                                                     gpu_memory_utilization=None), rank=self.tp)
+                                                     gpu_memory_utilization=None, device=device), rank=self.tp)
         plain.eos_ids = self.eos_ids
         continuation = max_tokens + self.num_drafts + 1  # the last round may draft past max_tokens
         results = plain.generate([Request(ids, continuation, ignore_eos=True) for ids in prompts])

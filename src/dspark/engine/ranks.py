@@ -95,7 +95,7 @@ def rank_device(device, rank: int, size: int) -> torch.device:
         return wanted
     if wanted.type != "cuda":
         c.fail(f"tensor parallelism runs on CUDA GPUs (NCCL) or the CPU (gloo), got device {str(wanted)!r}")
-    if wanted.index is not None and wanted.index != rank:  # cuda:rank: a rank's own engine building another
+    if wanted.index is not None:
         c.fail(f"under tensor parallelism rank r runs on cuda:r: give device 'cuda', not {str(wanted)!r} "
                "(CUDA_VISIBLE_DEVICES picks the GPUs)")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
