@@ -68,6 +68,24 @@ def _tokens(engine: LLMEngine, requests: list[Request]) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(requests)]
 
 
+def _with_late_arrivals(engine: LLMEngine, first: list[Request], late: list[Request]) -> list[tuple]:
+    """``first`` run two steps, then ``late`` join them: each request's (tokens, finish reason, error)."""
+    ids = [engine.add_request(r) for r in first]
+    outs = {}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens, _, _ = outs.get(out.request_id, ([], None, None))
+            outs[out.request_id] = (tokens + out.new_token_ids, out.finish_reason, out.error)
+
+    step()
+    step()
+    ids += [engine.add_request(r) for r in late]
+    while engine.has_unfinished():
+        step()
+    return [outs[i] for i in ids]
+
+
 def _sampled(prompt: list[int], seed: int) -> Request:
     return Request(prompt, max_new_tokens=NEW, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
 
@@ -152,16 +170,18 @@ class TestTwoRanks:
             engines[1].plain()
 
     def test_a_failing_request_fails_alone(self, engines):
-        """Its prompt's forward fails on every rank: the step is retried without the prompt chunks
-        and each tried alone, on every rank; that request ends with "error", the others' tokens are
-        one process's (which failed the same request), and the engine goes on."""
+        """A request arrives beside running ones, and its prompt's forward fails on every rank: the
+        step is retried without the prompt chunks and each tried alone, on every rank; that request
+        ends with "error", the others' tokens are one process's (which failed the same request), and
+        the engine goes on."""
         one, two = engines
-        requests = [Request(p, max_new_tokens=NEW) for p in [PROMPTS[0], [5, *POISON, 2], *PROMPTS[1:3]]]
-        expected = [(r.token_ids, r.finish_reason, r.error) for r in one.generate(requests)]
-        got = [(r.token_ids, r.finish_reason, r.error) for r in two.generate(requests)]
-        assert got == expected and got[1] == ([], "error", "RuntimeError: injected fault in this request")
-        assert two.metrics.errors == 1
-        assert _tokens(two, requests[2:]) == _tokens(one, requests[2:])
+        first = [Request(p, max_new_tokens=NEW) for p in PROMPTS[:2]]
+        late = [Request([5, *POISON, 2], max_new_tokens=NEW), Request(PROMPTS[2], max_new_tokens=NEW)]
+        expected = _with_late_arrivals(one, first, late)
+        got = _with_late_arrivals(two, first, late)
+        assert got == expected and got[2] == ([], "error", "RuntimeError: injected fault in this request")
+        assert [r[1] for r in got] == ["length", "length", "error", "length"] and two.metrics.errors == 1
+        assert _tokens(two, first) == _tokens(one, first)
 
     def test_a_failure_on_one_rank_alone_ends_the_job(self, engines):
         """A forward fails on rank 1 alone: the ranks would differ from there, so the job ends naming it."""
@@ -230,8 +250,9 @@ def test_the_ranks_agree_on_a_failure_or_end_the_job(monkeypatch):
     group.close()
     group, link = rank0_and_link()
     link.conn.send(("failed", ("log-probabilities", (3,))))
-    with pytest.raises(EngineDeadError, match=r"rank 1 failed: log-probabilities failed for request\(s\) \[3\] on "
-                                              r"rank 1, but the batched step failed for request\(s\) \[3, 4\] on rank 0"):
+    with pytest.raises(EngineDeadError, match=r"rank 1 failed: log-probabilities failed for request\(s\) \[3\] "
+                                              r"on rank 1, but the batched step failed for request\(s\) \[3, 4\] "
+                                              r"on rank 0"):
         group.agree(failure)
     group, link = rank0_and_link()
     with pytest.raises(EngineDeadError, match=r"rank 0 failed: RuntimeError: the batched step failed for request\(s\) "

@@ -15,8 +15,9 @@ pair's were, so that tau and the confidence-acceptance relation are real while t
   shape's 4096). Shapes, dtypes and kernels -- the cost -- are those of the random target.
 * ``ReplayEngine``: an ``OracleEngine`` (``bench.oracle``, ``replay=True``) that knows the
   benchmark's prompts: it computes their greedy continuations once (plain decoding on its own
-  runner; under tensor parallelism on every rank, each knowing them) and gives each request that continuation as ``oracle_ids`` and a recorded trace (prompt i
-  -> trace i mod traces) as ``oracle_trace``. A round then drafts the continuation's first ``accepted`` tokens and a rejected one,
+  runner; under tensor parallelism on every rank, each knowing them) and gives each request that
+  continuation as ``oracle_ids`` and a recorded trace (prompt i -> trace i mod traces) as
+  ``oracle_trace``. A round then drafts the continuation's first ``accepted`` tokens and a rejected one,
   with the recorded confidences; the real drafter's forward, Markov chain and confidence head still
   run (their cost), the target verifies for real, and the output is the target's own greedy output.
   When a scheduler verifies fewer drafts than the trace accepted, the round accepts that many; the

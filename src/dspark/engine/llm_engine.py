@@ -221,8 +221,9 @@ class LLMEngine(OfflineGeneration):
     @contextlib.contextmanager
     def _rank_failures(self):
         """Rank 0: an error inside (not a request's failure every rank saw: ``_fail``) ends every
-        rank, raised as ``EngineDeadError`` naming the rank that failed first (a rank's own error, when it sent one, is the cause of rank 0's); an
-        interrupt (Ctrl-C) stops the ranks too -- they may be inside a step rank 0 left -- and goes on."""
+        rank, raised as ``EngineDeadError`` naming the rank that failed first (a rank's own error,
+        when it sent one, is the cause of rank 0's); an interrupt (Ctrl-C) stops the ranks too --
+        they may be inside a step rank 0 left -- and goes on."""
         if self.ranks is None:
             yield
             return
