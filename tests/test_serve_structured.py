@@ -93,7 +93,7 @@ def test_required_tool_calls_are_calls_of_the_tools(client):
 def test_auto_parses_hermes_tool_calls(client):
     choice = chat(client, tool_choice="auto", extra_body={"guided_regex": HERMES}).choices[0]
     call, = choice.message.tool_calls
-    assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Sure. " and choice.finish_reason == "tool_calls"
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
     plain = chat(client, tool_choice="none", extra_body={"guided_regex": HERMES}).choices[0]
     assert plain.message.tool_calls in (None, []) and "<tool_call>" in plain.message.content

@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let chat requests bring their own chat_template (default: off; a template is code "
                              "the server renders)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="the format of the tool calls that chat requests with tool_choice \"auto\" read out of "
+                             "the answer (vLLM's names): hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, "
+                             "Qwen3), llama3_json ({\"name\", \"parameters\"} objects: Llama 3.1-3.3), mistral "
+                             "([TOOL_CALLS][...]) (default: the chat template's format when it shows one, else hermes)")
     parser.add_argument("--engine-factory", metavar="MODULE:FUNCTION", default=None,
                         help="build the engine in Python (benchmarks, e.g. a random-weight target): FUNCTION(config) "
                              "gets the EngineConfig of these flags and returns an LLMEngine; --target then only "
@@ -120,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     app = create_app(engine, tokenizer, name, chat_template=args.chat_template,
                      trust_request_chat_template=args.trust_request_chat_template, model_root=args.target,
-                     api_key=api_key)
+                     api_key=api_key, tool_call_parser=args.tool_call_parser)
     port = listener.getsockname()[1]
     config = uvicorn.Config(app, host=args.host, port=port, timeout_graceful_shutdown=args.drain_timeout)
     server = uvicorn.Server(config)
@@ -159,8 +164,12 @@ def _log_to_stderr() -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from dspark.serve.tools import TOOL_PARSERS  # the serve extra: imported once run() found it
+
     if args.chat_template is not None and Path(args.chat_template).is_file():
         args.chat_template = Path(args.chat_template).read_text()
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {args.tool_call_parser!r}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:

@@ -36,7 +36,7 @@ from ..engine.request import Request, RequestOutput, TokenLogprobs
 from ..engine.structured import StructuredOutputs
 from .engine_loop import ACCEPTED, EngineDead, EngineLoop, Handle, QueueFull, ServerClosing
 from .engine_process import EngineClient
-from .tools import ToolCallStream, ToolChoice, ToolError
+from .tools import ToolCallStream, ToolChoice, ToolError, ToolParser, parse_calls, parser_for_template, tool_parser
 from .metrics import Latency, ServerCounters, registry
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
@@ -68,7 +68,7 @@ class APIError(Exception):
 
 def create_app(engine: LLMEngine | EngineClient, tokenizer, model_name: str, *, max_waiting: int | None = None,
                chat_template: str | None = None, trust_request_chat_template: bool = False,
-               model_root: str | None = None, api_key: str | None = None,
+               model_root: str | None = None, api_key: str | None = None, tool_call_parser: str | None = None,
                on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` (it starts the engine thread on startup, stops it on shutdown).
 
@@ -83,7 +83,10 @@ def create_app(engine: LLMEngine | EngineClient, tokenizer, model_name: str, *, 
     ``trust_request_chat_template``: let a chat request bring its own ``chat_template`` (as vLLM's
     flag of that name; off by default: a template is code the server renders); ``api_key``: every
     ``/v1`` route then needs ``Authorization: Bearer <api_key>`` (401 otherwise; ``/health`` and
-    ``/metrics`` stay open, as vLLM's ``--api-key``);
+    ``/metrics`` stay open, as vLLM's ``--api-key``); ``tool_call_parser``: the format of the calls
+    that ``tool_choice: "auto"`` reads, a name of ``tools.TOOL_PARSERS`` (vLLM's ``--tool-call-parser``;
+    None: the one the chat template's format calls for, ``tools.parser_for_template``; ValueError
+    naming the known ones for another name);
     ``on_engine_failure(exc)``: called on the engine thread when an exception escaped the engine
     (``dspark serve`` shuts down then); ``app.state.server.loop.error`` keeps it.
     """
@@ -93,7 +96,9 @@ def create_app(engine: LLMEngine | EngineClient, tokenizer, model_name: str, *, 
         loop = engine
     else:
         loop = EngineLoop(engine, max_waiting, on_engine_failure)
-    server = _Server(loop, tokenizer, model_name, chat_template, trust_request_chat_template, model_root)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    parser = tool_parser(tool_call_parser or parser_for_template(template if isinstance(template, str) else None))
+    server = _Server(loop, tokenizer, model_name, chat_template, trust_request_chat_template, model_root, parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -439,8 +444,9 @@ class Choices:
 
 class _Server:
     def __init__(self, loop: EngineLoop, tokenizer, model_name: str, chat_template: str | None,
-                 trust_request_chat_template: bool, model_root: str | None):
+                 trust_request_chat_template: bool, model_root: str | None, tool_parser: ToolParser):
         self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
+        self.tool_parser = tool_parser  # reads the calls of tool_choice "auto"
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
         self.model_root = model_root
@@ -509,6 +515,7 @@ class _Server:
             raise APIError(400, f"top_logprobs ({body.top_logprobs}) needs logprobs: true", "top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
         tools = _tool_choice(body)
+        parser = None if tools is None else tools.parser(self.tool_parser)
         prompt_ids = self._chat_prompt(body, tools)
         wanted = body.max_completion_tokens or body.max_tokens
         choices = await self._start(body, [prompt_ids], [self._max_tokens(prompt_ids, wanted, "messages")], k,
@@ -520,7 +527,7 @@ class _Server:
             return None if k is None else self._chat_logprobs([lp for p in pieces for lp in p.logprobs], k)
 
         if body.stream:
-            streams = {g.index: ToolCallStream(tools) for g in choices.gens} if tools is not None else {}
+            streams = {g.index: ToolCallStream(parser) for g in choices.gens} if parser is not None else {}
 
             def chunk(gen: Generation, piece: Piece, first: bool, usage: UsageInfo | None) -> ChatCompletionChunk:
                 content, calls, finish = piece.text, None, piece.finish_reason
@@ -542,9 +549,9 @@ class _Server:
 
         def message(ps: list[Piece]) -> tuple[AssistantMessage, str | None]:
             text = "".join(p.text for p in ps)
-            if tools is None:
+            if parser is None:
                 return AssistantMessage(content=text), ps[-1].finish_reason
-            content, calls = tools.parse(text)
+            content, calls = parse_calls(parser, text)
             return AssistantMessage(content=content, tool_calls=calls), _tool_finish(ps[-1].finish_reason, len(calls))
 
         choice_list = [ChatChoice(index=g.index, message=msg, logprobs=logprobs(ps), finish_reason=finish,

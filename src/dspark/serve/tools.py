@@ -7,26 +7,38 @@
   schema (a structured output) and returned as one call of N, its text the ``arguments``;
 * ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects, one
   of the tools each (vLLM's schema), returned as those calls;
-* ``"auto"`` (the default with tools): the output is free; calls the model writes in the Hermes /
-  Qwen format -- ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Qwen3 family's
-  template -- are parsed out, the text before the first one is the ``content``.
+* ``"auto"`` (the default with tools): the output is free; the server's tool-call parser (vLLM's
+  ``--tool-call-parser``, ``TOOL_PARSERS``) finds the calls the model wrote in its chat template's
+  format, and the text before them is the ``content``:
 
-An answer with calls has finish reason ``"tool_calls"`` (when it ended by itself); streamed, each call
-comes as OpenAI streams it: a delta with its ``index``, ``id``, ``type`` and ``function.name``, then
-``function.arguments`` pieces.
+  - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen2.5,
+    Qwen3);
+  - ``llama3_json``: an answer that is ``{"name": ..., "parameters": {...}}`` objects separated by
+    ``;``, after an optional ``<|python_tag|>`` (Llama 3.1 / 3.2 / 3.3; no content then);
+  - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a special
+    token that decoding may drop, so an answer that begins with ``[`` is read as the array too).
+
+Every format is read by one scan (``ToolParser.scan``) that the whole answer and the stream share, so
+the streamed deltas add up to the whole answer's message: a call counts once its ``name`` is
+complete, and its ``arguments`` are the text of its arguments object exactly as generated (a JSON
+object once complete; an ``arguments`` given as a JSON string is decoded). Streamed as OpenAI streams
+calls: a delta with the call's ``index``, ``id``, ``type`` and ``function.name`` once the name is
+complete, then ``function.arguments`` pieces as they are generated; content streams until what may
+begin a call. An answer with calls has finish reason ``"tool_calls"`` (when it ended by itself).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-__all__ = ["TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ToolCallStream", "ToolChoice", "parse_hermes_calls"]
-
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
+__all__ = ["TOOL_PARSERS", "ParsedCalls", "PartialCall", "ToolCallStream", "ToolChoice", "ToolError", "ToolParser",
+           "parse_calls", "parser_for_template", "tool_parser"]
 
 
 class ToolError(ValueError):
@@ -89,103 +101,368 @@ class ToolChoice:
                   "required": ["name", "parameters"]} for t in self.tools]
         return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """``(content, tool calls)`` of a whole answer (calls as OpenAI's message ``tool_calls``)."""
+    def parser(self, auto: "ToolParser") -> "ToolParser | None":
+        """The parser of this choice's answers: ``auto`` (the server's) for ``"auto"``, the array of
+        vLLM's schema for ``"required"``, the whole text as the arguments for a named function, None
+        (plain text) for ``"none"``."""
         if self.mode == "named":
-            return None, [tool_call(self.name, text)]
+            return NamedCall(self.name)
         if self.mode == "required":
-            try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []  # cut short (length): no call to return
-            return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-        if self.mode == "auto":
-            return parse_hermes_calls(text)
-        return text, []
+            return RequiredCalls()
+        return auto if self.mode == "auto" else None
 
 
-def tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+# ---- one scan of an answer, shared by the whole answer and the stream ----------------------------
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A call as far as the answer has written it: ``name`` complete, ``arguments`` the text of its
+    arguments so far (it only grows as the answer does; "" while the name came first and the object
+    not yet)."""
+
+    name: str
+    arguments: str
 
 
-def parse_hermes_calls(text: str) -> tuple[str | None, list[dict]]:
-    """``(content, calls)`` of a Hermes / Qwen answer: each ``<tool_call>{"name", "arguments"}
-    </tool_call>`` block whose body is such a JSON object is a call; the text before the first block is
-    the content (None when empty). Without a parsable block the whole text is the content."""
-    start = text.find(TOOL_CALL_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for body in _HERMES_CALL.findall(text[start:]):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            arguments = call.get("arguments", call.get("parameters", {}))
-            calls.append(tool_call(call["name"], arguments if isinstance(arguments, str)
-                                   else json.dumps(arguments, ensure_ascii=False)))
-    if not calls:
-        return text, []
-    content = text[:start].strip()
-    return content or None, calls
+@dataclass(frozen=True)
+class ParsedCalls:
+    """What an answer (so far) is: ``content`` the text that is surely content (all of it once final
+    and without calls), ``calls`` the calls begun."""
+
+    content: str
+    calls: tuple[PartialCall, ...]
+
+
+_WS = re.compile(r"\s*")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|["{}\[\]]', re.S)  # whole strings skipped; a lone " is an open one
+_SCALAR = re.compile(r"[^\s,\]}]*")
+
+
+class _Malformed(Exception):
+    """Not JSON of the expected shape at this point."""
+
+
+def _skip(text: str, i: int) -> int:
+    return _WS.match(text, i).end()
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the JSON value at ``text[i]`` ends (None: the text ends inside it). Nesting is tracked
+    by brackets outside strings; what lies inside is not validated."""
+    if i >= len(text):
+        return None
+    if text[i] == '"':
+        match = _STRING.match(text, i)
+        return match.end() if match else None
+    if text[i] in "{[":
+        depth = 0
+        for match in _NESTING.finditer(text, i):
+            token = match.group()
+            if token == '"':
+                return None
+            depth += 1 if token in "{[" else -1 if token in "}]" else 0
+            if depth == 0:
+                return match.end()
+        return None
+    end = _SCALAR.match(text, i).end()
+    if end == i:
+        raise _Malformed
+    return end if end < len(text) else None  # a number may go on
+
+
+@dataclass(frozen=True)
+class _CallScan:
+    call: PartialCall | None  # None until the name is complete
+    end: int | None  # after the object's "}"; None: the text ends inside it or it went wrong there
+    malformed: bool = False
+
+
+def _scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> _CallScan:
+    """The call object ``{"name": ..., <argument key>: {...}}`` at ``text[i]``, as far as it goes."""
+    name: str | None = None
+    arguments: str | None = None
+
+    def scanned(end: int | None, malformed: bool = False) -> _CallScan:
+        done = end is not None
+        call = None if name is None else PartialCall(name, arguments if arguments is not None else "{}" if done else "")
+        return _CallScan(call, end, malformed)
+
+    if i >= len(text):
+        return scanned(None)
+    if text[i] != "{":
+        return scanned(None, True)
+    i += 1
+    try:
+        while True:
+            i = _skip(text, i)
+            if i == len(text):
+                return scanned(None)
+            if text[i] == "}":
+                return scanned(i + 1)
+            if text[i] != '"':
+                raise _Malformed
+            key_end = _value_end(text, i)
+            if key_end is None:
+                return scanned(None)
+            key, i = json.loads(text[i:key_end]), _skip(text, key_end)
+            if i == len(text):
+                return scanned(None)
+            if text[i] != ":":
+                raise _Malformed
+            i = _skip(text, i + 1)
+            end = _value_end(text, i)
+            if key == "name" and name is None:
+                if end is None:
+                    return scanned(None)
+                name = json.loads(text[i:end])
+                if not isinstance(name, str):
+                    raise _Malformed
+            elif key in argument_keys and arguments is None:
+                if end is None:  # an object streams as it comes; a string (encoded JSON) once whole
+                    arguments = text[i:] if text[i:i + 1] == "{" else None
+                    return scanned(None)
+                arguments = text[i:end] if text[i] != '"' else json.loads(text[i:end])
+                if not isinstance(arguments, str):
+                    raise _Malformed
+            elif end is None:
+                return scanned(None)
+            i = _skip(text, end)
+            if i == len(text):
+                return scanned(None)
+            if text[i] == "}":
+                return scanned(i + 1)
+            if text[i] != ",":
+                raise _Malformed
+            i += 1
+    except (_Malformed, json.JSONDecodeError):
+        return scanned(None, True)
+
+
+def _longest_tail_prefix(text: str, marker: str) -> int:
+    """The length of the longest tail of ``text`` that begins ``marker`` (content held back)."""
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+class ToolParser:
+    """One format of tool calls in an answer. A format says where its calls begin (``_start``), how
+    far content may stream before a call has begun (``_content_end``) and reads the calls from there
+    (``_calls``); ``scan`` puts them together for a whole answer (``final``) or one being streamed."""
+
+    name: ClassVar[str]
+    argument_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+
+    def scan(self, text: str, final: bool) -> ParsedCalls:
+        start = self._start(text)
+        if start is not None:
+            calls = self._calls(text, start[1])
+            if calls or not final:
+                return ParsedCalls(text[:start[0]], tuple(calls))
+        return ParsedCalls(text if final else text[:self._content_end(text)], ())
+
+    def new_id(self) -> str:
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+    def _start(self, text: str) -> tuple[int, int] | None:
+        """(where the content ends, where the calls' JSON begins), None while no call has begun."""
+        raise NotImplementedError
+
+    def _content_end(self, text: str) -> int:
+        return len(text)
+
+    def _calls(self, text: str, i: int) -> list[PartialCall]:
+        raise NotImplementedError
+
+    def _array(self, text: str, i: int) -> list[PartialCall]:
+        """The calls of a JSON array ``[{...}, {...}]`` at ``text[i]``."""
+        if text[i:i + 1] != "[":
+            return []
+        calls, i = [], _skip(text, i + 1)
+        while True:
+            scan = _scan_call(text, i, self.argument_keys)
+            calls += [scan.call] if scan.call else []
+            if scan.end is None:
+                return calls
+            i = _skip(text, scan.end)
+            if text[i:i + 1] != ",":
+                return calls
+            i = _skip(text, i + 1)
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen2.5, Qwen3)."""
+
+    name = "hermes"
+    OPEN = "<tool_call>"
+
+    def _start(self, text):
+        at = text.find(self.OPEN)
+        return None if at < 0 else (at, at)
+
+    def _content_end(self, text):
+        return len(text) - _longest_tail_prefix(text, self.OPEN)
+
+    def _calls(self, text, at):
+        calls = []
+        while at >= 0:
+            scan = _scan_call(text, _skip(text, at + len(self.OPEN)), self.argument_keys)
+            calls += [scan.call] if scan.call else []
+            if scan.end is None and not scan.malformed:
+                return calls  # still being written
+            at = text.find(self.OPEN, at + len(self.OPEN) if scan.end is None else scan.end)
+        return calls
+
+
+class Llama3JsonParser(ToolParser):
+    """An answer that is ``{"name": ..., "parameters": {...}}`` objects separated by ``;``, after an
+    optional ``<|python_tag|>`` (Llama 3.1 / 3.2 / 3.3's JSON tool calling; calls only at the start)."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def _start(self, text):
+        begin = _skip(text, 0)
+        if text.startswith(self.PYTHON_TAG, begin):
+            return 0, _skip(text, begin + len(self.PYTHON_TAG))
+        return (0, begin) if text.startswith("{", begin) else None
+
+    def _content_end(self, text):
+        rest = text.lstrip()
+        return 0 if self.PYTHON_TAG.startswith(rest) else len(text)  # "" too: a call may begin yet
+
+    def _calls(self, text, i):
+        calls = []
+        while True:
+            scan = _scan_call(text, i, self.argument_keys)
+            calls += [scan.call] if scan.call else []
+            if scan.end is None:
+                return calls
+            i = _skip(text, scan.end)
+            if text[i:i + 1] != ";":
+                return calls
+            i = _skip(text, i + 1)
+
+
+class MistralParser(ToolParser):
+    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``; ``[TOOL_CALLS]`` is a special token
+    that decoding without special tokens drops, so an answer beginning with ``[`` is read as the
+    array too. Ids are 9 letters and digits, which Mistral's chat templates require of a call's id."""
+
+    name = "mistral"
+    BOT = "[TOOL_CALLS]"
+    argument_keys = ("arguments",)
+
+    def _start(self, text):
+        at = text.find(self.BOT)
+        if at >= 0:
+            return at, _skip(text, at + len(self.BOT))
+        begin = _skip(text, 0)
+        return (0, begin) if text.startswith("[", begin) else None
+
+    def _content_end(self, text):
+        if not text.strip():
+            return 0
+        return len(text) - _longest_tail_prefix(text, self.BOT)
+
+    def _calls(self, text, i):
+        return self._array(text, i)
+
+    def new_id(self) -> str:
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+class RequiredCalls(ToolParser):
+    """``tool_choice: "required"``: the answer is the array of vLLM's schema, ``[{"name": ...,
+    "parameters": {...}}, ...]`` (no content)."""
+
+    name = "required"
+    argument_keys = ("parameters",)
+
+    def _start(self, text):
+        return 0, _skip(text, 0)
+
+    def _calls(self, text, i):
+        return self._array(text, i)
+
+
+@dataclass(frozen=True)
+class NamedCall(ToolParser):
+    """A named ``tool_choice``: the whole answer is the arguments of function ``function``."""
+
+    function: str
+    name: ClassVar[str] = "named"
+
+    def scan(self, text, final):
+        return ParsedCalls("", (PartialCall(self.function, text),))
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The parser of vLLM's ``--tool-call-parser`` name; ValueError naming the known ones."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
+
+
+def parser_for_template(template: str | None) -> str:
+    """The tool-call parser a chat template's format calls for (``hermes`` when it says nothing)."""
+    template = template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
+        return "llama3_json"
+    return "hermes"
+
+
+def parse_calls(parser: ToolParser, text: str) -> tuple[str | None, list[dict]]:
+    """``(content, tool calls)`` of a whole answer (calls as OpenAI's message ``tool_calls``)."""
+    parsed = parser.scan(text, final=True)
+    return parsed.content or None, [{"id": parser.new_id(), "type": "function",
+                                     "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
 
 
 @dataclass
 class ToolCallStream:
     """One streamed choice's tool calls: ``feed`` each piece's text, ``finish`` at its end; each
-    returns ``(content delta, tool_call deltas)`` as OpenAI's chunks carry them. A named call streams
-    its arguments as they come; ``required`` and ``auto`` calls come when the answer is complete
-    (``auto`` streams the content before a ``<tool_call>``, holding back what may begin one)."""
+    returns ``(content delta, tool_call deltas)`` as OpenAI's chunks carry them (see the module's
+    docstring): they add up to ``parse_calls`` of the whole text."""
 
-    choice: ToolChoice
+    parser: ToolParser
     text: str = ""
-    sent: int = 0  # content characters streamed (auto / none)
-    calls: int = 0  # calls streamed
-    call_id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    content_sent: int = 0
+    ids: list[str] = field(default_factory=list)  # of the calls whose header went out
+    arguments_sent: list[int] = field(default_factory=list)
+
+    @property
+    def calls(self) -> int:
+        return len(self.ids)
 
     def feed(self, piece: str) -> tuple[str | None, list[dict]]:
         self.text += piece
-        mode = self.choice.mode
-        if mode == "named":
-            deltas = [{"index": 0, "function": {"arguments": piece}}] if piece else []
-            if self.calls == 0:
-                self.calls = 1
-                deltas = [{"index": 0, "id": self.call_id, "type": "function",
-                           "function": {"name": self.choice.name, "arguments": piece}}]
-            return None, deltas
-        if mode == "required":
-            return None, []
-        return self._content(self._safe_end()), []
+        return self._deltas(self.parser.scan(self.text, final=False))
 
     def finish(self) -> tuple[str | None, list[dict]]:
-        mode = self.choice.mode
-        if mode == "named":
-            return None, []
-        content, calls = self.choice.parse(self.text)
-        if not calls:
-            return self._content(len(self.text)), []
+        return self._deltas(self.parser.scan(self.text, final=True))
+
+    def _deltas(self, parsed: ParsedCalls) -> tuple[str | None, list[dict]]:
+        content = parsed.content[self.content_sent:] or None
+        self.content_sent = max(self.content_sent, len(parsed.content))
         deltas = []
-        for i, call in enumerate(calls):
-            deltas.append({"index": i, "id": call["id"], "type": "function",
-                           "function": {"name": call["function"]["name"], "arguments": ""}})
-            deltas.append({"index": i, "function": {"arguments": call["function"]["arguments"]}})
-        self.calls = len(calls)
-        return None, deltas
-
-    def _safe_end(self) -> int:
-        """How far the content may stream: up to a ``<tool_call>``, or up to a tail that may begin one."""
-        at = self.text.find(TOOL_CALL_OPEN)
-        if at >= 0:
-            return at
-        for keep in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text)), 0, -1):
-            if TOOL_CALL_OPEN.startswith(self.text[-keep:]):
-                return len(self.text) - keep
-        return len(self.text)
-
-    def _content(self, end: int) -> str | None:
-        if end <= self.sent:
-            return None
-        piece, self.sent = self.text[self.sent:end], end
-        return piece
+        for i, call in enumerate(parsed.calls):
+            piece = call.arguments[self.arguments_sent[i]:] if i < len(self.ids) else call.arguments
+            if i == len(self.ids):
+                self.ids.append(self.parser.new_id())
+                self.arguments_sent.append(0)
+                deltas.append({"index": i, "id": self.ids[i], "type": "function",
+                               "function": {"name": call.name, "arguments": piece}})
+            elif piece:
+                deltas.append({"index": i, "function": {"arguments": piece}})
+            self.arguments_sent[i] = len(call.arguments)
+        return content, deltas
