@@ -15,8 +15,9 @@
     Qwen3);
   - ``llama3_json``: an answer that is ``{"name": ..., "parameters": {...}}`` objects separated by
     ``;``, after an optional ``<|python_tag|>`` (Llama 3.1 / 3.2 / 3.3; no content then);
-  - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a special
-    token that decoding may drop, so an answer that begins with ``[`` is read as the array too).
+  - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or ``[TOOL_CALLS]name
+    [ARGS]{...}`` per call (the v11 tokenizers' form); the marker is a special token that decoding
+    drops, so an answer that begins with ``[`` is read as the array too.
 
 Every format is read by one scan (``ToolParser.scan``) that the whole answer and the stream share, so
 the streamed deltas add up to the whole answer's message: a call counts once its ``name`` is
@@ -347,13 +348,15 @@ class Llama3JsonParser(ToolParser):
 
 
 class MistralParser(ToolParser):
-    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``; ``[TOOL_CALLS]`` is a special token
-    that decoding without special tokens drops, so an answer beginning with ``[`` is read as the
-    array too. Ids are 9 letters and digits, which Mistral's chat templates require of a call's id."""
+    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B v0.3, Nemo) or, from the
+    v11 tokenizers on, ``[TOOL_CALLS]name[ARGS]{...}`` (``[ARGS]`` optional) per call. ``[TOOL_CALLS]``
+    is a special token that decoding without special tokens drops, so an answer beginning with ``[``
+    is read as the array too. Ids are 9 letters and digits, which Mistral's chat templates require."""
 
     name = "mistral"
-    BOT = "[TOOL_CALLS]"
+    BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
     argument_keys = ("arguments",)
+    FUNCTION = re.compile(r"[A-Za-z0-9_-]+")
 
     def _start(self, text):
         at = text.find(self.BOT)
@@ -368,7 +371,24 @@ class MistralParser(ToolParser):
         return len(text) - _longest_tail_prefix(text, self.BOT)
 
     def _calls(self, text, i):
-        return self._array(text, i)
+        if self.ARGS.startswith(text[i:i + len(self.ARGS)]):
+            return []  # "[", "[A", ...: which form is not known yet
+        if text.startswith("[", i):
+            return self._array(text, i)
+        calls = []
+        while True:
+            match = self.FUNCTION.match(text, i)
+            if match is None:
+                return calls
+            at = match.end() + len(self.ARGS) if text.startswith(self.ARGS, match.end()) else match.end()
+            if not text.startswith("{", at):
+                return calls  # the name may go on (or the call is malformed)
+            end = _value_end(text, at)
+            calls.append(PartialCall(match.group(), text[at:] if end is None else text[at:end]))
+            following = -1 if end is None else text.find(self.BOT, end)
+            if following < 0:
+                return calls
+            i = _skip(text, following + len(self.BOT))
 
     def new_id(self) -> str:
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
