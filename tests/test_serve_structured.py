@@ -28,8 +28,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n
 
 
 @contextlib.contextmanager
-def serving(**config):
-    """An ``openai`` client of a server of the demo pair with ``EngineConfig(**config)``."""
+def serving(tool_call_parser: str | None = None, **config):
+    """An ``openai`` client of a server of the demo pair with ``EngineConfig(**config)`` (and the
+    ``--tool-call-parser`` given)."""
     from transformers import AutoTokenizer
 
     pair = demo_pair()
@@ -38,7 +39,8 @@ def serving(**config):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with ServerThread(create_app(engine, tokenizer, MODEL, api_key=API_KEY, chat_template=TEMPLATE)) as server:
+        with ServerThread(create_app(engine, tokenizer, MODEL, api_key=API_KEY, chat_template=TEMPLATE,
+                                     tool_call_parser=tool_call_parser)) as server:
             yield openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
     finally:
         torch.set_num_threads(threads)
