@@ -19,9 +19,11 @@ from dspark.serve.tools import (TOOL_PARSERS, NamedCall, RequiredCalls, ToolCall
 HERMES = ('I will look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "at": [1, {"x": "}"}]}}'
           '\n</tool_call>\n<tool_call>\n{"arguments": {"q": "\\"}{"}, "name": "search"}\n</tool_call>')
 LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "now", "parameters": {}}'
-MISTRAL = 'Sure [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": "{}"}]'
+MISTRAL = ('Sure [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+           '{"name": "now", "arguments": "{}"}]')
 MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now{}'
-REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": [1, 2]}}, {"name": "now", "parameters": {}}]'
+REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Oslo", "days": [1, 2]}}, '
+            '{"name": "now", "parameters": {}}]')
 
 # (parser, answer, its content, its calls as (name, arguments))
 CASES = [

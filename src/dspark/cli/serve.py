@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     mode = "plain decoding" if not engine.info["drafter"] else f"DSpark, scheduler {args.scheduler}"
     auth = ", /v1 needs the API key" if api_key is not None else ""
     tools = f", tool-call parser {app.state.server.tool_parser.name}"
-    print(f"dspark serve: {name!r} ({mode}, max batch {args.max_batch}, max model len {engine.max_model_len}{tools}{auth}) "
-          f"on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    print(f"dspark serve: {name!r} ({mode}, max batch {args.max_batch}, max model len {engine.max_model_len}{tools}"
+          f"{auth}) on http://{args.host}:{port}", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it shut down on once it is done; with the default action that
     # would kill the process after a clean drain, so the restored handler ignores it and we exit.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -268,7 +268,7 @@ class ToolParser:
         return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
     def _start(self, text: str) -> tuple[int, int] | None:
-        """(where the content ends, where the calls' JSON begins), None while no call has begun."""
+        """(where the content ends, where the calls begin), None while no call has begun."""
         raise NotImplementedError
 
     def _content_end(self, text: str) -> int:
