@@ -107,6 +107,7 @@ def test_arguments_stream_as_they_are_generated(name, text):
     ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),  # Llama 3.1
     ("<|start_header_id|>user<|end_header_id|>{\"name\": function name, \"parameters\": ...}", "llama3_json"),
     ("{{ '[AVAILABLE_TOOLS]' }}...{{ '[TOOL_CALLS]' }}", "mistral"),
+    ({"default": "{{ messages[0]['content'] }}", "tool_use": "[TOOL_CALLS]"}, "mistral"),  # named templates
     ("{{ messages[0]['content'] }}", "hermes"), (None, "hermes")])
 def test_the_default_parser_follows_the_chat_template(template, name):
     assert parser_for_template(template) == name

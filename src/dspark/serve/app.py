@@ -97,9 +97,7 @@ def create_app(engine: LLMEngine | EngineClient, tokenizer, model_name: str, *, 
     else:
         loop = EngineLoop(engine, max_waiting, on_engine_failure)
     template = chat_template or getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates (Hermes 2 Pro's "tool_use"): read them all
-        template = "\n".join(t for t in template.values() if isinstance(t, str))
-    parser = tool_parser(tool_call_parser or parser_for_template(template if isinstance(template, str) else None))
+    parser = tool_parser(tool_call_parser or parser_for_template(template))
     server = _Server(loop, tokenizer, model_name, chat_template, trust_request_chat_template, model_root, parser)
 
     @contextlib.asynccontextmanager

@@ -429,9 +429,12 @@ def tool_parser(name: str) -> ToolParser:
     return TOOL_PARSERS[name]()
 
 
-def parser_for_template(template: str | None) -> str:
-    """The tool-call parser a chat template's format calls for (``hermes`` when it says nothing)."""
-    template = template or ""
+def parser_for_template(template: str | dict | None) -> str:
+    """The tool-call parser a chat template's format calls for (``hermes`` when it says nothing); a
+    tokenizer's named templates (a dict, as Hermes 2 Pro's ``"tool_use"``) are read together."""
+    if isinstance(template, dict):
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    template = template if isinstance(template, str) else ""
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<tool_call>" in template:
