@@ -19,13 +19,13 @@ prompts of ``--prompt`` tokens and ``--new`` new tokens per request:
 
 each with ms per step, tokens per step and ms per token, beside the weight-read floor (parameter bytes
 over the measured copy ceiling; GPU only). A measurement that fails is recorded as its error, the
-others still run. Writes ``hybrid.json`` (rewritten after each batch size) and prints a table.
+others still run. Writes ``hybrid.json`` (rewritten after each measurement) and prints a table.
 
 Shapes (``SHAPES``): ``qwen3.5-9b`` is ``transformers.Qwen3_5TextConfig()``'s defaults as such
 (its docstring: "a configuration similar to that of Qwen3.5-9B"): vocabulary 248,320, hidden 4096,
 MLP 12,288, 32 layers of which every 4th is full attention (16 query / 4 KV heads of 256, a quarter
 of each head rotated) and the other 24 gated DeltaNet (16 key heads / 32 value heads of 128, conv
-kernel 4), untied head: ~9.7 G parameters. Its drafter captures layers 1, 8, 15, 22, 29 (five, evenly
+kernel 4), untied head: 8.95 G parameters, 17.9 GB in bf16. Its drafter captures layers 1, 8, 15, 22, 29 (five, evenly
 spread, as ``bench.engine``'s Qwen3-8B shape). ``tiny``: the same layout at toy sizes (4 layers, the
 plumbing on the CPU).
 """
@@ -33,6 +33,7 @@ plumbing on the CPU).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -93,44 +94,58 @@ def timed(engine, prompts: list[list[int]], new: int, oracle=None) -> dict:
     return result
 
 
-def run_batch(model, drafter, batch: int, args, generator: torch.Generator) -> dict:
-    """Every measurement of one batch size (module docstring), the engines sized for it."""
+def release(device: torch.device) -> None:
+    """Free a finished measurement's engine (its KV blocks and state pool: ~28 GB of rings at
+    B = 64 on the 9B shape; engines hold reference cycles) before the next one allocates its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_batch(model, drafter, row: dict, args, generator: torch.Generator, save) -> None:
+    """Every measurement of one batch size (module docstring) into ``row`` (``row["batch"]`` rows),
+    the engines sized for it; ``save()`` after each, so that a run cut short keeps what it measured.
+    dspark's runs first, transformers' compiled step (the slowest to set up) last."""
     from ..engine import LLMEngine
     from .oracle import OracleEngine
 
-    vocab = model.config.vocab_size
+    batch, vocab = row["batch"], model.config.vocab_size
     prompts = [torch.randint(0, vocab - 1, (args.prompt,), generator=generator).tolist() for _ in range(batch)]
-    row = dict(batch=batch)
-    if "compiled" in args.hf:
-        row["hf_compiled"] = attempt(lambda: hf_compiled(model, batch, args.prompt))
-    if "eager" in args.hf:
-        row["hf_eager"] = attempt(lambda: dict(step_ms=round(hf_step_ms(
-            model, batch, args.prompt, HF_STEPS[False], compiled=False), 3)))
-    row["plain"] = attempt(lambda: timed(LLMEngine(model, None, steady_config(batch, args.prompt, args.new)),
-                                         prompts, args.new))
     config = steady_config(batch, args.prompt, args.new, drafter)
-    row["dspark_random"] = attempt(lambda: timed(LLMEngine(model, drafter, config), prompts, args.new))
-    if "outputs" in row["plain"]:
-        # the oracle is the DSpark runner's own greedy continuation: in bf16 a verify window and a one-token
-        # step round differently, so plain decoding's tokens seed a first run whose outputs are the oracle
-        def oracle_rounds() -> dict:
-            engine = OracleEngine(model, drafter, config, acceptance=1.0)
-            pad = [0] * (drafter.config.block_size + 1)
-            first = engine_run(engine, prompts, args.new, [o + pad for o in row["plain"]["outputs"]])["outputs"]
-            return timed(engine, prompts, args.new, [o + pad for o in first])
-        row["dspark_a1"] = attempt(oracle_rounds)
-    for key in ("plain", "dspark_random", "dspark_a1"):
-        row.get(key, {}).pop("outputs", None)
-    if model.device.type == "cuda":
-        torch.cuda.empty_cache()  # the engines' caches before the next batch size's
-    return row
+    pad = [0] * (drafter.config.num_draft_tokens + 1)  # room for the last round's drafts past the continuation
+
+    def oracle_rounds(plain_outputs: list[list[int]]) -> dict:
+        # the oracle is the DSpark runner's own greedy continuation: in bf16 a verify window and a
+        # one-token step round differently, so plain decoding's tokens seed a first run whose outputs
+        # are the oracle (as bench.engine.run_shape)
+        engine = OracleEngine(model, drafter, config, acceptance=1.0)
+        first = engine_run(engine, prompts, args.new, [o + pad for o in plain_outputs])["outputs"]
+        return timed(engine, prompts, args.new, [o + pad for o in first])
+
+    measurements = {
+        "plain": lambda: timed(LLMEngine(model, None, steady_config(batch, args.prompt, args.new)), prompts, args.new),
+        "dspark_random": lambda: timed(LLMEngine(model, drafter, config), prompts, args.new),
+        "dspark_a1": lambda: oracle_rounds(plain_outputs),
+        "hf_compiled": lambda: hf_compiled(model, batch, args.prompt),
+        "hf_eager": lambda: dict(step_ms=round(hf_step_ms(model, batch, args.prompt, HF_STEPS[False], compiled=False), 3)),
+    }
+    plain_outputs = None
+    for name, measure in measurements.items():
+        if name.startswith("hf_") and name[3:] not in args.hf or name == "dspark_a1" and plain_outputs is None:
+            continue
+        row[name] = attempt(measure)
+        if name == "plain":
+            plain_outputs = row[name].pop("outputs", None)
+        row[name].pop("outputs", None)
+        release(model.device)
+        save()
 
 
 def markdown(report: dict) -> str:
     """The report as a table: ms per step (and per token for the engine's runs) per batch size."""
     floor = f"{report['floor_ms']} ms" if report["floor_ms"] is not None else "not measured (CPU)"
     lines = [f"### {report['shape']} ({report['dtype']}, {report['device']}): prompt {report['prompt']}, "
-             f"{report['new']} new tokens; weight-read floor {floor} ({report['parameter_bytes'] / 1e9:.2f} GB)", "",
+             f"{report['new']} new tokens; weight-read floor {floor} ({report['parameter_bytes']:,} parameter bytes)", "",
              "| B | HF compiled ms/step | HF eager ms/step | plain ms/step | plain ms/token | DSpark round ms "
              "(random drafts) | ms/token | DSpark round ms (acceptance 1) | tokens/round/row | ms/token |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -191,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)
-    for batch in args.batches:
-        report["rows"].append(run_batch(model, drafter, batch, args, generator))
-        print(args.shape, json.dumps(report["rows"][-1]), flush=True)
+    def save() -> None:
         (out / "hybrid.json").write_text(json.dumps(report, indent=1))
+
+    for batch in args.batches:
+        report["rows"].append(dict(batch=batch))
+        run_batch(model, drafter, report["rows"][-1], args, generator, save)
+        print(args.shape, json.dumps(report["rows"][-1]), flush=True)
     print(markdown(report))
     return 0
 
