@@ -126,7 +126,7 @@ def hf_step_ms(model, batch: int, prompt: int, steps: int, *, compiled: bool, fu
             forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=fullgraph)
         else:
             cache, forward = DynamicCache(config=model.config), model.forward
-        out = model(input_ids=ids, cache=cache, use_cache=True,
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1,  # not [B, prompt, V] logits
                     position_ids=torch.arange(prompt, device=device).expand(batch, prompt))
         token = out.logits[:, -1:].argmax(-1)
         times = []

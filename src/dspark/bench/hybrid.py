@@ -77,7 +77,8 @@ def attempt(fn) -> dict:
 
 def hf_compiled(model, batch: int, prompt: int) -> dict:
     """``hf_step_ms`` compiled, ``fullgraph=True`` first (``generate``'s setting), else with graph
-    breaks (fla's Triton kernels or the hybrid cache may break the graph)."""
+    breaks (fla's Triton kernels or the hybrid cache may break the graph). Compiled code and its
+    CUDA graphs are dropped before and after: the next measurement gets their memory."""
     torch._dynamo.reset()
     try:
         return dict(step_ms=round(hf_step_ms(model, batch, prompt, HF_STEPS[True], compiled=True), 3), fullgraph=True)
@@ -85,6 +86,8 @@ def hf_compiled(model, batch: int, prompt: int) -> dict:
         torch._dynamo.reset()
         ms = hf_step_ms(model, batch, prompt, HF_STEPS[True], compiled=True, fullgraph=False)
         return dict(step_ms=round(ms, 3), fullgraph=False, fullgraph_error=f"{type(exc).__name__}: {exc}"[:300])
+    finally:
+        torch._dynamo.reset()
 
 
 def timed(engine, prompts: list[list[int]], new: int, oracle=None) -> dict:
