@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dspark.bench import hybrid
 
@@ -47,3 +48,15 @@ def test_a_failed_measurement_is_recorded_and_shown():
     text = hybrid.markdown(report)
     assert "| 1 | error | – | 2.0 | 2.0 | 2.0 | 2.0 | – | – | – |" in text
     assert "- B = 1 hf_compiled: RuntimeError: CUDA out of memory" in text
+
+
+def test_the_baselines_refuse_a_model_an_engine_wrapped():
+    """An engine's ``HFTarget`` routes the gated DeltaNet mixers through dspark: transformers'
+    baseline on that model would time dspark's routing, so it is refused naming why."""
+    from dspark.model.hf_target import HFTarget
+
+    model = hybrid.random_target(hybrid.SHAPES["tiny"], device="cpu", dtype=torch.float32)
+    hybrid.pristine(model)
+    HFTarget(model)
+    with pytest.raises(ValueError, match="needs the model unwrapped, but 3 mixers are routed"):
+        hybrid.pristine(model)

@@ -5,10 +5,11 @@ fp32 on the CPU) through dspark's Hugging Face backend (``HFTarget`` + ``model.h
 pool; fla-core's gated delta rule kernels on a GPU). Per batch size (``--batches``, default 1,64),
 prompts of ``--prompt`` tokens and ``--new`` new tokens per request:
 
-* ``hf_compiled_ms`` / ``hf_eager_ms``: one decode step of transformers' own model
+* ``hf_compiled`` / ``hf_eager``: one decode step of transformers' own model
   (``bench.engine.hf_step_ms``: ``generate``'s ``StaticCache`` + ``torch.compile(mode=
   "reduce-overhead")`` recipe, ``fullgraph=True`` first and, if that fails, ``fullgraph=False``;
-  or eager with a ``DynamicCache``);
+  or eager with a ``DynamicCache``), timed for every batch size before any engine exists (an
+  engine's ``HFTarget`` routes the model's mixers through dspark: ``pristine``);
 * ``plain``: dspark's engine decoding without a drafter (``LLMEngine``, CUDA graphs on a GPU), the
   median steady step (``bench.engine.engine_run``);
 * ``dspark_random``: DSpark rounds with a random drafter of the target's hidden size (block 7,
@@ -20,14 +21,15 @@ prompts of ``--prompt`` tokens and ``--new`` new tokens per request:
 each with ms per step, tokens per step and ms per token, beside the weight-read floor (parameter bytes
 over the measured copy ceiling; GPU only). A measurement that fails is recorded as its error, the
 others still run. Writes ``hybrid.json`` (rewritten after each measurement) and prints a table.
+``--hf none`` times dspark's engine alone.
 
 Shapes (``SHAPES``): ``qwen3.5-9b`` is ``transformers.Qwen3_5TextConfig()``'s defaults as such
-(its docstring: "a configuration similar to that of Qwen3.5-9B"): vocabulary 248,320, hidden 4096,
-MLP 12,288, 32 layers of which every 4th is full attention (16 query / 4 KV heads of 256, a quarter
-of each head rotated) and the other 24 gated DeltaNet (16 key heads / 32 value heads of 128, conv
-kernel 4), untied head: 8.95 G parameters, 17.9 GB in bf16. Its drafter captures layers 1, 8, 15, 22, 29 (five, evenly
-spread, as ``bench.engine``'s Qwen3-8B shape). ``tiny``: the same layout at toy sizes (4 layers, the
-plumbing on the CPU).
+(transformers 5.25; its docstring: "the Qwen3.5-9B style configuration"): vocabulary 248,320, hidden
+4096, MLP 12,288, 32 layers of which every 4th is full attention (16 query / 4 KV heads of 256, a
+quarter of each head rotated) and the other 24 gated DeltaNet (16 key heads / 32 value heads of 128,
+conv kernel 4), untied head: 8.95 G parameters, 17.9 GB in bf16. Its drafter captures layers 1, 8, 15,
+22, 29 (five, evenly spread, as ``bench.engine``'s Qwen3-8B shape). ``tiny``: the same layout at toy
+sizes (4 layers, the plumbing on the CPU).
 """
 
 from __future__ import annotations
@@ -105,10 +107,44 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_batch(model, drafter, row: dict, args, generator: torch.Generator, save) -> None:
-    """Every measurement of one batch size (module docstring) into ``row`` (``row["batch"]`` rows),
-    the engines sized for it; ``save()`` after each, so that a run cut short keeps what it measured.
-    dspark's runs first, transformers' compiled step (the slowest to set up) last."""
+def record(row: dict, name: str, measure, device: torch.device, save) -> list[list[int]] | None:
+    """``row[name] = attempt(measure)`` less its ``outputs`` (returned, None if none), then the
+    measurement's memory freed and the report saved."""
+    row[name] = attempt(measure)
+    outputs = row[name].pop("outputs", None)
+    release(device)
+    save()
+    return outputs
+
+
+def pristine(model) -> None:
+    """ValueError unless ``model`` runs transformers' own code: an engine's ``HFTarget`` routes the
+    stateful mixers through dspark (``hybrid.install``), which the baselines must not time (and which
+    ``fullgraph`` compilation cannot trace)."""
+    routed = [name for name, module in model.named_modules() if hasattr(module, "_dspark_original_forward")]
+    if routed:
+        raise ValueError(f"transformers' baseline needs the model unwrapped, but {len(routed)} mixers are routed "
+                         f"through dspark's engine (first: {routed[0]}); time the baselines before any engine")
+
+
+def hf_baselines(model, row: dict, args, save) -> None:
+    """transformers' decode step at ``row["batch"]`` rows (``args.hf``: compiled, eager) into ``row``,
+    ``save()`` after each."""
+    pristine(model)
+    batch = row["batch"]
+    measurements = {
+        "hf_compiled": lambda: hf_compiled(model, batch, args.prompt),
+        "hf_eager": lambda: dict(step_ms=round(hf_step_ms(model, batch, args.prompt, HF_STEPS[False],
+                                                          compiled=False), 3)),
+    }
+    for name, measure in measurements.items():
+        if name[3:] in args.hf:
+            record(row, name, measure, model.device, save)
+
+
+def dspark_runs(model, drafter, row: dict, args, generator: torch.Generator, save) -> None:
+    """dspark's engines at ``row["batch"]`` rows (module docstring: plain, dspark_random, dspark_a1)
+    into ``row``, each engine sized for the batch and freed after its run; ``save()`` after each."""
     from ..engine import LLMEngine
     from .oracle import OracleEngine
 
@@ -117,7 +153,10 @@ def run_batch(model, drafter, row: dict, args, generator: torch.Generator, save)
     config = steady_config(batch, args.prompt, args.new, drafter)
     pad = [0] * (drafter.config.num_draft_tokens + 1)  # room for the last round's drafts past the continuation
 
-    def oracle_rounds(plain_outputs: list[list[int]]) -> dict:
+    def plain() -> dict:
+        return timed(LLMEngine(model, None, steady_config(batch, args.prompt, args.new)), prompts, args.new)
+
+    def oracle_rounds() -> dict:
         # the oracle is the DSpark runner's own greedy continuation: in bf16 a verify window and a
         # one-token step round differently, so plain decoding's tokens seed a first run whose outputs
         # are the oracle (as bench.engine.run_shape)
@@ -125,30 +164,19 @@ def run_batch(model, drafter, row: dict, args, generator: torch.Generator, save)
         first = engine_run(engine, prompts, args.new, [o + pad for o in plain_outputs])["outputs"]
         return timed(engine, prompts, args.new, [o + pad for o in first])
 
-    measurements = {
-        "plain": lambda: timed(LLMEngine(model, None, steady_config(batch, args.prompt, args.new)), prompts, args.new),
-        "dspark_random": lambda: timed(LLMEngine(model, drafter, config), prompts, args.new),
-        "dspark_a1": lambda: oracle_rounds(plain_outputs),
-        "hf_compiled": lambda: hf_compiled(model, batch, args.prompt),
-        "hf_eager": lambda: dict(step_ms=round(hf_step_ms(model, batch, args.prompt, HF_STEPS[False], compiled=False), 3)),
-    }
-    plain_outputs = None
-    for name, measure in measurements.items():
-        if name.startswith("hf_") and name[3:] not in args.hf or name == "dspark_a1" and plain_outputs is None:
-            continue
-        row[name] = attempt(measure)
-        if name == "plain":
-            plain_outputs = row[name].pop("outputs", None)
-        row[name].pop("outputs", None)
-        release(model.device)
-        save()
+    plain_outputs = record(row, "plain", plain, model.device, save)
+    record(row, "dspark_random", lambda: timed(LLMEngine(model, drafter, config), prompts, args.new),
+           model.device, save)
+    if plain_outputs is not None:  # else plain decoding failed: its error is in the row
+        record(row, "dspark_a1", oracle_rounds, model.device, save)
 
 
 def markdown(report: dict) -> str:
     """The report as a table: ms per step (and per token for the engine's runs) per batch size."""
     floor = f"{report['floor_ms']} ms" if report["floor_ms"] is not None else "not measured (CPU)"
     lines = [f"### {report['shape']} ({report['dtype']}, {report['device']}): prompt {report['prompt']}, "
-             f"{report['new']} new tokens; weight-read floor {floor} ({report['parameter_bytes']:,} parameter bytes)", "",
+             f"{report['new']} new tokens; weight-read floor {floor} ({report['parameter_bytes']:,} parameter "
+             "bytes)", "",
              "| B | HF compiled ms/step | HF eager ms/step | plain ms/step | plain ms/token | DSpark round ms "
              "(random drafts) | ms/token | DSpark round ms (acceptance 1) | tokens/round/row | ms/token |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -161,7 +189,8 @@ def markdown(report: dict) -> str:
     for r in report["rows"]:
         a1 = r.get("dspark_a1")
         per_row = "–" if a1 is None else "error" if "error" in a1 else round(a1["tokens_per_step"] / r["batch"], 2)
-        lines.append(f"| {r['batch']} | {cell(r.get('hf_compiled'), 'step_ms')} | {cell(r.get('hf_eager'), 'step_ms')} | "
+        lines.append(f"| {r['batch']} | {cell(r.get('hf_compiled'), 'step_ms')} | "
+                     f"{cell(r.get('hf_eager'), 'step_ms')} | "
                      f"{cell(r['plain'], 'step_ms')} | {cell(r['plain'], 'ms_per_token')} | "
                      f"{cell(r['dspark_random'], 'step_ms')} | {cell(r['dspark_random'], 'ms_per_token')} | "
                      f"{cell(a1, 'step_ms')} | {per_row} | {cell(a1, 'ms_per_token')} |")
@@ -178,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,64", help="comma-separated batch sizes")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
-    parser.add_argument("--hf", default="compiled", help="comma-separated transformers baselines: compiled, eager, none")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32, the plumbing (--shape tiny)")
+    parser.add_argument("--hf", default="compiled",
+                        help="comma-separated transformers baselines: compiled, eager, none")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: fp32, the plumbing (--shape tiny)")
     args = parser.parse_args(argv)
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
@@ -202,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     params, floor_ms = weight_floor(model, ceiling) if cuda else (weight_floor(model, 1.0)[0], None)
     command = "python -m dspark.bench.hybrid " + " ".join(argv if argv is not None else sys.argv[1:])
     report = dict(shape=args.shape, device=torch.cuda.get_device_name() if cuda else "cpu",
-                  dtype=str(dtype).replace("torch.", ""), torch=torch.__version__, transformers=transformers.__version__,
+                  dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
+                  transformers=transformers.__version__,
                   copy_ceiling_gbps=None if ceiling is None else round(ceiling, 1), parameter_bytes=params,
                   floor_ms=floor_ms, prompt=args.prompt, new=args.new, command=command,
                   drafts_per_round=drafter.config.num_draft_tokens, rows=[])
@@ -212,10 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         (out / "hybrid.json").write_text(json.dumps(report, indent=1))
 
-    for batch in args.batches:
-        report["rows"].append(dict(batch=batch))
-        run_batch(model, drafter, report["rows"][-1], args, generator, save)
-        print(args.shape, json.dumps(report["rows"][-1]), flush=True)
+    report["rows"] = [dict(batch=batch) for batch in args.batches]
+    # transformers' baselines first: the first engine routes the model's mixers through dspark (pristine)
+    for row in report["rows"]:
+        hf_baselines(model, row, args, save)
+    for row in report["rows"]:
+        dspark_runs(model, drafter, row, args, generator, save)
+        print(args.shape, json.dumps(row), flush=True)
     print(markdown(report))
     return 0
 
