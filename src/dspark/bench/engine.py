@@ -110,30 +110,42 @@ def drafter_for(t, embed: torch.Tensor, head: torch.Tensor, shape: dict, layers:
 # ------------------------------------------------------------------------------ Hugging Face baselines
 
 
-def hf_step_ms(model, batch: int, prompt: int, steps: int, *, compiled: bool) -> float:
-    """Median ms of one decode step of ``batch`` rows after a ``prompt``-token prefill."""
+def hf_step_ms(model, batch: int, prompt: int, steps: int, *, compiled: bool, fullgraph: bool = True) -> float:
+    """Median ms of one decode step of ``batch`` rows after a ``prompt``-token prefill, on the model's
+    device (synchronised after each step on CUDA). ``compiled``: transformers' ``generate`` recipe,
+    ``StaticCache`` + ``torch.compile(mode="reduce-overhead")`` of the forward (``fullgraph`` as
+    given); else eager with a ``DynamicCache``."""
     from transformers import DynamicCache, StaticCache
 
-    ids = torch.randint(0, VOCAB - 1, (batch, prompt), device="cuda")
+    device = model.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ids = torch.randint(0, model.config.vocab_size - 1, (batch, prompt), device=device)
     with torch.inference_mode():
         if compiled:
             cache = StaticCache(config=model.config, max_cache_len=prompt + steps + 8)
-            forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=fullgraph)
         else:
-            cache, forward = DynamicCache(), model.forward
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                    cache_position=torch.arange(prompt, device="cuda"))
+            cache, forward = DynamicCache(config=model.config), model.forward
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1,  # not [B, prompt, V] logits
+                    position_ids=torch.arange(prompt, device=device).expand(batch, prompt))
         token = out.logits[:, -1:].argmax(-1)
         times = []
         for i in range(steps):
-            position = torch.tensor([prompt + i], device="cuda")
-            torch.cuda.synchronize()
+            position = torch.full((batch, 1), prompt + i, device=device)
+            sync()
             start = time.perf_counter()
-            out = forward(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position)
+            out = forward(input_ids=token, cache=cache, use_cache=True, position_ids=position)
             token = out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[steps // 2:])  # the first steps compile / warm up
+
+
+def weight_floor(model, ceiling_gbps: float) -> tuple[int, float]:
+    """``model``'s parameter bytes and the ms one step takes to read them all once at the measured
+    copy ceiling (``measure_copy_ceiling_gbps``): no decode step of one weight pass beats it."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params, round(params / (ceiling_gbps * 1e9) * 1e3, 3)
 
 
 # ------------------------------------------------------------------------------ dspark's engine
@@ -260,8 +272,8 @@ def run_shape(name: str, args, ceiling_gbps: float) -> dict:
 
     shape = SHAPES[name]
     target = random_target(shape)
-    params = sum(p.numel() * p.element_size() for p in target.parameters())
-    report = dict(shape=name, parameter_bytes=params, floor_ms=round(params / (ceiling_gbps * 1e9) * 1e3, 3), rows=[])
+    params, floor_ms = weight_floor(target, ceiling_gbps)
+    report = dict(shape=name, parameter_bytes=params, floor_ms=floor_ms, rows=[])
     max_b = max(args.batches)
     for b in args.batches:
         row = dict(batch=b)
