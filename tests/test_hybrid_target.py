@@ -26,7 +26,7 @@ import torch
 from test_hf_target import HYBRID, PROMPTS, _drafter, _generate, _model
 
 from dspark.bench.oracle import OracleEngine
-from dspark.engine import llm_engine
+from dspark.engine import round_plan
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
 from dspark.engine.schedulers import SPSCostTable
@@ -116,7 +116,7 @@ def test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, mo
     drafts, partial and full acceptance), under each scheduler (every draft verified; ragged verify
     lengths; plain rounds between drafting ones): ``generate()``'s tokens, and after every step each
     running request's states equal its committed tokens run alone."""
-    monkeypatch.setattr(llm_engine, "REDRAFT_STEPS", 3)  # the cost scheduler drafts again after 3 plain rounds
+    monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 3)  # the cost scheduler drafts again after 3 plain rounds
     model, draft, expected = hybrid
     engine = OracleEngine(model, draft, EngineConfig(**CHUNKED, **SCHEDULERS[scheduler]), acceptance=0.5)
     ids = [engine.add_request(Request(p, NEW), e + [0] * 8) for p, e in zip(PROMPTS, expected)]

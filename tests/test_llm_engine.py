@@ -388,7 +388,7 @@ def test_cost_scheduler_trims_verification_and_falls_back_to_plain_rounds(target
     engine verifies fewer drafts than with a flat one; where no draft pays for its verify and draft
     pass it decodes plainly (rounds verifying no draft, without the draft pass), drafting again
     every ``REDRAFT_STEPS`` plain rounds; greedy output stays exact every way."""
-    from dspark.engine.llm_engine import REDRAFT_STEPS
+    from dspark.engine.round_plan import REDRAFT_STEPS
     from dspark.engine.schedulers import SPSCostTable
 
     draft = random_draft(tiny_draft_config(target.config), 0, target)

@@ -5,7 +5,9 @@ A nano-vllm-style engine a reader takes in at once (docs/architecture.md): ``Eng
 prefix cache, preemption, prompt chunks, retiring) makes a ``StepPlan``; the ``ModelRunner`` runs
 it (target pass, acceptance, CUDA graphs; its ``DSparkProposer`` the draft pass) and hands back a
 ``StepResult``. Each ``step()`` runs one round for every running request and returns what each
-produced::
+produced. ``LLMEngine`` inherits the round's plan (``round_plan.RoundPlanning``), the
+log-probabilities requests ask for (``logprobs.LogprobScoring``), rank 0's side of tensor
+parallelism (``rank_mirror.RankMirror``) and the offline calls (``offline.OfflineGeneration``)::
 
     engine = LLMEngine(target_dir, draft_dir, EngineConfig(max_batch=32))
     rid = engine.add_request(Request(prompt_ids, max_new_tokens=256))
@@ -15,32 +17,30 @@ produced::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import replace
 
-import numpy as np
 import torch
 
-from .. import kernels as K
 from ..kernels._validate import Checker
 from ..model import hybrid
 from ..model.llama import TargetLM
 from ..model.parallel import SINGLE_RANK, TensorParallel
 from .acceptance import OnlineAcceptance
 from .block_manager import BlockManager, StateSnapshots, kv_blocks_from_memory
-from .chunks import PrefillChunk
 from .config import (DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_STATE_SNAPSHOTS_PER_ROW, ENGINES,
                      EngineConfig, engine_config)
 from .drafting import Drafter
+from .logprobs import LogprobScoring
 from .offline import OfflineGeneration
-from .ranks import Op, RankGroup, rank_device
-from .request import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs, token_logprobs
+from .rank_mirror import RankMirror
+from .ranks import EngineDeadError, Op, RankGroup, rank_device
+from .request import Request, RequestOutput, Sequence, SequenceStatus, token_logprobs
+from .round_plan import RoundPlanning
 from .rows import TreeSettings
 from .runner import ForwardFailed, ModelRunner
 from .scheduler import Scheduler
-from .schedulers import batch_schedule, drafting_pays
 from .stats import EngineMetrics
 from .step import StepPlan, StepResult
 from .structured import StructuredStage
@@ -51,17 +51,10 @@ __all__ = ["ENGINES", "EngineConfig", "EngineDeadError", "LLMEngine", "engine_co
 log = logging.getLogger("dspark.engine")
 
 MIXED_STRIKES = 2  # failed mixed steps a request may sit in (its chunk alone passing) before it is failed
-REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
-HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
-PROMPT_LOGITS_TOKENS = 512  # prompt tokens per eager forward that scores a prompt (its logits: [512, V] f32)
 
 
-class EngineDeadError(RuntimeError):
-    """The device failed in a way no request can recover from (a sticky CUDA error, a failed
-    tensor-parallel rank): the engine cannot go on, and its owner should stop."""
 
-
-class LLMEngine(OfflineGeneration):
+class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
     """Serve many requests with one target (and optionally one DSpark draft) on one device.
 
     ``target``: a Hugging Face checkpoint directory or a loaded causal LM (Llama / Qwen2 / Qwen3 run
@@ -198,49 +191,6 @@ class LLMEngine(OfflineGeneration):
     def tokenizer(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._mirror(Op("tokenizer", (tokenizer,)))
-
-    # ---- tensor parallelism ---------------------------------------------------------------------
-
-    def _rank_engine(self):
-        """What the other ranks build, called as ``(target, draft, config, rank=)``: this class (a
-        subclass with more constructor arguments gives them here, e.g. a ``functools.partial``)."""
-        return type(self)
-
-    def on_every_rank(self, method: str, *args):
-        """Call this engine's ``method(*args)`` on every rank (rank 0's result): work whose
-        collectives every rank must make alike, e.g. ``profile_costs``."""
-        self._mirror(Op("call", (method, args)))
-        with self._rank_failures():
-            return getattr(self, method)(*args)
-
-    def _mirror(self, op: Op) -> None:
-        """Rank 0: ``op`` to the other ranks, which make the same call on their engines."""
-        if self.ranks is not None:
-            self.ranks.send(op)
-
-    @contextlib.contextmanager
-    def _rank_failures(self):
-        """Rank 0: an error inside (not a request's failure every rank saw: ``_fail``) ends every
-        rank, raised as ``EngineDeadError`` naming the rank that failed first (a rank's own error,
-        when it sent one, is the cause of rank 0's); an interrupt (Ctrl-C) stops the ranks too --
-        they may be inside a step rank 0 left -- and goes on."""
-        if self.ranks is None:
-            yield
-            return
-        try:
-            yield
-        except EngineDeadError:  # the ranks' failure, said already
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise self.ranks.failure(exc) from exc
-        except BaseException:
-            self.ranks.close(failed=True)
-            raise
-
-    def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing with one rank). The engine runs no more steps."""
-        if self.ranks is not None:
-            self.ranks.close()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -495,114 +445,9 @@ class LLMEngine(OfflineGeneration):
                           self.runner.captures != self._step_captures)
         return outputs
 
-    def _count_round(self, drafted: bool, host_s: float, captured: bool = False) -> None:
-        """After a step: whether the rows hold drafts, the run of plain rounds, and (on a GPU) the
-        average host time of the step's kind (drafting or plain) that the cost scheduler prices --
-        not from a step that captured a graph (a one-off of tens of milliseconds, which would make
-        drafting look unprofitable for many steps after)."""
-        self._drafted = drafted
-        self._plain_rounds = 0 if drafted else self._plain_rounds + 1
-        self.metrics.plain_steps += not drafted and self.runner.drafter is not None
-        self.metrics.graph_captures = self.runner.captures
-        if self.runner.device.type == "cuda":  # a leak per request shows here (no synchronisation)
-            self.metrics.device_memory = torch.cuda.memory_allocated(self.runner.device)
-        if self.runner.device.type != "cuda" or captured:  # on the CPU the table prices the compute
-            return
-        kind = 0 if drafted else 1
-        average = self._host_ms[kind]
-        self._host_ms[kind] = 1000 * host_s if not average else (1 - HOST_EMA) * average + HOST_EMA * 1000 * host_s
-
-    def _plan_round(self) -> tuple[list[int] | None, bool]:
-        """This round's verify tokens per running row (None: a plain round, the rows hold no drafts)
-        and whether it drafts the next round: always, except under the ``cost`` scheduler when no
-        round Algorithm 1 would run on the rows' latest confidences is predicted to beat plain
-        decoding (``drafting_pays``: verify, draft pass and measured host times) -- then the engine
-        decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the confidences."""
-        if self.config.scheduler != "cost":
-            return (self._verify_lens(self._scheduled_drafts()) if self._drafted else None), True
-        running = self.scheduler.running
-        drafting = [i for i, seq in enumerate(running) if not seq.request.disable_spec_decode]
-        if not drafting:  # every row opted out of drafting: plain rounds
-            return None, False
-        # Algorithm 1 across the drafting rows on their signal (STS-calibrated confidences or the
-        # online estimates) and the profiled cost table; the opted-out rows' anchors and the step's
-        # prompt chunks share the forward (the chunks: at most what the budget leaves the longest verify)
-        signal = self._acceptance_signal([running[i] for i in drafting])
-        pending = sum(seq.prefill_len - seq.prefilled for seq in self.scheduler.prefilling)
-        prefill = min(pending, max(0, self.max_num_batched_tokens - len(running) * (self.num_drafts + 1)))
-        others = prefill + len(running) - len(drafting)
-        gain = self.config.min_predicted_gain
-        scheduled = batch_schedule(signal, self.cost_table, gain, self._host_ms[0], others)
-        # until a plain round is measured, price its host time as a drafting round's (keep drafting)
-        host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
-        draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(signal, self.cost_table, gain, host, scheduled,
-                                                                     others)
-        drafts = [0] * len(running)
-        for i, n in zip(drafting, scheduled):
-            drafts[i] = n
-        return (self._verify_lens(drafts) if self._drafted else None), draft
-
-    def _acceptance_signal(self, rows: list[Sequence]) -> np.ndarray:
-        """Each draft's conditional acceptance for ``rows`` ``[R, P]``: the drafter's confidences of
-        their pending proposals, or the online estimator's estimates (``schedule_signal``)."""
-        if self.acceptance is not None:
-            return self.acceptance.estimate([seq.slot for seq in rows])
-        return np.stack([seq.confidence for seq in rows])
-
-    def _scheduled_drafts(self) -> list[int]:
-        """Drafts per running row under the ``off`` / ``threshold`` / ``sps`` schedulers: the drafter's
-        proposal lengths, or on the online signal the same rule on the estimates."""
-        running = self.scheduler.running
-        if self.config.scheduler == "off":
-            return [self.num_drafts] * len(running)
-        if self.acceptance is None:
-            return [seq.next_length for seq in running]
-        rule = K.threshold_proposal_lengths if self.config.scheduler == "threshold" else K.sps_proposal_lengths
-        estimate = torch.from_numpy(self._acceptance_signal(running)).float()
-        return rule(estimate, self.config.threshold, min_proposal_len=self.config.min_proposal_len,
-                    max_proposal_len=self.config.max_proposal_len).tolist()
-
-    def _verify_lens(self, drafts: list[int]) -> list[int]:
-        """Verify tokens per running row (drafts + 1), never past what the row may still produce (its
-        ``max_new_tokens``, the context limit): a draft there could not be kept, and its position
-        would lie beyond the context. At least one draft (the accept kernels walk >= 1), none for a
-        request that opted out of drafting (``disable_spec_decode``: the verifier keeps its first
-        token only); a tree verifies all its nodes (its depth is bounded where it is grown)."""
-        if self.runner.tree is not None:
-            return [self.runner.verify_len] * len(self.scheduler.running)
-        return [1 + (0 if seq.request.disable_spec_decode else max(1, min(n, seq.room(self.max_model_len) - 1)))
-                for n, seq in zip(drafts, self.scheduler.running)]
-
     def _admit(self) -> None:
         """Admission (``Scheduler.admit``; a benchmark's engine also stages what it admitted)."""
         self.scheduler.admit()
-
-    def _plan_scored_chunks(self, budget: int, outputs: list[RequestOutput]) -> list[tuple[Sequence, PrefillChunk]]:
-        """``_plan_chunks``, the chunks of requests that want prompt log-probabilities scored first;
-        a request whose scoring failed ends with ``"error"`` and the step is planned again without it
-        (the chunks after it would take other rows)."""
-        while True:
-            plan = self.scheduler.plan_chunks(budget)
-            scored = [self._score(seq, chunk, outputs) for seq, chunk in plan
-                      if seq.prompt_logprobs is not None and not seq.output_ids]
-            if all(scored):
-                return plan
-
-    def _score(self, seq: Sequence, chunk: PrefillChunk, outputs: list[RequestOutput]) -> bool:
-        """The log-probabilities of the prompt tokens that ``chunk``'s logits predict (each position's
-        next token) into ``seq.prompt_logprobs``; a failure fails ``seq`` alone (False)."""
-        ids, k = seq.request.prompt_ids, seq.request.prompt_logprobs
-        try:
-            for lo in range(0, len(chunk.token_ids), PROMPT_LOGITS_TOKENS):
-                start = chunk.start + lo
-                logits = self.runner.prompt_logits(chunk.slot, chunk.token_ids[lo:lo + PROMPT_LOGITS_TOKENS], start)
-                following = ids[start + 1:start + 1 + logits.shape[0]]  # the last prompt position predicts none
-                seq.prompt_logprobs[start + 1:start + 1 + len(following)] = token_logprobs(logits[:len(following)],
-                                                                                           following, k)
-        except Exception as exc:  # noqa: BLE001
-            self._fail([seq], exc, outputs, f"the prompt log-probabilities of request {seq.request_id}")
-            return False
-        return True
 
     def _commit(self, result: StepResult, outputs: list[RequestOutput], joined: set[int]) -> float:
         """Commit each row's tokens (``joined``: requests whose prompt ended in the step: their first
@@ -665,25 +510,6 @@ class LLMEngine(OfflineGeneration):
             seq.next_length, seq.confidence = n, conf
         return waited
 
-    def _logprobs(self, seqs: list[Sequence], logits, tokens: list[list[int]],
-                  outputs: list[RequestOutput]) -> dict[int, list[TokenLogprobs]]:
-        """Per request id: the log-probabilities of ``tokens`` (each request's, in order) from the
-        target's logits rows (one per token, flat); a failure fails those requests only."""
-        if not seqs:
-            return {}
-        try:
-            top = max(seq.request.logprobs for seq in seqs)
-            flat = token_logprobs(logits, [t for ts in tokens for t in ts], top)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(seqs, exc, outputs, "log-probabilities")
-            return {}
-        result, i = {}, 0
-        for seq, ts in zip(seqs, tokens):
-            k = seq.request.logprobs
-            result[seq.request_id] = [replace(e, top=e.top[:k]) for e in flat[i:i + len(ts)]]
-            i += len(ts)
-        return result
-
     def _report(self, seq: Sequence, kept: list[int], outputs: list[RequestOutput], logprobs=None,
                 first: bool = False) -> None:
         """``seq``'s output of this step (``first``: its first, with its prompt's log-probabilities
@@ -703,13 +529,6 @@ class LLMEngine(OfflineGeneration):
             self.metrics.errors += 1
             self._report(seq, [], outputs)
         self.scheduler.release(seqs)
-
-    def _agree(self, what: str, request_ids: list[int]) -> None:
-        """Under tensor parallelism, return once every rank failed ``what`` for ``request_ids``
-        (a failure that comes from the requests: raised on every rank alike); a failure some ranks
-        did not see ends the job (``ranks.RankGroup.agree``). Nothing with one rank."""
-        if self.peers is not None:
-            self.peers.agree((what, tuple(request_ids)))
 
     def _fail_round(self, exc: Exception, outputs: list[RequestOutput], chunked: list[Sequence] = ()) -> None:
         """A batched step failed: it concerns every row in it and the prompts it ran. They end

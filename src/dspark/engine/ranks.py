@@ -59,8 +59,8 @@ import torch
 from ..kernels._validate import Checker
 from ..model.parallel import TensorParallel
 
-__all__ = ["AGREE_TIMEOUT_S", "COLLECTIVE_TIMEOUT_S", "Op", "RankGroup", "RankLink", "join_group", "rank_device",
-           "worker_main"]
+__all__ = ["AGREE_TIMEOUT_S", "COLLECTIVE_TIMEOUT_S", "EngineDeadError", "Op", "RankGroup", "RankLink", "join_group",
+           "rank_device", "worker_main"]
 
 log = logging.getLogger("dspark.engine")
 
@@ -70,6 +70,11 @@ ERROR_GRACE_S = 5.0  # after a failed call, how long rank 0 waits for a rank's o
 AGREE_TIMEOUT_S = 30.0  # how long a rank that failed requests waits for the others' word on the same failure
 _ENV_ADDRESS, _ENV_KEY = "DSPARK_RANK_ADDRESS", "DSPARK_RANK_KEY"
 _WORKER = "import sys; from dspark.engine.ranks import worker_main; sys.exit(worker_main(int(sys.argv[1])))"
+
+
+class EngineDeadError(RuntimeError):
+    """The device failed in a way no request can recover from (a sticky CUDA error, a failed
+    tensor-parallel rank): the engine cannot go on, and its owner should stop."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,8 @@ class RankGroup:
                 listener.close()
                 what = (f"exited with code {dead[1].returncode}" if dead
                         else f"did not connect in {START_TIMEOUT_S:.0f} s")
-                raise _dead(f"tensor-parallel rank {dead[0] if dead else len(accepted) + 1} {what} while starting")
+                rank = dead[0] if dead else len(accepted) + 1
+                raise EngineDeadError(f"tensor-parallel rank {rank} {what} while starting")
         self.conns = [accepted[r] for r in range(1, self.size)]
         return self.conns
 
@@ -251,7 +257,7 @@ class RankGroup:
                     raise self.failure(RuntimeError(f"rank {rank} left before {stage!r}"))
                 waiting.pop(rank)
             if time.monotonic() > deadline:
-                raise _dead(f"tensor-parallel ranks {sorted(waiting)} did not reach {stage!r} in "
+                raise EngineDeadError(f"tensor-parallel ranks {sorted(waiting)} did not reach {stage!r} in "
                             f"{START_TIMEOUT_S:.0f} s")
 
     def send(self, op: Op) -> None:
@@ -302,7 +308,7 @@ class RankGroup:
         else:
             message = f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}"
         self.close(failed=True)
-        return _dead(f"{message}; the engine's {self.size} ranks stopped")
+        return EngineDeadError(f"{message}; the engine's {self.size} ranks stopped")
 
     def close(self, failed: bool = False) -> None:
         """Stop every rank (a ``stop`` op, then kill what has not exited after a few seconds) and
@@ -349,20 +355,13 @@ class RankLink:
         self.conn.send(("failed", failure))
         answer = pickle.loads(self.conn.recv_bytes()) if self.conn.poll(AGREE_TIMEOUT_S) else None
         if answer != Op("agreed", (failure,)):
-            raise _dead(f"{_failure_text(failure)} on this rank alone (rank 0 "
+            raise EngineDeadError(f"{_failure_text(failure)} on this rank alone (rank 0 "
                                f"{'went on' if answer is not None else f'said nothing in {AGREE_TIMEOUT_S:.0f} s'})")
 
 
 def _failure_text(failure: tuple) -> str:
     what, request_ids = failure
     return f"{what} failed for request(s) {list(request_ids)}"
-
-
-def _dead(message: str) -> RuntimeError:
-    """The ``EngineDeadError`` that ends a tensor-parallel engine."""
-    from .llm_engine import EngineDeadError
-
-    return EngineDeadError(message)
 
 
 def _abort_group() -> None:

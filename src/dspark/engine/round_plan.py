@@ -1,0 +1,108 @@
+"""``RoundPlanning``: what each round verifies and whether it drafts (``LLMEngine`` inherits it).
+
+Before a step, ``_plan_round`` gives each running row its verify length (drafts + 1) from the
+scheduler (``off`` / ``threshold`` / ``sps`` per row, ``cost`` across the batch: ``schedulers``)
+on its signal -- the drafter's confidences or the online acceptance estimates
+(``schedule_signal``) -- and, under the ``cost`` scheduler, whether the step drafts the next round
+or the engine decodes plainly; after a step ``_count_round`` keeps what that choice reads (whether
+the rows hold drafts, the run of plain rounds, the measured host times). It reads the engine's
+``config``, ``scheduler``, ``runner``, ``metrics``, ``acceptance``, ``cost_table``, ``num_drafts``,
+``max_model_len`` and ``max_num_batched_tokens``, and keeps ``_drafted``, ``_plain_rounds`` and
+``_host_ms`` (set where the engine is built).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import kernels as K
+from .request import Sequence
+from .schedulers import batch_schedule, drafting_pays
+
+__all__ = ["HOST_EMA", "REDRAFT_STEPS", "RoundPlanning"]
+
+REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
+HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
+
+
+class RoundPlanning:
+    """The round's verify lengths and drafting choice (before a step) and what they read (after it)."""
+
+    def _count_round(self, drafted: bool, host_s: float, captured: bool = False) -> None:
+        """After a step: whether the rows hold drafts, the run of plain rounds, and (on a GPU) the
+        average host time of the step's kind (drafting or plain) that the cost scheduler prices --
+        not from a step that captured a graph (a one-off of tens of milliseconds, which would make
+        drafting look unprofitable for many steps after)."""
+        self._drafted = drafted
+        self._plain_rounds = 0 if drafted else self._plain_rounds + 1
+        self.metrics.plain_steps += not drafted and self.runner.drafter is not None
+        self.metrics.graph_captures = self.runner.captures
+        if self.runner.device.type == "cuda":  # a leak per request shows here (no synchronisation)
+            self.metrics.device_memory = torch.cuda.memory_allocated(self.runner.device)
+        if self.runner.device.type != "cuda" or captured:  # on the CPU the table prices the compute
+            return
+        kind = 0 if drafted else 1
+        average = self._host_ms[kind]
+        self._host_ms[kind] = 1000 * host_s if not average else (1 - HOST_EMA) * average + HOST_EMA * 1000 * host_s
+
+    def _plan_round(self) -> tuple[list[int] | None, bool]:
+        """This round's verify tokens per running row (None: a plain round, the rows hold no drafts)
+        and whether it drafts the next round: always, except under the ``cost`` scheduler when no
+        round Algorithm 1 would run on the rows' latest confidences is predicted to beat plain
+        decoding (``drafting_pays``: verify, draft pass and measured host times) -- then the engine
+        decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the confidences."""
+        if self.config.scheduler != "cost":
+            return (self._verify_lens(self._scheduled_drafts()) if self._drafted else None), True
+        running = self.scheduler.running
+        drafting = [i for i, seq in enumerate(running) if not seq.request.disable_spec_decode]
+        if not drafting:  # every row opted out of drafting: plain rounds
+            return None, False
+        # Algorithm 1 across the drafting rows on their signal (STS-calibrated confidences or the
+        # online estimates) and the profiled cost table; the opted-out rows' anchors and the step's
+        # prompt chunks share the forward (the chunks: at most what the budget leaves the longest verify)
+        signal = self._acceptance_signal([running[i] for i in drafting])
+        pending = sum(seq.prefill_len - seq.prefilled for seq in self.scheduler.prefilling)
+        prefill = min(pending, max(0, self.max_num_batched_tokens - len(running) * (self.num_drafts + 1)))
+        others = prefill + len(running) - len(drafting)
+        gain = self.config.min_predicted_gain
+        scheduled = batch_schedule(signal, self.cost_table, gain, self._host_ms[0], others)
+        # until a plain round is measured, price its host time as a drafting round's (keep drafting)
+        host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
+        draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(signal, self.cost_table, gain, host, scheduled,
+                                                                     others)
+        drafts = [0] * len(running)
+        for i, n in zip(drafting, scheduled):
+            drafts[i] = n
+        return (self._verify_lens(drafts) if self._drafted else None), draft
+
+    def _acceptance_signal(self, rows: list[Sequence]) -> np.ndarray:
+        """Each draft's conditional acceptance for ``rows`` ``[R, P]``: the drafter's confidences of
+        their pending proposals, or the online estimator's estimates (``schedule_signal``)."""
+        if self.acceptance is not None:
+            return self.acceptance.estimate([seq.slot for seq in rows])
+        return np.stack([seq.confidence for seq in rows])
+
+    def _scheduled_drafts(self) -> list[int]:
+        """Drafts per running row under the ``off`` / ``threshold`` / ``sps`` schedulers: the drafter's
+        proposal lengths, or on the online signal the same rule on the estimates."""
+        running = self.scheduler.running
+        if self.config.scheduler == "off":
+            return [self.num_drafts] * len(running)
+        if self.acceptance is None:
+            return [seq.next_length for seq in running]
+        rule = K.threshold_proposal_lengths if self.config.scheduler == "threshold" else K.sps_proposal_lengths
+        estimate = torch.from_numpy(self._acceptance_signal(running)).float()
+        return rule(estimate, self.config.threshold, min_proposal_len=self.config.min_proposal_len,
+                    max_proposal_len=self.config.max_proposal_len).tolist()
+
+    def _verify_lens(self, drafts: list[int]) -> list[int]:
+        """Verify tokens per running row (drafts + 1), never past what the row may still produce (its
+        ``max_new_tokens``, the context limit): a draft there could not be kept, and its position
+        would lie beyond the context. At least one draft (the accept kernels walk >= 1), none for a
+        request that opted out of drafting (``disable_spec_decode``: the verifier keeps its first
+        token only); a tree verifies all its nodes (its depth is bounded where it is grown)."""
+        if self.runner.tree is not None:
+            return [self.runner.verify_len] * len(self.scheduler.running)
+        return [1 + (0 if seq.request.disable_spec_decode else max(1, min(n, seq.room(self.max_model_len) - 1)))
+                for n, seq in zip(drafts, self.scheduler.running)]
