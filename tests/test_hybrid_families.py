@@ -66,12 +66,27 @@ def _transformers_models() -> Path:
     return Path(transformers.__file__).parent / "models"
 
 
+LISTED_FOR = "5.25.0"  # the newest transformers whose modeling files were read for FAMILIES
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
 def test_every_stateful_family_of_the_installed_transformers_is_listed():
     """Each model directory whose modeling code keeps a recurrent / convolution state has an outcome
     here, and each family listed as running decodes as ``generate()`` in ``test_hf_target``."""
+    import transformers as t
+
     stateful = {path.parent.name for path in _transformers_models().glob("*/modeling_*.py")
                 if _MARKERS.search(path.read_text(encoding="utf-8"))}
-    assert stateful - set(FAMILIES) == set()
+    unlisted = stateful - set(FAMILIES)
+    # a later transformers may add families: named here (pytest -ra prints it), and refused at run time by
+    # HFTarget's generic check until listed -- a new release must not fail everyone's test run
+    if unlisted and _version(t.__version__) > _version(LISTED_FOR):
+        pytest.skip(f"transformers {t.__version__} (newer than {LISTED_FOR}) has stateful families not listed "
+                    f"here: {sorted(unlisted)}")
+    assert unlisted == set()
     runs = {outcome[1] for outcome in FAMILIES.values() if outcome[0] == "runs"}
     assert runs <= set(DECODED) and runs <= set(SPECS)
 
