@@ -283,14 +283,18 @@ class ToolParser:
         """The calls of a JSON array ``[{...}, {...}]`` at ``text[i]``."""
         if text[i:i + 1] != "[":
             return []
-        calls, i = [], _skip(text, i + 1)
+        return self._separated(text, _skip(text, i + 1), ",")
+
+    def _separated(self, text: str, i: int, separator: str) -> list[PartialCall]:
+        """The call objects from ``text[i]`` on, ``separator`` between them (the last may be partial)."""
+        calls = []
         while True:
             scan = _scan_call(text, i, self.argument_keys)
             calls += [scan.call] if scan.call else []
             if scan.end is None:
                 return calls
             i = _skip(text, scan.end)
-            if text[i:i + 1] != ",":
+            if text[i:i + 1] != separator:
                 return calls
             i = _skip(text, i + 1)
 
@@ -337,16 +341,7 @@ class Llama3JsonParser(ToolParser):
         return 0 if self.PYTHON_TAG.startswith(rest) else len(text)  # "" too: a call may begin yet
 
     def _calls(self, text, i):
-        calls = []
-        while True:
-            scan = _scan_call(text, i, self.argument_keys)
-            calls += [scan.call] if scan.call else []
-            if scan.end is None:
-                return calls
-            i = _skip(text, scan.end)
-            if text[i:i + 1] != ";":
-                return calls
-            i = _skip(text, i + 1)
+        return self._separated(text, i, ";")
 
 
 class MistralParser(ToolParser):
