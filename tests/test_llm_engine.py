@@ -587,3 +587,14 @@ def test_evaluate_runs_on_the_batched_engine(target):
     assert row["identical"] == 2 and row["rounds"] > 0 and report["plain"]["tokens"] == 16
     with pytest.raises(ValueError, match="evaluate: engine must be 'auto', 'batched' or 'reference', got 'fast'"):
         evaluate(target, {"d": draft}, PROMPTS[:1], engine="fast")
+
+
+def test_graphs_are_captured_in_inference_mode(monkeypatch):
+    """``capture_graphs`` runs in inference mode, as every step: a transformers model passed in has
+    parameters that require gradients, and with gradients on the kernels resolve to the reference,
+    which cannot be captured (on the H200 its capture hit an out-of-range gather)."""
+    engine = LLMEngine(tiny_qwen3_target(), None, EngineConfig(max_batch=1))
+    modes = []
+    monkeypatch.setattr(engine.runner, "capture_graphs",
+                        lambda **_: modes.append(torch.is_inference_mode_enabled()) or 0)
+    assert engine.capture_graphs() == 0 and modes == [True]
