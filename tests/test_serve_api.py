@@ -293,7 +293,8 @@ CHAT_NOOPS = {**{k: v for k, v in NOOPS.items() if k != "suffix"}, "logprobs": F
 
 REFUSED = [  # (field, a value that would change the output, the param named)
     ("best_of", 2, "best_of"), ("length_penalty", 0.5, "length_penalty"), ("use_beam_search", True, "use_beam_search"),
-    ("include_stop_str_in_output", True, "include_stop_str_in_output"), ("skip_special_tokens", False, "skip_special_tokens"),
+    ("include_stop_str_in_output", True, "include_stop_str_in_output"),
+    ("spaces_between_special_tokens", False, "spaces_between_special_tokens"),
     ("truncate_prompt_tokens", 4, "truncate_prompt_tokens"), ("allowed_token_ids", [1, 2], "allowed_token_ids"),
     ("store", True, "store"), ("metadata", "run-7", "metadata"), ("temprature", 0.5, "temprature"),  # a typo
     ("stream_options", {"include_usge": True}, "stream_options.include_usge"),

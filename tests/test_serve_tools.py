@@ -171,3 +171,51 @@ def test_a_llama3_server_leaves_plain_answers_as_content(client):
                                                       extra_body={"guided_regex": "Paris is sunny"})).choices[0]
     assert choice.message.content == "Paris is sunny" and not choice.message.tool_calls
     assert choice.finish_reason == "stop"
+
+
+def _demo_tokenizer():
+    from transformers import AutoTokenizer
+
+    from dspark.training.data import demo_pair
+
+    return AutoTokenizer.from_pretrained(str(demo_pair().target))
+
+
+def test_mistral_markers_that_are_special_tokens_are_read():
+    """Mistral's tokenizers make ``[TOOL_CALLS]`` and ``[ARGS]`` special tokens: the text the server
+    gives the ``mistral`` parser keeps them (decoded without them the v11 form is lost), and the
+    calls are read from it."""
+    from dspark.engine.text import TextOutput
+
+    tokenizer = _demo_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    ids = tokenizer.encode(MISTRAL_V11, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("[TOOL_CALLS]") in ids
+    texts = {}
+    for skip in (True, False):
+        text = TextOutput(tokenizer, [1, 2, 3], [], skip_special_tokens=skip)
+        released, used = text.add(ids)
+        texts[skip] = released + text.flush()
+        assert used == len(ids)
+    assert "[TOOL_CALLS]" not in texts[True] and texts[False] == MISTRAL_V11
+    assert parser_of("mistral").reads_special_tokens and not parser_of("hermes").reads_special_tokens
+    content, calls = parse_calls(parser_of("mistral"), texts[False])
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+
+
+def test_skip_special_tokens_false_keeps_them_and_a_stop_token_is_no_text(client):
+    """``skip_special_tokens: false`` (vLLM's field) keeps a special token's text; the stop token that
+    ends an output is left out of the text either way (vLLM's rule), and named as the stop reason."""
+    tokenizer = _demo_tokenizer()
+    mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
+    forced = dict(model=MODEL, prompt="def f(x):", max_tokens=3, temperature=0.0, logit_bias={str(mask): 100})
+    kept = client.completions.create(**forced, extra_body={"skip_special_tokens": False}).choices[0]
+    skipped = client.completions.create(**forced).choices[0]
+    assert kept.text == "<|MASK|>" * 3 and skipped.text == ""
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    stopped = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=8, temperature=0.0,
+                                        logit_bias={str(letter): 100},
+                                        extra_body={"stop_token_ids": [letter], "return_token_ids": True}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == letter
+    assert stopped.token_ids == [letter] and stopped.text == ""

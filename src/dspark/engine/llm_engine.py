@@ -518,9 +518,10 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         """``seq``'s output of this step (``first``: its first, with its prompt's log-probabilities
         and cached tokens)."""
         self.metrics.generated_tokens += len(kept)
+        stop_token = kept[-1] if seq.finish_reason == "stop" and kept and kept[-1] in seq.stop_ids else None
         outputs.append(RequestOutput(seq.request_id, kept, seq.finish_reason is not None, seq.finish_reason,
                                      logprobs, seq.error, seq.prompt_logprobs if first else None,
-                                     seq.stats.cached_tokens if first else None))
+                                     seq.stats.cached_tokens if first else None, stop_token))
 
     def _fail(self, seqs: list[Sequence], exc: Exception, outputs: list[RequestOutput], what: str) -> None:
         """End ``seqs`` with finish reason ``"error"`` (logged with the traceback); the rest go on.

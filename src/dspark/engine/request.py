@@ -142,7 +142,9 @@ class RequestOutput:
     the context limit, ``"abort"``, ``"error"``: the engine failed on this request, ``error`` says
     why). ``logprobs``: one entry per new token when the request asked for them;
     ``prompt_logprobs`` (when asked for, in the request's first output): one entry per prompt token,
-    None for the first. ``cached_tokens`` (in the first output): prompt tokens the prefix cache held."""
+    None for the first. ``cached_tokens`` (in the first output): prompt tokens the prefix cache held.
+    ``stop_token_id``: the stop / EOS token that ended the output (the last of ``new_token_ids``), else
+    None (a text stream leaves it out of the text, as vLLM does)."""
 
     request_id: int
     new_token_ids: list[int]
@@ -152,6 +154,7 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     cached_tokens: int | None = None
+    stop_token_id: int | None = None
 
 
 @dataclass(eq=False)

@@ -21,10 +21,11 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """``add(token_ids) -> str``: the text the tokens complete (may be empty); ``flush()`` the rest."""
+    """``add(token_ids) -> str``: the text the tokens complete (may be empty); ``flush()`` the rest.
+    ``skip_special_tokens`` False keeps the special tokens' text (a tool-call marker, say)."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         if self._decode(context).endswith(REPLACEMENT):  # the prompt ends inside a character
             context = []
@@ -32,7 +33,7 @@ class IncrementalDetokenizer:
         self.prefix, self.read = 0, len(context)  # the window's start; the end of the text returned
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
@@ -58,8 +59,9 @@ class TextOutput:
     first ``min_tokens`` tokens.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], min_tokens: int = 0):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], min_tokens: int = 0,
+                 skip_special_tokens: bool = True):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stop = [s for s in stop if s]
         self.min_tokens, self.tokens = min_tokens, 0
         self.hold = max((len(s) for s in self.stop), default=1) - 1

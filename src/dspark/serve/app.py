@@ -346,9 +346,10 @@ class Generation:
                 self._fail(f"the engine returned prompt logprobs for {0 if scored is None else len(scored)} of "
                            f"{len(self.request.prompt_ids)} prompt tokens of a request that asked for them")
             self.prompt_logprobs = scored
-        if self.text is not None:
-            text, used = self.text.add(kept)
-            kept = kept[:used]
+        if self.text is not None:  # the stop / EOS token that ended the output is no text (vLLM's rule)
+            text_ids = kept if out.stop_token_id is None else kept[:-1]
+            text, used = self.text.add(text_ids)
+            kept = kept[:used] if used < len(text_ids) else kept
         logprobs = (logprobs or [])[:len(kept)] if self.request.logprobs is not None else None  # none: no tokens
         self.completion_tokens += len(kept)
         self._observe(bool(kept))
@@ -518,8 +519,9 @@ class _Server:
         parser = None if tools is None else tools.parser(self.tool_parser)
         prompt_ids = self._chat_prompt(body, tools)
         wanted = body.max_completion_tokens or body.max_tokens
+        keep_special = parser is not None and parser.reads_special_tokens
         choices = await self._start(body, [prompt_ids], [self._max_tokens(prompt_ids, wanted, "messages")], k,
-                                    body.prompt_logprobs)
+                                    body.prompt_logprobs, keep_special)
         rid, tokens = random_id("chatcmpl"), body.return_token_ids
         prompt_out = prompt_ids if tokens else None
 
@@ -664,9 +666,10 @@ class _Server:
         return wanted
 
     async def _start(self, body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
-                     logprobs: int | None, prompt_logprobs: int | None = None) -> Choices:
+                     logprobs: int | None, prompt_logprobs: int | None = None, keep_special: bool = False) -> Choices:
         """Queue ``body.n`` requests per prompt (choice ``prompt_index * n + i``); returns once the
-        engine has accepted all of them (or raises the refusal)."""
+        engine has accepted all of them (or raises the refusal). The text keeps special tokens when
+        the request asks (``skip_special_tokens`` false) or its tool parser reads them (``keep_special``)."""
         total, capacity = len(prompts) * body.n, self.loop.capacity
         if capacity is not None and total > capacity:
             raise APIError(400, f"{len(prompts)} prompt(s) x n={body.n} make {total} choices, more than this server "
@@ -681,7 +684,8 @@ class _Server:
                                         logprobs, prompt_logprobs)
                 text = None
                 if self.tokenizer is not None:
-                    text = TextOutput(self.tokenizer, prompt_ids, self._stop_strings(body), body.min_tokens or 0)
+                    text = TextOutput(self.tokenizer, prompt_ids, self._stop_strings(body), body.min_tokens or 0,
+                                      skip_special_tokens=body.skip_special_tokens and not keep_special)
                 gens.append(Generation(j * body.n + i, request, text, stop_ids, self.latency))
         queue: asyncio.Queue = asyncio.Queue()
         choices = Choices(gens, queue, self.counters, sum(len(p) for p in prompts))

@@ -58,7 +58,7 @@ NOOP_VALUES: dict[str, tuple] = {
     "length_penalty": (None, 1), "logits_processors": (None, []),
     # what the output holds
     "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "include_reasoning": (None, True),
     "verbosity": (None,), "web_search_options": (None,), "request_id": (None,),
@@ -181,6 +181,7 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool = False
     disable_spec_decode: bool = False  # this request verifies no draft (plain decoding in the DSpark batch)
     return_token_ids: bool = False
+    skip_special_tokens: bool = True  # false: special tokens' text kept in the output text (vLLM's field)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
     # structured outputs (vLLM's fields; at most one): OpenAI's response_format, vLLM's

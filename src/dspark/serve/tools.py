@@ -255,6 +255,7 @@ class ToolParser:
 
     name: ClassVar[str]
     argument_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+    reads_special_tokens: ClassVar[bool] = False  # its markers are special tokens: the text must keep them
 
     def scan(self, text: str, final: bool) -> ParsedCalls:
         """The answer ``text`` read so far (``final``: it is complete, so held-back content is content
@@ -347,10 +348,13 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B v0.3, Nemo) or, from the
     v11 tokenizers on, ``[TOOL_CALLS]name[ARGS]{...}`` (``[ARGS]`` optional) per call. ``[TOOL_CALLS]``
-    is a special token that decoding without special tokens drops, so an answer beginning with ``[``
-    is read as the array too. Ids are 9 letters and digits, which Mistral's chat templates require."""
+    and ``[ARGS]`` are special tokens of Mistral's tokenizers, so the server decodes an answer read by
+    this parser with its special tokens (as vLLM's parser asks); an answer beginning with ``[`` is read
+    as the array too (a client that decoded it without them). Ids are 9 letters and digits, which
+    Mistral's chat templates require."""
 
     name = "mistral"
+    reads_special_tokens = True
     BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
     argument_keys = ("arguments",)
     FUNCTION = re.compile(r"[A-Za-z0-9_-]+")
