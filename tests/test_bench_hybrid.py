@@ -1,21 +1,24 @@
 """``dspark.bench.hybrid`` on the CPU: the tiny Qwen3.5-shaped target end to end (the plumbing the GPU
-session's one command relies on), and a failed measurement reported, not fatal."""
+session's one command relies on), and a failed, hung or crashed measurement reported, not fatal."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import time
 
 import pytest
 import torch
 
-from dspark.bench import hybrid
+from dspark.bench import hybrid, isolate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_tiny_shape_runs_every_measurement(tmp_path, capsys):
     """Two rows, prompts of 16 tokens, 17 new (the first from the prompt, then two whole rounds):
-    transformers' eager step, plain decoding (one token per row per step), DSpark rounds with random
+    transformers' eager step (in a child process that rebuilds the target), plain decoding (one token per row per step), DSpark rounds with random
     drafts and at acceptance 1 (fp32: the oracle's drafts are the target's own greedy tokens, so every
     steady round commits the whole block), into hybrid.json and the printed table."""
     assert hybrid.main(["--device", "cpu", "--shape", "tiny", "--batches", "2", "--prompt", "16", "--new", "17",
@@ -50,13 +53,48 @@ def test_a_failed_measurement_is_recorded_and_shown():
     assert "- B = 1 hf_compiled: RuntimeError: CUDA out of memory" in text
 
 
-def test_the_baselines_refuse_a_model_an_engine_wrapped():
-    """An engine's ``HFTarget`` routes the gated DeltaNet mixers through dspark: transformers'
-    baseline on that model would time dspark's routing, so it is refused naming why."""
-    from dspark.model.hf_target import HFTarget
+def never_finishes(model, batch: int, prompt: int) -> dict:
+    """A baseline that hangs, as ``torch.compile`` did at B = 64 on the 9B shape (module level: the
+    spawned child imports it from this module)."""
+    time.sleep(600)
+    return {}
 
-    model = hybrid.random_target(hybrid.SHAPES["tiny"], device="cpu", dtype=torch.float32)
-    hybrid.pristine(model)
-    HFTarget(model)
-    with pytest.raises(ValueError, match="needs the model unwrapped, but 3 mixers are routed"):
-        hybrid.pristine(model)
+
+def test_a_baseline_past_its_timeout_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
+    """The compiled baseline hangs: its child is killed after --hf-timeout seconds, the row records
+    the timeout, dspark's three measurements are all there, and no child outlives the run."""
+    monkeypatch.setitem(hybrid.HF_BASELINES, "hf_compiled", never_finishes)
+    start = time.perf_counter()
+    assert hybrid.main(["--device", "cpu", "--shape", "tiny", "--batches", "2", "--prompt", "16", "--new", "17",
+                        "--hf", "compiled", "--hf-timeout", "1", "--out", str(tmp_path)]) == 0
+    assert time.perf_counter() - start < 120  # not the 600 s sleep
+    assert multiprocessing.active_children() == []
+    report = json.loads((tmp_path / "hybrid.json").read_text())
+    (row,) = report["rows"]
+    assert row["hf_compiled"] == {"error": "timed out after 1 s"} and report["hf_timeout_s"] == 1
+    assert "hf_eager" not in row
+    for key in ("plain", "dspark_random", "dspark_a1"):
+        assert "error" not in row[key] and row[key]["step_ms"] > 0, row
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "inf", "nan"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(timeout, capsys):
+    with pytest.raises(SystemExit):
+        hybrid.main(["--device", "cpu", "--shape", "tiny", "--hf-timeout", timeout])
+    assert f"--hf-timeout takes a positive, finite number of seconds, got {timeout}" in capsys.readouterr().err
+
+
+def test_a_child_that_dies_before_replying_is_recorded():
+    """A child killed outright (a segfault in a compiler, the kernel's OOM killer) sends nothing:
+    its exit code is the error, and the parent goes on."""
+    assert isolate.in_child(os._exit, 3, timeout=120) == {"error": "child process exited with code 3 before replying"}
+
+
+def test_a_rebuilt_target_has_the_same_weights():
+    """The baselines' children rebuild the target from its recipe: the seed, not the RNG's state,
+    decides the weights."""
+    recipe = hybrid.TargetRecipe("tiny", "cpu", torch.float32, seed=0, threads=1)
+    first = recipe.build().state_dict()
+    torch.rand(5)
+    second = recipe.build().state_dict()
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -8,8 +8,10 @@ prompts of ``--prompt`` tokens and ``--new`` new tokens per request:
 * ``hf_compiled`` / ``hf_eager``: one decode step of transformers' own model
   (``bench.engine.hf_step_ms``: ``generate``'s ``StaticCache`` + ``torch.compile(mode=
   "reduce-overhead")`` recipe, ``fullgraph=True`` first and, if that fails, ``fullgraph=False``;
-  or eager with a ``DynamicCache``), timed for every batch size before any engine exists (an
-  engine's ``HFTarget`` routes the model's mixers through dspark: ``pristine``);
+  or eager with a ``DynamicCache``), each in a child process of its own (``in_child``) that builds
+  the same random target (same seed, same weights) and is killed after ``--hf-timeout`` seconds (a
+  compile that never finishes is recorded as ``{"error": "timed out after N s"}``); the child's
+  model is never routed through dspark, and its exit gives its GPU memory back;
 * ``plain``: dspark's engine decoding without a drafter (``LLMEngine``, CUDA graphs on a GPU), the
   median steady step (``bench.engine.engine_run``);
 * ``dspark_random``: DSpark rounds with a random drafter of the target's hidden size (block 7,
@@ -19,9 +21,11 @@ prompts of ``--prompt`` tokens and ``--new`` new tokens per request:
   (``bench.oracle.OracleEngine`` at acceptance 1), the round's cost at its best tokens per round;
 
 each with ms per step, tokens per step and ms per token, beside the weight-read floor (parameter bytes
-over the measured copy ceiling; GPU only). A measurement that fails is recorded as its error, the
-others still run. Writes ``hybrid.json`` (rewritten after each measurement) and prints a table.
-``--hf none`` times dspark's engine alone.
+over the measured copy ceiling; GPU only). Order: dspark's three measurements for every batch size
+first, then the baselines for every batch size (the parent's model freed before them), so that a
+baseline that hangs costs at most its timeout and never dspark's numbers. A measurement that fails
+is recorded as its error, the others still run. Writes ``hybrid.json`` (rewritten after each
+measurement) and prints a table. ``--hf none`` times dspark's engine alone.
 
 Shapes (``SHAPES``): ``qwen3.5-9b`` is ``transformers.Qwen3_5TextConfig()``'s defaults as such
 (transformers 5.25; its docstring: "the Qwen3.5-9B style configuration"): vocabulary 248,320, hidden
@@ -37,13 +41,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .common import measure_copy_ceiling_gbps
 from .engine import engine_run, hf_step_ms, random_drafter, steady_config, weight_floor
+from .isolate import attempt, in_child
 
 SHAPES = {
     "qwen3.5-9b": dict(config={}, capture=[1, 8, 15, 22, 29]),  # Qwen3_5TextConfig's defaults (module docstring)
@@ -67,29 +74,47 @@ def random_target(shape: dict, seed: int = 0, *, device="cuda", dtype=torch.bflo
     return model.eval().requires_grad_(False)
 
 
-def attempt(fn) -> dict:
-    """``fn()``'s result dict, or ``{"error": ...}``: one failed measurement (a compile the hybrid
-    layers break, memory) must not cost the GPU session the others."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - benchmark only: reported in the JSON and the table
-        print(f"failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return dict(error=f"{type(exc).__name__}: {exc}"[:500])
-
-
 def hf_compiled(model, batch: int, prompt: int) -> dict:
     """``hf_step_ms`` compiled, ``fullgraph=True`` first (``generate``'s setting), else with graph
-    breaks (fla's Triton kernels or the hybrid cache may break the graph). Compiled code and its
-    CUDA graphs are dropped before and after: the next measurement gets their memory."""
-    torch._dynamo.reset()
+    breaks (fla's Triton kernels or the hybrid cache may break the graph), the first attempt's
+    compiled code dropped before the second (each baseline has a process of its own: ``in_child``)."""
     try:
         return dict(step_ms=round(hf_step_ms(model, batch, prompt, HF_STEPS[True], compiled=True), 3), fullgraph=True)
     except Exception as exc:  # noqa: BLE001 - retried with graph breaks, the first error kept
         torch._dynamo.reset()
         ms = hf_step_ms(model, batch, prompt, HF_STEPS[True], compiled=True, fullgraph=False)
         return dict(step_ms=round(ms, 3), fullgraph=False, fullgraph_error=f"{type(exc).__name__}: {exc}"[:300])
-    finally:
-        torch._dynamo.reset()
+
+
+def hf_eager(model, batch: int, prompt: int) -> dict:
+    """``hf_step_ms`` eager (a ``DynamicCache``)."""
+    return dict(step_ms=round(hf_step_ms(model, batch, prompt, HF_STEPS[False], compiled=False), 3))
+
+
+HF_BASELINES = {"hf_compiled": hf_compiled, "hf_eager": hf_eager}  # row key -> measure(model, batch, prompt)
+
+
+@dataclass(frozen=True)
+class TargetRecipe:
+    """What a child process needs to rebuild the parent's random target: ``random_target`` is
+    seeded, so the same shape, seed, device and dtype give the same weights. ``threads``: the
+    parent's intra-op thread count (a spawned child starts with torch's default)."""
+
+    shape: str
+    device: str
+    dtype: torch.dtype
+    seed: int
+    threads: int
+
+    def build(self):
+        torch.set_num_threads(self.threads)
+        return random_target(SHAPES[self.shape], self.seed, device=self.device, dtype=self.dtype)
+
+
+def hf_baseline(measure, recipe: TargetRecipe, batch: int, prompt: int) -> dict:
+    """In a child process (``in_child``): ``measure(model, batch, prompt)`` (``HF_BASELINES``) of a
+    fresh copy of the target, transformers' own code (no engine ever routes it)."""
+    return measure(recipe.build(), batch, prompt)
 
 
 def timed(engine, prompts: list[list[int]], new: int, oracle=None) -> dict:
@@ -117,29 +142,14 @@ def record(row: dict, name: str, measure, device: torch.device, save) -> list[li
     return outputs
 
 
-def pristine(model) -> None:
-    """ValueError unless ``model`` runs transformers' own code: an engine's ``HFTarget`` routes the
-    stateful mixers through dspark (``hybrid.install``), which the baselines must not time (and which
-    ``fullgraph`` compilation cannot trace)."""
-    routed = [name for name, module in model.named_modules() if hasattr(module, "_dspark_original_forward")]
-    if routed:
-        raise ValueError(f"transformers' baseline needs the model unwrapped, but {len(routed)} mixers are routed "
-                         f"through dspark's engine (first: {routed[0]}); time the baselines before any engine")
-
-
-def hf_baselines(model, row: dict, args, save) -> None:
+def hf_baselines(recipe: TargetRecipe, row: dict, args, save) -> None:
     """transformers' decode step at ``row["batch"]`` rows (``args.hf``: compiled, eager) into ``row``,
-    ``save()`` after each."""
-    pristine(model)
-    batch = row["batch"]
-    measurements = {
-        "hf_compiled": lambda: hf_compiled(model, batch, args.prompt),
-        "hf_eager": lambda: dict(step_ms=round(hf_step_ms(model, batch, args.prompt, HF_STEPS[False],
-                                                          compiled=False), 3)),
-    }
-    for name, measure in measurements.items():
+    each in a child process bounded by ``args.hf_timeout`` seconds (``in_child``), ``save()`` after each."""
+    for name, measure in HF_BASELINES.items():
         if name[3:] in args.hf:
-            record(row, name, measure, model.device, save)
+            row[name] = attempt(lambda: in_child(hf_baseline, measure, recipe, row["batch"], args.prompt,
+                                                 timeout=args.hf_timeout))
+            save()
 
 
 def dspark_runs(model, drafter, row: dict, args, generator: torch.Generator, save) -> None:
@@ -209,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
     parser.add_argument("--hf", default="compiled",
                         help="comma-separated transformers baselines: compiled, eager, none")
+    parser.add_argument("--hf-timeout", type=float, default=180,
+                        help="seconds each transformers baseline (a child process) may take before it is killed "
+                             "and recorded as timed out")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: fp32, the plumbing (--shape tiny)")
     args = parser.parse_args(argv)
@@ -219,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     args.hf = [h for h in args.hf.split(",") if h != "none"]
     if any(h not in ("compiled", "eager") for h in args.hf):
         parser.error(f"--hf takes a comma-separated subset of compiled, eager (or none), got {','.join(args.hf)!r}")
+    if not 0 < args.hf_timeout < math.inf:
+        parser.error(f"--hf-timeout takes a positive, finite number of seconds, got {args.hf_timeout:g}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("python -m dspark.bench.hybrid: needs a CUDA device (--device cpu --shape tiny runs on the CPU)",
               file=sys.stderr)
@@ -227,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    model = random_target(SHAPES[args.shape], device=args.device, dtype=dtype)
+    recipe = TargetRecipe(args.shape, args.device, dtype, seed=0, threads=torch.get_num_threads())
+    model = recipe.build()
     drafter = random_drafter(model, SHAPES[args.shape])
     ceiling = measure_copy_ceiling_gbps() if cuda else None
     params, floor_ms = weight_floor(model, ceiling) if cuda else (weight_floor(model, 1.0)[0], None)
@@ -236,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                   dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
                   transformers=transformers.__version__,
                   copy_ceiling_gbps=None if ceiling is None else round(ceiling, 1), parameter_bytes=params,
-                  floor_ms=floor_ms, prompt=args.prompt, new=args.new, command=command,
+                  floor_ms=floor_ms, prompt=args.prompt, new=args.new, hf_timeout_s=args.hf_timeout,
+                  command=command,
                   drafts_per_round=drafter.config.num_draft_tokens, rows=[])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,12 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         (out / "hybrid.json").write_text(json.dumps(report, indent=1))
 
     report["rows"] = [dict(batch=batch) for batch in args.batches]
-    # transformers' baselines first: the first engine routes the model's mixers through dspark (pristine)
-    for row in report["rows"]:
-        hf_baselines(model, row, args, save)
     for row in report["rows"]:
         dspark_runs(model, drafter, row, args, generator, save)
         print(args.shape, json.dumps(row), flush=True)
+    # the baselines' children build their own copies (the same weights): this one's memory is theirs
+    del model, drafter
+    release(torch.device(args.device))
+    if args.hf:
+        for row in report["rows"]:
+            hf_baselines(recipe, row, args, save)
+            print(args.shape, json.dumps(row), flush=True)
     print(markdown(report))
     return 0
 
