@@ -591,10 +591,25 @@ def test_evaluate_runs_on_the_batched_engine(target):
 
 def test_graphs_are_captured_in_inference_mode(monkeypatch):
     """``capture_graphs`` runs in inference mode, as every step: a transformers model passed in has
-    parameters that require gradients, and with gradients on the kernels resolve to the reference,
-    which cannot be captured (on the H200 its capture hit an out-of-range gather)."""
+    parameters that require gradients, and with gradients on a kernel given such a tensor resolves to
+    the reference, which cannot be captured."""
     engine = LLMEngine(tiny_qwen3_target(), None, EngineConfig(max_batch=1))
     modes = []
     monkeypatch.setattr(engine.runner, "capture_graphs",
                         lambda **_: modes.append(torch.is_inference_mode_enabled()) or 0)
     assert engine.capture_graphs() == 0 and modes == [True]
+
+
+@pytest.mark.gpu
+def test_the_reference_kernels_forced_run_eagerly_on_cuda():
+    """Forced onto the PyTorch reference (``use_backend`` / ``DSPARK_BACKEND``), whose kernels read
+    device values on the host, the engine captures no graph: it decodes eagerly, the same tokens."""
+    import dspark.kernels as K
+
+    target = tiny_qwen3_target().cuda()
+    prompts = [Request([1, 2, 3, 4, 5], 6, ignore_eos=True)]
+    with K.use_backend("reference"):
+        engine = LLMEngine(target, None, EngineConfig(max_batch=2, device="cuda"))
+        assert not engine.runner.use_graphs and engine.capture_graphs() == 0
+        eager = engine.generate(prompts)[0].token_ids
+    assert LLMEngine(target, None, EngineConfig(max_batch=2, device="cuda")).generate(prompts)[0].token_ids == eager

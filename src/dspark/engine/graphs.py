@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from .. import kernels as K
 from .chunks import MAX_CHUNKS, PrefillChunk, pads_verify
 from .rows import batch_buckets
 
@@ -35,7 +36,10 @@ class CudaGraphs:
 
     def _init_graphs(self, max_batch: int, cuda_graphs: bool) -> None:
         self.buckets = batch_buckets(max_batch)
-        self.use_graphs = cuda_graphs and self.device.type == "cuda" and getattr(self.target, "graphable", True)
+        # the PyTorch reference kernels (forced: K.use_backend / DSPARK_BACKEND) read device values on
+        # the host and index freely: they run eagerly, never inside a capture's warm-up or recording
+        self.use_graphs = (cuda_graphs and self.device.type == "cuda" and getattr(self.target, "graphable", True)
+                           and K.forced_backend() != "reference")
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.uncapturable: set[tuple] = set()  # keys whose capture failed: eager
         self.captures = 0  # graphs captured so far (a step that captures is no measure of host time)

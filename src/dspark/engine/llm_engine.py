@@ -269,8 +269,8 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         """Capture the CUDA graphs before serving -- each batch bucket and verify length, greedy and
         sampled, and the steps with prompt chunks (``ModelRunner.mixed_shapes``) -- so that no
         request waits for a capture later; returns how many exist (0 without CUDA graphs). Only
-        while no request runs. In inference mode, as every step: a model whose parameters require
-        gradients (a transformers model passed in) would otherwise run the reference kernels, which
+        while no request runs. In inference mode, as every step: with gradients on, a kernel given a
+        tensor that requires them (a transformers model passed in) resolves to the reference, which
         cannot be captured."""
         if self.scheduler.running:
             Checker("capture_graphs").fail(f"capture_graphs needs an idle engine, but {len(self.scheduler.running)} "
