@@ -123,6 +123,19 @@ def test_greedy_with_the_drafter_is_plain_greedy_under_the_grammar_batched_or_al
     assert engine.generate(requests[2:3])[0].token_ids == expected[2]
 
 
+def test_ignore_eos_still_ends_a_constrained_output_at_its_grammars_stop_token(demo):
+    """A constrained request ends where its grammar takes the stop token, ``ignore_eos`` or not: a
+    round that verifies past that token (a forced EOS draft, then the bonus token) commits nothing
+    after it, so speculative greedy stays plain greedy."""
+    pair, tokenizer, prompts, engine, plain = demo
+    requests = [Request(p, 96, SamplingParams(structured_outputs=spec), ignore_eos=True) for spec in SPECS[:2]
+                for p in prompts]
+    expected = [r.token_ids for r in plain.generate(requests)]
+    outputs = engine.generate(requests)
+    assert [r.token_ids for r in outputs] == expected
+    assert all(r.finish_reason == "stop" and r.token_ids[-1] == tokenizer.eos_token_id for r in outputs)
+
+
 class ForcedDrafts:
     """Drafts replaced by a known continuation (``tokens`` after the prompt of ``prompt_len``; None:
     the drafter's own), with the draft at ``wrong`` made a token the grammar refuses."""

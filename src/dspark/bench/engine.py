@@ -171,15 +171,18 @@ def steady_config(max_batch: int, prompt: int, new: int, draft=None) -> "EngineC
                         enable_prefix_caching=False, gpu_memory_utilization=None)
 
 
-def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
+def engine_run(engine, prompts, new_tokens: int, oracle=None, sampling=None) -> dict:
     """Generate once (warm-up: graphs, kernels), then again timed per step; returns the steady-state
-    step time (steps with every request running and no prompt chunk), tokens per step and the
-    outputs. ValueError when no step was steady (a request finished before the last was admitted:
+    step time (steps with every request running and no prompt chunk), tokens per step, how many
+    steps were steady and the outputs. ``sampling``: every request's ``SamplingParams`` (default:
+    greedy, unconstrained; a constrained request also ends where its output is complete).
+    ValueError when no step was steady (a request finished before the last was admitted:
     ``steady_config``), RuntimeError when the engine failed a request."""
-    from ..engine import Request
+    from ..engine import Request, SamplingParams
 
     def add_all() -> list[int]:  # with an OracleEngine, each request's known continuation too
-        requests = [Request(p, new_tokens, stop_ids=[], ignore_eos=True) for p in prompts]
+        requests = [Request(p, new_tokens, sampling or SamplingParams(), stop_ids=[], ignore_eos=True)
+                    for p in prompts]
         return [engine.add_request(r) if oracle is None else engine.add_request(r, oracle[i])
                 for i, r in enumerate(requests)]
 
@@ -213,7 +216,7 @@ def engine_run(engine, prompts, new_tokens: int, oracle=None) -> dict:
     ms = 1000 * statistics.median(step_times)
     tokens = sum(step_tokens) / len(step_tokens)
     return dict(step_ms=round(ms, 3), tokens_per_step=round(tokens, 3), tok_per_s=round(1000 * tokens / ms, 1),
-                outputs=[outputs[i] for i in ids])
+                steady_steps=len(step_times), outputs=[outputs[i] for i in ids])
 
 
 def breakdown(engine, prompts, oracle) -> dict:

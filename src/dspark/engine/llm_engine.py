@@ -247,7 +247,10 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
                                "every row of a round verifies its tree")
             error.param = "disable_spec_decode"
             raise error
-        return (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(request.stop_ids)
+        # a grammar's output ends at its stop token (the EOS), ignore_eos or not: a round that verified
+        # past it must commit nothing after it (plain decoding ends there)
+        constrained = request.sampling.structured_outputs is not None
+        return (frozenset() if request.ignore_eos and not constrained else self.eos_ids) | frozenset(request.stop_ids)
 
     @torch.inference_mode()
     def abort(self, request_id: int, reason: str = "abort") -> None:

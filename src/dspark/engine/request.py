@@ -27,7 +27,8 @@ class Request:
     """One generation request (``LLMEngine.add_request`` / ``generate_requests``).
 
     ``prompt_ids``: the prompt's token ids (a sequence or a 1-D tensor); the output ends after the
-    target's EOS (unless ``ignore_eos``) or any of ``stop_ids``, or after ``max_new_tokens``.
+    target's EOS (unless ``ignore_eos``; a structured output's always ends there, where its grammar
+    is complete) or any of ``stop_ids``, or after ``max_new_tokens``.
     ``logprobs``: None, or k >= 0: each output token comes with its log-probability under the
     target and the k most likely tokens' (``RequestOutput.logprobs``; the target's log-softmax before
     logit_bias / temperature / min_p / top-k / top-p, as vLLM reports by default -- under speculative
