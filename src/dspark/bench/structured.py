@@ -186,6 +186,12 @@ _CHECKED = {"type", "enum", "properties", "required", "additionalProperties", "i
             "minLength", "maxLength", "pattern", "minimum", "maximum"}
 
 
+def unchecked_keywords(schema: dict) -> set[str]:
+    """The keywords of ``schema`` and its subschemas that ``conforms`` does not check."""
+    inner = [*schema.get("properties", {}).values(), *([schema["items"]] if "items" in schema else [])]
+    return (set(schema) - _CHECKED).union(*(unchecked_keywords(s) for s in inner))
+
+
 def conforms(schema: dict, value) -> bool:
     """Whether ``value`` satisfies ``schema`` as JSON Schema defines the keywords ``SCHEMA`` uses
     (ValueError for any other keyword: it would go unchecked)."""
@@ -242,13 +248,14 @@ def check_outputs(outputs: list[list[int]], tokenizer, eos: int, schema: dict) -
 
 @dataclass
 class Setup:
-    """What every measurement of one shape shares: the models, the tokenizer and its EOS, the two
-    modes' sampling (greedy; constrained to ``SCHEMA`` or not) and the arguments."""
+    """What every measurement of one shape shares: the models, the tokenizer and its EOS, the schema,
+    the two modes' sampling (greedy; constrained to the schema or not) and the arguments."""
 
     target: torch.nn.Module
     drafter: torch.nn.Module
     tokenizer: object
     eos: int
+    schema: dict
     sampling: dict
     args: argparse.Namespace
 
@@ -294,7 +301,7 @@ def measure(engine, name: str, mode: str, setup: Setup, prompts, outputs: dict) 
     result = engine_run(engine, prompts, new, oracle, sampling)
     result["tau"] = round(result["tokens_per_step"] / len(prompts), 3)
     if mode == "constrained":
-        result["valid"] = check_outputs(result["outputs"], setup.tokenizer, setup.eos, SCHEMA)
+        result["valid"] = check_outputs(result["outputs"], setup.tokenizer, setup.eos, setup.schema)
     if name != "plain" and ("plain", mode) in outputs:
         result["same_as_plain"] = sum(o == p for o, p in zip(result["outputs"], outputs["plain", mode]))
     outputs[name, mode] = result["outputs"]
@@ -379,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-position acceptance of the second oracle configuration (the first: 1)")
     parser.add_argument("--tokenizer", default=None,
                         help="a Hugging Face tokenizer directory (default: the generated one, module docstring)")
+    parser.add_argument("--schema", default=None,
+                        help="a JSON schema file to constrain to instead of SCHEMA (the keywords conforms checks)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 (--shape tiny)")
     args = parser.parse_args(argv)
     try:
@@ -387,6 +396,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batches takes comma-separated integers, got {args.batches!r}")
     if not 0.0 <= args.acceptance <= 1.0:
         parser.error(f"--acceptance must be in [0, 1], got {args.acceptance}")
+    try:
+        schema = SCHEMA if args.schema is None else json.loads(Path(args.schema).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        parser.error(f"--schema must be a JSON schema file, got {args.schema!r}: {exc}")
+    if not isinstance(schema, dict) or unchecked_keywords(schema):
+        parser.error(f"--schema may use only the keywords {', '.join(sorted(_CHECKED))} (each output is checked "
+                     f"against them), got {sorted(unchecked_keywords(schema)) if isinstance(schema, dict) else schema}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("python -m dspark.bench.structured: needs a CUDA device (--device cpu --shape tiny runs on the CPU)",
               file=sys.stderr)
@@ -397,15 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, eos = bench_tokenizer(shape, args.tokenizer)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = random_target(shape.model, vocab=shape.vocab, device=args.device, dtype=dtype)
-    setup = Setup(target, random_drafter(target, shape.model), tokenizer, eos,
-                  {"none": None, "constrained": SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA))},
+    setup = Setup(target, random_drafter(target, shape.model), tokenizer, eos, schema,
+                  {"none": None, "constrained": SamplingParams(structured_outputs=StructuredOutputs(json=schema))},
                   args)
     command = "python -m dspark.bench.structured " + " ".join(argv if argv is not None else sys.argv[1:])
     report = dict(shape=args.shape, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                   dtype=str(dtype).replace("torch.", ""), torch=torch.__version__, prompt=args.prompt, new=args.new,
                   acceptance=args.acceptance, vocab=shape.vocab, tokenizer_tokens=len(tokenizer),
                   tokenizer=args.tokenizer or f"generated: {len(tokenizer)} tokens, the rest never allowed",
-                  schema=SCHEMA, command=command, drafts_per_round=setup.drafter.config.num_draft_tokens, rows=[])
+                  schema=schema, command=command, drafts_per_round=setup.drafter.config.num_draft_tokens, rows=[])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
