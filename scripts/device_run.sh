@@ -2,13 +2,16 @@
 # One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
 # steps named on the command line, each with its own time limit, logs under $OUT.
 #   scripts/device_run.sh STEP...   steps: tests, gputests, engine, firstcall, prefixchat, capacity, backends, breakdown,
-#   mixed, frontier, demo, hybrid
+#   mixed, frontier, demo, hybrid, structured
 # gputests: every gpu-marked test; engine: plain and DSpark step times of the 8B shape at B = 1 and 64;
 # firstcall: a user's first LLM.generate call against a later one; prefixchat: shared-prefix chat on the
 # 8B shape (64 clients, 2,048-token system prompt, 3 turns), prefix caching on against off; capacity: concurrent
 # 4,096-token requests in the KV blocks beside the 8B shape, against a per-slot cache.
 # hybrid: a random Qwen3.5-9B-shaped target (gated DeltaNet, bf16) at B = 1 and 64: dspark's plain step and DSpark
 # rounds (random drafts; acceptance 1) against transformers' compiled step (bench.hybrid; HYBRID_ARGS adds options).
+# structured: the 8B shape at B = 1, 16, 64 with every row free and every row constrained to a JSON schema: ms per
+# step of plain decoding and DSpark (oracle drafts at acceptance 1 and 0.8, random drafts), their ratio and tokens/s
+# (bench.structured; STRUCTURED_ARGS adds options).
 # demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target); out/demo and the
 # candidate drafters (out/demo_work/draft, draft_bp; not their training states) sent back as
 # demo.tgz.part-* (15 MiB pieces; here: cat demo.tgz.part-* | tar xzf - -C out); a later call that runs
@@ -43,6 +46,8 @@ for step in "$@"; do
              --prompt 128 --new 64 --out "$OUT/backends" > "$OUT/backends.log" 2>&1 ;;
     hybrid) timeout "${HYBRID_LIMIT:-560}" python -m dspark.bench.hybrid --shape qwen3.5-9b --batches 1,64 \
              --out "$OUT/hybrid" ${HYBRID_ARGS:-} > "$OUT/hybrid.log" 2>&1 ;;
+    structured) timeout "${STRUCTURED_LIMIT:-560}" python -m dspark.bench.structured --shape qwen3-8b --batches 1,16,64 \
+             --out "$OUT/structured" ${STRUCTURED_ARGS:-} > "$OUT/structured.log" 2>&1 ;;
     breakdown) timeout 90 python -m dspark.bench.breakdown --case "logits_to_probabilities rows=512 top-p 0.9" \
              --case "logits_to_probabilities rows=512 per-row mixed" --case "markov_sample_step B=64 R=256 top-p 0.9" \
              --case "markov_sample_step B=64 R=256 per-row mixed" > "$OUT/breakdown.txt" 2>&1 ;;
