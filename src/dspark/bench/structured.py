@@ -95,7 +95,6 @@ SCHEMA = {  # a customer record (module docstring); every field required, so its
     },
 }
 MODES = ("none", "constrained")
-DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "data" / "demo" / "target"
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,9 @@ def generated_tokenizer(regular: int, seed: int = 0):
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    spec = json.loads((DEMO_TOKENIZER / "tokenizer.json").read_text())
+    from ..training.data import demo_pair
+
+    spec = json.loads((demo_pair().target / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     if regular < len(vocab):
         raise ValueError(f"generated_tokenizer: regular must be at least the demo tokenizer's {len(vocab)} tokens, "
@@ -174,8 +175,8 @@ def bench_tokenizer(shape: Shape, path: str | None = None):
         tokenizer = AutoTokenizer.from_pretrained(path)
     size, eos = len(tokenizer), tokenizer.eos_token_id
     if size > shape.vocab or eos is None:
-        raise ValueError(f"--tokenizer {path}: needs at most {shape.vocab} tokens and an EOS token, got {size} tokens "
-                         f"and EOS {eos}")
+        raise ValueError(f"bench_tokenizer: the tokenizer ({path or 'generated'}) must have at most {shape.vocab} "
+                         f"tokens (the model's vocabulary) and an EOS token, got {size} tokens and EOS {eos}")
     return tokenizer, eos
 
 
@@ -190,6 +191,11 @@ def unchecked_keywords(schema: dict) -> set[str]:
     """The keywords of ``schema`` and its subschemas that ``conforms`` does not check."""
     inner = [*schema.get("properties", {}).values(), *([schema["items"]] if "items" in schema else [])]
     return (set(schema) - _CHECKED).union(*(unchecked_keywords(s) for s in inner))
+
+
+def _within(schema: dict, low: str, high: str, x) -> bool:
+    """``x`` within ``schema``'s bounds named ``low`` and ``high`` (each inclusive, where given)."""
+    return schema.get(low, x) <= x <= schema.get(high, x)
 
 
 def conforms(schema: dict, value) -> bool:
@@ -207,15 +213,15 @@ def conforms(schema: dict, value) -> bool:
                 and (schema.get("additionalProperties", True) or set(value) <= set(props))
                 and all(conforms(props[k], v) for k, v in value.items() if k in props))
     if kind == "array":
-        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
+        return (isinstance(value, list) and _within(schema, "minItems", "maxItems", len(value))
                 and all(conforms(schema.get("items", {}), v) for v in value))
     if kind == "string":
-        return (isinstance(value, str) and schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value))
+        return (isinstance(value, str) and _within(schema, "minLength", "maxLength", len(value))
                 and re.search(schema.get("pattern", ""), value) is not None)
     if kind in ("integer", "number"):
-        numeric = (int,) if kind == "integer" else (int, float)
+        numeric = (int,) if kind == "integer" else (int, float)  # a bool is an int to Python, not to JSON
         return (isinstance(value, numeric) and not isinstance(value, bool)
-                and schema.get("minimum", value) <= value <= schema.get("maximum", value))
+                and _within(schema, "minimum", "maximum", value))
     if kind == "boolean":
         return isinstance(value, bool)
     return kind is None
