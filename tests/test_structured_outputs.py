@@ -474,3 +474,11 @@ def test_sampled_outputs_follow_the_masked_target(bigram_grammar_pair, regex, to
     with torch.no_grad():
         unmasked = target(torch.arange(4)[:, None]).logits[:, 0, :4].softmax(-1)
     assert check_transitions(sequences, unmasked) is not None
+
+
+def test_min_tokens_with_a_grammar_is_refused_naming_both():
+    """Where the grammar allows only the stop token, ``min_tokens`` would ban it and leave no token
+    (NaN probabilities, an arbitrary token): the combination is refused, not run approximately."""
+    with pytest.raises(ValueError, match=r"min_tokens \(4\) cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=4, structured_outputs=StructuredOutputs(regex="[a-z]+"))
+    assert SamplingParams(min_tokens=4).min_tokens == 4

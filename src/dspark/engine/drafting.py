@@ -118,6 +118,10 @@ class SamplingParams:
             c.fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         c.integer("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens and self.structured_outputs is not None:
+            c.fail(f"min_tokens ({self.min_tokens}) cannot be combined with structured_outputs: where the grammar "
+                   "allows only the stop token, min_tokens bans it and no token is left (the grammar decides where "
+                   "the output ends)")
         object.__setattr__(self, "bad_words", _bad_words(c, self.bad_words))
 
     @property
