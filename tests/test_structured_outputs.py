@@ -482,3 +482,22 @@ def test_min_tokens_with_a_grammar_is_refused_naming_both():
     with pytest.raises(ValueError, match=r"min_tokens \(4\) cannot be combined with structured_outputs"):
         SamplingParams(min_tokens=4, structured_outputs=StructuredOutputs(regex="[a-z]+"))
     assert SamplingParams(min_tokens=4).min_tokens == 4
+
+
+def test_a_bounded_json_string_takes_no_control_character(demo):
+    """JSON forbids raw U+0000-U+001F in strings; xgrammar 0.2.9's bounded strings (minLength /
+    maxLength) let them in, so the engine's JSON grammar keeps those strings to JSON's characters:
+    every output parses with a strict parser. Unbounded strings and their escapes are unchanged."""
+    grammars = Grammars(demo[1], 2048, [0])
+    schema = {"type": "object", "required": ["s", "t"], "additionalProperties": False,
+              "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 5}, "t": {"type": "string"}}}
+    grammar = grammars.compile(StructuredOutputs(json=schema))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return matcher.accept_string(text) and matcher.accept_token(0) and matcher.is_terminated()
+
+    assert accepts('{"s": "ab", "t": "x"}') and accepts('{"s": "ab", "t": "x\\n"}')
+    for bad in ('{"s": "a\x01", "t": "x"}', '{"s": "a\x1f", "t": "x"}', '{"s": "a\x00b", "t": "x"}',
+                '{"s": "", "t": "x"}', '{"s": "abcdef", "t": "x"}'):
+        assert not accepts(bad), repr(bad)

@@ -125,10 +125,8 @@ class Grammars:
         compile."""
         c, kind = self.compiler, spec.kind
         try:
-            if kind == "json":
-                return c.compile_json_schema(spec.json, any_whitespace=False)
-            if kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind in ("json", "json_object"):
+                return c.compile_grammar(_json_grammar(spec.json if kind == "json" else '{"type": "object"}'))
             if kind == "regex":
                 return c.compile_regex(spec.regex)
             if kind == "choice":  # EBNF string literals take JSON's escapes
@@ -142,6 +140,20 @@ class Grammars:
         import xgrammar as xgr
 
         return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+
+# xgrammar 0.2.9 writes a string bounded by minLength / maxLength as characters of this class, which
+# lets raw control characters (U+0000-U+001F) in: JSON forbids them, strict parsers refuse the output
+_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
+
+
+def _json_grammar(schema: str) -> str:
+    """The EBNF of ``schema`` (compact JSON, xgrammar's converter), its bounded strings' characters
+    kept to what JSON allows unescaped."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 def _first_line(exc: Exception) -> str:
