@@ -51,6 +51,7 @@ def test_stop_strings_eos_and_ignore_eos(pair):
     k = next(i for i in range(2, 16) if greedy[i] not in greedy[:i])
     result = dspark.generate(target, draft, PROMPT, max_new_tokens=16, eos_token_id=greedy[k])
     assert result.token_ids == greedy[:k + 1] and result.finish_reason == "stop"
+    assert result.text == " " + _words(greedy[:k])  # the stop token is no text (vLLM's rule, the server's)
     chunks = []
     result = dspark.generate(target, draft, PROMPT, max_new_tokens=6, ignore_eos=True, on_tokens=chunks.append)
     assert [t for c in chunks for t in c] == result.token_ids == greedy[:6]

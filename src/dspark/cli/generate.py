@@ -309,7 +309,7 @@ def _baseline(engine, request, tokenizer, stop):
 
     text = None
     if tokenizer is not None and stop:
-        text = TextStream(tokenizer, request.prompt_ids, stop, request.sampling.min_tokens)
+        text = TextStream(tokenizer, request.prompt_ids, stop, request.sampling.min_tokens, request.stop_ids)
     stream = None if text is None else (lambda _i, tokens: text.add(tokens))
     result = engine.plain().generate_requests([request], on_tokens=stream)[0]
     if text is not None:

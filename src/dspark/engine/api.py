@@ -125,8 +125,8 @@ def generate_texts(engine: LLMEngine, requests: Sequence[Request], tokenizer, *,
             c.fail(f"{name} must be callable, got {type(value).__name__}", TypeError)
     if tokenizer is None and (stop or on_text is not None):
         c.fail("stop strings and text streaming need the target's tokenizer, and it has none")
-    streams = None if tokenizer is None else [TextStream(tokenizer, r.prompt_ids, stop, r.sampling.min_tokens)
-                                              for r in requests]
+    streams = None if tokenizer is None else [TextStream(tokenizer, r.prompt_ids, stop, r.sampling.min_tokens,
+                                                         r.stop_ids) for r in requests]
 
     def callback(i: int, tokens: list[int]) -> bool:
         stopped = bool(on_tokens(i, tokens)) if on_tokens is not None else False

@@ -108,10 +108,12 @@ class TextOutput:
 class TextStream:
     """One request's text for ``generate``: a ``TextOutput`` plus what its ``GenerationResult``
     needs -- ``text`` so far and ``stop_tokens``, the output tokens up to the one that completed a
-    stop string (None before one)."""
+    stop string (None before one). A stop token (``stop_ids``) that ends the output is no text, as
+    in the server."""
 
-    def __init__(self, tokenizer, prompt_ids, stop=(), min_tokens: int = 0):
+    def __init__(self, tokenizer, prompt_ids, stop=(), min_tokens: int = 0, stop_ids=()):
         self.output = TextOutput(tokenizer, list(prompt_ids), list(stop), min_tokens)
+        self.stop_ids = frozenset(stop_ids)
         self.ids: list[int] = []
         self.text, self.emitted = "", 0
         self.stop_tokens: int | None = None
@@ -120,7 +122,9 @@ class TextStream:
     def add(self, tokens: list[int]) -> bool:
         """Append a round's tokens; True once the text holds a stop string (the request should end)."""
         if self.stop_tokens is None:
-            released, used = self.output.add(list(tokens))
+            ended = next((i for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
+            released, used = self.output.add(list(tokens[:ended]))
+            used += used == ended < len(tokens)  # the stop token itself: kept as a token, not as text
             self.ids.extend(tokens[:used])
             self.text += released
             if self.output.stopped is not None:
