@@ -547,14 +547,15 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
             assert batch[1].token_ids == alone == mixed[1].token_ids
 
 
-def test_generate_api_and_cli_run_the_batched_engine(tmp_path):
+def test_generate_api_and_cli_run_the_batched_engine(tmp_path, capsys):
     """``dspark.generate(..., engine="batched")`` and ``dspark generate --engine batched`` decode a
-    list of prompts together; each request's output equals its own run alone (the reference engine)."""
+    list of prompts together; each request's output equals its own run alone (the reference engine).
+    The command runs in this process (``dspark.cli.main``: the same parsing and printing; the
+    ``python -m dspark`` entry point is test_cli_generate's and test_docs')."""
     import json
-    import subprocess
-    import sys
 
     import dspark
+    from dspark.cli import main
     from dspark.training.data import demo_pair
 
     pair = demo_pair()
@@ -568,10 +569,11 @@ def test_generate_api_and_cli_run_the_batched_engine(tmp_path):
     assert [r.text for r in batched] == [r.text for r in reference] and batched[0].text
     lines = tmp_path / "requests.jsonl"
     lines.write_text('{"prompt": "def add(a, b):", "max_new_tokens": 16}\n{"prompt_ids": [5, 6, 7, 8], "max_new_tokens": 16}\n')
-    out = subprocess.run([sys.executable, "-m", "dspark", "generate", "--engine", "batched", "--prompt-file", str(lines),
-                          "--json", "--device", "cpu", "-q"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    capsys.readouterr()
+    code = main(["generate", "--engine", "batched", "--prompt-file", str(lines), "--json", "--device", "cpu", "-q"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    rows = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]
     assert [r["generated_ids"] for r in rows] == [r.token_ids for r in reference[:2]]
     # on the CPU a round's draft and verify parts are timed apart, a batch's as one reference's
     assert rows[0]["stats"]["draft_time_s"] > 0 and rows[0]["stats"]["total_time_s"] > 0
