@@ -8,8 +8,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -202,22 +200,29 @@ def _env(cache: Path) -> dict:
 
 def test_commands_take_hub_names_from_the_cache(hub, tmp_path):
     """``dspark generate`` / ``profile`` with Hub names (HF_HUB_CACHE, offline) run as with the
-    directories; an uncached name is one line naming the flag, no traceback."""
+    directories; an uncached name is one line naming the flag, no traceback. (The three commands are
+    processes forked from one that imported torch and dspark under this environment: ``forking``.)"""
+    from forking import Forker
+
     cache, root = hub
-    common = ["--device", "cpu", "--quiet"]
-    generate = [sys.executable, "-m", "dspark", "generate", "--target", "tiny/target", "--draft", "tiny/draft",
-                "--prompt-ids", "3,17,42", "--max-new-tokens", "6", "--json", *common]
-    done = subprocess.run(generate, capture_output=True, text=True, env=_env(cache), timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert len(json.loads(done.stdout)["generated_ids"]) == 6
-    profile = [sys.executable, "-m", "dspark", "profile", "--target", "tiny/target", "--draft", "tiny/draft",
-               "--max-tokens", "2", "--context", "4", "--out", str(tmp_path / "cost.json"), *common]
-    done = subprocess.run(profile, capture_output=True, text=True, env=_env(cache), timeout=300)
-    assert done.returncode == 0, done.stderr
-    table = json.loads((tmp_path / "cost.json").read_text())
-    assert table["target"] == "tiny/target" and table["draft_rows"] == [1] and table["draft_time_ms"][0] > 0
-    missing = [*generate[:4], "--target", "nobody/nothing", "--draft", "tiny/draft", *generate[8:]]
-    done = subprocess.run(missing, capture_output=True, text=True, env=_env(cache), timeout=300)
+    forker = Forker(Path.cwd(), tmp_path, _env(cache))
+    try:
+        common = ["--device", "cpu", "--quiet"]
+        generate = ["-m", "dspark", "generate", "--target", "tiny/target", "--draft", "tiny/draft",
+                    "--prompt-ids", "3,17,42", "--max-new-tokens", "6", "--json", *common]
+        done = forker.run(generate, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert len(json.loads(done.stdout)["generated_ids"]) == 6
+        profile = ["-m", "dspark", "profile", "--target", "tiny/target", "--draft", "tiny/draft",
+                   "--max-tokens", "2", "--context", "4", "--out", str(tmp_path / "cost.json"), *common]
+        done = forker.run(profile, timeout=300)
+        assert done.returncode == 0, done.stderr
+        table = json.loads((tmp_path / "cost.json").read_text())
+        assert table["target"] == "tiny/target" and table["draft_rows"] == [1] and table["draft_time_ms"][0] > 0
+        missing = [*generate[:3], "--target", "nobody/nothing", "--draft", "tiny/draft", *generate[7:]]
+        done = forker.run(missing, timeout=300)
+    finally:
+        forker.close()
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("dspark generate: --target nobody/nothing is not a local directory, nor a "
                                           "Hugging Face Hub model in the cache")
