@@ -501,3 +501,19 @@ def test_a_bounded_json_string_takes_no_control_character(demo):
     for bad in ('{"s": "a\x01", "t": "x"}', '{"s": "a\x1f", "t": "x"}', '{"s": "a\x00b", "t": "x"}',
                 '{"s": "", "t": "x"}', '{"s": "abcdef", "t": "x"}'):
         assert not accepts(bad), repr(bad)
+
+
+def test_only_tokens_reads_each_row_alone():
+    """The one token a bitmask row allows (bits past the vocabulary are no tokens), or None for
+    none or several, row by row in one pass."""
+    from dspark.engine.structured import only_tokens
+
+    vocab = 70  # 3 words, the last holding 6 tokens and 26 padding bits
+    rows = torch.zeros(6, 3, dtype=torch.int32)
+    rows[0, 1] = 1 << 4                        # token 36 alone
+    rows[1, 2] = (1 << 5) | (1 << 20)          # token 69, and a padding bit
+    rows[2, 0] = 3                             # tokens 0 and 1
+    rows[3, 0], rows[3, 2] = 1, 1              # tokens 0 and 64
+    rows[4, 2] = -(1 << 31)                    # a padding bit only (the sign bit): no token
+    rows[5, 0] = -(1 << 31)                    # token 31 (the sign bit of an int32 word)
+    assert only_tokens(rows, vocab) == [36, 69, None, None, None, 31]

@@ -161,6 +161,20 @@ def _first_line(exc: Exception) -> str:
     return text[-1] if text else type(exc).__name__
 
 
+def only_tokens(rows: torch.Tensor, vocab_size: int) -> list[int | None]:
+    """The one token each int32 bitmask row of ``rows`` ``[n, width]`` (host) allows, or None (none
+    or several): one vectorised pass over the rows (a verify window's walk asks for every row)."""
+    words = rows.numpy().view(np.uint32).copy()
+    if vocab_size % 32:  # bits past the vocabulary in the last word are not tokens
+        words[:, -1] &= np.uint32((1 << (vocab_size % 32)) - 1)
+    single, first = np.count_nonzero(words, axis=1) == 1, np.argmax(words != 0, axis=1)
+    tokens: list[int | None] = []
+    for row, at in enumerate(first.tolist()):
+        word = int(words[row, at]) if single[row] else 0
+        tokens.append(at * 32 + word.bit_length() - 1 if word and word & (word - 1) == 0 else None)
+    return tokens
+
+
 @dataclass(frozen=True)
 class Window:
     """A verify window's grammar walk: ``valid`` drafts the grammar takes (forced ones included), and
@@ -185,14 +199,7 @@ class RequestGrammar:
 
     def only_token(self, row: torch.Tensor) -> int | None:
         """The one token an int32 bitmask row ``[width]`` allows, or None (none or several)."""
-        words = row.numpy().view(np.uint32).copy()
-        if self.vocab_size % 32:  # bits past the vocabulary in the last word are not tokens
-            words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
-        set_words = np.flatnonzero(words)
-        if set_words.size != 1:
-            return None
-        word = int(words[set_words[0]])
-        return int(set_words[0]) * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
+        return only_tokens(row[None], self.vocab_size)[0]
 
     def next_mask(self, out: torch.Tensor) -> None:
         """Fill ``out`` int32 ``[width]`` with the bitmask after the committed tokens (every bit
@@ -253,14 +260,15 @@ def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks:
     drafts = [list(d) for d in drafts]
     walking = list(range(len(grammars)))
     while walking:
-        batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in walking], masks,
-                                            [first_rows[i] + valid[i] for i in walking])
+        rows = [first_rows[i] + valid[i] for i in walking]
+        batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in walking], masks, rows)
+        only_of = dict(zip(walking, only_tokens(masks[rows], grammars[walking[0]].vocab_size)))
         again = []
         for i in walking:
             j = valid[i]
             if j == len(drafts[i]):
                 continue
-            only = grammars[i].only_token(masks[first_rows[i] + j])
+            only = only_of[i]
             if only is not None and only != drafts[i][j]:
                 forced[i][j] = drafts[i][j] = only
             elif greedy[i] and (redrafting[i] or not _allows(masks[first_rows[i] + j], drafts[i][j])):
