@@ -39,7 +39,6 @@ sizes (4 layers, the plumbing on the CPU).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import sys
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .common import measure_copy_ceiling_gbps
+from .common import measure_copy_ceiling_gbps, record, release
 from .engine import engine_run, hf_step_ms, random_drafter, steady_config, weight_floor
 from .isolate import attempt, in_child
 
@@ -122,24 +121,6 @@ def timed(engine, prompts: list[list[int]], new: int, oracle=None) -> dict:
     result = engine_run(engine, prompts, new, oracle)
     result["ms_per_token"] = round(result["step_ms"] / result["tokens_per_step"], 4)
     return result
-
-
-def release(device: torch.device) -> None:
-    """Free a finished measurement's engine (its KV blocks and state pool: ~28 GB of rings at
-    B = 64 on the 9B shape; engines hold reference cycles) before the next one allocates its own."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def record(row: dict, name: str, measure, device: torch.device, save) -> list[list[int]] | None:
-    """``row[name] = attempt(measure)`` less its ``outputs`` (returned, None if none), then the
-    measurement's memory freed and the report saved."""
-    row[name] = attempt(measure)
-    outputs = row[name].pop("outputs", None)
-    release(device)
-    save()
-    return outputs
 
 
 def hf_baselines(recipe: TargetRecipe, row: dict, args, save) -> None:

@@ -71,7 +71,7 @@ import torch
 
 from .engine import SHAPES as ENGINE_SHAPES
 from .engine import TINY, VOCAB, engine_run, random_drafter, random_target, steady_config
-from .hybrid import record, release
+from .common import record, release
 
 SCHEMA = {  # a customer record (module docstring); every field required, so its outputs share one layout
     "type": "object", "additionalProperties": False,

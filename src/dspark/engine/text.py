@@ -124,7 +124,8 @@ class TextStream:
         if self.stop_tokens is None:
             ended = next((i for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
             released, used = self.output.add(list(tokens[:ended]))
-            used += used == ended < len(tokens)  # the stop token itself: kept as a token, not as text
+            if used == ended < len(tokens):  # the stop token itself: kept as a token, not as text
+                used += 1
             self.ids.extend(tokens[:used])
             self.text += released
             if self.output.stopped is not None:
