@@ -13,6 +13,7 @@ from test_engine import _forward, _greedy, assert_first_tokens_follow_the_target
 from dspark.engine import SamplingParams
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
+from dspark.engine.rows import LogitsPath
 from dspark.model import load_draft
 from dspark.model.draft_runner import DraftRunner, draft_cache
 from dspark.model.llama import AttentionBatch, TargetLM
@@ -208,7 +209,7 @@ def test_the_start_up_capture_covers_the_steps_where_prompts_join(target, greedy
     runner.state.draft_probs.fill_(1 / target.config.vocab_size)  # the CPU's kernels check them
     for b, num_tokens, bucket in shapes:
         restore = runner._snapshot()
-        runner._capture_mixed(b, num_tokens, bucket, sampled=b > 0)
+        runner._capture_mixed(b, num_tokens, bucket, LogitsPath.PENALISED if b else LogitsPath.GREEDY)
         restore()
     prompts = PROMPTS[:3] + [PROMPTS[2] + PROMPTS[0]]
     expected = greedy[:3] + [_greedy(target, prompts[3], NEW)]

@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (LogitsProcessor, LogitsProce
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, encode_bad_words
 from dspark.engine.penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, PenaltyState, Window
+from dspark.engine.rows import LogitsPath
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -284,6 +285,25 @@ def test_greedy_equals_transformers_generate(demo, greedy_cases, mode):
     again = engine.generate([penalised_sampled(prompt, plain), Request(prompt, NEW_TOKENS, SamplingParams(),
                                                                        ignore_eos=True)])
     assert again[0].token_ids == sampled and again[1].token_ids == plain
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative"])
+def test_the_penalty_pass_runs_only_for_batches_that_read_history(demo, mode):
+    """A batch whose rows only sample takes the ``SAMPLED`` path, without the penalty pass; one with
+    a penalised row takes ``PENALISED``. The sampled request's tokens are the same on either path
+    (neutral settings change no logit), so its output does not depend on its batch."""
+    pair, _, prompt, plain = demo
+    draft = None if MODES[mode] is None else str(pair.draft)
+    engine = LLMEngine(str(pair.target), draft, EngineConfig(max_batch=4, max_model_len=256, **(MODES[mode] or {})))
+    sampled = Request(prompt, NEW_TOKENS, SamplingParams(0.8, top_p=0.9, seed=3), ignore_eos=True)
+    met, replay = [], engine.runner._replay
+    engine.runner._replay = lambda key, fn: (met.append(key[-1]), replay(key, fn))
+    alone = engine.generate([sampled])[0].token_ids
+    assert LogitsPath.SAMPLED in met and LogitsPath.PENALISED not in met
+    met.clear()
+    beside = engine.generate([sampled, penalised_sampled(prompt, plain)])[0].token_ids
+    assert LogitsPath.PENALISED in met
+    assert beside == alone
 
 
 @gpu

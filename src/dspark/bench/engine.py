@@ -222,6 +222,7 @@ def engine_run(engine, prompts, new_tokens: int, oracle=None, sampling=None) -> 
 def breakdown(engine, prompts, oracle) -> dict:
     """Device time of each piece of one DSpark round, each captured alone in a CUDA graph."""
     from ..engine import Request
+    from ..engine.rows import LogitsPath
 
     runner = engine.runner
     for i, p in enumerate(prompts):
@@ -252,7 +253,7 @@ def breakdown(engine, prompts, oracle) -> dict:
         "draft forward": draft_forward,
         "markov": markov,
         "confidence + schedule": lambda: drafter._schedule(hidden, s.anchor[:b], tokens),
-        "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, b * t, False),
+        "verify (target forward + accept + advance)": lambda: runner._verify_rows(b, b * t, LogitsPath.GREEDY),
         "accept alone": lambda: K.greedy_accept(verify_logits, s.draft_tokens[:b], s.proposal_lengths[:b], t - 1),
     }
     result = {}

@@ -1,10 +1,11 @@
 """The model runner's CUDA graphs: one per shape, captured on first use or all up front, and replayed.
 
-A graph is keyed by its shape -- ``("decode", B, 1, sampled)``, ``("verify", B, N, sampled)``,
-``("draft", B, 0, sampled)``, ``("plain", B, sampled)``, ``("context", B)``, and
-``("mixed", B, N, chunk bucket, sampled)`` for a step with prompt chunks -- where ``B`` is the batch
-bucket the running rows pad up to (``rows.batch_buckets``) and ``sampled`` whether any row samples
-or biases its logits (then every row takes the sampled path). Steps with prompt chunks pad their
+A graph is keyed by its shape -- ``("decode", B, 1, path)``, ``("verify", B, N, path)``,
+``("draft", B, 0, path)``, ``("plain", B, path)``, ``("context", B)``, and
+``("mixed", B, N, chunk bucket, path)`` for a step with prompt chunks -- where ``B`` is the batch
+bucket the running rows pad up to (``rows.batch_buckets``) and ``path`` the rows' ``LogitsPath``
+(greedy, sampled, or sampled after the penalty pass; a mixed step's only ``GREEDY`` or
+``PENALISED``, which keeps the many chunk shapes to two variants). Steps with prompt chunks pad their
 chunk tokens to power-of-two buckets (``_chunk_bucket``; staged at fixed addresses: ``ChunkBuffers``)
 and are captured up front with the rest (``capture_graphs``: ``mixed_shapes``): up to
 ``GRAPH_CHUNK_TOKENS`` chunk tokens for every verify total the scheduler may choose; above it the
@@ -22,7 +23,7 @@ import torch
 
 from .. import kernels as K
 from .chunks import MAX_CHUNKS, PrefillChunk, pads_verify
-from .rows import batch_buckets
+from .rows import LogitsPath, batch_buckets
 
 log = logging.getLogger("dspark.engine")
 
@@ -106,7 +107,7 @@ class CudaGraphs:
         return restore
 
     def capture_graphs(self, plain_rounds: bool = False) -> int:
-        """Capture the graphs of every batch bucket now, greedy and with sampled rows (verify at
+        """Capture the graphs of every batch bucket now, on every ``LogitsPath`` (verify at
         every token multiple, draft; or decode; with ``plain_rounds``, a DSpark runner's plain round
         and context-only pass too: the cost scheduler's), and of the steps with prompt chunks
         (``mixed_shapes``), so that no request waits for a capture later; returns the number of
@@ -114,11 +115,11 @@ class CudaGraphs:
         if not self.use_graphs:
             return 0
         for b in self.buckets:
-            for sampled in (False, True):
-                self._capture_bucket(b, sampled, plain_rounds)
+            for path in LogitsPath:
+                self._capture_bucket(b, path, plain_rounds)
         for b, num_tokens, bucket in self.mixed_shapes(plain_rounds):
-            for sampled in (False, True) if b else (False,):
-                self._capture_mixed(b, num_tokens, bucket, sampled)
+            for path in (LogitsPath.GREEDY, LogitsPath.PENALISED) if b else (LogitsPath.GREEDY,):
+                self._capture_mixed(b, num_tokens, bucket, path)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
 
@@ -142,7 +143,7 @@ class CudaGraphs:
             shapes += [(b, n, c) for n in running + totals[-1:] for c in large]
         return shapes
 
-    def _capture_mixed(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
+    def _capture_mixed(self, b: int, num_tokens: int | None, bucket: int, path: LogitsPath) -> None:
         """Capture one step with prompt chunks: ``bucket`` tokens of chunks on the dummy line (each at
         most a line long), no seat; the running rows verify ``num_tokens / b`` tokens each."""
         if num_tokens is not None:
@@ -151,21 +152,21 @@ class CudaGraphs:
         lengths = [min(self.line, bucket - at) for at in range(0, bucket, self.line)][:MAX_CHUNKS]
         chunks = [PrefillChunk(slot=self.dummy_slot, start=0, token_ids=[0] * n, row=-1) for n in lengths]
         self.chunks.stage(chunks, bucket, self.dummy_slot, self.scratch_row)
-        self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
+        self._replay(("mixed", b, num_tokens, bucket, path), lambda: self._mixed_rows(b, num_tokens, bucket, path))
 
     def _verify_tokens_per_row(self) -> list[int]:
         """The verify lengths a round's graphs are captured for: a tree's full budget, a chain's 1 .. P + 1."""
         return [self.verify_len] if self.tree else list(range(1, self.verify_len + 1))
 
-    def _capture_bucket(self, b: int, sampled: bool, plain_rounds: bool) -> None:
+    def _capture_bucket(self, b: int, path: LogitsPath, plain_rounds: bool) -> None:
         if self.drafter is None:
-            self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
+            self._replay(("decode", b, 1, path), lambda: self._decode_rows(b, path))
             return
         for k in self._verify_tokens_per_row():  # b * k flat tokens
             self.host_lens.fill_(k)
             self.state.verify_lens[: self.max_batch].copy_(self.host_lens)
-            self._replay(("verify", b, b * k, sampled), lambda: self._verify_rows(b, b * k, sampled))
-        self._draft(b, sampled)
+            self._replay(("verify", b, b * k, path), lambda: self._verify_rows(b, b * k, path))
+        self._draft(b, path)
         if plain_rounds:
-            self._replay(("plain", b, sampled), lambda: self._decode_rows(b, sampled))
+            self._replay(("plain", b, path), lambda: self._decode_rows(b, path))
             self._replay(("context", b), lambda: self.proposer.context_rows(b))

@@ -18,7 +18,7 @@ from .. import kernels as K
 from ..model.draft_runner import DraftRunner, draft_cache
 from .drafting import Drafter
 from .penalties import PenaltyState
-from .rows import RowState, TreeSettings
+from .rows import LogitsPath, RowState, TreeSettings
 from .structured import apply_bitmask
 
 __all__ = ["DSparkProposer"]
@@ -56,7 +56,7 @@ class DSparkProposer:
         positions = (s.ctx_pos[:b, None] + self.offsets[:t]).view(-1)
         self.draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
 
-    def propose_rows(self, b: int, sampled: bool) -> None:
+    def propose_rows(self, b: int, path: LogitsPath) -> None:
         """The draft pass of rows ``0 .. b-1``: context, block, Markov chain, confidences, proposal
         lengths, trees (sampled: drafts drawn from each row's distribution, keyed by seed and anchor
         position; a tree is always grown from the greedy chain's depth rows). ``publish`` then puts
@@ -68,11 +68,11 @@ class DSparkProposer:
         logits = self.drafter.model.backbone_logits(hidden)
         self._mask_drafts(b, logits)
         sampling = uniforms = None
-        if sampled and self.tree is None:
-            sampling = s.sampling(b, self.penalties)
+        if path.sampled and self.tree is None:
+            sampling = s.sampling(b, self.penalties if path is LogitsPath.PENALISED else None)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_PROPOSAL, p)
         stacked = self.stacked[:b] if self.tree is not None else None
-        bias = s.logit_bias[:b] if sampled else None  # a plain greedy batch has none: its rows' are zero
+        bias = s.logit_bias[:b] if path.sampled else None  # a plain greedy batch has none: its rows' are zero
         proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked, bias)
         s.draft_tokens[:b] = proposal.token_ids
         s.proposal_lengths[:b] = proposal.proposal_lengths

@@ -4,17 +4,42 @@ override, and the batch buckets a CUDA graph is captured for."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from enum import IntEnum
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .drafting import RowSampling
+from .drafting import RowSampling, SamplingParams
 
 if TYPE_CHECKING:
     from .penalties import PenaltyState
     from .runner import ModelRunner
 
-__all__ = ["DraftOverride", "RowState", "TreeSettings", "batch_buckets"]
+__all__ = ["DraftOverride", "LogitsPath", "RowState", "TreeSettings", "batch_buckets"]
+
+
+class LogitsPath(IntEnum):
+    """How a step's rows turn logits into tokens, one CUDA graph each: ``GREEDY`` (every row the
+    argmax of its raw logits), ``SAMPLED`` (each row's distribution: temperature, top-k, top-p,
+    min_p, logit bias; a greedy row's is one-hot at its argmax), ``PENALISED`` (``SAMPLED`` after
+    the penalty pass, ``penalties.py``). A batch takes the highest path of its rows: the penalty
+    pass is several full passes over the ``[rows, positions, V]`` logits (about 3 GB a verify at 64
+    rows of a 152k vocabulary), which a batch with no row reading its tokens so far skips -- an
+    exact shortcut, as neutral settings change no logit."""
+
+    GREEDY = 0
+    SAMPLED = 1
+    PENALISED = 2
+
+    @classmethod
+    def of(cls, sampling: SamplingParams) -> "LogitsPath":
+        if sampling.reads_history:
+            return cls.PENALISED
+        return cls.GREEDY if sampling.plain_argmax else cls.SAMPLED
+
+    @property
+    def sampled(self) -> bool:
+        return self is not LogitsPath.GREEDY
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,11 @@ randomness is request-stable (``K.request_uniforms``, keyed by the request's see
 anchor position), so a request's tokens do not depend on its batch. Sampling settings live in
 per-row tensors (``RowSampling``: logit bias, temperature, min-p, top-k, top-p -- the request stage
 as vLLM samples, applied alike to the target's verify / decode logits and the drafter's
-distributions), so a batch of any mix of settings replays the same graphs: one per shape for
-batches of plain greedy rows only (argmax paths), one per shape for batches with a row that samples
+distributions), so a batch of any mix of settings replays the same graphs: one per shape and
+``LogitsPath`` -- batches of plain greedy rows only (argmax paths), batches with a row that samples
 or biases its logits (every row on the sampled path, a greedy row as the one-hot argmax of its
-biased logits, which gives the same tokens).
+biased logits, which gives the same tokens), and those with a row whose controls read its tokens so
+far (the penalty pass too; steps with prompt chunks have only this sampled variant).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from .drafting import Drafter
 from .graphs import CudaGraphs
 from .penalties import PenaltyState
 from .proposer import DSparkProposer
-from .rows import DraftOverride, RowState, TreeSettings
+from .rows import DraftOverride, LogitsPath, RowState, TreeSettings
 from .step import Proposals, StepPlan, StepResult, readout_columns
 from .structured import FREE_MASK, apply_bitmask, bitmask_width
 from .verifier import Verifier, sample_rows
@@ -80,7 +81,7 @@ class ForwardFailed(RuntimeError):
 
 
 class ModelRunner(CudaGraphs):
-    """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, sampled or not)."""
+    """Batched target/draft execution with CUDA graphs per (batch bucket, verify length, ``LogitsPath``)."""
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
                  max_chunk_tokens: int = 2048, cuda_graphs: bool = True, tree: TreeSettings | None = None,
@@ -157,8 +158,8 @@ class ModelRunner(CudaGraphs):
         self.readout_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
         self._last_sent: torch.cuda.Event | None = None  # the end of the last launched step's device work
         self.offsets = torch.arange(max(t, block), **i32)
-        # rows whose request samples or biases its logits (the host's copy of which graphs to run)
-        self.row_sampled = [False] * b
+        # each row's logits path (the host's copy of which graphs to run)
+        self.row_paths = [LogitsPath.GREEDY] * b
         # the kernels' scratch, owned here and sized once, so a captured graph's buffers never move
         self.workspace = K.Workspace()
         if dev.type == "cuda":  # the reference backend (CPU) needs no scratch
@@ -178,7 +179,7 @@ class ModelRunner(CudaGraphs):
         """Move a running request's row (its cache slot stays where it is)."""
         for _, t in self.state.tensors():
             t[dst] = t[src]
-        self.row_sampled[dst] = self.row_sampled[src]
+        self.row_paths[dst] = self.row_paths[src]
         self.clear_row(src)
 
     def clear_row(self, row: int) -> None:
@@ -190,7 +191,7 @@ class ModelRunner(CudaGraphs):
         for mask in (s.grammar_mask, s.draft_mask):
             if mask is not None:
                 mask[row] = FREE_MASK
-        self.row_sampled[row] = False
+        self.row_paths[row] = LogitsPath.GREEDY
 
     # ---- a hybrid target's state snapshots (prefix caching) --------------------------------------
 
@@ -247,8 +248,8 @@ class ModelRunner(CudaGraphs):
         if chunks:
             self._mixed_step(b, rows, num_tokens, chunks)
             return
-        sampled = self._sampled(rows)
-        self._round(b, sampled, ("verify", b, num_tokens, sampled), lambda: self._verify_rows(b, num_tokens, sampled))
+        path = self._path(rows)
+        self._round(b, path, ("verify", b, num_tokens, path), lambda: self._verify_rows(b, num_tokens, path))
 
     def _launch_plain(self, rows: int, chunks: list[PrefillChunk]) -> None:
         """A plain round of a DSpark runner: the target's token per row, the anchors' captured
@@ -257,10 +258,10 @@ class ModelRunner(CudaGraphs):
         if chunks:
             self._mixed_step(b, rows, None, chunks)
             return
-        sampled = self._sampled(rows)
-        self._round(b, sampled, ("plain", b, sampled), lambda: self._decode_rows(b, sampled))
+        path = self._path(rows)
+        self._round(b, path, ("plain", b, path), lambda: self._decode_rows(b, path))
 
-    def _round(self, b: int, sampled: bool, key: tuple, target_pass: Callable[[], None]) -> None:
+    def _round(self, b: int, path: LogitsPath, key: tuple, target_pass: Callable[[], None]) -> None:
         """A round without prompt chunks: the target's pass (graph ``key``), then the draft pass when
         the round drafts the next one (``self.drafted``), else only the draft context of its verify;
         on the CPU, where the device runs as it is called, both timed (``round_times``)."""
@@ -270,7 +271,7 @@ class ModelRunner(CudaGraphs):
         self._between_passes()
         verified = time.perf_counter()
         if self.drafted:
-            self._draft(b, sampled)
+            self._draft(b, path)
         else:
             self._replay(("context", b), lambda: self.proposer.context_rows(b))
         self._send_readout(1)
@@ -290,8 +291,8 @@ class ModelRunner(CudaGraphs):
             self._mixed_step(self.bucket(rows) if rows else 0, rows, None, chunks)
             return
         b = self.bucket(rows)
-        sampled = self._sampled(rows)
-        self._replay(("decode", b, 1, sampled), lambda: self._decode_rows(b, sampled))
+        path = self._path(rows)
+        self._replay(("decode", b, 1, path), lambda: self._decode_rows(b, path))
         self._send_readout(0)
 
     def token_logits(self, flat_rows: list[int]) -> torch.Tensor:
@@ -329,9 +330,9 @@ class ModelRunner(CudaGraphs):
         self.readout_sent[part].synchronize()
         return self.host_readouts[part][:rows].clone()
 
-    def _sampled(self, rows: int) -> bool:
-        """Whether any of the first ``rows`` rows samples (then every row takes the sampled path)."""
-        return any(self.row_sampled[:rows])
+    def _path(self, rows: int) -> LogitsPath:
+        """The logits path of the first ``rows`` rows: the highest of theirs (``LogitsPath``)."""
+        return max(self.row_paths[:rows], default=LogitsPath.GREEDY)
 
     # ---- device work (captured) -----------------------------------------------------------------
 
@@ -340,26 +341,26 @@ class ModelRunner(CudaGraphs):
         rows = self.verifier.capture_rows
         return torch.empty(n, rows.shape[1], dtype=rows.dtype, device=self.device)
 
-    def _decode_rows(self, b: int, sampled: bool) -> None:
+    def _decode_rows(self, b: int, path: LogitsPath) -> None:
         """One target token per row (plain decoding; a DSpark runner's plain round keeps the anchors'
         captured states, the next draft context)."""
         s = self.state
         capture = self._capture_buffer(b) if self.drafter is not None else None
         logits = self.target.forward(s.anchor[:b].long(), s.anchor_pos[:b], s.slot_ids[:b],
                                      self.verifier.attention_batch(b, 1), self.cache, capture_out=capture)
-        self.verifier.decode_commit(b, logits, sampled, capture)
+        self.verifier.decode_commit(b, logits, path, capture)
 
-    def _verify_rows(self, b: int, num_tokens: int, sampled: bool) -> None:
+    def _verify_rows(self, b: int, num_tokens: int, path: LogitsPath) -> None:
         ids, positions, cache_rows, slots, batch, flat = self.verifier.inputs(b, num_tokens)
         capture = self._capture_buffer(num_tokens)
         logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
                                      cache_positions=cache_rows if self.tree else None)
-        self.verifier.commit(b, flat, capture, logits, sampled)
+        self.verifier.commit(b, flat, capture, logits, path)
 
-    def _propose(self, b: int, sampled: bool) -> None:
+    def _propose(self, b: int, path: LogitsPath) -> None:
         """The draft pass of rows ``0 .. b-1`` (``DSparkProposer``), a benchmark's override of its
         proposals, and the readout's proposal columns."""
-        self.proposer.propose_rows(b, sampled)
+        self.proposer.propose_rows(b, path)
         if self.draft_override is not None:
             self.draft_override.apply(self, b)
         self.proposer.publish(b)
@@ -372,7 +373,7 @@ class ModelRunner(CudaGraphs):
         prompt chunks, staged into ``self.chunks`` and padded to a chunk bucket; then accept / sample
         as a round does, write the chunks' draft context, seat the requests whose prompt ended
         (first token, row state) and draft every row. Up to ``GRAPH_CHUNK_TOKENS`` chunk tokens, one
-        CUDA graph per (rows bucket, verify tokens, chunk bucket, running rows sampled or not);
+        CUDA graph per (rows bucket, verify tokens, chunk bucket, running rows greedy or ``PENALISED``);
         with more, the running rows' verify is padded to every row's full length (one verify total per
         rows bucket: ``mixed_shapes``). The running rows are verified in the
         mode they were drafted in (a greedy batch's drafts carry no distributions); the seats are
@@ -382,26 +383,26 @@ class ModelRunner(CudaGraphs):
         joined = [c for c in chunks if c.row >= 0]
         bucket = self.chunks.stage(chunks, self._chunk_bucket(sum(len(c.token_ids) for c in chunks)),
                                    self.dummy_slot, self.scratch_row)
-        sampled = self._sampled(rows)
+        path = LogitsPath.PENALISED if self._path(rows).sampled else LogitsPath.GREEDY
         if num_tokens is not None and pads_verify(bucket):
             num_tokens = b * self.verify_len
-        self._replay(("mixed", b, num_tokens, bucket, sampled), lambda: self._mixed_rows(b, num_tokens, bucket, sampled))
+        self._replay(("mixed", b, num_tokens, bucket, path), lambda: self._mixed_rows(b, num_tokens, bucket, path))
         self._send_readout(0)
         self._between_passes()
         for c in joined:
-            self.row_sampled[c.row] = not c.sampling.plain_argmax
+            self.row_paths[c.row] = LogitsPath.of(c.sampling)
         total = rows + len(joined)
         if self.drafter is not None and total:
-            self._draft(self.bucket(total), self._sampled(total))
+            self._draft(self.bucket(total), self._path(total))
             self._send_readout(1)
 
-    def _draft(self, b: int, sampled: bool) -> None:
+    def _draft(self, b: int, path: LogitsPath) -> None:
         """The draft pass of the rows in bucket ``b``: tree mode drafts greedily whatever the rows'
         settings (its trees grow from the greedy chain), so one graph."""
-        sampled = sampled and self.tree is None
-        self._replay(("draft", b, 0, sampled), lambda: self._propose(b, sampled))
+        path = path if self.tree is None else LogitsPath.GREEDY
+        self._replay(("draft", b, 0, path), lambda: self._propose(b, path))
 
-    def _mixed_rows(self, b: int, num_tokens: int | None, bucket: int, sampled: bool) -> None:
+    def _mixed_rows(self, b: int, num_tokens: int | None, bucket: int, path: LogitsPath) -> None:
         """The device work of a mixed step (captured): forward, commit of the running rows, the
         chunks' draft context, the seats."""
         try:
@@ -409,9 +410,9 @@ class ModelRunner(CudaGraphs):
         except Exception as exc:  # noqa: BLE001
             raise ForwardFailed(f"{type(exc).__name__}: {exc}") from exc
         if b and num_tokens is not None:
-            self.verifier.commit(b, flat, capture[:split], logits[:split], sampled)
+            self.verifier.commit(b, flat, capture[:split], logits[:split], path)
         elif b:
-            self.verifier.decode_commit(b, logits[:split], sampled, None if capture is None else capture[:split])
+            self.verifier.decode_commit(b, logits[:split], path, None if capture is None else capture[:split])
         if self.proposer is not None:
             self.proposer.write_context(capture[split:], positions[split:], slots[split:])
         self._seat(logits[split:])

@@ -18,7 +18,7 @@ from .. import kernels as K
 from ..model.llama import AttentionBatch
 from .drafting import RowSampling
 from .penalties import PenaltyState, Window
-from .rows import RowState, TreeSettings
+from .rows import LogitsPath, RowState, TreeSettings
 from .structured import apply_bitmask
 
 __all__ = ["Verifier", "pad_requests", "sample_rows"]
@@ -62,7 +62,7 @@ class Verifier:
         s = self.state
         return AttentionBatch(s.slot_ids[:b], s.anchor_pos[:b], self.cu[query_len][: b + 1], query_len)
 
-    def decode_commit(self, b: int, logits, sampled: bool, capture=None) -> None:
+    def decode_commit(self, b: int, logits, path: LogitsPath, capture=None) -> None:
         """Commit one token per row from the logits ``[b, V]`` of the anchors (and, in a DSpark
         runner, their captured states ``[b, width]``: verify token 0 of a round that verified none)."""
         s, t = self.state, self.verify_len
@@ -71,7 +71,7 @@ class Verifier:
         if capture is not None:
             s.capture[:b, 0] = capture
             self.readout[:b, t + 1] = 0  # drafts verified
-        sampling = s.sampling(b, self.penalties) if sampled else None
+        sampling = self._sampling(b, path) if path.sampled else None
         s.accepted[:b, 0] = sample_rows(logits, sampling, s.seeds[:b], s.anchor_pos[:b], self.workspace)
         s.accept_length[:b] = 1
         self.advance(b, 1)
@@ -121,7 +121,7 @@ class Verifier:
         return (s.tree_tokens[:b].reshape(-1).long(), positions, cache_rows, s.slot_ids[:b].repeat_interleave(size),
                 batch, self.flat_offsets[: b * size].long())
 
-    def commit(self, b: int, flat, capture, logits, sampled: bool) -> None:
+    def commit(self, b: int, flat, capture, logits, path: LogitsPath) -> None:
         """Accept each row's prefix from the verify forward's captures and logits and advance."""
         s, t = self.state, self.verify_len
         self.capture_rows.index_copy_(0, flat, capture)
@@ -130,10 +130,10 @@ class Verifier:
         # the log-probabilities see is the masked distribution
         apply_bitmask(self.logit_rows[: b * t], s.grammar_mask[:b].view(b * t, -1))
         if self.tree is not None:
-            self._tree_commit(b, sampled)
+            self._tree_commit(b, path)
             return
         verified = s.verify_lens[:b] - 1
-        accepted, n = self._accept(self.logit_rows[: b * t].view(b, t, -1), b, verified, sampled)
+        accepted, n = self._accept(self.logit_rows[: b * t].view(b, t, -1), b, verified, path)
         # the accept kernels walk at least one draft; a row verifying none (verify length 1: a
         # request that opted out of drafting) keeps only its first token -- the argmax of its
         # anchor's logits, or speculative sampling's first token, which is distributed as the target's
@@ -143,7 +143,7 @@ class Verifier:
         self.readout[:b, t + 1] = verified
         self.advance(b, t)
 
-    def _tree_commit(self, b: int, sampled: bool) -> None:
+    def _tree_commit(self, b: int, path: LogitsPath) -> None:
         """Tree acceptance -- greedy (the longest root path the target's argmax follows) or, with
         sampled rows, sampled (``K.sampled_tree_accept``: lossless, keyed by seed and anchor position;
         a greedy row's one-hot distribution walks its argmax path) -- then the accepted path's K/V,
@@ -152,9 +152,9 @@ class Verifier:
         logits = self.logit_rows[: b * size].view(b, size, -1)
         tree = K.TreeBatch(s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b], None, None, s.tree_nodes[:b],
                            None, None)
-        if sampled:
+        if path.sampled:
             window = Window.tree(s.tree_tokens[:b], s.tree_depths[:b], s.tree_bits[:b])  # a node after its path
-            probs = s.sampling(b, self.penalties).probabilities(logits, window)
+            probs = self._sampling(b, path).probabilities(logits, window)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_TREE,
                                           (p + 1) * (self.tree.top_k + 1)).view(b, p + 1, self.tree.top_k + 1)
             accepted, nodes, n = K.sampled_tree_accept(probs, tree, uniforms, max_depth=p)
@@ -178,7 +178,7 @@ class Verifier:
         self.readout[:b, size + 1] = s.tree_nodes[:b] - 1
         self.advance(b, size)
 
-    def _accept(self, logits, b: int, verified, sampled: bool):
+    def _accept(self, logits, b: int, verified, path: LogitsPath):
         """Accept rows ``0 .. b-1`` from their target logits ``[b, P+1, V]``, verifying ``verified``
         drafts each (rows past a row's length are never read). With sampled rows every row takes
         speculative sampling: a greedy row's one-hot target distribution accepts exactly the drafts
@@ -186,7 +186,7 @@ class Verifier:
         takes the argmax of the raw logits (no row has a bias or a penalty there)."""
         s, p = self.state, self.num_drafts
         drafts = s.draft_tokens[:b]
-        if not sampled:
+        if not path.sampled:
             return K.greedy_accept(logits, drafts, verified, p, workspace=self.workspace)
         seeds, anchor_pos = s.seeds[:b], s.anchor_pos[:b]
         uniforms = torch.empty(b, 2 * p + 1, device=self.device)
@@ -194,9 +194,13 @@ class Verifier:
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
         window = Window.chain(torch.cat([s.anchor[:b, None], drafts], 1))  # position j follows drafts 1..j
-        probs = s.sampling(b, self.penalties).probabilities(logits, window)
+        probs = self._sampling(b, path).probabilities(logits, window)
         return K.probabilistic_accept(probs, s.draft_probs[:b], drafts, verified, uniforms, p,
                                       workspace=self.workspace)
+
+    def _sampling(self, b: int, path: LogitsPath) -> RowSampling:
+        """Rows ``0 .. b-1``'s settings, with their slots' penalty state on the ``PENALISED`` path."""
+        return self.state.sampling(b, self.penalties if path is LogitsPath.PENALISED else None)
 
     def advance(self, b: int, verify_len: int) -> None:
         """Commit the accepted prefix on the device: the caches' lengths are the anchor positions, the
