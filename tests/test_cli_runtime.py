@@ -250,3 +250,29 @@ def test_written_checkpoints_are_readable_by_all(tmp_path):
         assert (tmp_path / "y.safetensors").stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(old)
+
+
+def test_serve_passes_its_draft_candidates_to_the_engine(monkeypatch):
+    """``dspark serve --draft-candidates C --draft-successors M`` reach the engine's config (the
+    engine factory sees them), and a negative one is refused naming the flag."""
+    from dspark.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def factory(config):
+        seen.append(config)
+        raise Built
+
+    monkeypatch.setattr(serve, "_factory", lambda spec: factory)
+    args = parser.parse_args(["--engine-factory", "x:y", "--draft-candidates", "64", "--draft-successors", "8",
+                              "--device", "cpu"])
+    with pytest.raises(Built):
+        serve.build_engine(args)
+    assert (seen[0].draft_candidates, seen[0].draft_successors) == (64, 8)
+    with pytest.raises(ValueError, match="--draft-candidates must be >= 0"):
+        serve._check(parser.parse_args(["--engine-factory", "x:y", "--draft-candidates", "-1"]))

@@ -137,6 +137,8 @@ def run_config(label: str, args, spec: dict, cost_table: Path | None, *, factory
 MIXED_CONFIGS = {  # the mixed-settings workload: drafts for real (acceptance replay serves greedy requests only)
     "plain": ("plain_engine", []),
     "dspark-random": ("random_engine", ["--scheduler", "off"]),
+    # sampled drafts over candidate sets (--configs only until measured: the engine's default is C = 0)
+    "dspark-random-candidates": ("random_engine", ["--scheduler", "off", "--draft-candidates", "64"]),
 }
 
 

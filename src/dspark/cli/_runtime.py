@@ -252,6 +252,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                              "block by this fraction")
     add_schedule_signal_argument(parser)
     add_tree_arguments(parser)
+    add_draft_candidate_arguments(parser)
+
+
+def add_draft_candidate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-candidates", type=int, default=DEFAULT_DRAFT_CANDIDATES,
                         help="sampled requests draft over each position's top-C drafter logits (exact: verified "
                              "against the distribution they came from); 0: over the whole vocabulary")
@@ -330,15 +334,20 @@ def parse_logit_bias(entries: list[str]) -> dict[int, float]:
     return bias
 
 
+def check_draft_candidate_arguments(args: argparse.Namespace) -> None:
+    """ValueError for a negative ``--draft-candidates`` or ``--draft-successors``."""
+    if args.draft_candidates < 0:
+        raise ValueError(f"--draft-candidates must be >= 0 (0 = the whole vocabulary), got {args.draft_candidates}")
+    if args.draft_successors < 0:
+        raise ValueError(f"--draft-successors must be >= 0, got {args.draft_successors}")
+
+
 def check_scheduler_arguments(args: argparse.Namespace) -> None:
     """ValueError for a ``--threshold`` out of [0, 1] or given while the scheduler is off or cost,
     ``--scheduler cost`` without ``--cost-table``, and a ``--cost-table`` nothing reads."""
     if not 0.0 <= args.threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1] (a survival probability), got {args.threshold}")
-    if args.draft_candidates < 0:
-        raise ValueError(f"--draft-candidates must be >= 0 (0 = the whole vocabulary), got {args.draft_candidates}")
-    if args.draft_successors < 0:
-        raise ValueError(f"--draft-successors must be >= 0, got {args.draft_successors}")
+    check_draft_candidate_arguments(args)
     if args.draft_top_k == 1 and args.tree_budget:
         raise ValueError(f"--tree-budget {args.tree_budget} needs tree mode: add --draft-top-k K (2..8)")
     if args.schedule_signal == "online" and (args.scheduler == "off" or args.draft_top_k > 1):

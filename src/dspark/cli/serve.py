@@ -22,8 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from ._runtime import (add_eager_argument, add_kv_cache_arguments, add_parallel_argument, add_runtime_arguments,
-                       add_schedule_signal_argument, add_tree_arguments, kv_cache_options, resolve_pair, runtime)
+from ._runtime import (add_draft_candidate_arguments, add_eager_argument, add_kv_cache_arguments, add_parallel_argument,
+                       add_runtime_arguments, add_schedule_signal_argument, add_tree_arguments,
+                       check_draft_candidate_arguments, kv_cache_options, resolve_pair, runtime)
 
 DEMO_MODEL_NAME = "dspark-demo"
 API_KEY_ENV = "DSPARK_API_KEY"  # as vLLM's VLLM_API_KEY
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost scheduler: trim verification only when predicted goodput beats the full block by this")
     add_schedule_signal_argument(parser)
     add_tree_arguments(parser)
+    add_draft_candidate_arguments(parser)
     add_eager_argument(parser)
     add_kv_cache_arguments(parser)
     add_parallel_argument(parser)
@@ -179,6 +181,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    check_draft_candidate_arguments(args)
     if args.no_draft and args.draft is not None:
         raise ValueError("--no-draft and --draft exclude each other")
     if args.engine_factory is not None:
@@ -226,6 +229,7 @@ def build_engine(args: argparse.Namespace):
                           max_num_batched_tokens=args.max_num_batched_tokens, draft_top_k=args.draft_top_k,
                           tree_budget=args.tree_budget, cuda_graphs=not args.enforce_eager,
                           schedule_signal=args.schedule_signal, tensor_parallel_size=args.tensor_parallel_size,
+                          draft_candidates=args.draft_candidates, draft_successors=args.draft_successors,
                           **kv_cache_options(args))
     if args.engine_factory is not None:
         engine = _factory(args.engine_factory)(config)
