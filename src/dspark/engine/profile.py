@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..model.llama import AttentionBatch, TargetLM
+from .rows import LogitsPath
 from .runner import state_layout
 from .schedulers import SPSCostTable
 
@@ -61,7 +62,7 @@ def profile_draft(engine, reps: int = 20) -> tuple[tuple[int, ...], tuple[float,
     greedy) of ``engine`` (an ``LLMEngine`` with a draft, nothing running) at each of its batch
     buckets: ``(draft_rows, draft_time_ms)`` of an ``SPSCostTable``."""
     runner = engine.runner
-    times = [_median_ms(lambda b=b: runner._propose(b, False), reps, runner.device) for b in runner.buckets]
+    times = [_median_ms(lambda b=b: runner._propose(b, LogitsPath.GREEDY), reps, runner.device) for b in runner.buckets]
     return tuple(runner.buckets), tuple(round(t, 4) for t in times)
 
 

@@ -1,0 +1,175 @@
+"""Throughput at high load without a server: the frontier's configurations (``bench.frontier``:
+plain decoding, DSpark verifying every draft, the cost scheduler on the confidence head or the
+online estimator) on the 8B-shaped target with acceptance replay, each driving ``B`` rows with
+``LLMEngine.generate`` -- concurrency B, every row refilled as soon as its request ends.
+
+``python -m dspark.bench.load --out DIR --batches 128,256`` (on a GPU; ``--device cpu --shape tiny``:
+toy sizes in fp32, the plumbing). A served frontier at B = 256
+would first capture every graph a server may meet (about 1,900 for the cost scheduler: minutes per
+configuration); here each engine runs the requests once, capturing the graphs it meets, then again
+with the same requests, timed, and the timed run must capture none. One target and drafter serve
+every configuration (the replay's peaked random model, ``bench.replay``); the cost table is profiled
+first up to the largest batch's full verify. Prefix caching is off (the requests repeat the
+benchmark's prompts). ``DIR/load.json`` / ``load.md``: per batch and configuration total tokens/s,
+tau, engine steps, mean step time, and whether every request got the same tokens from every
+configuration (greedy: it must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .frontier import CONFIGS, _environment, profile
+from .replay import TRACES, ReplayEngine, _models, _prompts, load_traces
+
+__all__ = ["main"]
+
+LOAD_CONFIGS = tuple(CONFIGS)  # plain, dspark-fixed, dspark-scheduled, dspark-scheduled-online
+
+
+def engine_settings(label: str, cost_table: Path) -> dict:
+    """``EngineConfig`` settings of a frontier configuration (its ``dspark serve`` flags)."""
+    flags = CONFIGS[label][1]
+    settings = {}
+    for flag, value in zip(flags[::2], flags[1::2]):
+        name = flag.lstrip("-").replace("-", "_")
+        settings[name] = str(cost_table) if value == "{cost_table}" else value
+    return settings
+
+
+def run_config(label: str, batch: int, spec: dict, models, cost_table: Path, requests_per_row: int) -> dict:
+    """One configuration at ``batch`` rows: an untimed run, then the timed one."""
+    from ..engine import EngineConfig, LLMEngine, Request
+
+    target, draft = models
+    config = EngineConfig(max_batch=batch, max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 64,
+                          enable_prefix_caching=False, device=spec["device"], dtype=getattr(torch, spec["dtype"]),
+                          **engine_settings(label, cost_table))
+    prompts = _prompts(spec)
+    if label == "plain":
+        engine = LLMEngine(target, None, config)
+    else:
+        traces = load_traces(spec["traces"])
+        engine = ReplayEngine(target, draft, config, prompts, traces["traces"], spec["max_tokens"])
+    requests = [Request(prompts[i % len(prompts)], spec["max_tokens"], ignore_eos=True)
+                for i in range(batch * requests_per_row)]
+    try:
+        engine.generate(requests)  # captures the graphs this load meets
+        m = engine.metrics
+        before = dict(steps=m.steps, rounds=m.rounds, drafts=m.draft_tokens, accepted=m.accepted_tokens,
+                      step_time=m.step_time, captures=engine.runner.captures, tokens=m.generated_tokens)
+        _synchronize(spec)
+        start = time.perf_counter()
+        results = engine.generate(requests)
+        _synchronize(spec)
+        elapsed = time.perf_counter() - start
+        steps, rounds = m.steps - before["steps"], m.rounds - before["rounds"]
+        tokens = sum(len(r.token_ids) for r in results)
+        return {"config": label, "batch": batch, "requests": len(requests), "tokens": tokens,
+                "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
+                "tau": None if label == "plain" else round((m.accepted_tokens - before["accepted"] + rounds)
+                                                          / max(rounds, 1), 3),
+                "steps": steps, "step_ms": round(1e3 * (m.step_time - before["step_time"]) / max(steps, 1), 3),
+                "captures_timed": engine.runner.captures - before["captures"],
+                "failed": sum(r.finish_reason == "error" for r in results),
+                "outputs": [r.token_ids for r in results]}
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _synchronize(spec: dict) -> None:
+    if spec["device"] == "cuda":
+        torch.cuda.synchronize()
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
+             "| B | config | total tok/s | vs plain | vs fixed | τ | steps | step ms | timed captures | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for batch, rows in report["batches"].items():
+        by = {r["config"]: r for r in rows}
+        for r in rows:
+            ratio = {k: (f"{r['tokens_per_s'] / by[k]['tokens_per_s']:.3f}x" if k in by else "-")
+                     for k in ("plain", "dspark-fixed")}
+            lines.append(f"| {batch} | {r['config']} | {r['tokens_per_s']} | {ratio['plain']} | {ratio['dspark-fixed']} "
+                         f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['step_ms']} "
+                         f"| {r['captures_timed']} | {r['failed']} of {r['requests']} |")
+    lines += ["", f"Every request got the same tokens from every configuration: **{report['outputs_identical']}**"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for cost_table.json, load.json, load.md")
+    parser.add_argument("--batches", default="128,256", help="comma-separated row counts (concurrency)")
+    parser.add_argument("--configs", default=",".join(LOAD_CONFIGS), help=f"subset of {','.join(LOAD_CONFIGS)}")
+    parser.add_argument("--requests-per-row", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--shape", default="qwen3-8b", help="a shape of bench.engine.SHAPES, or tiny (--device cpu)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32")
+    parser.add_argument("--draft-rank", type=int, default=256)
+    args = parser.parse_args(argv)
+    labels = [x for x in args.configs.split(",") if x]
+    if not labels or any(x not in CONFIGS for x in labels):
+        parser.error(f"--configs must name some of {list(CONFIGS)}, got {args.configs!r}")
+    try:
+        batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+    except ValueError:
+        batches = []
+    if not batches or batches[0] < 1:
+        parser.error(f"--batches must be comma-separated integers >= 1, got {args.batches!r}")
+    for name in ("requests_per_row", "max_tokens", "prompt_tokens", "num_prompts", "draft_rank"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (--device cpu --shape tiny runs on the CPU)")
+    from .engine import SHAPES, TINY, VOCAB
+
+    if args.shape not in (*SHAPES, "tiny"):
+        parser.error(f"--shape must be one of {[*SHAPES, 'tiny']}, got {args.shape!r}")
+    shape = {k: v for k, v in TINY.items() if k != "vocab"} if args.shape == "tiny" else args.shape
+    vocab = TINY["vocab"] if args.shape == "tiny" else VOCAB
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"shape": shape, "vocab": vocab, "device": args.device,
+            "dtype": "bfloat16" if args.device == "cuda" else "float32", "draft_rank": args.draft_rank,
+            "traces": str(TRACES), "num_prompts": args.num_prompts, "prompt_tokens": args.prompt_tokens,
+            "prompt_tokens_max": None, "max_tokens": args.max_tokens}
+    os.environ["DSPARK_REPLAY"] = json.dumps(spec)
+    cost_table = profile(spec, out, load_traces(TRACES)["num_drafts"], batches[-1])
+    from ..engine import EngineConfig
+
+    models = _models(spec, EngineConfig(), draft=True)
+    report = {"command": "python -m dspark.bench.load " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "environment": _environment(args.device), "spec": spec, "batches": {}}
+    outputs = {}
+    for batch in batches:
+        for label in labels:
+            row = run_config(label, batch, spec, models, cost_table, args.requests_per_row)
+            outputs.setdefault(batch, []).append(row.pop("outputs"))
+            report["batches"].setdefault(str(batch), []).append(row)
+            print(json.dumps(row), flush=True)
+            report["outputs_identical"] = all(o == runs[0] for runs in outputs.values() for o in runs)
+            (out / "load.json").write_text(json.dumps(report, indent=1))
+    (out / "load.md").write_text(markdown(report) + "\n")
+    print(markdown(report))
+    return int(not report["outputs_identical"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""``python -m dspark.bench.load`` on the CPU (toy shape, fp32): the cost table is profiled, every
+configuration runs its requests twice, and the report says whether every configuration gave every
+request the same tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark.bench import load
+
+
+def test_load_bench_runs_every_configuration_with_the_same_outputs(tmp_path, monkeypatch):
+    monkeypatch.delenv("DSPARK_REPLAY", raising=False)
+    status = load.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny", "--batches", "2,3",
+                        "--max-tokens", "16", "--prompt-tokens", "12", "--num-prompts", "3"])
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert status == 0 and report["outputs_identical"] is True
+    assert (tmp_path / "cost_table.json").is_file() and (tmp_path / "load.md").is_file()
+    for batch in ("2", "3"):
+        rows = {r["config"]: r for r in report["batches"][batch]}
+        assert set(rows) == set(load.LOAD_CONFIGS)
+        for r in rows.values():
+            assert r["failed"] == 0 and r["tokens"] == 2 * int(batch) * 16 and r["tokens_per_s"] > 0
+        assert rows["plain"]["tau"] is None and rows["dspark-fixed"]["tau"] > 1
+
+
+def test_engine_settings_are_the_served_configurations():
+    assert load.engine_settings("dspark-fixed", "t.json") == {"scheduler": "off"}
+    assert load.engine_settings("dspark-scheduled-online", "t.json") == {
+        "scheduler": "cost", "cost_table": "t.json", "schedule_signal": "online"}
+
+
+@pytest.mark.parametrize("argv, message", [(["--batches", "0"], "--batches must be"),
+                                           (["--configs", "fast"], "--configs must name"),
+                                           (["--shape", "huge"], "--shape must be one of")])
+def test_bad_arguments_name_the_flag(tmp_path, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        load.main(["--out", str(tmp_path), "--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
