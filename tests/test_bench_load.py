@@ -26,10 +26,26 @@ def test_load_bench_runs_every_configuration_with_the_same_outputs(tmp_path, mon
         assert rows["plain"]["tau"] is None and rows["dspark-fixed"]["tau"] > 1
 
 
+def test_the_mixed_workload_runs_greedy_and_mixed_settings(tmp_path, monkeypatch):
+    """``--workload mixed``: each configuration under greedy and under the mixed settings; the
+    greedy requests of every run (request i with i mod 4 = 0 in a mixed run) get the same tokens."""
+    monkeypatch.delenv("DSPARK_REPLAY", raising=False)
+    status = load.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny", "--batches", "2",
+                        "--max-tokens", "12", "--prompt-tokens", "12", "--num-prompts", "3", "--workload", "mixed",
+                        "--configs", "plain,dspark-random-candidates"])
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert status == 0 and report["outputs_identical"] is True
+    assert [r["config"] for r in report["batches"]["2"]] == [
+        "plain", "plain-mixed", "dspark-random-candidates", "dspark-random-candidates-mixed"]
+    assert "mixed / greedy" in (tmp_path / "load.md").read_text()
+
+
 def test_engine_settings_are_the_served_configurations():
     assert load.engine_settings("dspark-fixed", "t.json") == {"scheduler": "off"}
     assert load.engine_settings("dspark-scheduled-online", "t.json") == {
         "scheduler": "cost", "cost_table": "t.json", "schedule_signal": "online"}
+    assert load.engine_settings("dspark-random-candidates", "t.json", "mixed") == {"scheduler": "off",
+                                                                                   "draft_candidates": 64}
 
 
 @pytest.mark.parametrize("argv, message", [(["--batches", "0"], "--batches must be"),

@@ -4,7 +4,10 @@ online estimator) on the 8B-shaped target with acceptance replay, each driving `
 ``LLMEngine.generate`` -- concurrency B, every row refilled as soon as its request ends.
 
 ``python -m dspark.bench.load --out DIR --batches 128,256`` (on a GPU; ``--device cpu --shape tiny``:
-toy sizes in fp32, the plumbing). A served frontier at B = 256
+toy sizes in fp32, the plumbing). ``--workload mixed``: instead, the frontier's mixed-settings
+workload -- plain decoding and a random drafter drafting for real (``MIXED_CONFIGS``; with
+``dspark-random-candidates``, sampled drafts over candidate sets) each under greedy requests and
+under ``bench.serve.MIXED_SETTINGS`` (request i: setting i mod 4, seed i), side by side. A served frontier at B = 256
 would first capture every graph a server may meet (about 1,900 for the cost scheduler: minutes per
 configuration); here each engine runs the requests once, capturing the graphs it meets, then again
 with the same requests, timed, and the timed run must capture none. One target and drafter serve
@@ -27,40 +30,63 @@ from pathlib import Path
 
 import torch
 
-from .frontier import CONFIGS, _environment, profile
+from .frontier import CONFIGS, MIXED_CONFIGS, _environment, profile
 from .replay import TRACES, ReplayEngine, _models, _prompts, load_traces
+from .serve import MIXED_SETTINGS
 
 __all__ = ["main"]
 
+WORKLOADS = {"replay": CONFIGS, "mixed": MIXED_CONFIGS}  # label -> (engine factory, serve flags)
 LOAD_CONFIGS = tuple(CONFIGS)  # plain, dspark-fixed, dspark-scheduled, dspark-scheduled-online
 
 
-def engine_settings(label: str, cost_table: Path) -> dict:
+def engine_settings(label: str, cost_table: Path, workload: str = "replay") -> dict:
     """``EngineConfig`` settings of a frontier configuration (its ``dspark serve`` flags)."""
-    flags = CONFIGS[label][1]
+    flags = WORKLOADS[workload][label][1]
     settings = {}
     for flag, value in zip(flags[::2], flags[1::2]):
         name = flag.lstrip("-").replace("-", "_")
-        settings[name] = str(cost_table) if value == "{cost_table}" else value
+        settings[name] = str(cost_table) if value == "{cost_table}" else int(value) if value.isdigit() else value
     return settings
 
 
-def run_config(label: str, batch: int, spec: dict, models, cost_table: Path, requests_per_row: int) -> dict:
-    """One configuration at ``batch`` rows: an untimed run, then the timed one."""
-    from ..engine import EngineConfig, LLMEngine, Request
+def requests_of(spec: dict, count: int, mixed: bool) -> list:
+    """``count`` requests over the benchmark's prompts: greedy, or (``mixed``) request i with
+    ``MIXED_SETTINGS[i % 4]`` and seed i, as ``bench.serve --mixed-settings`` sends them."""
+    from ..engine import Request, SamplingParams
+    from .serve import MIXED_SETTINGS
+
+    prompts = _prompts(spec)
+
+    def sampling(i: int) -> SamplingParams:
+        setting = MIXED_SETTINGS[i % len(MIXED_SETTINGS)] if mixed else {"temperature": 0.0}
+        return SamplingParams(**setting, seed=i)
+
+    return [Request(prompts[i % len(prompts)], spec["max_tokens"], sampling(i), ignore_eos=True) for i in range(count)]
+
+
+def build_engine(label: str, workload: str, batch: int, spec: dict, models, cost_table: Path):
+    from ..engine import EngineConfig, LLMEngine
 
     target, draft = models
     config = EngineConfig(max_batch=batch, max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 64,
                           enable_prefix_caching=False, device=spec["device"], dtype=getattr(torch, spec["dtype"]),
-                          **engine_settings(label, cost_table))
-    prompts = _prompts(spec)
+                          **engine_settings(label, cost_table, workload))
     if label == "plain":
-        engine = LLMEngine(target, None, config)
-    else:
-        traces = load_traces(spec["traces"])
-        engine = ReplayEngine(target, draft, config, prompts, traces["traces"], spec["max_tokens"])
-    requests = [Request(prompts[i % len(prompts)], spec["max_tokens"], ignore_eos=True)
-                for i in range(batch * requests_per_row)]
+        return LLMEngine(target, None, config)
+    if workload == "mixed":  # a random drafter drafting for real
+        return LLMEngine(target, draft, config)
+    traces = load_traces(spec["traces"])
+    return ReplayEngine(target, draft, config, _prompts(spec), traces["traces"], spec["max_tokens"])
+
+
+def run_config(label: str, batch: int, spec: dict, models, cost_table: Path, requests_per_row: int,
+               workload: str = "replay", mixed: bool = False) -> dict:
+    """One configuration at ``batch`` rows: an untimed run, then the timed one (``mixed``: the
+    requests of ``MIXED_SETTINGS``)."""
+    engine = build_engine(label, workload, batch, spec, models, cost_table)
+    requests = requests_of(spec, batch * requests_per_row, mixed)
+    label = f"{label}-mixed" if mixed else label
     try:
         engine.generate(requests)  # captures the graphs this load meets
         m = engine.metrics
@@ -75,7 +101,7 @@ def run_config(label: str, batch: int, spec: dict, models, cost_table: Path, req
         tokens = sum(len(r.token_ids) for r in results)
         return {"config": label, "batch": batch, "requests": len(requests), "tokens": tokens,
                 "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
-                "tau": None if label == "plain" else round((m.accepted_tokens - before["accepted"] + rounds)
+                "tau": None if label.startswith("plain") else round((m.accepted_tokens - before["accepted"] + rounds)
                                                           / max(rounds, 1), 3),
                 "steps": steps, "step_ms": round(1e3 * (m.step_time - before["step_time"]) / max(steps, 1), 3),
                 "captures_timed": engine.runner.captures - before["captures"],
@@ -96,17 +122,19 @@ def _synchronize(spec: dict) -> None:
 
 def markdown(report: dict) -> str:
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
-             "| B | config | total tok/s | vs plain | vs fixed | τ | steps | step ms | timed captures | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | config | total tok/s | vs plain | vs fixed | mixed / greedy | τ | steps | step ms | timed captures "
+             "| failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in report["batches"].items():
         by = {r["config"]: r for r in rows}
         for r in rows:
+            greedy = r["config"].removesuffix("-mixed")
             ratio = {k: (f"{r['tokens_per_s'] / by[k]['tokens_per_s']:.3f}x" if k in by else "-")
-                     for k in ("plain", "dspark-fixed")}
+                     for k in ("plain", "dspark-fixed", greedy)}
             lines.append(f"| {batch} | {r['config']} | {r['tokens_per_s']} | {ratio['plain']} | {ratio['dspark-fixed']} "
+                         f"| {ratio[greedy] if greedy != r['config'] else '-'} "
                          f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['step_ms']} "
                          f"| {r['captures_timed']} | {r['failed']} of {r['requests']} |")
-    lines += ["", f"Every request got the same tokens from every configuration: **{report['outputs_identical']}**"]
+    lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**"]
     return "\n".join(lines)
 
 
@@ -115,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for cost_table.json, load.json, load.md")
     parser.add_argument("--batches", default="128,256", help="comma-separated row counts (concurrency)")
-    parser.add_argument("--configs", default=",".join(LOAD_CONFIGS), help=f"subset of {','.join(LOAD_CONFIGS)}")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="replay",
+                        help="replay: greedy requests, acceptance replay; mixed: greedy and mixed-settings requests, "
+                             "a random drafter drafting for real")
+    parser.add_argument("--configs", default=None,
+                        help=f"subset of {','.join(CONFIGS)} (--workload mixed: of {','.join(MIXED_CONFIGS)}; "
+                             "default: all but dspark-random-candidates)")
     parser.add_argument("--requests-per-row", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -124,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32")
     parser.add_argument("--draft-rank", type=int, default=256)
     args = parser.parse_args(argv)
-    labels = [x for x in args.configs.split(",") if x]
-    if not labels or any(x not in CONFIGS for x in labels):
-        parser.error(f"--configs must name some of {list(CONFIGS)}, got {args.configs!r}")
+    known = WORKLOADS[args.workload]
+    labels = [x for x in (args.configs or ",".join(x for x in known if x != "dspark-random-candidates")).split(",") if x]
+    if not labels or any(x not in known for x in labels):
+        parser.error(f"--configs must name some of {list(known)}, got {args.configs!r}")
     try:
         batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
     except ValueError:
@@ -159,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
               "environment": _environment(args.device), "spec": spec, "batches": {}}
     outputs = {}
     for batch in batches:
-        for label in labels:
-            row = run_config(label, batch, spec, models, cost_table, args.requests_per_row)
-            outputs.setdefault(batch, []).append(row.pop("outputs"))
+        for label, mixed in [(x, m) for x in labels for m in ((False, True) if args.workload == "mixed" else (False,))]:
+            row = run_config(label, batch, spec, models, cost_table, args.requests_per_row, args.workload, mixed)
+            greedy = [o for i, o in enumerate(row.pop("outputs")) if args.workload != "mixed" or i % len(MIXED_SETTINGS) == 0]
+            outputs.setdefault(batch, []).append(greedy)
             report["batches"].setdefault(str(batch), []).append(row)
             print(json.dumps(row), flush=True)
             report["outputs_identical"] = all(o == runs[0] for runs in outputs.values() for o in runs)
