@@ -65,7 +65,9 @@ def requests_of(spec: dict, count: int, mixed: bool) -> list:
     return [Request(prompts[i % len(prompts)], spec["max_tokens"], sampling(i), ignore_eos=True) for i in range(count)]
 
 
-def build_engine(label: str, workload: str, batch: int, spec: dict, models, cost_table: Path):
+def build_engine(label: str, workload: str, batch: int, spec: dict, models, cost_table: Path | None):
+    """The engine of a configuration at ``batch`` rows; replay engines share the continuations the
+    first one learnt (``_KNOWN``: at the largest batch, which runs first, quickly)."""
     from ..engine import EngineConfig, LLMEngine
 
     target, draft = models
@@ -77,10 +79,16 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models, cost
     if workload == "mixed":  # a random drafter drafting for real
         return LLMEngine(target, draft, config)
     traces = load_traces(spec["traces"])
-    return ReplayEngine(target, draft, config, _prompts(spec), traces["traces"], spec["max_tokens"])
+    engine = ReplayEngine(target, draft, config, _prompts(spec), traces["traces"], spec["max_tokens"],
+                          known=_KNOWN.get("replay"))
+    _KNOWN["replay"] = engine.known
+    return engine
 
 
-def run_config(label: str, batch: int, spec: dict, models, cost_table: Path, requests_per_row: int,
+_KNOWN: dict[str, dict] = {}
+
+
+def run_config(label: str, batch: int, spec: dict, models, cost_table: Path | None, requests_per_row: int,
                workload: str = "replay", mixed: bool = False) -> dict:
     """One configuration at ``batch`` rows: an untimed run, then the timed one (``mixed``: the
     requests of ``MIXED_SETTINGS``)."""
@@ -162,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if not labels or any(x not in known for x in labels):
         parser.error(f"--configs must name some of {list(known)}, got {args.configs!r}")
     try:
-        batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+        batches = sorted({int(b) for b in args.batches.split(",") if b.strip()}, reverse=True)  # largest first
     except ValueError:
         batches = []
-    if not batches or batches[0] < 1:
+    if not batches or batches[-1] < 1:
         parser.error(f"--batches must be comma-separated integers >= 1, got {args.batches!r}")
     for name in ("requests_per_row", "max_tokens", "prompt_tokens", "num_prompts", "draft_rank"):
         if getattr(args, name) < 1:
@@ -185,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             "traces": str(TRACES), "num_prompts": args.num_prompts, "prompt_tokens": args.prompt_tokens,
             "prompt_tokens_max": None, "max_tokens": args.max_tokens}
     os.environ["DSPARK_REPLAY"] = json.dumps(spec)
-    cost_table = profile(spec, out, load_traces(TRACES)["num_drafts"], batches[-1])
+    scheduled = any("{cost_table}" in WORKLOADS[args.workload][x][1] for x in labels)
+    cost_table = profile(spec, out, load_traces(TRACES)["num_drafts"], batches[0]) if scheduled else None
     from ..engine import EngineConfig
 
     models = _models(spec, EngineConfig(), draft=True)

@@ -137,11 +137,12 @@ class ReplayEngine(OracleEngine):
     """``OracleEngine`` replaying recorded rounds for a known set of prompts (module docstring)."""
 
     def __init__(self, target, draft, config: EngineConfig, prompts: list[list[int]], traces: list, max_tokens: int,
-                 *, rank=None):
+                 *, rank=None, known: dict | None = None):
         self._replay_args = dict(prompts=prompts, traces=traces, max_tokens=max_tokens)
         super().__init__(target, draft, config, replay=True, rank=rank)
-        self.known: dict[tuple[int, ...], tuple[list[int], list]] = {}
-        if rank is None:  # rank 0 (or the only one): every rank learns the continuations at once
+        # ``known``: another ReplayEngine's of the same target, prompts and traces (learnt once)
+        self.known: dict[tuple[int, ...], tuple[list[int], list]] = known or {}
+        if rank is None and known is None:  # rank 0 (or the only one): every rank learns them at once
             self.on_every_rank("_learn_continuations")
 
     def _rank_engine(self):
