@@ -442,7 +442,32 @@ def test_a_step_waits_for_its_draft_pass_only_where_the_scheduler_reads_the_prop
     results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
     assert [r.token_ids for r in results] == greedy
     assert (reads == []) == (scheduler == "off")
-    assert scheduler == "off" or len(reads) == engine.metrics.steps and max(reads) == 3
+    # each step's proposals are read by the next plan (the last step's by none)
+    assert scheduler == "off" or engine.metrics.steps - 3 <= len(reads) < engine.metrics.steps and max(reads) == 3
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_the_cost_scheduler_reads_the_confidences_behind_the_queued_verify_where_it_verifies_every_draft(
+        target, greedy, flat):
+    """Where the cost table is flat enough that Algorithm 1 verifies every draft whatever the
+    confidences (``full_verify_wins``), a step queues its target pass first and reads the last draft
+    pass's confidences only to choose whether it drafts, before its draft pass; elsewhere the plan
+    reads them before anything is launched. Greedy output exact either way."""
+    from dspark.engine.schedulers import SPSCostTable
+
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    table = SPSCostTable((1, 64), (1.0, 1.0) if flat else (1.0, 8.0))
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler="cost", cost_table=table))
+    events, replay, read = [], engine.runner._replay, engine.runner.read_proposals
+    engine.runner._replay = lambda key, fn: (events.append(key[0]), replay(key, fn))
+    engine.runner.read_proposals = lambda rows: events.append("read") or read(rows)
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
+    assert [r.token_ids for r in results] == greedy
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    assert engine.metrics.steps - 3 <= len(reads) < engine.metrics.steps
+    # the target pass before the read (flat) or after it (the plan needs the confidences)
+    assert all((events[i - 1] == "verify") == flat for i in reads)
+    assert all(events[i + 1] in ("verify", "draft", "context") for i in reads)
 
 
 @pytest.mark.parametrize("busy", [False, True])

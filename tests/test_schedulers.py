@@ -240,8 +240,8 @@ def test_batch_schedule_skips_algorithm_1_only_where_its_answer_is_every_draft(m
         confidences = rng.uniform(0, 1, (rows, p)) ** rng.uniform(0.2, 3)
         args = (confidences, table, float(rng.uniform(0, 0.1)), float(rng.uniform(0, 1)), int(rng.integers(0, 200)))
         quick = schedulers.batch_schedule(*args)
-        fired += schedulers._full_verify_wins(table, rows, p, *args[2:])
+        fired += schedulers.full_verify_wins(table, rows, p, *args[2:])
         with monkeypatch.context() as m:
-            m.setattr(schedulers, "_full_verify_wins", lambda *a: False)
+            m.setattr(schedulers, "full_verify_wins", lambda *a: False)
             assert quick == schedulers.batch_schedule(*args)
     assert 10 < fired < 290

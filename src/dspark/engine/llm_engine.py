@@ -159,9 +159,11 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         self._step_captures = 0  # the runner's capture count when the step was launched
         self.cost_table = config.cost_table
         # whether the host picks verify lengths from the drafter's proposals (threshold / sps / cost
-        # on chains: a step waits for its draft pass), or only from what rows may still produce
-        # (off, trees: the next step is launched behind the running draft pass)
+        # on chains: the next plan waits for the step's draft pass), or only from what rows may still
+        # produce (off, trees: the next step is launched behind the running draft pass)
         self._reads_proposals = drafter is not None and tree is None and drafter.scheduler != "off"
+        self._unread: list[Sequence] = []  # rows of the last draft pass whose proposals are not read yet
+        self._proposal_wait = 0.0  # seconds this launch waited for them
         self.acceptance = None  # the online acceptance estimator (schedule_signal "online")
         if drafter is not None and config.schedule_signal == "online":
             self.acceptance = OnlineAcceptance(config.max_batch + 1, drafter.num_draft_tokens)
@@ -345,11 +347,12 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
 
     def _launch(self) -> None:
         start, outputs = time.perf_counter(), []
-        self._step_captures = self.runner.captures
+        self._step_captures, self._proposal_wait = self.runner.captures, 0.0
         self._admit()
         self.scheduler.reserve_running()
-        rows = len(self.scheduler.running)
-        lens, draft = self._plan_round() if rows and self.runner.drafter is not None else (None, True)
+        plans = self.scheduler.running and self.runner.drafter is not None
+        lens, draft = self._plan_round(outputs) if plans else (None, True)
+        rows = len(self.scheduler.running)  # a failed draft pass failed them all
         chunks = self._plan_scored_chunks(self.max_num_batched_tokens - (sum(lens) if lens else rows), outputs)
         lens = self.structured.constrain(self.scheduler.running[:rows], lens, chunks)
         planned = time.perf_counter()
@@ -357,8 +360,9 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         joined = self._run_step(StepPlan(rows, lens, draft, chunks), outputs)
         self._launched = (outputs, len(self.scheduler.running) - len(joined), joined, self.runner.drafted)
         end = time.perf_counter()
-        self.metrics.record_host(end - start, end - start, overlapped, plan=planned - start, launch=end - planned)
-        self._step_host = end - start - overlapped
+        host = end - start - self._proposal_wait
+        self.metrics.record_host(end - start, host, overlapped, plan=planned - start, launch=end - planned)
+        self._step_host = host - overlapped
 
     def _run_step(self, plan: StepPlan, outputs) -> list[Sequence]:
         """Launch ``plan``; returns the requests whose prompt ended (now running, last rows). A failed
@@ -443,7 +447,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
                 committed = self._commit(result, outputs, {seq.request_id for seq in joined})
                 hidden = committed if self.runner.device_busy() else 0.0  # the draft pass outlasted it
                 if drafted and self._reads_proposals:
-                    waited += self._await_proposals(step_rows, outputs)
+                    self._unread = step_rows  # read where the next plan needs them (``_take_proposals``)
         elapsed = time.perf_counter() - start
         self.metrics.record_host(elapsed, elapsed - waited, hidden, commit=elapsed - waited)
         self.metrics.steps += 1
@@ -500,21 +504,30 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         self.scheduler.retire([s for s in self.scheduler.running if s.finish_reason is not None])
         return time.perf_counter() - now
 
-    def _await_proposals(self, rows: list[Sequence], outputs: list[RequestOutput]) -> float:
-        """Wait for the step's draft pass and take the next round's proposal of each of the step's
-        ``rows`` (retired ones too: harmless): how many drafts the drafter proposes, their
-        confidences (numpy f32 rows of one array, which the cost scheduler stacks). Returns the
-        seconds waited; a failed draft pass fails the rows still running."""
+    def _take_proposals(self) -> None:
+        """Wait for the last draft pass and give each of its rows (``_unread``; retired ones too:
+        harmless) the next round's proposal: how many drafts the drafter proposes, their
+        confidences (numpy f32 rows of one array, which the cost scheduler stacks). Raises when the
+        draft pass failed."""
+        rows, self._unread = self._unread, []
+        if not rows:
+            return
         start = time.perf_counter()
         try:
             proposals = self.runner.read_proposals(len(rows))
-        except Exception as exc:  # noqa: BLE001
-            self._fail_round(exc, outputs)
-            return time.perf_counter() - start
-        waited = time.perf_counter() - start
+        finally:
+            self._proposal_wait += time.perf_counter() - start
         for seq, n, conf in zip(rows, proposals.lengths.tolist(), proposals.confidence):
             seq.next_length, seq.confidence = n, conf
-        return waited
+
+    def _proposals_taken(self, outputs: list[RequestOutput]) -> bool:
+        """``_take_proposals``; a failed draft pass fails the running rows (False)."""
+        try:
+            self._take_proposals()
+        except Exception as exc:  # noqa: BLE001 -- the draft pass of every running row
+            self._fail_round(exc, outputs)
+            return False
+        return True
 
     def _report(self, seq: Sequence, kept: list[int], outputs: list[RequestOutput], logprobs=None,
                 first: bool = False) -> None:

@@ -7,18 +7,28 @@ on its signal -- the drafter's confidences or the online acceptance estimates
 or the engine decodes plainly; after a step ``_count_round`` keeps what that choice reads (whether
 the rows hold drafts, the run of plain rounds, the measured host times). It reads the engine's
 ``config``, ``scheduler``, ``runner``, ``metrics``, ``acceptance``, ``cost_table``, ``num_drafts``,
-``max_model_len`` and ``max_num_batched_tokens``, and keeps ``_drafted``, ``_plain_rounds`` and
-``_host_ms`` (set where the engine is built).
+``max_model_len`` and ``max_num_batched_tokens``, takes the last draft pass's confidences
+(``_unread``, ``_take_proposals``), and keeps ``_drafted``, ``_plain_rounds`` and ``_host_ms`` (set
+where the engine is built).
+
+The confidences are this round's, left by the last step's draft pass: reading them waits for it.
+Where the cost scheduler verifies every draft whatever they are (``full_verify_wins``: the flat
+start of the cost curve, a few rows), the verify lengths need none, so the step's target pass is
+queued first and the drafting choice -- the only one that reads them -- is made between the
+target pass and the draft pass (``StepPlan.draft`` a callable): the same choice, without the
+device idling while the host waits, plans and launches.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import torch
 
 from .. import kernels as K
 from .request import Sequence
-from .schedulers import batch_schedule, drafting_pays
+from .schedulers import batch_schedule, drafting_pays, full_verify_wins
 
 __all__ = ["HOST_EMA", "REDRAFT_STEPS", "RoundPlanning"]
 
@@ -46,13 +56,17 @@ class RoundPlanning:
         average = self._host_ms[kind]
         self._host_ms[kind] = 1000 * host_s if not average else (1 - HOST_EMA) * average + HOST_EMA * 1000 * host_s
 
-    def _plan_round(self) -> tuple[list[int] | None, bool]:
+    def _plan_round(self, outputs: list) -> tuple[list[int] | None, bool | Callable[[], bool]]:
         """This round's verify tokens per running row (None: a plain round, the rows hold no drafts)
         and whether it drafts the next round: always, except under the ``cost`` scheduler when no
         round Algorithm 1 would run on the rows' latest confidences is predicted to beat plain
         decoding (``drafting_pays``: verify, draft pass and measured host times) -- then the engine
-        decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the confidences."""
+        decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the
+        confidences. That choice is a callable when the verify lengths need no confidence (module
+        docstring). A failed draft pass fails the running rows (none left: a plain plan)."""
         if self.config.scheduler != "cost":
+            if not self._proposals_taken(outputs):
+                return None, True
             return (self._verify_lens(self._scheduled_drafts()) if self._drafted else None), True
         running = self.scheduler.running
         drafting = [i for i, seq in enumerate(running) if not seq.request.disable_spec_decode]
@@ -61,20 +75,38 @@ class RoundPlanning:
         # Algorithm 1 across the drafting rows on their signal (STS-calibrated confidences or the
         # online estimates) and the profiled cost table; the opted-out rows' anchors and the step's
         # prompt chunks share the forward (the chunks: at most what the budget leaves the longest verify)
-        signal = self._acceptance_signal([running[i] for i in drafting])
         pending = sum(seq.prefill_len - seq.prefilled for seq in self.scheduler.prefilling)
         prefill = min(pending, max(0, self.max_num_batched_tokens - len(running) * (self.num_drafts + 1)))
         others = prefill + len(running) - len(drafting)
-        gain = self.config.min_predicted_gain
+        gain, p = self.config.min_predicted_gain, self.num_drafts
+        if self._unread and full_verify_wins(self.cost_table, len(drafting), p, gain, self._host_ms[0], others):
+            lengths = [p] * len(drafting)
+            return self._drafted_lens(drafting, lengths), lambda: self._drafting_pays(drafting, lengths, others)
+        if not self._proposals_taken(outputs):
+            return None, True
+        signal = self._acceptance_signal([running[i] for i in drafting])
         scheduled = batch_schedule(signal, self.cost_table, gain, self._host_ms[0], others)
-        # until a plain round is measured, price its host time as a drafting round's (keep drafting)
-        host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
-        draft = self._plain_rounds >= REDRAFT_STEPS or drafting_pays(signal, self.cost_table, gain, host, scheduled,
-                                                                     others)
-        drafts = [0] * len(running)
+        return self._drafted_lens(drafting, scheduled), self._drafting_pays(drafting, scheduled, others)
+
+    def _drafted_lens(self, drafting: list[int], scheduled: list[int]) -> list[int] | None:
+        """The verify lengths of the running rows when rows ``drafting`` verify ``scheduled`` drafts
+        (the others none; None: a plain round)."""
+        if not self._drafted:
+            return None
+        drafts = [0] * len(self.scheduler.running)
         for i, n in zip(drafting, scheduled):
             drafts[i] = n
-        return (self._verify_lens(drafts) if self._drafted else None), draft
+        return self._verify_lens(drafts)
+
+    def _drafting_pays(self, drafting: list[int], scheduled: list[int], others: int) -> bool:
+        """Whether the step drafts the next round (``_plan_round``) -- taking the proposals first."""
+        self._take_proposals()
+        if self._plain_rounds >= REDRAFT_STEPS:
+            return True
+        signal = self._acceptance_signal([self.scheduler.running[i] for i in drafting])
+        # until a plain round is measured, price its host time as a drafting round's (keep drafting)
+        host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
+        return drafting_pays(signal, self.cost_table, self.config.min_predicted_gain, host, scheduled, others)
 
     def _acceptance_signal(self, rows: list[Sequence]) -> np.ndarray:
         """Each draft's conditional acceptance for ``rows`` ``[R, P]``: the drafter's confidences of

@@ -222,16 +222,18 @@ class ModelRunner(CudaGraphs):
             self.launch_round(plan.rows, plan.verify_lens, plan.prefill_chunks, plan.draft)
 
     def launch_round(self, rows: int, verify_lens: list[int] | None, chunks: list[PrefillChunk] = (),
-                     draft: bool = True) -> None:
+                     draft: bool | Callable[[], bool] = True) -> None:
         """Start one speculative round for the first ``rows`` rows (no wait; ``read`` collects it):
         row i verifies ``verify_lens[i] - 1`` drafts (1 .. P), or, with ``verify_lens`` None, none
         (a plain round: one token per row from the target, as plain decoding); entries past ``rows``
         (up to the bucket) are padding rows' tokens (default 1). ``chunks`` run in the
         same forward, and those that end their prompt join at rows ``rows, rows + 1, ...`` (read
         them too). ``draft``: whether the round drafts the next one (block, Markov chain,
-        confidences); without it only the draft context advances and the next round is plain. A
-        step with chunks always drafts. ``self.drafted`` says whether this step did."""
-        self.drafted, self.round_times = draft or bool(chunks), None
+        confidences), or a function called once the target pass is queued that says it; without
+        it only the draft context advances and the next round is plain. A step with chunks always
+        drafts. ``self.drafted`` says whether this step did."""
+        self.round_times, self._draft_choice = None, draft
+        self.drafted = True if chunks else draft if isinstance(draft, bool) else None
         self.block_tables.flush()
         self.penalties.flush()
         if verify_lens is None:
@@ -269,6 +271,8 @@ class ModelRunner(CudaGraphs):
         self._replay(key, target_pass)
         self._send_readout(0)
         self._between_passes()
+        if self.drafted is None:  # decided now: the target pass runs on the device meanwhile
+            self.drafted = bool(self._draft_choice())
         verified = time.perf_counter()
         if self.drafted:
             self._draft(b, path)

@@ -19,7 +19,7 @@ import torch
 
 from ..kernels._validate import Checker
 
-__all__ = ["SPSCostTable", "batch_schedule", "drafting_pays", "prefix_schedule", "prefix_survival"]
+__all__ = ["SPSCostTable", "batch_schedule", "drafting_pays", "full_verify_wins", "prefix_schedule", "prefix_survival"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
     engine's own time per drafting round; ``prefill_tokens`` prompt tokens share the step's forward
     (the verify is priced from there on the curve)."""
     rows, p = np.shape(confidences)
-    if _full_verify_wins(table, rows, p, min_predicted_gain, host_ms, prefill_tokens):
+    if full_verify_wins(table, rows, p, min_predicted_gain, host_ms, prefill_tokens):
         return [p] * rows
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     lengths = np.maximum(_admit(survival, table, host_ms, prefill_tokens), 1)
@@ -159,7 +159,7 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
     return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else [p] * rows
 
 
-def _full_verify_wins(table: SPSCostTable, rows: int, p: int, min_predicted_gain: float, host_ms: float,
+def full_verify_wins(table: SPSCostTable, rows: int, p: int, min_predicted_gain: float, host_ms: float,
                       prefill_tokens: int) -> bool:
     """Whether verifying every draft is ``batch_schedule``'s answer whatever the confidences (then
     it need not run Algorithm 1): a shorter schedule expects no more tokens, and its round -- at

@@ -12,6 +12,7 @@ columns are laid out here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,12 +27,14 @@ __all__ = ["Proposals", "StepPlan", "StepResult", "readout_columns"]
 class StepPlan:
     """One step: the running rows ``0 .. rows-1`` verify ``verify_lens[i]`` tokens each (the anchor
     and ``verify_lens[i] - 1`` drafts) or, with ``verify_lens`` None, decode one token; ``draft``:
-    whether the step drafts the next round; ``chunks``: the prompt chunks run in the same forward,
-    each with its request (one that ends its prompt seats it in row ``chunk.row``)."""
+    whether the step drafts the next round -- or a function that says it, called between the
+    target pass and the draft pass (once the target pass is queued: ``round_plan``); ``chunks``: the
+    prompt chunks run in the same forward, each with its request (one that ends its prompt seats
+    it in row ``chunk.row``)."""
 
     rows: int
     verify_lens: list[int] | None
-    draft: bool
+    draft: bool | Callable[[], bool]
     chunks: list[tuple[Sequence, PrefillChunk]]
 
     @property
