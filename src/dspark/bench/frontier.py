@@ -137,9 +137,10 @@ def run_config(label: str, args, spec: dict, cost_table: Path | None, *, factory
 MIXED_CONFIGS = {  # the mixed-settings workload: drafts for real (acceptance replay serves greedy requests only)
     "plain": ("plain_engine", []),
     "dspark-random": ("random_engine", ["--scheduler", "off"]),
-    # sampled drafts over candidate sets (--configs only until measured: the engine's default is C = 0)
+    # sampled drafts over candidate sets (--configs only: the engine's default is C = 0)
     "dspark-random-candidates": ("random_engine", ["--scheduler", "off", "--draft-candidates", "64"]),
 }
+DEFAULT_MIXED_CONFIGS = ("plain", "dspark-random")
 
 
 def run_mixed(args, spec: dict) -> int:
@@ -148,7 +149,7 @@ def run_mixed(args, spec: dict) -> int:
     batch); ``DIR/mixed.md`` / ``mixed.json``: total tokens/s of the two side by side per
     concurrency, and issue 22's target (mixed within 10 % of single-setting at every concurrency)."""
     status, out = 0, Path(args.out)
-    labels = [x for x in (args.configs or ",".join(MIXED_CONFIGS)).split(",") if x]
+    labels = [x for x in (args.configs or ",".join(DEFAULT_MIXED_CONFIGS)).split(",") if x]
     for label in labels:
         factory, scheduler = MIXED_CONFIGS[label]
         if not args.summarize_only:
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only redo frontier.md/.json/.png from the runs already in --out")
     args = parser.parse_args(argv)
     known = MIXED_CONFIGS if args.workload == "mixed" else CONFIGS
-    labels = [x for x in (args.configs or ",".join(MIXED_CONFIGS if args.workload == "mixed" else DEFAULT_CONFIGS))
+    labels = [x for x in (args.configs or ",".join(DEFAULT_MIXED_CONFIGS if args.workload == "mixed" else DEFAULT_CONFIGS))
               .split(",") if x]
     unknown = [x for x in labels if x not in known]
     if unknown or not labels:
