@@ -550,8 +550,10 @@ def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, curre
             valid = counts > i
             token = torch.where(valid, lo + cu[:-1] + i, n)
             read = token.clamp(max=n - 1)
-            o, after = step(state, *(t[read] for t in inputs))
-            state = torch.where(valid.view(-1, *[1] * (state.dim() - 1)), after.to(state.dtype), state)
+            o, state = step(state, *(t[read] for t in inputs))
+            # a request past its last token stays past it: its state is written nowhere and its
+            # outputs go to the padding index, so it needs no masking (a pass over every state saved)
+            state = state.to(ring.dtype)
             outputs.append((token, o))
             ring[pool.write_lines(slots, valid), pool.recurrent_entries(starts + i, ring)] = state
     first = outputs[0][1]
