@@ -7,8 +7,9 @@ online estimator) on the 8B-shaped target with acceptance replay, each driving `
 toy sizes in fp32, the plumbing). ``--workload mixed``: instead, the frontier's mixed-settings
 workload -- plain decoding and a random drafter drafting for real (``MIXED_CONFIGS``; with
 ``dspark-random-candidates``, sampled drafts over candidate sets) each under greedy requests and
-under ``bench.serve.MIXED_SETTINGS`` (request i: setting i mod 4, seed i), side by side. A served frontier at B = 256
-would first capture every graph a server may meet (about 1,900 for the cost scheduler: minutes per
+under ``bench.serve.MIXED_SETTINGS`` (request i: setting i mod 4, seed i), side by side.
+
+A served frontier at B = 256 would first capture every graph a server may meet (about 1,900 for the cost scheduler: minutes per
 configuration); here each engine runs the requests once, capturing the graphs it meets, then again
 with the same requests, timed, and the timed run must capture none. One target and drafter serve
 every configuration (the replay's peaked random model, ``bench.replay``); the cost table is profiled
@@ -54,7 +55,6 @@ def requests_of(spec: dict, count: int, mixed: bool) -> list:
     """``count`` requests over the benchmark's prompts: greedy, or (``mixed``) request i with
     ``MIXED_SETTINGS[i % 4]`` and seed i, as ``bench.serve --mixed-settings`` sends them."""
     from ..engine import Request, SamplingParams
-    from .serve import MIXED_SETTINGS
 
     prompts = _prompts(spec)
 
