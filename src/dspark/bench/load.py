@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,12 +66,21 @@ def requests_of(spec: dict, count: int, mixed: bool) -> list:
     return [Request(prompts[i % len(prompts)], spec["max_tokens"], sampling(i), ignore_eos=True) for i in range(count)]
 
 
-def build_engine(label: str, workload: str, batch: int, spec: dict, models, cost_table: Path | None):
-    """The engine of a configuration at ``batch`` rows; replay engines share the continuations the
-    first one learnt (``_KNOWN``: at the largest batch, which runs first, quickly)."""
+@dataclass
+class Models:
+    """What every configuration shares: the target, the drafter, and the replayed prompts'
+    continuations once the first replay engine learnt them (at the largest batch, which runs first)."""
+
+    target: object
+    draft: object
+    known: dict | None = None
+
+
+def build_engine(label: str, workload: str, batch: int, spec: dict, models: Models, cost_table: Path | None):
+    """The engine of a configuration at ``batch`` rows."""
     from ..engine import EngineConfig, LLMEngine
 
-    target, draft = models
+    target, draft = models.target, models.draft
     config = EngineConfig(max_batch=batch, max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 64,
                           enable_prefix_caching=False, device=spec["device"], dtype=getattr(torch, spec["dtype"]),
                           **engine_settings(label, cost_table, workload))
@@ -80,15 +90,12 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models, cost
         return LLMEngine(target, draft, config)
     traces = load_traces(spec["traces"])
     engine = ReplayEngine(target, draft, config, _prompts(spec), traces["traces"], spec["max_tokens"],
-                          known=_KNOWN.get("replay"))
-    _KNOWN["replay"] = engine.known
+                          known=models.known)
+    models.known = engine.known
     return engine
 
 
-_KNOWN: dict[str, dict] = {}
-
-
-def run_config(label: str, batch: int, spec: dict, models, cost_table: Path | None, requests_per_row: int,
+def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
                workload: str = "replay", mixed: bool = False) -> dict:
     """One configuration at ``batch`` rows: an untimed run, then the timed one (``mixed``: the
     requests of ``MIXED_SETTINGS``)."""
@@ -197,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     cost_table = profile(spec, out, load_traces(TRACES)["num_drafts"], batches[0]) if scheduled else None
     from ..engine import EngineConfig
 
-    models = _models(spec, EngineConfig(), draft=True)
+    models = Models(*_models(spec, EngineConfig(), draft=True))
     report = {"command": "python -m dspark.bench.load " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": _environment(args.device), "spec": spec, "batches": {}}
     outputs = {}
