@@ -540,10 +540,10 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
                                                         threshold=0.2, cost_table=table))
         engine.capture_graphs()  # the server's start-up capture
         captured = engine.runner.captures
-        assert ("mixed", 0, None, 16, False) in engine.runner.graphs
+        assert ("mixed", 0, None, 16, LogitsPath.GREEDY) in engine.runner.graphs
         if d is not None and scheduler == "cost":  # plain rounds included
-            assert ("plain", 3, False) in engine.runner.graphs and ("context", 3) in engine.runner.graphs
-            assert ("mixed", 2, None, 16, True) in engine.runner.graphs
+            assert ("plain", 3, LogitsPath.GREEDY) in engine.runner.graphs and ("context", 3) in engine.runner.graphs
+            assert ("mixed", 2, None, 16, LogitsPath.PENALISED) in engine.runner.graphs
         results = engine.generate([Request(p, NEW) for p in PROMPTS])
         assert [r.token_ids for r in results] == greedy
         assert engine.runner.graphs, "the CUDA path must replay graphs"
@@ -555,7 +555,7 @@ def test_cuda_graph_engine_equals_plain_greedy_and_is_batch_invariant(target, gr
         mixed = engine.generate([Request(PROMPTS[0], 12, SamplingParams(temperature=0.7, top_p=0.9, seed=1)),
                                  Request(PROMPTS[2], 12, hot), Request(PROMPTS[1], NEW)])
         assert mixed[2].token_ids == greedy[1]
-        assert not engine.runner.uncapturable and any(key[-1] is True for key in engine.runner.graphs)
+        assert not engine.runner.uncapturable and any(key[-1] == LogitsPath.SAMPLED for key in engine.runner.graphs)
         # a prompt longer than GRAPH_CHUNK_TOKENS joins running rows: a graph of chunk bucket 512, the
         # running rows' verify padded to full rows
         long = [(7 * i) % 90 + 1 for i in range(300)]

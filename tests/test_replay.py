@@ -12,6 +12,7 @@ from dspark.bench.oracle import OracleEngine
 from dspark.bench.replay import ReplayEngine, load_traces, peaked_target
 from dspark.bench.serve import random_prompts
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from dspark.engine.rows import LogitsPath
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, tie_word_embeddings=False, capture=[0, 1])
@@ -145,17 +146,18 @@ def test_replay_in_cuda_graphs_captured_up_front(prompts):
     draft = random_drafter(target, TINY, rank=64)
     config = EngineConfig(max_batch=4, max_model_len=128, scheduler="threshold", threshold=0.5)
     engine = ReplayEngine(target, draft, config, prompts, TRACES, NEW)
-    def mixed(runner):  # steps with prompt chunks: greedy and with sampled rows, but no rows' only greedy
+    def mixed(runner):  # steps with prompt chunks: greedy and penalised rows, but no rows' only greedy
         return sum(2 if b else 1 for b, _, _ in runner.mixed_shapes())
 
-    # greedy and with sampled rows: verify at every length, draft; the steps with prompt chunks
-    assert engine.capture_graphs() == 2 * len(engine.runner.buckets) * (P + 2) + mixed(engine.runner)
+    # every logits path: verify at every length, draft; the steps with prompt chunks
+    paths = len(LogitsPath)
+    assert engine.capture_graphs() == paths * len(engine.runner.buckets) * (P + 2) + mixed(engine.runner)
     captured = set(engine.runner.graphs)
     results = engine.generate([Request(p, NEW, ignore_eos=True) for p in prompts])
     # every step, prompt chunks included, replayed a graph captured up front
     assert set(engine.runner.graphs) == captured and not engine.runner.uncapturable
     plain = LLMEngine(target, None, EngineConfig(max_batch=4, max_model_len=128))
-    assert plain.capture_graphs() == 2 * len(plain.runner.buckets) + mixed(plain.runner)
+    assert plain.capture_graphs() == paths * len(plain.runner.buckets) + mixed(plain.runner)
     expected = [r.token_ids for r in plain.generate([Request(p, NEW, ignore_eos=True) for p in prompts])]
     assert [r.token_ids for r in results] == expected
     for i, r in enumerate(results):

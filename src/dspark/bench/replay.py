@@ -51,6 +51,7 @@ __all__ = ["ReplayEngine", "TRACES", "load_traces", "peaked_target", "plain_engi
 TRACES = Path(__file__).resolve().parents[1] / "data" / "demo" / "replay_traces.json"
 EMBED_SCALE = 1e4  # embeddings of std 0.02 * 1e4 = 200 against a residual stream of order 10 from the layers
 MARGIN = 100.0  # the greedy token's logit; the others' are ~N(0, MARGIN / sqrt(hidden))
+LEARN_ROWS = 64  # the most rows the engine that learns the continuations decodes at once
 
 
 # ------------------------------------------------------------------------------ recording
@@ -154,8 +155,12 @@ class ReplayEngine(OracleEngine):
         prompts, traces, max_tokens = (self._replay_args[k] for k in ("prompts", "traces", "max_tokens"))
         # a rank's device by its type: the twin's rank places it (cuda:r) as it placed this engine
         device = self.config.device if self.tp.size == 1 else torch.device(self.config.device).type
+        # at most LEARN_ROWS rows: its KV cache sits beside this engine's (a 256-row twin of an 8B
+        # target's would not fit an 80 GB card); the continuations are shared across batch sizes anyway
+        rows = min(self.config.max_batch, len(prompts), LEARN_ROWS)
         plain = LLMEngine(self.target, None, replace(self.config, scheduler="off", schedule_signal="confidence",
-                                                     gpu_memory_utilization=None, device=device), rank=self.tp)
+                                                     gpu_memory_utilization=None, device=device, max_batch=rows),
+                          rank=self.tp)
         plain.eos_ids = self.eos_ids
         continuation = max_tokens + self.num_drafts + 1  # the last round may draft past max_tokens
         results = plain.generate([Request(ids, continuation, ignore_eos=True) for ids in prompts])
