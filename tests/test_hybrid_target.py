@@ -23,6 +23,7 @@ from copy import deepcopy
 
 import pytest
 import torch
+from conftest import requires_triton
 from test_hf_target import HYBRID, PROMPTS, _drafter, _generate, _model
 
 from dspark.bench.oracle import OracleEngine
@@ -65,12 +66,14 @@ def _reference_states(model, tokens: list[int]) -> dict:
 
 @contextlib.contextmanager
 def _sequential_scans():
-    """Within: gated DeltaNet prompt chunks scanned position by position (``hybrid.CHUNKED_PROMPTS``)."""
-    hybrid_model.CHUNKED_PROMPTS = False
+    """Within: gated DeltaNet prompt chunks and rounds scanned position by position
+    (``hybrid.CHUNKED_PROMPTS``, ``hybrid.WINDOW_SCAN_DEVICES``)."""
+    devices = hybrid_model.WINDOW_SCAN_DEVICES
+    hybrid_model.CHUNKED_PROMPTS, hybrid_model.WINDOW_SCAN_DEVICES = False, set()
     try:
         yield
     finally:
-        hybrid_model.CHUNKED_PROMPTS = True
+        hybrid_model.CHUNKED_PROMPTS, hybrid_model.WINDOW_SCAN_DEVICES = True, devices
 
 
 def _states_at(pool, layer: int, line: int, n: int):
@@ -133,6 +136,28 @@ def test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, mo
     else:  # a plain round after a drafting one, and a drafting one after plain ones
         pairs = [pair for st in stats for pair in zip(st.scheduled_lengths, st.scheduled_lengths[1:])]
         assert any(a > 0 and b == 0 for a, b in pairs) and any(a == 0 and b > 0 for a, b in pairs)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
+def test_rounds_through_the_window_kernel_keep_every_state(backend, monkeypatch):
+    """Gated DeltaNet rounds through ``K.gated_delta_scan`` (a group's whole window in one call, as on
+    a GPU; here its PyTorch reference and its Triton kernel under the interpreter): ragged verify
+    lengths, rejected and accepted drafts, plain rounds and prompt chunks give ``generate()``'s
+    tokens, and after every step the states equal the committed tokens run position by position."""
+    import dspark.kernels as K
+
+    monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 3)
+    monkeypatch.setattr(hybrid_model, "WINDOW_SCAN_DEVICES", {"cuda", "cpu"})
+    calls = []
+    scan = K.gated_delta_scan
+    monkeypatch.setattr(K, "gated_delta_scan", lambda *a, **k: (calls.append(a[0].shape[0]), scan(*a, **k))[1])
+    model = _model("qwen3.5")
+    draft, expected = _drafter(model), [_generate(model, p, NEW) for p in PROMPTS]
+    with K.use_backend(backend):
+        engine = OracleEngine(model, draft, EngineConfig(**CHUNKED, **SCHEDULERS["plain-rounds"]), acceptance=0.5)
+        ids = [engine.add_request(Request(p, NEW), e + [0] * 8) for p, e in zip(PROMPTS, expected)]
+        outputs, checked = _run(engine, model, ids)
+    assert [outputs[i] for i in ids] == expected and checked > len(PROMPTS) * 4 and calls
 
 
 def test_the_context_limit_ends_the_output(hybrid):

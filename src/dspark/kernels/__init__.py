@@ -25,6 +25,7 @@ from ._shared import GREEDY_TEMPERATURE
 from .candidates import *  # noqa: F401,F403
 from .confidence import *  # noqa: F401,F403
 from .layers import *  # noqa: F401,F403
+from .recurrent import *  # noqa: F401,F403
 from .rng import *  # noqa: F401,F403
 from .markov import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import kernels as K
 from . import mamba
 
 __all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "conv_tail",
@@ -75,6 +76,10 @@ _MAMBA_TYPES = ("mamba", "linear_attention")  # what configs declare Mamba layer
 # Mamba-1: mamba.selective_chunk_scan) rather than position by position; False: the sequential scan
 # for every group (the reference the chunked scans are tested on)
 CHUNKED_PROMPTS = True
+# device types whose gated DeltaNet groups of round-sized windows run in one kernel each
+# (``K.gated_delta_scan``: the state read once, written per position); elsewhere position by position
+# through the modeling file's reference (what the window kernel is tested against)
+WINDOW_SCAN_DEVICES = {"cuda"}
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
 _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
               # Qwen3.5's gated DeltaNet, in the families that copy it
@@ -388,8 +393,12 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
         return chunk_rule(q, k, v, g=g_t, beta=beta_t, initial_state=state, output_final_state=True,
                           use_qk_l2norm_in_kernel=True)
 
+    def window(ring, *addressing):  # every position of a round in one kernel (kernels.recurrent)
+        return K.gated_delta_scan(query, key, value, g, beta, ring, *addressing, scale=module.head_k_dim ** -0.5)
+
     core = state_scan(step, (query, key, value, g, beta), states.recurrent, current,
-                      chunked if CHUNKED_PROMPTS else None)
+                      chunked if CHUNKED_PROMPTS else None,
+                      window if hidden.device.type in WINDOW_SCAN_DEVICES else None)
     norm, out = (module.o_norm, module.o_proj) if hasattr(module, "o_proj") else (module.norm, module.out_proj)
     core = norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return out(core.reshape(n, -1))
@@ -527,19 +536,24 @@ def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, curr
 
 
 def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, current: Forward,
-               chunked=None) -> torch.Tensor:
+               chunked=None, window=None) -> torch.Tensor:
     """A recurrence over each request's tokens in order, one position of every request of a ragged
     group per ``step(state [R, ...], *inputs at that position [R, ...]) -> (out [R, ...], state
     after)``, from the state after the position before each request's first token (``ring`` f32
     ``[lines, entries, ...]``; zero at position 0), writing the state after every token at its
     position's entry (``StatePool.recurrent_entries``). ``inputs``: per-token tensors ``[N, ...]``.
     ``chunked``: optionally a scan of whole sequences for the groups longer than a round (prompt
-    chunks; ``_chunked_group``). Returns the outputs ``[N, ...]``."""
+    chunks; ``_chunked_group``). ``window``: optionally the per-position scan of a whole group in one
+    call (``_window_group``; gated DeltaNet on a GPU: ``K.gated_delta_scan``). Returns the outputs
+    ``[N, ...]``."""
     n, pool = inputs[0].shape[0], current.pool
     outputs = []  # (token indices, their outputs); index n: padding
-    for lo, _, batch in current.tokens.groups:
+    for lo, hi, batch in current.tokens.groups:
         cu, starts, slots = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
         counts = cu[1:] - cu[:-1]
+        if window is not None and (chunked is None or batch.max_query_len <= pool.window):
+            outputs.append(_window_group(window, ring, current, lo, hi, lo + cu[:-1], counts, starts, slots))
+            continue
         state = ring[slots, pool.recurrent_entries(starts - 1, ring)]
         state = state * (starts > 0).to(ring.dtype).view(-1, *[1] * (ring.dim() - 2))
         if chunked is not None and batch.max_query_len > pool.window:
@@ -561,6 +575,25 @@ def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, curre
     for token, o in outputs:
         out[token] = o.to(out.dtype)
     return out[:n]
+
+
+def _window_group(window, ring: torch.Tensor, current: Forward, lo: int, hi: int, firsts: torch.Tensor,
+                  counts: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ragged group's tokens ``lo .. hi - 1`` scanned by ``window(ring, read_lines, read_entries,
+    first_tokens, token_counts, write_lines, write_entries) -> out [N, ...]`` (``K.gated_delta_scan``'s
+    addressing): each request from its line's state before its first token (none at position 0),
+    each token's state written at its own line and position entry. Returns ``(token indices,
+    outputs)``."""
+    pool, tokens = current.pool, current.tokens
+    read_entries = torch.where(starts > 0, pool.recurrent_entries(starts - 1, ring), -1)
+    token_slots = tokens.slots[lo:hi]
+    # [N] for the flat tokens; only the group's are read
+    write_lines = torch.full((tokens.slots.shape[0],), pool.scratch, dtype=torch.long, device=ring.device)
+    write_entries = torch.zeros_like(write_lines)
+    write_lines[lo:hi] = pool.write_lines(token_slots, torch.ones_like(token_slots, dtype=torch.bool))
+    write_entries[lo:hi] = pool.recurrent_entries(tokens.positions[lo:hi], ring)
+    out = window(ring, slots, read_entries, firsts, counts, write_lines, write_entries)
+    return torch.arange(lo, hi, device=ring.device), out[lo:hi]
 
 
 def _chunked_group(chunked, state: torch.Tensor, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, pool: StatePool,

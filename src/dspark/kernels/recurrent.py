@@ -1,0 +1,86 @@
+"""Recurrent family: a verify window through a gated DeltaNet layer in one pass, the state after
+every position written where the engine's rollback reads it.
+
+A hybrid target's stateful layer runs a round's tokens in order, and an exact rollback to any
+accepted prefix needs the state after each of them. Run one position at a time (a fused recurrent
+kernel per position), each position reads and writes every request's whole f32 state
+(``[heads, dk, dv]``, 2 MiB per request and layer on Qwen3.5-9B) several times over; here one
+program per (request, head, value block) keeps its slice of the state in registers for the whole
+window, reads it once and writes it once per position, straight into its ring entry.
+
+* ``gated_delta_scan(q, k, v, g, beta, states, ...)`` -- the gated delta rule (Qwen3-Next /
+  Qwen3.5 / OLMo-Hybrid), flash-linear-attention's ``fused_recurrent_gated_delta_rule`` with
+  ``use_qk_l2norm_in_kernel=True``, over ragged requests of flat tokens.
+
+Values are not checked on CUDA tensors (ids and lengths there come from the engine).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import implementation
+from ._validate import HALF_DTYPES, Checker
+
+__all__ = ["gated_delta_scan"]
+
+_FLOAT = (torch.float32,) + HALF_DTYPES
+_INDEX = torch.int64
+
+
+def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                     write_entries, scale: float):
+    """The gated delta rule over each request's tokens in order; returns ``out`` ``[N, HV, dv]`` in
+    ``v``'s dtype (rows of tokens no request names are left unwritten).
+
+    Per request r (int64 ``[R]`` each): tokens ``first_tokens[r] .. + token_counts[r] - 1`` of the
+    flat ``q``, ``k`` ``[N, HV, dk]``, ``v`` ``[N, HV, dv]`` (f32 / f16 / bf16), ``g`` f32 ``[N, HV]``
+    (log decay) and ``beta`` ``[N, HV]`` (any float dtype), from the state
+    ``states[read_lines[r], read_entries[r]]`` (zero where ``read_entries[r] < 0``); ``states`` f32
+    ``[lines, entries, HV, dk, dv]``, updated in place: the state after token n goes to
+    ``states[write_lines[n], write_entries[n]]`` (int64 ``[N]`` each). Per token, in f32::
+
+        q, k = q / sqrt(|q|^2 + 1e-6) * scale, k / sqrt(|k|^2 + 1e-6)
+        S = exp(g) * S;  u = beta * (v - S^T k);  S = S + k u^T;  out = S^T q
+
+    (flash-linear-attention's fused recurrent kernel, ``use_qk_l2norm_in_kernel=True``; ``scale`` is
+    usually ``dk ** -0.5``).
+    """
+    c = Checker("gated_delta_scan")
+    q = c.tensor("q", q, dtype=_FLOAT, ndim=3)
+    n, heads, dk = q.shape
+    device = q.device
+    k = c.tensor("k", k, dtype=q.dtype, shape=[n, heads, dk], device=device)
+    v = c.tensor("v", v, dtype=_FLOAT, ndim=3, device=device)
+    if list(v.shape[:2]) != [n, heads]:
+        c.fail(f"v must be [N, HV, dv] = [{n}, {heads}, dv], got shape {list(v.shape)}")
+    dv = v.shape[2]
+    g = c.tensor("g", g, dtype=torch.float32, shape=[n, heads], device=device)
+    beta = c.tensor("beta", beta, dtype=_FLOAT, shape=[n, heads], device=device)
+    states = c.tensor("states", states, dtype=torch.float32, ndim=5, device=device)
+    if list(states.shape[2:]) != [heads, dk, dv]:
+        c.fail(f"states must be [lines, entries, {heads}, {dk}, {dv}], got shape {list(states.shape)}")
+    if not states.is_contiguous():
+        c.fail("states must be contiguous (it is written in place)")
+    read_lines = c.tensor("read_lines", read_lines, dtype=_INDEX, ndim=1, device=device)
+    requests = read_lines.shape[0]
+    read_entries, first_tokens, token_counts = (
+        c.tensor(name, t, dtype=_INDEX, shape=[requests], device=device)
+        for name, t in (("read_entries", read_entries), ("first_tokens", first_tokens),
+                        ("token_counts", token_counts)))
+    write_lines, write_entries = (c.tensor(name, t, dtype=_INDEX, shape=[n], device=device)
+                                  for name, t in (("write_lines", write_lines), ("write_entries", write_entries)))
+    scale = c.real("scale", scale, low=0.0)
+    if device.type == "cpu":
+        _check_spans(c, first_tokens, token_counts, n)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), states,
+            read_lines.contiguous(), read_entries.contiguous(), first_tokens.contiguous(),
+            token_counts.contiguous(), write_lines.contiguous(), write_entries.contiguous(), scale)
+    return implementation("gated_delta_scan", device, *args[:6])(*args)
+
+
+def _check_spans(c: Checker, first_tokens: torch.Tensor, token_counts: torch.Tensor, n: int) -> None:
+    if bool((token_counts < 0).any()) or bool((first_tokens < 0).any()) or \
+            bool((first_tokens + token_counts > n).any()):
+        c.fail(f"each request's tokens first_tokens[r] .. first_tokens[r] + token_counts[r] - 1 must lie in "
+               f"0 .. {n - 1}, got first_tokens {first_tokens.tolist()} and token_counts {token_counts.tolist()}")

@@ -1,0 +1,28 @@
+"""PyTorch reference of the recurrent family (contract: ``dspark.kernels.gated_delta_scan``)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["gated_delta_scan"]
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                     write_entries, scale):
+    out = torch.empty_like(v)
+    for r in range(read_lines.shape[0]):
+        entry = int(read_entries[r])
+        state = (states[read_lines[r], entry].clone() if entry >= 0
+                 else states.new_zeros(states.shape[2:]))  # [HV, dk, dv]
+        for n in range(int(first_tokens[r]), int(first_tokens[r] + token_counts[r])):
+            q_n, k_n = _unit(q[n].float()) * scale, _unit(k[n].float())
+            state = state * g[n].exp()[:, None, None]
+            u = beta[n].float()[:, None] * (v[n].float() - (state * k_n[:, :, None]).sum(1))
+            state = state + k_n[:, :, None] * u[:, None, :]
+            out[n] = (state * q_n[:, :, None]).sum(1).to(out.dtype)
+            states[write_lines[n], write_entries[n]] = state
+    return out

@@ -1,0 +1,84 @@
+"""The gated delta rule over a verify window (``dspark.kernels.gated_delta_scan``): both backends
+(Triton under ``TRITON_INTERPRET=1`` on the CPU) give transformers' ``torch_recurrent_gated_delta_rule``
+outputs and states, per request of a ragged batch, from a ring entry or from zero, each token's
+state written at its own (line, entry); bad inputs are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import BACKEND_PARAMS, DEVICE, INTERPRETER_WARNINGS
+
+import dspark.kernels as K
+
+pytestmark = [INTERPRETER_WARNINGS]
+I64 = torch.int64
+HEADS, DK, DV, LINES, ENTRIES = 3, 16, 12, 5, 4  # dv not a multiple of the Triton value block
+
+
+def _hf_rule():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    return torch_recurrent_gated_delta_rule
+
+
+def _inputs(n: int, dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(n, HEADS, DK, generator=gen) for _ in range(2))
+    v = torch.randn(n, HEADS, DV, generator=gen)
+    g = -torch.rand(n, HEADS, generator=gen) * 0.5
+    beta = torch.rand(n, HEADS, generator=gen)
+    states = torch.randn(LINES, ENTRIES, HEADS, DK, DV, generator=gen)
+    return [t.to(DEVICE) for t in (q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), states)]
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_scan_matches_transformers_recurrence_per_request(backend, dtype):
+    # requests: 3 tokens from line 1's entry 2; 1 token from zero; none; 4 tokens from line 4's entry 0
+    firsts, counts = [0, 3, 4, 4], [3, 1, 0, 4]
+    read_lines, read_entries = [1, 2, 0, 4], [2, -1, 3, 0]
+    n = 8
+    q, k, v, g, beta, states = _inputs(n, dtype)
+    write_lines = torch.tensor([0, 0, 3, 2, 4, 4, 1, 1], dtype=I64, device=DEVICE)
+    write_entries = torch.tensor([1, 3, 0, 2, 1, 2, 3, 0], dtype=I64, device=DEVICE)
+    before = states.clone()
+    t = lambda xs: torch.tensor(xs, dtype=I64, device=DEVICE)  # noqa: E731
+    with K.use_backend(backend):
+        out = K.gated_delta_scan(q, k, v, g, beta, states, t(read_lines), t(read_entries), t(firsts), t(counts),
+                                 write_lines, write_entries, scale=DK ** -0.5)
+    rule = _hf_rule()
+    expected_states = before.clone()
+    for first, count, line, entry in zip(firsts, counts, read_lines, read_entries):
+        if not count:
+            continue
+        span = slice(first, first + count)
+        state = before[line, entry][None] if entry >= 0 else torch.zeros(1, HEADS, DK, DV, device=DEVICE)
+        for i in range(first, first + count):  # one token at a time: every state after it
+            o, state = rule(q[None, i:i + 1], k[None, i:i + 1], v[None, i:i + 1], g[None, i:i + 1],
+                            beta[None, i:i + 1], initial_state=state, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+            torch.testing.assert_close(out[i].float(), o[0, 0].float(), atol=2e-2 if dtype != torch.float32 else 1e-5,
+                                       rtol=1e-2 if dtype != torch.float32 else 1e-5)
+            expected_states[write_lines[i], write_entries[i]] = state[0]
+        whole, _ = rule(q[None, span], k[None, span], v[None, span], g[None, span], beta[None, span],
+                        initial_state=before[line, entry][None] if entry >= 0 else None, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[span].float(), whole[0].float(), atol=2e-2 if dtype != torch.float32 else 1e-5,
+                                   rtol=1e-2 if dtype != torch.float32 else 1e-5)
+    torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
+
+
+def test_gated_delta_scan_refuses_bad_inputs_by_name():
+    q, k, v, g, beta, states = _inputs(4, torch.float32)
+    one = torch.zeros(1, dtype=I64, device=DEVICE)
+    lines = torch.zeros(4, dtype=I64, device=DEVICE)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, states=states, read_lines=one, read_entries=one, first_tokens=one,
+                token_counts=one + 4, write_lines=lines, write_entries=lines, scale=0.25)
+    with pytest.raises(ValueError, match="states must be"):
+        K.gated_delta_scan(**{**args, "states": states[:, :, :, :, :5]})
+    with pytest.raises(TypeError, match="g"):
+        K.gated_delta_scan(**{**args, "g": g.half()})
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="first_tokens"):
+            K.gated_delta_scan(**{**args, "token_counts": one + 5})
