@@ -420,8 +420,7 @@ class GrammarStager:
         position per row)."""
         lens = None if verify_lens is None else list(verify_lens)
         if lens is None:
-            for r in rows:
-                r.grammar.next_mask(self.verify_masks[r.row, 0])
+            self._first_masks(rows)
         else:
             again = None if redraft is None else (
                 lambda requests, *args: redraft([rows[i].row for i in requests], *args))
@@ -432,9 +431,22 @@ class GrammarStager:
             for r, window in zip(rows, windows):
                 lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
                 self._force(r.row, window.forced)
-        for r in rows:
-            self.state.grammar_mask[r.row].copy_(self.verify_masks[r.row], non_blocking=True)
+        for r in rows:  # a plain round reads position 0 only
+            used = slice(0, 1 if lens is None else self.verify_len)
+            self.state.grammar_mask[r.row, used].copy_(self.verify_masks[r.row, used], non_blocking=True)
         return lens
+
+    def _first_masks(self, rows: list[GrammarRow]) -> None:
+        """Each row's mask after its committed tokens at its verify position 0, the rows still
+        walking filled at once (in parallel threads); every bit set where the grammar has terminated."""
+        live = [r for r in rows if not r.grammar.terminated]
+        for r in rows:
+            if r.grammar.terminated:
+                self.verify_masks[r.row, 0] = FREE_MASK
+        if live:
+            self.batch.batch_fill_next_token_bitmask([r.grammar.matcher for r in live],
+                                                     self.verify_masks.view(-1, self.verify_masks.shape[-1]),
+                                                     [r.row * self.verify_len for r in live])
 
     def stage_trees(self, rows: list[GrammarRow]) -> None:
         """Tree mode: each constrained running row's drafted tree walked by its grammar
