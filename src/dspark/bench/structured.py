@@ -339,10 +339,34 @@ def run_batch(setup: Setup, row: dict, prompts, save) -> None:
 
         for mode in MODES:
             record(cell, mode, lambda: measure(engine(), name, mode, setup, prompts, outputs), device, save)
+        if name in setup.args.profile and ("oracle", "constrained") in outputs:
+            profile_run(engine(), name, setup, prompts, outputs, row["batch"])
         built.clear()
         compare(cell, None if name == "plain" else row.get("plain"))
         release(device)
         save()
+
+
+def profile_run(engine, name: str, setup: Setup, prompts, outputs: dict, batch: int) -> None:
+    """``--profile``: one more constrained run of configuration ``name`` under cProfile, the host's
+    functions by own time and by cumulative time (a wait for the device shows as time in a read or
+    a synchronisation) into ``OUT/profile-<name>-b<batch>.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    oracle = None
+    if name.startswith("dspark_a"):
+        oracle = [o + [0] * (setup.drafter.config.num_draft_tokens + 1) for o in outputs["oracle", "constrained"]]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine_run(engine, prompts, setup.args.new, oracle, setup.sampling["constrained"])
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(50)
+    (Path(setup.args.out) / f"profile-{name}-b{batch}.txt").write_text(text.getvalue())
 
 
 def cell_text(result: dict | None, key: str) -> str:
@@ -395,7 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schema", default=None,
                         help="a JSON schema file to constrain to instead of SCHEMA (the keywords conforms checks)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 (--shape tiny)")
+    parser.add_argument("--profile", default="", help="comma-separated configurations whose constrained run is "
+                        "repeated under cProfile (OUT/profile-<config>-b<batch>.txt; the oracle ones after dspark_a1)")
     args = parser.parse_args(argv)
+    args.profile = [x for x in args.profile.split(",") if x]
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
     except ValueError:

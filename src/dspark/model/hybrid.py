@@ -32,11 +32,13 @@ selective scan takes no initial state) -- writing only the states later forwards
 request's last token and, with prefix caching, after the last block end among its tokens (the scan
 split there). Exact to the sequential scan up to the chunked forms' reassociation (fp32:
 tests/test_hybrid_target.py). ``CHUNKED_PROMPTS = False``: the sequential scan for every group (the
-reference the chunked ones are tested on). Every round's scans run one position at a time, all
-requests of a ragged group at once (static shapes, no host synchronisation: CUDA-graph capturable):
-the gated delta rule as flash-linear-attention's fused recurrent kernel on a GPU, elsewhere the
-modeling file's own ``torch_recurrent_gated_delta_rule`` (the PyTorch reference transformers falls
-back to); Mamba-2 as the modeling file's ``mamba2_selective_state_update`` (transformers' recurrent
+reference the chunked ones are tested on). A round's gated delta rule runs on a GPU as one kernel
+per ragged group (``K.gated_delta_scan``, ``WINDOW_SCAN_DEVICES``: flash-linear-attention's fused
+recurrent step over the whole window, each request's state read once and the state after every
+position written straight into its ring entry); elsewhere, and every other mixer's scan, one
+position at a time, all requests of a ragged group at once (static shapes, no host
+synchronisation: CUDA-graph capturable): the gated delta rule as the modeling file's own
+``torch_recurrent_gated_delta_rule`` (the PyTorch reference transformers falls back to); Mamba-2 as the modeling file's ``mamba2_selective_state_update`` (transformers' recurrent
 step, which it maps to mamba-ssm's kernel where its kernel hub provides it). The conv is
 ``F.conv1d`` over each token's ``kernel`` inputs, as transformers computes it. Tree verification,
 which would need a state per tree node, is refused by the engine for these targets.
