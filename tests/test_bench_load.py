@@ -32,11 +32,11 @@ def test_the_mixed_workload_runs_greedy_and_mixed_settings(tmp_path, monkeypatch
     monkeypatch.delenv("DSPARK_REPLAY", raising=False)
     status = load.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny", "--batches", "2",
                         "--max-tokens", "12", "--prompt-tokens", "12", "--num-prompts", "3", "--workload", "mixed",
-                        "--configs", "plain,dspark-random-candidates"])
+                        "--configs", "plain,dspark-random-vocabulary"])
     report = json.loads((tmp_path / "load.json").read_text())
     assert status == 0 and report["outputs_identical"] is True
     assert [r["config"] for r in report["batches"]["2"]] == [
-        "plain", "plain-mixed", "dspark-random-candidates", "dspark-random-candidates-mixed"]
+        "plain", "plain-mixed", "dspark-random-vocabulary", "dspark-random-vocabulary-mixed"]
     assert "mixed / greedy" in (tmp_path / "load.md").read_text()
 
 
@@ -44,8 +44,8 @@ def test_engine_settings_are_the_served_configurations():
     assert load.engine_settings("dspark-fixed", "t.json") == {"scheduler": "off"}
     assert load.engine_settings("dspark-scheduled-online", "t.json") == {
         "scheduler": "cost", "cost_table": "t.json", "schedule_signal": "online"}
-    assert load.engine_settings("dspark-random-candidates", "t.json", "mixed") == {"scheduler": "off",
-                                                                                   "draft_candidates": 64}
+    assert load.engine_settings("dspark-random-vocabulary", "t.json", "mixed") == {"scheduler": "off",
+                                                                                   "draft_candidates": 0}
 
 
 @pytest.mark.parametrize("argv, message", [(["--batches", "0"], "--batches must be"),

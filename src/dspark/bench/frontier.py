@@ -137,8 +137,8 @@ def run_config(label: str, args, spec: dict, cost_table: Path | None, *, factory
 MIXED_CONFIGS = {  # the mixed-settings workload: drafts for real (acceptance replay serves greedy requests only)
     "plain": ("plain_engine", []),
     "dspark-random": ("random_engine", ["--scheduler", "off"]),
-    # sampled drafts over candidate sets (--configs only: the engine's default is C = 0)
-    "dspark-random-candidates": ("random_engine", ["--scheduler", "off", "--draft-candidates", "64"]),
+    # sampled drafts over the whole vocabulary (--configs only: the engine's default is candidate sets)
+    "dspark-random-vocabulary": ("random_engine", ["--scheduler", "off", "--draft-candidates", "0"]),
 }
 DEFAULT_MIXED_CONFIGS = ("plain", "dspark-random")
 

@@ -6,7 +6,7 @@ online estimator) on the 8B-shaped target with acceptance replay, each driving `
 ``python -m dspark.bench.load --out DIR --batches 128,256`` (on a GPU; ``--device cpu --shape tiny``:
 toy sizes in fp32, the plumbing). ``--workload mixed``: instead, the frontier's mixed-settings
 workload -- plain decoding and a random drafter drafting for real (``MIXED_CONFIGS``; with
-``dspark-random-candidates``, sampled drafts over candidate sets) each under greedy requests and
+``dspark-random-vocabulary``, sampled drafts over the whole vocabulary instead of candidate sets) each under greedy requests and
 under ``bench.serve.MIXED_SETTINGS`` (request i: setting i mod 4, seed i), side by side.
 
 A served frontier at B = 256 would first capture every graph a server may meet (about 1,900 for the cost scheduler: minutes per
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                              "a random drafter drafting for real")
     parser.add_argument("--configs", default=None,
                         help=f"subset of {','.join(CONFIGS)} (--workload mixed: of {','.join(MIXED_CONFIGS)}; "
-                             "default: all but dspark-random-candidates)")
+                             "default: all but dspark-random-vocabulary)")
     parser.add_argument("--requests-per-row", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-rank", type=int, default=256)
     args = parser.parse_args(argv)
     known = WORKLOADS[args.workload]
-    labels = [x for x in (args.configs or ",".join(x for x in known if x != "dspark-random-candidates")).split(",") if x]
+    labels = [x for x in (args.configs or ",".join(x for x in known if x != "dspark-random-vocabulary")).split(",") if x]
     if not labels or any(x not in known for x in labels):
         parser.error(f"--configs must name some of {list(known)}, got {args.configs!r}")
     try:

@@ -19,7 +19,7 @@ SCHEDULER_CHOICES = ("off", "threshold", "sps", "cost")
 SCHEDULE_SIGNALS = ("confidence", "online")  # ``dspark.engine.config.SCHEDULE_SIGNALS``, likewise
 # ``dspark.engine.config.DEFAULT_DRAFT_CANDIDATES`` / ``_SUCCESSORS``, spelled out likewise
 # (tests/test_candidate_drafting.py keeps them equal)
-DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS = 0, 16
+DEFAULT_DRAFT_CANDIDATES, DEFAULT_DRAFT_SUCCESSORS = 64, 16
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
