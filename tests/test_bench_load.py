@@ -32,9 +32,12 @@ def test_the_mixed_workload_runs_greedy_and_mixed_settings(tmp_path, monkeypatch
     monkeypatch.delenv("DSPARK_REPLAY", raising=False)
     status = load.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny", "--batches", "2",
                         "--max-tokens", "12", "--prompt-tokens", "12", "--num-prompts", "3", "--workload", "mixed",
-                        "--configs", "plain,dspark-random-vocabulary"])
+                        "--configs", "plain,dspark-random-vocabulary", "--profile", "dspark-random-vocabulary-mixed"])
     report = json.loads((tmp_path / "load.json").read_text())
     assert status == 0 and report["outputs_identical"] is True
+    # the profiled configuration's requests ran a third time under the PyTorch profiler
+    assert "Self CPU" in (tmp_path / "profile-dspark-random-vocabulary-mixed-b2.txt").read_text()
+    assert [p.name for p in tmp_path.glob("profile-*")] == ["profile-dspark-random-vocabulary-mixed-b2.txt"]
     assert [r["config"] for r in report["batches"]["2"]] == [
         "plain", "plain-mixed", "dspark-random-vocabulary", "dspark-random-vocabulary-mixed"]
     assert "mixed / greedy" in (tmp_path / "load.md").read_text()

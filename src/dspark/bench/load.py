@@ -96,9 +96,10 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models: Mode
 
 
 def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
-               workload: str = "replay", mixed: bool = False) -> dict:
+               workload: str = "replay", mixed: bool = False, profile_to: Path | None = None) -> dict:
     """One configuration at ``batch`` rows: an untimed run, then the timed one (``mixed``: the
-    requests of ``MIXED_SETTINGS``)."""
+    requests of ``MIXED_SETTINGS``); with ``profile_to``, a third run under the PyTorch profiler
+    written there (``profile_run``)."""
     engine = build_engine(label, workload, batch, spec, models, cost_table)
     requests = requests_of(spec, batch * requests_per_row, mixed)
     label = f"{label}-mixed" if mixed else label
@@ -114,7 +115,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
         elapsed = time.perf_counter() - start
         steps, rounds = m.steps - before["steps"], m.rounds - before["rounds"]
         tokens = sum(len(r.token_ids) for r in results)
-        return {"config": label, "batch": batch, "requests": len(requests), "tokens": tokens,
+        result = {"config": label, "batch": batch, "requests": len(requests), "tokens": tokens,
                 "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
                 "tau": None if label.startswith("plain") else round((m.accepted_tokens - before["accepted"] + rounds)
                                                           / max(rounds, 1), 3),
@@ -122,12 +123,31 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                 "captures_timed": engine.runner.captures - before["captures"],
                 "failed": sum(r.finish_reason == "error" for r in results),
                 "outputs": [r.token_ids for r in results]}
+        if profile_to is not None:
+            profile_run(engine, requests, spec, profile_to)
+        return result
     finally:
         engine.close()
         del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def profile_run(engine, requests, spec: dict, path: Path) -> None:
+    """The same requests once more under the PyTorch profiler: its table of operators and kernels by
+    device time (by host time on the CPU) into ``path`` -- where a step's time goes, graphs' kernels
+    included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = spec["device"] == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        engine.generate(requests)
+        _synchronize(spec)
+    table = profiler.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
+                                          max_name_column_width=100)
+    path.write_text(table)
 
 
 def _synchronize(spec: dict) -> None:
@@ -171,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="qwen3-8b", help="a shape of bench.engine.SHAPES, or tiny (--device cpu)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32")
     parser.add_argument("--draft-rank", type=int, default=256)
+    parser.add_argument("--profile", default="", help="comma-separated labels as reported (e.g. dspark-random-mixed) "
+                        "whose requests run a third time under the PyTorch profiler: OUT/profile-<label>-b<B>.txt")
     args = parser.parse_args(argv)
     known = WORKLOADS[args.workload]
     labels = [x for x in (args.configs or ",".join(x for x in known if x != "dspark-random-vocabulary")).split(",") if x]
@@ -210,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     outputs = {}
     for batch in batches:
         for label, mixed in [(x, m) for x in labels for m in ((False, True) if args.workload == "mixed" else (False,))]:
-            row = run_config(label, batch, spec, models, cost_table, args.requests_per_row, args.workload, mixed)
+            reported = f"{label}-mixed" if mixed else label
+            profile_to = out / f"profile-{reported}-b{batch}.txt" if reported in args.profile.split(",") else None
+            row = run_config(label, batch, spec, models, cost_table, args.requests_per_row, args.workload, mixed,
+                             profile_to)
             greedy = [o for i, o in enumerate(row.pop("outputs")) if args.workload != "mixed" or i % len(MIXED_SETTINGS) == 0]
             outputs.setdefault(batch, []).append(greedy)
             report["batches"].setdefault(str(batch), []).append(row)
