@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BACKEND_PARAMS, DEVICE, INTERPRETER_WARNINGS
+from conftest import BACKEND_PARAMS, DEVICE, INTERPRETER_WARNINGS, gpu
 
 import dspark.kernels as K
 
@@ -82,3 +82,33 @@ def test_gated_delta_scan_refuses_bad_inputs_by_name():
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="first_tokens"):
             K.gated_delta_scan(**{**args, "token_counts": one + 5})
+
+
+@gpu
+def test_gated_delta_scan_at_qwen35_sizes_equals_fla_per_position():
+    """On CUDA, Qwen3.5-9B's sizes (32 value heads of 128 x 128, bf16 inputs): the window kernel's
+    outputs and states equal flash-linear-attention's fused recurrent kernel run one position at a
+    time (what the engine ran before it) over 64 requests of 8 tokens, from ring entries."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    requests, window, heads, dk, dv = 64, 8, 32, 128, 128
+    n, gen = requests * window, torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(n, heads, d, generator=gen, device="cuda").bfloat16() for d in (dk, dk, dv))
+    g = -torch.rand(n, heads, generator=gen, device="cuda")
+    beta = torch.rand(n, heads, generator=gen, device="cuda").bfloat16()
+    states = torch.randn(requests + 1, window + 1, heads, dk, dv, generator=gen, device="cuda") * 0.1
+    before = states.clone()
+    lines = torch.arange(requests, device="cuda")
+    firsts = lines * window
+    write_lines = lines.repeat_interleave(window)
+    write_entries = torch.arange(n, device="cuda") % window + 1  # entry 0 holds the start state
+    out = K.gated_delta_scan(q, k, v, g, beta, states, lines, torch.zeros_like(lines), firsts,
+                             torch.full_like(lines, window), write_lines, write_entries, scale=dk ** -0.5)
+    state = before[lines, 0]
+    for i in range(window):
+        at = firsts + i
+        o, state = fused_recurrent_gated_delta_rule(q[at, None], k[at, None], v[at, None], g=g[at, None],
+                                                    beta=beta[at, None], initial_state=state, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[at].float(), o[:, 0].float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(states[lines, i + 1], state, atol=1e-4, rtol=1e-4)
