@@ -5,7 +5,8 @@ greedy drafter), ``sampling`` (uniforms, probabilities, samplers, stores, the sa
 ``candidates`` (sampled Markov drafting over candidate sets), ``verify`` (verify tokens, greedy and
 probabilistic accept, proposal lengths), ``confidence`` (confidence head and the threshold / SPS
 schedulers), ``layers`` (RMSNorm, RoPE + KV store, cached
-attention, SwiGLU for the engine's model runners), ``rng`` (request-stable uniforms), ``tree``
+attention, SwiGLU for the engine's model runners), ``recurrent`` (a hybrid target's gated DeltaNet
+window with the state after every position written out), ``rng`` (request-stable uniforms), ``tree``
 (the DDTree builder and greedy tree acceptance; PyTorch only so far). Backends: PyTorch reference and Triton, see
 ``use_backend``; the full contract of each function is on the public function.
 
