@@ -181,7 +181,7 @@ def test_a_greedy_rows_refused_draft_is_drafted_again_under_the_grammar(demo):
 
 
 def test_redraft_is_the_drafters_greedy_chain_under_a_mask(demo):
-    """``DSparkProposer.redraft`` after a draft pass: with every token allowed and the pass's own
+    """``DSparkProposer.redrafts`` after a draft pass: with every token allowed and the pass's own
     drafts before it, each position's redraft is the pass's draft (the Markov chain stepped through
     the prefix over the kept block); a mask refusing that draft gives another, allowed token."""
     pair, tokenizer, prompts, engine, _ = demo
@@ -191,11 +191,11 @@ def test_redraft_is_the_drafters_greedy_chain_under_a_mask(demo):
     runner = engine.runner
     drafts, p = runner.state.draft_tokens[0].tolist(), runner.num_drafts
     free = torch.full((p, bitmask_width(runner.target.vocab_size)), FREE_MASK, dtype=torch.int32)
-    assert runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
+    assert runner.proposer.redrafts()([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
     refusing = free.clone()
     for j, token in enumerate(drafts):
         refusing[j, token >> 5] &= ~(1 << (token & 31))
-    again = runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], refusing)
+    again = runner.proposer.redrafts()([0] * p, list(range(p)), [drafts[:j] for j in range(p)], refusing)
     assert all(a != d for a, d in zip(again, drafts)) and all(0 <= a < runner.target.vocab_size for a in again)
     engine.abort(rid)
     while engine.has_unfinished():
@@ -442,7 +442,11 @@ def test_redrafted_greedy_rows_with_every_markov_head(bigram_grammar_pair, head,
     runner, p = engine.runner, engine.runner.num_drafts
     drafts = runner.state.draft_tokens[0].tolist()
     free = torch.full((p, bitmask_width(5)), FREE_MASK, dtype=torch.int32)
-    assert runner.proposer.redraft([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
+    assert runner.proposer.redrafts()([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
+    # asked position by position, as the grammar walk asks, one round's chain is stepped once per call
+    redrafts = runner.proposer.redrafts()
+    assert [redrafts([0], [j], [drafts[:j]], free[:1])[0] for j in range(p)] == drafts
+    assert redrafts.chains[0].position == p
     engine.abort(rid)
     requests = [Request([s % 4], 24, SamplingParams(structured_outputs=StructuredOutputs(regex=regex),
                                                     logit_bias={EOS: -100.0}), ignore_eos=True)

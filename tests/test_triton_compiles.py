@@ -96,6 +96,10 @@ KERNELS = {
                                          (8, 1, False, False, True, True), (8, 4, True, False, False, False))]),
     "layers._combine_kernel": ({"out_ptr": "*bf16"}, [dict(D=128, BLOCK_D=128, SPLITS=4, BLOCK_S=4)]),
     "layers._silu_and_mul_kernel": (BF16, [dict(BLOCK=1024)]),
+    "recurrent._gated_delta_scan_kernel": (
+        {**BF16, "beta_ptr": "*bf16", "read_lines_ptr": "*i64", "read_entries_ptr": "*i64", "first_ptr": "*i64",
+         "count_ptr": "*i64", "write_lines_ptr": "*i64", "write_entries_ptr": "*i64", "scale": "fp32"},
+        [dict(HV=32, DK=128, DV=128, BK=128, BV_=8)]),  # Qwen3.5-9B's gated DeltaNet heads
 }
 
 # Runs in a process of its own: under TRITON_INTERPRET=1 (this suite's CPU setting) @triton.jit gives

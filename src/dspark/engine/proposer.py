@@ -12,6 +12,8 @@ lengths, and the readout's proposal columns.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import kernels as K
@@ -21,7 +23,7 @@ from .penalties import PenaltyState
 from .rows import LogitsPath, RowState, TreeSettings
 from .structured import apply_bitmask
 
-__all__ = ["DSparkProposer"]
+__all__ = ["DSparkProposer", "Redrafts"]
 
 
 class DSparkProposer:
@@ -91,34 +93,9 @@ class DSparkProposer:
         from) carry them."""
         apply_bitmask(logits, self.state.draft_mask[:b].view(b * self.drafter.block_size, -1))
 
-    def redraft(self, rows: list[int], positions: list[int], prefixes: list[list[int]],
-                masks: torch.Tensor) -> list[int]:
-        """Greedy drafts again, outside the draft pass: row ``rows[i]``'s draft at ``positions[i]``
-        after the drafts ``prefixes[i]`` before it (its own tokens, which may differ from what the
-        pass drafted), the argmax of the drafter's Markov-corrected logits there -- the chain stepped
-        from the row's anchor through ``prefixes[i]`` over the block hidden states the last draft
-        pass kept -- masked by ``masks`` int32 ``[len(rows), width]`` (host). A greedy row's
-        acceptance never reads how its drafts were made, so any draft keeps it exact; these are the
-        drafter's best guesses under the grammar. One host read."""
-        s, model, offset = self.state, self.drafter.model, self.drafter.slot_offset
-        device = s.anchor.device
-        index = torch.tensor(rows, device=device)
-        hidden = s.block_hidden[index]  # [n, N, H]
-        last = max(positions)
-        tokens = torch.tensor([prefix[:last] + [0] * (last - min(len(prefix), last)) for prefix in prefixes],
-                              dtype=torch.int32, device=device).view(len(rows), last)
-        prev, state = s.anchor[index], model.markov_start_state(hidden[:, 0], s.anchor[index])
-        at = torch.tensor(positions, device=device)
-        bias = None
-        for step in range(last + 1):  # the chain's bias at each row's own position
-            step_bias, state = model.markov_bias(hidden[:, step + offset], prev, state)
-            bias = step_bias if bias is None else torch.where((at == step)[:, None], step_bias, bias)
-            if step < last:
-                prev = tokens[:, step]
-        rows_at = torch.arange(len(rows), device=device)
-        logits = model.backbone_logits(hidden[rows_at, at + offset]) + bias
-        apply_bitmask(logits, masks.to(device))
-        return logits.argmax(-1).tolist()
+    def redrafts(self) -> "Redrafts":
+        """A round's greedy redrafts (``Redrafts``), for the host's grammar walk."""
+        return Redrafts(self)
 
     def publish(self, b: int) -> None:
         """Rows ``0 .. b-1``'s proposal lengths and confidences into the readout."""
@@ -138,3 +115,64 @@ class DSparkProposer:
         s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b] = built.tokens, built.parents, built.depths
         s.tree_nodes[:b] = built.num_nodes
         s.tree_bits[:b] = built.ancestor_bits
+
+
+@dataclass
+class _Chain:
+    """A row's Markov chain between ``Redrafts`` calls: the next ``position`` whose bias it gives,
+    the token before it (``prev``) and the Markov state there (an rnn head's ``[R]``, else None)."""
+
+    position: int
+    prev: int
+    state: torch.Tensor | None
+
+
+class Redrafts:
+    """One round's greedy drafts made again outside the draft pass (``walk_windows`` asks position by
+    position): row ``rows[i]``'s draft at ``positions[i]`` after the drafts ``prefixes[i]`` before it
+    (its own tokens, which may differ from what the pass drafted) is the argmax of the drafter's
+    Markov-corrected logits there -- the chain stepped from the row's anchor through ``prefixes[i]``
+    over the block hidden states the last draft pass kept -- masked by ``masks`` int32
+    ``[len(rows), width]`` (host). A greedy row's acceptance never reads how its drafts were made,
+    so any draft keeps it exact; these are the drafter's best guesses under the grammar. A row that
+    redrafts a position redrafts every later one: its chain is kept between calls, so a call steps
+    it from where it stopped (from the anchor only the first time). One host read per call."""
+
+    def __init__(self, proposer: DSparkProposer):
+        self.proposer, self.chains = proposer, {}
+
+    def __call__(self, rows: list[int], positions: list[int], prefixes: list[list[int]],
+                 masks: torch.Tensor) -> list[int]:
+        s, model = self.proposer.state, self.proposer.drafter.model
+        offset, device = self.proposer.drafter.slot_offset, s.anchor.device
+        index = torch.tensor(rows, device=device)
+        hidden = s.block_hidden[index]  # [n, N, H]
+        kept = [self.chains.get(row) for row in rows]
+        starts = [0 if c is None or c.position > at else c.position for c, at in zip(kept, positions)]
+        prev = s.anchor[index].clone()
+        state = model.markov_start_state(hidden[:, 0], prev)
+        for i, (chain, start) in enumerate(zip(kept, starts)):
+            if start:  # the kept chain's token and state
+                prev[i] = chain.prev
+                if state is not None:
+                    state[i] = chain.state
+        first, last = min(starts), max(positions)
+        tokens = torch.tensor([prefix[:last] + [0] * (last - min(len(prefix), last)) for prefix in prefixes],
+                              dtype=torch.int32, device=device).view(len(rows), last)
+        begin, at = torch.tensor(starts, device=device), torch.tensor(positions, device=device)
+        bias = None
+        for step in range(first, last + 1):  # each row from its start to its own position
+            live = (begin <= step) & (step <= at)
+            step_bias, after = model.markov_bias(hidden[:, step + offset], prev, state)
+            bias = step_bias if bias is None else torch.where((at == step)[:, None], step_bias, bias)
+            if state is not None:
+                state = torch.where(live[:, None], after, state)
+            if step < last:
+                prev = torch.where(live & (step < at), tokens[:, step].to(prev.dtype), prev)
+        rows_at = torch.arange(len(rows), device=device)
+        logits = model.backbone_logits(hidden[rows_at, at + offset]) + bias
+        apply_bitmask(logits, masks.to(device))
+        drafted = logits.argmax(-1).tolist()
+        for i, (row, position, token) in enumerate(zip(rows, positions, drafted)):
+            self.chains[row] = _Chain(position + 1, token, None if state is None else state[i].clone())
+        return drafted

@@ -250,7 +250,7 @@ def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks:
     takes that token as its draft (``Window.forced``): the target's masked distribution there is
     that token alone, so it is accepted whatever was drafted. A ``greedy[i]`` request's refused draft,
     and every draft after it, is drafted again under its mask (``redraft(requests, positions,
-    prefixes, masks) -> tokens``: ``DSparkProposer.redraft``; ``Window.forced`` too): its acceptance
+    prefixes, masks) -> tokens``: ``proposer.Redrafts``; ``Window.forced`` too): its acceptance
     never reads how a draft was made. Position by position, the masks of every request still walking
     are filled at once (``batch``: a ``MaskFiller``); the matchers
     are rolled back."""
@@ -430,7 +430,7 @@ class GrammarStager:
         speculative sampling must -- drawing there from the target's distribution instead (cutting it
         too) would skew a sampled row's output towards q's valid tokens. A position the grammar
         forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``); with
-        ``redraft`` (``DSparkProposer.redraft``), a greedy row's refused draft and the ones after it
+        ``redraft`` (``proposer.Redrafts``), a greedy row's refused draft and the ones after it
         are made again under the grammar (a one-hot q too: what a greedy row's sampled-path acceptance
         reads).
         ``drafts`` int ``[rows, P]`` on the host (None for a plain round, ``verify_lens`` None: one
@@ -572,7 +572,7 @@ class StructuredStage:
         else:
             drafts = runner.state.draft_tokens[:len(running)].cpu() if rows and verify_lens is not None else None
             verify_lens = self.stager.stage_round(rows, verify_lens, drafts,
-                                                  None if runner.proposer is None else runner.proposer.redraft)
+                                                  None if runner.proposer is None else runner.proposer.redrafts())
         if runner.drafter is not None:
             def stage_drafts() -> None:
                 result = runner.read(max(r.row for r in rows + seated) + 1)
