@@ -138,20 +138,25 @@ def test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, mo
         assert any(a > 0 and b == 0 for a, b in pairs) and any(a == 0 and b > 0 for a, b in pairs)
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
-def test_rounds_through_the_window_kernel_keep_every_state(backend, monkeypatch):
-    """Gated DeltaNet rounds through ``K.gated_delta_scan`` (a group's whole window in one call, as on
-    a GPU; here its PyTorch reference and its Triton kernel under the interpreter): ragged verify
-    lengths, rejected and accepted drafts, plain rounds and prompt chunks give ``generate()``'s
-    tokens, and after every step the states equal the committed tokens run position by position."""
+@pytest.mark.parametrize(("name", "backend"), [("qwen3.5", "reference"),
+                                               pytest.param("qwen3.5", "triton", marks=requires_triton),
+                                               pytest.param("bamba", "triton", marks=requires_triton),
+                                               ("falcon-h1", "reference")])
+def test_rounds_through_the_window_kernels_keep_every_state(name, backend, monkeypatch):
+    """Gated DeltaNet and Mamba-2 rounds through ``K.gated_delta_scan`` / ``K.selective_state_scan``
+    (a group's whole window in one call, as on a GPU; here their PyTorch reference and their Triton
+    kernels under the interpreter): ragged verify lengths, rejected and accepted drafts, plain rounds
+    and prompt chunks give ``generate()``'s tokens, and after every step the states equal the
+    committed tokens run position by position."""
     import dspark.kernels as K
 
     monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 3)
     monkeypatch.setattr(hybrid_model, "WINDOW_SCAN_DEVICES", {"cuda", "cpu"})
     calls = []
-    scan = K.gated_delta_scan
-    monkeypatch.setattr(K, "gated_delta_scan", lambda *a, **k: (calls.append(a[0].shape[0]), scan(*a, **k))[1])
-    model = _model("qwen3.5")
+    kernel = "gated_delta_scan" if name == "qwen3.5" else "selective_state_scan"
+    scan = getattr(K, kernel)
+    monkeypatch.setattr(K, kernel, lambda *a, **k: (calls.append(a[0].shape[0]), scan(*a, **k))[1])
+    model = _model(name)
     draft, expected = _drafter(model), [_generate(model, p, NEW) for p in PROMPTS]
     with K.use_backend(backend):
         engine = OracleEngine(model, draft, EngineConfig(**CHUNKED, **SCHEDULERS["plain-rounds"]), acceptance=0.5)

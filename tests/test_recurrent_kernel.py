@@ -1,7 +1,8 @@
-"""The gated delta rule over a verify window (``dspark.kernels.gated_delta_scan``): both backends
-(Triton under ``TRITON_INTERPRET=1`` on the CPU) give transformers' ``torch_recurrent_gated_delta_rule``
-outputs and states, per request of a ragged batch, from a ring entry or from zero, each token's
-state written at its own (line, entry); bad inputs are refused by name."""
+"""A verify window through a recurrence in one call (``dspark.kernels.gated_delta_scan``, the gated
+delta rule; ``selective_state_scan``, Mamba-2): both backends (Triton under ``TRITON_INTERPRET=1`` on
+the CPU) give transformers' own recurrent steps' outputs and states (``torch_recurrent_gated_delta_rule``,
+``mamba2_selective_state_update``), per request of a ragged batch, from a ring entry or from zero,
+each token's state written at its own (line, entry); bad inputs are refused by name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ import dspark.kernels as K
 pytestmark = [INTERPRETER_WARNINGS]
 I64 = torch.int64
 HEADS, DK, DV, LINES, ENTRIES = 3, 16, 12, 5, 4  # dv not a multiple of the Triton value block
+# requests: 3 tokens from line 1's entry 2; 1 token from zero; none; 4 tokens from line 4's entry 0
+FIRSTS, COUNTS, READ_LINES, READ_ENTRIES = [0, 3, 4, 4], [3, 1, 0, 4], [1, 2, 0, 4], [2, -1, 3, 0]
+WRITE_LINES, WRITE_ENTRIES = [0, 0, 3, 2, 4, 4, 1, 1], [1, 3, 0, 2, 1, 2, 3, 0]
+
+
+def _i64(xs):
+    return torch.tensor(xs, dtype=I64, device=DEVICE)
 
 
 def _hf_rule():
@@ -35,18 +43,13 @@ def _inputs(n: int, dtype, seed: int = 0):
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_delta_scan_matches_transformers_recurrence_per_request(backend, dtype):
-    # requests: 3 tokens from line 1's entry 2; 1 token from zero; none; 4 tokens from line 4's entry 0
-    firsts, counts = [0, 3, 4, 4], [3, 1, 0, 4]
-    read_lines, read_entries = [1, 2, 0, 4], [2, -1, 3, 0]
-    n = 8
-    q, k, v, g, beta, states = _inputs(n, dtype)
-    write_lines = torch.tensor([0, 0, 3, 2, 4, 4, 1, 1], dtype=I64, device=DEVICE)
-    write_entries = torch.tensor([1, 3, 0, 2, 1, 2, 3, 0], dtype=I64, device=DEVICE)
+    firsts, counts, read_lines, read_entries = FIRSTS, COUNTS, READ_LINES, READ_ENTRIES
+    q, k, v, g, beta, states = _inputs(8, dtype)
+    write_lines, write_entries = _i64(WRITE_LINES), _i64(WRITE_ENTRIES)
     before = states.clone()
-    t = lambda xs: torch.tensor(xs, dtype=I64, device=DEVICE)  # noqa: E731
     with K.use_backend(backend):
-        out = K.gated_delta_scan(q, k, v, g, beta, states, t(read_lines), t(read_entries), t(firsts), t(counts),
-                                 write_lines, write_entries, scale=DK ** -0.5)
+        out = K.gated_delta_scan(q, k, v, g, beta, states, _i64(read_lines), _i64(read_entries), _i64(firsts),
+                                 _i64(counts), write_lines, write_entries, scale=DK ** -0.5)
     rule = _hf_rule()
     expected_states = before.clone()
     for first, count, line, entry in zip(firsts, counts, read_lines, read_entries):
@@ -69,6 +72,39 @@ def test_gated_delta_scan_matches_transformers_recurrence_per_request(backend, d
     torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_state_scan_matches_transformers_mamba2_step_per_request(backend, dtype):
+    from transformers.models.bamba.modeling_bamba import mamba2_selective_state_update
+
+    heads, groups, head_dim, size, n = 4, 2, 20, 12, 8  # head_dim not a multiple of the Triton block
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, heads, head_dim, generator=gen)
+    dt = torch.rand(n, heads, generator=gen) * 0.5
+    a = -torch.rand(heads, generator=gen) - 0.5
+    b, c = (torch.randn(n, groups, size, generator=gen) for _ in range(2))
+    d = torch.randn(heads, generator=gen)
+    states = torch.randn(5, 4, heads, head_dim, size, generator=gen)
+    x, dt, b, c, d = (t.to(dtype).to(DEVICE) for t in (x, dt, b, c, d))
+    a, states = a.to(DEVICE), states.to(DEVICE)
+    before = states.clone()
+    with K.use_backend(backend):
+        out = K.selective_state_scan(x, dt, a, b, c, d, states, _i64(READ_LINES), _i64(READ_ENTRIES), _i64(FIRSTS),
+                                     _i64(COUNTS), _i64(WRITE_LINES), _i64(WRITE_ENTRIES))
+    expected = before.clone()
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    for first, count, line, entry in zip(FIRSTS, COUNTS, READ_LINES, READ_ENTRIES):
+        state = before[line, entry][None].clone() if entry >= 0 else torch.zeros(1, heads, head_dim, size,
+                                                                               device=DEVICE)
+        for i in range(first, first + count):  # transformers' recurrent step, as the engine ran it
+            o = mamba2_selective_state_update(state, x[i:i + 1], dt[i:i + 1, :, None].expand(-1, -1, head_dim),
+                                              a[:, None, None].expand(-1, head_dim, size), b[i:i + 1], c[i:i + 1],
+                                              d[:, None].expand(-1, head_dim))
+            torch.testing.assert_close(out[i].float(), o[0].float(), **tolerance)
+            expected[WRITE_LINES[i], WRITE_ENTRIES[i]] = state[0]
+    torch.testing.assert_close(states, expected, **tolerance)
+
+
 def test_gated_delta_scan_refuses_bad_inputs_by_name():
     q, k, v, g, beta, states = _inputs(4, torch.float32)
     one = torch.zeros(1, dtype=I64, device=DEVICE)
@@ -79,6 +115,12 @@ def test_gated_delta_scan_refuses_bad_inputs_by_name():
         K.gated_delta_scan(**{**args, "states": states[:, :, :, :, :5]})
     with pytest.raises(TypeError, match="g"):
         K.gated_delta_scan(**{**args, "g": g.half()})
+    mamba = dict(x=v, dt=g, a=g[0], b=k[:, :1], c=k[:, :1], d=g[0], states=torch.zeros(2, 2, HEADS, DV, DK,
+                                                                                      device=DEVICE))
+    addressing = {name: args[name] for name in ("read_lines", "read_entries", "first_tokens", "token_counts",
+                                                "write_lines", "write_entries")}
+    with pytest.raises(ValueError, match="b must be"):  # 3 heads over 2 groups
+        K.selective_state_scan(**{**mamba, "b": k[:, :2], "c": k[:, :2]}, **addressing)
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="first_tokens"):
             K.gated_delta_scan(**{**args, "token_counts": one + 5})

@@ -100,6 +100,11 @@ KERNELS = {
         {**BF16, "beta_ptr": "*bf16", "read_lines_ptr": "*i64", "read_entries_ptr": "*i64", "first_ptr": "*i64",
          "count_ptr": "*i64", "write_lines_ptr": "*i64", "write_entries_ptr": "*i64", "scale": "fp32"},
         [dict(HV=32, DK=128, DV=128, BK=128, BV_=8)]),  # Qwen3.5-9B's gated DeltaNet heads
+    "recurrent._selective_state_scan_kernel": (
+        {"x_ptr": "*bf16", "dt_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "d_ptr": "*bf16", "out_ptr": "*bf16",
+         "read_lines_ptr": "*i64", "read_entries_ptr": "*i64", "first_ptr": "*i64", "count_ptr": "*i64",
+         "write_lines_ptr": "*i64", "write_entries_ptr": "*i64"},
+        [dict(HEADS=128, GROUPS=1, HEAD_DIM=64, SIZE=128, BP_=16, BN=128)]),  # Bamba-9B's Mamba-2 heads
 }
 
 # Runs in a process of its own: under TRITON_INTERPRET=1 (this suite's CPU setting) @triton.jit gives

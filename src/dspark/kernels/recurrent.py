@@ -10,7 +10,17 @@ window, reads it once and writes it once per position, straight into its ring en
 
 * ``gated_delta_scan(q, k, v, g, beta, states, ...)`` -- the gated delta rule (Qwen3-Next /
   Qwen3.5 / OLMo-Hybrid), flash-linear-attention's ``fused_recurrent_gated_delta_rule`` with
-  ``use_qk_l2norm_in_kernel=True``, over ragged requests of flat tokens.
+  ``use_qk_l2norm_in_kernel=True``, over ragged requests of flat tokens;
+* ``selective_state_scan(x, dt, a, b, c, d, states, ...)`` -- Mamba-2's selective state update
+  (Bamba, Granite-4, Falcon-H1, Nemotron-H, Mamba2), transformers' ``mamba2_selective_state_update``
+  position by position, likewise.
+
+Both address requests and states alike (the *addressing*): per request r (int64 ``[R]`` each),
+tokens ``first_tokens[r] .. + token_counts[r] - 1`` of the flat inputs, from the state
+``states[read_lines[r], read_entries[r]]`` (zero where ``read_entries[r] < 0``); ``states`` f32
+``[lines, entries, heads, ...]`` is updated in place, the state after token n going to
+``states[write_lines[n], write_entries[n]]`` (int64 ``[N]`` each); rows of tokens no request names
+are left unwritten in the output.
 
 Values are not checked on CUDA tensors (ids and lengths there come from the engine).
 """
@@ -22,7 +32,7 @@ import torch
 from ._backend import implementation
 from ._validate import HALF_DTYPES, Checker
 
-__all__ = ["gated_delta_scan"]
+__all__ = ["gated_delta_scan", "selective_state_scan"]
 
 _FLOAT = (torch.float32,) + HALF_DTYPES
 _INDEX = torch.int64
@@ -31,14 +41,11 @@ _INDEX = torch.int64
 def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_tokens, token_counts, write_lines,
                      write_entries, scale: float):
     """The gated delta rule over each request's tokens in order; returns ``out`` ``[N, HV, dv]`` in
-    ``v``'s dtype (rows of tokens no request names are left unwritten).
+    ``v``'s dtype.
 
-    Per request r (int64 ``[R]`` each): tokens ``first_tokens[r] .. + token_counts[r] - 1`` of the
-    flat ``q``, ``k`` ``[N, HV, dk]``, ``v`` ``[N, HV, dv]`` (f32 / f16 / bf16), ``g`` f32 ``[N, HV]``
-    (log decay) and ``beta`` ``[N, HV]`` (any float dtype), from the state
-    ``states[read_lines[r], read_entries[r]]`` (zero where ``read_entries[r] < 0``); ``states`` f32
-    ``[lines, entries, HV, dk, dv]``, updated in place: the state after token n goes to
-    ``states[write_lines[n], write_entries[n]]`` (int64 ``[N]`` each). Per token, in f32::
+    Addressing: module docstring. ``q``, ``k`` ``[N, HV, dk]``, ``v`` ``[N, HV, dv]`` (f32 / f16 /
+    bf16), ``g`` f32 ``[N, HV]`` (log decay), ``beta`` ``[N, HV]`` (any float dtype); ``states`` f32
+    ``[lines, entries, HV, dk, dv]``. Per token, in f32::
 
         q, k = q / sqrt(|q|^2 + 1e-6) * scale, k / sqrt(|k|^2 + 1e-6)
         S = exp(g) * S;  u = beta * (v - S^T k);  S = S + k u^T;  out = S^T q
@@ -57,26 +64,71 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
     dv = v.shape[2]
     g = c.tensor("g", g, dtype=torch.float32, shape=[n, heads], device=device)
     beta = c.tensor("beta", beta, dtype=_FLOAT, shape=[n, heads], device=device)
+    states = _states(c, states, device, [heads, dk, dv])
+    addressing = _addressing(c, n, device, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                             write_entries)
+    scale = c.real("scale", scale, low=0.0)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), states, *addressing, scale)
+    return implementation("gated_delta_scan", device, *args[:6])(*args)
+
+
+def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, first_tokens, token_counts,
+                         write_lines, write_entries):
+    """Mamba-2's selective state update over each request's tokens in order (addressing: module
+    docstring); returns ``out`` ``[N, heads, head_dim]`` in ``x``'s dtype.
+
+    ``x`` ``[N, heads, head_dim]`` (f32 / f16 / bf16), ``dt`` ``[N, heads]`` (final: biased,
+    softplus'd, clamped), ``a`` f32 ``[heads]`` (``-exp(A_log)``), ``b``, ``c`` ``[N, groups, d_state]``
+    (heads split evenly over the groups), ``d`` ``[heads]``; ``states`` f32
+    ``[lines, entries, heads, head_dim, d_state]``. Per token, in f32::
+
+        S = exp(dt * a) * S + (dt * b) x^T;  out = S c + d * x
+
+    (transformers' ``mamba2_selective_state_update``, which rounds ``dt * b``, its product with x and
+    the state before the product with c to the model's dtype; here f32 throughout).
+    """
+    c_ = Checker("selective_state_scan")
+    x = c_.tensor("x", x, dtype=_FLOAT, ndim=3)
+    n, heads, head_dim = x.shape
+    device = x.device
+    dt = c_.tensor("dt", dt, dtype=_FLOAT, shape=[n, heads], device=device)
+    a = c_.tensor("a", a, dtype=torch.float32, shape=[heads], device=device)
+    b = c_.tensor("b", b, dtype=_FLOAT, ndim=3, device=device)
+    groups, size = b.shape[1:]
+    if b.shape[0] != n or groups < 1 or heads % groups:
+        c_.fail(f"b must be [N, groups, d_state] = [{n}, groups dividing {heads}, d_state], got shape {list(b.shape)}")
+    c = c_.tensor("c", c, dtype=_FLOAT, shape=[n, groups, size], device=device)
+    d = c_.tensor("d", d, dtype=_FLOAT, shape=[heads], device=device)
+    states = _states(c_, states, device, [heads, head_dim, size])
+    addressing = _addressing(c_, n, device, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                             write_entries)
+    args = (x.contiguous(), dt.contiguous(), a.contiguous(), b.contiguous(), c.contiguous(), d.contiguous(), states,
+            *addressing)
+    return implementation("selective_state_scan", device, *args[:7])(*args)
+
+
+def _states(c: Checker, states, device, per_line: list[int]) -> torch.Tensor:
     states = c.tensor("states", states, dtype=torch.float32, ndim=5, device=device)
-    if list(states.shape[2:]) != [heads, dk, dv]:
-        c.fail(f"states must be [lines, entries, {heads}, {dk}, {dv}], got shape {list(states.shape)}")
+    if list(states.shape[2:]) != per_line:
+        c.fail(f"states must be [lines, entries, {', '.join(map(str, per_line))}], got shape {list(states.shape)}")
     if not states.is_contiguous():
         c.fail("states must be contiguous (it is written in place)")
+    return states
+
+
+def _addressing(c: Checker, n: int, device, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                write_entries) -> tuple[torch.Tensor, ...]:
+    """The requests' and tokens' int64 addressing (module docstring), checked and contiguous."""
     read_lines = c.tensor("read_lines", read_lines, dtype=_INDEX, ndim=1, device=device)
     requests = read_lines.shape[0]
-    read_entries, first_tokens, token_counts = (
-        c.tensor(name, t, dtype=_INDEX, shape=[requests], device=device)
-        for name, t in (("read_entries", read_entries), ("first_tokens", first_tokens),
-                        ("token_counts", token_counts)))
-    write_lines, write_entries = (c.tensor(name, t, dtype=_INDEX, shape=[n], device=device)
-                                  for name, t in (("write_lines", write_lines), ("write_entries", write_entries)))
-    scale = c.real("scale", scale, low=0.0)
+    per_request = [c.tensor(name, t, dtype=_INDEX, shape=[requests], device=device)
+                   for name, t in (("read_entries", read_entries), ("first_tokens", first_tokens),
+                                   ("token_counts", token_counts))]
+    per_token = [c.tensor(name, t, dtype=_INDEX, shape=[n], device=device)
+                 for name, t in (("write_lines", write_lines), ("write_entries", write_entries))]
     if device.type == "cpu":
-        _check_spans(c, first_tokens, token_counts, n)
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), states,
-            read_lines.contiguous(), read_entries.contiguous(), first_tokens.contiguous(),
-            token_counts.contiguous(), write_lines.contiguous(), write_entries.contiguous(), scale)
-    return implementation("gated_delta_scan", device, *args[:6])(*args)
+        _check_spans(c, per_request[1], per_request[2], n)
+    return tuple(t.contiguous() for t in (read_lines, *per_request, *per_token))
 
 
 def _check_spans(c: Checker, first_tokens: torch.Tensor, token_counts: torch.Tensor, n: int) -> None:

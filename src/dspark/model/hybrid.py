@@ -32,11 +32,12 @@ selective scan takes no initial state) -- writing only the states later forwards
 request's last token and, with prefix caching, after the last block end among its tokens (the scan
 split there). Exact to the sequential scan up to the chunked forms' reassociation (fp32:
 tests/test_hybrid_target.py). ``CHUNKED_PROMPTS = False``: the sequential scan for every group (the
-reference the chunked ones are tested on). A round's gated delta rule runs on a GPU as one kernel
-per ragged group (``K.gated_delta_scan``, ``WINDOW_SCAN_DEVICES``: flash-linear-attention's fused
-recurrent step over the whole window, each request's state read once and the state after every
-position written straight into its ring entry); elsewhere, and every other mixer's scan, one
-position at a time, all requests of a ragged group at once (static shapes, no host
+reference the chunked ones are tested on). A round's gated delta rule and Mamba-2 update run on a
+GPU as one kernel per ragged group (``K.gated_delta_scan``: flash-linear-attention's fused recurrent
+step; ``K.selective_state_scan``: transformers' ``mamba2_selective_state_update`` in f32;
+``WINDOW_SCAN_DEVICES``) over the whole window, each request's state read once and the state after
+every position written straight into its ring entry; elsewhere, and Mamba-1's scan, one position at
+a time, all requests of a ragged group at once (static shapes, no host
 synchronisation: CUDA-graph capturable): the gated delta rule as the modeling file's own
 ``torch_recurrent_gated_delta_rule`` (the PyTorch reference transformers falls back to); Mamba-2 as the modeling file's ``mamba2_selective_state_update`` (transformers' recurrent
 step, which it maps to mamba-ssm's kernel where its kernel hub provides it). The conv is
@@ -78,9 +79,9 @@ _MAMBA_TYPES = ("mamba", "linear_attention")  # what configs declare Mamba layer
 # Mamba-1: mamba.selective_chunk_scan) rather than position by position; False: the sequential scan
 # for every group (the reference the chunked scans are tested on)
 CHUNKED_PROMPTS = True
-# device types whose gated DeltaNet groups of round-sized windows run in one kernel each
-# (``K.gated_delta_scan``: the state read once, written per position); elsewhere position by position
-# through the modeling file's reference (what the window kernel is tested against)
+# device types whose gated DeltaNet and Mamba-2 groups of round-sized windows run in one kernel each
+# (``K.gated_delta_scan``, ``K.selective_state_scan``: the state read once, written per position);
+# elsewhere position by position through the modeling file's reference (what the kernels are tested against)
 WINDOW_SCAN_DEVICES = {"cuda"}
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
 _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
@@ -450,7 +451,14 @@ def _mamba2(module, hidden: torch.Tensor, states: LayerStates, current: Forward)
             return_final_states=True)
         return out.reshape(r, length, -1).to(x_t.dtype), after
 
-    scan = state_scan(step, (x, dt, b, c), states.recurrent, current, chunked if CHUNKED_PROMPTS else None)
+    def window(ring, *addressing):  # every position of a round in one kernel (kernels.recurrent)
+        r = x.shape[0]
+        out = K.selective_state_scan(x.view(r, heads, head_dim), dt, a_heads, b.view(r, n_groups, size),
+                                     c.view(r, n_groups, size), module.D, ring, *addressing)
+        return out.view(r, -1)
+
+    scan = state_scan(step, (x, dt, b, c), states.recurrent, current, chunked if CHUNKED_PROMPTS else None,
+                      window if hidden.device.type in WINDOW_SCAN_DEVICES else None)
     gated = module.norm(scan, gate) if getattr(module, "mamba_rms_norm", True) else scan * F.silu(gate)
     return module.out_proj(gated.to(hidden.dtype))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gated_delta_scan"]
+__all__ = ["gated_delta_scan", "selective_state_scan"]
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -24,5 +24,22 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
             u = beta[n].float()[:, None] * (v[n].float() - (state * k_n[:, :, None]).sum(1))
             state = state + k_n[:, :, None] * u[:, None, :]
             out[n] = (state * q_n[:, :, None]).sum(1).to(out.dtype)
+            states[write_lines[n], write_entries[n]] = state
+    return out
+
+
+def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, first_tokens, token_counts,
+                         write_lines, write_entries):
+    out = torch.empty_like(x)
+    per_group = x.shape[1] // b.shape[1]
+    for r in range(read_lines.shape[0]):
+        entry = int(read_entries[r])
+        state = (states[read_lines[r], entry].clone() if entry >= 0
+                 else states.new_zeros(states.shape[2:]))  # [heads, head_dim, d_state]
+        for n in range(int(first_tokens[r]), int(first_tokens[r] + token_counts[r])):
+            dt_n = dt[n].float()[:, None, None]
+            b_n, c_n = (t[n].float().repeat_interleave(per_group, 0)[:, None, :] for t in (b, c))
+            state = torch.exp(dt_n * a[:, None, None]) * state + dt_n * b_n * x[n].float()[:, :, None]
+            out[n] = ((state * c_n).sum(-1) + d.float()[:, None] * x[n].float()).to(out.dtype)
             states[write_lines[n], write_entries[n]] = state
     return out

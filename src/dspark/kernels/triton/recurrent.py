@@ -1,9 +1,10 @@
-"""Triton recurrent family (contract: ``dspark.kernels.gated_delta_scan``).
+"""Triton recurrent family (contracts: ``dspark.kernels.gated_delta_scan``, ``selective_state_scan``).
 
-One program per (request, head, block of ``BV`` value columns) holds its ``[dk, BV]`` slice of the
-state in registers over the request's whole window: one read of the state, one write per token into
-the token's ring entry (flash-linear-attention's fused recurrent layout and op order: ``BV`` 8, one
-warp; its kernel keeps only the final state).
+One program per (request, head, block of the state's rows) holds its slice of the state in
+registers over the request's whole window: one read of the state, one write per token into the
+token's ring entry. Gated delta rule: ``[dk, BV]`` slices, flash-linear-attention's fused recurrent
+layout and op order (``BV`` 8, one warp; its kernel keeps only the final state). Mamba-2:
+``[BP, d_state]`` slices of ``BP`` head_dim rows.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gated_delta_scan"]
+__all__ = ["gated_delta_scan", "selective_state_scan"]
 
 BV = 8  # value columns per program (fla's choice for the fused recurrent kernel)
+BP = 16  # Mamba-2 head_dim rows per program (with a d_state of 128: 2,048 f32 of state)
 
 
 @triton.jit
@@ -69,4 +71,56 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
                                    token_counts, write_lines, write_entries, scale, states.stride(0),
                                    states.stride(1), HV=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV_=BV,
                                    num_warps=1)
+    return out
+
+
+@triton.jit
+def _selective_state_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, out_ptr, states_ptr, read_lines_ptr,
+                                 read_entries_ptr, first_ptr, count_ptr, write_lines_ptr, write_entries_ptr,
+                                 line_stride, entry_stride, HEADS: tl.constexpr, GROUPS: tl.constexpr,
+                                 HEAD_DIM: tl.constexpr, SIZE: tl.constexpr, BP_: tl.constexpr, BN: tl.constexpr):
+    pid = tl.program_id(0)
+    np_ = tl.cdiv(HEAD_DIM, BP_)
+    i_p, i_rh = pid % np_, pid // np_
+    r, h = i_rh // HEADS, i_rh % HEADS
+    group = h // (HEADS // GROUPS)
+    o_p = i_p * BP_ + tl.arange(0, BP_)
+    o_n = tl.arange(0, BN)
+    mask_p, mask_n = o_p < HEAD_DIM, o_n < SIZE
+    mask_s = mask_p[:, None] & mask_n[None, :]
+    in_head = h * HEAD_DIM * SIZE + o_p[:, None] * SIZE + o_n[None, :]
+    entry = tl.load(read_entries_ptr + r)
+    start = tl.load(read_lines_ptr + r) * line_stride + tl.maximum(entry, 0) * entry_stride
+    s = tl.load(states_ptr + start + in_head, mask=mask_s, other=0.0)
+    s = tl.where(entry >= 0, s, 0.0)  # no entry: the zero state
+    a = tl.load(a_ptr + h)
+    d = tl.load(d_ptr + h).to(tl.float32)
+    first = tl.load(first_ptr + r)
+    count = tl.load(count_ptr + r)
+    for t in range(0, count):
+        n = first + t
+        x = tl.load(x_ptr + (n * HEADS + h) * HEAD_DIM + o_p, mask=mask_p, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + n * HEADS + h).to(tl.float32)
+        b = tl.load(b_ptr + (n * GROUPS + group) * SIZE + o_n, mask=mask_n, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + (n * GROUPS + group) * SIZE + o_n, mask=mask_n, other=0.0).to(tl.float32)
+        s = tl.exp(dt * a) * s + (dt * b)[None, :] * x[:, None]
+        y = tl.sum(s * c[None, :], 1) + d * x
+        tl.store(out_ptr + (n * HEADS + h) * HEAD_DIM + o_p, y.to(out_ptr.dtype.element_ty), mask=mask_p)
+        to = tl.load(write_lines_ptr + n) * line_stride + tl.load(write_entries_ptr + n) * entry_stride
+        tl.store(states_ptr + to + in_head, s, mask=mask_s)
+
+
+def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, first_tokens, token_counts,
+                         write_lines, write_entries):
+    n, heads, head_dim = x.shape
+    groups, size = b.shape[1:]
+    out = torch.empty_like(x)
+    requests = read_lines.shape[0]
+    if requests == 0 or n == 0:
+        return out
+    grid = (requests * heads * triton.cdiv(head_dim, BP),)
+    _selective_state_scan_kernel[grid](x, dt, a, b, c, d, out, states, read_lines, read_entries, first_tokens,
+                                       token_counts, write_lines, write_entries, states.stride(0), states.stride(1),
+                                       HEADS=heads, GROUPS=groups, HEAD_DIM=head_dim, SIZE=size, BP_=BP,
+                                       BN=triton.next_power_of_2(size), num_warps=2)
     return out
