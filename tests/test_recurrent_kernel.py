@@ -154,3 +154,34 @@ def test_gated_delta_scan_at_qwen35_sizes_equals_fla_per_position():
                                                     use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(out[at].float(), o[:, 0].float(), atol=2e-2, rtol=1e-2)
         torch.testing.assert_close(states[lines, i + 1], state, atol=1e-4, rtol=1e-4)
+
+
+@gpu
+def test_selective_state_scan_at_bamba_sizes_equals_transformers_step():
+    """On CUDA, Bamba-9B's Mamba-2 sizes (128 heads of head_dim 64, d_state 128, one group; bf16
+    inputs): the window kernel's outputs and states equal transformers' recurrent step run one
+    position at a time over 64 requests of 8 tokens (to its bf16 roundings)."""
+    from transformers.models.bamba.modeling_bamba import mamba2_selective_state_update
+
+    requests, window, heads, head_dim, size = 64, 8, 128, 64, 128
+    n, gen = requests * window, torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, heads, head_dim, generator=gen, device="cuda").bfloat16()
+    dt = (torch.rand(n, heads, generator=gen, device="cuda") * 0.1).bfloat16()
+    a = -torch.rand(heads, generator=gen, device="cuda") - 0.5
+    b, c = (torch.randn(n, 1, size, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    d = torch.randn(heads, generator=gen, device="cuda").bfloat16()
+    states = torch.randn(requests + 1, window + 1, heads, head_dim, size, generator=gen, device="cuda") * 0.1
+    before = states.clone()
+    lines = torch.arange(requests, device="cuda")
+    firsts = lines * window
+    write_entries = torch.arange(n, device="cuda") % window + 1  # entry 0 holds the start state
+    out = K.selective_state_scan(x, dt, a, b, c, d, states, lines, torch.zeros_like(lines), firsts,
+                                 torch.full_like(lines, window), lines.repeat_interleave(window), write_entries)
+    state = before[lines, 0].clone()
+    for i in range(window):
+        at = firsts + i
+        o = mamba2_selective_state_update(state, x[at], dt[at, :, None].expand(-1, -1, head_dim),
+                                          a[:, None, None].expand(-1, head_dim, size), b[at], c[at],
+                                          d[:, None].expand(-1, head_dim))
+        torch.testing.assert_close(out[at].float(), o.float(), atol=5e-2, rtol=2e-2)
+        torch.testing.assert_close(states[lines, i + 1], state, atol=2e-2, rtol=2e-2)
