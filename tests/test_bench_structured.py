@@ -30,10 +30,11 @@ def test_the_tiny_shape_runs_every_configuration_free_and_constrained(tmp_path, 
     schema.write_text(json.dumps(SMALL))
     out = tmp_path / "out"
     assert structured.main(["--device", "cpu", "--shape", "tiny", "--batches", "2", "--prompt", "16", "--new", "64",
-                            "--schema", str(schema), "--out", str(out), "--profile", "dspark_a1"]) == 0
+                            "--schema", str(schema), "--out", str(out), "--profile", "dspark_a1,plain"]) == 0
     report = json.loads((out / "structured.json").read_text())
     profile = (out / "profile-dspark_a1-b2.txt").read_text()  # the host's functions of one more constrained run
     assert "walk_windows" in profile and "Ordered by: internal time" in profile
+    assert (out / "profile-plain-b2.txt").is_file()
     assert (report["shape"], report["dtype"], report["vocab"], report["schema"]) == ("tiny", "float32", 4096, SMALL)
     (row,) = report["rows"]
     configs = ["plain", "dspark_a1", "dspark_a0.8", "dspark_random"]

@@ -339,7 +339,7 @@ def run_batch(setup: Setup, row: dict, prompts, save) -> None:
 
         for mode in MODES:
             record(cell, mode, lambda: measure(engine(), name, mode, setup, prompts, outputs), device, save)
-        if name in setup.args.profile and ("oracle", "constrained") in outputs:
+        if name in setup.args.profile and (not name.startswith("dspark_a") or ("oracle", "constrained") in outputs):
             profile_run(engine(), name, setup, prompts, outputs, row["batch"])
         built.clear()
         compare(cell, None if name == "plain" else row.get("plain"))
