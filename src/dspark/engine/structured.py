@@ -420,6 +420,11 @@ class GrammarStager:
         self.draft_masks = None if state.draft_mask is None else torch.full(  # None: no drafter
             state.draft_mask.shape, FREE_MASK, dtype=torch.int32, pin_memory=pinned)
         self.batch = MaskFiller()
+        # a plain round's position-0 masks, gathered and sent in one copy (then scattered on the device)
+        self.first_staging = torch.empty((rows, width), dtype=torch.int32, pin_memory=pinned)
+        self.first_rows = torch.empty(rows, dtype=torch.long, pin_memory=pinned)
+        self.device_staging = torch.empty((rows, width), dtype=torch.int32, device=device)
+        self.device_rows = torch.empty(rows, dtype=torch.long, device=device)
 
     def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None,
                     redraft: Callable | None = None):
@@ -448,10 +453,22 @@ class GrammarStager:
             for r, window in zip(rows, windows):
                 lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
                 self._force(r.row, window.forced)
-        for r in rows:  # a plain round reads position 0 only
-            used = slice(0, 1 if lens is None else self.verify_len)
-            self.state.grammar_mask[r.row, used].copy_(self.verify_masks[r.row, used], non_blocking=True)
+        if lens is None:
+            self._send_first_masks(rows)
+        for r in rows if lens is not None else ():
+            self.state.grammar_mask[r.row].copy_(self.verify_masks[r.row], non_blocking=True)
         return lens
+
+    def _send_first_masks(self, rows: list[GrammarRow]) -> None:
+        """The rows' position-0 masks to the device in one copy (a plain round reads no other)."""
+        n = len(rows)
+        if not n:
+            return
+        self.first_rows[:n] = torch.tensor([r.row for r in rows], dtype=torch.long)
+        torch.index_select(self.verify_masks[:, 0], 0, self.first_rows[:n], out=self.first_staging[:n])
+        self.device_staging[:n].copy_(self.first_staging[:n], non_blocking=True)
+        self.device_rows[:n].copy_(self.first_rows[:n], non_blocking=True)
+        self.state.grammar_mask[:, 0].index_copy_(0, self.device_rows[:n], self.device_staging[:n])
 
     def _first_masks(self, rows: list[GrammarRow]) -> None:
         """Each row's mask after its committed tokens at its verify position 0, the rows still
