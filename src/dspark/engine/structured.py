@@ -404,6 +404,32 @@ class MaskFiller:
         filler.batch_fill_next_token_bitmask(matchers, masks, rows)
 
 
+class RowSender:
+    """Sends chosen rows of a host tensor into the same rows of a device tensor in one copy: gathered
+    into a pinned staging buffer, copied, scattered on the device (``index_copy_``), rather than one
+    copy per row. ``host`` ``[R, *shape]`` and ``device`` ``[R, *shape]`` (views allowed); each call
+    site has its own sender: a staging buffer is reused only after the step has waited for the
+    device, by when its last copy is done."""
+
+    def __init__(self, host: torch.Tensor, device: torch.Tensor):
+        self.host, self.device = host, device
+        pinned = device.device.type == "cuda"
+        self.staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=pinned)
+        self.rows = torch.empty(host.shape[0], dtype=torch.long, pin_memory=pinned)
+        self.device_staging = torch.empty(host.shape, dtype=host.dtype, device=device.device)
+        self.device_rows = torch.empty(host.shape[0], dtype=torch.long, device=device.device)
+
+    def send(self, rows: list[int]) -> None:
+        n = len(rows)
+        if not n:
+            return
+        self.rows[:n] = torch.tensor(rows, dtype=torch.long)
+        torch.index_select(self.host, 0, self.rows[:n], out=self.staging[:n])
+        self.device_staging[:n].copy_(self.staging[:n], non_blocking=True)
+        self.device_rows[:n].copy_(self.rows[:n], non_blocking=True)
+        self.device.index_copy_(0, self.device_rows[:n], self.device_staging[:n])
+
+
 class GrammarStager:
     """The host side of the runner's grammar buffers (``RowState.grammar_mask`` int32
     ``[rows, verify_len, width]``: a verify position's mask; ``RowState.draft_mask``
@@ -420,11 +446,12 @@ class GrammarStager:
         self.draft_masks = None if state.draft_mask is None else torch.full(  # None: no drafter
             state.draft_mask.shape, FREE_MASK, dtype=torch.int32, pin_memory=pinned)
         self.batch = MaskFiller()
-        # a plain round's position-0 masks, gathered and sent in one copy (then scattered on the device)
-        self.first_staging = torch.empty((rows, width), dtype=torch.int32, pin_memory=pinned)
-        self.first_rows = torch.empty(rows, dtype=torch.long, pin_memory=pinned)
-        self.device_staging = torch.empty((rows, width), dtype=torch.int32, device=device)
-        self.device_rows = torch.empty(rows, dtype=torch.long, device=device)
+        # each step's masks go to the device in one copy per kind: a round's windows, a plain round's
+        # (and a seat's) position 0, the drafter's block slots
+        self.windows = RowSender(self.verify_masks, state.grammar_mask)
+        self.firsts = RowSender(self.verify_masks[:, 0], state.grammar_mask[:, 0])
+        self.seats = RowSender(self.verify_masks[:, 0], state.grammar_mask[:, 0])
+        self.drafts = None if state.draft_mask is None else RowSender(self.draft_masks, state.draft_mask)
 
     def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None,
                     redraft: Callable | None = None):
@@ -453,22 +480,8 @@ class GrammarStager:
             for r, window in zip(rows, windows):
                 lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
                 self._force(r.row, window.forced)
-        if lens is None:
-            self._send_first_masks(rows)
-        for r in rows if lens is not None else ():
-            self.state.grammar_mask[r.row].copy_(self.verify_masks[r.row], non_blocking=True)
+        (self.firsts if lens is None else self.windows).send([r.row for r in rows])  # a plain round reads position 0
         return lens
-
-    def _send_first_masks(self, rows: list[GrammarRow]) -> None:
-        """The rows' position-0 masks to the device in one copy (a plain round reads no other)."""
-        n = len(rows)
-        if not n:
-            return
-        self.first_rows[:n] = torch.tensor([r.row for r in rows], dtype=torch.long)
-        torch.index_select(self.verify_masks[:, 0], 0, self.first_rows[:n], out=self.first_staging[:n])
-        self.device_staging[:n].copy_(self.first_staging[:n], non_blocking=True)
-        self.device_rows[:n].copy_(self.first_rows[:n], non_blocking=True)
-        self.state.grammar_mask[:, 0].index_copy_(0, self.device_rows[:n], self.device_staging[:n])
 
     def _first_masks(self, rows: list[GrammarRow]) -> None:
         """Each row's mask after its committed tokens at its verify position 0, the rows still
@@ -521,14 +534,14 @@ class GrammarStager:
         leaves (``ModelRunner.clear_row``)."""
         for r in rows:
             r.grammar.next_mask(self.verify_masks[r.row, 0])
-            self.state.grammar_mask[r.row, 0].copy_(self.verify_masks[r.row, 0], non_blocking=True)
+        self.seats.send([r.row for r in rows])
 
     def stage_drafts(self, rows: list[GrammarRow], tokens: list[list[int]]) -> None:
         """The drafter's masks (``RequestGrammar.draft_masks_after``): each row's states after the
         step's ``tokens`` (row i's its own list), before the engine commits them."""
         for r in rows:
             r.grammar.draft_masks_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row, self.draft_slots])
-            self.state.draft_mask[r.row].copy_(self.draft_masks[r.row], non_blocking=True)
+        self.drafts.send([r.row for r in rows])
 
 
 class StructuredStage:
