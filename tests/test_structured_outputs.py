@@ -18,7 +18,7 @@ from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputs
-from dspark.engine.structured import FREE_MASK, Grammars, bitmask_width, walk_tree, walk_windows
+from dspark.engine.structured import FREE_MASK, Grammars, MaskFiller, bitmask_width, walk_tree, walk_windows
 from dspark.training.data import demo_pair, read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -214,11 +214,20 @@ def test_a_sampled_rows_drafts_are_cut_after_the_first_refused_one(demo):
     assert re.fullmatch("[a-z ]+", tokenizer.decode(result.token_ids).removesuffix(tokenizer.eos_token))
 
 
-def test_a_window_masks_each_position_by_the_state_before_it(demo):
+def _parallel_filler() -> MaskFiller:
+    """A ``MaskFiller`` that goes parallel once it has measured one call on one thread."""
+    filler = MaskFiller()
+    filler.PARALLEL_AFTER_S = 0.0
+    return filler
+
+
+@pytest.mark.parametrize("filler", [xgr.BatchGrammarMatcher, MaskFiller, _parallel_filler])
+def test_a_window_masks_each_position_by_the_state_before_it(demo, filler):
     """``walk_windows`` (two requests walked together, the second's rows after the first's): row j is
     a fresh matcher's bitmask after the first j drafts, the valid prefix stops at the first refused
     draft, a position the grammar forces to one token takes it (here the EOS once the regex is
-    complete), and the matchers are rolled back."""
+    complete), and the matchers are rolled back -- filled by xgrammar's threads, by the engine's
+    ``MaskFiller`` on one thread, or by it in parallel after its first, measured, call."""
     pair, tokenizer, _, engine, _ = demo
     grammars = engine.structured.grammars(engine.tokenizer, engine.eos_ids)
     prefix = tokenizer("12x")["input_ids"]
@@ -228,7 +237,10 @@ def test_a_window_masks_each_position_by_the_state_before_it(demo):
     size = len(prefix) + 2
     grammar_list = [grammars.matcher(spec) for spec in specs]
     out = torch.full((2 * size, grammars.width), FREE_MASK, dtype=torch.int32)
-    windows = walk_windows(grammar_list, [prefix + refused] * 2, out, [0, size], xgr.BatchGrammarMatcher())
+    filler = filler()
+    windows = walk_windows(grammar_list, [prefix + refused] * 2, out, [0, size], filler)
+    if isinstance(filler, MaskFiller):
+        assert filler.seconds_per_mask > 0.0  # its first call ran on one thread, measured
     for i, (spec, window, (valid, forced)) in enumerate(zip(specs, windows, expected)):
         assert window.valid == valid
         assert {k: {v} for k, v in window.forced.items()} == {k: set(v) for k, v in forced.items()}

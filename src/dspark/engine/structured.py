@@ -20,6 +20,7 @@ positions after a forced run.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
@@ -387,21 +388,31 @@ class GrammarRow:
 
 class MaskFiller:
     """Fills many requests' bitmasks at once (xgrammar's ``BatchGrammarMatcher``): on one thread
-    below ``PARALLEL_FILL_MIN`` matchers, where a mask costs about a microsecond and waking threads
-    costs tens of them per call (measured: 1 JSON-schema matcher 2.5 us on one thread, 74 us on two;
-    16 matchers 14 us against 99 us), in parallel threads above it."""
+    unless that is expected to take more than ``PARALLEL_AFTER_S`` -- the measured seconds per mask
+    of its one-thread calls times the masks asked for -- and in parallel threads then. Waking
+    threads costs more than a schema's masks take: on this project's 2-core machine a JSON-schema
+    mask at a 152k vocabulary takes about a microsecond on one thread, while a threaded call took
+    74 us for one matcher (up to 2.6 ms) and 99 us for 16 against 14 us on one thread; a verify
+    window asks once per position."""
 
-    PARALLEL_FILL_MIN = 32
+    PARALLEL_AFTER_S = 2e-3
 
     def __init__(self):
         import xgrammar as xgr
 
         self.serial, self.parallel = xgr.BatchGrammarMatcher(1), xgr.BatchGrammarMatcher()
+        self.seconds_per_mask = 0.0  # of the one-thread calls, a running mean
 
     def batch_fill_next_token_bitmask(self, matchers: list, masks: torch.Tensor, rows: list[int]) -> None:
         """``matchers[i]``'s next-token bitmask into row ``rows[i]`` of int32 ``masks`` ``[R, width]`` (host)."""
-        filler = self.parallel if len(matchers) >= self.PARALLEL_FILL_MIN else self.serial
-        filler.batch_fill_next_token_bitmask(matchers, masks, rows)
+        if len(matchers) * self.seconds_per_mask > self.PARALLEL_AFTER_S:
+            self.parallel.batch_fill_next_token_bitmask(matchers, masks, rows)
+            return
+        start = time.perf_counter()
+        self.serial.batch_fill_next_token_bitmask(matchers, masks, rows)
+        per_mask = (time.perf_counter() - start) / max(len(matchers), 1)
+        self.seconds_per_mask = per_mask if not self.seconds_per_mask else \
+            self.seconds_per_mask + 0.1 * (per_mask - self.seconds_per_mask)
 
 
 class RowSender:
