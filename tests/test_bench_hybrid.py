@@ -22,8 +22,9 @@ def test_the_tiny_shape_runs_every_measurement(tmp_path, capsys):
     drafts and at acceptance 1 (fp32: the oracle's drafts are the target's own greedy tokens, so every
     steady round commits the whole block), into hybrid.json and the printed table."""
     assert hybrid.main(["--device", "cpu", "--shape", "tiny", "--batches", "2", "--prompt", "16", "--new", "17",
-                        "--hf", "eager", "--out", str(tmp_path)]) == 0
+                        "--hf", "eager", "--out", str(tmp_path), "--profile", "2"]) == 0
     report = json.loads((tmp_path / "hybrid.json").read_text())
+    assert "Self CPU" in (tmp_path / "profile-dspark_random-b2.txt").read_text()  # the rounds once more, profiled
     assert (report["shape"], report["dtype"], report["floor_ms"]) == ("tiny", "float32", None)
     (row,) = report["rows"]
     assert not [k for k, v in row.items() if isinstance(v, dict) and "error" in v], row

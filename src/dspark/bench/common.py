@@ -147,3 +147,17 @@ def record(row: dict, name: str, measure, device: torch.device, save) -> list[li
     release(device)
     save()
     return outputs
+
+
+def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 40) -> str:
+    """``fn`` run once under the PyTorch profiler: its operators and kernels (graph replays'
+    included) by device time, by host time on the CPU -- where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as profiler:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    return profiler.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=rows,
+                                         max_name_column_width=100)

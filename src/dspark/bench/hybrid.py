@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .common import measure_copy_ceiling_gbps, record, release
+from .common import measure_copy_ceiling_gbps, profile_table, record, release
 from .engine import engine_run, hf_step_ms, random_drafter, steady_config, weight_floor
 from .isolate import attempt, in_child
 
@@ -155,9 +155,16 @@ def dspark_runs(model, drafter, row: dict, args, generator: torch.Generator, sav
         first = engine_run(engine, prompts, args.new, [o + pad for o in plain_outputs])["outputs"]
         return timed(engine, prompts, args.new, [o + pad for o in first])
 
+    def random_rounds() -> dict:
+        engine = LLMEngine(model, drafter, config)
+        result = timed(engine, prompts, args.new)
+        if batch in args.profile:  # the same requests once more, profiled
+            (Path(args.out) / f"profile-dspark_random-b{batch}.txt").write_text(
+                profile_table(lambda: engine_run(engine, prompts, args.new), model.device))
+        return result
+
     plain_outputs = record(row, "plain", plain, model.device, save)
-    record(row, "dspark_random", lambda: timed(LLMEngine(model, drafter, config), prompts, args.new),
-           model.device, save)
+    record(row, "dspark_random", random_rounds, model.device, save)
     if plain_outputs is not None:  # else plain decoding failed: its error is in the row
         record(row, "dspark_a1", oracle_rounds, model.device, save)
 
@@ -205,11 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                              "and recorded as timed out")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: fp32, the plumbing (--shape tiny)")
+    parser.add_argument("--profile", default="", help="comma-separated batch sizes whose random-draft DSpark "
+                        "requests run once more under the PyTorch profiler (OUT/profile-dspark_random-b<B>.txt)")
     args = parser.parse_args(argv)
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
+        args.profile = [int(b) for b in args.profile.split(",") if b]
     except ValueError:
-        parser.error(f"--batches takes comma-separated integers, got {args.batches!r}")
+        parser.error(f"--batches and --profile take comma-separated integers, got {args.batches!r} / {args.profile!r}")
     args.hf = [h for h in args.hf.split(",") if h != "none"]
     if any(h not in ("compiled", "eager") for h in args.hf):
         parser.error(f"--hf takes a comma-separated subset of compiled, eager (or none), got {','.join(args.hf)!r}")

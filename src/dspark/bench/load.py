@@ -28,10 +28,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from .common import profile_table
 from .frontier import CONFIGS, MIXED_CONFIGS, _environment, profile
 from .replay import TRACES, ReplayEngine, _models, _prompts, load_traces
 from .serve import MIXED_SETTINGS
@@ -98,8 +100,8 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models: Mode
 def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
                workload: str = "replay", mixed: bool = False, profile_to: Path | None = None) -> dict:
     """One configuration at ``batch`` rows: an untimed run, then the timed one (``mixed``: the
-    requests of ``MIXED_SETTINGS``); with ``profile_to``, a third run under the PyTorch profiler
-    written there (``profile_run``)."""
+    requests of ``MIXED_SETTINGS``); with ``profile_to``, a third run under the PyTorch profiler,
+    its table written there (``common.profile_table``)."""
     engine = build_engine(label, workload, batch, spec, models, cost_table)
     requests = requests_of(spec, batch * requests_per_row, mixed)
     label = f"{label}-mixed" if mixed else label
@@ -123,8 +125,8 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                 "captures_timed": engine.runner.captures - before["captures"],
                 "failed": sum(r.finish_reason == "error" for r in results),
                 "outputs": [r.token_ids for r in results]}
-        if profile_to is not None:
-            profile_run(engine, requests, spec, profile_to)
+        if profile_to is not None:  # the same requests once more, profiled
+            profile_to.write_text(profile_table(partial(engine.generate, requests), torch.device(spec["device"])))
         return result
     finally:
         engine.close()
@@ -132,22 +134,6 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def profile_run(engine, requests, spec: dict, path: Path) -> None:
-    """The same requests once more under the PyTorch profiler: its table of operators and kernels by
-    device time (by host time on the CPU) into ``path`` -- where a step's time goes, graphs' kernels
-    included."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = spec["device"] == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as profiler:
-        engine.generate(requests)
-        _synchronize(spec)
-    table = profiler.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
-                                          max_name_column_width=100)
-    path.write_text(table)
 
 
 def _synchronize(spec: dict) -> None:
