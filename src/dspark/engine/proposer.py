@@ -120,11 +120,14 @@ class DSparkProposer:
 @dataclass
 class _Chain:
     """A row's Markov chain between ``Redrafts`` calls: the next ``position`` whose bias it gives,
-    the token before it (``prev``) and the Markov state there (an rnn head's ``[R]``, else None)."""
+    the token before it (``prev``), the Markov state there (an rnn head's ``[R]``, else None) and
+    the backbone logits of the row's draft slots (f32 ``[P, V]``, one ``lm_head`` pass per row and
+    round)."""
 
     position: int
     prev: int
     state: torch.Tensor | None
+    backbone: torch.Tensor
 
 
 class Redrafts:
@@ -169,10 +172,23 @@ class Redrafts:
                 state = torch.where(live[:, None], after, state)
             if step < last:
                 prev = torch.where(live & (step < at), tokens[:, step].to(prev.dtype), prev)
-        rows_at = torch.arange(len(rows), device=device)
-        logits = model.backbone_logits(hidden[rows_at, at + offset]) + bias
+        backbone = self._backbone(kept, starts, hidden[:, offset:])
+        logits = torch.stack([table[position] for table, position in zip(backbone, positions)]) + bias
         apply_bitmask(logits, masks.to(device))
         drafted = logits.argmax(-1).tolist()
         for i, (row, position, token) in enumerate(zip(rows, positions, drafted)):
-            self.chains[row] = _Chain(position + 1, token, None if state is None else state[i].clone())
+            self.chains[row] = _Chain(position + 1, token, None if state is None else state[i].clone(), backbone[i])
         return drafted
+
+    def _backbone(self, kept: list, starts: list[int], slots: torch.Tensor) -> list[torch.Tensor]:
+        """Each row's backbone logits of its draft slots (``slots`` ``[n, P, H]``): a kept chain's,
+        the others' from one ``lm_head`` pass."""
+        fresh = [i for i, start in enumerate(starts) if not start]
+        tables = [kept[i].backbone if start else None for i, start in enumerate(starts)]
+        if fresh:
+            model = self.proposer.drafter.model
+            block = model.backbone_logits(slots[fresh].reshape(-1, slots.shape[-1]))
+            block = block.view(len(fresh), slots.shape[1], -1)
+            for j, i in enumerate(fresh):
+                tables[i] = block[j]
+        return tables

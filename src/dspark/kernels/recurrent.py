@@ -68,7 +68,8 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
     addressing = _addressing(c, n, device, read_lines, read_entries, first_tokens, token_counts, write_lines,
                              write_entries)
     scale = c.real("scale", scale, low=0.0)
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), states, *addressing, scale)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), states, *addressing,
+            scale)
     return implementation("gated_delta_scan", device, *args[:6])(*args)
 
 
