@@ -20,6 +20,22 @@ BP = 16  # Mamba-2 head_dim rows per program (with a d_state of 128: 2,048 f32 o
 
 
 @triton.jit
+def _start_state(states_ptr, read_lines_ptr, read_entries_ptr, r, line_stride, entry_stride, in_head, mask):
+    """Request ``r``'s slice ``in_head`` of the state it starts from (zero where it reads no entry)."""
+    entry = tl.load(read_entries_ptr + r)
+    start = tl.load(read_lines_ptr + r) * line_stride + tl.maximum(entry, 0) * entry_stride
+    s = tl.load(states_ptr + start + in_head, mask=mask, other=0.0)
+    return tl.where(entry >= 0, s, 0.0)
+
+
+@triton.jit
+def _store_state(states_ptr, write_lines_ptr, write_entries_ptr, n, line_stride, entry_stride, in_head, s, mask):
+    """The slice ``in_head`` of the state after token ``n`` into that token's ring entry."""
+    to = tl.load(write_lines_ptr + n) * line_stride + tl.load(write_entries_ptr + n) * entry_stride
+    tl.store(states_ptr + to + in_head, s, mask=mask)
+
+
+@triton.jit
 def _gated_delta_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, states_ptr, read_lines_ptr,
                              read_entries_ptr, first_ptr, count_ptr, write_lines_ptr, write_entries_ptr, scale,
                              line_stride, entry_stride, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -33,11 +49,7 @@ def _gated_delta_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stat
     mask_k, mask_v = o_k < DK, o_v < DV
     mask_s = mask_k[:, None] & mask_v[None, :]
     in_head = h * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    entry = tl.load(read_entries_ptr + r)
-    line = tl.load(read_lines_ptr + r)
-    start = line * line_stride + tl.maximum(entry, 0) * entry_stride
-    s = tl.load(states_ptr + start + in_head, mask=mask_s, other=0.0)
-    s = tl.where(entry >= 0, s, 0.0)  # no entry: the zero state
+    s = _start_state(states_ptr, read_lines_ptr, read_entries_ptr, r, line_stride, entry_stride, in_head, mask_s)
     first = tl.load(first_ptr + r)
     count = tl.load(count_ptr + r)
     for t in range(0, count):
@@ -54,8 +66,7 @@ def _gated_delta_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stat
         s = s + b_k[:, None] * u[None, :]
         o = tl.sum(s * b_q[:, None], 0)
         tl.store(out_ptr + (n * HV + h) * DV + o_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
-        to = tl.load(write_lines_ptr + n) * line_stride + tl.load(write_entries_ptr + n) * entry_stride
-        tl.store(states_ptr + to + in_head, s, mask=mask_s)
+        _store_state(states_ptr, write_lines_ptr, write_entries_ptr, n, line_stride, entry_stride, in_head, s, mask_s)
 
 
 def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_tokens, token_counts, write_lines,
@@ -89,10 +100,7 @@ def _selective_state_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, out_
     mask_p, mask_n = o_p < HEAD_DIM, o_n < SIZE
     mask_s = mask_p[:, None] & mask_n[None, :]
     in_head = h * HEAD_DIM * SIZE + o_p[:, None] * SIZE + o_n[None, :]
-    entry = tl.load(read_entries_ptr + r)
-    start = tl.load(read_lines_ptr + r) * line_stride + tl.maximum(entry, 0) * entry_stride
-    s = tl.load(states_ptr + start + in_head, mask=mask_s, other=0.0)
-    s = tl.where(entry >= 0, s, 0.0)  # no entry: the zero state
+    s = _start_state(states_ptr, read_lines_ptr, read_entries_ptr, r, line_stride, entry_stride, in_head, mask_s)
     a = tl.load(a_ptr + h)
     d = tl.load(d_ptr + h).to(tl.float32)
     first = tl.load(first_ptr + r)
@@ -106,8 +114,7 @@ def _selective_state_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, out_
         s = tl.exp(dt * a) * s + (dt * b)[None, :] * x[:, None]
         y = tl.sum(s * c[None, :], 1) + d * x
         tl.store(out_ptr + (n * HEADS + h) * HEAD_DIM + o_p, y.to(out_ptr.dtype.element_ty), mask=mask_p)
-        to = tl.load(write_lines_ptr + n) * line_stride + tl.load(write_entries_ptr + n) * entry_stride
-        tl.store(states_ptr + to + in_head, s, mask=mask_s)
+        _store_state(states_ptr, write_lines_ptr, write_entries_ptr, n, line_stride, entry_stride, in_head, s, mask_s)
 
 
 def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, first_tokens, token_counts,
