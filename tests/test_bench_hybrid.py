@@ -85,6 +85,12 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(timeout, capsys):
     assert f"--hf-timeout takes a positive, finite number of seconds, got {timeout}" in capsys.readouterr().err
 
 
+def test_a_profile_of_a_batch_the_run_has_not_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        hybrid.main(["--device", "cpu", "--shape", "tiny", "--batches", "2", "--profile", "4"])
+    assert "--profile must name batch sizes of --batches [2], got [4]" in capsys.readouterr().err
+
+
 def test_a_child_that_dies_before_replying_is_recorded():
     """A child killed outright (a segfault in a compiler, the kernel's OOM killer) sends nothing:
     its exit code is the error, and the parent goes on."""

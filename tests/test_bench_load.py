@@ -53,7 +53,9 @@ def test_engine_settings_are_the_served_configurations():
 
 @pytest.mark.parametrize("argv, message", [(["--batches", "0"], "--batches must be"),
                                            (["--configs", "fast"], "--configs must name"),
-                                           (["--shape", "huge"], "--shape must be one of")])
+                                           (["--shape", "huge"], "--shape must be one of"),
+                                           (["--shape", "tiny", "--configs", "plain", "--profile", "plain-mixed"],
+                                            "--profile must name labels this run reports (plain)")])
 def test_bad_arguments_name_the_flag(tmp_path, argv, message, capsys):
     with pytest.raises(SystemExit):
         load.main(["--out", str(tmp_path), "--device", "cpu", *argv])

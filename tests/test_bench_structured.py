@@ -59,6 +59,13 @@ def test_the_tiny_shape_runs_every_configuration_free_and_constrained(tmp_path, 
     assert table.count("| 2/2 |") == 4 and (out / "structured.md").read_text().strip() in table
 
 
+def test_a_profile_of_an_unknown_configuration_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        structured.main(["--device", "cpu", "--shape", "tiny", "--profile", "dspark_a0.5"])
+    assert "--profile must name configurations of ['plain', 'dspark_a1', 'dspark_a0.8', 'dspark_random']" \
+        in capsys.readouterr().err
+
+
 def test_the_checker_has_teeth_and_names_what_it_cannot_check():
     good = {"kind": "beta", "n": 7, "tags": ["ab"]}
     assert structured.conforms(SMALL, good)

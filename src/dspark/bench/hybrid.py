@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         args.profile = [int(b) for b in args.profile.split(",") if b]
     except ValueError:
         parser.error(f"--batches and --profile take comma-separated integers, got {args.batches!r} / {args.profile!r}")
+    if any(b not in args.batches for b in args.profile):
+        parser.error(f"--profile must name batch sizes of --batches {args.batches}, got {args.profile}")
     args.hf = [h for h in args.hf.split(",") if h != "none"]
     if any(h not in ("compiled", "eager") for h in args.hf):
         parser.error(f"--hf takes a comma-separated subset of compiled, eager (or none), got {','.join(args.hf)!r}")

@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     labels = [x for x in (args.configs or ",".join(x for x in known if x != "dspark-random-vocabulary")).split(",") if x]
     if not labels or any(x not in known for x in labels):
         parser.error(f"--configs must name some of {list(known)}, got {args.configs!r}")
+    reportable = [f"{x}{suffix}" for x in labels for suffix in (("", "-mixed") if args.workload == "mixed" else ("",))]
+    args.profile = [x for x in args.profile.split(",") if x]
+    if any(x not in reportable for x in args.profile):
+        parser.error(f"--profile must name labels this run reports ({', '.join(reportable)}), "
+                     f"got {','.join(args.profile)!r}")
     try:
         batches = sorted({int(b) for b in args.batches.split(",") if b.strip()}, reverse=True)  # largest first
     except ValueError:
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         for label, mixed in [(x, m) for x in labels for m in ((False, True) if args.workload == "mixed" else (False,))]:
             reported = f"{label}-mixed" if mixed else label
-            profile_to = out / f"profile-{reported}-b{batch}.txt" if reported in args.profile.split(",") else None
+            profile_to = out / f"profile-{reported}-b{batch}.txt" if reported in args.profile else None
             row = run_config(label, batch, spec, models, cost_table, args.requests_per_row, args.workload, mixed,
                              profile_to)
             greedy = [o for i, o in enumerate(row.pop("outputs")) if args.workload != "mixed" or i % len(MIXED_SETTINGS) == 0]

@@ -423,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                         "repeated under cProfile (OUT/profile-<config>-b<batch>.txt; the oracle ones after dspark_a1)")
     args = parser.parse_args(argv)
     args.profile = [x for x in args.profile.split(",") if x]
+    names = ["plain", *dict.fromkeys(f"dspark_a{a:g}" for a in (1.0, args.acceptance)), "dspark_random"]
+    if any(x not in names for x in args.profile):
+        parser.error(f"--profile must name configurations of {names}, got {','.join(args.profile)!r}")
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
