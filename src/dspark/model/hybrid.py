@@ -61,7 +61,7 @@ import contextlib
 import contextvars
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -252,10 +252,12 @@ class StatePool:
 
 @dataclass
 class Forward:
-    """What a mixer needs from the current engine forward."""
+    """What a mixer needs from the current engine forward; ``windows``: the window scans' addressing
+    of each group (``_window_group``), made by the forward's first stateful layer, read by the others."""
 
     pool: StatePool
     tokens: Tokens
+    windows: dict = field(default_factory=dict)
 
 
 HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_forward")
@@ -594,16 +596,20 @@ def _window_group(window, ring: torch.Tensor, current: Forward, lo: int, hi: int
     addressing): each request from its line's state before its first token (none at position 0),
     each token's state written at its own line and position entry. Returns ``(token indices,
     outputs)``."""
-    pool, tokens = current.pool, current.tokens
-    read_entries = torch.where(starts > 0, pool.recurrent_entries(starts - 1, ring), -1)
-    token_slots = tokens.slots[lo:hi]
-    # [N] for the flat tokens; only the group's are read
-    write_lines = torch.full((tokens.slots.shape[0],), pool.scratch, dtype=torch.long, device=ring.device)
-    write_entries = torch.zeros_like(write_lines)
-    write_lines[lo:hi] = pool.write_lines(token_slots, torch.ones_like(token_slots, dtype=torch.bool))
-    write_entries[lo:hi] = pool.recurrent_entries(tokens.positions[lo:hi], ring)
-    out = window(ring, slots, read_entries, firsts, counts, write_lines, write_entries)
-    return torch.arange(lo, hi, device=ring.device), out[lo:hi]
+    key = (lo, ring.shape[1])  # every stateful layer's ring has the same entries
+    if key not in current.windows:
+        pool, tokens = current.pool, current.tokens
+        read_entries = torch.where(starts > 0, pool.recurrent_entries(starts - 1, ring), -1)
+        token_slots = tokens.slots[lo:hi]
+        # [N] for the flat tokens; only the group's are read
+        write_lines = torch.full((tokens.slots.shape[0],), pool.scratch, dtype=torch.long, device=ring.device)
+        write_entries = torch.zeros_like(write_lines)
+        write_lines[lo:hi] = pool.write_lines(token_slots, torch.ones_like(token_slots, dtype=torch.bool))
+        write_entries[lo:hi] = pool.recurrent_entries(tokens.positions[lo:hi], ring)
+        current.windows[key] = (slots, read_entries, firsts, counts, write_lines, write_entries,
+                                torch.arange(lo, hi, device=ring.device))
+    *addressing, tokens_at = current.windows[key]
+    return tokens_at, window(ring, *addressing)[lo:hi]
 
 
 def _chunked_group(chunked, state: torch.Tensor, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, pool: StatePool,
