@@ -2,7 +2,7 @@
 # One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
 # steps named on the command line, each with its own time limit, logs under $OUT.
 #   scripts/device_run.sh STEP...   steps: tests, gputests, engine, firstcall, prefixchat, capacity, backends, breakdown,
-#   mixed, frontier, load, mixedload, demo, hybrid, structured
+#   mixed, frontier, load, mixedload, memory, demo, hybrid, structured
 # gputests: every gpu-marked test; engine: plain and DSpark step times of the 8B shape at B = 1 and 64;
 # firstcall: a user's first LLM.generate call against a later one; prefixchat: shared-prefix chat on the
 # 8B shape (64 clients, 2,048-token system prompt, 3 turns), prefix caching on against off; capacity: concurrent
@@ -14,6 +14,7 @@
 # (bench.structured; STRUCTURED_ARGS adds options).
 # load: the frontier's configurations without a server at B = 128, 256 (bench.load; LOAD_ARGS adds options);
 # mixedload: its mixed-settings workload at B = 1, 16, 64 (MIXEDLOAD_ARGS adds options).
+# memory: the 8B shape's engine at B = 256 capturing every graph, its memory against its estimate (bench.memory).
 # demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target); out/demo and the
 # candidate drafters (out/demo_work/draft, draft_bp; not their training states) sent back as
 # demo.tgz.part-* (15 MiB pieces; here: cat demo.tgz.part-* | tar xzf - -C out); a later call that runs
@@ -61,6 +62,8 @@ for step in "$@"; do
     load) timeout "${LOAD_LIMIT:-560}" python -m dspark.bench.load --out "$OUT/load" ${LOAD_ARGS:-} > "$OUT/load.log" 2>&1 ;;
     mixedload) timeout "${MIXEDLOAD_LIMIT:-300}" python -m dspark.bench.load --out "$OUT/mixedload" --workload mixed \
              --batches 1,16,64 ${MIXEDLOAD_ARGS:-} > "$OUT/mixedload.log" 2>&1 ;;
+    memory) timeout "${MEMORY_LIMIT:-240}" python -m dspark.bench.memory --out "$OUT/memory" ${MEMORY_ARGS:-} \
+             > "$OUT/memory.log" 2>&1 ;;
     frontier) timeout "${FRONTIER_LIMIT:-420}" python -m dspark.bench.frontier --out "$OUT/frontier" \
              ${FRONTIER_ARGS:-} > "$OUT/frontier.log" 2>&1 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -120,11 +120,12 @@ def test_an_attention_free_target_has_no_kv_and_its_blocks_only_account_position
 
     from test_hf_target import _model
 
-    from dspark.engine.block_manager import kv_blocks_from_memory
+    from dspark.engine.block_manager import WorkingMemory, kv_blocks_from_memory
     from dspark.engine.llm_engine import EngineConfig
 
     target = HFTarget(_model("mamba"))
     assert sorted(target.stateful) == [0, 1, 2] and target.kv_bytes_per_token == 0
     assert target.new_cache(2, 16).k.numel() == 0
     on_gpu = SimpleNamespace(kv_bytes_per_token=0, device=torch.device("cuda"))
-    assert kv_blocks_from_memory(on_gpu, None, EngineConfig(gpu_memory_utilization=0.9), 1, 64) is None
+    assert kv_blocks_from_memory(on_gpu, None, EngineConfig(gpu_memory_utilization=0.9),
+                                 WorkingMemory(*[0] * 6)) is None

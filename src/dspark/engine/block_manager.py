@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["NULL_BLOCK", "BlockManager", "BlockTable", "SequenceBlocks", "StateSnapshots", "blocks_in_memory",
-           "kv_blocks_from_memory"]
+           "WorkingMemory", "kv_blocks_from_memory", "working_memory"]
 
 GRAPH_POOL_BYTES = 2 << 30  # what the memory budget leaves the CUDA graphs' pool and the allocator's slack
 # Block 0 is never handed out: unused table entries and the padding line point to it, so a stray
@@ -259,18 +259,54 @@ def blocks_in_memory(device, utilization: float, bytes_per_block: int, working_b
     return max(0, int(budget // bytes_per_block))
 
 
-def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tokens: int,
-                          state_snapshots: int = 0) -> int | None:
-    """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
-    block), after a step's working memory: its tokens' activations, the verify rows' f32 logits
-    (and their probabilities), the slots' penalty state, a hybrid target's layer states (with
-    ``state_snapshots`` snapshot slots) and a margin for the CUDA graphs' pools; None off CUDA, or
-    where there are no K/V (an attention-free target, plain decoding): the runner then holds
-    ``max_batch`` full lines, as with ``gpu_memory_utilization`` None."""
+@dataclass(frozen=True)
+class WorkingMemory:
+    """Bytes a step needs beside the weights and the KV blocks (``working_memory``): the CUDA graphs'
+    pool margin, the target's f32 logits of a step's rows (and their probabilities), the draft
+    block's backbone logits (bf16 and f32), the tokens' activations, the slots' penalty state and a
+    hybrid target's layer states."""
+
+    graph_pool: int
+    target_logits: int
+    draft_logits: int
+    activations: int
+    penalties: int
+    states: int
+
+    @property
+    def total(self) -> int:
+        return (self.graph_pool + self.target_logits + self.draft_logits + self.activations + self.penalties
+                + self.states)
+
+
+def working_memory(target, draft_model, config, verify_len: int, step_tokens: int, block_size: int = 0,
+                   state_snapshots: int = 0) -> WorkingMemory:
+    """``WorkingMemory`` of an engine of ``config`` (``max_batch`` rows verifying ``verify_len``
+    tokens each beside prompt chunks, ``step_tokens`` tokens a step; ``block_size`` the drafter's
+    block, 0 without one)."""
     from ..model.hybrid import StateLayout
-    from ..model.layers import KVCache
     from .chunks import MAX_CHUNKS as max_chunks
     from .penalties import BYTES_PER_TOKEN as penalty_bytes
+
+    vocab = target.vocab_size
+    draft_rows = config.max_batch * block_size if draft_model is not None else 0
+    # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
+    layout = StateLayout.of(verify_len, config.kv_block_size, state_snapshots)
+    return WorkingMemory(graph_pool=GRAPH_POOL_BYTES,
+                         target_logits=2 * (config.max_batch * verify_len + max_chunks) * vocab * 4,
+                         draft_logits=draft_rows * vocab * (2 + 4),
+                         activations=step_tokens * target.shape.hidden_size * 64,
+                         penalties=(config.max_batch + 1) * vocab * penalty_bytes,
+                         states=target.state_bytes(config.max_batch + 1, layout) if hasattr(target, "state_bytes")
+                         else 0)
+
+
+def kv_blocks_from_memory(target, draft_model, config, working: WorkingMemory) -> int | None:
+    """The KV blocks ``config.gpu_memory_utilization`` of the GPU holds (target and draft K/V per
+    block) after the step's ``working`` memory; None off CUDA, or where there are no K/V (an
+    attention-free target, plain decoding): the runner then holds ``max_batch`` full lines, as with
+    ``gpu_memory_utilization`` None."""
+    from ..model.layers import KVCache
 
     if config.gpu_memory_utilization is None:
         return None
@@ -281,11 +317,5 @@ def kv_blocks_from_memory(target, draft_model, config, verify_len: int, step_tok
         cfg = draft_model.config
         per_token += KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                              draft_model.dtype)
-    logits = 2 * (config.max_batch * verify_len + max_chunks) * target.vocab_size * 4
-    activations = step_tokens * target.shape.hidden_size * 64
-    penalties = (config.max_batch + 1) * target.vocab_size * penalty_bytes
-    # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
-    layout = StateLayout.of(verify_len, config.kv_block_size, state_snapshots)
-    states = target.state_bytes(config.max_batch + 1, layout) if hasattr(target, "state_bytes") else 0
     return blocks_in_memory(target.device, config.gpu_memory_utilization, per_token * config.kv_block_size,
-                            GRAPH_POOL_BYTES + logits + activations + penalties + states)
+                            working.total)

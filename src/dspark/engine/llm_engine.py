@@ -28,7 +28,7 @@ from ..model import hybrid
 from ..model.llama import TargetLM
 from ..model.parallel import SINGLE_RANK, TensorParallel
 from .acceptance import OnlineAcceptance
-from .block_manager import BlockManager, StateSnapshots, kv_blocks_from_memory
+from .block_manager import BlockManager, StateSnapshots, kv_blocks_from_memory, working_memory
 from .config import (DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_STATE_SNAPSHOTS_PER_ROW, ENGINES,
                      EngineConfig, engine_config)
 from .drafting import Drafter
@@ -129,8 +129,10 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         # a Mamba-2 dt limit makes a hybrid target's states depend on the prompt's length: no prefix cache
         caching = config.enable_prefix_caching and not hybrid.prompt_dependent(getattr(self.target, "stateful", {}))
         snapshots = self._state_snapshots(c, stateful, caching)
-        blocks = config.num_kv_blocks or kv_blocks_from_memory(self.target, self.draft_model, config, verify_len,
-                                                              budget, snapshots)
+        self.working_memory = working_memory(self.target, self.draft_model, config, verify_len, budget,
+                                             drafter.block_size if drafter is not None else 0, snapshots)
+        blocks = config.num_kv_blocks or kv_blocks_from_memory(self.target, self.draft_model, config,
+                                                              self.working_memory)
         if blocks is not None:  # the ranks' caches hold the same blocks: what every GPU can
             blocks = self.tp.min(blocks)
         self.runner = ModelRunner(self.target, drafter, max_batch=config.max_batch, max_model_len=limit,
