@@ -2,15 +2,21 @@
 delta rule; ``selective_state_scan``, Mamba-2): both backends (Triton under ``TRITON_INTERPRET=1`` on
 the CPU) give transformers' own recurrent steps' outputs and states (``torch_recurrent_gated_delta_rule``,
 ``mamba2_selective_state_update``), per request of a ragged batch, from a ring entry or from zero,
-each token's state written at its own (line, entry); bad inputs are refused by name."""
+each token's state written at its own (line, entry); bad inputs are refused by name. The conv before
+them (``causal_conv_window``) gives ``F.conv1d`` over each token's inputs and the rings
+``hybrid.causal_conv``'s PyTorch path leaves."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from conftest import BACKEND_PARAMS, DEVICE, INTERPRETER_WARNINGS, gpu
 
 import dspark.kernels as K
+from dspark.model import hybrid
+from dspark.model.llama import AttentionBatch
 
 pytestmark = [INTERPRETER_WARNINGS]
 I64 = torch.int64
@@ -124,6 +130,95 @@ def test_gated_delta_scan_refuses_bad_inputs_by_name():
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="first_tokens"):
             K.gated_delta_scan(**{**args, "token_counts": one + 5})
+
+
+
+def _conv_inputs(n: int, channels: int, kernel: int, lines: int, entries: int, dtype, seed: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, channels, generator=gen)
+    weight, bias = torch.randn(channels, kernel, generator=gen), torch.randn(channels, generator=gen)
+    states = torch.randn(lines, entries, channels, generator=gen)
+    return [t.to(dtype).to(DEVICE) for t in (x, weight, bias, states)]
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv_window_is_conv1d_over_each_tokens_inputs(backend, dtype):
+    """Requests from position 0, from ring entries (one window crossing the ring's end), one with
+    more tokens than the ring has entries (its last tokens overwrite entries its first ones read:
+    they read the old inputs), one with no tokens, two padding tokens no request names, a write sent
+    to the scratch line: ``F.conv1d`` over each token's inputs, every token's input at its entry."""
+    kernel, channels, entries, n = 4, 20, 6, 16
+    x, weight, bias, states = _conv_inputs(n, channels, kernel, 5, entries, dtype)
+    # (line, entries read oldest first, first token, count); entries of positions start-3 .. start-1
+    requests = [(1, [-1, -1, -1], 0, 3), (2, [-1, 0, 1], 3, 2), (3, [4, 5, 0], 5, 8), (0, [1, 2, 3], 13, 0),
+                (0, [3, 4, 5], 13, 1)]
+    lines, reads, firsts, counts = (_i64([r[i] for r in requests]) for i in range(4))
+    write_lines = _i64([1, 1, 1, 2, 2, 4, 4, 3, 3, 3, 3, 3, 3, 0, 4, 4])  # 4: scratch (masked writes)
+    write_entries = _i64([0, 1, 2, 2, 3, 1, 2, 3, 4, 5, 0, 1, 2, 0, 0, 0])
+    before = states.clone()
+    with K.use_backend(backend):
+        out = K.causal_conv_window(x, weight, bias, states, lines, reads, firsts, counts, write_lines, write_entries)
+    expected_states = before.clone()
+    for line, read, first, count in requests:
+        ring = torch.stack([before[line, e] if e >= 0 else torch.zeros_like(before[0, 0]) for e in read])
+        inputs = torch.cat([ring, x[first:first + count]]).float()
+        for t in range(count):
+            window = inputs[t:t + kernel].T[None]  # [1, C, K]
+            conv = torch.nn.functional.conv1d(window, weight.float()[:, None], bias.float(), groups=channels)
+            torch.testing.assert_close(out[first + t].float(), conv[0, :, 0].to(dtype).float(), atol=1e-5,
+                                       rtol=1e-5 if dtype == torch.float32 else 8e-3)
+            expected_states[write_lines[first + t], write_entries[first + t]] = x[first + t]
+    real = slice(0, 4)  # the scratch line holds any of the masked writes
+    assert torch.equal(states[real], expected_states[real])
+
+
+def _forward(pool: hybrid.StatePool, requests: list[tuple[int, int, int]], padding: int) -> hybrid.Forward:
+    """A forward of two ragged groups: ``requests`` ``(line, start position, tokens)``, the first two
+    in a group of their own; ``padding`` tokens of a padding request (the dummy line 0, position 0)."""
+    groups, slots, positions, lo = [], [], [], 0
+    for part in (requests[:2], requests[2:] + [(0, 0, padding)]):
+        counts = [c for _, _, c in part]
+        cu = torch.tensor([0] + counts).cumsum(0).int()
+        groups.append((lo, lo + int(cu[-1]), AttentionBatch(torch.tensor([s for s, _, _ in part]).int(),
+                                                            torch.tensor([p for _, p, _ in part]).int(), cu,
+                                                            max(counts))))
+        for line, start, count in part:
+            slots += [line] * count
+            positions += range(start, start + count)
+        lo += int(cu[-1])
+    return hybrid.Forward(pool, hybrid.Tokens.of(torch.tensor(slots), torch.tensor(positions), groups))
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_causal_conv_through_the_kernel_is_its_pytorch_path(backend, prefix_caching, frozen, monkeypatch):
+    """``hybrid.causal_conv`` on ``WINDOW_SCAN_DEVICES`` (``K.causal_conv_window``) against its
+    PyTorch path on the CPU (``F.conv1d``), fp32: a forward of ragged groups -- requests at position
+    0, across the ring's end, a prompt chunk longer than the ring, a padding request, with prefix
+    caching's block-end entries or not, frozen (every write to scratch) or not -- gives the same
+    outputs (to fp32 rounding) and the same rings, exactly, on every line but the scratch one."""
+    kernel, channels, verify = 4, 24, 3
+    layout = hybrid.StateLayout.of(verify, 4, 1) if prefix_caching else hybrid.StateLayout(verify)
+    entries = verify + kernel - 1 + layout.boundaries * (kernel - 1)
+    conv = torch.nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1)
+    ring = torch.randn(7, entries, channels, generator=torch.Generator().manual_seed(3))
+    requests = [(1, 0, 3), (2, 5, 2), (3, 13, 3), (4, 2, 14), (5, 9, 1)]
+    x = torch.randn(sum(c for *_, c in requests) + 2, channels, generator=torch.Generator().manual_seed(4))
+    rings = []
+    for on in (set(), {"cpu"}):
+        monkeypatch.setattr(hybrid, "WINDOW_SCAN_DEVICES", on)
+        pool = hybrid.StatePool({0: hybrid.LayerStates(ring.clone(), kernel=kernel)}, layout)
+        current = _forward(pool, requests, padding=2)
+        with torch.no_grad(), K.use_backend(backend), pool.frozen_writes() if frozen else contextlib.nullcontext():
+            out = hybrid.causal_conv(x, conv, pool.layers[0].conv, current)
+        rings.append((out, pool.layers[0].conv))
+    (expected, expected_ring), (out, got_ring) = rings
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_ring[:-1], expected_ring[:-1])
+    if frozen:
+        assert torch.equal(got_ring[:-1], ring[:-1])
 
 
 @gpu

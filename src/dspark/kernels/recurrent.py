@@ -1,5 +1,5 @@
-"""Recurrent family: a verify window through a gated DeltaNet layer in one pass, the state after
-every position written where the engine's rollback reads it.
+"""Recurrent family: a verify window through a hybrid target's stateful layer in one pass, the state
+after every position written where the engine's rollback reads it.
 
 A hybrid target's stateful layer runs a round's tokens in order, and an exact rollback to any
 accepted prefix needs the state after each of them. Run one position at a time (a fused recurrent
@@ -13,14 +13,18 @@ window, reads it once and writes it once per position, straight into its ring en
   ``use_qk_l2norm_in_kernel=True``, over ragged requests of flat tokens;
 * ``selective_state_scan(x, dt, a, b, c, d, states, ...)`` -- Mamba-2's selective state update
   (Bamba, Granite-4, Falcon-H1, Nemotron-H, Mamba2), transformers' ``mamba2_selective_state_update``
-  position by position, likewise.
+  position by position, likewise;
+* ``causal_conv_window(x, weight, bias, states, ...)`` -- the short depthwise causal conv before
+  them (and LFM2's), each token's ``kernel`` inputs from this forward's tokens of its request and the
+  ring of earlier inputs, each token's input written into its ring entry.
 
-Both address requests and states alike (the *addressing*): per request r (int64 ``[R]`` each),
+All three address requests and states alike (the *addressing*): per request r (int64 ``[R]`` each),
 tokens ``first_tokens[r] .. + token_counts[r] - 1`` of the flat inputs, from the state
 ``states[read_lines[r], read_entries[r]]`` (zero where ``read_entries[r] < 0``); ``states`` f32
 ``[lines, entries, heads, ...]`` is updated in place, the state after token n going to
 ``states[write_lines[n], write_entries[n]]`` (int64 ``[N]`` each); rows of tokens no request names
-are left unwritten in the output.
+are left unwritten in the output. (``causal_conv_window`` reads ``kernel - 1`` entries per request and
+writes each token's input, not a state; its docstring says how.)
 
 Values are not checked on CUDA tensors (ids and lengths there come from the engine).
 """
@@ -32,7 +36,7 @@ import torch
 from ._backend import implementation
 from ._validate import HALF_DTYPES, Checker
 
-__all__ = ["gated_delta_scan", "selective_state_scan"]
+__all__ = ["causal_conv_window", "gated_delta_scan", "selective_state_scan"]
 
 _FLOAT = (torch.float32,) + HALF_DTYPES
 _INDEX = torch.int64
@@ -108,6 +112,49 @@ def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, fi
     return implementation("selective_state_scan", device, *args[:7])(*args)
 
 
+def causal_conv_window(x, weight, bias, states, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                       write_entries):
+    """A depthwise causal conv (kernel ``K``) over each request's tokens; returns ``out`` ``[N, C]``
+    in ``x``'s dtype.
+
+    ``x`` ``[N, C]`` (f32 / f16 / bf16), ``weight`` ``[C, K]`` (a depthwise ``Conv1d``'s ``[C, 1,
+    K]`` weight viewed so), ``bias`` ``[C]`` or None; ``states`` ``[lines, entries, C]`` in ``x``'s
+    dtype, the ring of each line's earlier inputs. Per request r (int64 ``[R]`` each, as the module
+    docstring's addressing) its tokens ``first_tokens[r] ..  + token_counts[r] - 1``; the inputs
+    before its first token are ``states[read_lines[r], read_entries[r, i]]`` (int64 ``[R, K - 1]``,
+    oldest first: the input ``K - 1 - i`` positions before it; zero where ``read_entries[r, i] <
+    0``, before position 0). Token n at index t among its request's tokens sees the ``K`` inputs
+    ending at its own, ``u_0 .. u_{K-1}`` (oldest first: ``x`` rows of its request's earlier tokens,
+    the ring entries before them), and gives, summed in f32 in that order::
+
+        out[n] = u_0 * weight[:, 0] + ... + u_{K-1} * weight[:, K-1] + bias
+
+    (``F.conv1d`` over those ``K`` inputs, oldest first; cuDNN's sums may differ in the last bit).
+    Then each request's token n writes ``x[n]`` to ``states[write_lines[n], write_entries[n]]``
+    (int64 ``[N]``; tokens no request names write nothing): every read sees the ring as it was
+    before the call. A line a request reads is written by no other
+    request; an entry written by two tokens holds either (the caller writes each entry it keeps once
+    and sends the other writes to a line nobody reads).
+    """
+    c = Checker("causal_conv_window")
+    x = c.tensor("x", x, dtype=_FLOAT, ndim=2)
+    n, channels = x.shape
+    device = x.device
+    weight = c.tensor("weight", weight, dtype=_FLOAT, ndim=2, device=device)
+    if weight.shape[0] != channels or weight.shape[1] < 1:
+        c.fail(f"weight must be [C, K] = [{channels}, K >= 1], got shape {list(weight.shape)}")
+    kernel = weight.shape[1]
+    if bias is not None:
+        bias = c.tensor("bias", bias, dtype=_FLOAT, shape=[channels], device=device).contiguous()
+    states = c.tensor("states", states, dtype=x.dtype, ndim=3, device=device, contiguous=True)
+    if states.shape[2] != channels:
+        c.fail(f"states must be [lines, entries, C] = [lines, entries, {channels}], got shape {list(states.shape)}")
+    addressing = _addressing(c, n, device, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                             write_entries, taps=kernel - 1)
+    args = (x.contiguous(), weight.contiguous(), bias, states, *addressing)
+    return implementation("causal_conv_window", device, x, weight, states)(*args)
+
+
 def _states(c: Checker, states, device, per_line: list[int]) -> torch.Tensor:
     states = c.tensor("states", states, dtype=torch.float32, ndim=5, device=device)
     if list(states.shape[2:]) != per_line:
@@ -118,13 +165,15 @@ def _states(c: Checker, states, device, per_line: list[int]) -> torch.Tensor:
 
 
 def _addressing(c: Checker, n: int, device, read_lines, read_entries, first_tokens, token_counts, write_lines,
-                write_entries) -> tuple[torch.Tensor, ...]:
-    """The requests' and tokens' int64 addressing (module docstring), checked and contiguous."""
+                write_entries, taps: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The requests' and tokens' int64 addressing (module docstring), checked and contiguous;
+    ``taps``: the entries each request reads (``read_entries`` ``[R, taps]``; None: one, ``[R]``)."""
     read_lines = c.tensor("read_lines", read_lines, dtype=_INDEX, ndim=1, device=device)
     requests = read_lines.shape[0]
-    per_request = [c.tensor(name, t, dtype=_INDEX, shape=[requests], device=device)
-                   for name, t in (("read_entries", read_entries), ("first_tokens", first_tokens),
-                                   ("token_counts", token_counts))]
+    read_entries = c.tensor("read_entries", read_entries, dtype=_INDEX,
+                            shape=[requests] if taps is None else [requests, taps], device=device)
+    per_request = [read_entries] + [c.tensor(name, t, dtype=_INDEX, shape=[requests], device=device)
+                                    for name, t in (("first_tokens", first_tokens), ("token_counts", token_counts))]
     per_token = [c.tensor(name, t, dtype=_INDEX, shape=[n], device=device)
                  for name, t in (("write_lines", write_lines), ("write_entries", write_entries))]
     if device.type == "cpu":

@@ -41,7 +41,9 @@ a time, all requests of a ragged group at once (static shapes, no host
 synchronisation: CUDA-graph capturable): the gated delta rule as the modeling file's own
 ``torch_recurrent_gated_delta_rule`` (the PyTorch reference transformers falls back to); Mamba-2 as the modeling file's ``mamba2_selective_state_update`` (transformers' recurrent
 step, which it maps to mamba-ssm's kernel where its kernel hub provides it). The conv is
-``F.conv1d`` over each token's ``kernel`` inputs, as transformers computes it. Tree verification,
+``F.conv1d`` over each token's ``kernel`` inputs, as transformers computes it (on
+``WINDOW_SCAN_DEVICES`` one kernel per forward, ``K.causal_conv_window``: each token's inputs
+gathered, summed and written into its ring entry in one pass). Tree verification,
 which would need a state per tree node, is refused by the engine for these targets.
 
 **Prefix caching** (``StateLayout.boundaries`` > 0): a cached block is usable for a hybrid target
@@ -80,8 +82,9 @@ _MAMBA_TYPES = ("mamba", "linear_attention")  # what configs declare Mamba layer
 # for every group (the reference the chunked scans are tested on)
 CHUNKED_PROMPTS = True
 # device types whose gated DeltaNet and Mamba-2 groups of round-sized windows run in one kernel each
-# (``K.gated_delta_scan``, ``K.selective_state_scan``: the state read once, written per position);
-# elsewhere position by position through the modeling file's reference (what the kernels are tested against)
+# (``K.gated_delta_scan``, ``K.selective_state_scan``: the state read once, written per position), and
+# whose convs run in one kernel per forward (``K.causal_conv_window``); elsewhere position by position
+# through the modeling file's reference, and the conv as ``F.conv1d`` (what the kernels are tested against)
 WINDOW_SCAN_DEVICES = {"cuda"}
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
 _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
@@ -253,7 +256,8 @@ class StatePool:
 @dataclass
 class Forward:
     """What a mixer needs from the current engine forward; ``windows``: the window scans' addressing
-    of each group (``_window_group``), made by the forward's first stateful layer, read by the others."""
+    of each group (``_window_group``) and the conv kernel's (``_conv_window``), made by the
+    forward's first stateful layer, read by the others."""
 
     pool: StatePool
     tokens: Tokens
@@ -523,9 +527,14 @@ def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, curr
     ``ring`` ``[lines, entries, C]`` (zero before position 0; ``StatePool.conv_entries``) -- as
     ``F.conv1d`` over those ``K`` inputs (transformers' own op); then each token's input goes into
     ``ring`` unless a later token of its request takes the same entry. Returns ``[N, C]`` in ``x``'s
-    dtype."""
-    t, pool = current.tokens, current.pool
+    dtype. On ``WINDOW_SCAN_DEVICES`` one kernel for the whole forward (``K.causal_conv_window``,
+    addressing ``_conv_window``): its f32 sums, oldest input first, may differ from cuDNN's
+    ``F.conv1d`` in the last bit -- plain decoding and DSpark rounds run the same kernel, so their
+    outputs stay identical to each other."""
     kernel = conv.kernel_size[0]
+    if x.device.type in WINDOW_SCAN_DEVICES:
+        return K.causal_conv_window(x, conv.weight[:, 0], conv.bias, ring, *_conv_window(ring, kernel, current))
+    t, pool = current.tokens, current.pool
     n = x.shape[0]
     rows = torch.arange(n, device=x.device)
     taps = []
@@ -536,6 +545,16 @@ def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, curr
         taps.append(torch.where((t.offsets >= back)[:, None], inside, cached.to(x.dtype)))
     inputs = torch.stack([*taps, x], dim=-1).to(conv.weight.dtype)  # [N, C, K]
     out = F.conv1d(inputs, conv.weight, conv.bias, groups=inputs.shape[1])[..., 0]
+    write_lines, entries = _conv_writes(ring, kernel, current)
+    ring[write_lines, entries] = x.to(ring.dtype)
+    return out.to(x.dtype)
+
+
+def _conv_writes(ring: torch.Tensor, kernel: int, current: Forward) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lines, entries)`` int64 ``[N]``: where each token's conv input goes -- its position's entry
+    of its line, or the scratch line where a later token of its request takes the same entry (or the
+    pool is frozen)."""
+    t, pool = current.tokens, current.pool
     entries, at_end = pool.conv_entries(t.positions, ring, kernel)
     # one write per entry: the window's entries repeat every `window` positions, a block end's every
     # `boundaries` blocks
@@ -543,8 +562,28 @@ def causal_conv(x: torch.Tensor, conv: torch.nn.Conv1d, ring: torch.Tensor, curr
     repeat = torch.where(at_end, layout.boundaries * layout.block_size,
                          ring.shape[1] - layout.boundaries * (kernel - 1))
     last = t.offsets >= t.lengths - repeat
-    ring[pool.write_lines(t.slots, last), entries] = x.to(ring.dtype)
-    return out.to(x.dtype)
+    return pool.write_lines(t.slots, last), entries
+
+
+def _conv_window(ring: torch.Tensor, kernel: int, current: Forward) -> tuple[torch.Tensor, ...]:
+    """``K.causal_conv_window``'s addressing of the forward's requests (every group's): ``(read_lines,
+    read_entries [R, kernel - 1], first_tokens, token_counts, write_lines, write_entries)``, made by
+    the forward's first conv, read by the others (``Forward.windows``)."""
+    key = ("conv", ring.shape[1], kernel)  # every conv ring of a kernel size has the same entries
+    if key not in current.windows:
+        lines, firsts, counts, starts = [], [], [], []
+        for lo, _, batch in current.tokens.groups:
+            cu = batch.cu_query_lens.long()
+            lines.append(batch.slot_ids.long())
+            firsts.append(lo + cu[:-1])
+            counts.append(cu[1:] - cu[:-1])
+            starts.append(batch.context_lens.long())
+        starts = torch.cat(starts)
+        before = starts[:, None] - torch.arange(kernel - 1, 0, -1, device=starts.device)  # oldest first
+        read_entries = torch.where(before >= 0, current.pool.conv_entries(before, ring, kernel)[0], -1)
+        current.windows[key] = (torch.cat(lines), read_entries, torch.cat(firsts), torch.cat(counts),
+                                *_conv_writes(ring, kernel, current))
+    return current.windows[key]
 
 
 def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, current: Forward,

@@ -1,10 +1,11 @@
-"""PyTorch reference of the recurrent family (contract: ``dspark.kernels.gated_delta_scan``)."""
+"""PyTorch reference of the recurrent family (contracts: ``dspark.kernels.gated_delta_scan``,
+``selective_state_scan``, ``causal_conv_window``)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gated_delta_scan", "selective_state_scan"]
+__all__ = ["causal_conv_window", "gated_delta_scan", "selective_state_scan"]
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -42,4 +43,24 @@ def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, fi
             state = torch.exp(dt_n * a[:, None, None]) * state + dt_n * b_n * x[n].float()[:, :, None]
             out[n] = ((state * c_n).sum(-1) + d.float()[:, None] * x[n].float()).to(out.dtype)
             states[write_lines[n], write_entries[n]] = state
+    return out
+
+
+def causal_conv_window(x, weight, bias, states, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                       write_entries):
+    out = torch.empty_like(x)
+    taps, w = weight.shape[1] - 1, weight.float()
+    for r in range(read_lines.shape[0]):
+        entries = read_entries[r]
+        before = states[read_lines[r], entries.clamp(min=0)] * (entries >= 0)[:, None]  # [K - 1, C], zero at < 0
+        first, count = int(first_tokens[r]), int(token_counts[r])
+        inputs = torch.cat([before, x[first:first + count]]).float()  # the request's inputs, oldest first
+        for t in range(count):
+            total = inputs[t] * w[:, 0]
+            for i in range(1, taps + 1):  # summed oldest first
+                total = total + inputs[t + i] * w[:, i]
+            out[first + t] = (total if bias is None else total + bias.float()).to(out.dtype)
+    for r in range(read_lines.shape[0]):  # after every read
+        for n in range(int(first_tokens[r]), int(first_tokens[r] + token_counts[r])):
+            states[write_lines[n], write_entries[n]] = x[n]
     return out

@@ -1,10 +1,18 @@
-"""Triton recurrent family (contracts: ``dspark.kernels.gated_delta_scan``, ``selective_state_scan``).
+"""Triton recurrent family (contracts: ``dspark.kernels.gated_delta_scan``, ``selective_state_scan``,
+``causal_conv_window``).
 
 One program per (request, head, block of the state's rows) holds its slice of the state in
 registers over the request's whole window: one read of the state, one write per token into the
 token's ring entry. Gated delta rule: ``[dk, BV]`` slices, flash-linear-attention's fused recurrent
 layout and op order (``BV`` 8, one warp; its kernel keeps only the final state). Mamba-2:
 ``[BP, d_state]`` slices of ``BP`` head_dim rows.
+
+Causal conv: one program per (request, block of ``BC`` channels) runs the request's tokens in tiles
+of ``BT``, every tap of a tile a load (this forward's ``x`` rows or, in the request's first tile,
+its ring entries). A prompt chunk longer than the ring overwrites, with its last tokens' inputs,
+entries its first tokens read; only this program reads or writes them (the request's line, these
+channels), and a CTA barrier between each tile's reads and its writes keeps every read before
+them. A long chunk's tiles run in order in its programs (``BT`` grows with the tokens per request).
 """
 
 from __future__ import annotations
@@ -13,10 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gated_delta_scan", "selective_state_scan"]
+__all__ = ["causal_conv_window", "gated_delta_scan", "selective_state_scan"]
 
 BV = 8  # value columns per program (fla's choice for the fused recurrent kernel)
 BP = 16  # Mamba-2 head_dim rows per program (with a d_state of 128: 2,048 f32 of state)
+BC = 128  # conv channels per program (Qwen3.5-9B's 8,192: 64 programs per request)
+MAX_BT = 32  # conv tokens per tile at most (a [32, 128] f32 sum over 4 warps)
 
 
 @triton.jit
@@ -130,4 +140,64 @@ def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, fi
                                        token_counts, write_lines, write_entries, states.stride(0), states.stride(1),
                                        HEADS=heads, GROUPS=groups, HEAD_DIM=head_dim, SIZE=size, BP_=BP,
                                        BN=triton.next_power_of_2(size), num_warps=2)
+    return out
+
+
+@triton.jit
+def _causal_conv_window_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, states_ptr, read_lines_ptr, read_entries_ptr,
+                               first_ptr, count_ptr, write_lines_ptr, write_entries_ptr, channels, line_stride,
+                               entry_stride, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
+                               BC_: tl.constexpr):
+    pid = tl.program_id(0)
+    nc = tl.cdiv(channels, BC_)
+    i_c, r = pid % nc, pid // nc
+    o_c = i_c * BC_ + tl.arange(0, BC_)
+    mask_c = o_c < channels
+    line = tl.load(read_lines_ptr + r)
+    first = tl.load(first_ptr + r)
+    count = tl.load(count_ptr + r)
+    for start in range(0, count, BT):
+        t = start + tl.arange(0, BT)  # the tile's tokens: their index among the request's
+        rows = t < count
+        mask = rows[:, None] & mask_c[None, :]
+        at = (first + t)[:, None] * channels + o_c[None, :]
+        acc = tl.zeros([BT, BC_], dtype=tl.float32)
+        for i in tl.static_range(K - 1):  # the inputs before each token's own, oldest first
+            back = K - 1 - i
+            inside = rows & (t >= back)  # an earlier token of this forward, else the ring (t < back: first tile)
+            u = tl.load(x_ptr + at - back * channels, mask=inside[:, None] & mask_c[None, :], other=0.0)
+            ringed = rows & (t < back)
+            entry = tl.load(read_entries_ptr + r * (K - 1) + i + t, mask=ringed, other=-1)  # position t - back
+            cached = tl.load(states_ptr + line * line_stride + tl.maximum(entry, 0)[:, None] * entry_stride
+                             + o_c[None, :], mask=(entry >= 0)[:, None] & mask_c[None, :], other=0.0)
+            u = tl.where(inside[:, None], u, cached)
+            w = tl.load(w_ptr + o_c * K + i, mask=mask_c, other=0.0).to(tl.float32)
+            acc += u.to(tl.float32) * w[None, :]
+        own = tl.load(x_ptr + at, mask=mask, other=0.0)
+        w = tl.load(w_ptr + o_c * K + K - 1, mask=mask_c, other=0.0).to(tl.float32)
+        acc += own.to(tl.float32) * w[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + o_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # this tile's ring reads before any of its writes (module docstring)
+        to_line = tl.load(write_lines_ptr + first + t, mask=rows, other=0)
+        to_entry = tl.load(write_entries_ptr + first + t, mask=rows, other=0)
+        tl.store(states_ptr + (to_line * line_stride + to_entry * entry_stride)[:, None] + o_c[None, :], own,
+                 mask=mask)
+
+
+def causal_conv_window(x, weight, bias, states, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                       write_entries):
+    n, channels = x.shape
+    out = torch.empty_like(x)
+    requests = read_lines.shape[0]
+    if requests == 0 or n == 0:
+        return out
+    # tiles of about a request's tokens (a round's window: one tile; a prompt chunk: up to MAX_BT a tile)
+    tile = min(MAX_BT, max(8, triton.next_power_of_2(triton.cdiv(n, requests))))
+    grid = (requests * triton.cdiv(channels, BC),)
+    _causal_conv_window_kernel[grid](x, weight, x if bias is None else bias, out, states, read_lines, read_entries,
+                                     first_tokens, token_counts, write_lines, write_entries, channels,
+                                     states.stride(0), states.stride(1), K=weight.shape[1], HAS_BIAS=bias is not None,
+                                     BT=tile, BC_=BC, num_warps=4)
     return out
