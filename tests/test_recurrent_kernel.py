@@ -130,6 +130,16 @@ def test_gated_delta_scan_refuses_bad_inputs_by_name():
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="first_tokens"):
             K.gated_delta_scan(**{**args, "token_counts": one + 5})
+    x, weight, bias, ring = _conv_inputs(4, 6, 3, 2, 4, torch.float32)
+    conv = dict(x=x, weight=weight, bias=bias, states=ring, read_entries=torch.zeros(1, 2, dtype=I64, device=DEVICE),
+                **{name: addressing[name] for name in ("read_lines", "first_tokens", "token_counts", "write_lines",
+                                                       "write_entries")})
+    with pytest.raises(ValueError, match="read_entries must have shape"):  # kernel 3: two entries per request
+        K.causal_conv_window(**{**conv, "read_entries": one})
+    with pytest.raises(TypeError, match="states must have dtype"):
+        K.causal_conv_window(**{**conv, "states": ring.bfloat16()})
+    with pytest.raises(ValueError, match="weight must be"):
+        K.causal_conv_window(**{**conv, "weight": weight[:5]})
 
 
 
@@ -288,3 +298,31 @@ def test_selective_state_scan_at_bamba_sizes_equals_transformers_step():
         assert ours_error <= max((rounded.double() - exact).abs().max().item(), 1e-2), (i, ours_error)
         torch.testing.assert_close(out[at].double(), exact, atol=4e-2, rtol=1e-2)
         torch.testing.assert_close(states[lines, i + 1].double(), truth, atol=1e-4, rtol=1e-4)
+
+
+@gpu
+def test_causal_conv_window_at_qwen35_sizes_equals_the_reference():
+    """On CUDA, Qwen3.5-9B's gated DeltaNet conv (8,192 channels, kernel 4, bf16) over 64 requests of
+    8 tokens from ring entries (a few from position 0): the Triton kernel's outputs equal the PyTorch
+    reference's (f32 sums in the same order: to bf16 rounding), the rings exactly."""
+    requests, window, channels, kernel = 64, 8, 8192, 4
+    entries = window + kernel - 1
+    n, gen = requests * window, torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, channels, generator=gen, device="cuda").bfloat16()
+    weight = torch.randn(channels, kernel, generator=gen, device="cuda").bfloat16()
+    bias = torch.randn(channels, generator=gen, device="cuda").bfloat16()
+    states = torch.randn(requests + 1, entries, channels, generator=gen, device="cuda").bfloat16()
+    lines = torch.arange(requests, device="cuda")
+    starts = torch.where(lines % 8 == 0, 0, 5 + lines)  # every 8th request at position 0
+    before_first = starts[:, None] - torch.arange(kernel - 1, 0, -1, device="cuda")
+    read_entries = torch.where(before_first >= 0, before_first % entries, -1)
+    positions = starts.repeat_interleave(window) + torch.arange(n, device="cuda") % window
+    addressing = (lines, read_entries, lines * window, torch.full_like(lines, window),
+                  lines.repeat_interleave(window), positions % entries)
+    reference_states = states.clone()
+    with K.use_backend("triton"):
+        out = K.causal_conv_window(x, weight, bias, states, *addressing)
+    with K.use_backend("reference"):
+        expected = K.causal_conv_window(x, weight, bias, reference_states, *addressing)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=8e-3)
+    assert torch.equal(states, reference_states)

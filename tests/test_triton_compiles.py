@@ -105,6 +105,11 @@ KERNELS = {
          "read_lines_ptr": "*i64", "read_entries_ptr": "*i64", "first_ptr": "*i64", "count_ptr": "*i64",
          "write_lines_ptr": "*i64", "write_entries_ptr": "*i64"},
         [dict(HEADS=128, GROUPS=1, HEAD_DIM=64, SIZE=128, BP_=16, BN=128)]),  # Bamba-9B's Mamba-2 heads
+    "recurrent._causal_conv_window_kernel": (
+        {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "states_ptr": "*bf16",
+         "read_lines_ptr": "*i64", "read_entries_ptr": "*i64", "first_ptr": "*i64", "count_ptr": "*i64",
+         "write_lines_ptr": "*i64", "write_entries_ptr": "*i64"},
+        [dict(K=4, HAS_BIAS=b, BT=t, BC_=128) for b, t in ((True, 8), (False, 32))]),  # a round; a prompt chunk
 }
 
 # Runs in a process of its own: under TRITON_INTERPRET=1 (this suite's CPU setting) @triton.jit gives

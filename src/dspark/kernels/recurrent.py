@@ -129,7 +129,8 @@ def causal_conv_window(x, weight, bias, states, read_lines, read_entries, first_
 
         out[n] = u_0 * weight[:, 0] + ... + u_{K-1} * weight[:, K-1] + bias
 
-    (``F.conv1d`` over those ``K`` inputs, oldest first; cuDNN's sums may differ in the last bit).
+    (``F.conv1d`` over those ``K`` inputs, oldest first; the Triton kernel fuses each product into the
+    sum, and cuDNN's sums may differ from either in the last bit).
     Then each request's token n writes ``x[n]`` to ``states[write_lines[n], write_entries[n]]``
     (int64 ``[N]``; tokens no request names write nothing): every read sees the ring as it was
     before the call. A line a request reads is written by no other
