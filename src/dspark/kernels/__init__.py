@@ -8,7 +8,8 @@ schedulers), ``layers`` (RMSNorm, RoPE + KV store, cached
 attention, SwiGLU for the engine's model runners), ``recurrent`` (a hybrid target's gated DeltaNet
 and Mamba-2 windows with the state after every position written out, and their short causal conv),
 ``rng`` (request-stable uniforms), ``tree`` (the DDTree builder and greedy tree acceptance; PyTorch
-only so far). Backends: PyTorch reference and Triton, see ``use_backend``; the full contract of each function is on the public function.
+only so far). Backends: PyTorch reference and Triton, see ``use_backend``; the full contract of each
+function is on the public function.
 
 Scratch memory: the Triton ops that need it (``logits_to_probabilities``, ``markov_sample_step``,
 ``vanilla_markov_sample``, ``sample_probability_rows``, ``greedy_accept``, ``probabilistic_accept``)
