@@ -145,24 +145,28 @@ def test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, mo
 def test_rounds_through_the_window_kernels_keep_every_state(name, backend, monkeypatch):
     """Gated DeltaNet and Mamba-2 rounds through ``K.gated_delta_scan`` / ``K.selective_state_scan``
     (a group's whole window in one call, as on a GPU; here their PyTorch reference and their Triton
-    kernels under the interpreter): ragged verify lengths, rejected and accepted drafts, plain rounds
-    and prompt chunks give ``generate()``'s tokens, and after every step the states equal the
-    committed tokens run position by position."""
+    kernels under the interpreter), every conv through ``K.causal_conv_window``: ragged verify
+    lengths, rejected and accepted drafts, plain rounds and prompt chunks give ``generate()``'s
+    tokens, and after every step the states equal the committed tokens run position by position
+    (the conv by ``F.conv1d``)."""
     import dspark.kernels as K
 
     monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 3)
     monkeypatch.setattr(hybrid_model, "WINDOW_SCAN_DEVICES", {"cuda", "cpu"})
-    calls = []
-    kernel = "gated_delta_scan" if name == "qwen3.5" else "selective_state_scan"
-    scan = getattr(K, kernel)
-    monkeypatch.setattr(K, kernel, lambda *a, **k: (calls.append(a[0].shape[0]), scan(*a, **k))[1])
+    calls = {}
+    for kernel in ("gated_delta_scan" if name == "qwen3.5" else "selective_state_scan", "causal_conv_window"):
+        def counted(*a, run=getattr(K, kernel), kernel=kernel, **k):
+            calls[kernel] = calls.get(kernel, 0) + 1
+            return run(*a, **k)
+
+        monkeypatch.setattr(K, kernel, counted)
     model = _model(name)
     draft, expected = _drafter(model), [_generate(model, p, NEW) for p in PROMPTS]
     with K.use_backend(backend):
         engine = OracleEngine(model, draft, EngineConfig(**CHUNKED, **SCHEDULERS["plain-rounds"]), acceptance=0.5)
         ids = [engine.add_request(Request(p, NEW), e + [0] * 8) for p, e in zip(PROMPTS, expected)]
         outputs, checked = _run(engine, model, ids)
-    assert [outputs[i] for i in ids] == expected and checked > len(PROMPTS) * 4 and calls
+    assert [outputs[i] for i in ids] == expected and checked > len(PROMPTS) * 4 and len(calls) == 2
 
 
 def test_the_context_limit_ends_the_output(hybrid):
