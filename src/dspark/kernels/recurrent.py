@@ -120,22 +120,21 @@ def causal_conv_window(x, weight, bias, states, read_lines, read_entries, first_
     ``x`` ``[N, C]`` (f32 / f16 / bf16), ``weight`` ``[C, K]`` (a depthwise ``Conv1d``'s ``[C, 1,
     K]`` weight viewed so), ``bias`` ``[C]`` or None; ``states`` ``[lines, entries, C]`` in ``x``'s
     dtype, the ring of each line's earlier inputs. Per request r (int64 ``[R]`` each, as the module
-    docstring's addressing) its tokens ``first_tokens[r] ..  + token_counts[r] - 1``; the inputs
+    docstring's addressing) its tokens ``first_tokens[r] .. + token_counts[r] - 1``; the inputs
     before its first token are ``states[read_lines[r], read_entries[r, i]]`` (int64 ``[R, K - 1]``,
     oldest first: the input ``K - 1 - i`` positions before it; zero where ``read_entries[r, i] <
     0``, before position 0). Token n at index t among its request's tokens sees the ``K`` inputs
-    ending at its own, ``u_0 .. u_{K-1}`` (oldest first: ``x`` rows of its request's earlier tokens,
-    the ring entries before them), and gives, summed in f32 in that order::
+    ending at its own, ``u_0 .. u_{K-1}`` (oldest first: the ring's inputs before the request's
+    first token, then ``x`` rows of its tokens), and gives, summed in f32 in that order::
 
         out[n] = u_0 * weight[:, 0] + ... + u_{K-1} * weight[:, K-1] + bias
 
-    (``F.conv1d`` over those ``K`` inputs, oldest first; the Triton kernel fuses each product into the
-    sum, and cuDNN's sums may differ from either in the last bit).
-    Then each request's token n writes ``x[n]`` to ``states[write_lines[n], write_entries[n]]``
-    (int64 ``[N]``; tokens no request names write nothing): every read sees the ring as it was
-    before the call. A line a request reads is written by no other
-    request; an entry written by two tokens holds either (the caller writes each entry it keeps once
-    and sends the other writes to a line nobody reads).
+    (``F.conv1d`` over those ``K`` inputs, oldest first; the Triton kernel fuses each product into
+    the sum, and cuDNN's sums may differ from either in the last bit). Then each request's token n
+    writes ``x[n]`` to ``states[write_lines[n], write_entries[n]]`` (int64 ``[N]``; tokens no
+    request names write nothing): every read sees the ring as it was before the call. A line a
+    request reads is written by no other request; an entry written by two tokens holds either (the
+    caller writes each entry it keeps once and sends the other writes to a line nobody reads).
     """
     c = Checker("causal_conv_window")
     x = c.tensor("x", x, dtype=_FLOAT, ndim=2)
