@@ -40,6 +40,7 @@ __all__ = [
     "sample_probability_rows",
     "store_draft_step_probabilities",
     "normalize_top_k_rows",
+    "request_probabilities",
     "sample_top_k_rows_and_store",
 ]
 
@@ -150,6 +151,50 @@ def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0, *, workspac
         settings = settings.repeat_interleave(x.shape[1], dim=0)
     probs = implementation("logits_to_probabilities", x.device)(rows, temperature, top_k, top_p, resolve(c, workspace),
                                                                 settings)
+    return probs.reshape(x.shape)
+
+
+def request_probabilities(logits, temperature, top_k, top_p, min_p, *, workspace=None):
+    """A request's probabilities as vLLM's sampler and transformers' warpers define them (a dspark
+    addition: the engine's request stage, ``dspark.engine.drafting.RowSampling``).
+
+    ``logits`` f32 ``[rows, V]`` (biased, masked entries -inf; no NaN), or ``[B, L, V]`` (``B*L``
+    rows); returns f32 of the same shape. Per-row settings, one entry per row of ``[rows, V]`` or per
+    batch row of ``[B, L, V]``: ``temperature`` f32, ``top_k`` int32/int64, ``top_p`` f32 in ``(0, 1]``,
+    ``min_p`` f32 in ``[0, 1]`` (values are not range-checked: that would synchronise the host). Each row:
+
+    * greedy (``temperature < GREEDY_TEMPERATURE`` or ``top_k == 1``): one-hot at the first largest logit;
+    * else ``x = logits / temperature`` (an fp32 division) and ``w = exp(x - max x)``; min_p keeps
+      ``p >= min_p * p_max``; top-k (``1 < top_k < V``; else off) keeps the entries ``>=`` the k-th
+      largest ``x`` (ties with it kept); top-p (``< 1``) ranks what is left by ``x`` descending, ties
+      to the lower index, and keeps an entry while the mass ranked above it is below ``top_p`` of the
+      kept mass (the standard nucleus: the boundary entry kept whole, the top entry always); the
+      result is ``w / sum(w)`` over the kept entries.
+    * a row without a finite maximum (all -inf, or +inf) is NaN, as a softmax of it.
+
+    Backends. The reference is vLLM's torch code (one sort of each row; min_p on the fp32 softmax,
+    top-p as ``cumsum <= 1 - top_p`` over the ascending fp32 softmax). The Triton backend sorts
+    nothing and never synchronises the host (CUDA-graph capturable once ``workspace`` is sized):
+    min_p keeps ``x >= max x + log(min_p)`` (fp32), and the nucleus cut is found by a search in value
+    space with fp32 partial sums. The kept sets are the same except at boundaries decided by fp32
+    rounding: an entry whose ``exp(x - max x)`` is within ~1e-6 (relative) of ``min_p``, or whose
+    mass ranked at or below it (normalised) is within the rounding of the reference's cumulative sum
+    (~1e-6 on 152k entries) of ``1 - top_p``; top-k and ties are decided exactly alike. Kept
+    probabilities agree to fp32 rounding (``rtol`` ~1e-5: the kernels' exp is the GPU's approximate
+    one). ``workspace``: see the module docstring.
+    """
+    c = Checker("request_probabilities")
+    x = c.tensor("logits", logits, dtype=torch.float32, ndim=(2, 3))
+    if x.shape[-1] < 1:
+        c.fail(f"logits must have V >= 1 columns, got shape {list(x.shape)}")
+    batch = x.shape[0]
+    settings = (c.tensor("temperature", temperature, dtype=torch.float32, shape=[batch], device=x.device),
+                c.tensor("top_k", top_k, dtype=(torch.int32, torch.int64), shape=[batch], device=x.device),
+                c.tensor("top_p", top_p, dtype=torch.float32, shape=[batch], device=x.device),
+                c.tensor("min_p", min_p, dtype=torch.float32, shape=[batch], device=x.device))
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    probs = implementation("request_probabilities", x.device)(rows, *(t.contiguous() for t in settings),
+                                                              resolve(c, workspace))
     return probs.reshape(x.shape)
 
 

@@ -19,9 +19,11 @@ the same uniforms.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .._shared import TINY, UNIFORM_MAX, filter_settings, inv_temperature
+from .._shared import GREEDY_TEMPERATURE, TINY, UNIFORM_MAX, filter_settings, inv_temperature
 from .markov import build_markov_logits
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "sample_probability_rows",
     "store_draft_step_probabilities",
     "normalize_top_k_rows",
+    "request_probabilities",
     "sample_top_k_rows_and_store",
 ]
 
@@ -317,6 +320,40 @@ def normalize_top_k_rows(top_k_values, temperature):
     weights, degenerate = _softmax_weights(_scaled(top_k_values, temperature))
     probs = (weights / weights.sum(-1, keepdim=True).clamp_min(TINY)).float()
     return torch.where(degenerate[:, None], torch.full_like(probs, 1.0 / probs.shape[1]), probs)
+
+
+def request_probabilities(logits, temperature, top_k, top_p, min_p, workspace):
+    """``dspark.kernels.request_probabilities``: vLLM's sampler in torch (one sort of each row).
+
+    ``logits`` f32 ``[R, V]``, settings ``[S]`` with ``R = S * L`` (setting s on rows ``s*L .. s*L+L-1``).
+    The top-p ranks come from a stable descending sort read backwards, so tied entries leave the
+    nucleus from the higher index (the kernel's rule; an unstable sort would pick any of them).
+    """
+    rows, vocab = logits.shape
+    if rows == 0:
+        return torch.empty_like(logits)
+    per = rows // temperature.shape[0]
+    temperature, top_k, top_p, min_p = (t.repeat_interleave(per) if per > 1 else t
+                                        for t in (temperature, top_k, top_p, min_p))
+    greedy = (temperature < GREEDY_TEMPERATURE) | (top_k == 1)
+    # in place where a tensor is this function's own: a verify's rows x V are hundreds of MB each
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # a greedy row's is the one-hot below
+    probs = scaled.softmax(-1)
+    scaled.masked_fill_(probs < min_p[:, None] * probs.amax(-1, keepdim=True), -math.inf)
+    descending, order = scaled.sort(dim=-1, descending=True, stable=True)
+    ascending, order = descending.flip(-1), order.flip(-1)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+    kth_largest = ascending.gather(1, (vocab - k)[:, None])
+    ascending.masked_fill_(ascending < kth_largest, -math.inf)
+    # vLLM / transformers: drop the smallest tokens whose cumulative mass stays within 1 - top_p
+    # (1 - top_p in fp32, as vLLM's tensor); the largest is always kept
+    dropped = ascending.softmax(-1).cumsum(-1) <= (1 - top_p)[:, None]
+    dropped[:, -1] = False
+    ascending.masked_fill_(dropped, -math.inf)
+    probs = scaled.scatter_(1, order, ascending).softmax(-1)
+    top = logits.argmax(-1, keepdim=True)
+    probs.masked_fill_(greedy[:, None], 0.0)
+    return probs.scatter_(1, top, torch.where(greedy[:, None], 1.0, probs.gather(1, top)))
 
 
 # ------------------------------------------------------------------------------ per-step stores

@@ -39,7 +39,7 @@ NBINS = tl.constexpr(256)  # histogram bins of the candidate thresholds (1/8 wid
 
 
 @triton.jit
-def _combine_stats(m, s):
+def combine_stats(m, s):
     """Row max ``M`` and normaliser ``S`` from chunk partials (padding ``(-inf, 0)``).
 
     ``S`` is NaN when a chunk saw a NaN or +inf, 0 when no logit is finite: callers treat every ``S``
@@ -56,7 +56,7 @@ def _row_stats(m_ptr, s_ptr, row, n_stats, NS_PAD: tl.constexpr):
     j = tl.arange(0, NS_PAD)
     m = tl.load(m_ptr + row * n_stats + j, mask=j < n_stats, other=float("-inf"))
     s = tl.load(s_ptr + row * n_stats + j, mask=j < n_stats, other=0.0)
-    big, total = _combine_stats(m, s)
+    big, total = combine_stats(m, s)
     return m, s, big, total
 
 

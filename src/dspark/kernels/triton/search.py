@@ -142,8 +142,8 @@ def _cut_finish(keys, x0, target, above_mass, by_count, BUCKET: tl.constexpr):
 
 
 @triton.jit
-def _cut(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, above_mass, above_count, count, gathered,
-         by_count, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
+def cut_interval(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, above_mass, above_count, count,
+                 gathered, by_count, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
     """The largest key ``kappa`` of a row whose at-or-above weight reaches ``target`` (weights: 1 per
     entry where ``by_count``, else ``exp(x - x0)``; only keys >= ``floor`` count).
 
@@ -282,18 +282,19 @@ def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, par
         cut = cut_ptr + row * 4
         count = tl.load(cut + 2)
         gathered = (count <= BUCKET).to(tl.int32)
-        kappa, above, at = _cut(x_row, V, row_temp, x0, tl.load(cut + 3), tl.full([], SENTINEL, tl.int64), bucket_row,
-                                tl.load(bounds_ptr + row * 2), tl.load(bounds_ptr + row * 2 + 1), tl.load(cut),
-                                tl.load(cut + 1), count, gathered, big_k, TILE, BUCKET, NPROBE_)
+        kappa, above, at = cut_interval(x_row, V, row_temp, x0, tl.load(cut + 3), tl.full([], SENTINEL, tl.int64),
+                                        bucket_row, tl.load(bounds_ptr + row * 2), tl.load(bounds_ptr + row * 2 + 1),
+                                        tl.load(cut), tl.load(cut + 1), count, gathered, big_k, TILE, BUCKET, NPROBE_)
         if big_k:
             kept = above + at
             a_cut = at
             if row_p < 1.0:
                 denom = tl.maximum(row_p * kept, TINY)
                 olo = tl.maximum(ord_image(x0 - 88.0), (kappa >> 32).to(tl.int32))
-                nothing = tl.zeros([], tl.float32)  # a fresh search state (tensors: loop-carried in _cut)
-                kappa, above, at = _cut(x_row, V, row_temp, x0, denom, kappa, bucket_row, olo, ord_image(x0), nothing,
-                                        nothing, nothing + V, gathered * 0, big_k != big_k, TILE, BUCKET, NPROBE_)
+                nothing = tl.zeros([], tl.float32)  # a fresh search state (tensors: loop-carried in cut_interval)
+                kappa, above, at = cut_interval(x_row, V, row_temp, x0, denom, kappa, bucket_row, olo, ord_image(x0),
+                                                nothing, nothing, nothing + V, gathered * 0, big_k != big_k, TILE,
+                                                BUCKET, NPROBE_)
                 a_cut = tl.minimum(at, tl.maximum(denom - above, 0.0))
             else:
                 denom = tl.maximum(kept, TINY)
@@ -317,15 +318,16 @@ def plan(rows: int, vocab: int, n_chunks: int) -> dict:
             "bucket": (rows * bucket_size(vocab), torch.int64)}
 
 
-def search(x, x_stride, rows, vocab, inv_temp, k, p, settings, per_row, chunk, n_chunks, state, buf):
-    """Cut the rows at state 2 (-> 3): ``SEARCH_PASSES`` multi-program probe passes, a multi-program
-    gather of the remaining interval, then one program per row. A row with ``top_k > MAX_CANDIDATES``
-    finds the k-th entry first (a nucleus cut inside it is left to the row program). ``(inv_temp, k,
-    p)``, or each row's from ``settings`` (``per_row``), as the filter's. ``buf``: the filter's row
-    state (``par``, ``kappa``, ``bounds``, ``cut``, ``fill``) and this ``plan``'s buffers."""
+def narrow(x, x_stride, rows, vocab, inv_temp, k, settings, per_row, chunk, n_chunks, state, buf):
+    """The multi-program part of the search, for every row at state 2: ``SEARCH_PASSES`` probe passes
+    narrowing the row's interval (by count where the row's ``k > MAX_CANDIDATES``, else by mass, towards
+    ``cut[row, 3]``; ``x0 = par[row, 0]``), then the gather of the rows whose interval holds at most
+    ``bucket_size(vocab)`` entries (``fill`` zero before). ``(inv_temp, k)``, or each row's from
+    ``settings`` (``per_row``), as the filter's; ``buf``: ``par``, ``bounds``, ``cut``, ``fill`` and
+    this ``plan``'s buffers. A row program finishes the cut from there (``cut_interval``)."""
     bucket = bucket_size(vocab)
     tile = min(256, chunk)
-    par, kappa, bounds, cut, fill = (buf[name] for name in ("par", "kappa", "bounds", "cut", "fill"))
+    par, bounds, cut, fill = (buf[name] for name in ("par", "bounds", "cut", "fill"))
     part, scratch = buf["probe_partials"], buf["bucket"]
     for _ in range(SEARCH_PASSES):
         _probe_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, settings, par, state, bounds, cut, part,
@@ -335,5 +337,15 @@ def search(x, x_stride, rows, vocab, inv_temp, k, p, settings, per_row, chunk, n
                                 BUCKET=bucket, NPROBE_=NPROBE, PER_ROW=per_row, num_warps=4)
     _gather_kernel[(rows, n_chunks)](x, x_stride, vocab, inv_temp, settings, state, bounds, cut, fill, scratch,
                                      CHUNK=chunk, TILE=tile, BUCKET=bucket, PER_ROW=per_row, num_warps=4)
-    _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, k, p, settings, par, kappa, state, bounds, cut, scratch,
-                            TILE=tile, BUCKET=bucket, NPROBE_=NPROBE, PER_ROW=per_row, num_warps=8)
+
+
+def search(x, x_stride, rows, vocab, inv_temp, k, p, settings, per_row, chunk, n_chunks, state, buf):
+    """Cut the rows at state 2 (-> 3): ``narrow``'s multi-program passes and gather, then one program
+    per row. A row with ``top_k > MAX_CANDIDATES`` finds the k-th entry first (a nucleus cut inside it
+    is left to the row program). ``(inv_temp, k, p)``, or each row's from ``settings`` (``per_row``),
+    as the filter's. ``buf``: the filter's row state (``par``, ``kappa``, ``bounds``, ``cut``,
+    ``fill``) and this ``plan``'s buffers."""
+    narrow(x, x_stride, rows, vocab, inv_temp, k, settings, per_row, chunk, n_chunks, state, buf)
+    _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, k, p, settings, buf["par"], buf["kappa"], state,
+                            buf["bounds"], buf["cut"], buf["bucket"], TILE=min(256, chunk), BUCKET=bucket_size(vocab),
+                            NPROBE_=NPROBE, PER_ROW=per_row, num_warps=8)
