@@ -14,7 +14,6 @@ from statistics_cases import assert_distribution, draws_for, uniforms
 
 import dspark.kernels as K
 import sampling_cases as cases
-from dspark.engine.drafting import request_probabilities
 from dspark.kernels import candidates as candidates_module
 from dspark.kernels.reference.candidates import candidate_probabilities
 
@@ -50,7 +49,7 @@ def test_the_filters_are_the_request_stage_over_the_candidates():
     applied to the candidates' logits as if they were the vocabulary."""
     z = torch.randn(len(SETTINGS) * 4, 9, generator=cases.generator(1)) * 2
     s = row_settings(z.shape[0])
-    expected = request_probabilities(z.clone(), s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+    expected = K.request_probabilities(z.clone(), s["temperature"], s["top_k"], s["top_p"], s["min_p"])
     torch.testing.assert_close(candidate_probabilities(z, **s), expected, atol=1e-6, rtol=0)
 
 
@@ -66,7 +65,7 @@ def test_every_candidate_is_the_full_vocabulary_path(logits_stride, logits_offse
         corrected = K.build_markov_logits(case["backbone_logits"], case["markov_w1"], case["markov_w2"],
                                           case["first_prev_tokens"], tokens, step, logits_stride=logits_stride,
                                           logits_offset=logits_offset)
-        expected = request_probabilities(corrected, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+        expected = K.request_probabilities(corrected, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
         torch.testing.assert_close(dense(ids[:, step], q[:, step], vocab), expected, atol=1e-5, rtol=0)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gpu
+from conftest import DEVICE, INTERPRETER_WARNINGS, gpu, on_backends, requires_triton
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, SequenceBiasLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
@@ -19,7 +19,7 @@ from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from dspark.engine.drafting import MAX_LOGIT_BIAS_TOKENS, RowSampling
 from dspark.training.data import demo_pair, read_prompts
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), INTERPRETER_WARNINGS]
 
 ISSUE_LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0]])
 
@@ -133,6 +133,172 @@ def test_bad_settings_name_the_field():
     with pytest.raises(ValueError, match=f"at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {MAX_LOGIT_BIAS_TOKENS + 1}"):
         SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)})
     assert SamplingParams(logit_bias={5: 1, 2: -2.5}).logit_bias == ((2, -2.5), (5, 1.0))
+
+
+# ---------------------------------------------------------------------------- the op: Triton against the reference
+# K.request_probabilities is the stage after the bias; the reference is the torch code above (vLLM's),
+# the Triton backend cuts rows without sorting them (CPU: under TRITON_INTERPRET=1, V = 4096).
+
+VOCAB = 4096
+INF = float("inf")
+
+# (temperature, top_k, top_p, min_p) per row: greedy (T 0, top_k 1), temperature only, top-k (incl.
+# >= V, negative), top-p (1.0, tiny, wide on a flat row), min_p, all combined, a top-k past the
+# filter's candidates with top-p inside it
+ROWS = [(0.0, 0, 1.0, 0.0), (0.9, 1, 0.5, 0.1), (0.7, 0, 1.0, 0.0), (1.0, 50, 1.0, 0.0), (1.0, VOCAB, 0.9, 0.0),
+        (1.2, 10**6, 1.0, 0.0), (1.0, -1, 0.8, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 0, 1e-6, 0.0), (0.8, 0, 1.0, 0.05),
+        (1.3, 40, 0.9, 0.02), (0.6, 0, 0.5, 0.3), (1.0, 2000, 0.95, 0.0), (1.0, 0, 0.5, 0.0)]
+
+
+def row_settings(rows: list[tuple], device=DEVICE) -> tuple:
+    t, k, p, m = zip(*rows)
+    return (torch.tensor(t, device=device), torch.tensor(k, dtype=torch.int32, device=device),
+            torch.tensor(p, device=device), torch.tensor(m, device=device))
+
+
+def request_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    """N(0, 3^2) logits, a tenth of them masked (-inf: a grammar's, a bias'); the last row flat (its
+    nucleus wide: the search's multi-program passes and the row program's continuation)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[torch.rand(rows, vocab, generator=g) < 0.1] = -INF
+    logits[-1] = torch.randn(vocab, generator=g) * 0.05
+    return logits
+
+
+def assert_request_rows_equal(got, expected):
+    """The same kept entries (these cases leave no boundary to fp32 rounding), kept probabilities to
+    fp32 rounding (float64-accurate exps under the interpreter)."""
+    assert torch.equal(got > 0, expected > 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+@requires_triton
+def test_request_probabilities_match_the_reference():
+    logits = request_logits(len(ROWS)).to(DEVICE)
+    reference, triton = on_backends(lambda: K.request_probabilities(logits, *row_settings(ROWS)))
+    assert_request_rows_equal(triton, reference)
+    assert (reference[:2] > 0).sum(-1).tolist() == [1, 1]  # the greedy rows are one-hot
+    assert int((reference[8] > 0).sum()) == 1 and int((reference[3] > 0).sum()) == 50
+
+
+@requires_triton
+def test_request_probabilities_are_the_warpers_distributions():
+    """Sampled rows (greedy is no warper) against transformers' warpers in vLLM's order, on the Triton
+    backend: top-k, top-p, min_p, all three, min_p before top-p, a large top-k with top-p (a flat row)."""
+    rows = [ROWS[i] for i in (3, 6, 9, 10, 11, 12)]
+    logits = request_logits(len(rows), seed=1)
+    with K.use_backend("triton"):
+        got = K.request_probabilities(logits.to(DEVICE), *row_settings(rows)).cpu()
+    for i, (t, k, p, m) in enumerate(rows):
+        expected = transformers_probabilities(logits[i:i + 1], temperature=t, top_k=k if 0 < k < VOCAB else 0,
+                                              top_p=p, min_p=m)[0]
+        assert torch.equal(got[i] > 0, expected > 0), rows[i]
+        torch.testing.assert_close(got[i], expected, rtol=1e-5, atol=1e-7, msg=str(rows[i]))
+
+
+@requires_triton
+def test_ties_at_the_boundaries_and_masked_rows_match_the_reference(monkeypatch):
+    """Ties: top-k keeps every entry equal to the k-th; at the top-p cut the lower index stays first
+    (all-equal rows: more tied entries than the search's bucket). Masked rows: one finite entry, and
+    none (NaN, as a softmax of nothing; greedy: index 0, as argmax). No multi-program probe passes:
+    every cut is the row program's (the other tests take the default passes)."""
+    from dspark.kernels.triton import search
+
+    monkeypatch.setattr(search, "SEARCH_PASSES", 0)
+    logits = torch.zeros(7, VOCAB)
+    logits[0, :6] = torch.tensor([3.0, 1.0, 2.0, 2.0, 0.5, 2.0])  # top-k 2 keeps 3 and every 2
+    logits[0, 6:] = -1.0
+    logits[3, 1::2] = 1.0  # top-p inside a tie of 2048 entries
+    logits[4, :] = -INF
+    logits[4, 77] = 5.0
+    logits[5:] = -INF
+    rows = [(1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 0, 0.3, 0.0), (1.0, 0, 0.6, 0.0), (1.0, 5, 0.5, 0.1),
+            (1.0, 0, 0.9, 0.0), (0.0, 0, 1.0, 0.0)]
+    logits = logits.to(DEVICE)
+    reference, triton = on_backends(lambda: K.request_probabilities(logits, *row_settings(rows)))
+    assert_request_rows_equal(triton, reference)
+    assert (reference[0] > 0).nonzero().flatten().tolist() == [0, 2, 3, 5]
+    assert (reference[1] > 0).nonzero().flatten().tolist() == list(range(2048))  # 0.5 of 4096 equal entries
+    assert int((reference[2] > 0).sum()) == 1229  # ceil(0.3 * 4096), from index 0
+    assert (reference[4] > 0).nonzero().flatten().tolist() == [77]
+    assert bool(reference[5].isnan().all()) and reference[6].tolist() == [1.0] + [0.0] * (VOCAB - 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
+def test_request_probabilities_apply_batch_settings_to_each_position(backend):
+    """``[B, L, V]`` logits (a verify window): row b's settings on each of its L rows."""
+    logits = request_logits(6, 64, seed=2).to(DEVICE)
+    rows = [ROWS[10], ROWS[11]]
+    with K.use_backend(backend):
+        got = K.request_probabilities(logits.view(2, 3, 64), *row_settings(rows))
+        each = K.request_probabilities(logits, *row_settings([rows[0]] * 3 + [rows[1]] * 3))
+    assert torch.equal(got.view(6, 64), each)
+
+
+def test_request_probabilities_bad_input_names_the_argument():
+    logits = torch.randn(2, 16)
+    t, k, p, m = row_settings(ROWS[:2], "cpu")
+    with pytest.raises(TypeError, match="request_probabilities: top_k must have dtype"):
+        K.request_probabilities(logits, t, k.float(), p, m)
+    with pytest.raises(ValueError, match=r"request_probabilities: min_p must have shape \[2\], got \[1\]"):
+        K.request_probabilities(logits, t, k, p, m[:1])
+    with pytest.raises(TypeError, match="request_probabilities: logits must have dtype"):
+        K.request_probabilities(logits.double(), t, k, p, m)
+
+
+def kept_set_differences_are_rounding(logits, rows, got, expected, margin=1e-5):
+    """Rows whose kept sets differ; every differing entry must sit on a boundary fp32 rounding decides:
+    ``exp(x - max)`` within ``margin`` (relative) of min_p, or the normalised mass ranked at or below it
+    (float64) within ``margin`` of ``1 - top_p``."""
+    differ = ((got > 0) != (expected > 0)).nonzero().tolist()
+    for r, i in differ:
+        t, k, p, m = rows[r]
+        x = (logits[r] / t).double()
+        w = torch.exp(x - x.max())
+        kept = w >= m
+        if 1 < k < len(x):
+            kept &= x >= x[kept].topk(k).values[-1] if int(kept.sum()) >= k else kept
+        mass = torch.where(kept, w, 0.0)
+        below = (x < x[i]) | ((x == x[i]) & (torch.arange(len(x)) >= i))
+        tail = float(mass[below].sum() / mass.sum())
+        near_min_p = m > 0 and abs(float(w[i]) / m - 1) < margin
+        assert near_min_p or abs(tail - (1 - p)) < margin, (r, i, rows[r], tail)
+    return {r for r, _ in differ}
+
+
+@requires_triton
+@gpu
+def test_real_size_request_probabilities_match_the_reference():
+    """512 rows (64 requests x 8 verify positions) of 151 936 entries, every kind of setting mixed."""
+    vocab = 151936
+    rows = [ROWS[i % len(ROWS)] for i in range(512)]
+    logits = request_logits(len(rows), vocab, seed=3)
+    rows = [(t, vocab if k == VOCAB else k, p, m) for t, k, p, m in rows]
+    reference, triton = on_backends(lambda: K.request_probabilities(logits.cuda(), *row_settings(rows)))
+    reference, triton = reference.cpu(), triton.cpu()
+    differ = kept_set_differences_are_rounding(logits, rows, triton, reference)
+    assert len(differ) <= 5
+    same = [r for r in range(len(rows)) if r not in differ]
+    torch.testing.assert_close(triton[same], reference[same], rtol=1e-4, atol=1e-8)
+
+
+@requires_triton
+@gpu
+def test_request_probabilities_replay_as_a_cuda_graph():
+    rows = ROWS * 4
+    logits = request_logits(len(rows), 151936, seed=4).cuda()
+    settings = row_settings(rows)
+    workspace = K.Workspace()
+    with K.use_backend("triton"):
+        eager = K.request_probabilities(logits, *settings, workspace=workspace)  # compiles, sizes the workspace
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = K.request_probabilities(logits, *settings, workspace=workspace)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 # ---------------------------------------------------------------------------- through the engine

@@ -44,6 +44,11 @@ KERNELS = {
     "search._narrow_kernel": (FILTER, [dict(NC_PAD=64, BUCKET=1024, NPROBE_=16, PER_ROW=r) for r in PER_ROW]),
     "search._gather_kernel": (FILTER, [dict(CHUNK=4096, TILE=256, BUCKET=1024, PER_ROW=r) for r in PER_ROW]),
     "search._search_kernel": (FILTER, [dict(TILE=256, BUCKET=1024, NPROBE_=16, PER_ROW=r) for r in PER_ROW]),
+    **{f"request.{kernel}": ({**FILTER, "top_k_ptr": I32, "best_ptr": "*i64"}, variants) for kernel, variants in {
+        "_scale_kernel": [dict(CHUNK=4096)], "_setup_kernel": [dict(NC_PAD=64)],
+        "_finish_kernel": [dict(TOP_K=t, TILE=256, BUCKET=1024, NPROBE_=16) for t in (True, False)],
+        "_mass_kernel": [dict(CHUNK=4096)], "_nucleus_kernel": [dict(NC_PAD=64)],
+        "_write_kernel": [dict(CHUNK=4096)]}.items()},
     "markov._markov_kernel": (
         {"w1_ptr": "*bf16", "w2_ptr": "*bf16", "scales_ptr": "*bf16", "prev_ptr": I32, "rows_ptr": "*fp32",
          "key_ptr": "*i64", "group_ptr": "*i64", "settings_ptr": I32},

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 import dspark.kernels as K
-from dspark.engine.drafting import request_probabilities
 from dspark.kernels.reference import sampling as ref_sampling
 from dspark.kernels.reference import verify as ref_verify
 
@@ -211,7 +210,7 @@ def _bench_candidate_round(ceiling: float, quick: bool):
                 def vocabulary_round(settings=settings):
                     for step in range(PROPOSAL_LEN):
                         corrected = K.build_markov_logits(backbone, w1, w2, first, tokens, step)
-                        q = request_probabilities(corrected, *settings)
+                        q = K.request_probabilities(corrected, *settings)
                         K.sample_probability_rows(q, uniforms, tokens, step)
                         K.store_draft_step_probabilities(q, probs, step)
 

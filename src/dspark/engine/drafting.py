@@ -42,7 +42,6 @@ rank-0 draft's (the kernels need a half-precision W1).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -54,7 +53,7 @@ from .penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, RowPenalties, Window
 from .structured import StructuredOutputs
 
 __all__ = ["Drafter", "Proposal", "RowSampling", "SamplingParams", "SCHEDULERS", "MAX_LOGIT_BIAS_TOKENS",
-           "LOGIT_BIAS_LIMIT", "PENALTY_LIMIT", "request_probabilities"]
+           "LOGIT_BIAS_LIMIT", "PENALTY_LIMIT"]
 
 SCHEDULERS = ("off", "threshold", "sps")
 # token ids one request may bias: the runner stages a joining request's biases at fixed addresses
@@ -240,45 +239,19 @@ class RowSampling:
         logits = self.biased(logits)
         return logits if self.penalties is None else self.penalties.apply(logits, window)
 
-    def probabilities(self, logits: torch.Tensor, window: Window | None = None) -> torch.Tensor:
+    def probabilities(self, logits: torch.Tensor, window: Window | None = None, *, workspace=None) -> torch.Tensor:
         """f32 probabilities of fp32 logits ``[B, V]`` (or ``[B, L, V]``: row b's settings on its L
         rows, at the positions of ``window``) through the whole request stage (class docstring). No
-        host synchronisation."""
-        return self.filtered_probabilities(self.processed(logits, window))
+        host synchronisation; ``workspace``: the kernels' scratch (``K.Workspace``; None: the default)."""
+        return self.filtered_probabilities(self.processed(logits, window), workspace=workspace)
 
-    def filtered_probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+    def filtered_probabilities(self, logits: torch.Tensor, *, workspace=None) -> torch.Tensor:
         """``probabilities`` of logits that already carry their bias and penalties (the drafter's,
-        biased in its backbone logits)."""
-        rows = logits.reshape(-1, logits.shape[-1])
-        repeat = rows.shape[0] // self.temperature.shape[0]
-        settings = (t.repeat_interleave(repeat) if repeat > 1 else t
-                    for t in (self.temperature, self.top_k, self.top_p, self.min_p))
-        return request_probabilities(rows, *settings).view(logits.shape)
-
-
-def request_probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                          top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """f32 ``[R, V]`` probabilities of biased f32 logits ``[R, V]`` with per-row settings ``[R]``
-    (``RowSampling``'s stage after the bias). Fixed shapes, no host synchronisation: capturable."""
-    vocab = logits.shape[-1]
-    greedy = (temperature < K.GREEDY_TEMPERATURE) | (top_k == 1)
-    # in place where a tensor is this function's own: a verify's rows x V are hundreds of MB each
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # a greedy row's is the one-hot below
-    probs = scaled.softmax(-1)
-    scaled.masked_fill_(probs < min_p[:, None] * probs.amax(-1, keepdim=True), -math.inf)
-    ascending, order = scaled.sort(-1)
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
-    kth_largest = ascending.gather(1, (vocab - k)[:, None])
-    ascending.masked_fill_(ascending < kth_largest, -math.inf)
-    # vLLM / transformers: drop the smallest tokens whose cumulative mass stays within 1 - top_p
-    # (1 - top_p in fp32, as vLLM's tensor); the largest is always kept
-    dropped = ascending.softmax(-1).cumsum(-1) <= (1 - top_p)[:, None]
-    dropped[:, -1] = False
-    ascending.masked_fill_(dropped, -math.inf)
-    probs = scaled.scatter_(1, order, ascending).softmax(-1)
-    top = logits.argmax(-1, keepdim=True)
-    probs.masked_fill_(greedy[:, None], 0.0)
-    return probs.scatter_(1, top, torch.where(greedy[:, None], 1.0, probs.gather(1, top)))
+        biased in its backbone logits): ``K.request_probabilities`` (Triton on CUDA, the torch
+        reference on the CPU)."""
+        rows = logits.reshape(self.temperature.shape[0], -1, logits.shape[-1])
+        return K.request_probabilities(rows, self.temperature, self.top_k, self.top_p, self.min_p,
+                                       workspace=workspace).view(logits.shape)
 
 
 @dataclass
@@ -413,7 +386,7 @@ class Drafter:
             else:
                 if sampling.penalties is not None:  # on the committed output: q nearer the verified p
                     corrected = sampling.penalties.apply(corrected)
-                q = sampling.filtered_probabilities(corrected)
+                q = sampling.filtered_probabilities(corrected, workspace=self.workspace)
                 K.sample_probability_rows(q, uniforms, tokens, step, workspace=self.workspace)
                 K.store_draft_step_probabilities(q, probs, step)
             prev = tokens[:, step]

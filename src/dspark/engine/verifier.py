@@ -154,7 +154,7 @@ class Verifier:
                            None, None)
         if path.sampled:
             window = Window.tree(s.tree_tokens[:b], s.tree_depths[:b], s.tree_bits[:b])  # a node after its path
-            probs = self._sampling(b, path).probabilities(logits, window)
+            probs = self._sampling(b, path).probabilities(logits, window, workspace=self.workspace)
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_TREE,
                                           (p + 1) * (self.tree.top_k + 1)).view(b, p + 1, self.tree.top_k + 1)
             accepted, nodes, n = K.sampled_tree_accept(probs, tree, uniforms, max_depth=p)
@@ -194,7 +194,7 @@ class Verifier:
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_RESIDUAL, p, out=uniforms[:, p:2 * p])
         K.request_uniforms(seeds, anchor_pos, K.PURPOSE_BONUS, 1, out=uniforms[:, 2 * p:])
         window = Window.chain(torch.cat([s.anchor[:b, None], drafts], 1))  # position j follows drafts 1..j
-        probs = self._sampling(b, path).probabilities(logits, window)
+        probs = self._sampling(b, path).probabilities(logits, window, workspace=self.workspace)
         return K.probabilistic_accept(probs, s.draft_probs[:b], drafts, verified, uniforms, p,
                                       workspace=self.workspace)
 
@@ -233,5 +233,6 @@ def sample_rows(logits: torch.Tensor, sampling: RowSampling | None, seeds: torch
         return logits.argmax(-1).to(torch.int32)
     uniforms = K.request_uniforms(seeds, positions, K.PURPOSE_TARGET_SAMPLE, 1)
     token = torch.zeros(logits.shape[0], 1, dtype=torch.int32, device=logits.device)
-    K.sample_probability_rows(sampling.probabilities(logits), uniforms, token, 0, workspace=workspace)
+    K.sample_probability_rows(sampling.probabilities(logits, workspace=workspace), uniforms, token, 0,
+                              workspace=workspace)
     return token[:, 0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import draw, markov, verify
+from . import draw, markov, request, verify
 from . import filter as tfilter
 from ._shared import merge
 
@@ -24,5 +24,5 @@ def scratch_sizes(batch: int, rows: int, vocab: int, rank: int) -> dict[tuple[st
         plans += [verify.accept_plan(b, vocab), draw.plan(b, vocab)]
     for r in range(1, rows + 1):
         plans += [tfilter.plan(r, vocab, k, p) for k, p in _FILTER_CASES]
-        plans.append(verify.argmax_plan(r, vocab))
+        plans += [verify.argmax_plan(r, vocab), request.plan(r, vocab)]
     return {(name, dtype): numel for name, (numel, dtype) in merge(*plans).items()}
