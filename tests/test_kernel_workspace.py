@@ -55,6 +55,10 @@ def test_reserve_covers_every_op_at_the_largest_shapes():
             rows = batch * (WIDTH + 1)
             logits = cases.random_logits(rows, VOCAB, seed=rows, device=DEVICE)
             K.logits_to_probabilities(logits, 0.8, 0, 0.5, workspace=ws)
+            settings = (torch.full((rows,), 0.8, device=DEVICE), torch.full((rows,), 5, dtype=torch.int32,
+                                                                             device=DEVICE),
+                        torch.full((rows,), 0.9, device=DEVICE), torch.full((rows,), 0.05, device=DEVICE))
+            K.request_probabilities(logits, *settings, workspace=ws)
             K.greedy_accept(logits, torch.zeros(batch, WIDTH, dtype=torch.int32, device=DEVICE),
                             torch.full((batch,), WIDTH, dtype=torch.int32, device=DEVICE), WIDTH, workspace=ws)
             K.sample_probability_rows(torch.softmax(logits[:batch], -1), torch.rand(batch, 1, device=DEVICE),

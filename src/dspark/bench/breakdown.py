@@ -41,6 +41,26 @@ def _probabilities_case(rows: int, top_k: int, top_p: float, flat: bool, per_row
     return lambda: K.logits_to_probabilities(logits, *settings)
 
 
+# the engine's request stage: MIXED's rows with min_p 0, then rows with every filter (top-k, min_p)
+REQUEST_FILTERS = ((0.8, 50, 0.9, 0.05), (1.0, 0, 1.0, 0.1), (0.7, 2000, 0.95, 0.0))
+
+
+def _request_case(rows: int, backend: str, every_filter: bool = False):
+    """``K.request_probabilities`` on ``backend`` (its Triton kernels, or the torch reference: one sort
+    of each row), per-row settings cycling through ``MIXED`` (and ``REQUEST_FILTERS``)."""
+    logits = _logits(rows, False, seed=rows)
+    cycle = [(*s, 0.0) for s in MIXED] + list(REQUEST_FILTERS if every_filter else ())
+    t, k, p, m = zip(*(cycle[i % len(cycle)] for i in range(rows)))
+    settings = (torch.tensor(t, device="cuda"), torch.tensor(k, dtype=torch.int32, device="cuda"),
+                torch.tensor(p, device="cuda"), torch.tensor(m, device="cuda"))
+
+    def run():
+        with K.use_backend(backend):
+            K.request_probabilities(logits, *settings)
+
+    return run
+
+
 def _draw_case(batch: int):
     probs, uniforms, tokens = draw_inputs(batch)
     return lambda: K.sample_probability_rows(probs, uniforms, tokens, 3)
@@ -70,6 +90,12 @@ CASES = {
     "logits_to_probabilities rows=512 per-row mixed": lambda: _probabilities_case(512, 0, 1.0, False, True),
     "markov_sample_step B=64 R=256 top-p 0.9": lambda: _sample_step_case(64, 256, 0, 0.9),
     "markov_sample_step B=64 R=256 per-row mixed": lambda: _sample_step_case(64, 256, 0, 1.0, True),
+    # the engine's request stage (vLLM's filters): 64 rows x 8 verify positions, and one draft step of 64 rows
+    "request_probabilities rows=512 per-row mixed": lambda: _request_case(512, "triton"),
+    "request_probabilities rows=512 per-row mixed (torch reference)": lambda: _request_case(512, "reference"),
+    "request_probabilities rows=512 every filter": lambda: _request_case(512, "triton", True),
+    "request_probabilities rows=512 every filter (torch reference)": lambda: _request_case(512, "reference", True),
+    "request_probabilities rows=64 per-row mixed": lambda: _request_case(64, "triton"),
 }
 
 

@@ -1,7 +1,8 @@
 """The DSpark kernel set of TensorRT-Edge-LLM as Python functions (``import dspark.kernels as K``).
 
 Families (one module each): ``markov`` (Markov correction, fused greedy steps, FP8 W2, whole-round
-greedy drafter), ``sampling`` (uniforms, probabilities, samplers, stores, the sampled Markov steps),
+greedy drafter), ``sampling`` (uniforms, probabilities -- NVIDIA's filters and the engine's vLLM ones
+--, samplers, stores, the sampled Markov steps),
 ``candidates`` (sampled Markov drafting over candidate sets), ``verify`` (verify tokens, greedy and
 probabilistic accept, proposal lengths), ``confidence`` (confidence head and the threshold / SPS
 schedulers), ``layers`` (RMSNorm, RoPE + KV store, cached
@@ -11,8 +12,9 @@ and Mamba-2 windows with the state after every position written out, and their s
 only so far). Backends: PyTorch reference and Triton, see ``use_backend``; the full contract of each
 function is on the public function.
 
-Scratch memory: the Triton ops that need it (``logits_to_probabilities``, ``markov_sample_step``,
-``vanilla_markov_sample``, ``sample_probability_rows``, ``greedy_accept``, ``probabilistic_accept``)
+Scratch memory: the Triton ops that need it (``logits_to_probabilities``, ``request_probabilities``,
+``markov_sample_step``, ``vanilla_markov_sample``, ``sample_probability_rows``, ``greedy_accept``,
+``probabilistic_accept``)
 take ``workspace=`` -- a ``Workspace`` the caller owns (without one, a private default). A workspace
 grows only outside CUDA-graph capture (inside, needing more raises ``RuntimeError``), keeps what a
 captured graph may use alive, and ``Workspace.reserve`` sizes it once for the largest shapes.

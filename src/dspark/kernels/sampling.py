@@ -15,6 +15,9 @@ Filters (kernels.md 3.9): ``top_k`` 0, negative or ``>= V`` keeps every entry (v
 ``top_p`` in ``(0, 1]``, ``>= 1 - 1e-6`` keeps every entry. Ops that need scratch on the Triton
 backend take ``workspace=`` (a ``dspark.kernels.Workspace``; a private default without one).
 
+``request_probabilities`` is the engine's request stage instead (a dspark addition): vLLM's and
+transformers' temperature, min_p, top-k and top-p per row, with their standard nucleus.
+
 Per-row settings: ``logits_to_probabilities``, ``markov_sample_step`` and ``vanilla_markov_sample``
 also take ``temperature``, ``top_k`` and ``top_p`` as tensors, one entry per batch row (f32, an
 integer dtype, f32), so that one launch -- and one CUDA graph -- serves rows of any settings. Their

@@ -8,6 +8,9 @@ above ``NPROBE`` probes of the interval per (row, chunk) and narrow it, ``SEARCH
 remaining interval's entries (at most ``BUCKET``) are gathered and one program per row finishes the
 cut exactly (sorted, so sums do not depend on gather order), continuing the passes itself if the
 interval is still too wide. Rows finished here are left at state 3 (drawn after the write).
+
+``request.py`` (``request_probabilities``) runs the same passes (``narrow``) and row cut
+(``cut_interval``) for its top-k (by count) and standard nucleus (by mass).
 """
 
 from __future__ import annotations
