@@ -180,11 +180,11 @@ def request_probabilities(logits, temperature, top_k, top_p, min_p, *, workspace
     nothing and never synchronises the host (CUDA-graph capturable once ``workspace`` is sized):
     min_p keeps ``x >= max x + log(min_p)`` (fp32), and the nucleus cut is found by a search in value
     space with fp32 partial sums. The kept sets are the same except at boundaries decided by fp32
-    rounding: an entry whose ``exp(x - max x)`` is within ~1e-6 (relative) of ``min_p``, or whose
-    mass ranked at or below it (normalised) is within the rounding of the reference's cumulative sum
-    (~1e-6 on 152k entries) of ``1 - top_p``; top-k and ties are decided exactly alike. Kept
-    probabilities agree to fp32 rounding (``rtol`` ~1e-5: the kernels' exp is the GPU's approximate
-    one). ``workspace``: see the module docstring.
+    rounding: an entry whose ``x`` lies within a few fp32 ulps of ``max x + log(min_p)`` (the
+    reference compares rounded softmax values), or whose normalised mass ranked at or below it is
+    within the rounding of either side's sums (~1e-6 on 152k entries) of ``1 - top_p``; top-k and
+    ties are decided exactly alike. Kept probabilities agree to fp32 rounding (``rtol`` ~1e-5: the
+    GPU's exp is an approximate one). ``workspace``: see the module docstring.
     """
     c = Checker("request_probabilities")
     x = c.tensor("logits", logits, dtype=torch.float32, ndim=(2, 3))
