@@ -225,6 +225,19 @@ def test_ties_at_the_boundaries_and_masked_rows_match_the_reference(monkeypatch)
     assert bool(reference[5].isnan().all()) and reference[6].tolist() == [1.0] + [0.0] * (VOCAB - 1)
 
 
+@requires_triton
+def test_a_used_workspace_leaves_no_trace():
+    """The nucleus search's start interval may hold fewer entries than its bound: only what the gather
+    found is read, not the keys an earlier call left in the bucket."""
+    workspace = K.Workspace()
+    with K.use_backend("triton"):
+        K.request_probabilities(torch.full((1, 3), 5.0, device=DEVICE), *row_settings([(1.0, 0, 0.5, 0.0)]),
+                                workspace=workspace)
+        logits, settings = torch.tensor([[0.0, 1.0, -1.0]], device=DEVICE), row_settings([(1.0, 0, 1e-6, 0.1)])
+        got = K.request_probabilities(logits, *settings, workspace=workspace)
+    assert got.tolist() == [[0.0, 1.0, 0.0]]
+
+
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
 def test_request_probabilities_apply_batch_settings_to_each_position(backend):
     """``[B, L, V]`` logits (a verify window): row b's settings on each of its L rows."""

@@ -134,7 +134,7 @@ def _setup_kernel(per, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, sum_p
 
 
 @triton.jit
-def _finish_kernel(x_ptr, V, per, min_p_ptr, par_ptr, kappa_ptr, state_ptr, bounds_ptr, cut_ptr, bucket_ptr,
+def _finish_kernel(x_ptr, V, per, min_p_ptr, par_ptr, kappa_ptr, state_ptr, bounds_ptr, cut_ptr, fill_ptr, bucket_ptr,
                    TOP_K: tl.constexpr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr):
     """Per row still ``SEARCHING`` after ``search.narrow``: ``cut_interval`` finishes the cut. ``TOP_K``:
     the k-th key by count gives the floor (its value's lowest key, or min_p's where higher) -> ``MASS``;
@@ -144,12 +144,16 @@ def _finish_kernel(x_ptr, V, per, min_p_ptr, par_ptr, kappa_ptr, state_ptr, boun
         x0 = tl.load(par_ptr + row * 3)
         cut = cut_ptr + row * 4
         count = tl.load(cut + 2)
+        gathered = count <= BUCKET
+        # gathered: the entries the gather found (a nucleus start's count only bounds them; the bucket
+        # past them holds an earlier call's keys)
+        count = tl.where(gathered, tl.load(fill_ptr + row).to(tl.float32), count)
         by_count = (tl.zeros([], tl.int32) + TOP_K) > 0  # a tensor: cut_interval selects with it
         kappa, above, at = cut_interval(x_ptr + row.to(tl.int64) * V, V, 1.0, x0, tl.load(cut + 3),
                                         tl.full([], SENTINEL, tl.int64), bucket_ptr + row.to(tl.int64) * BUCKET,
                                         tl.load(bounds_ptr + row * 2), tl.load(bounds_ptr + row * 2 + 1),
-                                        tl.load(cut), tl.load(cut + 1), count, (count <= BUCKET).to(tl.int32),
-                                        by_count, TILE, BUCKET, NPROBE_)
+                                        tl.load(cut), tl.load(cut + 1), count, gathered.to(tl.int32), by_count,
+                                        TILE, BUCKET, NPROBE_)
         if TOP_K:
             floor = tl.maximum((kappa >> 32) << 32, _min_p_floor(x0, tl.load(min_p_ptr + row // per)))
             tl.store(kappa_ptr + row, floor)
@@ -266,7 +270,7 @@ def request_probabilities(logits, temperature, top_k, top_p, min_p, workspace):
     for top_k_search in (True, False):
         tsearch.narrow(out, vocab, rows, vocab, 1.0, BY_COUNT if top_k_search else 0, out, 0, chunk, n_chunks, state,
                        search)
-        _finish_kernel[(rows,)](out, vocab, per, min_p, par, kappa, state, bounds, cut, buf["bucket"],
+        _finish_kernel[(rows,)](out, vocab, per, min_p, par, kappa, state, bounds, cut, fill, buf["bucket"],
                                 TOP_K=top_k_search, TILE=tile, BUCKET=bucket, NPROBE_=NPROBE, num_warps=8)
         if top_k_search:
             mass, count = buf["request_mass"], buf["request_count"]
