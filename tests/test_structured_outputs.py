@@ -18,7 +18,8 @@ from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputs
-from dspark.engine.structured import FREE_MASK, Grammars, MaskFiller, bitmask_width, walk_tree, walk_windows
+from dspark.engine.structured import (FREE_MASK, Grammars, MaskFiller, fill_draft_masks, only_tokens, walk_tree,
+                                      walk_windows)
 from dspark.training.data import demo_pair, read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,8 +113,9 @@ def test_every_output_matches_greedy_and_sampled_beside_free_rows(demo):
 
 def test_greedy_with_the_drafter_is_plain_greedy_under_the_grammar_batched_or_alone(demo):
     """Token for token: speculative greedy equals plain greedy decoding under the same grammar (its
-    refused drafts drafted again), beside a sampled row too (the sampled path: the drafts made
-    again carry a one-hot q), and a request's output does not depend on its batch."""
+    windows cut after a refused draft), beside a sampled row too (the sampled path: a greedy row's
+    one-hot target accepts what equals its argmax, whatever the q), and a request's output does not
+    depend on its batch."""
     pair, tokenizer, prompts, engine, plain = demo
     requests = [Request(p, 96, SamplingParams(structured_outputs=spec)) for spec in SPECS[:3] for p in prompts]
     expected = [r.token_ids for r in plain.generate(requests)]
@@ -163,12 +165,13 @@ def forced_run(engine, request, drafts: ForcedDrafts):
         engine.runner.draft_override = None
 
 
-def test_a_greedy_rows_refused_draft_is_drafted_again_under_the_grammar(demo):
+def test_a_greedy_rows_window_is_cut_after_its_first_refused_draft(demo):
     """Drafts that follow plain greedy decoding under the grammar (what the target will choose) up
-    to a refused token at position 2: the refused draft and those after it are drafted again under
-    the grammar, so every round verifies all its drafts and accepts at least the two valid ones and
-    the target's token (a mask row taken from another state would change the masked argmax), and the
-    output is plain greedy's."""
+    to a refused token at position 2: each round verifies the two valid drafts and the refused one
+    (cut after it; nothing is drafted again), unless the grammar forces position 2 (then the forced
+    token replaces it and the window goes on), accepts the two valid ones and the target's token
+    there (a mask row taken from another state would change the masked argmax), and the output is
+    plain greedy's."""
     pair, tokenizer, prompts, engine, plain = demo
     request = Request(prompts[0], 40, SamplingParams(structured_outputs=SPECS[0]))
     expected = plain.generate([request])[0].token_ids
@@ -176,30 +179,8 @@ def test_a_greedy_rows_refused_draft_is_drafted_again_under_the_grammar(demo):
     result = forced_run(engine, request, ForcedDrafts(expected, len(prompts[0]), 2, refused))
     assert result.token_ids == expected
     rounds = result.stats.scheduled_lengths[:-1]  # the last round may be cut by the request's end
-    assert rounds and set(rounds) == {engine.runner.num_drafts}
-    assert min(result.stats.accept_lengths[:-1]) >= 3
-
-
-def test_redraft_is_the_drafters_greedy_chain_under_a_mask(demo):
-    """``DSparkProposer.redrafts`` after a draft pass: with every token allowed and the pass's own
-    drafts before it, each position's redraft is the pass's draft (the Markov chain stepped through
-    the prefix over the kept block); a mask refusing that draft gives another, allowed token."""
-    pair, tokenizer, prompts, engine, _ = demo
-    rid = engine.add_request(Request(prompts[0], 64, SamplingParams(), ignore_eos=True))
-    for _ in range(3):
-        engine.step()
-    runner = engine.runner
-    drafts, p = runner.state.draft_tokens[0].tolist(), runner.num_drafts
-    free = torch.full((p, bitmask_width(runner.target.vocab_size)), FREE_MASK, dtype=torch.int32)
-    assert runner.proposer.redrafts()([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
-    refusing = free.clone()
-    for j, token in enumerate(drafts):
-        refusing[j, token >> 5] &= ~(1 << (token & 31))
-    again = runner.proposer.redrafts()([0] * p, list(range(p)), [drafts[:j] for j in range(p)], refusing)
-    assert all(a != d for a, d in zip(again, drafts)) and all(0 <= a < runner.target.vocab_size for a in again)
-    engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
+    assert 3 in rounds and set(rounds) <= {3, engine.runner.num_drafts}
+    assert all(accepted == 3 for n, accepted in zip(rounds, result.stats.accept_lengths) if n == 3)
 
 
 def test_a_sampled_rows_drafts_are_cut_after_the_first_refused_one(demo):
@@ -238,12 +219,15 @@ def test_a_window_masks_each_position_by_the_state_before_it(demo, filler):
     grammar_list = [grammars.matcher(spec) for spec in specs]
     out = torch.full((2 * size, grammars.width), FREE_MASK, dtype=torch.int32)
     filler = filler()
-    windows = walk_windows(grammar_list, [prefix + refused] * 2, out, [0, size], filler)
+    drafts = [prefix + refused] * 2
+    windows = walk_windows(grammar_list, drafts, [len(d) for d in drafts], out, [0, size], filler)
     if isinstance(filler, MaskFiller):
         assert filler.seconds_per_mask > 0.0  # its first call ran on one thread, measured
-    for i, (spec, window, (valid, forced)) in enumerate(zip(specs, windows, expected)):
-        assert window.valid == valid
-        assert {k: {v} for k, v in window.forced.items()} == {k: set(v) for k, v in forced.items()}
+    for i, (spec, (valid, forced)) in enumerate(zip(specs, expected)):
+        assert windows.valid[i] == valid
+        mine = windows.forced_requests == i
+        got = dict(zip(windows.forced_positions[mine].tolist(), windows.forced_tokens[mine].tolist()))
+        assert {k: {v} for k, v in got.items()} == {k: set(v) for k, v in forced.items()}
         for j in range(len(prefix) + 1):
             fresh = grammars.matcher(spec)
             assert fresh.advance(prefix[:j]) is False
@@ -251,6 +235,75 @@ def test_a_window_masks_each_position_by_the_state_before_it(demo, filler):
             fresh.next_mask(row[0])
             assert torch.equal(out[i * size + j], row[0]), (spec, j)
         assert grammar_list[i].advance(prefix) is False  # rolled back: the drafts are taken again
+
+
+def reference_window(grammars: Grammars, spec: StructuredOutputs, committed: list[int], drafts: list[int]):
+    """One request's window walked alone, token by token, with fresh matchers: (valid drafts, forced
+    {position: token}, the mask rows of positions 0 .. valid)."""
+    grammar = grammars.matcher(spec)
+    grammar.advance(committed)
+    valid, forced, rows = 0, {}, []
+    for j in range(len(drafts) + 1):
+        row = torch.zeros(grammars.width, dtype=torch.int32)
+        grammar.next_mask(row)
+        rows.append(row)
+        if j == len(drafts):
+            break
+        token = drafts[j]
+        if not (int(row[token >> 5]) >> (token & 31)) & 1:
+            only = grammar.only_token(row)
+            if only is None:
+                break
+            forced[j] = token = only
+        assert grammar.matcher.accept_token(token)
+        valid += 1
+        if grammar.terminated:
+            break
+    return valid, forced, rows
+
+
+def test_random_windows_of_many_requests_walk_as_each_alone():
+    """``walk_windows`` over 12 requests of two grammars at different states, random drafts of
+    random lengths (most refused somewhere, some forced, some reaching the stop token): each
+    request's valid prefix, forced drafts and mask rows are those of its window walked alone with a
+    fresh matcher, and every matcher is rolled back."""
+    generator = torch.Generator().manual_seed(0)
+    grammars = Grammars(letters_tokenizer(), 5, [EOS])
+    specs = [StructuredOutputs(regex="(a[cd]b)+"), StructuredOutputs(regex="([ab][cd]){1,3}")]
+    size, n = 6, 12
+    cases = []
+    states = ([[], [0], [0, 2], [0, 2, 1]], [[], [1], [1, 3], [0, 2, 1, 3]])  # committed tokens per spec
+    for i in range(n):
+        committed = states[i % 2][i // 2 % 4]
+        drafts = torch.randint(0, 5, (int(torch.randint(1, size, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        cases.append((specs[i % 2], committed, drafts))
+    live = []
+    for spec, committed, _ in cases:
+        grammar = grammars.matcher(spec)
+        grammar.advance(committed)
+        live.append(grammar)
+    padded = [d + [0] * (size - len(d)) for _, _, d in cases]
+    out = torch.zeros(n * size, grammars.width, dtype=torch.int32)
+    windows = walk_windows(live, padded, [len(d) for _, _, d in cases], out, [i * size for i in range(n)],
+                           MaskFiller())
+    seen_valid, seen_forced = set(), 0
+    for i, (spec, committed, drafts) in enumerate(cases):
+        valid, forced, rows = reference_window(grammars, spec, committed, drafts)
+        assert windows.valid[i] == valid, i
+        mine = windows.forced_requests == i
+        assert dict(zip(windows.forced_positions[mine].tolist(), windows.forced_tokens[mine].tolist())) == forced
+        for j, row in enumerate(rows):
+            assert torch.equal(out[i * size + j], row), (i, j)
+        seen_valid.add(valid == len(drafts))
+        seen_forced += len(forced)
+        fresh = grammars.matcher(spec)
+        fresh.advance(committed)
+        assert live[i].matcher.is_terminated() == fresh.matcher.is_terminated()
+        row, again = torch.zeros(grammars.width, dtype=torch.int32), torch.zeros(grammars.width, dtype=torch.int32)
+        live[i].next_mask(row), fresh.next_mask(again)
+        assert torch.equal(row, again), i  # rolled back
+    assert seen_valid == {True, False} and seen_forced  # the cases cut, run through and force
 
 
 def test_bad_specs_name_the_problem(demo):
@@ -388,27 +441,34 @@ def test_cli_flags_read_files_and_refuse_two(tmp_path):
 
 
 def test_the_drafter_is_masked_where_the_state_is_known_before_drafting():
-    """``draft_masks_after`` on ``(a[cd]b)+``: position 0's mask is the state after the new tokens;
-    through a forced run (b after a c) each next position's is the state after it; from the first
-    position with a choice on, every bit is set; the matcher is rolled back."""
+    """``fill_draft_masks`` on ``(a[cd]b)+``, four requests at once: position 0's mask is the state
+    after the new tokens; through a forced run (b after a c) each next position's is the state after
+    it; from the first position with a choice on, every bit is set, and so after a stop token; the
+    matchers are rolled back."""
     a, b, c, d = range(4)
     grammars = Grammars(letters_tokenizer(), 5, [EOS])
-    grammar = grammars.matcher(StructuredOutputs(regex="(a[cd]b)+"))
+    spec = StructuredOutputs(regex="(a[cd]b)+")
 
     def state(path):
-        fresh = grammars.matcher(StructuredOutputs(regex="(a[cd]b)+"))
+        fresh = grammars.matcher(spec)
         fresh.advance(path)
         row = torch.zeros(grammars.width, dtype=torch.int32)
         fresh.next_mask(row)
         return row
 
-    out = torch.zeros(4, grammars.width, dtype=torch.int32)
-    grammar.draft_masks_after([a, c], out)  # b forced, then a or the EOS
-    assert torch.equal(out[0], state([a, c])) and torch.equal(out[1], state([a, c, b]))
-    assert (out[2:] == FREE_MASK).all() and not torch.equal(out[0], out[1])
-    grammar.draft_masks_after([a], out)  # c or d: nothing known after
-    assert torch.equal(out[0], state([a])) and (out[1:] == FREE_MASK).all()
-    assert grammar.advance([a, d, b]) is False  # rolled back
+    grammar_list = [grammars.matcher(spec) for _ in range(4)]
+    grammar_list[3].advance([a, c])
+    out = torch.zeros(4 * 4, grammars.width, dtype=torch.int32)
+    fill_draft_masks(grammar_list, [[a, c], [a], [a, c, b], [b, EOS]], out, [0, 4, 8, 12], 4, MaskFiller())
+    assert torch.equal(out[0], state([a, c])) and torch.equal(out[1], state([a, c, b]))  # b forced, then a or EOS
+    assert (out[2:4] == FREE_MASK).all() and not torch.equal(out[0], out[1])
+    assert torch.equal(out[4], state([a])) and (out[5:8] == FREE_MASK).all()  # c or d: nothing known after
+    assert torch.equal(out[8], state([a, c, b])) and (out[9:12] == FREE_MASK).all()
+    assert (out[12:16] == FREE_MASK).all()  # after the stop token nothing follows
+    for grammar, committed in zip(grammar_list, ([], [], [], [a, c])):  # rolled back
+        row = torch.zeros(grammars.width, dtype=torch.int32)
+        grammar.next_mask(row)
+        assert torch.equal(row, state(committed))
 
 
 # ------------------------------------------------------------------------------ sampled: the masked distribution
@@ -431,35 +491,22 @@ def bigram_grammar_pair(one_thread):
 
 
 # regex -> tokens allowed after a, b, c, d (the grammar's state is the last token's); the second forces
-# b after c / d and a after b (the EOS aside), which the engine drafts itself (``Window.forced``)
+# b after c / d and a after b (the EOS aside), which the engine drafts itself (``Windows.forced_tokens``)
 GRAMMAR_CHAINS = {"([ab][cd])+": [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]],
                   "(a[cd]b)+": [[0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]]}
 
 
 @pytest.mark.parametrize("head, from_anchor", [("vanilla", True), ("gated", False), ("rnn", False)])
-def test_redrafted_greedy_rows_with_every_markov_head(bigram_grammar_pair, head, from_anchor):
-    """Random drafters of each Markov head, drafting from the anchor's slot or the next: a free draft
-    pass's drafts are what ``redraft`` makes again with every token allowed (its chain, slot offset
-    and rnn state follow the pass's), and greedy rows under a grammar -- their refused drafts
-    redrafted -- are plain greedy decoding under it."""
+def test_greedy_rows_of_random_drafters_are_plain_greedy_under_the_grammar(bigram_grammar_pair, head, from_anchor):
+    """Random drafters of each Markov head, drafting from the anchor's slot or the next (drafts the
+    grammar mostly refuses): greedy rows under a grammar -- their windows cut after a refused draft,
+    forced drafts put in -- are plain greedy decoding under it, batched."""
     target, _, tokenizer, _ = bigram_grammar_pair
     draft = random_draft(tiny_draft_config(target.config, layer_types=["full_attention"], markov_head_type=head,
                                            sample_from_anchor=from_anchor), 1, target)
     engine = LLMEngine(target, draft, EngineConfig(max_batch=4))
     plain = LLMEngine(target, None, EngineConfig(max_batch=4))
     engine.tokenizer = plain.tokenizer = tokenizer
-    rid = engine.add_request(Request([0, 2], 32, SamplingParams(), ignore_eos=True))
-    for _ in range(2):
-        engine.step()
-    runner, p = engine.runner, engine.runner.num_drafts
-    drafts = runner.state.draft_tokens[0].tolist()
-    free = torch.full((p, bitmask_width(5)), FREE_MASK, dtype=torch.int32)
-    assert runner.proposer.redrafts()([0] * p, list(range(p)), [drafts[:j] for j in range(p)], free) == drafts
-    # asked position by position, as the grammar walk asks, one round's chain is stepped once per call
-    redrafts = runner.proposer.redrafts()
-    assert [redrafts([0], [j], [drafts[:j]], free[:1])[0] for j in range(p)] == drafts
-    assert redrafts.chains[0].position == p
-    engine.abort(rid)
     requests = [Request([s % 4], 24, SamplingParams(structured_outputs=StructuredOutputs(regex=regex),
                                                     logit_bias={EOS: -100.0}), ignore_eos=True)
                 for s in range(4) for regex in GRAMMAR_CHAINS]
@@ -520,10 +567,8 @@ def test_a_bounded_json_string_takes_no_control_character(demo):
 
 
 def test_only_tokens_reads_each_row_alone():
-    """The one token a bitmask row allows (bits past the vocabulary are no tokens), or None for
+    """The one token a bitmask row allows (bits past the vocabulary are no tokens), or -1 for
     none or several, row by row in one pass."""
-    from dspark.engine.structured import only_tokens
-
     vocab = 70  # 3 words, the last holding 6 tokens and 26 padding bits
     rows = torch.zeros(6, 3, dtype=torch.int32)
     rows[0, 1] = 1 << 4                        # token 36 alone
@@ -532,4 +577,4 @@ def test_only_tokens_reads_each_row_alone():
     rows[3, 0], rows[3, 2] = 1, 1              # tokens 0 and 64
     rows[4, 2] = -(1 << 31)                    # a padding bit only (the sign bit): no token
     rows[5, 0] = -(1 << 31)                    # token 31 (the sign bit of an int32 word)
-    assert only_tokens(rows, vocab) == [36, 69, None, None, None, 31]
+    assert only_tokens(rows.numpy(), vocab).tolist() == [36, 69, -1, -1, -1, 31]

@@ -12,8 +12,6 @@ lengths, and the readout's proposal columns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .. import kernels as K
@@ -23,7 +21,7 @@ from .penalties import PenaltyState
 from .rows import LogitsPath, RowState, TreeSettings
 from .structured import apply_bitmask
 
-__all__ = ["DSparkProposer", "Redrafts"]
+__all__ = ["DSparkProposer"]
 
 
 class DSparkProposer:
@@ -66,7 +64,6 @@ class DSparkProposer:
         s, p = self.state, self.drafter.num_draft_tokens
         self.context_rows(b)
         hidden = self.draft.block(s.anchor[:b], s.anchor_pos[:b], s.slot_ids[:b])
-        s.block_hidden[:b] = hidden.view(b, self.drafter.block_size, -1)  # what ``redraft`` drafts again from
         logits = self.drafter.model.backbone_logits(hidden)
         self._mask_drafts(b, logits)
         sampling = uniforms = None
@@ -93,10 +90,6 @@ class DSparkProposer:
         from) carry them."""
         apply_bitmask(logits, self.state.draft_mask[:b].view(b * self.drafter.block_size, -1))
 
-    def redrafts(self) -> "Redrafts":
-        """A round's greedy redrafts (``Redrafts``), for the host's grammar walk."""
-        return Redrafts(self)
-
     def publish(self, b: int) -> None:
         """Rows ``0 .. b-1``'s proposal lengths and confidences into the readout."""
         s = self.state
@@ -115,80 +108,3 @@ class DSparkProposer:
         s.tree_tokens[:b], s.tree_parents[:b], s.tree_depths[:b] = built.tokens, built.parents, built.depths
         s.tree_nodes[:b] = built.num_nodes
         s.tree_bits[:b] = built.ancestor_bits
-
-
-@dataclass
-class _Chain:
-    """A row's Markov chain between ``Redrafts`` calls: the next ``position`` whose bias it gives,
-    the token before it (``prev``), the Markov state there (an rnn head's ``[R]``, else None) and
-    the backbone logits of the row's draft slots (f32 ``[P, V]``, one ``lm_head`` pass per row and
-    round)."""
-
-    position: int
-    prev: int
-    state: torch.Tensor | None
-    backbone: torch.Tensor
-
-
-class Redrafts:
-    """One round's greedy drafts made again outside the draft pass (``walk_windows`` asks position by
-    position): row ``rows[i]``'s draft at ``positions[i]`` after the drafts ``prefixes[i]`` before it
-    (its own tokens, which may differ from what the pass drafted) is the argmax of the drafter's
-    Markov-corrected logits there -- the chain stepped from the row's anchor through ``prefixes[i]``
-    over the block hidden states the last draft pass kept -- masked by ``masks`` int32
-    ``[len(rows), width]`` (host). A greedy row's acceptance never reads how its drafts were made,
-    so any draft keeps it exact; these are the drafter's best guesses under the grammar. A row that
-    redrafts a position redrafts every later one: its chain is kept between calls, so a call steps
-    it from where it stopped (from the anchor only the first time). One host read per call."""
-
-    def __init__(self, proposer: DSparkProposer):
-        self.proposer, self.chains = proposer, {}
-
-    def __call__(self, rows: list[int], positions: list[int], prefixes: list[list[int]],
-                 masks: torch.Tensor) -> list[int]:
-        s, model = self.proposer.state, self.proposer.drafter.model
-        offset, device = self.proposer.drafter.slot_offset, s.anchor.device
-        index = torch.tensor(rows, device=device)
-        hidden = s.block_hidden[index]  # [n, N, H]
-        kept = [self.chains.get(row) for row in rows]
-        starts = [0 if c is None or c.position > at else c.position for c, at in zip(kept, positions)]
-        prev = s.anchor[index].clone()
-        state = model.markov_start_state(hidden[:, 0], prev)
-        for i, (chain, start) in enumerate(zip(kept, starts)):
-            if start:  # the kept chain's token and state
-                prev[i] = chain.prev
-                if state is not None:
-                    state[i] = chain.state
-        first, last = min(starts), max(positions)
-        tokens = torch.tensor([prefix[:last] + [0] * (last - min(len(prefix), last)) for prefix in prefixes],
-                              dtype=torch.int32, device=device).view(len(rows), last)
-        begin, at = torch.tensor(starts, device=device), torch.tensor(positions, device=device)
-        bias = None
-        for step in range(first, last + 1):  # each row from its start to its own position
-            live = (begin <= step) & (step <= at)
-            step_bias, after = model.markov_bias(hidden[:, step + offset], prev, state)
-            bias = step_bias if bias is None else torch.where((at == step)[:, None], step_bias, bias)
-            if state is not None:
-                state = torch.where(live[:, None], after, state)
-            if step < last:
-                prev = torch.where(live & (step < at), tokens[:, step].to(prev.dtype), prev)
-        backbone = self._backbone(kept, starts, hidden[:, offset:])
-        logits = torch.stack([table[position] for table, position in zip(backbone, positions)]) + bias
-        apply_bitmask(logits, masks.to(device))
-        drafted = logits.argmax(-1).tolist()
-        for i, (row, position, token) in enumerate(zip(rows, positions, drafted)):
-            self.chains[row] = _Chain(position + 1, token, None if state is None else state[i].clone(), backbone[i])
-        return drafted
-
-    def _backbone(self, kept: list, starts: list[int], slots: torch.Tensor) -> list[torch.Tensor]:
-        """Each row's backbone logits of its draft slots (``slots`` ``[n, P, H]``): a kept chain's,
-        the others' from one ``lm_head`` pass."""
-        fresh = [i for i, start in enumerate(starts) if not start]
-        tables = [kept[i].backbone if start else None for i, start in enumerate(starts)]
-        if fresh:
-            model = self.proposer.drafter.model
-            block = model.backbone_logits(slots[fresh].reshape(-1, slots.shape[-1]))
-            block = block.view(len(fresh), slots.shape[1], -1)
-            for j, i in enumerate(fresh):
-                tables[i] = block[j]
-        return tables

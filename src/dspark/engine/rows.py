@@ -72,9 +72,7 @@ class RowState:
     ``verify_lens`` (this round's tokens per row), ``confidence``; sampled chain drafting:
     ``draft_probs`` (``[max_batch, P, V]`` f32: the distributions the drafts came from);
     ``draft_mask`` (int32 ``[max_batch + 1, N, ceil(V / 32)]``: the drafter's bitmask of each block
-    slot, at the draft positions whose grammar state is known before drafting), ``block_hidden``
-    (``[max_batch + 1, N, H]`` draft dtype: the last draft block's final-norm hidden states, what a
-    constrained greedy row's drafts are made again from); tree mode:
+    slot, at the draft positions whose grammar state is known before drafting); tree mode:
     the next round's tree per row
     (``tree_tokens``, ``tree_parents``, ``tree_depths``, ``tree_bits``: int64 ancestor masks,
     ``tree_nodes``)."""
@@ -100,7 +98,6 @@ class RowState:
     confidence: torch.Tensor | None = None
     draft_probs: torch.Tensor | None = None
     draft_mask: torch.Tensor | None = None
-    block_hidden: torch.Tensor | None = None
     tree_tokens: torch.Tensor | None = None
     tree_parents: torch.Tensor | None = None
     tree_depths: torch.Tensor | None = None

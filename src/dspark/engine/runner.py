@@ -131,8 +131,6 @@ class ModelRunner(CudaGraphs):
             self.state.verify_lens = torch.ones(r, **i32)
             self.state.confidence = torch.zeros(r, p, device=dev)
             self.state.draft_mask = torch.full((r, block, bitmask_width(target.vocab_size)), FREE_MASK, **i32)
-            self.state.block_hidden = torch.zeros(r, drafter.block_size, drafter.config.hidden_size,
-                                                  dtype=drafter.model.dtype, device=dev)
             self.host_lens = torch.ones(b, dtype=torch.int32, pin_memory=dev.type == "cuda")
             if tree is None:  # sampled chain drafting (trees draft greedily); allocated here, as every row
                 # buffer: one made inside the engine's inference-mode step could not be written outside it

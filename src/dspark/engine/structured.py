@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -30,7 +30,8 @@ import torch
 from ..kernels._validate import Checker
 
 __all__ = ["FREE_MASK", "GrammarRow", "GrammarStager", "Grammars", "RequestGrammar", "StructuredOutputs",
-           "StructuredStage", "TreeWalk", "apply_bitmask", "bitmask_width", "walk_tree", "walk_windows", "Window"]
+           "StructuredStage", "TreeWalk", "Windows", "apply_bitmask", "bitmask_width", "fill_draft_masks",
+           "only_tokens", "walk_tree", "walk_windows"]
 
 FREE_MASK = -1  # an int32 bitmask word with every bit set: every token allowed (a free row's mask)
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -162,28 +163,24 @@ def _first_line(exc: Exception) -> str:
     return text[-1] if text else type(exc).__name__
 
 
-def only_tokens(rows: torch.Tensor, vocab_size: int) -> list[int | None]:
-    """The one token each int32 bitmask row of ``rows`` ``[n, width]`` (host) allows, or None (none
-    or several): one vectorised pass over the rows (a verify window's walk asks for every row)."""
-    words = rows.numpy().view(np.uint32).copy()
-    if vocab_size % 32:  # bits past the vocabulary in the last word are not tokens
-        words[:, -1] &= np.uint32((1 << (vocab_size % 32)) - 1)
-    single, first = np.count_nonzero(words, axis=1) == 1, np.argmax(words != 0, axis=1)
-    tokens: list[int | None] = []
-    for row, at in enumerate(first.tolist()):
-        word = int(words[row, at]) if single[row] else 0
-        tokens.append(at * 32 + word.bit_length() - 1 if word and word & (word - 1) == 0 else None)
+def only_tokens(rows: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The one token each int32 bitmask row of ``rows`` ``[n, width]`` (host, numpy) allows, -1
+    where it allows none or several: int64 ``[n]``, vectorised over the rows (no per-row Python)."""
+    words = rows.view(np.uint32)
+    tail = np.uint32((1 << (vocab_size % 32)) - 1) if vocab_size % 32 else np.uint32(0xFFFFFFFF)
+    last = words[:, -1] & tail  # bits past the vocabulary in the last word are not tokens
+    counts = np.count_nonzero(words[:, :-1], axis=1) + (last != 0)
+    tokens = np.full(len(words), -1, dtype=np.int64)
+    one = np.flatnonzero(counts == 1)
+    if one.size:
+        picked = words[one].copy()
+        picked[:, -1] &= tail
+        row, column = np.nonzero(picked)  # one nonzero word per picked row, rows in order
+        word = picked[row, column].astype(np.int64)
+        single = word & (word - 1) == 0  # one bit set
+        bit = np.log2(np.where(single, word, 1)).astype(np.int64)  # exact for powers of two
+        tokens[one[single]] = column[single] * 32 + bit[single]
     return tokens
-
-
-@dataclass(frozen=True)
-class Window:
-    """A verify window's grammar walk: ``valid`` drafts the grammar takes (forced ones included), and
-    ``forced``: draft position -> the token that replaces the drafter's there (the only token its mask
-    allows, or a greedy row's draft made again)."""
-
-    valid: int
-    forced: dict[int, int]
 
 
 class RequestGrammar:
@@ -200,7 +197,8 @@ class RequestGrammar:
 
     def only_token(self, row: torch.Tensor) -> int | None:
         """The one token an int32 bitmask row ``[width]`` allows, or None (none or several)."""
-        return only_tokens(row[None], self.vocab_size)[0]
+        token = int(only_tokens(row[None].numpy(), self.vocab_size)[0])
+        return None if token < 0 else token
 
     def next_mask(self, out: torch.Tensor) -> None:
         """Fill ``out`` int32 ``[width]`` with the bitmask after the committed tokens (every bit
@@ -209,27 +207,6 @@ class RequestGrammar:
             out[:] = FREE_MASK
         else:
             self.matcher.fill_next_token_bitmask(out[None], 0)
-
-    def draft_masks_after(self, tokens: list[int], out: torch.Tensor) -> None:
-        """The drafter's masks after ``tokens`` more, leaving the matcher where it was: ``out`` int32
-        ``[P, width]`` row j is draft position j's where the grammar's state there is known before
-        drafting -- position 0's (the state after ``tokens``), and while a position's mask allows one
-        token only (a forced run), the next one's after it -- and every bit set after that (the
-        state depends on what is drafted)."""
-        matcher, taken = self.matcher, 0
-        for token in tokens:
-            if matcher.is_terminated() or not matcher.accept_token(token):
-                break
-            taken += 1
-        out[:] = FREE_MASK
-        for j in range(out.shape[0]):
-            self.next_mask(out[j])
-            only = self.only_token(out[j])
-            if only is None or j == out.shape[0] - 1 or matcher.is_terminated() or not matcher.accept_token(only):
-                break
-            taken += 1
-        if taken:
-            matcher.rollback(taken)
 
     def advance(self, tokens: list[int]) -> bool:
         """Take committed ``tokens``; returns whether the grammar terminated. A token the grammar
@@ -242,65 +219,129 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
-def walk_windows(grammars: list[RequestGrammar], drafts: list[list[int]], masks: torch.Tensor, first_rows: list[int],
-                 batch, redraft: Callable | None = None, greedy: list[bool] | None = None) -> list[Window]:
+def _accept(matchers: list, tokens: np.ndarray) -> np.ndarray:
+    """Each of ``matchers`` takes its token of ``tokens`` (one xgrammar call); bool ``[n]``: which did."""
+    import xgrammar as xgr
+
+    if not matchers:
+        return np.zeros(0, dtype=bool)
+    return np.asarray(xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens.tolist()), dtype=bool)
+
+
+def _rollback(matchers: list, counts: np.ndarray) -> None:
+    """``matchers[i]`` rolled back by ``counts[i]`` tokens (one xgrammar call over those with any)."""
+    import xgrammar as xgr
+
+    some = np.flatnonzero(counts)
+    if some.size:
+        xgr.BatchGrammarMatcher.batch_rollback([matchers[i] for i in some], counts[some].tolist())
+
+
+def _not_terminated(matchers: list, requests: np.ndarray) -> np.ndarray:
+    """The ``requests`` (indices into ``matchers``) whose grammar has not terminated."""
+    return requests[[not matchers[i].is_terminated() for i in requests.tolist()]]
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The verify windows' grammar walk of n requests: ``valid`` int64 ``[n]``, the drafts each
+    grammar takes (forced ones included); the forced drafts -- the only token a position's mask
+    allows, which replaces a draft the grammar refuses there -- as ``forced_requests``,
+    ``forced_positions`` and ``forced_tokens``, int64 ``[f]`` each."""
+
+    valid: np.ndarray
+    forced_requests: np.ndarray
+    forced_positions: np.ndarray
+    forced_tokens: np.ndarray
+
+
+def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np.ndarray, masks: torch.Tensor,
+                 first_rows: np.ndarray, batch) -> Windows:
     """Each request's verify window: row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``,
-    host) becomes request i's bitmask after its committed tokens and its first j drafts, for each j up
-    to its grammar-valid prefix of ``drafts[i]``; rows after it are left as they are (never read: they
-    follow a refused draft, which its row rejects). A position whose mask allows one token only
-    takes that token as its draft (``Window.forced``): the target's masked distribution there is
-    that token alone, so it is accepted whatever was drafted. A ``greedy[i]`` request's refused draft,
-    and every draft after it, is drafted again under its mask (``redraft(requests, positions,
-    prefixes, masks) -> tokens``: ``proposer.Redrafts``; ``Window.forced`` too): its acceptance
-    never reads how a draft was made. Position by position, the masks of every request still walking
-    are filled at once (``batch``: a ``MaskFiller``); the matchers
-    are rolled back."""
-    valid, forced = [0] * len(grammars), [{} for _ in grammars]
-    greedy = greedy if redraft is not None and greedy is not None else [False] * len(grammars)
-    redrafting = [False] * len(grammars)  # a draft was made again: the pass's later ones followed another
-    drafts = [list(d) for d in drafts]
-    walking = list(range(len(grammars)))
-    while walking:
-        rows = [first_rows[i] + valid[i] for i in walking]
-        batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in walking], masks, rows)
-        only_of = dict(zip(walking, only_tokens(masks[rows], grammars[walking[0]].vocab_size)))
-        again = []
-        for i in walking:
-            j = valid[i]
-            if j == len(drafts[i]):
-                continue
-            only = only_of[i]
-            if only is not None and only != drafts[i][j]:
-                forced[i][j] = drafts[i][j] = only
-            elif greedy[i] and (redrafting[i] or not _allows(masks[first_rows[i] + j], drafts[i][j])):
-                again.append(i)
-        if again:
-            rows = [first_rows[i] + valid[i] for i in again]
-            tokens = redraft(again, [valid[i] for i in again], [drafts[i][:valid[i]] for i in again], masks[rows])
-            for i, token in zip(again, tokens):
-                forced[i][valid[i]] = drafts[i][valid[i]] = token
-                redrafting[i] = True
-        still = []
-        for i in walking:
-            grammar, j = grammars[i], valid[i]
-            if j == len(drafts[i]):
-                continue
-            token = drafts[i][j]
-            if not grammar.matcher.accept_token(token):
-                continue
-            valid[i] += 1
-            if not grammar.terminated:  # the stop token ends the output: no row follows it
-                still.append(i)
-        walking = still
-    for grammar, n in zip(grammars, valid):
-        if n:
-            grammar.matcher.rollback(n)
-    return [Window(n, f) for n, f in zip(valid, forced)]
+    host) becomes request i's bitmask after its committed tokens and its first j drafts (``drafts``
+    int64 ``[n, P]``, the first ``lengths[i]`` of row i drafted), for each j up to its grammar-valid
+    prefix; rows after it are left as they are (never read: they follow a refused draft, which the
+    caller's cut keeps last). A position whose mask allows one token only takes that token in place
+    of a refused draft (``Windows.forced``): the target's masked distribution there is that token
+    alone, so it is accepted whatever was drafted. Position by position, the masks of every request
+    still walking are filled at once (``batch``: a ``MaskFiller``), the drafts checked against them
+    as arrays and taken in one xgrammar call; the matchers are rolled back (one call). No device
+    work: a round's walk costs no host<->device round trip."""
+    n, vocab = len(grammars), (grammars[0].vocab_size if grammars else 0)
+    matchers = [g.matcher for g in grammars]
+    drafts, first_rows = np.array(drafts, dtype=np.int64), np.asarray(first_rows, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    words = masks.numpy().view(np.uint32)
+    valid = np.zeros(n, dtype=np.int64)
+    forced: list[tuple[np.ndarray, int, np.ndarray]] = []
+    walking, j = np.arange(n), 0
+    while walking.size:
+        rows = first_rows[walking] + j
+        batch.batch_fill_next_token_bitmask([matchers[i] for i in walking], masks, rows.tolist())
+        drafting = lengths[walking] > j
+        walking, rows = walking[drafting], rows[drafting]
+        if not walking.size:
+            break
+        tokens = drafts[walking, j]
+        allowed = ((words[rows, tokens >> 5] >> (tokens & 31).astype(np.uint32)) & 1).astype(bool)
+        refused = np.flatnonzero(~allowed)
+        if refused.size:
+            only = only_tokens(words[rows[refused]], vocab)
+            put = refused[only >= 0]
+            forced.append((walking[put], j, only[only >= 0]))
+            drafts[walking[put], j] = tokens[put] = only[only >= 0]
+            allowed[put] = True
+        walking, tokens = walking[allowed], tokens[allowed]
+        walking = walking[_accept([matchers[i] for i in walking], tokens)]
+        valid[walking] += 1
+        walking = _not_terminated(matchers, walking)  # the stop token ends the output: no row follows it
+        j += 1
+    _rollback(matchers, valid)
+    empty = np.zeros(0, dtype=np.int64)
+    requests = np.concatenate([f[0] for f in forced]) if forced else empty
+    positions = np.concatenate([np.full(len(f[0]), f[1], dtype=np.int64) for f in forced]) if forced else empty
+    tokens = np.concatenate([f[2] for f in forced]) if forced else empty
+    return Windows(valid, requests, positions, tokens)
 
 
-def _allows(row: torch.Tensor, token: int) -> bool:
-    """Whether int32 bitmask ``row`` ``[width]`` allows ``token``."""
-    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+def fill_draft_masks(grammars: list[RequestGrammar], tokens: list[list[int]], masks: torch.Tensor,
+                     first_rows: np.ndarray, positions: int, batch) -> None:
+    """The drafter's masks after each request's ``tokens[i]`` more, leaving the matchers where they
+    were: row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``, host), j < ``positions``,
+    becomes draft position j's mask where the grammar's state there is known before drafting --
+    position 0's (the state after ``tokens[i]``), and while a position's mask allows one token only
+    (a forced run), the next one's after it -- and every bit set after that (the state depends on
+    what is drafted) or once the grammar has terminated. All requests at once, position by position
+    (``batch``: a ``MaskFiller``; xgrammar's batch accept and rollback)."""
+    n, vocab = len(grammars), (grammars[0].vocab_size if grammars else 0)
+    matchers = [g.matcher for g in grammars]
+    first_rows = np.asarray(first_rows, dtype=np.int64)
+    taken = np.zeros(n, dtype=np.int64)
+    live = np.arange(n)
+    for k in range(max(map(len, tokens), default=0)):  # the committed tokens, up to a refused one
+        live = _not_terminated(matchers, live[[k < len(tokens[i]) for i in live.tolist()]])
+        live = live[_accept([matchers[i] for i in live], np.array([tokens[i][k] for i in live.tolist()]))]
+        taken[live] += 1
+    words = masks.numpy().view(np.uint32)
+    known = np.zeros(n, dtype=np.int64)  # leading positions with a mask of their own
+    live = np.arange(n)
+    for j in range(positions):
+        live = _not_terminated(matchers, live)
+        if not live.size:
+            break
+        rows = first_rows[live] + j
+        batch.batch_fill_next_token_bitmask([matchers[i] for i in live], masks, rows.tolist())
+        known[live] = j + 1
+        if j == positions - 1:
+            break
+        only = only_tokens(words[rows], vocab)
+        live, only = live[only >= 0], only[only >= 0]
+        live = live[_accept([matchers[i] for i in live], only)]
+        taken[live] += 1
+    after = np.arange(positions)[None, :] >= known[:, None]  # [n, positions]
+    request, position = np.nonzero(after)
+    words[first_rows[request] + position] = np.uint32(0xFFFFFFFF)
+    _rollback(matchers, taken)
 
 
 @dataclass(frozen=True)
@@ -376,14 +417,12 @@ def walk_tree(grammar: RequestGrammar, tokens: list[int], parents: list[int], de
 
 @dataclass(frozen=True)
 class GrammarRow:
-    """A constrained request in a step: its batch ``row``, its grammar, whether the step commits
-    new tokens for it (a preempted request seated again keeps its committed anchor: none) and whether
-    it decodes greedily (then its refused drafts are made again under its grammar)."""
+    """A constrained request in a step: its batch ``row``, its grammar and whether the step commits
+    new tokens for it (a preempted request seated again keeps its committed anchor: none)."""
 
     row: int
     grammar: RequestGrammar
     commits: bool = True
-    greedy: bool = False
 
 
 class MaskFiller:
@@ -415,6 +454,10 @@ class MaskFiller:
             self.seconds_per_mask + 0.1 * (per_mask - self.seconds_per_mask)
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
 class RowSender:
     """Sends chosen rows of a host tensor into the same rows of a device tensor in one copy: gathered
     into a pinned staging buffer, copied, scattered on the device (``index_copy_``), rather than one
@@ -430,15 +473,22 @@ class RowSender:
         self.device_staging = torch.empty(host.shape, dtype=host.dtype, device=device.device)
         self.device_rows = torch.empty(host.shape[0], dtype=torch.long, device=device.device)
 
-    def send(self, rows: list[int]) -> None:
+    def send(self, rows: list[int], upto: int | None = None) -> None:
+        """Rows ``rows`` of the host tensor into the device's; with ``upto``, only their first
+        ``upto`` entries along dim 1 (a round's verify windows: positions past the longest window
+        are never read), so a short round gathers and copies less."""
         n = len(rows)
         if not n:
             return
         self.rows[:n] = torch.tensor(rows, dtype=torch.long)
-        torch.index_select(self.host, 0, self.rows[:n], out=self.staging[:n])
-        self.device_staging[:n].copy_(self.staging[:n], non_blocking=True)
+        host, device = (self.host, self.device) if upto is None else (self.host[:, :upto], self.device[:, :upto])
+        shape = (n, *host.shape[1:])  # the staging buffers' first elements, contiguous
+        staging = self.staging.view(-1)[:_numel(shape)].view(shape)
+        device_staging = self.device_staging.view(-1)[:_numel(shape)].view(shape)
+        torch.index_select(host, 0, self.rows[:n], out=staging)
+        device_staging.copy_(staging, non_blocking=True)
         self.device_rows[:n].copy_(self.rows[:n], non_blocking=True)
-        self.device.index_copy_(0, self.device_rows[:n], self.device_staging[:n])
+        device.index_copy_(0, self.device_rows[:n], device_staging)
 
 
 class GrammarStager:
@@ -463,36 +513,36 @@ class GrammarStager:
         self.firsts = RowSender(self.verify_masks[:, 0], state.grammar_mask[:, 0])
         self.seats = RowSender(self.verify_masks[:, 0], state.grammar_mask[:, 0])
         self.drafts = None if state.draft_mask is None else RowSender(self.draft_masks, state.draft_mask)
+        # a round's forced drafts (rows, positions, tokens): one copy, reused once the step has waited
+        self.forced_host = torch.empty(3, rows * verify_len, dtype=torch.long, pin_memory=pinned)
+        self.forced_device = torch.empty(3, rows * verify_len, dtype=torch.long, device=device)
 
-    def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None,
-                    redraft: Callable | None = None):
+    def stage_round(self, rows: list[GrammarRow], verify_lens: list[int] | None, drafts: torch.Tensor | None):
         """Masks of the constrained running ``rows`` for this round, and the round's verify lengths
-        cut after each row's first grammar-refused draft (a greedy row's, with ``redraft``, are made
-        again instead: below). That draft stays: its mask gives it target
-        probability 0, so it is rejected and its position draws from the residual of its q, as
-        speculative sampling must -- drawing there from the target's distribution instead (cutting it
-        too) would skew a sampled row's output towards q's valid tokens. A position the grammar
-        forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``); with
-        ``redraft`` (``proposer.Redrafts``), a greedy row's refused draft and the ones after it
-        are made again under the grammar (a one-hot q too: what a greedy row's sampled-path acceptance
-        reads).
+        cut after each row's first grammar-refused draft, greedy and sampled alike. That draft stays:
+        its mask gives it target probability 0, so it is rejected and its position takes the target's
+        own masked token -- a sampled row's drawn from the residual of its q, as speculative sampling
+        must (drawing there from the target's distribution instead, cutting it too, would skew the
+        output towards q's valid tokens); a greedy row's the masked argmax, whatever was drafted.
+        The drafts after it are not verified (they followed a token that is not output). Nothing is
+        drafted again: a redraft needs the device and a read back per call, which costs a round
+        more than the drafts after a refusal buy (docs/structured-outputs.md, Cost). A position the
+        grammar forces to one token gets it as its draft, drawn from a one-hot q (``walk_windows``).
         ``drafts`` int ``[rows, P]`` on the host (None for a plain round, ``verify_lens`` None: one
         position per row)."""
-        lens = None if verify_lens is None else list(verify_lens)
-        if lens is None:
+        if verify_lens is None:
             self._first_masks(rows)
-        else:
-            again = None if redraft is None else (
-                lambda requests, *args: redraft([rows[i].row for i in requests], *args))
-            windows = walk_windows([r.grammar for r in rows], [drafts[r.row, :lens[r.row] - 1].tolist() for r in rows],
-                                   self.verify_masks.view(-1, self.verify_masks.shape[-1]),
-                                   [r.row * self.verify_len for r in rows], self.batch, again,
-                                   [r.greedy for r in rows])
-            for r, window in zip(rows, windows):
-                lens[r.row] = 1 + min(lens[r.row] - 1, window.valid + 1)
-                self._force(r.row, window.forced)
-        (self.firsts if lens is None else self.windows).send([r.row for r in rows])  # a plain round reads position 0
-        return lens
+            self.firsts.send([r.row for r in rows])  # a plain round reads position 0
+            return None
+        lens = np.array(verify_lens, dtype=np.int64)
+        batch_rows = np.array([r.row for r in rows], dtype=np.int64)
+        windows = walk_windows([r.grammar for r in rows], drafts.numpy()[batch_rows], lens[batch_rows] - 1,
+                               self.verify_masks.view(-1, self.verify_masks.shape[-1]),
+                               batch_rows * self.verify_len, self.batch)
+        lens[batch_rows] = 1 + np.minimum(lens[batch_rows] - 1, windows.valid + 1)
+        self._force(batch_rows[windows.forced_requests], windows.forced_positions, windows.forced_tokens)
+        self.windows.send(batch_rows.tolist(), upto=int(lens[batch_rows].max()))
+        return lens.tolist()
 
     def _first_masks(self, rows: list[GrammarRow]) -> None:
         """Each row's mask after its committed tokens at its verify position 0, the rows still
@@ -529,15 +579,23 @@ class GrammarStager:
             s.tree_nodes[r.row] = len(walk.source)
             s.grammar_mask[r.row].copy_(masks, non_blocking=True)
 
-    def _force(self, row: int, forced: dict[int, int]) -> None:
-        """Row ``row``'s forced drafts into the device state, each with a one-hot q (the
-        distribution it was drawn from; sampled chain rounds read it)."""
+    def _force(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """The forced drafts (row ``rows[k]``'s draft at ``positions[k]`` is ``tokens[k]``, int64
+        arrays) into the device state, each with a one-hot q (the distribution it was drawn from;
+        sampled chain rounds read it): one copy of the indices, then indexed writes -- no per-token
+        device work."""
+        n = len(rows)
+        if not n:
+            return
         s = self.state
-        for position, token in forced.items():
-            s.draft_tokens[row, position] = token
-            if s.draft_probs is not None:
-                s.draft_probs[row, position].zero_()
-                s.draft_probs[row, position, token] = 1.0
+        self.forced_host[:, :n] = torch.from_numpy(np.stack([rows, positions, tokens]))
+        forced = self.forced_device[:, :n]
+        forced.copy_(self.forced_host[:, :n], non_blocking=True)
+        row, position, token = forced
+        s.draft_tokens[row, position] = token.to(s.draft_tokens.dtype)
+        if s.draft_probs is not None:
+            s.draft_probs[row, position] = 0.0
+            s.draft_probs[row, position, token] = 1.0
 
     def stage_seats(self, rows: list[GrammarRow]) -> None:
         """The first-token masks of constrained requests seated this step (the state after their
@@ -548,10 +606,14 @@ class GrammarStager:
         self.seats.send([r.row for r in rows])
 
     def stage_drafts(self, rows: list[GrammarRow], tokens: list[list[int]]) -> None:
-        """The drafter's masks (``RequestGrammar.draft_masks_after``): each row's states after the
-        step's ``tokens`` (row i's its own list), before the engine commits them."""
-        for r in rows:
-            r.grammar.draft_masks_after(tokens[r.row] if r.commits else [], self.draft_masks[r.row, self.draft_slots])
+        """The drafter's masks (``fill_draft_masks``): each row's states after the step's ``tokens``
+        (row i's its own list), before the engine commits them."""
+        slots = self.draft_slots
+        block = self.draft_masks.shape[1]
+        fill_draft_masks([r.grammar for r in rows], [tokens[r.row] if r.commits else [] for r in rows],
+                         self.draft_masks.view(-1, self.draft_masks.shape[-1]),
+                         np.array([r.row * block + slots.start for r in rows], dtype=np.int64),
+                         slots.stop - slots.start, self.batch)
         self.drafts.send([r.row for r in rows])
 
 
@@ -601,8 +663,7 @@ class StructuredStage:
         runner.between_passes = None
         if self.stager is None:  # no structured request yet
             return verify_lens
-        rows = [GrammarRow(i, seq.grammar, greedy=seq.request.sampling.greedy) for i, seq in enumerate(running)
-                if seq.grammar is not None]
+        rows = [GrammarRow(i, seq.grammar) for i, seq in enumerate(running) if seq.grammar is not None]
         seated = [GrammarRow(chunk.row, seq.grammar, commits=not seq.output_ids) for seq, chunk in chunks
                   if chunk.row >= 0 and seq.grammar is not None]
         self.stager.stage_seats(seated)
@@ -612,8 +673,7 @@ class StructuredStage:
             self.stager.stage_trees(rows)  # a tree verifies its nodes: the lengths stay
         else:
             drafts = runner.state.draft_tokens[:len(running)].cpu() if rows and verify_lens is not None else None
-            verify_lens = self.stager.stage_round(rows, verify_lens, drafts,
-                                                  None if runner.proposer is None else runner.proposer.redrafts())
+            verify_lens = self.stager.stage_round(rows, verify_lens, drafts)
         if runner.drafter is not None:
             def stage_drafts() -> None:
                 result = runner.read(max(r.row for r in rows + seated) + 1)
