@@ -454,10 +454,6 @@ class MaskFiller:
             self.seconds_per_mask + 0.1 * (per_mask - self.seconds_per_mask)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
-
-
 class RowSender:
     """Sends chosen rows of a host tensor into the same rows of a device tensor in one copy: gathered
     into a pinned staging buffer, copied, scattered on the device (``index_copy_``), rather than one
@@ -473,22 +469,15 @@ class RowSender:
         self.device_staging = torch.empty(host.shape, dtype=host.dtype, device=device.device)
         self.device_rows = torch.empty(host.shape[0], dtype=torch.long, device=device.device)
 
-    def send(self, rows: list[int], upto: int | None = None) -> None:
-        """Rows ``rows`` of the host tensor into the device's; with ``upto``, only their first
-        ``upto`` entries along dim 1 (a round's verify windows: positions past the longest window
-        are never read), so a short round gathers and copies less."""
+    def send(self, rows: list[int]) -> None:
         n = len(rows)
         if not n:
             return
         self.rows[:n] = torch.tensor(rows, dtype=torch.long)
-        host, device = (self.host, self.device) if upto is None else (self.host[:, :upto], self.device[:, :upto])
-        shape = (n, *host.shape[1:])  # the staging buffers' first elements, contiguous
-        staging = self.staging.view(-1)[:_numel(shape)].view(shape)
-        device_staging = self.device_staging.view(-1)[:_numel(shape)].view(shape)
-        torch.index_select(host, 0, self.rows[:n], out=staging)
-        device_staging.copy_(staging, non_blocking=True)
+        torch.index_select(self.host, 0, self.rows[:n], out=self.staging[:n])
+        self.device_staging[:n].copy_(self.staging[:n], non_blocking=True)
         self.device_rows[:n].copy_(self.rows[:n], non_blocking=True)
-        device.index_copy_(0, self.device_rows[:n], device_staging)
+        self.device.index_copy_(0, self.device_rows[:n], self.device_staging[:n])
 
 
 class GrammarStager:
@@ -541,7 +530,10 @@ class GrammarStager:
                                batch_rows * self.verify_len, self.batch)
         lens[batch_rows] = 1 + np.minimum(lens[batch_rows] - 1, windows.valid + 1)
         self._force(batch_rows[windows.forced_requests], windows.forced_positions, windows.forced_tokens)
-        self.windows.send(batch_rows.tolist(), upto=int(lens[batch_rows].max()))
+        # whole rows, not just the windows: a position past a row's window must keep on the device the
+        # mask its stale logits row there was masked with (rows move on the device, not here), or the
+        # verify's finite-probabilities check over every position can meet a row masked to nothing
+        self.windows.send(batch_rows.tolist())
         return lens.tolist()
 
     def _first_masks(self, rows: list[GrammarRow]) -> None:
