@@ -4,12 +4,11 @@ its ``GrammarMatcher`` tracks one request's state and fills token bitmasks).
 
 How a grammar stays exact under speculative decoding (docs/structured-outputs.md): each round the
 host advances the request's matcher through the round's drafts, one bitmask row per verify position
-(the state after the drafts before it), and rolls it back; a sampled row's drafts are cut after the
-first one the grammar refuses (that one is verified and rejected by its mask: its residual draw keeps
-sampling exact), a greedy row's refused draft and those after it are drafted again under the grammar
-(greedy acceptance never reads how a draft was made), and a tree's nodes are masked by the state
-after their paths, refused nodes cut with their subtrees (tree acceptance reads no draft
-distribution). The rows are staged into the runner's fixed ``[rows, verify_len, ceil(V / 32)]`` int32
+(the state after the drafts before it), and rolls it back, all rows at once; a row's drafts are cut
+after the first one the grammar refuses (that one is verified and rejected by its mask: a sampled
+row's residual draw keeps sampling exact, a greedy row takes the masked argmax there), with no
+device work beyond the round's one draft read, and a tree's nodes are masked by the state after
+their paths, refused nodes cut with their subtrees (tree acceptance reads no draft distribution). The rows are staged into the runner's fixed ``[rows, verify_len, ceil(V / 32)]`` int32
 buffer (all ones for a free row) and the target's logits at every verify position are masked before
 acceptance, so greedy takes the masked argmax and speculative sampling reproduces the masked
 distribution. After the round the matcher takes the committed tokens. The drafter is masked where the
@@ -262,7 +261,7 @@ def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np
     int64 ``[n, P]``, the first ``lengths[i]`` of row i drafted), for each j up to its grammar-valid
     prefix; rows after it are left as they are (never read: they follow a refused draft, which the
     caller's cut keeps last). A position whose mask allows one token only takes that token in place
-    of a refused draft (``Windows.forced``): the target's masked distribution there is that token
+    of a refused draft (``Windows.forced_tokens``): the target's masked distribution there is that token
     alone, so it is accepted whatever was drafted. Position by position, the masks of every request
     still walking are filled at once (``batch``: a ``MaskFiller``), the drafts checked against them
     as arrays and taken in one xgrammar call; the matchers are rolled back (one call). No device
@@ -455,9 +454,9 @@ class MaskFiller:
 
 
 class RowSender:
-    """Sends chosen rows of a host tensor into the same rows of a device tensor in one copy: gathered
-    into a pinned staging buffer, copied, scattered on the device (``index_copy_``), rather than one
-    copy per row. ``host`` ``[R, *shape]`` and ``device`` ``[R, *shape]`` (views allowed); each call
+    """Sends chosen rows of a host tensor into the same rows of a device tensor in one copy: a block
+    of consecutive rows straight from the host tensor, others gathered into a pinned staging buffer,
+    copied, scattered on the device (``index_copy_``), rather than one copy per row. ``host`` ``[R, *shape]`` and ``device`` ``[R, *shape]`` (views allowed); each call
     site has its own sender: a staging buffer is reused only after the step has waited for the
     device, by when its last copy is done."""
 
@@ -472,6 +471,10 @@ class RowSender:
     def send(self, rows: list[int]) -> None:
         n = len(rows)
         if not n:
+            return
+        first = rows[0]
+        if rows == list(range(first, first + n)):  # a block of rows (every row constrained): copied as it is
+            self.device[first:first + n].copy_(self.host[first:first + n], non_blocking=True)
             return
         self.rows[:n] = torch.tensor(rows, dtype=torch.long)
         torch.index_select(self.host, 0, self.rows[:n], out=self.staging[:n])
