@@ -259,8 +259,8 @@ def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np
     """Each request's verify window: row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``,
     host) becomes request i's bitmask after its committed tokens and its first j drafts (``drafts``
     int64 ``[n, P]``, the first ``lengths[i]`` of row i drafted), for each j up to its grammar-valid
-    prefix; rows after it are left as they are (never read: they follow a refused draft, which the
-    caller's cut keeps last). A position whose mask allows one token only takes that token in place
+    prefix; rows after it are left as they are (no token is taken from them: they follow a refused
+    draft, which the caller's cut keeps last). A position whose mask allows one token only takes that token in place
     of a refused draft (``Windows.forced_tokens``): the target's masked distribution there is that token
     alone, so it is accepted whatever was drafted. Position by position, the masks of every request
     still walking are filled at once (``batch``: a ``MaskFiller``), the drafts checked against them
