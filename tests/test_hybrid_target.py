@@ -23,7 +23,7 @@ from copy import deepcopy
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import gpu, requires_triton
 from test_hf_target import HYBRID, PROMPTS, _drafter, _generate, _model
 
 from dspark.bench.oracle import OracleEngine
@@ -167,6 +167,37 @@ def test_rounds_through_the_window_kernels_keep_every_state(name, backend, monke
         ids = [engine.add_request(Request(p, NEW), e + [0] * 8) for p, e in zip(PROMPTS, expected)]
         outputs, checked = _run(engine, model, ids)
     assert [outputs[i] for i in ids] == expected and checked > len(PROMPTS) * 4 and len(calls) == 2
+
+
+def _on_device_outputs(name: str, device: str) -> tuple[list, list, list]:
+    """transformers' ``generate()`` on ``device`` (fp32), dspark's plain decoding and DSpark rounds
+    (drafts of that continuation each accepted with probability 1/2, plain rounds between drafting
+    ones, prompts in chunks; CUDA graphs where ``device`` is a GPU) of ``name``'s random model."""
+    model = _model(name).to(device)
+    draft = _drafter(model)
+    with torch.random.fork_rng(devices=[]):
+        expected = [_generate(model, p, NEW) for p in PROMPTS]
+    config = dict(max_batch=3, max_num_batched_tokens=3 * 5 + 4, device=device, dtype=torch.float32)
+    plain = LLMEngine(model, None, EngineConfig(**config))
+    plain_out = [r.token_ids for r in plain.generate([Request(p, NEW) for p in PROMPTS])]
+    engine = OracleEngine(model, draft, EngineConfig(**config, **SCHEDULERS["plain-rounds"]), acceptance=0.5)
+    ids = [engine.add_request(Request(p, NEW), e + [0] * 8) for p, e in zip(PROMPTS, expected)]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return expected, plain_out, [outputs.get(i, []) for i in ids]
+
+
+@gpu
+@pytest.mark.parametrize("name", ["qwen3.5", "bamba", "lfm2", "jamba"])
+def test_on_a_gpu_plain_and_dspark_greedy_are_generates_tokens(name, monkeypatch):
+    """On CUDA in fp32, with the GPU's kernels (fla's chunked delta rule, the window scans, the conv
+    kernel) and CUDA graphs: dspark's plain decoding and its DSpark rounds (rejected and accepted
+    drafts, plain rounds, prompt chunks) give transformers' ``generate()`` tokens on the same GPU."""
+    monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 3)
+    expected, plain, dspark = _on_device_outputs(name, "cuda")
+    assert plain == expected and dspark == expected
 
 
 def test_the_context_limit_ends_the_output(hybrid):
