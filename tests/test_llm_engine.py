@@ -628,6 +628,21 @@ def test_graphs_are_captured_in_inference_mode(monkeypatch):
     assert engine.capture_graphs() == 0 and modes == [True]
 
 
+def test_graphs_that_run_out_of_memory_say_which_settings_to_change(monkeypatch):
+    """A capture that runs out of GPU memory (the KV blocks sized before it took too much) fails the
+    engine's start with an error naming max_batch, gpu_memory_utilization and the way out, not a
+    bare allocator message."""
+    engine = LLMEngine(tiny_qwen3_target(), None, EngineConfig(max_batch=2))
+
+    def out_of_memory(**_):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.02 GiB")
+
+    monkeypatch.setattr(engine.runner, "capture_graphs", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match=r"capturing the CUDA graphs of max_batch 2 ran out of GPU "
+                       r"memory: .* gpu_memory_utilization 0.9 .* lower gpu_memory_utilization or max_batch"):
+        engine.capture_graphs()
+
+
 @pytest.mark.gpu
 def test_the_reference_kernels_forced_run_eagerly_on_cuda():
     """Forced onto the PyTorch reference (``use_backend`` / ``DSPARK_BACKEND``), whose kernels read
