@@ -33,9 +33,9 @@ for step in "$@"; do
              ${TESTS:-tests/test_row_filters.py tests/test_sampling.py tests/test_markov.py tests/test_verify.py \
              tests/test_llm_engine.py tests/test_tree_engine.py tests/test_hf_target.py tests/test_lossless_sampling.py \
              tests/test_kernel_workspace.py tests/test_engine_limits.py tests/test_replay.py tests/test_schedulers.py} \
-             > "$OUT/pytest.log" 2>&1; grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -40 ;;
+             > "$OUT/pytest.log" 2>&1; rc=$?; grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -40; (exit $rc) ;;
     gputests) timeout "${TESTS_LIMIT:-420}" python -m pytest -q -m gpu -n 8 --dist load -p no:cacheprovider --timeout 240 ${GPU_TESTS:-tests/} \
-             > "$OUT/pytest.log" 2>&1; grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -40 ;;
+             > "$OUT/pytest.log" 2>&1; rc=$?; grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -40; (exit $rc) ;;
     engine) timeout "${ENGINE_LIMIT:-300}" python -m dspark.bench.engine --shapes qwen3-8b --batches 1,64 --hf none \
              --out "$OUT/engine" > "$OUT/engine.log" 2>&1 ;;
     firstcall) timeout 240 python -m dspark.bench.first_call --shape qwen3-8b --batch 64 --prompt 512 --new 256 \
