@@ -290,11 +290,11 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
                 raise torch.OutOfMemoryError(self._capture_memory_message()) from exc
 
     def _capture_memory_message(self) -> str:
-        c, working = self.config, getattr(self, "working_memory", None)
-        estimate = "" if working is None else f" and {working.total / 2**30:.2f} GiB estimated for a step's work"
+        c = self.config
         return (f"capturing the CUDA graphs of max_batch {c.max_batch} ran out of GPU memory: the "
                 f"{self.runner.num_kv_blocks} KV blocks took what gpu_memory_utilization {c.gpu_memory_utilization} "
-                f"left after the weights{estimate}; lower gpu_memory_utilization or max_batch, or run "
+                f"left after the weights and {self.working_memory.total / 2**30:.2f} GiB estimated for a step's "
+                "work; lower gpu_memory_utilization or max_batch, or run "
                 "eagerly (enforce_eager / cuda_graphs=False)")
 
     def plain(self) -> "LLMEngine":
