@@ -174,7 +174,7 @@ def _on_device_outputs(name: str, device: str) -> tuple[list, list, list]:
     (drafts of that continuation each accepted with probability 1/2, plain rounds between drafting
     ones, prompts in chunks; CUDA graphs where ``device`` is a GPU) of ``name``'s random model."""
     model = _model(name).to(device)
-    draft = _drafter(model)
+    draft = _drafter(model).to(device)
     with torch.random.fork_rng(devices=[]):
         expected = [_generate(model, p, NEW) for p in PROMPTS]
     config = dict(max_batch=3, max_num_batched_tokens=3 * 5 + 4, device=device, dtype=torch.float32)
