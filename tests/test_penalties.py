@@ -11,6 +11,7 @@ window's drafts must differ (the check has teeth)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -18,6 +19,8 @@ import torch
 from conftest import gpu
 from statistics_cases import check_conditionals
 from test_request_sampling import demo  # noqa: F401 -- the demo pair's fixture
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
                                                     MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
@@ -190,6 +193,54 @@ def test_bad_words_are_tokenized_as_vllm():
     too_long = rf"bad_words\[0\] \('{'a b ' * 10}.*is \d+ tokens; at most {MAX_BAD_WORD_TOKENS}"
     with pytest.raises(ValueError, match=too_long):
         encode_bad_words(["a b " * 20], tokenizer)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by the tensors the ops inside allocate (a storage counts from the op
+    that made it until it is freed; views and in-place results add nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.held: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            if storage is None or id(storage) in self.held or storage.data_ptr() in inputs:
+                continue
+            self.held.add(id(storage))
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.held.discard(key)
+        self.live -= nbytes
+
+
+def test_the_penalty_pass_allocates_one_copy_of_the_window():
+    """The request stage over a verify window ``[B, L, V]`` with every control on allocates one f32
+    copy of the window's logits and ``[B, V]`` temporaries (the penalties a position at a time), as
+    ``WorkingMemory`` budgets: each window-sized temporary more is 1.2 GB at 256 rows of 8 positions
+    over a 152k vocabulary. The logits are those of the penalties applied to the whole window at once."""
+    vocab, batch, positions = 4096, 2, 6
+    sampling, output, drafts = window_case()
+    state = PenaltyState(batch + 1, vocab, positions, torch.device("cpu"))
+    for slot in range(batch):
+        state.stage(slot, sampling, PROMPT, output, STOPS)
+    state.flush()
+    rows = replace(sampling.rows(batch, "cpu"), logit_bias=torch.zeros(batch, vocab),
+                   penalties=state.rows(torch.arange(batch)))
+    logits = torch.randn(batch, positions, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    window = Window.chain(torch.tensor([output[-1:] + drafts] * batch))
+    with LiveBytes() as memory:
+        got = rows.processed(logits, window)
+    assert memory.peak <= logits.numel() * 4 + 24 * batch * vocab, (memory.peak, logits.numel() * 4)
+    assert torch.equal(got, rows.penalties.apply(logits, window))
 
 
 def test_bad_settings_name_the_field():

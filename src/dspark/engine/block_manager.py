@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["NULL_BLOCK", "BlockManager", "BlockTable", "SequenceBlocks", "StateSnapshots", "blocks_in_memory",
-           "WorkingMemory", "kv_blocks_from_memory", "working_memory"]
+           "WorkingMemory", "kv_blocks_from_memory", "step_blocks", "working_memory"]
 
-GRAPH_POOL_BYTES = 2 << 30  # what the memory budget leaves the CUDA graphs' pool and the allocator's slack
+# beside the largest step's blocks in the CUDA graphs' pool: the allocator's rounding and the small
+# tensors' blocks (``WorkingMemory``)
+GRAPH_POOL_SLACK = 1 << 30
 # Block 0 is never handed out: unused table entries and the padding line point to it, so a stray
 # write lands in a block no request reads.
 NULL_BLOCK = 0
@@ -261,22 +263,68 @@ def blocks_in_memory(device, utilization: float, bytes_per_block: int, working_b
 
 @dataclass(frozen=True)
 class WorkingMemory:
-    """Bytes a step needs beside the weights and the KV blocks (``working_memory``): the CUDA graphs'
-    pool margin, the target's f32 logits of a step's rows (and their probabilities), the draft
-    block's backbone logits (bf16 and f32), the tokens' activations, the slots' penalty state and a
-    hybrid target's layer states."""
+    """Bytes an engine needs on its GPU beside the weights and the KV blocks (``working_memory``),
+    each a formula of the shapes: ``max_batch`` B rows verifying ``verify_len`` t tokens each (R =
+    B t rows of a verify window), the vocabulary V, the draft block N and its P drafts, ``MAX_CHUNKS``
+    M seats of a step with prompt chunks.
+
+    The step's blocks (``step_blocks``) are what the largest step allocates -- a target step with
+    prompt chunks on the penalised path: its logits in the target's dtype and their f32 copy
+    (L = R + M rows), its activations, then the acceptance's probabilities ``4 R V`` (its working
+    copy of the window's logits takes the block of the f32 logits, dropped once stored; the penalty
+    pass's temporaries are one position's, ``[B, V]``); or the draft pass's block logits, their f32
+    copy and the drafts' distributions when those are larger. The caching allocator keeps these as
+    separate blocks, so they add up.
+
+    ``graph_pool``: the CUDA graphs' shared pool -- the largest step's blocks (``capture_graphs``
+    captures that step first; every later capture fits in what it freed) and ``GRAPH_POOL_SLACK``;
+    none without CUDA graphs (``cuda_graphs`` False).
+    ``warm_up``: eager memory beside the pool -- a graph's warm-up run before its capture (every
+    capture but the first, and any graph captured on first use while serving, runs it while the
+    pool holds its blocks), an eager step: the largest step's blocks again.
+    ``logit_rows``: the verify's f32 logit rows ``4 (R + 1) V`` (``Verifier.logit_rows``).
+    ``draft_probs``: the sampled drafts' f32 distributions ``4 B P V`` (``RowState.draft_probs``; a
+    tree's depth rows ``4 B (P + 1) V``).
+    ``row_state``: the rows' dense f32 logit bias ``4 (B + 1) V``, their int32 grammar bitmasks
+    ``4 (B + 1)(t + N) ceil(V / 32)`` and the captured hidden states ``(R + 1)`` x the capture width.
+    ``penalties``: the slots' penalty state ``BYTES_PER_TOKEN (B + 1) V`` (``PenaltyState``).
+    ``states``: a hybrid target's layer states."""
 
     graph_pool: int
-    target_logits: int
-    draft_logits: int
-    activations: int
+    warm_up: int
+    logit_rows: int
+    draft_probs: int
+    row_state: int
     penalties: int
     states: int
 
     @property
     def total(self) -> int:
-        return (self.graph_pool + self.target_logits + self.draft_logits + self.activations + self.penalties
+        return (self.graph_pool + self.warm_up + self.logit_rows + self.draft_probs + self.row_state + self.penalties
                 + self.states)
+
+
+def step_blocks(*, rows: int, batch: int, vocab: int, seats: int, logits_bytes: int, activations: int,
+                draft_rows: int = 0, draft_bytes: int = 0, drafts: int = 0) -> int:
+    """Bytes of the blocks the largest step allocates (``WorkingMemory``): a target step of ``rows``
+    verify rows (R; ``batch`` B rows) and ``seats`` seats over ``vocab`` V, its logits computed in
+    ``logits_bytes`` per entry, ``activations`` bytes of the forward's; or a draft pass of
+    ``draft_rows`` block rows (B N) computed in ``draft_bytes`` per entry, with ``drafts`` (P)
+    distributions per row, when larger."""
+    # the acceptance's probabilities 4 R V, and the penalty pass's [B, V]: the rows' gathered state
+    # (5 B V), the repetition factors and their masks (6 B V), one position's masks, products and
+    # quotients (9 B V)
+    target = _logits(logits_bytes) * (rows + seats) * vocab + activations + 4 * rows * vocab + 20 * batch * vocab
+    if not draft_rows:
+        return target
+    draft = _logits(draft_bytes) * draft_rows * vocab + 4 * batch * drafts * vocab + 20 * batch * vocab
+    return max(target, draft)
+
+
+def _logits(entry_bytes: int) -> int:
+    """Bytes per entry of a forward's logits: in the model's dtype, and their f32 copy (``.float()``,
+    none for an f32 model)."""
+    return entry_bytes + 4 if entry_bytes < 4 else 4
 
 
 def working_memory(target, draft_model, config, verify_len: int, step_tokens: int, block_size: int = 0,
@@ -285,20 +333,34 @@ def working_memory(target, draft_model, config, verify_len: int, step_tokens: in
     tokens each beside prompt chunks, ``step_tokens`` tokens a step; ``block_size`` the drafter's
     block, 0 without one)."""
     from ..model.hybrid import StateLayout
-    from .chunks import MAX_CHUNKS as max_chunks
+    from .chunks import MAX_CHUNKS as seats
     from .penalties import BYTES_PER_TOKEN as penalty_bytes
+    from .structured import bitmask_width
 
-    vocab = target.vocab_size
-    draft_rows = config.max_batch * block_size if draft_model is not None else 0
+    vocab, batch, rows = target.vocab_size, config.max_batch, config.max_batch * verify_len
+    lines = batch + 1  # the rows' (and slots') buffers have a scratch row (the padding line) after the batch
+    draft_rows = drafts = draft_bytes = draft_probs = capture = 0
+    if draft_model is not None:
+        cfg, draft_bytes = draft_model.config, _element_size(draft_model.dtype)
+        draft_rows, drafts = batch * block_size, cfg.num_draft_tokens
+        draft_probs = 4 * vocab * batch * (drafts + 1 if config.draft_top_k > 1 else drafts)
+        capture = (rows + 1) * cfg.num_capture_layers * cfg.hidden_size * _element_size(target.dtype)
+    step = step_blocks(rows=rows, batch=batch, vocab=vocab, seats=seats, logits_bytes=_element_size(target.dtype),
+                       activations=step_tokens * target.shape.hidden_size * 64, draft_rows=draft_rows,
+                       draft_bytes=draft_bytes, drafts=drafts)
     # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
     layout = StateLayout.of(verify_len, config.kv_block_size, state_snapshots)
-    return WorkingMemory(graph_pool=GRAPH_POOL_BYTES,
-                         target_logits=2 * (config.max_batch * verify_len + max_chunks) * vocab * 4,
-                         draft_logits=draft_rows * vocab * (2 + 4),
-                         activations=step_tokens * target.shape.hidden_size * 64,
-                         penalties=(config.max_batch + 1) * vocab * penalty_bytes,
-                         states=target.state_bytes(config.max_batch + 1, layout) if hasattr(target, "state_bytes")
-                         else 0)
+    return WorkingMemory(graph_pool=step + GRAPH_POOL_SLACK if config.cuda_graphs else 0, warm_up=step,
+                         logit_rows=4 * (rows + 1) * vocab,
+                         draft_probs=draft_probs,
+                         row_state=4 * lines * vocab + 4 * lines * (verify_len + block_size) * bitmask_width(vocab)
+                         + capture,
+                         penalties=lines * vocab * penalty_bytes,
+                         states=target.state_bytes(lines, layout) if hasattr(target, "state_bytes") else 0)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def kv_blocks_from_memory(target, draft_model, config, working: WorkingMemory) -> int | None:

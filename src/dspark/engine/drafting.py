@@ -235,9 +235,11 @@ class RowSampling:
 
     def processed(self, logits: torch.Tensor, window: Window | None = None) -> torch.Tensor:
         """fp32 logits ``[B, V]`` or ``[B, L, V]`` with the bias, masks and penalties of each row
-        (position l of a verify ``window`` with the window's tokens on its path); ``logits`` is kept."""
-        logits = self.biased(logits)
-        return logits if self.penalties is None else self.penalties.apply(logits, window)
+        (position l of a verify ``window`` with the window's tokens on its path); ``logits`` is kept.
+        One new ``[B, L, V]`` tensor at most (the biased logits, or a copy the penalties rewrite)."""
+        if self.penalties is None:
+            return self.biased(logits)
+        return self.penalties.apply_(logits.clone() if self.logit_bias is None else self.biased(logits), window)
 
     def probabilities(self, logits: torch.Tensor, window: Window | None = None, *, workspace=None) -> torch.Tensor:
         """f32 probabilities of fp32 logits ``[B, V]`` (or ``[B, L, V]``: row b's settings on its L
@@ -326,14 +328,15 @@ class Drafter:
         backbone logits (row ``b*N + k`` = slot k of block b); ``anchors`` int32 ``[B]``;
         ``sampling`` the rows' settings (None: every row greedy; a greedy row among sampled ones draws
         its one-hot argmax) and ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy).
-        ``logit_bias`` f32 ``[B, V]`` (None: none) is added to every slot of block b (the rows'
+        ``logit_bias`` f32 ``[B, V]`` (None: none) is added to every slot of block b, in place in
+        ``logits`` (a second ``[B*N, V]`` tensor would add to the draft pass's peak memory; the rows'
         ``logit_bias``; sampled rows pass theirs in ``sampling`` too, whose penalties, on the committed
         output, and filters run on the corrected logits). ``stacked_logits`` f32 ``[B, P+1, V]`` (tree
         mode, greedy): depth row ``s + 1`` receives step ``s``'s Markov-corrected logits along the
         greedy chain. No host synchronisation.
         """
         if logit_bias is not None:
-            logits = (logits.view(anchors.shape[0], self.block_size, -1) + logit_bias[:, None]).view(logits.shape)
+            logits.view(anchors.shape[0], self.block_size, -1).add_(logit_bias[:, None])
         if self.fused_greedy and sampling is None:
             tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchors,
                                            proposal_len=self.num_draft_tokens, stacked_logits=stacked_logits,

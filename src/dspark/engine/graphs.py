@@ -111,15 +111,23 @@ class CudaGraphs:
         every token multiple, draft; or decode; with ``plain_rounds``, a DSpark runner's plain round
         and context-only pass too: the cost scheduler's), and of the steps with prompt chunks
         (``mixed_shapes``), so that no request waits for a capture later; returns the number of
-        graphs. Call with no request running: the captures replay once on padding rows."""
+        graphs. Call with no request running: the captures replay once on padding rows.
+
+        Largest first: every graph allocates in one shared memory pool, and a capture reuses the
+        blocks the captures before it freed only where one is large enough for each of its tensors.
+        The first capture -- the largest mixed step, on the penalised path -- sizes the pool; the
+        rest fit in it. Smallest first, each batch bucket's ``[rows, V]`` temporaries took new
+        blocks (the pool passed 18 GiB by the 144-row bucket of max_batch 256 on an H100)."""
         if not self.use_graphs:
             return 0
-        for b in self.buckets:
-            for path in LogitsPath:
-                self._capture_bucket(b, path, plain_rounds)
-        for b, num_tokens, bucket in self.mixed_shapes(plain_rounds):
-            for path in (LogitsPath.GREEDY, LogitsPath.PENALISED) if b else (LogitsPath.GREEDY,):
+        shapes = sorted(self.mixed_shapes(plain_rounds), reverse=True,
+                        key=lambda shape: (shape[0], shape[0] if shape[1] is None else shape[1], shape[2]))
+        for b, num_tokens, bucket in shapes:
+            for path in (LogitsPath.PENALISED, LogitsPath.GREEDY) if b else (LogitsPath.GREEDY,):
                 self._capture_mixed(b, num_tokens, bucket, path)
+        for b in reversed(self.buckets):
+            for path in reversed(LogitsPath):
+                self._capture_bucket(b, path, plain_rounds)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
 
@@ -162,7 +170,7 @@ class CudaGraphs:
         if self.drafter is None:
             self._replay(("decode", b, 1, path), lambda: self._decode_rows(b, path))
             return
-        for k in self._verify_tokens_per_row():  # b * k flat tokens
+        for k in reversed(self._verify_tokens_per_row()):  # b * k flat tokens, largest first
             self.host_lens.fill_(k)
             self.state.verify_lens[: self.max_batch].copy_(self.host_lens)
             self._replay(("verify", b, b * k, path), lambda: self._verify_rows(b, b * k, path))

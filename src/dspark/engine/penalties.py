@@ -101,14 +101,20 @@ class RowPenalties:
         """f32 logits ``[B, V]`` or ``[B, L, V]`` (position l of ``window``; None: every position at the
         committed output) with the masks and penalties applied, as a new tensor of their shape. Fixed
         shapes, no host synchronisation: capturable."""
+        return self.apply_(logits.clone(), window)
+
+    def apply_(self, logits: torch.Tensor, window: Window | None = None) -> torch.Tensor:
+        """``apply`` in place: ``logits`` is overwritten and returned. The vocabulary-wide temporaries
+        are one position's (``[B, V]``), never the window's ``[B, L, V]``: at 256 rows of an 8-token
+        window over a 152k vocabulary each of those would take 1.2 GB (``WorkingMemory``)."""
         x = logits if logits.dim() == 3 else logits[:, None]
         before = torch.zeros_like(self.produced)[:, None] if window is None else window.path.sum(-1)  # [B|1, L]
-        x = self._masked(x, before, self._tails(x.shape[1], window))
+        self._mask_(x, before, self._tails(x.shape[1], window))
         fixed = None if window is None else self._window_values(x, window)
-        x = self._penalised(x, self.counts[:, None], self.flags[:, None])
+        self._penalise_(x, self.counts[:, None], self.flags[:, None])
         if fixed is not None:
             x.scatter_(2, window.tokens[:, None].expand(-1, x.shape[1], -1), fixed)
-        return x if logits.dim() == 3 else x[:, 0]
+        return logits
 
     def _tails(self, positions: int, window: Window | None) -> torch.Tensor:
         """int32 ``[B, L, RECENT]``: each position's last output tokens, oldest first -- its path's
@@ -124,17 +130,18 @@ class RowPenalties:
             2, (RECENT - 1 - back + depth).clamp(max=RECENT - 1).expand(self.recent.shape[0], -1, -1))
         return torch.where(back < depth, from_path.to(torch.int32), committed).flip(-1)
 
-    def _masked(self, x: torch.Tensor, before: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
-        """-inf at the stop ids while ``produced + before`` < min_tokens, at one-token bad words, and
-        at a bad word's last token where its prefix ends the tails (a new tensor)."""
-        short = (self.produced[:, None] + before) < self.min_tokens[:, None]  # [B, L]
+    def _mask_(self, x: torch.Tensor, before: torch.Tensor, tails: torch.Tensor) -> None:
+        """-inf in place at the stop ids while ``produced + before`` < min_tokens, at one-token bad
+        words, and at a bad word's last token where its prefix ends the tails (position by position)."""
+        short = ((self.produced[:, None] + before) < self.min_tokens[:, None]).expand(-1, x.shape[1])  # [B, L]
         stop, banned = (self.flags & STOP) != 0, (self.flags & BANNED) != 0
-        x = x.masked_fill(banned[:, None] | (stop[:, None] & short[..., None]), -math.inf)
+        for position in range(x.shape[1]):
+            x[:, position].masked_fill_(banned | (stop & short[:, position, None]), -math.inf)
         prefix, last = self.bad_words[..., :-1], self.bad_words[..., -1]  # [B, N, RECENT], [B, N]
         ends = ((tails[:, :, None] == prefix[:, None]) | (prefix[:, None] == ANY)).all(-1) & (last >= 0)[:, None]
         # -inf added where a bad word ends the output, 0 elsewhere (entries may share a token)
         index = last.clamp(min=0).long()[:, None].expand(-1, x.shape[1], -1)
-        return x.scatter_add_(2, index, torch.zeros_like(ends, dtype=x.dtype).masked_fill_(ends, -math.inf))
+        x.scatter_add_(2, index, torch.zeros_like(ends, dtype=x.dtype).masked_fill_(ends, -math.inf))
 
     def _window_values(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         """f32 ``[B, L, W]``: the penalised logit of each window token at each position, counting the
@@ -145,15 +152,18 @@ class RowPenalties:
         counts = self.counts.gather(1, tokens)[:, None] + ahead
         flags = self.flags.gather(1, tokens)[:, None]
         raw = x.gather(2, tokens[:, None].expand(-1, x.shape[1], -1))
-        return self._penalised(raw, counts, flags)
+        return self._penalise_(raw, counts, flags)
 
-    def _penalised(self, x: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    def _penalise_(self, x: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, L, K]`` with the repetition, frequency and presence penalties of tokens with
-        output ``counts`` f32 and ``flags`` uint8 (broadcast to ``[B, L, K]``); ``x`` is overwritten."""
+        output ``counts`` f32 and ``flags`` uint8 (broadcast to ``[B, L, K]``), in place (returned);
+        the repetition penalty one position at a time, so its temporaries are ``[B, K]``."""
         presence, frequency, repetition = (s[:, None, None] for s in self.settings.unbind(1))
         seen = ((flags & PROMPT) != 0) | (counts > 0)
-        penalty = torch.where(seen, repetition, 1.0)
-        x = torch.where(x < 0, x * penalty, x / penalty, out=x)  # transformers' operations
+        penalty = torch.where(seen, repetition, 1.0).expand_as(x)
+        for position in range(x.shape[1]):
+            at, by = x[:, position], penalty[:, position]
+            torch.where(at < 0, at * by, at / by, out=at)  # transformers' operations
         return x.sub_(frequency * counts).sub_(presence * (counts > 0))  # vLLM's
 
 

@@ -357,7 +357,9 @@ class ModelRunner(CudaGraphs):
         capture = self._capture_buffer(num_tokens)
         logits = self.target.forward(ids, positions, slots, batch, self.cache, capture_out=capture,
                                      cache_positions=cache_rows if self.tree else None)
-        self.verifier.commit(b, flat, capture, logits, path)
+        self.verifier.store(flat, capture, logits)
+        del capture, logits  # stored: the acceptance's temporaries take their memory
+        self.verifier.commit(b, path)
 
     def _propose(self, b: int, path: LogitsPath) -> None:
         """The draft pass of rows ``0 .. b-1`` (``DSparkProposer``), a benchmark's override of its
@@ -412,12 +414,16 @@ class ModelRunner(CudaGraphs):
         except Exception as exc:  # noqa: BLE001
             raise ForwardFailed(f"{type(exc).__name__}: {exc}") from exc
         if b and num_tokens is not None:
-            self.verifier.commit(b, flat, capture[:split], logits[:split], path)
-        elif b:
-            self.verifier.decode_commit(b, logits[:split], path, None if capture is None else capture[:split])
+            self.verifier.store(flat, capture[:split], logits[:split])
+            logits = logits[split:].clone()  # the seats' rows only: the acceptance's temporaries take the rest
+            self.verifier.commit(b, path)
+        else:
+            if b:
+                self.verifier.decode_commit(b, logits[:split], path, None if capture is None else capture[:split])
+            logits = logits[split:]
         if self.proposer is not None:
             self.proposer.write_context(capture[split:], positions[split:], slots[split:])
-        self._seat(logits[split:])
+        self._seat(logits)
 
     def _mixed_forward(self, b: int, num_tokens: int | None, bucket: int):
         """The target forward of a mixed step (no row state changes): ``(positions, token slots,

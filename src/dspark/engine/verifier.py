@@ -121,11 +121,16 @@ class Verifier:
         return (s.tree_tokens[:b].reshape(-1).long(), positions, cache_rows, s.slot_ids[:b].repeat_interleave(size),
                 batch, self.flat_offsets[: b * size].long())
 
-    def commit(self, b: int, flat, capture, logits, path: LogitsPath) -> None:
-        """Accept each row's prefix from the verify forward's captures and logits and advance."""
-        s, t = self.state, self.verify_len
+    def store(self, flat, capture, logits) -> None:
+        """A verify forward's captured states ``[N, width]`` and f32 logits ``[N, V]`` into the flat
+        buffers at rows ``flat`` int64 ``[N]``. The caller drops its ``logits`` before ``commit``, whose
+        ``[rows, V]`` temporaries then reuse that memory (``WorkingMemory``)."""
         self.capture_rows.index_copy_(0, flat, capture)
         self.logit_rows.index_copy_(0, flat, logits)
+
+    def commit(self, b: int, path: LogitsPath) -> None:
+        """Accept each row's prefix from the verify forward's captures and logits (``store``) and advance."""
+        s, t = self.state, self.verify_len
         # each verify position's grammar mask (every bit set for a free row): what acceptance and
         # the log-probabilities see is the masked distribution
         apply_bitmask(self.logit_rows[: b * t], s.grammar_mask[:b].view(b * t, -1))
