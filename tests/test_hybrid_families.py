@@ -11,6 +11,7 @@ the modules.
 """
 
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -128,4 +129,4 @@ def test_an_attention_free_target_has_no_kv_and_its_blocks_only_account_position
     assert target.new_cache(2, 16).k.numel() == 0
     on_gpu = SimpleNamespace(kv_bytes_per_token=0, device=torch.device("cuda"))
     assert kv_blocks_from_memory(on_gpu, None, EngineConfig(gpu_memory_utilization=0.9),
-                                 WorkingMemory(*[0] * 6)) is None
+                                 WorkingMemory(*[0] * len(fields(WorkingMemory)))) is None
