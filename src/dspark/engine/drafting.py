@@ -328,10 +328,10 @@ class Drafter:
         backbone logits (row ``b*N + k`` = slot k of block b); ``anchors`` int32 ``[B]``;
         ``sampling`` the rows' settings (None: every row greedy; a greedy row among sampled ones draws
         its one-hot argmax) and ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy).
-        ``logit_bias`` f32 ``[B, V]`` (None: none) is added to every slot of block b, in place in
-        ``logits`` (a second ``[B*N, V]`` tensor would add to the draft pass's peak memory; the rows'
-        ``logit_bias``; sampled rows pass theirs in ``sampling`` too, whose penalties, on the committed
-        output, and filters run on the corrected logits). ``stacked_logits`` f32 ``[B, P+1, V]`` (tree
+        ``logit_bias`` f32 ``[B, V]`` (None: none; the rows' ``logit_bias``) is added to every slot of
+        block b, in place: ``logits`` is overwritten (a second ``[B*N, V]`` tensor would add to the
+        draft pass's peak memory). Sampled rows pass theirs in ``sampling`` too, whose penalties, on
+        the committed output, and filters run on the corrected logits. ``stacked_logits`` f32 ``[B, P+1, V]`` (tree
         mode, greedy): depth row ``s + 1`` receives step ``s``'s Markov-corrected logits along the
         greedy chain. No host synchronisation.
         """
