@@ -21,43 +21,50 @@ VOCAB = 151936  # Qwen3's
 HIDDEN = 4096  # the 8B shape's
 
 
-def qwen3_8b(vocab: int = VOCAB, dtype=torch.bfloat16):
-    """Stand-ins of the 8B-shaped target and its DSpark drafter (block 7, 7 drafts, 5 captured layers):
-    what ``working_memory`` reads of them."""
+def qwen3_8b(vocab: int = VOCAB, block: int = 7, dtype=torch.bfloat16):
+    """Stand-ins of the 8B-shaped target and its DSpark drafter (drafting every slot of its block, 5
+    captured layers): what ``working_memory`` reads of them."""
     target = SimpleNamespace(vocab_size=vocab, dtype=dtype, shape=SimpleNamespace(hidden_size=HIDDEN))
-    draft = SimpleNamespace(dtype=dtype, config=SimpleNamespace(num_draft_tokens=7, num_capture_layers=5,
+    draft = SimpleNamespace(dtype=dtype, config=SimpleNamespace(num_draft_tokens=block, num_capture_layers=5,
                                                                 hidden_size=HIDDEN))
     return target, draft
 
 
-def estimate(max_batch: int, vocab: int = VOCAB, verify_len: int = 8, **config):
-    target, draft = qwen3_8b(vocab)
-    return working_memory(target, draft, EngineConfig(max_batch=max_batch, **config), verify_len, 2048, 7)
+def estimate(max_batch: int, vocab: int = VOCAB, block: int = 7, **config):
+    """The estimate of a chain engine (verify length: the block's drafts and the anchor, 2048 tokens a step)."""
+    target, draft = qwen3_8b(vocab, block)
+    return working_memory(target, draft, EngineConfig(max_batch=max_batch, **config), block + 1, 2048, block)
 
 
 def test_the_largest_step_is_a_penalised_verify_with_prompt_chunks():
     """At 256 rows of 8 verify tokens over Qwen3's vocabulary: the logits of the verify rows and the
-    seats in bf16 and f32, the activations, the acceptance's probabilities and the penalty pass's
-    [B, V] temporaries -- in the graphs' pool (with the slack) and again for a warm-up beside it."""
+    seats in bf16 and f32, the activations of the verify and a full chunk bucket, the acceptance's
+    probabilities and the penalty pass's [B, V] temporaries -- in the graphs' pool (with the slack) and again for a warm-up beside it."""
     wm = estimate(256)
     rows = 256 * 8
-    step = (2 + 4) * (rows + MAX_CHUNKS) * VOCAB + 2048 * HIDDEN * 64 + 4 * rows * VOCAB + 20 * 256 * VOCAB
+    step = (2 + 4) * (rows + MAX_CHUNKS) * VOCAB + (rows + 2048) * HIDDEN * 64 + 4 * rows * VOCAB + 20 * 256 * VOCAB
     assert wm.warm_up == step and wm.graph_pool == step + GRAPH_POOL_SLACK
-    assert 4.1 * 2**30 < wm.warm_up < 4.2 * 2**30
+    assert 4.6 * 2**30 < wm.warm_up < 4.7 * 2**30
     assert estimate(256, cuda_graphs=False).graph_pool == 0  # eager: no pool
 
 
-def test_the_estimate_grows_with_max_batch_and_vocabulary_as_the_accounting_says():
-    """Every vocabulary-wide part is linear in the rows (the same step for each bucket of 64 more) and
-    in the vocabulary (twice the vocabulary: twice each part but the activations and captured states)."""
+def test_the_estimate_grows_with_max_batch_block_and_vocabulary_as_the_accounting_says():
+    """Every vocabulary-wide part is linear in the rows (the same step for each 64 rows more), in the
+    vocabulary (twice the vocabulary: twice each part but the activations and captured states) and in
+    the draft block (its distributions; the longer verify window's logits and probabilities)."""
     steps = [estimate(b).warm_up for b in (64, 128, 192)]
     assert steps[0] < steps[1] < steps[2] and steps[2] - steps[1] == steps[1] - steps[0]
     small, large = estimate(64, vocab=VOCAB // 2), estimate(64)
-    activations = 2048 * HIDDEN * 64
+    activations = (64 * 8 + 2048) * HIDDEN * 64
     assert large.warm_up - activations == 2 * (small.warm_up - activations)
     for part in ("logit_rows", "draft_probs", "penalties"):
         assert getattr(large, part) == 2 * getattr(small, part), part
     assert large.penalties == 65 * VOCAB * BYTES_PER_TOKEN  # every slot's penalty state, the padding line's too
+    longer = estimate(64, block=15)
+    assert (longer.draft_probs, large.draft_probs) == (4 * 64 * 15 * VOCAB, 4 * 64 * 7 * VOCAB)
+    window = 64 * 8 * VOCAB  # 8 verify positions more per row
+    assert longer.warm_up - large.warm_up == (2 + 4 + 4) * window + 64 * 8 * HIDDEN * 64
+    assert longer.logit_rows - large.logit_rows == 4 * window
 
 
 def test_the_penalty_pass_and_a_larger_draft_block_count_in_the_step():

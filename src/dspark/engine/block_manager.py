@@ -270,7 +270,8 @@ class WorkingMemory:
 
     The step's blocks (``step_blocks``) are what the largest step allocates -- a target step with
     prompt chunks on the penalised path: its logits in the target's dtype and their f32 copy
-    (L = R + M rows), its activations, then the acceptance's probabilities ``4 R V`` (its working
+    (L = R + M rows), its activations (the captured shape with the most tokens: every row's verify
+    beside a full chunk bucket, ``R + step_tokens``), then the acceptance's probabilities ``4 R V`` (its working
     copy of the window's logits takes the block of the f32 logits, dropped once stored; the penalty
     pass's temporaries are one position's, ``[B, V]``); or the draft pass's block logits, their f32
     copy and the drafts' distributions when those are larger. The caching allocator keeps these as
@@ -346,7 +347,7 @@ def working_memory(target, draft_model, config, verify_len: int, step_tokens: in
         draft_probs = 4 * vocab * batch * (drafts + 1 if config.draft_top_k > 1 else drafts)
         capture = (rows + 1) * cfg.num_capture_layers * cfg.hidden_size * _element_size(target.dtype)
     step = step_blocks(rows=rows, batch=batch, vocab=vocab, seats=seats, logits_bytes=_element_size(target.dtype),
-                       activations=step_tokens * target.shape.hidden_size * 64, draft_rows=draft_rows,
+                       activations=(rows + step_tokens) * target.shape.hidden_size * 64, draft_rows=draft_rows,
                        draft_bytes=draft_bytes, drafts=drafts)
     # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
     layout = StateLayout.of(verify_len, config.kv_block_size, state_snapshots)
