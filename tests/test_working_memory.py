@@ -43,8 +43,9 @@ def test_the_largest_step_is_a_penalised_verify_with_prompt_chunks():
     wm = estimate(256)
     rows = 256 * 8
     step = (2 + 4) * (rows + MAX_CHUNKS) * VOCAB + (rows + 2048) * HIDDEN * 64 + 4 * rows * VOCAB + 20 * 256 * VOCAB
-    assert wm.warm_up == step and wm.graph_pool == step + GRAPH_POOL_SLACK
-    assert 4.6 * 2**30 < wm.warm_up < 4.7 * 2**30
+    snapshot = 2 * 4 * 257 * VOCAB + 4 * 257 * (8 + 7) * (VOCAB // 32)  # the warm-up's copies: bias, counts, masks
+    assert wm.graph_pool == step + GRAPH_POOL_SLACK and wm.warm_up == step + snapshot
+    assert 4.6 * 2**30 < step < 4.7 * 2**30
     assert estimate(256, cuda_graphs=False).graph_pool == 0  # eager: no pool
 
 
@@ -52,18 +53,18 @@ def test_the_estimate_grows_with_max_batch_block_and_vocabulary_as_the_accountin
     """Every vocabulary-wide part is linear in the rows (the same step for each 64 rows more), in the
     vocabulary (twice the vocabulary: twice each part but the activations and captured states) and in
     the draft block (its distributions; the longer verify window's logits and probabilities)."""
-    steps = [estimate(b).warm_up for b in (64, 128, 192)]
+    steps = [estimate(b).graph_pool for b in (64, 128, 192)]
     assert steps[0] < steps[1] < steps[2] and steps[2] - steps[1] == steps[1] - steps[0]
     small, large = estimate(64, vocab=VOCAB // 2), estimate(64)
     activations = (64 * 8 + 2048) * HIDDEN * 64
-    assert large.warm_up - activations == 2 * (small.warm_up - activations)
+    assert large.graph_pool - activations - GRAPH_POOL_SLACK == 2 * (small.graph_pool - activations - GRAPH_POOL_SLACK)
     for part in ("logit_rows", "draft_probs", "penalties"):
         assert getattr(large, part) == 2 * getattr(small, part), part
     assert large.penalties == 65 * VOCAB * BYTES_PER_TOKEN  # every slot's penalty state, the padding line's too
     longer = estimate(64, block=15)
     assert (longer.draft_probs, large.draft_probs) == (4 * 64 * 15 * VOCAB, 4 * 64 * 7 * VOCAB)
     window = 64 * 8 * VOCAB  # 8 verify positions more per row
-    assert longer.warm_up - large.warm_up == (2 + 4 + 4) * window + 64 * 8 * HIDDEN * 64
+    assert longer.graph_pool - large.graph_pool == (2 + 4 + 4) * window + 64 * 8 * HIDDEN * 64
     assert longer.logit_rows - large.logit_rows == 4 * window
 
 
@@ -83,7 +84,7 @@ def test_the_runner_buffers_are_the_estimate(tree):
     """The parts allocated beside the step (the verify's logit rows, the drafts' distributions or a
     tree's depth rows, the rows' bias, masks and captured states, the penalty state) are the bytes the
     runner's tensors hold."""
-    target = tiny_qwen3_target(vocab_size=160)
+    target = tiny_qwen3_target(vocab_size=640)  # bitmasks of 20 words: no other row buffer is as wide
     draft = random_draft(tiny_draft_config(target.config), 0, target)
     engine = LLMEngine(target, draft, EngineConfig(max_batch=3, draft_top_k=2 if tree else 1))
     runner, wm = engine.runner, engine.working_memory
@@ -92,6 +93,12 @@ def test_the_runner_buffers_are_the_estimate(tree):
     assert wm.draft_probs == nbytes(runner.proposer.stacked if tree else s.draft_probs)
     assert wm.row_state == nbytes(s.logit_bias, s.grammar_mask, s.draft_mask, runner.verifier.capture_rows)
     assert wm.penalties == nbytes(runner.penalties.counts, runner.penalties.flags)
+    # a warm-up's copies of what a step writes (CudaGraphs._snapshot): the vocabulary-wide ones
+    copied = [t for name, t in s.tensors() if name not in ("capture", "draft_probs")] + runner.penalties.buffers()
+    wide = [t for t in copied if t.shape[-1] in (640, 640 // 32)]
+    assert wm.warm_up - (wm.graph_pool - GRAPH_POOL_SLACK) == nbytes(*wide)
+    assert {id(t) for t in wide} == {id(t) for t in (s.logit_bias, s.grammar_mask, s.draft_mask,
+                                                     runner.penalties.counts)}
 
 
 def test_the_start_up_capture_runs_the_largest_step_first(monkeypatch):

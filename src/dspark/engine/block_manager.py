@@ -282,7 +282,9 @@ class WorkingMemory:
     none without CUDA graphs (``cuda_graphs`` False).
     ``warm_up``: eager memory beside the pool -- a graph's warm-up run before its capture (every
     capture but the first, and any graph captured on first use while serving, runs it while the
-    pool holds its blocks), an eager step: the largest step's blocks again.
+    pool holds its blocks), an eager step: the largest step's blocks again, and the warm-up's copies
+    of the row state it writes (``CudaGraphs._snapshot``: the bias, the masks, the penalty counts
+    ``4 (B + 1) V``).
     ``logit_rows``: the verify's f32 logit rows ``4 (R + 1) V`` (``Verifier.logit_rows``).
     ``draft_probs``: the sampled drafts' f32 distributions ``4 B P V`` (``RowState.draft_probs``; a
     tree's depth rows ``4 B (P + 1) V``).
@@ -349,13 +351,12 @@ def working_memory(target, draft_model, config, verify_len: int, step_tokens: in
     step = step_blocks(rows=rows, batch=batch, vocab=vocab, seats=seats, logits_bytes=_element_size(target.dtype),
                        activations=(rows + step_tokens) * target.shape.hidden_size * 64, draft_rows=draft_rows,
                        draft_bytes=draft_bytes, drafts=drafts)
+    bias, masks = 4 * lines * vocab, 4 * lines * (verify_len + block_size) * bitmask_width(vocab)
     # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
     layout = StateLayout.of(verify_len, config.kv_block_size, state_snapshots)
-    return WorkingMemory(graph_pool=step + GRAPH_POOL_SLACK if config.cuda_graphs else 0, warm_up=step,
-                         logit_rows=4 * (rows + 1) * vocab,
-                         draft_probs=draft_probs,
-                         row_state=4 * lines * vocab + 4 * lines * (verify_len + block_size) * bitmask_width(vocab)
-                         + capture,
+    return WorkingMemory(graph_pool=step + GRAPH_POOL_SLACK if config.cuda_graphs else 0,
+                         warm_up=step + bias + masks + 4 * lines * vocab, logit_rows=4 * (rows + 1) * vocab,
+                         draft_probs=draft_probs, row_state=bias + masks + capture,
                          penalties=lines * vocab * penalty_bytes,
                          states=target.state_bytes(lines, layout) if hasattr(target, "state_bytes") else 0)
 

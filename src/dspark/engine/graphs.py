@@ -101,6 +101,7 @@ class CudaGraphs:
         def restore() -> None:
             for t, value in zip(live, saved):
                 t.copy_(value)
+            saved.clear()  # freed before the capture: the pool may grow into them
             if states is not None:
                 states.frozen = False
 
