@@ -12,7 +12,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import BACKEND_PARAMS, DEVICE, INTERPRETER_WARNINGS, gpu
+from conftest import BACKEND_PARAMS, DEVICE, INTERPRETER_WARNINGS, gpu, requires_triton
 
 import dspark.kernels as K
 from dspark.model import hybrid
@@ -109,6 +109,70 @@ def test_selective_state_scan_matches_transformers_mamba2_step_per_request(backe
             torch.testing.assert_close(out[i].float(), o[0].float(), **tolerance)
             expected[WRITE_LINES[i], WRITE_ENTRIES[i]] = state[0]
     torch.testing.assert_close(states, expected, **tolerance)
+
+
+# checkpoint + replay: 6 requests on lines 4, 0, 5, 2, 1, 3 (line 6 unused), windows of at most 4
+# tokens; per window each request's tokens and accepted prefix (all of 0 .. 4 accepted, ragged rows,
+# a request with no tokens); the request on line 5 starts its first window from zero
+REPLAY_LINES, WINDOW = [4, 0, 5, 2, 1, 3], 4
+WINDOW_COUNTS = [[4, 4, 3, 4, 2, 4], [4, 1, 4, 4, 4, 0], [4, 4, 2, 1, 4, 3]]
+ACCEPTED = [[0, 4, 3, 1, 2, 4], [2, 1, 4, 0, 3, 0], [4, 3, 0, 1, 4, 2]]
+
+
+@pytest.mark.parametrize("backend, dtype", [("reference", torch.float32), ("reference", torch.bfloat16),
+                                            pytest.param("triton", torch.bfloat16, marks=requires_triton)])
+def test_gated_delta_replay_scan_is_the_per_position_scan_rolled_back(backend, dtype):
+    """Windows run by ``gated_delta_replay_scan`` give ``gated_delta_scan``'s outputs, and each call's
+    new checkpoint is the per-position scan's state after the last window's accepted prefix, to the
+    bit (same backend, same steps); a last call without tokens replays the last window."""
+    lines, requests = _i64(REPLAY_LINES), len(REPLAY_LINES)
+    *_, ring = _inputs(1, dtype, seed=3)
+    ring = torch.cat([ring, ring[:2]])[:, :1].repeat(1, WINDOW + 1, 1, 1, 1)  # 7 lines; entry 0: the window's start
+    zero_start = torch.tensor([r == 2 for r in range(requests)], device=DEVICE)
+    checkpoints = ring[:, 0].clone()
+    untouched = checkpoints[6].clone()
+    kept = [torch.zeros(7, 2 * WINDOW, HEADS, *size, dtype=t, device=DEVICE)
+            for size, t in (((DK,), dtype), ((DV,), dtype), ((), torch.float32), ((), dtype))]
+    replay = torch.where(zero_start, -1, 0)
+    for w, counts in enumerate(WINDOW_COUNTS + [[0] * requests]):
+        q, k, v, g, beta, _ = _inputs(sum(counts), dtype, seed=10 + w)
+        counts_ = _i64(counts)
+        firsts = torch.cumsum(counts_, 0) - counts_
+        with K.use_backend(backend):
+            out = K.gated_delta_replay_scan(q, k, v, g, beta, checkpoints, *kept, lines, replay,
+                                            torch.full_like(lines, (w + 1) % 2 * WINDOW),
+                                            torch.full_like(lines, w % 2 * WINDOW), firsts, counts_, scale=DK ** -0.5)
+            assert torch.equal(checkpoints[lines], ring[lines, 0] * (replay >= 0)[:, None, None, None])
+            token_lines = lines.repeat_interleave(counts_)
+            expected = K.gated_delta_scan(q, k, v, g, beta, ring, lines, torch.where(replay >= 0, 0, -1), firsts,
+                                          counts_, token_lines, torch.arange(len(q), device=DEVICE) -
+                                          firsts.repeat_interleave(counts_) + 1, scale=DK ** -0.5)
+        assert torch.equal(out, expected)
+        if w < len(WINDOW_COUNTS):
+            replay = _i64(ACCEPTED[w])
+            ring[lines, 0] = ring[lines, replay]  # the per-position form's rollback: the state after the prefix
+    assert torch.equal(checkpoints[6], untouched)
+
+
+def test_gated_delta_replay_scan_refuses_bad_addressing_by_name():
+    q, k, v, g, beta, states = _inputs(4, torch.float32)
+    kept = [torch.zeros(2, 8, HEADS, *size, device=DEVICE) for size in ((DK,), (DV,), (), ())]
+    one = torch.ones(1, dtype=I64, device=DEVICE)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, checkpoints=states[:2, 0].clone(), kept_k=kept[0], kept_v=kept[1],
+                kept_g=kept[2], kept_beta=kept[3], lines=one, replay_counts=one * 4, replay_entries=one * 0,
+                keep_entries=one * 4, first_tokens=one * 0, token_counts=one * 4, scale=0.25)
+    K.gated_delta_replay_scan(**args)
+    with pytest.raises(ValueError, match="checkpoints must be"):
+        K.gated_delta_replay_scan(**{**args, "checkpoints": states[:2, 0, :, :, :5].clone()})
+    with pytest.raises(TypeError, match="kept_k must have dtype"):
+        K.gated_delta_replay_scan(**{**args, "kept_k": kept[0].half()})
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="must not overlap"):
+            K.gated_delta_replay_scan(**{**args, "keep_entries": one * 2})
+        with pytest.raises(ValueError, match="keep_entries"):
+            K.gated_delta_replay_scan(**{**args, "keep_entries": one * 5})
+        with pytest.raises(ValueError, match="lines must be distinct"):
+            K.gated_delta_replay_scan(**{**args, "lines": one * 2})
 
 
 def test_gated_delta_scan_refuses_bad_inputs_by_name():

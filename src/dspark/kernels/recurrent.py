@@ -18,7 +18,15 @@ window, reads it once and writes it once per position, straight into its ring en
   them (and LFM2's), each token's ``kernel`` inputs from this forward's tokens of its request and the
   ring of earlier inputs, each token's input written into its ring entry.
 
-All three address requests and states alike (the *addressing*): per request r (int64 ``[R]`` each),
+* ``gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, ...)`` -- the same rule in
+  *checkpoint + replay* form, the alternative to a state per position: per line only the state at
+  the start of its last window (the checkpoint) and that window's per-token inputs (``k``, ``v``,
+  ``g``, ``beta``: a few KB a token, where a state is 2 MiB); the next window's call replays the
+  accepted prefix of the last one from the kept inputs (known only now), writes the new checkpoint,
+  then runs its own tokens and keeps their inputs. Per request and layer one state read and one
+  state write instead of one write per position; its own addressing (its docstring).
+
+The first three address requests and states alike (the *addressing*): per request r (int64 ``[R]`` each),
 tokens ``first_tokens[r] .. + token_counts[r] - 1`` of the flat inputs, from the state
 ``states[read_lines[r], read_entries[r]]`` (zero where ``read_entries[r] < 0``); ``states`` f32
 ``[lines, entries, heads, ...]`` is updated in place, the state after token n going to
@@ -36,7 +44,7 @@ import torch
 from ._backend import implementation
 from ._validate import HALF_DTYPES, Checker
 
-__all__ = ["causal_conv_window", "gated_delta_scan", "selective_state_scan"]
+__all__ = ["causal_conv_window", "gated_delta_replay_scan", "gated_delta_scan", "selective_state_scan"]
 
 _FLOAT = (torch.float32,) + HALF_DTYPES
 _INDEX = torch.int64
@@ -58,6 +66,75 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
     usually ``dk ** -0.5``).
     """
     c = Checker("gated_delta_scan")
+    inputs = _delta_inputs(c, q, k, v, g, beta)
+    n, heads, dk = q.shape
+    states = _states(c, states, q.device, [heads, dk, v.shape[2]])
+    addressing = _addressing(c, n, q.device, read_lines, read_entries, first_tokens, token_counts, write_lines,
+                             write_entries)
+    scale = c.real("scale", scale, low=0.0)
+    args = (*inputs, states, *addressing, scale)
+    return implementation("gated_delta_scan", q.device, *args[:6])(*args)
+
+
+def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, replay_counts,
+                            replay_entries, keep_entries, first_tokens, token_counts, scale: float):
+    """The gated delta rule over each request's tokens from its line's checkpoint advanced through
+    the accepted prefix of its last window; returns ``out`` ``[N, HV, dv]`` in ``v``'s dtype.
+
+    ``q``, ``k``, ``v``, ``g``, ``beta`` and the rule per token as ``gated_delta_scan``.
+    ``checkpoints`` f32 ``[lines, HV, dk, dv]``: per line the state at the start of its last window;
+    ``kept_k`` ``[lines, entries, HV, dk]`` (``k``'s dtype), ``kept_v`` ``[lines, entries, HV, dv]``
+    (``v``'s), ``kept_g`` f32 and ``kept_beta`` (``beta``'s) ``[lines, entries, HV]``: per line the
+    inputs of its windows' tokens, as given (``k`` not normalised). Per request r (int64 ``[R]``
+    each), on line ``lines[r]`` (one request per line):
+
+    1. the state starts from ``checkpoints[line]``, or zero where ``replay_counts[r] < 0`` (no
+       window before: the checkpoint is stale);
+    2. it is advanced through the ``replay_counts[r]`` kept tokens at entries ``replay_entries[r]
+       ..`` -- the accepted prefix of the last window, without outputs, the same steps as that
+       window's own -- and written back to ``checkpoints[line]``, the state at this window's start;
+    3. it runs the request's tokens ``first_tokens[r] .. + token_counts[r] - 1`` with outputs,
+       their inputs kept at entries ``keep_entries[r] ..`` of the line (the next call replays them).
+
+    So after the call ``checkpoints[line]`` equals ``gated_delta_scan``'s state after the accepted
+    prefix, to the bit where both run the same backend's steps in the same order. The kept entries a
+    request replays and those it keeps must not overlap (callers alternate two halves of a line's
+    entries); the state after this window's tokens is written nowhere.
+    """
+    c = Checker("gated_delta_replay_scan")
+    inputs = _delta_inputs(c, q, k, v, g, beta)
+    n, heads, dk = q.shape
+    dv, device = v.shape[2], q.device
+    checkpoints = c.tensor("checkpoints", checkpoints, dtype=torch.float32, ndim=4, device=device, contiguous=True)
+    if list(checkpoints.shape[1:]) != [heads, dk, dv]:
+        c.fail(f"checkpoints must be [lines, {heads}, {dk}, {dv}], got shape {list(checkpoints.shape)}")
+    lines_count = checkpoints.shape[0]
+    kept_k = c.tensor("kept_k", kept_k, dtype=k.dtype, ndim=4, device=device, contiguous=True)
+    if kept_k.shape[0] != lines_count or list(kept_k.shape[2:]) != [heads, dk]:
+        c.fail(f"kept_k must be [{lines_count}, entries, {heads}, {dk}], got shape {list(kept_k.shape)}")
+    entries = kept_k.shape[1]
+    kept_v = c.tensor("kept_v", kept_v, dtype=v.dtype, shape=[lines_count, entries, heads, dv], device=device,
+                      contiguous=True)
+    kept_g = c.tensor("kept_g", kept_g, dtype=torch.float32, shape=[lines_count, entries, heads], device=device,
+                      contiguous=True)
+    kept_beta = c.tensor("kept_beta", kept_beta, dtype=beta.dtype, shape=[lines_count, entries, heads],
+                         device=device, contiguous=True)
+    lines = c.tensor("lines", lines, dtype=_INDEX, ndim=1, device=device)
+    replay_counts, replay_entries, keep_entries, first_tokens, token_counts = (
+        c.tensor(name, t, dtype=_INDEX, shape=[lines.shape[0]], device=device).contiguous()
+        for name, t in (("replay_counts", replay_counts), ("replay_entries", replay_entries),
+                        ("keep_entries", keep_entries), ("first_tokens", first_tokens), ("token_counts", token_counts)))
+    if device.type == "cpu":
+        _check_spans(c, first_tokens, token_counts, n)
+        _check_replay(c, lines, replay_counts, replay_entries, keep_entries, token_counts, lines_count, entries)
+    scale = c.real("scale", scale, low=0.0)
+    args = (*inputs, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines.contiguous(), replay_counts,
+            replay_entries, keep_entries, first_tokens, token_counts, scale)
+    return implementation("gated_delta_replay_scan", device, *args[:6])(*args)
+
+
+def _delta_inputs(c: Checker, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
+    """The gated delta rule's per-token inputs ``q, k, v, g, beta`` (``gated_delta_scan``), checked and contiguous."""
     q = c.tensor("q", q, dtype=_FLOAT, ndim=3)
     n, heads, dk = q.shape
     device = q.device
@@ -65,16 +142,30 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
     v = c.tensor("v", v, dtype=_FLOAT, ndim=3, device=device)
     if list(v.shape[:2]) != [n, heads]:
         c.fail(f"v must be [N, HV, dv] = [{n}, {heads}, dv], got shape {list(v.shape)}")
-    dv = v.shape[2]
     g = c.tensor("g", g, dtype=torch.float32, shape=[n, heads], device=device)
     beta = c.tensor("beta", beta, dtype=_FLOAT, shape=[n, heads], device=device)
-    states = _states(c, states, device, [heads, dk, dv])
-    addressing = _addressing(c, n, device, read_lines, read_entries, first_tokens, token_counts, write_lines,
-                             write_entries)
-    scale = c.real("scale", scale, low=0.0)
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), states, *addressing,
-            scale)
-    return implementation("gated_delta_scan", device, *args[:6])(*args)
+    return tuple(t.contiguous() for t in (q, k, v, g, beta))
+
+
+def _check_replay(c: Checker, lines, replay_counts, replay_entries, keep_entries, token_counts, lines_count: int,
+                  entries: int) -> None:
+    """``gated_delta_replay_scan``'s per-request lines and kept entries (CPU values): lines in range and
+    distinct, replayed and kept entries within the line's ``entries`` and apart."""
+    if bool(((lines < 0) | (lines >= lines_count)).any()) or lines.unique().numel() != lines.numel():
+        c.fail(f"lines must be distinct lines in 0 .. {lines_count - 1}, got {lines.tolist()}")
+    replayed = replay_counts.clamp(min=0)
+    if bool((replay_counts < -1).any()) or bool(((replay_entries < 0) | (replay_entries + replayed > entries)).any()):
+        c.fail(f"replay_entries[r] .. + replay_counts[r] - 1 (replay_counts >= -1) must lie in 0 .. {entries - 1}, "
+               f"got replay_entries {replay_entries.tolist()} and replay_counts {replay_counts.tolist()}")
+    if bool(((keep_entries < 0) | (keep_entries + token_counts > entries)).any()):
+        c.fail(f"keep_entries[r] .. + token_counts[r] - 1 must lie in 0 .. {entries - 1}, got keep_entries "
+               f"{keep_entries.tolist()} and token_counts {token_counts.tolist()}")
+    overlap = (replayed > 0) & (token_counts > 0) & (replay_entries < keep_entries + token_counts) & \
+        (keep_entries < replay_entries + replayed)
+    if bool(overlap.any()):
+        c.fail(f"the entries a request replays and those it keeps must not overlap, got replay_entries "
+               f"{replay_entries.tolist()}, replay_counts {replay_counts.tolist()}, keep_entries "
+               f"{keep_entries.tolist()} and token_counts {token_counts.tolist()}")
 
 
 def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, first_tokens, token_counts,

@@ -1,11 +1,11 @@
 """PyTorch reference of the recurrent family (contracts: ``dspark.kernels.gated_delta_scan``,
-``selective_state_scan``, ``causal_conv_window``)."""
+``gated_delta_replay_scan``, ``selective_state_scan``, ``causal_conv_window``)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["causal_conv_window", "gated_delta_scan", "selective_state_scan"]
+__all__ = ["causal_conv_window", "gated_delta_replay_scan", "gated_delta_scan", "selective_state_scan"]
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -20,13 +20,42 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
         state = (states[read_lines[r], entry].clone() if entry >= 0
                  else states.new_zeros(states.shape[2:]))  # [HV, dk, dv]
         for n in range(int(first_tokens[r]), int(first_tokens[r] + token_counts[r])):
-            q_n, k_n = _unit(q[n].float()) * scale, _unit(k[n].float())
-            state = state * g[n].exp()[:, None, None]
-            u = beta[n].float()[:, None] * (v[n].float() - (state * k_n[:, :, None]).sum(1))
-            state = state + k_n[:, :, None] * u[:, None, :]
-            out[n] = (state * q_n[:, :, None]).sum(1).to(out.dtype)
+            state = _delta_step(state, k[n], v[n], g[n], beta[n])
+            out[n] = _read_out(state, q[n], scale, out.dtype)
             states[write_lines[n], write_entries[n]] = state
     return out
+
+
+def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, replay_counts,
+                            replay_entries, keep_entries, first_tokens, token_counts, scale):
+    out = torch.empty_like(v)
+    for r in range(lines.shape[0]):
+        line, replay = int(lines[r]), int(replay_counts[r])
+        state = checkpoints[line].clone() if replay >= 0 else checkpoints.new_zeros(checkpoints.shape[1:])
+        for e in range(int(replay_entries[r]), int(replay_entries[r]) + max(replay, 0)):
+            state = _delta_step(state, kept_k[line, e], kept_v[line, e], kept_g[line, e], kept_beta[line, e])
+        checkpoints[line] = state
+        first, keep = int(first_tokens[r]), int(keep_entries[r])
+        for t in range(int(token_counts[r])):
+            n = first + t
+            state = _delta_step(state, k[n], v[n], g[n], beta[n])
+            out[n] = _read_out(state, q[n], scale, out.dtype)
+            kept_k[line, keep + t], kept_v[line, keep + t] = k[n], v[n]
+            kept_g[line, keep + t], kept_beta[line, keep + t] = g[n], beta[n]
+    return out
+
+
+def _delta_step(state, k, v, g, beta):
+    """The state ``[HV, dk, dv]`` after one token's ``k`` ``[HV, dk]``, ``v`` ``[HV, dv]``, ``g``, ``beta`` ``[HV]``."""
+    k = _unit(k.float())
+    state = state * g.exp()[:, None, None]
+    u = beta.float()[:, None] * (v.float() - (state * k[:, :, None]).sum(1))
+    return state + k[:, :, None] * u[:, None, :]
+
+
+def _read_out(state, q, scale, dtype):
+    """``S^T q`` of the normalised, scaled ``q`` ``[HV, dk]``: ``[HV, dv]`` in ``dtype``."""
+    return (state * (_unit(q.float()) * scale)[:, :, None]).sum(1).to(dtype)
 
 
 def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, first_tokens, token_counts,

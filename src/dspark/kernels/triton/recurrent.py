@@ -1,10 +1,13 @@
-"""Triton recurrent family (contracts: ``dspark.kernels.gated_delta_scan``, ``selective_state_scan``,
-``causal_conv_window``).
+"""Triton recurrent family (contracts: ``dspark.kernels.gated_delta_scan``, ``gated_delta_replay_scan``,
+``selective_state_scan``, ``causal_conv_window``).
 
 One program per (request, head, block of the state's rows) holds its slice of the state in
 registers over the request's whole window: one read of the state, one write per token into the
 token's ring entry. Gated delta rule: ``[dk, BV]`` slices, flash-linear-attention's fused recurrent
-layout and op order (``BV`` 8, one warp; its kernel keeps only the final state). Mamba-2:
+layout and op order (``BV`` 8, one warp; its kernel keeps only the final state); the replay form
+runs the same steps (``_delta_step``) from its checkpoint, first over the kept inputs of the last
+window's accepted prefix, stores the checkpoint, then over its own tokens, the ``i_v == 0`` program
+of each (request, head) keeping their ``k``, ``g`` and ``beta`` and every program its ``v`` columns. Mamba-2:
 ``[BP, d_state]`` slices of ``BP`` head_dim rows.
 
 Causal conv: one program per (request, block of ``BC`` channels) runs the request's tokens in tiles
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["causal_conv_window", "gated_delta_scan", "selective_state_scan"]
+__all__ = ["causal_conv_window", "gated_delta_replay_scan", "gated_delta_scan", "selective_state_scan"]
 
 BV = 8  # value columns per program (fla's choice for the fused recurrent kernel)
 BP = 16  # Mamba-2 head_dim rows per program (with a d_state of 128: 2,048 f32 of state)
@@ -46,6 +49,30 @@ def _store_state(states_ptr, write_lines_ptr, write_entries_ptr, n, line_stride,
 
 
 @triton.jit
+def _delta_step(s, k_ptr, v_ptr, g_ptr, beta_ptr, row, o_k, o_v, mask_k, mask_v, DK: tl.constexpr,
+                DV: tl.constexpr):
+    """The state slice ``s`` ``[BK, BV]`` after the token whose inputs are row ``row`` of ``k`` ``[.., DK]``,
+    ``v`` ``[.., DV]`` (columns ``o_v``), ``g`` and ``beta``."""
+    b_k = tl.load(k_ptr + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v_ptr + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_g = tl.load(g_ptr + row)
+    b_beta = tl.load(beta_ptr + row).to(tl.float32)
+    s = s * tl.exp(b_g)
+    u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
+    return s + b_k[:, None] * u[None, :]
+
+
+@triton.jit
+def _read_out(s, q_ptr, out_ptr, row, scale, o_k, o_v, mask_k, mask_v, DK: tl.constexpr, DV: tl.constexpr):
+    """Row ``row`` of ``out`` (columns ``o_v``): ``s^T q`` of that row's normalised, scaled ``q``."""
+    b_q = tl.load(q_ptr + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    o = tl.sum(s * b_q[:, None], 0)
+    tl.store(out_ptr + row * DV + o_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
 def _gated_delta_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, states_ptr, read_lines_ptr,
                              read_entries_ptr, first_ptr, count_ptr, write_lines_ptr, write_entries_ptr, scale,
                              line_stride, entry_stride, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -64,18 +91,8 @@ def _gated_delta_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stat
     count = tl.load(count_ptr + r)
     for t in range(0, count):
         n = first + t
-        b_q = tl.load(q_ptr + (n * HV + h) * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + (n * HV + h) * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v_ptr + (n * HV + h) * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_g = tl.load(g_ptr + n * HV + h)
-        b_beta = tl.load(beta_ptr + n * HV + h).to(tl.float32)
-        s = s * tl.exp(b_g)
-        u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
-        s = s + b_k[:, None] * u[None, :]
-        o = tl.sum(s * b_q[:, None], 0)
-        tl.store(out_ptr + (n * HV + h) * DV + o_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+        s = _delta_step(s, k_ptr, v_ptr, g_ptr, beta_ptr, n * HV + h, o_k, o_v, mask_k, mask_v, DK, DV)
+        _read_out(s, q_ptr, out_ptr, n * HV + h, scale, o_k, o_v, mask_k, mask_v, DK, DV)
         _store_state(states_ptr, write_lines_ptr, write_entries_ptr, n, line_stride, entry_stride, in_head, s, mask_s)
 
 
@@ -92,6 +109,60 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
                                    token_counts, write_lines, write_entries, scale, states.stride(0),
                                    states.stride(1), HV=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV_=BV,
                                    num_warps=1)
+    return out
+
+
+@triton.jit
+def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, checkpoints_ptr, kept_k_ptr,
+                                    kept_v_ptr, kept_g_ptr, kept_beta_ptr, lines_ptr, replay_counts_ptr,
+                                    replay_entries_ptr, keep_entries_ptr, first_ptr, count_ptr, scale, entries,
+                                    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                                    BV_: tl.constexpr):
+    pid = tl.program_id(0)
+    nv = tl.cdiv(DV, BV_)
+    i_v, i_rh = pid % nv, pid // nv
+    r, h = i_rh // HV, i_rh % HV
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV_ + tl.arange(0, BV_)
+    mask_k, mask_v = o_k < DK, o_v < DV
+    mask_s = mask_k[:, None] & mask_v[None, :]
+    line = tl.load(lines_ptr + r)
+    replay = tl.load(replay_counts_ptr + r)
+    at = line * (HV * DK * DV) + h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    s = tl.where(replay >= 0, tl.load(checkpoints_ptr + at, mask=mask_s, other=0.0), 0.0)
+    replayed = line * entries + tl.load(replay_entries_ptr + r)  # the line's first replayed kept token
+    for t in range(0, replay):
+        s = _delta_step(s, kept_k_ptr, kept_v_ptr, kept_g_ptr, kept_beta_ptr, (replayed + t) * HV + h, o_k, o_v,
+                        mask_k, mask_v, DK, DV)
+    tl.store(checkpoints_ptr + at, s, mask=mask_s)
+    kept = line * entries + tl.load(keep_entries_ptr + r)  # where the line keeps this window's first token
+    first = tl.load(first_ptr + r)
+    count = tl.load(count_ptr + r)
+    lead = i_v == 0  # one program per (request, head) keeps the k, g and beta that all its programs load
+    keep_k = o_k < tl.where(lead, DK, 0)  # (mask_k & lead: the interpreter refuses a vector & scalar mask)
+    for t in range(0, count):
+        row, to = (first + t) * HV + h, (kept + t) * HV + h
+        tl.store(kept_k_ptr + to * DK + o_k, tl.load(k_ptr + row * DK + o_k, mask=mask_k), mask=keep_k)
+        tl.store(kept_v_ptr + to * DV + o_v, tl.load(v_ptr + row * DV + o_v, mask=mask_v), mask=mask_v)
+        tl.store(kept_g_ptr + to, tl.load(g_ptr + row), mask=lead)
+        tl.store(kept_beta_ptr + to, tl.load(beta_ptr + row), mask=lead)
+        s = _delta_step(s, k_ptr, v_ptr, g_ptr, beta_ptr, row, o_k, o_v, mask_k, mask_v, DK, DV)
+        _read_out(s, q_ptr, out_ptr, row, scale, o_k, o_v, mask_k, mask_v, DK, DV)
+
+
+def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, replay_counts,
+                            replay_entries, keep_entries, first_tokens, token_counts, scale):
+    heads, dk = q.shape[1:]
+    dv = v.shape[2]
+    out = torch.empty_like(v)
+    requests = lines.shape[0]
+    if requests == 0:  # (not on N == 0: a request without tokens still replays into its checkpoint)
+        return out
+    grid = (requests * heads * triton.cdiv(dv, BV),)
+    _gated_delta_replay_scan_kernel[grid](q, k, v, g, beta, out, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines,
+                                          replay_counts, replay_entries, keep_entries, first_tokens, token_counts,
+                                          scale, kept_k.shape[1], HV=heads, DK=dk, DV=dv,
+                                          BK=triton.next_power_of_2(dk), BV_=BV, num_warps=1)
     return out
 
 
