@@ -326,6 +326,53 @@ def test_gated_delta_scan_at_qwen35_sizes_equals_fla_per_position():
 
 
 @gpu
+def test_gated_delta_replay_scan_at_qwen35_sizes_equals_the_reference_and_the_per_position_scan():
+    """On CUDA, Qwen3.5-9B's sizes (32 value heads of 128 x 128, bf16 inputs), 64 requests of 8 tokens
+    in two windows (every 8th request's first from zero; accepted prefixes 0 .. 8 of the first): the
+    Triton replay kernel's outputs, checkpoints and kept inputs equal its PyTorch reference's, and its
+    second checkpoints the per-position kernel's states after the accepted prefixes."""
+    requests, window, heads, dk, dv = 64, 8, 32, 128, 128
+    n, gen = requests * window, torch.Generator(device="cuda").manual_seed(0)
+    lines = torch.arange(requests, device="cuda")
+    firsts, counts = lines * window, torch.full_like(lines, window)
+    start = torch.randn(requests + 1, heads, dk, dv, generator=gen, device="cuda") * 0.1
+    kept = [torch.zeros(requests + 1, 2 * window, heads, *size, dtype=dtype, device="cuda")
+            for size, dtype in (((dk,), torch.bfloat16), ((dv,), torch.bfloat16), ((), torch.float32),
+                                ((), torch.bfloat16))]
+    states = {"triton": (start.clone(), [t.clone() for t in kept]),
+              "reference": (start.clone(), [t.clone() for t in kept])}
+
+    def window_inputs():  # q, k, v, g, beta of one window's tokens
+        q, k, v = (torch.randn(n, heads, d, generator=gen, device="cuda").bfloat16() for d in (dk, dk, dv))
+        g = -torch.rand(n, heads, generator=gen, device="cuda")
+        return q, k, v, g, torch.rand(n, heads, generator=gen, device="cuda").bfloat16()
+
+    windows = [window_inputs() for _ in range(2)]
+    from_zero = torch.where(lines % 8 == 0, -1, 0)
+    accepted = lines % (window + 1)
+    outs = {}
+    for backend, (checkpoints, kept_) in states.items():
+        with K.use_backend(backend):
+            outs[backend] = [K.gated_delta_replay_scan(*inputs, checkpoints, *kept_, lines, replay,
+                                                       torch.full_like(lines, w * window),
+                                                       torch.full_like(lines, (1 - w) * window), firsts, counts,
+                                                       scale=dk ** -0.5)
+                             for w, (inputs, replay) in enumerate(zip(windows, (from_zero, accepted)))]
+    for got, expected in zip(outs["triton"], outs["reference"]):
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(states["triton"][0], states["reference"][0], atol=1e-4, rtol=1e-4)
+    for got, expected in zip(states["triton"][1], states["reference"][1]):
+        assert torch.equal(got, expected)
+    ring = torch.zeros(requests + 1, window + 1, heads, dk, dv, device="cuda")  # entry 0: the first window's start
+    ring[lines, 0] = torch.where((from_zero >= 0)[:, None, None, None], start[lines], 0.0)
+    per_position = K.gated_delta_scan(*windows[0], ring, lines, from_zero, firsts, counts,
+                                      lines.repeat_interleave(window), torch.arange(n, device="cuda") % window + 1,
+                                      scale=dk ** -0.5)
+    torch.testing.assert_close(outs["triton"][0], per_position)  # the same steps: equal but for FMA contraction
+    torch.testing.assert_close(states["triton"][0][lines], ring[lines, accepted], atol=1e-5, rtol=1e-5)
+
+
+@gpu
 def test_selective_state_scan_at_bamba_sizes_equals_transformers_step():
     """On CUDA, Bamba-9B's Mamba-2 sizes (128 heads of head_dim 64, d_state 128, one group; bf16
     inputs) over 64 requests of 8 tokens: the window kernel's outputs and states equal transformers'
