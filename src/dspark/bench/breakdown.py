@@ -1,8 +1,16 @@
-"""Per-kernel device time of the sampled path's multi-launch operations (where a benchmark row's time goes).
+"""Per-kernel device time of the sampled path's multi-launch operations (where a benchmark row's time goes),
+and of a hybrid target's gated DeltaNet verify window in its two forms.
 
 ``python -m dspark.bench.breakdown`` runs each case a few times under ``torch.profiler`` and prints, for
-every Triton kernel it launched, the mean device time per call of the operation. The benchmark rows
-(``python -m dspark.bench``) give the end-to-end numbers; this says which launch dominates them.
+every Triton kernel it launched, the mean device time per call of the operation (the ``gated_delta_*``
+cases also the median of one call replayed as a CUDA graph: CUDA events, L2 flushed before each,
+``common.graph_us``). The benchmark rows (``python -m dspark.bench``) give the end-to-end numbers; this
+says which launch dominates them.
+
+The ``gated_delta_*`` cases are one gated DeltaNet layer of Qwen3.5-9B (32 value heads of 128 x 128,
+bf16 inputs, f32 state) over a verify window of 8 positions per request: ``K.gated_delta_scan`` writing
+the state after every position (what the engine runs) against ``K.gated_delta_replay_scan`` replaying
+an accepted prefix of the last window from its kept inputs and writing one checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import torch
 
 import dspark.kernels as K
 
+from .common import graph_us
 from .sampling import TEMPERATURE, _logits, accept_inputs, draw_inputs, round_inputs
 
 REPEATS = 20
@@ -72,6 +81,48 @@ def _sample_step_case(batch: int, rank: int, top_k: int, top_p: float, per_row: 
     return lambda: K.markov_sample_step(backbone, w1, w2, first, uniforms, tokens, probs, 0, *settings)
 
 
+QWEN35_DELTA_HEADS, QWEN35_DELTA_DK, QWEN35_DELTA_DV = 32, 128, 128  # Qwen3.5-9B's gated DeltaNet (value heads)
+VERIFY_WINDOW = 8  # a DSpark round's verify positions per request (block 7 + the anchor)
+
+
+def _delta_window(batch: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """``q, k, v, g, beta`` of ``batch`` requests' ``VERIFY_WINDOW`` tokens each (bf16; ``g`` f32)."""
+    n, heads = batch * VERIFY_WINDOW, QWEN35_DELTA_HEADS
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(n, heads, d, generator=gen, device="cuda").bfloat16()
+               for d in (QWEN35_DELTA_DK, QWEN35_DELTA_DK, QWEN35_DELTA_DV))
+    g = -torch.rand(n, heads, generator=gen, device="cuda")
+    return q, k, v, g, torch.rand(n, heads, generator=gen, device="cuda").bfloat16()
+
+
+def _per_position_case(batch: int):
+    """``K.gated_delta_scan``: each request reads its state once and writes it after each position."""
+    window = VERIFY_WINDOW
+    inputs = _delta_window(batch, seed=batch)
+    ring = torch.randn(batch + 1, window + 1, QWEN35_DELTA_HEADS, QWEN35_DELTA_DK, QWEN35_DELTA_DV,
+                       device="cuda") * 0.1
+    lines = torch.arange(batch, device="cuda")
+    addressing = (lines, torch.zeros_like(lines), lines * window, torch.full_like(lines, window),
+                  lines.repeat_interleave(window), torch.arange(batch * window, device="cuda") % window + 1)
+    return lambda: K.gated_delta_scan(*inputs, ring, *addressing, scale=QWEN35_DELTA_DK ** -0.5)
+
+
+def _replay_case(batch: int, replayed: int):
+    """``K.gated_delta_replay_scan``: each request reads its checkpoint, replays ``replayed`` kept
+    tokens of its last window, writes the checkpoint, then runs and keeps this window's tokens."""
+    window, heads = VERIFY_WINDOW, QWEN35_DELTA_HEADS
+    inputs = _delta_window(batch, seed=batch)
+    checkpoints = torch.randn(batch + 1, heads, QWEN35_DELTA_DK, QWEN35_DELTA_DV, device="cuda") * 0.1
+    last = _delta_window(batch, seed=batch + 1)[1:]  # the last window's k, v, g, beta in entries 0 .. window - 1
+    kept = [torch.zeros(batch + 1, 2 * window, *t.shape[1:], dtype=t.dtype, device="cuda") for t in last]
+    for store, t in zip(kept, last):
+        store[:batch, :window] = t.view(batch, window, *t.shape[1:])
+    lines = torch.arange(batch, device="cuda")
+    addressing = (lines, torch.full_like(lines, replayed), torch.zeros_like(lines), torch.full_like(lines, window),
+                  lines * window, torch.full_like(lines, window))
+    return lambda: K.gated_delta_replay_scan(*inputs, checkpoints, *kept, *addressing, scale=QWEN35_DELTA_DK ** -0.5)
+
+
 CASES = {
     "probabilistic_accept B=1": lambda: _accept_case(1),
     "probabilistic_accept B=64": lambda: _accept_case(64),
@@ -97,6 +148,16 @@ CASES = {
     "request_probabilities rows=512 every filter (torch reference)": lambda: _request_case(512, "reference", True),
     "request_probabilities rows=64 per-row mixed": lambda: _request_case(64, "triton"),
 }
+# one gated DeltaNet layer's verify window (Qwen3.5-9B): a state per position, or checkpoint + replay;
+# one launch each, without host synchronisation: also timed as CUDA graph replays
+DELTA_CASES = {
+    "gated_delta_scan B=1 W=8 per-position": lambda: _per_position_case(1),
+    "gated_delta_scan B=64 W=8 per-position": lambda: _per_position_case(64),
+    "gated_delta_replay_scan B=1 W=8 replay=4": lambda: _replay_case(1, 4),
+    "gated_delta_replay_scan B=64 W=8 replay=4": lambda: _replay_case(64, 4),
+    "gated_delta_replay_scan B=64 W=8 replay=8": lambda: _replay_case(64, 8),
+}
+CASES.update(DELTA_CASES)
 
 
 def kernel_times(fn, repeats: int = REPEATS) -> dict[str, float]:
@@ -119,8 +180,6 @@ def kernel_times(fn, repeats: int = REPEATS) -> dict[str, float]:
 def sweep_draws() -> None:
     """Graph-replayed µs of the draw-based operations for each ``DRAW_LAUNCH`` candidate."""
     from dspark.kernels.triton import draw as tdraw
-
-    from .common import graph_us
 
     cases = {"accept B=1": _accept_case(1), "accept B=64": _accept_case(64),
              "draw B=1": _draw_case(1), "draw B=64": _draw_case(64)}
@@ -149,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             sweep_draws()
             return 0
         for name in args.case or CASES:
-            times = kernel_times(CASES[name]())
-            print(f"{name}: {sum(times.values()):.1f} us of kernels per call", flush=True)
+            fn = CASES[name]()
+            times = kernel_times(fn)
+            replayed = f", median {graph_us(fn):.1f} us per graph replay (cold L2)" if name in DELTA_CASES else ""
+            print(f"{name}: {sum(times.values()):.1f} us of kernels per call{replayed}", flush=True)
             for kernel, us in times.items():
                 print(f"  {us:8.1f} us  {kernel[:90]}", flush=True)
     return 0
