@@ -16,8 +16,8 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 ``verify_len`` tokens past the committed ones) reaches a state a later round reads:
 ``window = verify_len + 1`` recurrent states (also keeping a retried window's start state) and
 ``verify_len + kernel - 1`` conv inputs. The cost is ``verify_len + 1`` recurrent states per line
-(kept per position instead of checkpoint + recompute: the window's states come out of the scan that
-runs it, and re-running accepted tokens would cost a second forward per round).
+and a state write per position (``K.gated_delta_replay_scan`` is the checkpoint + replay alternative,
+not run here: docs/engine.md).
 
 Prompt chunks (groups longer than a round) are scanned whole, every request of the group padded to
 the group's length with inputs that leave the state as it is (gated DeltaNet: zero key, value, beta
