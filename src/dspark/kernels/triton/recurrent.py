@@ -49,17 +49,20 @@ def _store_state(states_ptr, write_lines_ptr, write_entries_ptr, n, line_stride,
 
 
 @triton.jit
-def _delta_step(s, k_ptr, v_ptr, g_ptr, beta_ptr, row, o_k, o_v, mask_k, mask_v, DK: tl.constexpr,
-                DV: tl.constexpr):
-    """The state slice ``s`` ``[BK, BV]`` after the token whose inputs are row ``row`` of ``k`` ``[.., DK]``,
-    ``v`` ``[.., DV]`` (columns ``o_v``), ``g`` and ``beta``."""
-    b_k = tl.load(k_ptr + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v_ptr + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
+def _delta_inputs(k_ptr, v_ptr, g_ptr, beta_ptr, row, o_k, o_v, mask_k, mask_v, DK: tl.constexpr, DV: tl.constexpr):
+    """Row ``row`` of ``k`` ``[.., DK]``, ``v`` ``[.., DV]`` (columns ``o_v``), ``g`` and ``beta``, as stored."""
+    b_k = tl.load(k_ptr + row * DK + o_k, mask=mask_k, other=0.0)
+    b_v = tl.load(v_ptr + row * DV + o_v, mask=mask_v, other=0.0)
+    return b_k, b_v, tl.load(g_ptr + row), tl.load(beta_ptr + row)
+
+
+@triton.jit
+def _delta_step(s, b_k, b_v, b_g, b_beta):
+    """The state slice ``s`` ``[BK, BV]`` after one token's inputs (``_delta_inputs``), in f32."""
+    b_k = b_k.to(tl.float32)
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    b_g = tl.load(g_ptr + row)
-    b_beta = tl.load(beta_ptr + row).to(tl.float32)
     s = s * tl.exp(b_g)
-    u = b_beta * (b_v - tl.sum(s * b_k[:, None], 0))
+    u = b_beta.to(tl.float32) * (b_v.to(tl.float32) - tl.sum(s * b_k[:, None], 0))
     return s + b_k[:, None] * u[None, :]
 
 
@@ -91,7 +94,9 @@ def _gated_delta_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stat
     count = tl.load(count_ptr + r)
     for t in range(0, count):
         n = first + t
-        s = _delta_step(s, k_ptr, v_ptr, g_ptr, beta_ptr, n * HV + h, o_k, o_v, mask_k, mask_v, DK, DV)
+        b_k, b_v, b_g, b_beta = _delta_inputs(k_ptr, v_ptr, g_ptr, beta_ptr, n * HV + h, o_k, o_v, mask_k, mask_v,
+                                              DK, DV)
+        s = _delta_step(s, b_k, b_v, b_g, b_beta)
         _read_out(s, q_ptr, out_ptr, n * HV + h, scale, o_k, o_v, mask_k, mask_v, DK, DV)
         _store_state(states_ptr, write_lines_ptr, write_entries_ptr, n, line_stride, entry_stride, in_head, s, mask_s)
 
@@ -132,8 +137,9 @@ def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     s = tl.where(replay >= 0, tl.load(checkpoints_ptr + at, mask=mask_s, other=0.0), 0.0)
     replayed = line * entries + tl.load(replay_entries_ptr + r)  # the line's first replayed kept token
     for t in range(0, replay):
-        s = _delta_step(s, kept_k_ptr, kept_v_ptr, kept_g_ptr, kept_beta_ptr, (replayed + t) * HV + h, o_k, o_v,
-                        mask_k, mask_v, DK, DV)
+        b_k, b_v, b_g, b_beta = _delta_inputs(kept_k_ptr, kept_v_ptr, kept_g_ptr, kept_beta_ptr,
+                                              (replayed + t) * HV + h, o_k, o_v, mask_k, mask_v, DK, DV)
+        s = _delta_step(s, b_k, b_v, b_g, b_beta)
     tl.store(checkpoints_ptr + at, s, mask=mask_s)
     kept = line * entries + tl.load(keep_entries_ptr + r)  # where the line keeps this window's first token
     first = tl.load(first_ptr + r)
@@ -142,11 +148,12 @@ def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     keep_k = o_k < tl.where(lead, DK, 0)  # (mask_k & lead: the interpreter refuses a vector & scalar mask)
     for t in range(0, count):
         row, to = (first + t) * HV + h, (kept + t) * HV + h
-        tl.store(kept_k_ptr + to * DK + o_k, tl.load(k_ptr + row * DK + o_k, mask=mask_k), mask=keep_k)
-        tl.store(kept_v_ptr + to * DV + o_v, tl.load(v_ptr + row * DV + o_v, mask=mask_v), mask=mask_v)
-        tl.store(kept_g_ptr + to, tl.load(g_ptr + row), mask=lead)
-        tl.store(kept_beta_ptr + to, tl.load(beta_ptr + row), mask=lead)
-        s = _delta_step(s, k_ptr, v_ptr, g_ptr, beta_ptr, row, o_k, o_v, mask_k, mask_v, DK, DV)
+        b_k, b_v, b_g, b_beta = _delta_inputs(k_ptr, v_ptr, g_ptr, beta_ptr, row, o_k, o_v, mask_k, mask_v, DK, DV)
+        tl.store(kept_k_ptr + to * DK + o_k, b_k, mask=keep_k)
+        tl.store(kept_v_ptr + to * DV + o_v, b_v, mask=mask_v)
+        tl.store(kept_g_ptr + to, b_g, mask=lead)
+        tl.store(kept_beta_ptr + to, b_beta, mask=lead)
+        s = _delta_step(s, b_k, b_v, b_g, b_beta)
         _read_out(s, q_ptr, out_ptr, row, scale, o_k, o_v, mask_k, mask_v, DK, DV)
 
 
