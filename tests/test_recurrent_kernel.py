@@ -122,48 +122,52 @@ ACCEPTED = [[0, 4, 3, 1, 2, 4], [2, 1, 4, 0, 3, 0], [4, 3, 0, 1, 4, 2]]
 @pytest.mark.parametrize("backend, dtype", [("reference", torch.float32), ("reference", torch.bfloat16),
                                             pytest.param("triton", torch.bfloat16, marks=requires_triton)])
 def test_gated_delta_replay_scan_is_the_per_position_scan_rolled_back(backend, dtype):
-    """Windows run by ``gated_delta_replay_scan`` give ``gated_delta_scan``'s outputs, and each call's
+    """Windows run by ``gated_delta_replay_scan`` (two checkpoint slots and two halves of kept
+    entries in turn, as the engine runs them) give ``gated_delta_scan``'s outputs, and each call's
     new checkpoint is the per-position scan's state after the last window's accepted prefix, to the
-    bit (same backend, same steps); a last call without tokens replays the last window."""
+    bit (same backend, same steps), the one it read left as it was; a last call without tokens
+    replays the last window."""
     lines, requests = _i64(REPLAY_LINES), len(REPLAY_LINES)
     *_, ring = _inputs(1, dtype, seed=3)
     ring = torch.cat([ring, ring[:2]])[:, :1].repeat(1, WINDOW + 1, 1, 1, 1)  # 7 lines; entry 0: the window's start
-    zero_start = torch.tensor([r == 2 for r in range(requests)], device=DEVICE)
-    checkpoints = ring[:, 0].clone()
-    untouched = checkpoints[6].clone()
+    fresh = torch.tensor([r == 2 for r in range(requests)], device=DEVICE)  # its first window from zero
+    checkpoints = ring[:, :2].clone()
     kept = [torch.zeros(7, 2 * WINDOW, HEADS, *size, dtype=t, device=DEVICE)
             for size, t in (((DK,), dtype), ((DV,), dtype), ((), torch.float32), ((), dtype))]
-    replay = torch.where(zero_start, -1, 0)
+    replay = torch.zeros_like(lines)
     for w, counts in enumerate(WINDOW_COUNTS + [[0] * requests]):
         q, k, v, g, beta, _ = _inputs(sum(counts), dtype, seed=10 + w)
-        counts_ = _i64(counts)
+        counts_, half = _i64(counts), w % 2  # the slot and half written last
         firsts = torch.cumsum(counts_, 0) - counts_
+        read = torch.where(fresh & (w == 0), -1, half)
+        before = checkpoints.clone()
         with K.use_backend(backend):
-            out = K.gated_delta_replay_scan(q, k, v, g, beta, checkpoints, *kept, lines, replay,
-                                            torch.full_like(lines, (w + 1) % 2 * WINDOW),
-                                            torch.full_like(lines, w % 2 * WINDOW), firsts, counts_, scale=DK ** -0.5)
-            assert torch.equal(checkpoints[lines], ring[lines, 0] * (replay >= 0)[:, None, None, None])
-            token_lines = lines.repeat_interleave(counts_)
-            expected = K.gated_delta_scan(q, k, v, g, beta, ring, lines, torch.where(replay >= 0, 0, -1), firsts,
-                                          counts_, token_lines, torch.arange(len(q), device=DEVICE) -
+            out = K.gated_delta_replay_scan(q, k, v, g, beta, checkpoints, *kept, lines, read,
+                                            torch.full_like(lines, half * WINDOW), replay, torch.full_like(lines, 1 - half),
+                                            torch.full_like(lines, (1 - half) * WINDOW), firsts, counts_,
+                                            scale=DK ** -0.5)
+            expected = K.gated_delta_scan(q, k, v, g, beta, ring, lines, read.clamp(max=0), firsts, counts_,
+                                          lines.repeat_interleave(counts_), torch.arange(len(q), device=DEVICE) -
                                           firsts.repeat_interleave(counts_) + 1, scale=DK ** -0.5)
         assert torch.equal(out, expected)
+        assert torch.equal(checkpoints[lines, 1 - half], ring[lines, 0] * (read >= 0)[:, None, None, None])
+        assert torch.equal(checkpoints[:, half], before[:, half]) and torch.equal(checkpoints[6], before[6])
         if w < len(WINDOW_COUNTS):
             replay = _i64(ACCEPTED[w])
             ring[lines, 0] = ring[lines, replay]  # the per-position form's rollback: the state after the prefix
-    assert torch.equal(checkpoints[6], untouched)
 
 
 def test_gated_delta_replay_scan_refuses_bad_addressing_by_name():
     q, k, v, g, beta, states = _inputs(4, torch.float32)
     kept = [torch.zeros(2, 8, HEADS, *size, device=DEVICE) for size in ((DK,), (DV,), (), ())]
     one = torch.ones(1, dtype=I64, device=DEVICE)
-    args = dict(q=q, k=k, v=v, g=g, beta=beta, checkpoints=states[:2, 0].clone(), kept_k=kept[0], kept_v=kept[1],
-                kept_g=kept[2], kept_beta=kept[3], lines=one, replay_counts=one * 4, replay_entries=one * 0,
-                keep_entries=one * 4, first_tokens=one * 0, token_counts=one * 4, scale=0.25)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, checkpoints=states[:2, :2].clone(), kept_k=kept[0], kept_v=kept[1],
+                kept_g=kept[2], kept_beta=kept[3], lines=one, read_entries=one * 0, replay_entries=one * 0,
+                replay_counts=one * 4, write_entries=one, keep_entries=one * 4, first_tokens=one * 0,
+                token_counts=one * 4, scale=0.25)
     K.gated_delta_replay_scan(**args)
     with pytest.raises(ValueError, match="checkpoints must be"):
-        K.gated_delta_replay_scan(**{**args, "checkpoints": states[:2, 0, :, :, :5].clone()})
+        K.gated_delta_replay_scan(**{**args, "checkpoints": states[:2, :2, :, :, :5].clone()})
     with pytest.raises(TypeError, match="kept_k must have dtype"):
         K.gated_delta_replay_scan(**{**args, "kept_k": kept[0].half()})
     if DEVICE == "cpu":
@@ -171,7 +175,9 @@ def test_gated_delta_replay_scan_refuses_bad_addressing_by_name():
             K.gated_delta_replay_scan(**{**args, "keep_entries": one * 2})
         with pytest.raises(ValueError, match="keep_entries"):
             K.gated_delta_replay_scan(**{**args, "keep_entries": one * 5})
-        with pytest.raises(ValueError, match="lines must be distinct"):
+        with pytest.raises(ValueError, match="write_entries"):
+            K.gated_delta_replay_scan(**{**args, "write_entries": one * 2})
+        with pytest.raises(ValueError, match="lines must lie"):
             K.gated_delta_replay_scan(**{**args, "lines": one * 2})
 
 
@@ -335,7 +341,7 @@ def test_gated_delta_replay_scan_at_qwen35_sizes_equals_the_reference_and_the_pe
     n, gen = requests * window, torch.Generator(device="cuda").manual_seed(0)
     lines = torch.arange(requests, device="cuda")
     firsts, counts = lines * window, torch.full_like(lines, window)
-    start = torch.randn(requests + 1, heads, dk, dv, generator=gen, device="cuda") * 0.1
+    start = torch.randn(requests + 1, 2, heads, dk, dv, generator=gen, device="cuda") * 0.1  # slot 0 is read first
     kept = [torch.zeros(requests + 1, 2 * window, heads, *size, dtype=dtype, device="cuda")
             for size, dtype in (((dk,), torch.bfloat16), ((dv,), torch.bfloat16), ((), torch.float32),
                                 ((), torch.bfloat16))]
@@ -352,24 +358,26 @@ def test_gated_delta_replay_scan_at_qwen35_sizes_equals_the_reference_and_the_pe
     accepted = lines % (window + 1)
     outs = {}
     for backend, (checkpoints, kept_) in states.items():
-        with K.use_backend(backend):
-            outs[backend] = [K.gated_delta_replay_scan(*inputs, checkpoints, *kept_, lines, replay,
-                                                       torch.full_like(lines, w * window),
+        with K.use_backend(backend):  # window w: checkpoint slot and kept half w read, the others written
+            outs[backend] = [K.gated_delta_replay_scan(*inputs, checkpoints, *kept_, lines, read,
+                                                       torch.full_like(lines, w * window), replay,
+                                                       torch.full_like(lines, 1 - w),
                                                        torch.full_like(lines, (1 - w) * window), firsts, counts,
                                                        scale=dk ** -0.5)
-                             for w, (inputs, replay) in enumerate(zip(windows, (from_zero, accepted)))]
+                             for w, (inputs, read, replay) in enumerate(zip(
+                                 windows, (from_zero, torch.ones_like(lines)), (torch.zeros_like(lines), accepted)))]
     for got, expected in zip(outs["triton"], outs["reference"]):
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(states["triton"][0], states["reference"][0], atol=1e-4, rtol=1e-4)
     for got, expected in zip(states["triton"][1], states["reference"][1]):
         assert torch.equal(got, expected)
     ring = torch.zeros(requests + 1, window + 1, heads, dk, dv, device="cuda")  # entry 0: the first window's start
-    ring[lines, 0] = torch.where((from_zero >= 0)[:, None, None, None], start[lines], 0.0)
+    ring[lines, 0] = torch.where((from_zero >= 0)[:, None, None, None], start[lines, 0], 0.0)
     per_position = K.gated_delta_scan(*windows[0], ring, lines, from_zero, firsts, counts,
                                       lines.repeat_interleave(window), torch.arange(n, device="cuda") % window + 1,
                                       scale=dk ** -0.5)
     torch.testing.assert_close(outs["triton"][0], per_position)  # the same steps: equal but for FMA contraction
-    torch.testing.assert_close(states["triton"][0][lines], ring[lines, accepted], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states["triton"][0][lines, 0], ring[lines, accepted], atol=1e-5, rtol=1e-5)
 
 
 @gpu

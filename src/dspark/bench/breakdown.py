@@ -109,17 +109,20 @@ def _per_position_case(batch: int):
 
 def _replay_case(batch: int, replayed: int):
     """``K.gated_delta_replay_scan``: each request reads its checkpoint, replays ``replayed`` kept
-    tokens of its last window, writes the checkpoint, then runs and keeps this window's tokens."""
+    tokens of its last window, writes the new checkpoint (into its other slot, as the engine would),
+    then runs and keeps this window's tokens."""
     window, heads = VERIFY_WINDOW, QWEN35_DELTA_HEADS
     inputs = _delta_window(batch, seed=batch)
-    checkpoints = torch.randn(batch + 1, heads, QWEN35_DELTA_DK, QWEN35_DELTA_DV, device="cuda") * 0.1
+    checkpoints = torch.randn(batch + 1, 2, heads, QWEN35_DELTA_DK, QWEN35_DELTA_DV, device="cuda") * 0.1
     last = _delta_window(batch, seed=batch + 1)[1:]  # the last window's k, v, g, beta in entries 0 .. window - 1
     kept = [torch.zeros(batch + 1, 2 * window, *t.shape[1:], dtype=t.dtype, device="cuda") for t in last]
     for store, t in zip(kept, last):
         store[:batch, :window] = t.view(batch, window, *t.shape[1:])
     lines = torch.arange(batch, device="cuda")
-    addressing = (lines, torch.full_like(lines, replayed), torch.zeros_like(lines), torch.full_like(lines, window),
-                  lines * window, torch.full_like(lines, window))
+    addressing = K.Replay(lines, read_entries=torch.zeros_like(lines), replay_entries=torch.zeros_like(lines),
+                          replay_counts=torch.full_like(lines, replayed), write_entries=torch.ones_like(lines),
+                          keep_entries=torch.full_like(lines, window), first_tokens=lines * window,
+                          token_counts=torch.full_like(lines, window))
     return lambda: K.gated_delta_replay_scan(*inputs, checkpoints, *kept, *addressing, scale=QWEN35_DELTA_DK ** -0.5)
 
 

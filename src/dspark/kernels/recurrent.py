@@ -39,12 +39,14 @@ Values are not checked on CUDA tensors (ids and lengths there come from the engi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ._backend import implementation
 from ._validate import HALF_DTYPES, Checker
 
-__all__ = ["causal_conv_window", "gated_delta_replay_scan", "gated_delta_scan", "selective_state_scan"]
+__all__ = ["Replay", "causal_conv_window", "gated_delta_replay_scan", "gated_delta_scan", "selective_state_scan"]
 
 _FLOAT = (torch.float32,) + HALF_DTYPES
 _INDEX = torch.int64
@@ -76,39 +78,43 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
     return implementation("gated_delta_scan", q.device, *args[:6])(*args)
 
 
-def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, replay_counts,
-                            replay_entries, keep_entries, first_tokens, token_counts, scale: float):
+def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, read_entries,
+                            replay_entries, replay_counts, write_entries, keep_entries, first_tokens, token_counts,
+                            scale: float):
     """The gated delta rule over each request's tokens from its line's checkpoint advanced through
     the accepted prefix of its last window; returns ``out`` ``[N, HV, dv]`` in ``v``'s dtype.
 
     ``q``, ``k``, ``v``, ``g``, ``beta`` and the rule per token as ``gated_delta_scan``.
-    ``checkpoints`` f32 ``[lines, HV, dk, dv]``: per line the state at the start of its last window;
+    ``checkpoints`` f32 ``[lines, slots, HV, dk, dv]``: per line states at the start of a window;
     ``kept_k`` ``[lines, entries, HV, dk]`` (``k``'s dtype), ``kept_v`` ``[lines, entries, HV, dv]``
     (``v``'s), ``kept_g`` f32 and ``kept_beta`` (``beta``'s) ``[lines, entries, HV]``: per line the
     inputs of its windows' tokens, as given (``k`` not normalised). Per request r (int64 ``[R]``
-    each), on line ``lines[r]`` (one request per line):
+    each), on line ``lines[r]``:
 
-    1. the state starts from ``checkpoints[line]``, or zero where ``replay_counts[r] < 0`` (no
-       window before: the checkpoint is stale);
+    1. the state starts from ``checkpoints[line, read_entries[r]]`` (zero where ``read_entries[r] <
+       0``: nothing before);
     2. it is advanced through the ``replay_counts[r]`` kept tokens at entries ``replay_entries[r]
        ..`` -- the accepted prefix of the last window, without outputs, the same steps as that
-       window's own -- and written back to ``checkpoints[line]``, the state at this window's start;
+       window's own -- and written to ``checkpoints[line, write_entries[r]]``: the state at this
+       window's start (the read entry itself, or another: a caller that alternates two leaves the
+       line's state as it was until it switches, e.g. after a forward that failed half way);
     3. it runs the request's tokens ``first_tokens[r] .. + token_counts[r] - 1`` with outputs,
        their inputs kept at entries ``keep_entries[r] ..`` of the line (the next call replays them).
 
-    So after the call ``checkpoints[line]`` equals ``gated_delta_scan``'s state after the accepted
-    prefix, to the bit where both run the same backend's steps in the same order. The kept entries a
-    request replays and those it keeps must not overlap (callers alternate two halves of a line's
-    entries); the state after this window's tokens is written nowhere.
+    So the written checkpoint equals ``gated_delta_scan``'s state after the accepted prefix, to the
+    bit where both run the same backend's steps in the same order; the state after this window's
+    tokens is written nowhere. The kept entries a request replays and those it keeps must not
+    overlap; a line two requests name (a caller's scratch line) holds either's writes, and its reads
+    are then undefined.
     """
     c = Checker("gated_delta_replay_scan")
     inputs = _delta_inputs(c, q, k, v, g, beta)
     n, heads, dk = q.shape
     dv, device = v.shape[2], q.device
-    checkpoints = c.tensor("checkpoints", checkpoints, dtype=torch.float32, ndim=4, device=device, contiguous=True)
-    if list(checkpoints.shape[1:]) != [heads, dk, dv]:
-        c.fail(f"checkpoints must be [lines, {heads}, {dk}, {dv}], got shape {list(checkpoints.shape)}")
-    lines_count = checkpoints.shape[0]
+    checkpoints = c.tensor("checkpoints", checkpoints, dtype=torch.float32, ndim=5, device=device, contiguous=True)
+    if list(checkpoints.shape[2:]) != [heads, dk, dv]:
+        c.fail(f"checkpoints must be [lines, slots, {heads}, {dk}, {dv}], got shape {list(checkpoints.shape)}")
+    lines_count, slots = checkpoints.shape[:2]
     kept_k = c.tensor("kept_k", kept_k, dtype=k.dtype, ndim=4, device=device, contiguous=True)
     if kept_k.shape[0] != lines_count or list(kept_k.shape[2:]) != [heads, dk]:
         c.fail(f"kept_k must be [{lines_count}, entries, {heads}, {dk}], got shape {list(kept_k.shape)}")
@@ -119,18 +125,31 @@ def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_
                       contiguous=True)
     kept_beta = c.tensor("kept_beta", kept_beta, dtype=beta.dtype, shape=[lines_count, entries, heads],
                          device=device, contiguous=True)
-    lines = c.tensor("lines", lines, dtype=_INDEX, ndim=1, device=device)
-    replay_counts, replay_entries, keep_entries, first_tokens, token_counts = (
-        c.tensor(name, t, dtype=_INDEX, shape=[lines.shape[0]], device=device).contiguous()
-        for name, t in (("replay_counts", replay_counts), ("replay_entries", replay_entries),
-                        ("keep_entries", keep_entries), ("first_tokens", first_tokens), ("token_counts", token_counts)))
+    lines = c.tensor("lines", lines, dtype=_INDEX, ndim=1, device=device).contiguous()
+    requests = (("read_entries", read_entries), ("replay_entries", replay_entries), ("replay_counts", replay_counts),
+                ("write_entries", write_entries), ("keep_entries", keep_entries), ("first_tokens", first_tokens),
+                ("token_counts", token_counts))
+    addressing = Replay(lines, *(c.tensor(name, t, dtype=_INDEX, shape=[lines.shape[0]], device=device).contiguous()
+                                 for name, t in requests))
     if device.type == "cpu":
-        _check_spans(c, first_tokens, token_counts, n)
-        _check_replay(c, lines, replay_counts, replay_entries, keep_entries, token_counts, lines_count, entries)
+        _check_spans(c, addressing.first_tokens, addressing.token_counts, n)
+        _check_replay(c, addressing, lines_count, slots, entries)
     scale = c.real("scale", scale, low=0.0)
-    args = (*inputs, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines.contiguous(), replay_counts,
-            replay_entries, keep_entries, first_tokens, token_counts, scale)
+    args = (*inputs, checkpoints, kept_k, kept_v, kept_g, kept_beta, *addressing, scale)
     return implementation("gated_delta_replay_scan", device, *args[:6])(*args)
+
+
+class Replay(NamedTuple):
+    """``gated_delta_replay_scan``'s per-request addressing (int64 ``[R]`` each; its docstring)."""
+
+    lines: torch.Tensor
+    read_entries: torch.Tensor
+    replay_entries: torch.Tensor
+    replay_counts: torch.Tensor
+    write_entries: torch.Tensor
+    keep_entries: torch.Tensor
+    first_tokens: torch.Tensor
+    token_counts: torch.Tensor
 
 
 def _delta_inputs(c: Checker, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
@@ -147,25 +166,26 @@ def _delta_inputs(c: Checker, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in (q, k, v, g, beta))
 
 
-def _check_replay(c: Checker, lines, replay_counts, replay_entries, keep_entries, token_counts, lines_count: int,
-                  entries: int) -> None:
-    """``gated_delta_replay_scan``'s per-request lines and kept entries (CPU values): lines in range and
-    distinct, replayed and kept entries within the line's ``entries`` and apart."""
-    if bool(((lines < 0) | (lines >= lines_count)).any()) or lines.unique().numel() != lines.numel():
-        c.fail(f"lines must be distinct lines in 0 .. {lines_count - 1}, got {lines.tolist()}")
-    replayed = replay_counts.clamp(min=0)
-    if bool((replay_counts < -1).any()) or bool(((replay_entries < 0) | (replay_entries + replayed > entries)).any()):
-        c.fail(f"replay_entries[r] .. + replay_counts[r] - 1 (replay_counts >= -1) must lie in 0 .. {entries - 1}, "
-               f"got replay_entries {replay_entries.tolist()} and replay_counts {replay_counts.tolist()}")
-    if bool(((keep_entries < 0) | (keep_entries + token_counts > entries)).any()):
-        c.fail(f"keep_entries[r] .. + token_counts[r] - 1 must lie in 0 .. {entries - 1}, got keep_entries "
-               f"{keep_entries.tolist()} and token_counts {token_counts.tolist()}")
-    overlap = (replayed > 0) & (token_counts > 0) & (replay_entries < keep_entries + token_counts) & \
-        (keep_entries < replay_entries + replayed)
-    if bool(overlap.any()):
-        c.fail(f"the entries a request replays and those it keeps must not overlap, got replay_entries "
-               f"{replay_entries.tolist()}, replay_counts {replay_counts.tolist()}, keep_entries "
-               f"{keep_entries.tolist()} and token_counts {token_counts.tolist()}")
+def _check_replay(c: Checker, a: Replay, lines_count: int, slots: int, entries: int) -> None:
+    """``gated_delta_replay_scan``'s lines, checkpoint slots and kept entries (CPU values): in range,
+    and each request's replayed and kept entries apart."""
+    def fail_unless(ok: torch.Tensor, what: str, names: tuple[str, ...]):
+        if not bool(ok.all()):
+            c.fail(f"{what}, got " + " and ".join(f"{name} {getattr(a, name).tolist()}" for name in names))
+
+    fail_unless((a.lines >= 0) & (a.lines < lines_count), f"lines must lie in 0 .. {lines_count - 1}", ("lines",))
+    fail_unless((a.read_entries >= -1) & (a.read_entries < slots) & (a.write_entries >= 0) & (a.write_entries < slots),
+                f"read_entries must lie in -1 .. {slots - 1} and write_entries in 0 .. {slots - 1}",
+                ("read_entries", "write_entries"))
+    fail_unless((a.replay_counts >= 0) & (a.replay_entries >= 0) & (a.replay_entries + a.replay_counts <= entries),
+                f"replay_entries[r] .. + replay_counts[r] - 1 must lie in 0 .. {entries - 1}",
+                ("replay_entries", "replay_counts"))
+    fail_unless((a.keep_entries >= 0) & (a.keep_entries + a.token_counts <= entries),
+                f"keep_entries[r] .. + token_counts[r] - 1 must lie in 0 .. {entries - 1}", ("keep_entries", "token_counts"))
+    apart = (a.replay_counts == 0) | (a.token_counts == 0) | (a.replay_entries >= a.keep_entries + a.token_counts) | \
+        (a.keep_entries >= a.replay_entries + a.replay_counts)
+    fail_unless(apart, "the entries a request replays and those it keeps must not overlap",
+                ("replay_entries", "replay_counts", "keep_entries", "token_counts"))
 
 
 def selective_state_scan(x, dt, a, b, c, d, states, read_lines, read_entries, first_tokens, token_counts,

@@ -43,7 +43,8 @@ def _start_state(states_ptr, read_lines_ptr, read_entries_ptr, r, line_stride, e
 
 @triton.jit
 def _store_state(states_ptr, write_lines_ptr, write_entries_ptr, n, line_stride, entry_stride, in_head, s, mask):
-    """The slice ``in_head`` of the state after token ``n`` into that token's ring entry."""
+    """The slice ``in_head`` of the state after token ``n`` into that token's ring entry (the replay
+    kernel: request ``n``'s checkpoint into its write entry)."""
     to = tl.load(write_lines_ptr + n) * line_stride + tl.load(write_entries_ptr + n) * entry_stride
     tl.store(states_ptr + to + in_head, s, mask=mask)
 
@@ -119,10 +120,10 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
 
 @triton.jit
 def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, checkpoints_ptr, kept_k_ptr,
-                                    kept_v_ptr, kept_g_ptr, kept_beta_ptr, lines_ptr, replay_counts_ptr,
-                                    replay_entries_ptr, keep_entries_ptr, first_ptr, count_ptr, scale, entries,
-                                    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                                    BV_: tl.constexpr):
+                                    kept_v_ptr, kept_g_ptr, kept_beta_ptr, lines_ptr, read_entries_ptr,
+                                    replay_entries_ptr, replay_counts_ptr, write_entries_ptr, keep_entries_ptr,
+                                    first_ptr, count_ptr, scale, slots, entries, HV: tl.constexpr, DK: tl.constexpr,
+                                    DV: tl.constexpr, BK: tl.constexpr, BV_: tl.constexpr):
     pid = tl.program_id(0)
     nv = tl.cdiv(DV, BV_)
     i_v, i_rh = pid % nv, pid // nv
@@ -132,44 +133,45 @@ def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     mask_k, mask_v = o_k < DK, o_v < DV
     mask_s = mask_k[:, None] & mask_v[None, :]
     line = tl.load(lines_ptr + r)
-    replay = tl.load(replay_counts_ptr + r)
-    at = line * (HV * DK * DV) + h * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    s = tl.where(replay >= 0, tl.load(checkpoints_ptr + at, mask=mask_s, other=0.0), 0.0)
+    in_head = h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    line_stride = slots * (HV * DK * DV)
+    s = _start_state(checkpoints_ptr, lines_ptr, read_entries_ptr, r, line_stride, HV * DK * DV, in_head, mask_s)
     replayed = line * entries + tl.load(replay_entries_ptr + r)  # the line's first replayed kept token
-    for t in range(0, replay):
+    for t in range(0, tl.load(replay_counts_ptr + r)):
         b_k, b_v, b_g, b_beta = _delta_inputs(kept_k_ptr, kept_v_ptr, kept_g_ptr, kept_beta_ptr,
                                               (replayed + t) * HV + h, o_k, o_v, mask_k, mask_v, DK, DV)
         s = _delta_step(s, b_k, b_v, b_g, b_beta)
-    tl.store(checkpoints_ptr + at, s, mask=mask_s)
+    _store_state(checkpoints_ptr, lines_ptr, write_entries_ptr, r, line_stride, HV * DK * DV, in_head, s, mask_s)
     kept = line * entries + tl.load(keep_entries_ptr + r)  # where the line keeps this window's first token
     first = tl.load(first_ptr + r)
     count = tl.load(count_ptr + r)
     lead = i_v == 0  # one program per (request, head) keeps the k, g and beta that all its programs load
     keep_k = o_k < tl.where(lead, DK, 0)  # (mask_k & lead: the interpreter refuses a vector & scalar mask)
     for t in range(0, count):
-        row, to = (first + t) * HV + h, (kept + t) * HV + h
+        row, at = (first + t) * HV + h, (kept + t) * HV + h
         b_k, b_v, b_g, b_beta = _delta_inputs(k_ptr, v_ptr, g_ptr, beta_ptr, row, o_k, o_v, mask_k, mask_v, DK, DV)
-        tl.store(kept_k_ptr + to * DK + o_k, b_k, mask=keep_k)
-        tl.store(kept_v_ptr + to * DV + o_v, b_v, mask=mask_v)
-        tl.store(kept_g_ptr + to, b_g, mask=lead)
-        tl.store(kept_beta_ptr + to, b_beta, mask=lead)
+        tl.store(kept_k_ptr + at * DK + o_k, b_k, mask=keep_k)
+        tl.store(kept_v_ptr + at * DV + o_v, b_v, mask=mask_v)
+        tl.store(kept_g_ptr + at, b_g, mask=lead)
+        tl.store(kept_beta_ptr + at, b_beta, mask=lead)
         s = _delta_step(s, b_k, b_v, b_g, b_beta)
         _read_out(s, q_ptr, out_ptr, row, scale, o_k, o_v, mask_k, mask_v, DK, DV)
 
 
-def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, replay_counts,
-                            replay_entries, keep_entries, first_tokens, token_counts, scale):
+def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, read_entries,
+                            replay_entries, replay_counts, write_entries, keep_entries, first_tokens, token_counts,
+                            scale):
     heads, dk = q.shape[1:]
     dv = v.shape[2]
     out = torch.empty_like(v)
     requests = lines.shape[0]
-    if requests == 0:  # (not on N == 0: a request without tokens still replays into its checkpoint)
+    if requests == 0:  # (not on N == 0: a request without tokens still writes its checkpoint)
         return out
     grid = (requests * heads * triton.cdiv(dv, BV),)
     _gated_delta_replay_scan_kernel[grid](q, k, v, g, beta, out, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines,
-                                          replay_counts, replay_entries, keep_entries, first_tokens, token_counts,
-                                          scale, kept_k.shape[1], HV=heads, DK=dk, DV=dv,
-                                          BK=triton.next_power_of_2(dk), BV_=BV, num_warps=1)
+                                          read_entries, replay_entries, replay_counts, write_entries, keep_entries,
+                                          first_tokens, token_counts, scale, checkpoints.shape[1], kept_k.shape[1],
+                                          HV=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV_=BV, num_warps=1)
     return out
 
 
