@@ -78,14 +78,33 @@ def _sequential_scans():
 
 def _states_at(pool, layer: int, line: int, n: int):
     """Layer ``layer``'s states of ``line`` after ``n`` tokens, by position (the pools' layouts
-    differ): the recurrent state after position n-1 (None: a conv-only layer) and the conv inputs at
-    positions n-K+1 .. n-1 (K the kernel)."""
+    differ): the recurrent state after position n-1 (None: a conv-only layer; under gated DeltaNet
+    checkpoints, ``_checkpointed_state``) and the conv inputs at positions n-K+1 .. n-1 (K the kernel)."""
     states = pool.layers[layer]
     last = torch.tensor(n - 1)
-    recurrent = None if states.recurrent is None else \
-        states.recurrent[line, pool.recurrent_entries(last, states.recurrent)]
+    recurrent = None if states.recurrent is None else _checkpointed_state(pool, states, line, n) \
+        if states.kept is not None else states.recurrent[line, pool.recurrent_entries(last, states.recurrent)]
     positions = torch.arange(max(n - states.kernel + 1, 0), n)
     return recurrent, states.conv[line, pool.conv_entries(positions, states.conv, states.kernel)[0]]
+
+
+def _checkpointed_state(pool, states, line: int, n: int) -> torch.Tensor:
+    """The gated delta rule's state of ``line`` after ``n`` tokens under checkpoints: its current
+    checkpoint advanced through the kept tokens up to position n-1 (on copies; the PyTorch reference)."""
+    import dspark.kernels as K
+
+    slot, window = int(pool.checkpoint_slots[line]), pool.window
+    replayed = n - int(pool.checkpoint_positions[line])
+    assert 0 <= replayed <= window, (n, int(pool.checkpoint_positions[line]))
+    checkpoints, kept = states.recurrent.clone(), [t.clone() for t in states.kept]
+    none = [t[0, :0] for t in kept]  # no new tokens: [0, HV, ...]
+    at = torch.tensor([line])
+    replay = K.Replay(at, read_entries=at * 0 + (slot if n else -1), replay_entries=at * 0 + slot * window,
+                      replay_counts=at * 0 + replayed, write_entries=at * 0 + 1 - slot, keep_entries=at * 0,
+                      first_tokens=at * 0, token_counts=at * 0)
+    with K.use_backend("reference"):
+        K.gated_delta_replay_scan(none[0], *none, checkpoints, *kept, *replay, scale=1.0)
+    return checkpoints[line, 1 - slot]
 
 
 def _check_running_states(engine, model) -> int:

@@ -353,7 +353,7 @@ def working_memory(target, draft_model, config, verify_len: int, step_tokens: in
                        draft_bytes=draft_bytes, drafts=drafts)
     bias, masks = 4 * lines * vocab, 4 * lines * (verify_len + block_size) * bitmask_width(vocab)
     # a hybrid target's layer states (allocated beside the blocks, a line per slot and the dummy line)
-    layout = StateLayout.of(verify_len, config.kv_block_size, state_snapshots)
+    layout = StateLayout.of(verify_len, config.kv_block_size, state_snapshots, config.gated_delta_checkpoints)
     return WorkingMemory(graph_pool=step + GRAPH_POOL_SLACK if config.cuda_graphs else 0,
                          warm_up=step + bias + masks + 4 * lines * vocab, logit_rows=4 * (rows + 1) * vocab,
                          draft_probs=draft_probs, row_state=bias + masks + capture,

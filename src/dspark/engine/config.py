@@ -68,7 +68,10 @@ class EngineConfig:
     blocks of committed tokens are shared between requests whose tokens start alike (target and
     draft K/V alike); a hybrid target's with snapshots of its layers' states at block ends, at most
     ``state_snapshots`` of them (None: ``DEFAULT_STATE_SNAPSHOTS_PER_ROW`` x ``max_batch``; their
-    bytes: docs/engine.md).
+    bytes: docs/engine.md). ``gated_delta_checkpoints``: a hybrid target's gated DeltaNet layers keep
+    per slot two checkpoints and their last window's inputs, the next window's kernel replaying its
+    accepted prefix (``K.gated_delta_replay_scan``), instead of the state after every position of a
+    window (docs/engine.md: which costs less); needs ``enable_prefix_caching=False``.
 
     ``tensor_parallel_size`` N > 1: the target sharded over N processes, one per GPU (rank r on
     ``cuda:r``; gloo processes on the CPU), the draft replicated on each (``ranks``); the engine
@@ -96,6 +99,7 @@ class EngineConfig:
     draft_successors: int = DEFAULT_DRAFT_SUCCESSORS
     schedule_signal: str = "confidence"
     state_snapshots: int | None = None
+    gated_delta_checkpoints: bool = False
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
@@ -103,6 +107,7 @@ class EngineConfig:
         c.integer("max_batch", self.max_batch, low=1)
         if not isinstance(self.enable_prefix_caching, bool):
             c.fail(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}", TypeError)
+        c.boolean("gated_delta_checkpoints", self.gated_delta_checkpoints)
         c.integer("kv_block_size", self.kv_block_size, low=1, high=1024)
         if self.gpu_memory_utilization is not None and \
                 not 0.0 < c.real("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0):

@@ -66,13 +66,14 @@ from .verifier import Verifier, sample_rows
 __all__ = ["ForwardFailed", "ModelRunner", "state_layout"]
 
 
-def state_layout(target, verify_len: int, block_size: int, snapshots: int) -> dict:
+def state_layout(target, verify_len: int, block_size: int, snapshots: int, checkpoints: bool = False) -> dict:
     """The ``states=`` of a target's ``new_cache`` / ``new_paged_cache`` (empty for an attention-only
     target): a hybrid target's cache keeps its stateful layers' states for windows of the verify
-    length (and ``snapshots`` snapshot slots of prefix caching over blocks of ``block_size``, 0: none)."""
+    length (and ``snapshots`` snapshot slots of prefix caching over blocks of ``block_size``, 0: none;
+    ``checkpoints``: gated DeltaNet checkpoints, ``StateLayout.checkpoints``)."""
     if not getattr(target, "stateful", None):
         return {}
-    return {"states": StateLayout.of(verify_len, block_size, snapshots)}
+    return {"states": StateLayout.of(verify_len, block_size, snapshots, checkpoints)}
 
 
 class ForwardFailed(RuntimeError):
@@ -85,7 +86,8 @@ class ModelRunner(CudaGraphs):
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, *, max_batch: int, max_model_len: int,
                  max_chunk_tokens: int = 2048, cuda_graphs: bool = True, tree: TreeSettings | None = None,
-                 num_kv_blocks: int | None = None, kv_block_size: int = 16, state_snapshots: int = 0):
+                 num_kv_blocks: int | None = None, kv_block_size: int = 16, state_snapshots: int = 0,
+                 state_checkpoints: bool = False):
         self.target, self.drafter = target, drafter
         self.device = dev = target.device
         self.max_batch, self.max_model_len = max_batch, max_model_len
@@ -104,7 +106,7 @@ class ModelRunner(CudaGraphs):
         self.num_kv_blocks = num_kv_blocks or max_batch * self.block_tables.blocks_per_line + 1
         paged = (self.num_kv_blocks, kv_block_size, self.block_tables.table)
         self.cache = target.new_paged_cache(*paged, **state_layout(target, self.verify_len, kv_block_size,
-                                                                    state_snapshots))
+                                                                    state_snapshots, state_checkpoints))
         self._init_graphs(max_batch, cuda_graphs)
         self.draft_override: DraftOverride | None = None  # benchmarks (dspark.bench.oracle): set before any graph
         self.drafted = True  # whether the last launched step drafted its rows' next round

@@ -222,11 +222,12 @@ class HFTarget(CachedTarget):
             raise ValueError("HFTarget does not verify token trees (cache_positions): tree mode needs a TargetLM")
         groups = [(0, input_ids.numel(), batch)] if isinstance(batch, AttentionBatch) else list(batch)
         token = _STEP.set(_Step(cache, cache.index(token_slots, positions), groups))
-        states = None
+        states = forward = None
         if self.stateful:
             if cache.states is None:
                 raise ValueError("a hybrid target's forward needs a cache from its new_cache / new_paged_cache")
-            states = hybrid.HYBRID.set(hybrid.Forward(cache.states, hybrid.Tokens.of(token_slots, positions, groups)))
+            forward = hybrid.Forward(cache.states, hybrid.Tokens.of(token_slots, positions, groups))
+            states = hybrid.HYBRID.set(forward)
         hooks = self._capture_hooks(capture_out)
         configs = {id(c): c for c in (self.model.config, self.config)}.values()
         previous = [c._attn_implementation for c in configs]
@@ -236,6 +237,8 @@ class HFTarget(CachedTarget):
             keep = 0 if logits_rows is None else logits_rows.long()
             out = self.model(input_ids=input_ids.long()[None], position_ids=positions.long()[None], use_cache=False,
                              logits_to_keep=keep)
+            if forward is not None:
+                forward.commit()  # (gated DeltaNet checkpoints: only a forward that ran through)
         except Exception as exc:
             if _capturing(self.device):  # the modeling code read a device value on the host: no graph will hold it
                 self.eager_reason = (f"{type(self.model).__name__}'s forward failed inside a CUDA graph capture "

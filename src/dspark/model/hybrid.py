@@ -133,21 +133,25 @@ class StateLayout:
     """How a ``StatePool``'s rings are laid out: ``window`` tokens a line runs per round at most (the
     verify length); with prefix caching, ``boundaries`` ring entries for the states at the ends of
     blocks of ``block_size`` positions and ``snapshots`` slots to copy them to (0, 0: no prefix
-    caching)."""
+    caching); ``checkpoints``: gated DeltaNet layers keep checkpoints and their last window's inputs
+    instead of a state per position (module docstring: checkpoint + replay; no prefix caching)."""
 
     window: int
     block_size: int = 0
     boundaries: int = 0
     snapshots: int = 0
+    checkpoints: bool = False
 
     @classmethod
-    def of(cls, window: int, block_size: int, snapshots: int) -> "StateLayout":
+    def of(cls, window: int, block_size: int, snapshots: int, checkpoints: bool = False) -> "StateLayout":
         """Rounds of ``window`` tokens; with ``snapshots`` > 0 prefix caching over blocks of
         ``block_size``, with enough block-end entries that no window past a line's committed tokens
         reaches the entry of its last full block (one block end past it, and one per ``block_size``
         tokens of the window beyond the first)."""
         if not snapshots:
-            return cls(window)
+            return cls(window, checkpoints=checkpoints)
+        if checkpoints:
+            raise ValueError("gated DeltaNet checkpoints keep no state at block ends: they take no prefix caching")
         return cls(window, block_size, 2 + (window - 1) // block_size, snapshots)
 
 
@@ -158,13 +162,17 @@ class LayerStates:
     DeltaNet / Mamba-2, ``recurrent`` f32 ``[lines, window, heads, dk, dv]`` / ``[lines, window,
     heads, head_dim, d_state]`` (the state after each position); ``kernel`` the conv's. With prefix
     caching, snapshot slots of the states after a block's last position: ``snapshot_conv``
-    ``[snapshots, kernel - 1, channels]`` and ``snapshot_recurrent`` ``[snapshots, ...]``."""
+    ``[snapshots, kernel - 1, channels]`` and ``snapshot_recurrent`` ``[snapshots, ...]``. A gated
+    DeltaNet layer under ``StateLayout.checkpoints`` instead: ``recurrent`` f32 ``[lines, 2, heads,
+    dk, dv]`` (two checkpoint slots) and ``kept`` its windows' inputs ``k``, ``v`` (model dtype),
+    ``g`` (f32), ``beta`` (model dtype) ``[lines, 2 * window, heads, ...]`` (two halves)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor | None = None
     kernel: int = 1
     snapshot_conv: torch.Tensor | None = None
     snapshot_recurrent: torch.Tensor | None = None
+    kept: tuple[torch.Tensor, ...] | None = None
 
 
 class StatePool:
@@ -175,13 +183,18 @@ class StatePool:
     overwrite the state it starts from, which the captured step then reads again). ``prompt_lens``
     int64 ``[lines]``: the prompt length of each line's request (``set_prompt_len``; 0 until set),
     the positions where Mamba-2 clamps dt to its ``time_step_limit`` -- transformers clamps it in a
-    prompt's chunked scan and not in its recurrent decoding step."""
+    prompt's chunked scan and not in its recurrent decoding step. Under ``StateLayout.checkpoints``,
+    per line (int64 ``[lines]``) the position its gated DeltaNet checkpoints stand at
+    (``checkpoint_positions``: the state before it) and the checkpoint slot and kept half that hold
+    them (``checkpoint_slots``, 0 or 1), set by ``Forward.commit``."""
 
     def __init__(self, layers: dict[int, LayerStates], layout: StateLayout):
         self.layers, self.layout, self.window = layers, layout, layout.window
         conv = next(iter(layers.values())).conv
         self.scratch = conv.shape[0] - 1
         self.prompt_lens = torch.zeros(conv.shape[0], dtype=torch.long, device=conv.device)
+        self.checkpoint_positions = torch.zeros_like(self.prompt_lens)
+        self.checkpoint_slots = torch.zeros_like(self.prompt_lens)
         self.frozen = False
 
     def set_prompt_len(self, slot: int, length: int) -> None:
@@ -256,12 +269,25 @@ class StatePool:
 @dataclass
 class Forward:
     """What a mixer needs from the current engine forward; ``windows``: the window scans' addressing
-    of each group (``_window_group``) and the conv kernel's (``_conv_window``), made by the
-    forward's first stateful layer, read by the others."""
+    of each group (``_window_group``, ``_replay_group``) and the conv kernel's (``_conv_window``),
+    made by the forward's first stateful layer, read by the others; ``commits``: the checkpoints
+    this forward wrote, ``(lines, positions, slots)`` per group (``commit``)."""
 
     pool: StatePool
     tokens: Tokens
     windows: dict = field(default_factory=dict)
+    commits: list = field(default_factory=list)
+
+    def commit(self) -> None:
+        """Once the forward has run through every layer: the checkpoints it wrote become the ones the
+        next forward reads (``StatePool.checkpoint_positions`` / ``checkpoint_slots``). Not while the
+        pool is frozen, nor after a forward that failed: the lines keep the checkpoints they had,
+        which no forward overwrites (each writes the other slot and half)."""
+        if self.pool.frozen:
+            return
+        for lines, positions, slots in self.commits:
+            self.pool.checkpoint_positions[lines] = positions
+            self.pool.checkpoint_slots[lines] = slots
 
 
 HYBRID: contextvars.ContextVar[Forward] = contextvars.ContextVar("dspark_hybrid_forward")
@@ -280,6 +306,11 @@ def prompt_dependent(mixers: dict[int, torch.nn.Module]) -> bool:
     cached block hold the prompt length of the request that wrote them, so they cannot serve another."""
     free = (0.0, float("inf"))
     return any(_kind(m) == _MAMBA2 and tuple(m.time_step_limit or free) != free for m in mixers.values())
+
+
+def has_gated_deltanet(mixers: dict[int, torch.nn.Module]) -> bool:
+    """Whether a mixer is a gated DeltaNet (the layers ``StateLayout.checkpoints`` applies to)."""
+    return any(_kind(m) == _DELTANET for m in mixers.values())
 
 
 def _kind(module) -> str:
@@ -312,7 +343,9 @@ def new_pool(mixers: dict[int, torch.nn.Module], lines: int, layout: StateLayout
             snapshots = dict(snapshot_conv=conv.new_zeros((layout.snapshots, kernel - 1, conv_shape[2])),
                              snapshot_recurrent=None if recurrent is None else
                              recurrent.new_zeros((layout.snapshots, *recurrent_shape[2:])))
-        layers[index] = LayerStates(conv, recurrent, kernel, **snapshots)
+        kept = tuple(torch.zeros(shape, dtype=torch.float32 if f32 else dtype, device=device)
+                     for shape, f32 in _kept_shapes(module, lines, layout)) or None
+        layers[index] = LayerStates(conv, recurrent, kernel, **snapshots, kept=kept)
     return StatePool(layers, layout)
 
 
@@ -332,24 +365,38 @@ def pool_bytes(mixers: dict[int, torch.nn.Module], lines: int, layout: StateLayo
         recurrent_snapshot = 0 if recurrent_shape is None else recurrent_shape[2:].numel()
         total += size * (conv_shape.numel() + layout.snapshots * conv_snapshot)
         total += 4 * (recurrent + layout.snapshots * recurrent_snapshot)
+        total += sum((4 if f32 else size) * shape.numel() for shape, f32 in _kept_shapes(module, lines, layout))
     return total
 
 
 def _state_shapes(module, lines: int, layout: StateLayout) -> tuple[torch.Size, torch.Size | None]:
     """A mixer's conv ring ``[lines + 1, window + kernel - 1 + boundaries * (kernel - 1), channels]``
     and its recurrent ring ``[lines + 1, window + 1 + boundaries, ...]`` (None for a short
-    convolution; module docstring: why these sizes)."""
+    convolution; a gated DeltaNet's two checkpoint slots ``[lines + 1, 2, ...]`` under
+    ``StateLayout.checkpoints``; module docstring: why these sizes)."""
     conv, window, ends = _conv(module), layout.window, layout.boundaries
     tail = conv.kernel_size[0] - 1
     conv_shape = torch.Size((lines + 1, window + tail + ends * tail, conv.in_channels))
     kind, states = _kind(module), (lines + 1, window + 1 + ends)
     if kind == _DELTANET:
-        return conv_shape, torch.Size((*states, module.num_v_heads, module.head_k_dim, module.head_v_dim))
+        slots = (lines + 1, 2) if layout.checkpoints else states
+        return conv_shape, torch.Size((*slots, module.num_v_heads, module.head_k_dim, module.head_v_dim))
     if kind == _MAMBA2:
         return conv_shape, torch.Size((*states, module.num_heads, module.head_dim, module.ssm_state_size))
     if kind == mamba.MAMBA1:
         return conv_shape, torch.Size((*states, module.intermediate_size, module.ssm_state_size))
     return conv_shape, None
+
+
+def _kept_shapes(module, lines: int, layout: StateLayout) -> list[tuple[torch.Size, bool]]:
+    """A gated DeltaNet's kept window inputs under ``StateLayout.checkpoints`` -- ``k``, ``v``, ``g``,
+    ``beta`` ``[lines + 1, 2 * window, heads, ...]``, each with whether it is f32 (``g``; the others
+    in the model's dtype) -- none otherwise."""
+    if not layout.checkpoints or _kind(module) != _DELTANET:
+        return []
+    entries = (lines + 1, 2 * layout.window, module.num_v_heads)
+    return [(torch.Size((*entries, module.head_k_dim)), False), (torch.Size((*entries, module.head_v_dim)), False),
+            (torch.Size(entries), True), (torch.Size(entries), False)]
 
 
 def _conv(module) -> torch.nn.Conv1d:
@@ -405,9 +452,12 @@ def _gated_deltanet(module, hidden: torch.Tensor, states: LayerStates, current: 
     def window(ring, *addressing):  # every position of a round in one kernel (kernels.recurrent)
         return K.gated_delta_scan(query, key, value, g, beta, ring, *addressing, scale=module.head_k_dim ** -0.5)
 
-    core = state_scan(step, (query, key, value, g, beta), states.recurrent, current,
-                      chunked if CHUNKED_PROMPTS else None,
-                      window if hidden.device.type in WINDOW_SCAN_DEVICES else None)
+    inputs = (query, key, value, g, beta)
+    if states.kept is not None:
+        core = checkpoint_scan(inputs, states, current, chunked, module.head_k_dim ** -0.5)
+    else:
+        core = state_scan(step, inputs, states.recurrent, current, chunked if CHUNKED_PROMPTS else None,
+                          window if hidden.device.type in WINDOW_SCAN_DEVICES else None)
     norm, out = (module.o_norm, module.o_proj) if hasattr(module, "o_proj") else (module.norm, module.out_proj)
     core = norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return out(core.reshape(n, -1))
@@ -621,11 +671,68 @@ def state_scan(step, inputs: tuple[torch.Tensor, ...], ring: torch.Tensor, curre
             state = state.to(ring.dtype)
             outputs.append((token, o))
             ring[pool.write_lines(slots, valid), pool.recurrent_entries(starts + i, ring)] = state
+    return _gathered(outputs, n)
+
+
+def _gathered(outputs: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> torch.Tensor:
+    """The ``[N, ...]`` outputs of the forward's ``n`` tokens from ``(token indices, outputs)`` pairs
+    (index ``n``: padding, dropped)."""
     first = outputs[0][1]
     out = first.new_zeros((n + 1,) + tuple(first.shape[1:]))
     for token, o in outputs:
         out[token] = o.to(out.dtype)
     return out[:n]
+
+
+def checkpoint_scan(inputs: tuple[torch.Tensor, ...], states: LayerStates, current: Forward, chunked,
+                    scale: float) -> torch.Tensor:
+    """The gated delta rule over each request's tokens (``inputs``: ``q, k, v, g, beta`` ``[N, ...]``)
+    from its line's checkpoint, under ``StateLayout.checkpoints``: per ragged group one
+    ``K.gated_delta_replay_scan`` -- the accepted prefix of the line's last window replayed from its
+    kept inputs into the line's other checkpoint slot, then a round-sized group's tokens run and kept
+    in the other half; a longer group (prompt chunks) is scanned whole by ``chunked`` (as
+    ``_chunked_group``) from that checkpoint, its last state the new checkpoint, nothing kept.
+    Returns the outputs ``[N, HV, dv]``."""
+    n, pool = inputs[0].shape[0], current.pool
+    outputs = []
+    for lo, hi, batch in current.tokens.groups:
+        whole = batch.max_query_len <= pool.window
+        if not whole and chunked is None:
+            raise ValueError("gated DeltaNet checkpoints scan prompt chunks whole: hybrid.CHUNKED_PROMPTS must be on")
+        replay, counts, tokens_at = _replay_group(current, lo, hi, batch, whole)
+        out = K.gated_delta_replay_scan(*inputs, states.recurrent, *states.kept, *replay, scale=scale)
+        if whole:
+            outputs.append((tokens_at, out[lo:hi]))
+            continue
+        at = (replay.lines, replay.write_entries)
+        token, valid, padded = _padded(inputs, replay.first_tokens, counts, batch.max_query_len, n)
+        out, state = chunked(states.recurrent[at], *_only(padded, valid))
+        states.recurrent[at] = state.to(states.recurrent.dtype)
+        outputs.append((token.flatten(), out.flatten(0, 1)))
+    return _gathered(outputs, n)
+
+
+def _replay_group(current: Forward, lo: int, hi: int, batch, whole: bool) -> tuple[K.Replay, torch.Tensor, torch.Tensor]:
+    """A ragged group's ``K.gated_delta_replay_scan`` addressing, its requests' token counts and its
+    token indices ``lo .. hi - 1``, made by the forward's first gated DeltaNet layer (``Forward.windows``):
+    each request from its line's current checkpoint (none at position 0), replaying the tokens of
+    its last window before its first position (``StatePool.checkpoint_positions``), writing the
+    other slot and, for a round-sized group (``whole``), keeping its tokens in the other half.
+    Records the group's commit (``Forward.commit``): the new checkpoints stand at the group's first
+    positions (``whole``) or after its last ones."""
+    key = ("replay", lo)
+    if key not in current.windows:
+        pool = current.pool
+        cu, starts, lines = batch.cu_query_lens.long(), batch.context_lens.long(), batch.slot_ids.long()
+        counts, slot, window = cu[1:] - cu[:-1], pool.checkpoint_slots[lines], pool.window
+        # (clamped for the padding requests of the scratch line, whose checkpoints nobody commits to)
+        replayed = torch.where(starts > 0, starts - pool.checkpoint_positions[lines], 0).clamp(0, window)
+        replay = K.Replay(lines, read_entries=torch.where(starts > 0, slot, -1), replay_entries=slot * window,
+                          replay_counts=replayed, write_entries=1 - slot, keep_entries=(1 - slot) * window,
+                          first_tokens=lo + cu[:-1], token_counts=counts if whole else torch.zeros_like(counts))
+        current.windows[key] = (replay, counts, torch.arange(lo, hi, device=lines.device))
+        current.commits.append((lines, starts if whole else starts + counts, 1 - slot))
+    return current.windows[key]
 
 
 def _window_group(window, ring: torch.Tensor, current: Forward, lo: int, hi: int, firsts: torch.Tensor,
@@ -661,23 +768,32 @@ def _chunked_group(chunked, state: torch.Tensor, inputs: tuple[torch.Tensor, ...
     written: after each request's last token and, with prefix caching, after the last block end
     among its tokens (the scan is split there: before it, then from it with its state). Returns
     ``(token indices [R * T], outputs [R * T, ...])`` (index ``n``: padding)."""
-    steps = torch.arange(length, device=counts.device)
-    valid = steps[None] < counts[:, None]
-    token = torch.where(valid, firsts[:, None] + steps, n)
-    padded = [t[token.clamp(max=n - 1)] for t in inputs]
-
-    def only(mask):
-        return [torch.where(mask.view(*mask.shape, *[1] * (t.dim() - 2)), t, torch.zeros_like(t)) for t in padded]
-
+    token, valid, padded = _padded(inputs, firsts, counts, length, n)
     layout = pool.layout
     if layout.boundaries:
         split = (starts + counts) // layout.block_size * layout.block_size - 1 - starts  # < 0: no block end
-        before = steps[None] <= split[:, None]
-        out_before, middle = chunked(state, *only(before & valid))
-        out_after, state = chunked(middle.to(state.dtype), *only(valid & ~before))
+        before = torch.arange(length, device=counts.device)[None] <= split[:, None]
+        out_before, middle = chunked(state, *_only(padded, before & valid))
+        out_after, state = chunked(middle.to(state.dtype), *_only(padded, valid & ~before))
         out = torch.where(before.view(*before.shape, *[1] * (out_before.dim() - 2)), out_before, out_after)
         ring[pool.write_lines(slots, split >= 0), pool.recurrent_entries(starts + split, ring)] = middle.to(ring.dtype)
     else:
-        out, state = chunked(state, *only(valid))
+        out, state = chunked(state, *_only(padded, valid))
     ring[pool.write_lines(slots, counts > 0), pool.recurrent_entries(starts + counts - 1, ring)] = state.to(ring.dtype)
     return token.flatten(), out.flatten(0, 1)
+
+
+def _padded(inputs: tuple[torch.Tensor, ...], firsts: torch.Tensor, counts: torch.Tensor, length: int,
+            n: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Each request's tokens ``firsts[r] ..`` (``counts[r]`` of them) padded to ``length``: their
+    indices ``[R, length]`` (``n``: padding), which are real (bool ``[R, length]``) and the inputs
+    ``[R, length, ...]`` at them (padding: the last token's, for ``_only`` to zero)."""
+    steps = torch.arange(length, device=counts.device)
+    valid = steps[None] < counts[:, None]
+    token = torch.where(valid, firsts[:, None] + steps, n)
+    return token, valid, [t[token.clamp(max=n - 1)] for t in inputs]
+
+
+def _only(padded: list[torch.Tensor], mask: torch.Tensor) -> list[torch.Tensor]:
+    """``padded`` inputs ``[R, T, ...]`` where ``mask`` ``[R, T]``, zero elsewhere (inputs that leave the state as it is)."""
+    return [torch.where(mask.view(*mask.shape, *[1] * (t.dim() - 2)), t, torch.zeros_like(t)) for t in padded]

@@ -1,0 +1,134 @@
+"""Gated DeltaNet checkpoints (``EngineConfig.gated_delta_checkpoints``: per slot two checkpoints
+and the last window's inputs, the next window's ``K.gated_delta_replay_scan`` replaying its accepted
+prefix, instead of a state per position) keep every case of tests/test_hybrid_target.py exact:
+those cases run again here on Qwen3.5 and Qwen3-Next with the switch on (and the prefix cache off,
+which it needs) -- ``generate()``'s tokens, and after every step each running request's recurrent
+state, the checkpoint advanced through its kept tokens, equal to its committed tokens run alone.
+The switch is refused where it cannot apply."""
+
+import contextlib
+
+import pytest
+import test_hybrid_target as cases
+import torch
+from conftest import requires_triton
+from test_hf_target import PROMPTS, _drafter, _generate, _model
+
+from dspark.engine.llm_engine import EngineConfig, LLMEngine
+from dspark.engine.request import Request
+from dspark.model.hf_target import HFTarget
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=["qwen3.5", "qwen3-next"])
+def hybrid(request):
+    model = _model(request.param)
+    return model, _drafter(model), [_generate(model, p, cases.NEW) for p in PROMPTS]
+
+
+@pytest.fixture(autouse=True)
+def checkpointed(monkeypatch):
+    """Every engine the cases build keeps gated DeltaNet checkpoints."""
+    def config(**fields):
+        return EngineConfig(**{**fields, "enable_prefix_caching": False, "gated_delta_checkpoints": True})
+
+    monkeypatch.setattr(cases, "EngineConfig", config)
+
+
+@pytest.mark.parametrize("scheduler", cases.SCHEDULERS)
+def test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, monkeypatch):
+    cases.test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, monkeypatch)
+    assert cases.EngineConfig().gated_delta_checkpoints
+
+
+@pytest.mark.parametrize("case", ["test_the_context_limit_ends_the_output",
+                                  "test_an_aborted_requests_slot_gives_the_next_request_no_state",
+                                  "test_preempted_requests_run_again_from_zero_states",
+                                  "test_a_failed_step_with_prompt_chunks_runs_them_again_from_zero_states",
+                                  "test_prompt_log_probabilities_leave_the_states_to_the_chunks"])
+def test_hybrid_target_case(hybrid, case):
+    getattr(cases, case)(hybrid)
+
+
+def test_a_graphs_warm_up_run_leaves_the_states_as_they_were(hybrid, monkeypatch):
+    cases.test_a_graphs_warm_up_run_leaves_the_states_as_they_were(hybrid, monkeypatch)
+
+
+def test_a_frozen_or_failed_forward_leaves_the_checkpoints_as_they_were(hybrid, monkeypatch):
+    """What a line's next forward reads -- where its checkpoints stand, its current checkpoint slot and
+    kept half -- is left as it was by a forward with frozen writes (prompt log-probabilities, a CUDA
+    graph's warm-up run) and by one that failed after its first layers ran; a forward that runs
+    through moves it on."""
+    model, draft, _ = hybrid
+    engine = LLMEngine(model, draft, cases.EngineConfig(max_batch=1, cuda_graphs=False))
+    rid = engine.add_request(Request(PROMPTS[2], cases.NEW))
+    for _ in range(3):
+        engine.step()
+    pool, seq = engine.runner.cache.states, engine.sequences[rid]
+
+    def read_next():
+        line, half, window = seq.slot, int(pool.checkpoint_slots[seq.slot]), pool.window
+        return [pool.checkpoint_positions[line].clone(), pool.checkpoint_slots[line].clone()] + [
+            t.clone() for s in pool.layers.values() if s.kept is not None
+            for t in (s.recurrent[line, half], *(kept[line, half * window:(half + 1) * window] for kept in s.kept))]
+
+    def run_anchor():  # two tokens from the anchor, through the engine's eager forward
+        engine.runner.prompt_logits(seq.slot, [5, 6], seq.num_tokens - 1)
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    before = read_next()
+    run_anchor()
+    assert same(read_next(), before)
+    monkeypatch.setattr(pool, "frozen_writes", contextlib.nullcontext)
+
+    def fail(module, args, kwargs):
+        raise RuntimeError("a failure inside the forward")
+
+    hook = HFTarget(model).layers[2].register_forward_pre_hook(fail, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="a failure inside the forward"):
+            run_anchor()
+    finally:
+        hook.remove()
+    assert same(read_next(), before)
+    run_anchor()
+    assert not same(read_next(), before)
+
+
+@pytest.mark.slow
+@requires_triton
+def test_rounds_through_the_triton_kernel(monkeypatch):
+    """The Triton replay kernel (under the interpreter) in the engine: Qwen3.5's rounds with ragged
+    verify lengths and plain rounds."""
+    import dspark.kernels as K
+
+    model = _model("qwen3.5")
+    hybrid = model, _drafter(model), [_generate(model, p, cases.NEW) for p in PROMPTS]
+    with K.use_backend("triton"):
+        cases.test_states_after_every_round_are_the_committed_tokens(hybrid, "plain-rounds", monkeypatch)
+
+
+def test_the_switch_is_refused_where_it_cannot_apply(hybrid):
+    """With the prefix cache on, or on a target without gated DeltaNet layers: refused, naming why.
+    The bytes counted for the states are those allocated: checkpoints and kept inputs included."""
+    model, draft, _ = hybrid
+    with pytest.raises(ValueError, match="gated_delta_checkpoints needs enable_prefix_caching=False"):
+        LLMEngine(model, draft, EngineConfig(gated_delta_checkpoints=True, cuda_graphs=False))
+    with pytest.raises(ValueError, match="gated_delta_checkpoints applies to a hybrid target's gated DeltaNet "
+                                         r"layers, and this target has none \(stateful layers: \[0, 2\]\); leave it False"):
+        LLMEngine(_model("bamba"), None, cases.EngineConfig(cuda_graphs=False))
+    with pytest.raises(TypeError, match="gated_delta_checkpoints must be a bool"):
+        EngineConfig(gated_delta_checkpoints=1)
+    engine = LLMEngine(model, draft, cases.EngineConfig(max_batch=2, cuda_graphs=False))
+    pool = engine.runner.cache.states
+    allocated = sum(t.numel() * t.element_size() for s in pool.layers.values()
+                    for t in (s.conv, s.recurrent, *(s.kept or ())) if t is not None)
+    assert pool.layout.checkpoints and engine.target.state_bytes(2 + 1, pool.layout) == allocated
+    per_position = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False, enable_prefix_caching=False))
+    ring = per_position.runner.cache.states
+    assert all(s.recurrent.shape[1] == 2 and ring.layers[i].recurrent.shape[1] == ring.window + 1
+               for i, s in pool.layers.items() if s.kept is not None)
+    assert torch.equal(pool.checkpoint_slots, torch.zeros_like(pool.checkpoint_slots))
