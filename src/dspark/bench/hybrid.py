@@ -25,7 +25,9 @@ over the measured copy ceiling; GPU only). Order: dspark's three measurements fo
 first, then the baselines for every batch size (the parent's model freed before them), so that a
 baseline that hangs costs at most its timeout and never dspark's numbers. A measurement that fails
 is recorded as its error, the others still run. Writes ``hybrid.json`` (rewritten after each
-measurement) and prints a table. ``--hf none`` times dspark's engine alone.
+measurement) and prints a table. ``--hf none`` times dspark's engine alone;
+``--gated-delta-checkpoints`` runs dspark's engines with gated DeltaNet checkpoints
+(``EngineConfig.gated_delta_checkpoints``) instead of a state per position.
 
 Shapes (``SHAPES``): ``qwen3.5-9b`` is ``transformers.Qwen3_5TextConfig()``'s defaults as such
 (transformers 5.25; its docstring: "the Qwen3.5-9B style configuration"): vocabulary 248,320, hidden
@@ -42,7 +44,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -141,11 +143,16 @@ def dspark_runs(model, drafter, row: dict, args, generator: torch.Generator, sav
 
     batch, vocab = row["batch"], model.config.vocab_size
     prompts = [torch.randint(0, vocab - 1, (args.prompt,), generator=generator).tolist() for _ in range(batch)]
-    config = steady_config(batch, args.prompt, args.new, drafter)
+
+    def steady(draft):  # the engine's config, with or without gated DeltaNet checkpoints
+        return replace(steady_config(batch, args.prompt, args.new, draft),
+                       gated_delta_checkpoints=args.gated_delta_checkpoints)
+
+    config = steady(drafter)
     pad = [0] * (drafter.config.num_draft_tokens + 1)  # room for the last round's drafts past the continuation
 
     def plain() -> dict:
-        return timed(LLMEngine(model, None, steady_config(batch, args.prompt, args.new)), prompts, args.new)
+        return timed(LLMEngine(model, None, steady(None)), prompts, args.new)
 
     def oracle_rounds() -> dict:
         # the oracle is the DSpark runner's own greedy continuation: in bf16 a verify window and a
@@ -214,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu: fp32, the plumbing (--shape tiny)")
     parser.add_argument("--profile", default="", help="comma-separated batch sizes whose random-draft DSpark "
                         "requests run once more under the PyTorch profiler (OUT/profile-dspark_random-b<B>.txt)")
+    parser.add_argument("--gated-delta-checkpoints", action="store_true",
+                        help="dspark's engines keep gated DeltaNet checkpoints instead of a state per position "
+                             "(EngineConfig.gated_delta_checkpoints)")
     args = parser.parse_args(argv)
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
@@ -246,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                   transformers=transformers.__version__,
                   copy_ceiling_gbps=None if ceiling is None else round(ceiling, 1), parameter_bytes=params,
                   floor_ms=floor_ms, prompt=args.prompt, new=args.new, hf_timeout_s=args.hf_timeout,
+                  gated_delta_checkpoints=args.gated_delta_checkpoints,
                   command=command,
                   drafts_per_round=drafter.config.num_draft_tokens, rows=[])
     out = Path(args.out)

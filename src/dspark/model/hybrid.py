@@ -16,8 +16,19 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 ``verify_len`` tokens past the committed ones) reaches a state a later round reads:
 ``window = verify_len + 1`` recurrent states (also keeping a retried window's start state) and
 ``verify_len + kernel - 1`` conv inputs. The cost is ``verify_len + 1`` recurrent states per line
-and a state write per position (``K.gated_delta_replay_scan`` is the checkpoint + replay alternative,
-not run here: docs/engine.md).
+and a state write per position.
+
+**Checkpoint + replay** (``StateLayout.checkpoints``, ``EngineConfig.gated_delta_checkpoints``; gated
+DeltaNet layers only, no prefix caching): per line two checkpoint slots and two halves of kept
+window inputs instead of the ring of recurrent states, and per line where its checkpoints stand and
+which slot and half are current (``StatePool.checkpoint_positions`` / ``checkpoint_slots``). Each
+ragged group runs one ``K.gated_delta_replay_scan`` (``checkpoint_scan``): from the current
+checkpoint (zero at position 0) through the kept tokens before the request's first position (its
+last window's accepted prefix) into the other slot, then a round-sized group's tokens with outputs,
+kept in the other half; a longer group (prompt chunks) is scanned whole from that checkpoint and
+its last state written there, nothing kept. ``Forward.commit`` makes the other slot and half
+current once the forward has run through, and not while the pool is frozen: what the next forward
+reads is never written by one that failed or was a warm-up. The conv rings are as above.
 
 Prompt chunks (groups longer than a round) are scanned whole, every request of the group padded to
 the group's length with inputs that leave the state as it is (gated DeltaNet: zero key, value, beta
