@@ -1,17 +1,20 @@
 """Gated DeltaNet checkpoints (``EngineConfig.gated_delta_checkpoints``: per slot two checkpoints
 and the last window's inputs, the next window's ``K.gated_delta_replay_scan`` replaying its accepted
-prefix, instead of a state per position) keep every case of tests/test_hybrid_target.py exact:
-those cases run again here on Qwen3.5 and Qwen3-Next with the switch on (and the prefix cache off,
-which it needs) -- ``generate()``'s tokens, and after every step each running request's recurrent
-state, the checkpoint advanced through its kept tokens, equal to its committed tokens run alone.
-The switch is refused where it cannot apply."""
+prefix, instead of a state per position) keep the hybrid target's cases exact: those of
+tests/test_hybrid_target.py for rounds under each scheduler, the context limit, an abort, preemption,
+a failed step, a CUDA graph's warm-up run and prompt log-probabilities run again here on Qwen3.5 and
+Qwen3-Next with the switch on (and the prefix cache off, which it needs) -- ``generate()``'s tokens,
+and after every step each running request's recurrent state, the checkpoint advanced through its
+kept tokens, equal to its committed tokens run alone. A frozen or failed forward leaves what the
+next one reads; the Triton kernel runs in the engine (slow, under the interpreter) and on a GPU
+(``gpu``); the switch is refused where it cannot apply."""
 
 import contextlib
 
 import pytest
 import test_hybrid_target as cases
 import torch
-from conftest import requires_triton
+from conftest import gpu, requires_triton
 from test_hf_target import PROMPTS, _drafter, _generate, _model
 
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
@@ -115,6 +118,16 @@ def test_rounds_through_the_triton_kernel():
         ids = [engine.add_request(Request(p, new), e + [0] * 8) for p, e in zip(prompts, expected)]
         outputs, checked = cases._run(engine, model, ids)
     assert [outputs[i] for i in ids] == expected and checked > 4
+
+
+@gpu
+def test_on_a_gpu_plain_and_dspark_greedy_are_generates_tokens(monkeypatch):
+    """On CUDA in fp32 with the GPU's kernels (the Triton replay kernel, fla's chunked delta rule
+    from the checkpoints) and CUDA graphs (their warm-up runs frozen): plain decoding and DSpark
+    rounds give ``generate()``'s tokens on the same GPU."""
+    monkeypatch.setattr(cases.round_plan, "REDRAFT_STEPS", 3)
+    expected, plain, dspark = cases._on_device_outputs("qwen3.5", "cuda")
+    assert plain == expected and dspark == expected
 
 
 def test_the_switch_is_refused_where_it_cannot_apply(hybrid):
