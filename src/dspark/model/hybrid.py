@@ -82,9 +82,9 @@ import torch.nn.functional as F
 from .. import kernels as K
 from . import mamba
 
-__all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "conv_tail",
-           "delta_chunk_rule", "delta_rule", "install", "is_supported_mixer", "new_pool", "pool_bytes",
-           "prompt_dependent", "state_scan"]
+__all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "checkpoint_scan",
+           "conv_tail", "delta_chunk_rule", "delta_rule", "has_gated_deltanet", "install", "is_supported_mixer",
+           "new_pool", "pool_bytes", "prompt_dependent", "state_scan"]
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
 _MAMBA_TYPES = ("mamba", "linear_attention")  # what configs declare Mamba layers as (older releases: "mamba")
