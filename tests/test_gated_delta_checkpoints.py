@@ -137,7 +137,8 @@ def test_the_switch_is_refused_where_it_cannot_apply(hybrid):
     with pytest.raises(ValueError, match="gated_delta_checkpoints needs enable_prefix_caching=False"):
         LLMEngine(model, draft, EngineConfig(gated_delta_checkpoints=True, cuda_graphs=False))
     with pytest.raises(ValueError, match="gated_delta_checkpoints applies to a hybrid target's gated DeltaNet "
-                                         r"layers, and this target has none \(stateful layers: \[0, 2\]\); leave it False"):
+                                         r"layers, and this target has none \(stateful layers: \[0, 2\]\); "
+                                         "leave it False"):
         LLMEngine(_model("bamba"), None, cases.EngineConfig(cuda_graphs=False))
     with pytest.raises(TypeError, match="gated_delta_checkpoints must be a bool"):
         EngineConfig(gated_delta_checkpoints=1)

@@ -143,7 +143,8 @@ def test_gated_delta_replay_scan_is_the_per_position_scan_rolled_back(backend, d
         before = checkpoints.clone()
         with K.use_backend(backend):
             out = K.gated_delta_replay_scan(q, k, v, g, beta, checkpoints, *kept, lines, read,
-                                            torch.full_like(lines, half * WINDOW), replay, torch.full_like(lines, 1 - half),
+                                            torch.full_like(lines, half * WINDOW), replay,
+                                            torch.full_like(lines, 1 - half),
                                             torch.full_like(lines, (1 - half) * WINDOW), firsts, counts_,
                                             scale=DK ** -0.5)
             expected = K.gated_delta_scan(q, k, v, g, beta, ring, lines, read.clamp(max=0), firsts, counts_,

@@ -181,7 +181,8 @@ def _check_replay(c: Checker, a: Replay, lines_count: int, slots: int, entries: 
                 f"replay_entries[r] .. + replay_counts[r] - 1 must lie in 0 .. {entries - 1}",
                 ("replay_entries", "replay_counts"))
     fail_unless((a.keep_entries >= 0) & (a.keep_entries + a.token_counts <= entries),
-                f"keep_entries[r] .. + token_counts[r] - 1 must lie in 0 .. {entries - 1}", ("keep_entries", "token_counts"))
+                f"keep_entries[r] .. + token_counts[r] - 1 must lie in 0 .. {entries - 1}",
+                ("keep_entries", "token_counts"))
     apart = (a.replay_counts == 0) | (a.token_counts == 0) | (a.replay_entries >= a.keep_entries + a.token_counts) | \
         (a.keep_entries >= a.replay_entries + a.replay_counts)
     fail_unless(apart, "the entries a request replays and those it keeps must not overlap",

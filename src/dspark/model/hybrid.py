@@ -723,7 +723,8 @@ def checkpoint_scan(inputs: tuple[torch.Tensor, ...], states: LayerStates, curre
     return _gathered(outputs, n)
 
 
-def _replay_group(current: Forward, lo: int, hi: int, batch, whole: bool) -> tuple[K.Replay, torch.Tensor, torch.Tensor]:
+def _replay_group(current: Forward, lo: int, hi: int, batch,
+                  whole: bool) -> tuple[K.Replay, torch.Tensor, torch.Tensor]:
     """A ragged group's ``K.gated_delta_replay_scan`` addressing, its requests' token counts and its
     token indices ``lo .. hi - 1``, made by the forward's first gated DeltaNet layer (``Forward.windows``):
     each request from its line's current checkpoint (none at position 0), replaying the tokens of
@@ -806,5 +807,6 @@ def _padded(inputs: tuple[torch.Tensor, ...], firsts: torch.Tensor, counts: torc
 
 
 def _only(padded: list[torch.Tensor], mask: torch.Tensor) -> list[torch.Tensor]:
-    """``padded`` inputs ``[R, T, ...]`` where ``mask`` ``[R, T]``, zero elsewhere (inputs that leave the state as it is)."""
+    """``padded`` inputs ``[R, T, ...]`` where ``mask`` ``[R, T]``, zero elsewhere (inputs that leave
+    the state as it is)."""
     return [torch.where(mask.view(*mask.shape, *[1] * (t.dim() - 2)), t, torch.zeros_like(t)) for t in padded]
