@@ -9,8 +9,9 @@ says which launch dominates them.
 
 The ``gated_delta_*`` cases are one gated DeltaNet layer of Qwen3.5-9B (32 value heads of 128 x 128,
 bf16 inputs, f32 state) over a verify window of 8 positions per request: ``K.gated_delta_scan`` writing
-the state after every position (what the engine runs) against ``K.gated_delta_replay_scan`` replaying
-an accepted prefix of the last window from its kept inputs and writing one checkpoint.
+the state after every position (the engine's default) against ``K.gated_delta_replay_scan`` replaying
+an accepted prefix of the last window from its kept inputs and writing one checkpoint (the engine's
+``gated_delta_checkpoints``).
 """
 
 from __future__ import annotations
