@@ -249,6 +249,22 @@ def test_request_probabilities_apply_batch_settings_to_each_position(backend):
     assert torch.equal(got.view(6, 64), each)
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
+def test_request_probabilities_add_the_bias_first(backend):
+    """``logit_bias`` ``[B, V]`` gives what adding it beforehand gives, bit for bit, at every position of
+    a verify window (the Triton backend adds it in its first pass); it moves a greedy row's argmax."""
+    logits = request_logits(6, 64, seed=5).to(DEVICE).view(3, 2, 64)
+    rows = [ROWS[0], ROWS[10], ROWS[11]]
+    bias = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)) * 3
+    bias[0, 7] = 100.0
+    bias = bias.to(DEVICE)
+    with K.use_backend(backend):
+        fused = K.request_probabilities(logits, *row_settings(rows), logit_bias=bias)
+        apart = K.request_probabilities(logits + bias[:, None], *row_settings(rows))
+    assert torch.equal(fused, apart)
+    assert fused[0, :, 7].tolist() == [1.0, 1.0]
+
+
 def test_request_probabilities_bad_input_names_the_argument():
     logits = torch.randn(2, 16)
     t, k, p, m = row_settings(ROWS[:2], "cpu")
@@ -258,6 +274,8 @@ def test_request_probabilities_bad_input_names_the_argument():
         K.request_probabilities(logits, t, k, p, m[:1])
     with pytest.raises(TypeError, match="request_probabilities: logits must have dtype"):
         K.request_probabilities(logits.double(), t, k, p, m)
+    with pytest.raises(ValueError, match=r"request_probabilities: logit_bias must have shape \[2, 16\], got \[1, 16\]"):
+        K.request_probabilities(logits, t, k, p, m, logit_bias=torch.zeros(1, 16))
 
 
 def kept_set_differences_are_rounding(logits, rows, got, expected, margin=1e-5):

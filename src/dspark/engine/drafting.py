@@ -245,15 +245,21 @@ class RowSampling:
         """f32 probabilities of fp32 logits ``[B, V]`` (or ``[B, L, V]``: row b's settings on its L
         rows, at the positions of ``window``) through the whole request stage (class docstring). No
         host synchronisation; ``workspace``: the kernels' scratch (``K.Workspace``; None: the default)."""
-        return self.filtered_probabilities(self.processed(logits, window), workspace=workspace)
+        if self.penalties is None:  # the bias rides in the filters' first pass, not a [rows, V] pass of its own
+            return self._filtered(logits, self.logit_bias, workspace)
+        return self._filtered(self.processed(logits, window), None, workspace)
 
     def filtered_probabilities(self, logits: torch.Tensor, *, workspace=None) -> torch.Tensor:
         """``probabilities`` of logits that already carry their bias and penalties (the drafter's,
-        biased in its backbone logits): ``K.request_probabilities`` (Triton on CUDA, the torch
-        reference on the CPU)."""
+        biased in its backbone logits)."""
+        return self._filtered(logits, None, workspace)
+
+    def _filtered(self, logits: torch.Tensor, logit_bias: torch.Tensor | None, workspace) -> torch.Tensor:
+        """``K.request_probabilities`` (Triton on CUDA, the torch reference on the CPU) of ``logits``
+        plus ``logit_bias`` ``[B, V]`` (None: none)."""
         rows = logits.reshape(self.temperature.shape[0], -1, logits.shape[-1])
         return K.request_probabilities(rows, self.temperature, self.top_k, self.top_p, self.min_p,
-                                       workspace=workspace).view(logits.shape)
+                                       logit_bias=logit_bias, workspace=workspace).view(logits.shape)
 
 
 @dataclass

@@ -157,14 +157,17 @@ def logits_to_probabilities(logits, temperature, top_k=0, top_p=1.0, *, workspac
     return probs.reshape(x.shape)
 
 
-def request_probabilities(logits, temperature, top_k, top_p, min_p, *, workspace=None):
+def request_probabilities(logits, temperature, top_k, top_p, min_p, *, logit_bias=None, workspace=None):
     """A request's probabilities as vLLM's sampler and transformers' warpers define them (a dspark
     addition: the engine's request stage, ``dspark.engine.drafting.RowSampling``).
 
-    ``logits`` f32 ``[rows, V]`` (biased, masked entries -inf; no NaN), or ``[B, L, V]`` (``B*L``
-    rows); returns f32 of the same shape. Per-row settings, one entry per row of ``[rows, V]`` or per
-    batch row of ``[B, L, V]``: ``temperature`` f32, ``top_k`` int32/int64, ``top_p`` f32 in ``(0, 1]``,
-    ``min_p`` f32 in ``[0, 1]`` (values are not range-checked: that would synchronise the host). Each row:
+    ``logits`` f32 ``[rows, V]`` (masked entries -inf; no NaN), or ``[B, L, V]`` (``B*L`` rows);
+    returns f32 of the same shape. Per-row settings, one entry per row of ``[rows, V]`` or per batch
+    row of ``[B, L, V]``: ``temperature`` f32, ``top_k`` int32/int64, ``top_p`` f32 in ``(0, 1]``,
+    ``min_p`` f32 in ``[0, 1]`` (values are not range-checked: that would synchronise the host), and
+    ``logit_bias`` f32 ``[batch, V]`` or None: added to the logits first (an fp32 add, the same values
+    as adding it beforehand; the Triton backend adds it in its first pass instead of a pass of its
+    own). Each row, ``logits`` meaning the biased logits:
 
     * greedy (``temperature < GREEDY_TEMPERATURE`` or ``top_k == 1``): one-hot at the first largest logit;
     * else ``x = logits / temperature`` (an fp32 division) and ``w = exp(x - max x)``; min_p keeps
@@ -195,9 +198,12 @@ def request_probabilities(logits, temperature, top_k, top_p, min_p, *, workspace
                 c.tensor("top_k", top_k, dtype=(torch.int32, torch.int64), shape=[batch], device=x.device),
                 c.tensor("top_p", top_p, dtype=torch.float32, shape=[batch], device=x.device),
                 c.tensor("min_p", min_p, dtype=torch.float32, shape=[batch], device=x.device))
+    if logit_bias is not None:
+        logit_bias = c.tensor("logit_bias", logit_bias, dtype=torch.float32, shape=[batch, x.shape[-1]],
+                              device=x.device).contiguous()
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     probs = implementation("request_probabilities", x.device)(rows, *(t.contiguous() for t in settings),
-                                                              resolve(c, workspace))
+                                                              logit_bias, resolve(c, workspace))
     return probs.reshape(x.shape)
 
 

@@ -322,17 +322,20 @@ def normalize_top_k_rows(top_k_values, temperature):
     return torch.where(degenerate[:, None], torch.full_like(probs, 1.0 / probs.shape[1]), probs)
 
 
-def request_probabilities(logits, temperature, top_k, top_p, min_p, workspace):
+def request_probabilities(logits, temperature, top_k, top_p, min_p, logit_bias, workspace):
     """``dspark.kernels.request_probabilities``: vLLM's sampler in torch (one sort of each row).
 
-    ``logits`` f32 ``[R, V]``, settings ``[S]`` with ``R = S * L`` (setting s on rows ``s*L .. s*L+L-1``).
-    The top-p ranks come from a stable descending sort read backwards, so tied entries leave the
-    nucleus from the higher index (the kernel's rule; an unstable sort would pick any of them).
+    ``logits`` f32 ``[R, V]``, settings ``[S]`` and ``logit_bias`` ``[S, V]`` (or None) with
+    ``R = S * L`` (setting s on rows ``s*L .. s*L+L-1``). The top-p ranks come from a stable
+    descending sort read backwards, so tied entries leave the nucleus from the higher index (the
+    kernel's rule; an unstable sort would pick any of them).
     """
     rows, vocab = logits.shape
     if rows == 0:
         return torch.empty_like(logits)
     per = rows // temperature.shape[0]
+    if logit_bias is not None:
+        logits = (logits.view(-1, per, vocab) + logit_bias[:, None]).view(rows, vocab)
     temperature, top_k, top_p, min_p = (t.repeat_interleave(per) if per > 1 else t
                                         for t in (temperature, top_k, top_p, min_p))
     greedy = (temperature < GREEDY_TEMPERATURE) | (top_k == 1)

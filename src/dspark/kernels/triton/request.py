@@ -5,9 +5,10 @@ A fixed sequence of launches serves rows of any settings (one CUDA graph); the p
 vocabulary are (row, chunk) programs, the steps between them one program per row, and a row that a
 step does not concern leaves its programs at once:
 
-1. ``_scale_kernel``: ``x = logits / T`` (a greedy row's T is 1) written to the output -- the later
-   passes read it there -- and per chunk the softmax partials, the smallest finite ``x``, the finite
-   count and the largest filter key (``order_key``: value, then the lower index).
+1. ``_scale_kernel``: ``x = (logits + bias) / T`` (a greedy row's T is 1) written to the output --
+   the later passes read it there; a greedy row's is not written: its one-hot needs only the argmax --
+   and per chunk the softmax partials, the smallest finite ``x``, the finite count and the largest
+   filter key (``order_key``: value, then the lower index).
 2. ``_setup_kernel``: the row's max ``x0``, normaliser, argmax and state; a top-k row's count search
    starts from [smallest finite, x0], which holds its k-th entry.
 3. top-k: ``search.narrow`` by count, then ``_finish_kernel``: the k-th key. The kept entries are the
@@ -81,18 +82,23 @@ def _min_p_floor(x0, min_p):
 
 
 @triton.jit
-def _scale_kernel(logits_ptr, out_ptr, V, per, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, sum_ptr, low_ptr,
-                  finite_ptr, best_ptr, n_chunks, CHUNK: tl.constexpr):
-    """Per (row, chunk): ``x = logits / T`` (IEEE division, as torch) into ``out``; the chunk's max,
-    ``sum exp(x - max)``, smallest finite ``x`` (+inf: none), finite count and largest key."""
+def _scale_kernel(logits_ptr, bias_ptr, out_ptr, V, per, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, sum_ptr,
+                  low_ptr, finite_ptr, best_ptr, n_chunks, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Per (row, chunk): ``x = (logits + bias) / T`` (IEEE add and division, as torch; ``HAS_BIAS``:
+    row ``row // per`` of ``bias``) into ``out`` -- not for a greedy row, whose one-hot needs only its
+    argmax; the chunk's max, ``sum exp(x - max)``, smallest finite ``x`` (+inf: none), finite count
+    and largest key."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    t, _k, _p, _min_p, _greedy = _settings(row, per, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    t, _k, _p, _min_p, greedy = _settings(row, per, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = index < V
     offset = row.to(tl.int64) * V + index
-    x = tl.div_rn(tl.load(logits_ptr + offset, mask=mask, other=float("-inf")), t)
-    tl.store(out_ptr + offset, x, mask=mask)
+    x = tl.load(logits_ptr + offset, mask=mask, other=float("-inf"))
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + (row // per).to(tl.int64) * V + index, mask=mask, other=0.0)
+    x = tl.div_rn(x, t)
+    tl.store(out_ptr + offset, x, mask=index < tl.where(greedy, 0, V))  # a greedy row: none
     m, s = tile_stats(x, 0)
     finite = mask & (x > float("-inf")) & (x < float("inf"))
     slot = row * n_chunks + chunk
@@ -245,8 +251,9 @@ def plan(rows: int, vocab: int) -> dict:
         "request_fill": (rows, i32)})
 
 
-def request_probabilities(logits, temperature, top_k, top_p, min_p, workspace):
-    """``dspark.kernels.request_probabilities``: ``logits`` f32 ``[R, V]``, settings ``[S]``, ``R = S * L``."""
+def request_probabilities(logits, temperature, top_k, top_p, min_p, logit_bias, workspace):
+    """``dspark.kernels.request_probabilities``: ``logits`` f32 ``[R, V]``, settings ``[S]`` and
+    ``logit_bias`` ``[S, V]`` (or None), ``R = S * L``."""
     rows, vocab = logits.shape
     out = torch.empty_like(logits)
     if not rows:
@@ -264,7 +271,8 @@ def request_probabilities(logits, temperature, top_k, top_p, min_p, workspace):
     search = {"par": par, "bounds": bounds, "cut": cut, "fill": fill, "probe_partials": buf["probe_partials"],
               "bucket": buf["bucket"]}
 
-    _scale_kernel[(rows, n_chunks)](logits, out, vocab, per, *settings, *partials, n_chunks, CHUNK=chunk, num_warps=4)
+    _scale_kernel[(rows, n_chunks)](logits, logits if logit_bias is None else logit_bias, out, vocab, per, *settings,
+                                    *partials, n_chunks, CHUNK=chunk, HAS_BIAS=logit_bias is not None, num_warps=4)
     _setup_kernel[(rows,)](per, *settings, *partials, n_chunks, par, kappa, state, bounds, cut, fill, NC_PAD=nc_pad,
                            num_warps=4)
     for top_k_search in (True, False):
