@@ -124,6 +124,26 @@ def test_mixed_batch_greedy_is_plain_decoding_and_sampled_rows_are_request_stabl
     assert mixed[2].token_ids == biased_full_vocabulary != plain
 
 
+@pytest.mark.parametrize("candidates", [8, 0])
+def test_sampled_drafts_are_written_into_the_given_buffer(pair, candidates):
+    """``probabilities_out`` (the runner's row buffer) ends up holding exactly the distributions a
+    new tensor would, whatever it held before, over candidate sets and over the vocabulary."""
+    draft = pair[1]
+    drafter = Drafter(draft, draft_candidates=candidates, draft_successors=4 if candidates else 0)
+    b, n = 2, drafter.block_size
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b * n, pair[0].config.vocab_size, generator=g)
+    hidden = torch.randn(b * n, draft.config.hidden_size, generator=g).to(draft.dtype)
+    sampling = SamplingParams(0.8, top_k=20, top_p=0.9).rows(b, "cpu")
+    uniforms = torch.rand(b, drafter.num_draft_tokens, generator=g)
+    anchors = torch.tensor([3, 7], dtype=torch.int32)
+    fresh = drafter.propose_rows(hidden, logits, anchors, sampling, uniforms)
+    out = torch.full_like(fresh.probabilities, 7.0)
+    given = drafter.propose_rows(hidden, logits, anchors, sampling, uniforms, probabilities_out=out)
+    assert given.probabilities is out and torch.equal(out, fresh.probabilities)
+    assert torch.equal(given.token_ids, fresh.token_ids)
+
+
 @gpu
 def test_cuda_graphs_replay_candidate_drafting():
     """On CUDA with every graph captured up front and a bf16 draft: greedy beside sampled rows is

@@ -327,7 +327,7 @@ class Drafter:
 
     def propose_rows(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
                      sampling: "RowSampling | None", uniforms: torch.Tensor | None, stacked_logits=None,
-                     logit_bias: torch.Tensor | None = None) -> Proposal:
+                     logit_bias: torch.Tensor | None = None, probabilities_out: torch.Tensor | None = None) -> Proposal:
         """Markov loop, confidence and schedule for B blocks drafted elsewhere.
 
         ``hidden`` ``[B*N, H]`` final-norm block hidden states and ``logits`` f32 ``[B*N, V]`` their
@@ -339,7 +339,9 @@ class Drafter:
         draft pass's peak memory). Sampled rows pass theirs in ``sampling`` too, whose penalties, on
         the committed output, and filters run on the corrected logits. ``stacked_logits`` f32 ``[B, P+1, V]`` (tree
         mode, greedy): depth row ``s + 1`` receives step ``s``'s Markov-corrected logits along the
-        greedy chain. No host synchronisation.
+        greedy chain. ``probabilities_out`` f32 ``[B, P, V]`` (None: a new tensor) receives the sampled
+        drafts' distributions, which ``Proposal.probabilities`` then is (the runner's row buffer: no
+        copy of ``B * P * V`` floats). No host synchronisation.
         """
         if logit_bias is not None:
             logits.view(anchors.shape[0], self.block_size, -1).add_(logit_bias[:, None])
@@ -349,35 +351,39 @@ class Drafter:
                                            logits_stride=self.block_size, logits_offset=self.slot_offset)
             probs = None
         elif self.draft_candidates and self.kernel_markov and sampling is not None:
-            tokens, probs = self._candidate_round(logits, anchors, sampling, uniforms)
+            tokens, probs = self._candidate_round(logits, anchors, sampling, uniforms, probabilities_out)
         else:
-            tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms, stacked_logits)
+            tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms, stacked_logits,
+                                           probabilities_out)
         lengths, confidence = self._schedule(hidden, anchors, tokens)
         return Proposal(tokens, probs, lengths, confidence)
 
-    def _candidate_round(self, logits, anchors, sampling, uniforms):
+    def _candidate_round(self, logits, anchors, sampling, uniforms, out=None):
         """The sampled Markov loop over candidate sets (``K.markov_candidate_sample``): tokens int32
-        ``[B, P]`` and their distributions f32 ``[B, P, V]``, dense for verification (zero outside each
-        step's candidates)."""
+        ``[B, P]`` and their distributions f32 ``[B, P, V]`` (in ``out`` where given), dense for
+        verification (zero outside each step's candidates)."""
         vocab = logits.shape[-1]
         tokens, ids, q = K.markov_candidate_sample(
             logits, self.markov_w1, self.markov_w2, anchors, uniforms, sampling.temperature, sampling.top_k,
             sampling.top_p, sampling.min_p, candidates=min(self.draft_candidates, vocab),
             successor_ids=self.successor_ids, logits_stride=self.block_size, logits_offset=self.slot_offset)
         # add, not assign: a duplicate candidate holds 0 and must not overwrite its first lane's mass
-        probs = torch.zeros(*tokens.shape, vocab, device=logits.device).scatter_add_(2, ids.long(), q)
-        return tokens, probs
+        probs = torch.zeros(*tokens.shape, vocab, device=logits.device) if out is None else out.zero_()
+        return tokens, probs.scatter_add_(2, ids.long(), q)
 
-    def _stepwise(self, hidden, logits, anchors, sampling, uniforms, stacked_logits=None):
+    def _stepwise(self, hidden, logits, anchors, sampling, uniforms, stacked_logits=None, out=None):
         """The Markov loop one step at a time: a sampled vanilla head's corrected logits from the
         kernel (``K.build_markov_logits``), the others' in torch in the draft's precision (see the
-        module docstring); sampled steps through the request stage."""
+        module docstring); sampled steps through the request stage, their distributions stored in
+        ``out`` where given."""
         p, batch = self.num_draft_tokens, anchors.shape[0]
         flat_logits = logits
         hidden = hidden.view(batch, self.block_size, -1)
         logits = logits.view(batch, self.block_size, -1)
         tokens = torch.zeros(batch, p, dtype=torch.int32, device=logits.device)
-        probs = None if sampling is None else torch.empty(batch, p, logits.shape[-1], device=logits.device)
+        probs = out
+        if sampling is not None and out is None:
+            probs = torch.empty(batch, p, logits.shape[-1], device=logits.device)
         kernel_steps = self.kernel_markov and sampling is not None
         prev, state = anchors, None if kernel_steps else self.model.markov_start_state(hidden[:, 0], anchors)
         for step in range(p):

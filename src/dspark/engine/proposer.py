@@ -72,13 +72,13 @@ class DSparkProposer:
             uniforms = K.request_uniforms(s.seeds[:b], s.anchor_pos[:b], K.PURPOSE_PROPOSAL, p)
         stacked = self.stacked[:b] if self.tree is not None else None
         bias = s.logit_bias[:b] if path.sampled else None  # a plain greedy batch has none: its rows' are zero
-        proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked, bias)
+        # sampled drafts' distributions go straight to the rows' buffer (a copy would move 2 * b * P * V floats)
+        out = s.draft_probs[:b] if sampling is not None else None
+        proposal = self.drafter.propose_rows(hidden, logits, s.anchor[:b], sampling, uniforms, stacked, bias, out)
         s.draft_tokens[:b] = proposal.token_ids
         s.proposal_lengths[:b] = proposal.proposal_lengths
         if proposal.confidence is not None:
             s.confidence[:b] = proposal.confidence
-        if proposal.probabilities is not None:
-            s.draft_probs[:b] = proposal.probabilities
         if self.tree is not None:
             self._grow_trees(b)
 
