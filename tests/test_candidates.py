@@ -156,6 +156,27 @@ def test_backends_agree(batch, width, vocab, rank, count, successors, stride, of
 
 
 @requires_triton
+def test_triton_candidates_are_the_largest_entries_ties_to_the_lower_index():
+    """The Triton backend's candidates (group maxima, then entries; V = 4099 over several chunks) are
+    each slot's ``count`` largest backbone entries in descending order, tied values by the lower index
+    (bf16-rounded rows are full of ties; one holds 200 equal maxima), at a block's slots (stride,
+    offset); the successor lanes are left alone."""
+    from dspark.kernels.triton.candidates import candidate_top_ids
+
+    batch, stride, offset, width, vocab, count = 2, 4, 1, 3, 4099, 64
+    logits = (torch.randn(batch * stride, vocab, generator=torch.Generator().manual_seed(0)) * 2).bfloat16().float()
+    logits[1, 100:300] = logits[1].max()
+    ids = torch.full((batch, width, count + 2), -7, dtype=I32, device=DEVICE)
+    candidate_top_ids(logits.to(DEVICE), stride, offset, ids, count)
+    ids = ids.cpu()
+    rows = logits.view(batch, stride, vocab)[:, offset:offset + width]
+    expected = torch.sort(-rows, dim=-1, stable=True).indices[..., :count]  # descending, ties to the lower index
+    assert torch.equal(ids[..., :count].long(), expected)
+    assert ids[0, 0, :count].tolist() == list(range(100, 164))
+    assert bool((ids[..., count:] == -7).all())
+
+
+@requires_triton
 @gpu
 def test_real_size_round_matches_reference_and_replays_as_a_cuda_graph():
     """V = 151936, R = 256, C = 32 + M = 16: the Triton round equals the reference, and a CUDA graph of

@@ -123,8 +123,11 @@ def markov_candidate_sample(backbone_logits, markov_w1, markov_w2, first_prev_to
                             top_k, top_p, min_p, *, candidates, successor_ids=None, logits_stride=0,
                             logits_offset=0):
     """A whole sampled drafting round over candidate sets: each slot's candidates are the ``candidates``
-    largest of its backbone logits (``torch.topk``) and, with ``successor_ids`` (int32 ``[V, M]``),
-    the previous token's M successors; then ``markov_candidate_sample_step`` for steps 0..P-1.
+    largest of its backbone logits, in descending order (the reference: ``torch.topk``, tied entries
+    in its order; Triton, up to ``MAX_CANDIDATES`` of them: selected from group maxima in one read of
+    the logits, ties to the lower index -- ``torch.topk`` on the GPU takes several radix passes over
+    a 152k-entry row) and, with ``successor_ids`` (int32 ``[V, M]``), the previous token's M
+    successors; then ``markov_candidate_sample_step`` for steps 0..P-1.
 
     Inputs as ``markov_candidate_sample_step``, ``P`` from ``proposal_uniforms`` f32 ``[B, P]``,
     ``1 <= candidates <= V``. Returns ``(draft_token_ids int32 [B, P], candidate_ids int32
@@ -144,9 +147,8 @@ def markov_candidate_sample(backbone_logits, markov_w1, markov_w2, first_prev_to
     successor_ids, successors = _successors(c, successor_ids, m.vocab, m.device)
     uniforms = c.tensor("proposal_uniforms", uniforms, shape=[m.batch, width], device=m.device).contiguous()
     settings = _row_settings(c, m.batch, m.device, temperature, top_k, top_p, min_p)
-    slots = m.logits.view(m.batch, m.stride, m.vocab)[:, m.offset:m.offset + width]
     ids = torch.zeros(m.batch, width, count + successors, dtype=torch.int32, device=m.device)
-    ids[..., :count] = slots.topk(count, dim=-1).indices
+    implementation("candidate_top_ids", m.device)(m.logits, m.stride, m.offset, ids, count)
     tokens = torch.zeros(m.batch, width, dtype=torch.int32, device=m.device)
     probs = torch.empty(m.batch, width, count + successors, dtype=torch.float32, device=m.device)
     step_fn = implementation("markov_candidate_sample_step", m.device)

@@ -13,7 +13,7 @@ from .._shared import GREEDY_TEMPERATURE
 from .markov import _markov_rows
 from .sampling import sample_from_sparse_probs
 
-__all__ = ["markov_candidate_sample_step"]
+__all__ = ["candidate_top_ids", "markov_candidate_sample_step"]
 
 
 def candidate_logits(backbone_logits, markov_w1, markov_w2, prev_tokens, ids, step, logits_stride, logits_offset):
@@ -71,3 +71,11 @@ def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_pr
     q = candidate_probabilities(z, temperature, top_k, top_p, min_p, first_occurrences(ids))
     candidate_probabilities_out[:, step] = q
     draft_token_ids[:, step] = sample_from_sparse_probs(q, ids, proposal_uniforms[:, step])
+
+
+def candidate_top_ids(backbone_logits, logits_stride, logits_offset, candidate_ids, count):
+    """``candidate_ids[b, s, :count]``: the ids of the ``count`` largest entries of slot s's backbone
+    row ``b*L + s + logits_offset`` (``torch.topk``: descending; which of tied entries, unspecified)."""
+    batch, width = candidate_ids.shape[:2]
+    slots = backbone_logits.view(batch, logits_stride, -1)[:, logits_offset:logits_offset + width]
+    candidate_ids[..., :count] = slots.topk(count, dim=-1).indices

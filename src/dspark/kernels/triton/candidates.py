@@ -10,14 +10,19 @@ whole, and never synchronises the host.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .._shared import GREEDY_TEMPERATURE as _GREEDY_TEMPERATURE
 from .._shared import next_pow2
-from ._shared import NO_HIT, clamp_uniform, first_hit
+from ..reference import candidates as reference
+from ._shared import MAX_CANDIDATES, NO_HIT, SENTINEL, clamp_uniform, first_hit, key_index, key_value, order_key
+from ._shared import row_chunk
+from .filter import GROUP, _candidate_slots, _candidates, _stats_kernel
+from .search import NPROBE
 
-__all__ = ["markov_candidate_sample_step"]
+__all__ = ["candidate_top_ids", "markov_candidate_sample_step"]
 
 GREEDY_TEMPERATURE = tl.constexpr(_GREEDY_TEMPERATURE)
 
@@ -97,6 +102,53 @@ def _candidate_step_kernel(logits_ptr, w1_ptr, w2_ptr, first_ptr, ids_ptr, succ_
     last = tl.max(tl.where(weights > 0.0, lanes, 0), axis=0)
     lane = tl.where(hit == NO_HIT, last, hit)
     tl.store(draft_ptr + b * P + step, tl.sum(tl.where(lanes == lane, ids, 0), axis=0).to(tl.int32))
+
+
+@triton.jit
+def _top_ids_kernel(x_ptr, V, stride, offset, width, group_ptr, n_groups, ids_ptr, ids_stride, scratch_ptr, count,
+                    NG_PAD: tl.constexpr, KT: tl.constexpr, GROUP_SIZE: tl.constexpr, NPROBE_: tl.constexpr):
+    """Per slot (b, s): the ids of the ``count`` largest entries of backbone row ``b*stride + s + offset``
+    into ``ids[b, s, :count]``, descending (ties to the lower index). The best ``count`` entries lie in
+    the best ``count`` groups by group maximum; ``filter._candidates`` narrows groups, then entries,
+    to at most ``KT``, ranked exactly by pairwise comparison (as ``filter._select_kernel``)."""
+    slot = tl.program_id(0)
+    row = (slot // width) * stride + slot % width + offset
+    g = tl.arange(0, NG_PAD)
+    group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
+    big = key_value(tl.max(group_keys, axis=0))
+    scratch = scratch_ptr + slot.to(tl.int64) * KT
+    groups = _candidates(group_keys, big, tl.minimum(count, n_groups), scratch, KT, NPROBE_)
+    index = ((key_index(groups) // GROUP_SIZE) * GROUP_SIZE)[:, None] + tl.arange(0, GROUP_SIZE)[None, :]
+    in_row = (groups != SENTINEL)[:, None] & (index < V)
+    x = tl.load(x_ptr + row.to(tl.int64) * V + index, mask=in_row, other=float("-inf"))
+    keys = tl.reshape(tl.where(in_row, order_key(x, index), SENTINEL), [KT * GROUP_SIZE])
+    top = _candidates(keys, big, count, scratch, KT, NPROBE_)
+    rank = tl.sum((top[None, :] > top[:, None]).to(tl.int32), axis=1)  # keys are distinct: ranks too
+    tl.store(ids_ptr + slot.to(tl.int64) * ids_stride + rank, key_index(top), mask=(top != SENTINEL) & (rank < count))
+
+
+def candidate_top_ids(backbone_logits, logits_stride, logits_offset, candidate_ids, count):
+    """``dspark.kernels.candidate_top_ids`` (via ``markov_candidate_sample``): a pass of
+    ``filter._stats_kernel`` stores every row's group maxima, then one program per slot selects its
+    ids; more than ``MAX_CANDIDATES`` candidates take the reference."""
+    batch, width, lanes = candidate_ids.shape
+    rows, vocab = backbone_logits.shape
+    chunk = max(row_chunk(vocab), GROUP)
+    n_chunks = triton.cdiv(vocab, chunk)
+    if count > MAX_CANDIDATES or not batch:
+        return reference.candidate_top_ids(backbone_logits, logits_stride, logits_offset, candidate_ids, count)
+    n_groups = triton.cdiv(vocab, GROUP)
+    kt = _candidate_slots(count)
+    f32, device = torch.float32, backbone_logits.device
+    partials = torch.empty(2, rows * n_chunks, dtype=f32, device=device)  # the stats pass's softmax partials
+    groups = torch.empty(rows * n_groups, dtype=torch.int64, device=device)
+    scratch = torch.empty(batch * width * kt, dtype=torch.int64, device=device)
+    _stats_kernel[(rows, n_chunks)](backbone_logits, vocab, vocab, 1.0, backbone_logits, partials[0], partials[1],
+                                    groups, n_chunks, n_groups, CHUNK=chunk, GROUP_SIZE=GROUP, CANDIDATES=True,
+                                    PER_ROW=0, num_warps=4)
+    _top_ids_kernel[(batch * width,)](backbone_logits, vocab, logits_stride, logits_offset, width, groups, n_groups,
+                                      candidate_ids, lanes, scratch, count, NG_PAD=next_pow2(n_groups), KT=kt,
+                                      GROUP_SIZE=GROUP, NPROBE_=NPROBE, num_warps=8)
 
 
 def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids,
