@@ -17,9 +17,8 @@ import triton.language as tl
 from .._shared import GREEDY_TEMPERATURE as _GREEDY_TEMPERATURE
 from .._shared import next_pow2
 from ..reference import candidates as reference
-from ._shared import MAX_CANDIDATES, NO_HIT, SENTINEL, clamp_uniform, first_hit, key_index, key_value, order_key
-from ._shared import row_chunk
-from .filter import GROUP, _candidate_slots, _candidates, _stats_kernel
+from ._shared import MAX_CANDIDATES, NO_HIT, SENTINEL, clamp_uniform, first_hit, key_index, row_chunk
+from .filter import GROUP, _candidate_slots, _stats_kernel, top_candidates
 from .search import NPROBE
 
 __all__ = ["candidate_top_ids", "markov_candidate_sample_step"]
@@ -108,22 +107,14 @@ def _candidate_step_kernel(logits_ptr, w1_ptr, w2_ptr, first_ptr, ids_ptr, succ_
 def _top_ids_kernel(x_ptr, V, stride, offset, width, group_ptr, n_groups, ids_ptr, ids_stride, scratch_ptr, count,
                     NG_PAD: tl.constexpr, KT: tl.constexpr, GROUP_SIZE: tl.constexpr, NPROBE_: tl.constexpr):
     """Per slot (b, s): the ids of the ``count`` largest entries of backbone row ``b*stride + s + offset``
-    into ``ids[b, s, :count]``, descending (ties to the lower index). The best ``count`` entries lie in
-    the best ``count`` groups by group maximum; ``filter._candidates`` narrows groups, then entries,
-    to at most ``KT``, ranked exactly by pairwise comparison (as ``filter._select_kernel``)."""
+    into ``ids[b, s, :count]``, descending (ties to the lower index): ``filter.top_candidates`` from the
+    row's group maxima."""
     slot = tl.program_id(0)
     row = (slot // width) * stride + slot % width + offset
     g = tl.arange(0, NG_PAD)
     group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
-    big = key_value(tl.max(group_keys, axis=0))
-    scratch = scratch_ptr + slot.to(tl.int64) * KT
-    groups = _candidates(group_keys, big, tl.minimum(count, n_groups), scratch, KT, NPROBE_)
-    index = ((key_index(groups) // GROUP_SIZE) * GROUP_SIZE)[:, None] + tl.arange(0, GROUP_SIZE)[None, :]
-    in_row = (groups != SENTINEL)[:, None] & (index < V)
-    x = tl.load(x_ptr + row.to(tl.int64) * V + index, mask=in_row, other=float("-inf"))
-    keys = tl.reshape(tl.where(in_row, order_key(x, index), SENTINEL), [KT * GROUP_SIZE])
-    top = _candidates(keys, big, count, scratch, KT, NPROBE_)
-    rank = tl.sum((top[None, :] > top[:, None]).to(tl.int32), axis=1)  # keys are distinct: ranks too
+    top, rank = top_candidates(x_ptr + row.to(tl.int64) * V, V, 1.0, group_keys, n_groups, count,
+                               scratch_ptr + slot.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_)
     tl.store(ids_ptr + slot.to(tl.int64) * ids_stride + rank, key_index(top), mask=(top != SENTINEL) & (rank < count))
 
 

@@ -153,6 +153,25 @@ def _candidates(keys, x0, take, scratch, OUT: tl.constexpr, NPROBE_: tl.constexp
 
 
 @triton.jit
+def top_candidates(x_row, V, inv_temp, group_keys, n_groups, take, scratch, KT: tl.constexpr,
+                   GROUP_SIZE: tl.constexpr, NPROBE_: tl.constexpr):
+    """A row's ``take <= KT // 2`` largest filter keys (``x = x_row[i] * inv_temp``) from its maxima of
+    every ``GROUP_SIZE`` entries (``group_keys``: ``n_groups`` of them, ``SENTINEL``-padded): they lie
+    in the best ``take`` groups, and ``_candidates`` narrows groups, then their entries, to at most
+    ``KT`` keys, ranked exactly by pairwise comparison. Returns ``(top [KT], rank [KT])``: the keys
+    with ``top != SENTINEL`` and ``rank < take`` are the ``take`` largest, ``rank`` their position in
+    descending order (the other keys lie below them)."""
+    big = key_value(tl.max(group_keys, axis=0))
+    groups = _candidates(group_keys, big, tl.minimum(take, n_groups), scratch, KT, NPROBE_)
+    index = ((key_index(groups) // GROUP_SIZE) * GROUP_SIZE)[:, None] + tl.arange(0, GROUP_SIZE)[None, :]
+    in_row = (groups != SENTINEL)[:, None] & (index < V)
+    x = tl.load(x_row + index, mask=in_row, other=float("-inf")) * inv_temp
+    keys = tl.reshape(tl.where(in_row, order_key(x, index), SENTINEL), [KT * GROUP_SIZE])
+    top = _candidates(keys, big, take, scratch, KT, NPROBE_)
+    return top, tl.sum((top[None, :] > top[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
 def _select_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, m_ptr, s_ptr, group_ptr, n_stats,
                    n_groups, par_ptr, kappa_ptr, state_ptr, kept_ptr, kept_p_ptr, bounds_ptr, cut_ptr, fill_ptr,
                    scratch_ptr, u_ptr, u_stride, tok_ptr, tok_stride,
@@ -162,9 +181,8 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, m_p
     cut (``kappa``, its share ``a``, ``denom``), the kept entries' ids and probabilities and, with
     ``SAMPLE``, the draw among them. The row's filter comes from ``row_filter`` (``PER_ROW``).
 
-    The best ``take`` entries lie in the best ``take`` groups by group maximum; histogram thresholds
-    (``_candidates``) narrow both the groups and their entries to ``KT`` candidates, ranked exactly by
-    pairwise comparison. ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
+    The candidates are ``top_candidates``' (group maxima, then entries, ranked exactly by pairwise
+    comparison). ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
     (cut found; ``kept`` lists the kept entries), 1 (degenerate row: uniform ``1/V``), 2 (cut beyond
     the candidates: the value-space search starts from ``bounds``/``cut``) or 3 (a per-row setting
     without filter: every entry kept, ``exp(x - max) / S``, drawn after the write).
@@ -179,17 +197,11 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, m_p
     _, _, big, total = _row_stats(m_ptr, s_ptr, row, n_stats, NC_PAD)
     degenerate = is_degenerate(total)
 
-    scratch = scratch_ptr + row.to(tl.int64) * KT
     g = tl.arange(0, NG_PAD)
     group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
-    groups = _candidates(group_keys, big, tl.minimum(take, n_groups), scratch, KT, NPROBE_)
-    index = ((key_index(groups) // GROUP_SIZE) * GROUP_SIZE)[:, None] + tl.arange(0, GROUP_SIZE)[None, :]
-    in_row = (groups != SENTINEL)[:, None] & (index < V)
-    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + index, mask=in_row, other=float("-inf")) * inv_temp
-    keys = tl.reshape(tl.where(in_row, order_key(x, index), SENTINEL), [KT * GROUP_SIZE])
-    top = _candidates(keys, big, take, scratch, KT, NPROBE_)
+    top, rank = top_candidates(x_ptr + row.to(tl.int64) * x_stride, V, inv_temp, group_keys, n_groups, take,
+                               scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_)
     above = top[None, :] > top[:, None]  # [i, j]: entry j ranks above entry i
-    rank = tl.sum(above.to(tl.int32), axis=1)
     keep = (top != SENTINEL) & (rank < take)
     value = key_value(top)
     x_top = tl.max(tl.where(keep, value, float("-inf")), axis=0)
