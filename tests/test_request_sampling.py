@@ -238,6 +238,27 @@ def test_a_used_workspace_leaves_no_trace():
     assert got.tolist() == [[0.0, 1.0, 0.0]]
 
 
+@requires_triton
+def test_rows_the_candidates_decide_reach_no_search(monkeypatch):
+    """LLM-like rows (16 hot tokens over a Gaussian tail): a top-k within the 128 candidates and a
+    nucleus inside them are cut from the candidates, exactly as the reference cuts them; no row is
+    left to the value-space search."""
+    from dspark.kernels.triton import request
+
+    searching = []
+    narrow = request.tsearch.narrow
+    monkeypatch.setattr(request.tsearch, "narrow", lambda *a: searching.append(int((a[-2] == 2).sum())) or narrow(*a))
+    g = torch.Generator().manual_seed(7)
+    rows = [(1.0, 50, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.0, 40, 0.9, 0.02), (0.8, 0, 0.95, 0.05), (1.0, 3, 0.5, 0.0)]
+    logits = torch.randn(len(rows), VOCAB, generator=g) * 2
+    logits.scatter_add_(1, torch.randint(0, VOCAB, (len(rows), 16), generator=g),
+                        torch.rand(len(rows), 16, generator=g) * 4 + 10)
+    logits = logits.to(DEVICE)
+    reference, triton = on_backends(lambda: K.request_probabilities(logits, *row_settings(rows)))
+    assert_request_rows_equal(triton, reference)
+    assert searching == [0, 0]
+
+
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
 def test_request_probabilities_apply_batch_settings_to_each_position(backend):
     """``[B, L, V]`` logits (a verify window): row b's settings on each of its L rows."""

@@ -45,7 +45,9 @@ KERNELS = {
     "search._gather_kernel": (FILTER, [dict(CHUNK=4096, TILE=256, BUCKET=1024, PER_ROW=r) for r in PER_ROW]),
     "search._search_kernel": (FILTER, [dict(TILE=256, BUCKET=1024, NPROBE_=16, PER_ROW=r) for r in PER_ROW]),
     **{f"request.{kernel}": ({**FILTER, "top_k_ptr": I32, "best_ptr": "*i64"}, variants) for kernel, variants in {
-        "_scale_kernel": [dict(CHUNK=4096, HAS_BIAS=b) for b in (True, False)], "_setup_kernel": [dict(NC_PAD=64)],
+        "_scale_kernel": [dict(CHUNK=4096, GROUP_SIZE=32, HAS_BIAS=b) for b in (True, False)],
+        "_setup_kernel": [dict(NC_PAD=64)],
+        "_candidates_kernel": [dict(TOP_K=t, NG_PAD=8192, KT=256, GROUP_SIZE=32, NPROBE_=16) for t in (True, False)],
         "_finish_kernel": [dict(TOP_K=t, TILE=256, BUCKET=1024, NPROBE_=16) for t in (True, False)],
         "_mass_kernel": [dict(CHUNK=4096)], "_nucleus_kernel": [dict(NC_PAD=64)],
         "_write_kernel": [dict(CHUNK=4096)]}.items()},

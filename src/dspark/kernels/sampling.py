@@ -181,8 +181,10 @@ def request_probabilities(logits, temperature, top_k, top_p, min_p, *, logit_bia
     Backends. The reference is vLLM's torch code (one sort of each row; min_p on the fp32 softmax,
     top-p as ``cumsum <= 1 - top_p`` over the ascending fp32 softmax). The Triton backend sorts
     nothing and never synchronises the host (CUDA-graph capturable once ``workspace`` is sized):
-    min_p keeps ``x >= max x + log(min_p)`` (fp32), and the nucleus cut is found by a search in value
-    space with fp32 partial sums. The kept sets are the same except at boundaries decided by fp32
+    min_p keeps ``x >= max x + log(min_p)`` (fp32); the k-th entry and the nucleus cut come from each
+    row's 128 largest entries (found from the maxima of groups of 32, stored in the first pass) where
+    those hold them -- top-k up to 128, the nucleus of LLM-like rows -- else from a search in value
+    space, with fp32 partial sums either way. The kept sets are the same except at boundaries decided by fp32
     rounding: an entry whose ``x`` lies within a few fp32 ulps of ``max x + log(min_p)`` (the
     reference compares rounded softmax values), or whose normalised mass ranked at or below it is
     within the rounding of either side's sums (~1e-6 on 152k entries) of ``1 - top_p``; top-k and

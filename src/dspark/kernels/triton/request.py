@@ -8,23 +8,30 @@ step does not concern leaves its programs at once:
 1. ``_scale_kernel``: ``x = (logits + bias) / T`` (a greedy row's T is 1) written to the output --
    the later passes read it there; a greedy row's is not written: its one-hot needs only the argmax --
    and per chunk the softmax partials, the smallest finite ``x``, the finite count and the largest
-   filter key (``order_key``: value, then the lower index).
+   filter key (``order_key``: value, then the lower index); for a top-k or top-p row also the
+   largest key of every ``filter.GROUP`` entries.
 2. ``_setup_kernel``: the row's max ``x0``, normaliser, argmax and state; a top-k row's count search
    starts from [smallest finite, x0], which holds its k-th entry.
-3. top-k: ``search.narrow`` by count, then ``_finish_kernel``: the k-th key. The kept entries are the
-   keys at or above the row's *floor*: the lowest key of the k-th value (ties with it kept), or
-   min_p's ``x0 + log(min_p)`` where higher (min_p keeps a set of the largest values, so applying
-   it first, as vLLM, or after top-k keeps the same entries).
+3. top-k: ``_candidates_kernel`` -- the row's ``MAX_CANDIDATES`` largest entries, exactly, from the
+   group maxima (``filter.top_candidates``: a few thousand keys read, no pass over the row) -- gives
+   the k-th key of a k among them; a larger k is searched: ``search.narrow`` by count, then
+   ``_finish_kernel``. The kept entries are the keys at or above the row's *floor*: the lowest key
+   of the k-th value (ties with it kept), or min_p's ``x0 + log(min_p)`` where higher (min_p keeps a
+   set of the largest values, so applying it first, as vLLM, or after top-k keeps the same entries).
 4. ``_mass_kernel``: the mass ``exp(x - x0)`` and count of the entries at or above a floor.
 5. ``_nucleus_kernel``: a row without top-p is done (its normaliser is that mass); a top-p row
    starts the mass search for ``top_p`` of its kept mass ``S`` over its ``n`` kept entries, from
    ``x0 + log((1 - top_p) S / n)`` (less 0.01 and two ulps for rounding; the floor where higher):
    the entries below it hold less than ``(1 - top_p) S`` together, so none of them is kept.
-6. top-p: ``search.narrow`` by mass, then ``_finish_kernel``: the cut, the largest key whose mass at
-   or above it reaches ``top_p * S`` -- the entries ranked above it hold less, so it is the last
-   kept one (the standard nucleus; ties rank by the lower index) -- and the kept mass.
+6. top-p: the cut is the largest key whose mass at or above it reaches ``top_p * S`` -- the entries
+   ranked above it hold less, so it is the last kept one (the standard nucleus; ties rank by the
+   lower index) -- found among the candidates (``_candidates_kernel``, their masses summed in rank
+   order) where they hold it, as on LLM rows; else by ``search.narrow`` by mass, then
+   ``_finish_kernel``; and the kept mass.
 7. ``_write_kernel``: ``exp(x - x0) / mass`` at the keys at or above the cut, in place; a greedy
    row's one-hot; NaN for a row without a finite maximum.
+
+Every launch runs whatever the rows: a row the candidates decided leaves the search's programs at once.
 
 Row states: ``DONE`` (to write), ``GREEDY``, ``SEARCHING`` (in the current search: ``search.py``'s
 state 2), ``NUCLEUS`` (top-p without a floor: waits for step 5), ``MASS`` (waits for step 4),
@@ -41,9 +48,9 @@ import triton.language as tl
 from .._shared import GREEDY_TEMPERATURE as _GREEDY_TEMPERATURE
 from .._shared import next_pow2
 from . import search as tsearch
-from ._shared import MAX_CANDIDATES, SENTINEL, claim, is_degenerate, key_index, merge, ord_image, order_key, row_chunk
-from ._shared import tile_stats
-from .filter import combine_stats
+from ._shared import MAX_CANDIDATES, SENTINEL, TINY, claim, is_degenerate, key_index, key_value, merge, ord_image
+from ._shared import order_key, row_chunk, tile_stats
+from .filter import GROUP, _candidate_slots, combine_stats, top_candidates
 from .search import NPROBE, cut_interval, store_cut_state
 
 __all__ = ["request_probabilities"]
@@ -56,6 +63,7 @@ NUCLEUS = tl.constexpr(3)
 MASS = tl.constexpr(4)
 INVALID = tl.constexpr(5)
 BY_COUNT = MAX_CANDIDATES + 1  # a k past the filter's candidates: search.narrow narrows by count
+CANDIDATE_SLOTS = _candidate_slots(MAX_CANDIDATES)  # a row's candidates hold its MAX_CANDIDATES largest entries
 
 
 # ------------------------------------------------------------------------------ device helpers
@@ -83,14 +91,16 @@ def _min_p_floor(x0, min_p):
 
 @triton.jit
 def _scale_kernel(logits_ptr, bias_ptr, out_ptr, V, per, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, sum_ptr,
-                  low_ptr, finite_ptr, best_ptr, n_chunks, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  low_ptr, finite_ptr, best_ptr, group_ptr, n_chunks, n_groups, CHUNK: tl.constexpr,
+                  GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Per (row, chunk): ``x = (logits + bias) / T`` (IEEE add and division, as torch; ``HAS_BIAS``:
     row ``row // per`` of ``bias``) into ``out`` -- not for a greedy row, whose one-hot needs only its
     argmax; the chunk's max, ``sum exp(x - max)``, smallest finite ``x`` (+inf: none), finite count
-    and largest key."""
+    and largest key; for a top-k or top-p row, the largest key of every ``GROUP_SIZE`` entries (the
+    candidates' first stage)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    t, _k, _p, _min_p, greedy = _settings(row, per, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    t, k, top_p, _min_p, greedy = _settings(row, per, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     index = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = index < V
     offset = row.to(tl.int64) * V + index
@@ -106,7 +116,12 @@ def _scale_kernel(logits_ptr, bias_ptr, out_ptr, V, per, temp_ptr, top_k_ptr, to
     tl.store(sum_ptr + slot, s)
     tl.store(low_ptr + slot, tl.min(tl.where(finite, x, float("inf")), axis=0))
     tl.store(finite_ptr + slot, tl.sum(finite.to(tl.float32), axis=0))
-    tl.store(best_ptr + slot, tl.max(tl.where(mask, order_key(x, index), SENTINEL), axis=0))
+    keys = tl.where(mask, order_key(x, index), SENTINEL)
+    tl.store(best_ptr + slot, tl.max(keys, axis=0))
+    searched = ((k > 1) & (k < V)) | (top_p < 1.0)
+    group = chunk * (CHUNK // GROUP_SIZE) + tl.arange(0, CHUNK // GROUP_SIZE)
+    tl.store(group_ptr + row.to(tl.int64) * n_groups + group, tl.max(tl.reshape(keys, [CHUNK // GROUP_SIZE, GROUP_SIZE]), axis=1),
+             mask=group < tl.where(greedy, 0, tl.where(searched, n_groups, 0)))
 
 
 @triton.jit
@@ -168,6 +183,44 @@ def _finish_kernel(x_ptr, V, per, min_p_ptr, par_ptr, kappa_ptr, state_ptr, boun
             tl.store(par_ptr + row * 3 + 1, above + at)
             tl.store(kappa_ptr + row, kappa)
             tl.store(state_ptr + row, DONE)
+
+
+@triton.jit
+def _candidates_kernel(x_ptr, V, per, top_k_ptr, min_p_ptr, par_ptr, kappa_ptr, state_ptr, cut_ptr, group_ptr,
+                       n_groups, scratch_ptr, TOP_K: tl.constexpr, NG_PAD: tl.constexpr, KT: tl.constexpr,
+                       GROUP_SIZE: tl.constexpr, NPROBE_: tl.constexpr):
+    """Per row ``SEARCHING``: its ``KT // 2`` largest entries from the scale pass's group maxima
+    (``filter.top_candidates``), which decide most rows without a search. ``TOP_K``: a k among them
+    gives the k-th key and the floor as ``_finish_kernel`` does -> ``MASS``. Else the nucleus: the
+    largest kept key (at or above ``kappa``, the floor) whose at-or-above mass reaches ``top_p * S``
+    (``cut[row, 3]``), when one of them does, and that mass -> ``DONE``. Rows not decided stay
+    ``SEARCHING`` with their search state."""
+    row = tl.program_id(0)
+    if tl.load(state_ptr + row) == SEARCHING:
+        g = tl.arange(0, NG_PAD)
+        group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
+        take = tl.minimum(KT // 2, V)
+        top, rank = top_candidates(x_ptr + row.to(tl.int64) * V, V, 1.0, group_keys, n_groups, take,
+                                   scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_)
+        exact = (top != SENTINEL) & (rank < take)  # the take largest keys
+        x0 = tl.load(par_ptr + row * 3)
+        if TOP_K:
+            k = tl.load(top_k_ptr + row // per).to(tl.int32)
+            if k <= take:
+                kth = tl.max(tl.where(exact & (rank == k - 1), top, SENTINEL), axis=0)
+                floor = tl.maximum((kth >> 32) << 32, _min_p_floor(x0, tl.load(min_p_ptr + row // per)))
+                tl.store(kappa_ptr + row, floor)
+                tl.store(state_ptr + row, MASS)
+        else:
+            kept = exact & (top >= tl.load(kappa_ptr + row))
+            e = tl.where(kept, tl.exp(key_value(top) - x0), 0.0)
+            reach = tl.sum(tl.where(top[None, :] >= top[:, None], e[None, :], 0.0), axis=1)  # mass at or above
+            hit = kept & (reach >= tl.load(cut_ptr + row * 4 + 3) - TINY)
+            if tl.sum(hit.to(tl.int32), axis=0) > 0:
+                kappa = tl.max(tl.where(hit, top, SENTINEL), axis=0)
+                tl.store(par_ptr + row * 3 + 1, tl.sum(tl.where(top == kappa, reach, 0.0), axis=0))
+                tl.store(kappa_ptr + row, kappa)
+                tl.store(state_ptr + row, DONE)
 
 
 @triton.jit
@@ -242,13 +295,20 @@ def _write_kernel(out_ptr, V, par_ptr, kappa_ptr, state_ptr, CHUNK: tl.constexpr
 def plan(rows: int, vocab: int) -> dict:
     """Scratch of ``request_probabilities``: chunk partials, the rows' state and the search's buffers."""
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
-    n_chunks = triton.cdiv(vocab, row_chunk(vocab))
+    n_chunks = triton.cdiv(vocab, _chunk(vocab))
     partials = {name: (rows * n_chunks, f32) for name in ("request_max", "request_sum", "request_low",
                                                           "request_finite", "request_mass", "request_count")}
     return merge(partials, tsearch.plan(rows, vocab, n_chunks), {
         "request_best": (rows * n_chunks, i64), "request_par": (rows * 3, f32), "request_kappa": (rows, i64),
         "request_state": (rows, i32), "request_bounds": (rows * 2, i32), "request_cut": (rows * 4, f32),
-        "request_fill": (rows, i32)})
+        "request_fill": (rows, i32),
+        # the filter's names: one buffer serves both
+        "groups": (rows * triton.cdiv(vocab, GROUP), i64), "compact": (rows * CANDIDATE_SLOTS, i64)})
+
+
+def _chunk(vocab: int) -> int:
+    """Entries per (row, chunk) program: whole groups."""
+    return max(row_chunk(vocab), GROUP)
 
 
 def request_probabilities(logits, temperature, top_k, top_p, min_p, logit_bias, workspace):
@@ -260,8 +320,8 @@ def request_probabilities(logits, temperature, top_k, top_p, min_p, logit_bias, 
         return out
     per = rows // temperature.shape[0]
     settings = (temperature, top_k, top_p, min_p)
-    chunk = row_chunk(vocab)
-    n_chunks = triton.cdiv(vocab, chunk)
+    chunk = _chunk(vocab)
+    n_chunks, n_groups = triton.cdiv(vocab, chunk), triton.cdiv(vocab, GROUP)
     nc_pad = next_pow2(n_chunks)
     tile, bucket = min(256, chunk), tsearch.bucket_size(vocab)
     buf = claim(workspace, plan(rows, vocab), out.device)
@@ -271,11 +331,16 @@ def request_probabilities(logits, temperature, top_k, top_p, min_p, logit_bias, 
     search = {"par": par, "bounds": bounds, "cut": cut, "fill": fill, "probe_partials": buf["probe_partials"],
               "bucket": buf["bucket"]}
 
+    groups = buf["groups"]
     _scale_kernel[(rows, n_chunks)](logits, logits if logit_bias is None else logit_bias, out, vocab, per, *settings,
-                                    *partials, n_chunks, CHUNK=chunk, HAS_BIAS=logit_bias is not None, num_warps=4)
+                                    *partials, groups, n_chunks, n_groups, CHUNK=chunk, GROUP_SIZE=GROUP,
+                                    HAS_BIAS=logit_bias is not None, num_warps=4)
     _setup_kernel[(rows,)](per, *settings, *partials, n_chunks, par, kappa, state, bounds, cut, fill, NC_PAD=nc_pad,
                            num_warps=4)
     for top_k_search in (True, False):
+        _candidates_kernel[(rows,)](out, vocab, per, top_k, min_p, par, kappa, state, cut, groups, n_groups,
+                                    buf["compact"], TOP_K=top_k_search, NG_PAD=next_pow2(n_groups),
+                                    KT=CANDIDATE_SLOTS, GROUP_SIZE=GROUP, NPROBE_=NPROBE, num_warps=8)
         tsearch.narrow(out, vocab, rows, vocab, 1.0, BY_COUNT if top_k_search else 0, out, 0, chunk, n_chunks, state,
                        search)
         _finish_kernel[(rows,)](out, vocab, per, min_p, par, kappa, state, bounds, cut, fill, buf["bucket"],
