@@ -550,6 +550,44 @@ def test_wide_nucleus_and_large_top_k_are_searched_exactly(top_k, top_p, passes,
     torch.testing.assert_close(triton, reference, atol=ATOL, rtol=0)
 
 
+def _order_key(value: float, index: int) -> int:
+    """The Triton filter key of fp32 ``value`` at ``index`` (``_shared.order_key``), as a Python int."""
+    bits = int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
+    return ((bits ^ 0x7FFFFFFF if bits < 0 else bits) << 32) | (index ^ 0xFFFFFFFF)
+
+
+@requires_triton
+def test_the_search_cuts_only_what_its_gather_found():
+    """The search's start state bounds the entries of its interval (the select kernel's bound is V);
+    where that bound is at most a bucket no probe pass makes it exact, and the gather finds fewer:
+    the cut must come from those, not from the keys an earlier call left in the bucket past them.
+    White box: ``search.search`` on one row of 8 entries, the interval [-1, 3] holding 5 of them."""
+    from dspark.kernels.triton import search
+    from dspark.kernels.triton._shared import row_chunk
+
+    vocab, top_p = 8, 0.6
+    x = torch.tensor([[3.0, 1.0, 2.0, -5.0, 0.5, -6.0, 2.5, -7.0]], device=DEVICE)
+    nucleus = top_p * float(torch.exp(x - 3.0).sum())
+    chunk = row_chunk(vocab)
+    n_chunks = -(-vocab // chunk)
+
+    def cut(stale_key: int) -> tuple[int, float]:
+        o = [_order_key(v, 0) >> 32 for v in (-1.0, 3.0)]
+        buf = {"par": torch.tensor([3.0, nucleus, 0.0]), "kappa": torch.zeros(1, dtype=torch.int64),
+               "bounds": torch.tensor(o, dtype=torch.int32), "cut": torch.tensor([0.0, 0.0, vocab, nucleus]),
+               "fill": torch.zeros(1, dtype=torch.int32),
+               "probe_partials": torch.zeros(n_chunks * 2 * search.NPROBE),
+               "bucket": torch.full((search.bucket_size(vocab),), stale_key, dtype=torch.int64)}
+        buf = {name: t.to(DEVICE) for name, t in buf.items()}
+        search.search(x, vocab, 1, vocab, 1.0, 0, top_p, x, 0, chunk, n_chunks,
+                      torch.tensor([2], dtype=torch.int32, device=DEVICE), buf)
+        return int(buf["kappa"]), float(buf["par"][2])
+
+    clean = cut(-(2**63))  # SENTINEL: absent
+    assert clean[0] == _order_key(2.5, 6)  # 3.0 and 2.5 hold 0.73 of the mass: the cut is at 2.5
+    assert cut(_order_key(100.0, 0)) == clean
+
+
 @requires_triton
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (1.0, 5, 1.0), (1.0, 300, 0.9), (0.0, 0, 1.0),
                                                        (1.0, 0, 0.3), (1.0, 0, 1.0)])

@@ -24,7 +24,7 @@ import torch
 import dspark.kernels as K
 
 from .common import graph_us
-from .sampling import TEMPERATURE, _logits, accept_inputs, draw_inputs, round_inputs
+from .sampling import PROPOSAL_LEN, TEMPERATURE, VOCAB, _logits, accept_inputs, draw_inputs, round_inputs
 
 REPEATS = 20
 
@@ -55,20 +55,76 @@ def _probabilities_case(rows: int, top_k: int, top_p: float, flat: bool, per_row
 REQUEST_FILTERS = ((0.8, 50, 0.9, 0.05), (1.0, 0, 1.0, 0.1), (0.7, 2000, 0.95, 0.0))
 
 
-def _request_case(rows: int, backend: str, every_filter: bool = False):
+def _request_case(rows: int, backend: str, every_filter: bool = False, *, peaked: bool = False, bias: str = "",
+                  search_only: bool = False):
     """``K.request_probabilities`` on ``backend`` (its Triton kernels, or the torch reference: one sort
-    of each row), per-row settings cycling through ``MIXED`` (and ``REQUEST_FILTERS``)."""
+    of each row), per-row settings cycling through ``MIXED`` (and ``REQUEST_FILTERS``). ``peaked``: each
+    row's largest logit leads by 100 (the load benchmark's peaked target: every nucleus one token).
+    ``bias``: the rows as a verify's ``[rows / 8, 8, V]`` with a dense zero ``logit_bias`` per request,
+    the engine's sampled path: ``"fused"`` passed to the op, ``"apart"`` added before it (the stage
+    before the op took it). ``search_only``: the Triton op without its candidates kernel (every
+    top-k and nucleus row searched in value space, as before the candidates decided them)."""
     logits = _logits(rows, False, seed=rows)
+    if peaked:
+        logits[torch.arange(rows, device="cuda"), torch.randint(0, VOCAB, (rows,), device="cuda")] = 100.0
     cycle = [(*s, 0.0) for s in MIXED] + list(REQUEST_FILTERS if every_filter else ())
-    t, k, p, m = zip(*(cycle[i % len(cycle)] for i in range(rows)))
+    per = 1
+    if bias:
+        per, logits = PROPOSAL_LEN + 1, logits.view(rows // (PROPOSAL_LEN + 1), PROPOSAL_LEN + 1, VOCAB)
+    t, k, p, m = zip(*(cycle[i % len(cycle)] for i in range(rows // per)))
     settings = (torch.tensor(t, device="cuda"), torch.tensor(k, dtype=torch.int32, device="cuda"),
                 torch.tensor(p, device="cuda"), torch.tensor(m, device="cuda"))
+    zero_bias = torch.zeros(rows // per, VOCAB, device="cuda")
+    from dspark.kernels.triton import request
 
     def run():
-        with K.use_backend(backend):
-            K.request_probabilities(logits, *settings)
+        candidates = request._candidates_kernel
+        if search_only:
+            request._candidates_kernel = _NoLaunch()
+        try:
+            with K.use_backend(backend):
+                if bias == "fused":
+                    K.request_probabilities(logits, *settings, logit_bias=zero_bias)
+                elif bias == "apart":
+                    K.request_probabilities(logits + zero_bias[:, None], *settings)
+                else:
+                    K.request_probabilities(logits, *settings)
+        finally:
+            request._candidates_kernel = candidates
 
     return run
+
+
+class _NoLaunch:
+    """A kernel that launches nothing (``kernel[grid](...)`` does nothing)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _top_ids_case(batch: int, backend: str):
+    """A sampled draft round's candidates: the 64 largest backbone logits of each of ``batch`` x 7
+    slots of an 8-slot block (``K.markov_candidate_sample``'s first step) on ``backend``."""
+    from dspark.kernels._backend import implementation
+
+    block, count = PROPOSAL_LEN + 1, 64
+    logits = _logits(batch * block, False, seed=batch)
+    ids = torch.zeros(batch, PROPOSAL_LEN, count + 16, dtype=torch.int32, device="cuda")
+    with K.use_backend(backend):
+        top_ids = implementation("candidate_top_ids", logits.device)
+    return lambda: top_ids(logits, block, 1, ids, count)
+
+
+def _draft_store_case(batch: int, in_place: bool):
+    """A sampled draft round's q (80 candidates per step) made dense in the rows' ``[B, 7, V]`` buffer:
+    in place (zero, scatter), or in a new tensor then copied (as before the drafter took the buffer)."""
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    q = torch.rand(batch, PROPOSAL_LEN, 80, device="cuda", generator=gen)
+    ids = torch.randint(0, VOCAB, (batch, PROPOSAL_LEN, 80), device="cuda", generator=gen)
+    rows = torch.zeros(batch, PROPOSAL_LEN, VOCAB, device="cuda")
+    if in_place:
+        return lambda: rows.zero_().scatter_add_(2, ids, q)
+    return lambda: rows.copy_(torch.zeros_like(rows).scatter_add_(2, ids, q))
 
 
 def _draw_case(batch: int):
@@ -151,6 +207,22 @@ CASES = {
     "request_probabilities rows=512 every filter": lambda: _request_case(512, "triton", True),
     "request_probabilities rows=512 every filter (torch reference)": lambda: _request_case(512, "reference", True),
     "request_probabilities rows=64 per-row mixed": lambda: _request_case(64, "triton"),
+    # issue 40's mixed-settings cost per B = 64 round, before / after in one run (the "apart", "search
+    # only" and "copy" cases are the earlier code paths)
+    "request_probabilities rows=512 per-row mixed (search only)": lambda: _request_case(512, "triton",
+                                                                                        search_only=True),
+    "request_probabilities rows=512 every filter (search only)": lambda: _request_case(512, "triton", True,
+                                                                                       search_only=True),
+    "request_probabilities rows=512 per-row mixed peaked": lambda: _request_case(512, "triton", peaked=True),
+    "request_probabilities rows=512 per-row mixed peaked (search only)": lambda: _request_case(
+        512, "triton", peaked=True, search_only=True),
+    "request stage B=64 verify, logit_bias fused": lambda: _request_case(512, "triton", peaked=True, bias="fused"),
+    "request stage B=64 verify, logit_bias apart (search only)": lambda: _request_case(
+        512, "triton", peaked=True, bias="apart", search_only=True),
+    "candidate top ids B=64": lambda: _top_ids_case(64, "triton"),
+    "candidate top ids B=64 (torch.topk)": lambda: _top_ids_case(64, "reference"),
+    "draft q store B=64 in place": lambda: _draft_store_case(64, True),
+    "draft q store B=64 (copy)": lambda: _draft_store_case(64, False),
 }
 # one gated DeltaNet layer's verify window (Qwen3.5-9B): a state per position, or checkpoint + replay;
 # one launch each, without host synchronisation: also timed as CUDA graph replays

@@ -151,7 +151,8 @@ def cut_interval(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, ab
     entry where ``by_count``, else ``exp(x - x0)``; only keys >= ``floor`` count).
 
     Starts from the search state ``[olo, ohi]`` (ord interval holding the cut; ``above_*`` = weight
-    above it; ``count`` = an upper bound of the entries inside). This program narrows it with
+    above it; ``count`` = an upper bound of the entries inside, or with ``gathered`` the number the
+    gather put in the bucket: past them it holds an earlier call's keys). This program narrows it with
     ``NPROBE_`` probes per pass over the row until at most ``BUCKET`` entries remain, gathers them
     (unless ``gathered``: the multi-program passes already did) and searches them exactly; if more
     than ``BUCKET`` entries share one value, they rank by index.
@@ -167,12 +168,13 @@ def cut_interval(x_row, V, inv_temp, x0, target, floor, bucket_row, olo, ohi, ab
     above = tl.where(by_count, above_count, above_mass)
     slack = tl.where(by_count, 0.0, TINY)
     if count <= BUCKET:
+        filled = count.to(tl.int32)
         if gathered == 0:
             tl.debug_barrier()
-            _gather(x_row, zero, V, V, inv_temp, floor, olo, ohi, bucket_row, zero, TILE)
+            filled = _gather(x_row, zero, V, V, inv_temp, floor, olo, ohi, bucket_row, zero, TILE)
         tl.debug_barrier()
         jb = tl.arange(0, BUCKET)
-        keys = tl.load(bucket_row + jb, mask=jb < count.to(tl.int32), other=SENTINEL)
+        keys = tl.load(bucket_row + jb, mask=jb < filled, other=SENTINEL)
         kappa, mass_above, at = _cut_finish(keys, x0, target - slack - above, above_mass, by_count, BUCKET)
     else:
         # More than BUCKET entries share one value: they rank by index, each with the same weight.
@@ -270,8 +272,8 @@ def _gather_kernel(x_ptr, x_stride, V, inv_temp, settings_ptr, state_ptr, bounds
 
 @triton.jit
 def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, par_ptr, kappa_ptr, state_ptr,
-                   bounds_ptr, cut_ptr, bucket_ptr, TILE: tl.constexpr, BUCKET: tl.constexpr, NPROBE_: tl.constexpr,
-                   PER_ROW: tl.constexpr):
+                   bounds_ptr, cut_ptr, fill_ptr, bucket_ptr, TILE: tl.constexpr, BUCKET: tl.constexpr,
+                   NPROBE_: tl.constexpr, PER_ROW: tl.constexpr):
     """Rows left at state 2 by ``_select_kernel``: finish the k-th key (``top_k > MAX_CANDIDATES``) and/or
     the nucleus cut from the search state the multi-program passes left; state 3 marks them (drawn
     after the write)."""
@@ -285,6 +287,8 @@ def _search_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, par
         cut = cut_ptr + row * 4
         count = tl.load(cut + 2)
         gathered = (count <= BUCKET).to(tl.int32)
+        # gathered: what the gather found (the start state's count only bounds it where no pass narrowed it)
+        count = tl.where(gathered > 0, tl.load(fill_ptr + row).to(tl.float32), count)
         kappa, above, at = cut_interval(x_row, V, row_temp, x0, tl.load(cut + 3), tl.full([], SENTINEL, tl.int64),
                                         bucket_row, tl.load(bounds_ptr + row * 2), tl.load(bounds_ptr + row * 2 + 1),
                                         tl.load(cut), tl.load(cut + 1), count, gathered, big_k, TILE, BUCKET, NPROBE_)
@@ -350,5 +354,5 @@ def search(x, x_stride, rows, vocab, inv_temp, k, p, settings, per_row, chunk, n
     ``fill``) and this ``plan``'s buffers."""
     narrow(x, x_stride, rows, vocab, inv_temp, k, settings, per_row, chunk, n_chunks, state, buf)
     _search_kernel[(rows,)](x, x_stride, vocab, inv_temp, k, p, settings, buf["par"], buf["kappa"], state,
-                            buf["bounds"], buf["cut"], buf["bucket"], TILE=min(256, chunk), BUCKET=bucket_size(vocab),
-                            NPROBE_=NPROBE, PER_ROW=per_row, num_warps=8)
+                            buf["bounds"], buf["cut"], buf["fill"], buf["bucket"], TILE=min(256, chunk),
+                            BUCKET=bucket_size(vocab), NPROBE_=NPROBE, PER_ROW=per_row, num_warps=8)
