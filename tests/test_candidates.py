@@ -155,6 +155,23 @@ def test_backends_agree(batch, width, vocab, rank, count, successors, stride, of
     assert torch.equal(t_tokens, tokens)
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])
+def test_a_logit_bias_is_what_adding_it_beforehand_gives(backend):
+    """``logit_bias`` ``[B, V]`` on every slot of row b: the same candidates, q and drafts, bit for bit,
+    as the backbone logits with the bias added (the kernels add it where they read the logits)."""
+    case = round_inputs(3, 3, 130, 24, logits_stride=5, logits_offset=1, seed=9)
+    table = K.markov_successor_table(case["markov_w1"], case["markov_w2"], 4)
+    bias = torch.randn(3, 130, generator=torch.Generator().manual_seed(10)) * 3
+    bias[1, 17] = 50.0
+    biased = dict(case, backbone_logits=case["backbone_logits"] + bias[:, None])
+    with K.use_backend(backend):
+        fused = K.markov_candidate_sample(**case, candidates=16, successor_ids=table, logit_bias=bias)
+        apart = K.markov_candidate_sample(**biased, candidates=16, successor_ids=table)
+    for got, want in zip(fused, apart):
+        assert torch.equal(got, want)
+    assert fused[1][1, :, 0].tolist() == [17, 17, 17]  # the biased token leads every slot's candidates
+
+
 @requires_triton
 def test_triton_candidates_are_the_largest_entries_ties_to_the_lower_index():
     """The Triton backend's candidates (group maxima, then entries; V = 4099 over several chunks) are
@@ -167,7 +184,7 @@ def test_triton_candidates_are_the_largest_entries_ties_to_the_lower_index():
     logits = (torch.randn(batch * stride, vocab, generator=torch.Generator().manual_seed(0)) * 2).bfloat16().float()
     logits[1, 100:300] = logits[1].max()
     ids = torch.full((batch, width, count + 2), -7, dtype=I32, device=DEVICE)
-    candidate_top_ids(logits.to(DEVICE), stride, offset, ids, count)
+    candidate_top_ids(logits.to(DEVICE), stride, offset, ids, count, None)
     ids = ids.cpu()
     rows = logits.view(batch, stride, vocab)[:, offset:offset + width]
     expected = torch.sort(-rows, dim=-1, stable=True).indices[..., :count]  # descending, ties to the lower index
@@ -209,6 +226,8 @@ def test_bad_inputs_are_refused_by_name():
         K.markov_candidate_sample(**{**case, "top_p": torch.ones(3)}, candidates=4)
     with pytest.raises(TypeError, match=r"temperature must have dtype torch.float32, got torch.float64"):
         K.markov_candidate_sample(**{**case, "temperature": torch.ones(2, dtype=torch.float64)}, candidates=4)
+    with pytest.raises(ValueError, match=r"markov_candidate_sample: logit_bias must have shape \[2, 30\], got \[2, 29\]"):
+        K.markov_candidate_sample(**case, candidates=4, logit_bias=torch.zeros(2, 29))
     codes, _ = K.quantize_markov_w2_fp8(case["markov_w2"])
     with pytest.raises(TypeError, match="markov_w2 must have dtype torch.float16 or torch.bfloat16, got torch.uint8"):
         K.markov_candidate_sample(**{**case, "markov_w2": codes}, candidates=4)

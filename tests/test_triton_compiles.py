@@ -60,9 +60,12 @@ KERNELS = {
     "candidates._candidate_step_kernel": (
         {"logits_ptr": "*bf16", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "first_ptr": I32, "ids_ptr": I32,
          "succ_ptr": I32, "draft_ptr": I32, "top_k_ptr": I32},
-        [dict(R=256, BLOCK_C=b, BLOCK_R=64) for b in (64, 128)]),
+        [dict(R=256, BLOCK_C=b, BLOCK_R=64, HAS_BIAS=bias) for b, bias in ((64, False), (128, True))]),
+    "candidates._group_max_kernel": ({"group_ptr": "*i64"},
+                                     [dict(CHUNK=4096, GROUP_SIZE=32, HAS_BIAS=b) for b in (True, False)]),
     "candidates._top_ids_kernel": ({"group_ptr": "*i64", "ids_ptr": I32, "scratch_ptr": "*i64"},
-                                   [dict(NG_PAD=8192, KT=128, GROUP_SIZE=32, NPROBE_=16)]),
+                                   [dict(NG_PAD=8192, KT=128, GROUP_SIZE=32, NPROBE_=16, HAS_BIAS=b)
+                                    for b in (True, False)]),
     "markov._quantize_fp8_kernel": ({"w2_ptr": "*bf16", "codes_ptr": "*u8"}, [dict(R=256, BLOCK_ROWS=16, BLOCK_R=256)]),
     "markov._finalize_kernel": ({"keys_ptr": "*i64", "tokens_ptr": I32}, [dict(BLOCK=1024)]),
     "markov._store_column_kernel": ({"src_ptr": "*i64", "dst_ptr": I32}, [dict(BLOCK=1024)]),

@@ -103,16 +103,18 @@ class _NoLaunch:
 
 
 def _top_ids_case(batch: int, backend: str):
-    """A sampled draft round's candidates: the 64 largest backbone logits of each of ``batch`` x 7
-    slots of an 8-slot block (``K.markov_candidate_sample``'s first step) on ``backend``."""
+    """A sampled draft round's candidates: the 64 largest backbone logits plus the rows' dense (zero)
+    ``logit_bias`` of each of ``batch`` x 7 slots of an 8-slot block (``K.markov_candidate_sample``'s
+    first step) on ``backend`` (the reference: the bias added, then ``torch.topk``, as the engine did)."""
     from dspark.kernels._backend import implementation
 
     block, count = PROPOSAL_LEN + 1, 64
     logits = _logits(batch * block, False, seed=batch)
+    bias = torch.zeros(batch, VOCAB, device="cuda")
     ids = torch.zeros(batch, PROPOSAL_LEN, count + 16, dtype=torch.int32, device="cuda")
     with K.use_backend(backend):
         top_ids = implementation("candidate_top_ids", logits.device)
-    return lambda: top_ids(logits, block, 1, ids, count)
+    return lambda: top_ids(logits, block, 1, ids, count, bias)
 
 
 def _draft_store_case(batch: int, in_place: bool):
@@ -219,8 +221,8 @@ CASES = {
     "request stage B=64 verify, logit_bias fused": lambda: _request_case(512, "triton", peaked=True, bias="fused"),
     "request stage B=64 verify, logit_bias apart (search only)": lambda: _request_case(
         512, "triton", peaked=True, bias="apart", search_only=True),
-    "candidate top ids B=64": lambda: _top_ids_case(64, "triton"),
-    "candidate top ids B=64 (torch.topk)": lambda: _top_ids_case(64, "reference"),
+    "candidate top ids B=64, logit_bias fused": lambda: _top_ids_case(64, "triton"),
+    "candidate top ids B=64, logit_bias apart (torch.topk)": lambda: _top_ids_case(64, "reference"),
     "draft q store B=64 in place": lambda: _draft_store_case(64, True),
     "draft q store B=64 (copy)": lambda: _draft_store_case(64, False),
 }

@@ -336,37 +336,40 @@ class Drafter:
         its one-hot argmax) and ``uniforms`` f32 ``[B, P]`` draft uniforms (ignored when greedy).
         ``logit_bias`` f32 ``[B, V]`` (None: none; the rows' ``logit_bias``) is added to every slot of
         block b, in place: ``logits`` is overwritten (a second ``[B*N, V]`` tensor would add to the
-        draft pass's peak memory). Sampled rows pass theirs in ``sampling`` too, whose penalties, on
+        draft pass's peak memory) -- except by the candidate round, whose kernels add it where they
+        read the logits (no pass over them). Sampled rows pass theirs in ``sampling`` too, whose penalties, on
         the committed output, and filters run on the corrected logits. ``stacked_logits`` f32 ``[B, P+1, V]`` (tree
         mode, greedy): depth row ``s + 1`` receives step ``s``'s Markov-corrected logits along the
         greedy chain. ``probabilities_out`` f32 ``[B, P, V]`` (None: a new tensor) receives the sampled
         drafts' distributions, which ``Proposal.probabilities`` then is (the runner's row buffer: no
         copy of ``B * P * V`` floats). No host synchronisation.
         """
-        if logit_bias is not None:
+        candidates = self.draft_candidates and self.kernel_markov and sampling is not None
+        if logit_bias is not None and not candidates:  # the candidate round adds it where it reads the logits
             logits.view(anchors.shape[0], self.block_size, -1).add_(logit_bias[:, None])
         if self.fused_greedy and sampling is None:
             tokens = K.markov_greedy_round(logits, self.markov_w1, self.markov_w2, anchors,
                                            proposal_len=self.num_draft_tokens, stacked_logits=stacked_logits,
                                            logits_stride=self.block_size, logits_offset=self.slot_offset)
             probs = None
-        elif self.draft_candidates and self.kernel_markov and sampling is not None:
-            tokens, probs = self._candidate_round(logits, anchors, sampling, uniforms, probabilities_out)
+        elif candidates:
+            tokens, probs = self._candidate_round(logits, anchors, sampling, uniforms, logit_bias, probabilities_out)
         else:
             tokens, probs = self._stepwise(hidden, logits, anchors, sampling, uniforms, stacked_logits,
                                            probabilities_out)
         lengths, confidence = self._schedule(hidden, anchors, tokens)
         return Proposal(tokens, probs, lengths, confidence)
 
-    def _candidate_round(self, logits, anchors, sampling, uniforms, out=None):
-        """The sampled Markov loop over candidate sets (``K.markov_candidate_sample``): tokens int32
-        ``[B, P]`` and their distributions f32 ``[B, P, V]`` (in ``out`` where given), dense for
-        verification (zero outside each step's candidates)."""
+    def _candidate_round(self, logits, anchors, sampling, uniforms, logit_bias=None, out=None):
+        """The sampled Markov loop over candidate sets (``K.markov_candidate_sample``, on the backbone
+        logits plus ``logit_bias``): tokens int32 ``[B, P]`` and their distributions f32 ``[B, P, V]``
+        (in ``out`` where given), dense for verification (zero outside each step's candidates)."""
         vocab = logits.shape[-1]
         tokens, ids, q = K.markov_candidate_sample(
             logits, self.markov_w1, self.markov_w2, anchors, uniforms, sampling.temperature, sampling.top_k,
             sampling.top_p, sampling.min_p, candidates=min(self.draft_candidates, vocab),
-            successor_ids=self.successor_ids, logits_stride=self.block_size, logits_offset=self.slot_offset)
+            successor_ids=self.successor_ids, logits_stride=self.block_size, logits_offset=self.slot_offset,
+            logit_bias=logit_bias)
         # add, not assign: a duplicate candidate holds 0 and must not overwrite its first lane's mass
         probs = torch.zeros(*tokens.shape, vocab, device=logits.device) if out is None else out.zero_()
         return tokens, probs.scatter_add_(2, ids.long(), q)

@@ -79,10 +79,17 @@ def _successors(c: Checker, successor_ids, vocab: int, device) -> tuple[torch.Te
     return table.contiguous(), table.shape[1]
 
 
+def _logit_bias(c: Checker, logit_bias, batch: int, vocab: int, device) -> torch.Tensor | None:
+    """The optional f32 ``[B, V]`` logit bias, contiguous."""
+    if logit_bias is None:
+        return None
+    return c.tensor("logit_bias", logit_bias, dtype=torch.float32, shape=[batch, vocab], device=device).contiguous()
+
+
 def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids,
                                  proposal_uniforms, draft_token_ids, candidate_probabilities, step, temperature,
                                  top_k, top_p, min_p, *, successor_ids=None, logits_stride=0,
-                                 logits_offset=0) -> None:
+                                 logits_offset=0, logit_bias=None) -> None:
     """One sampled Markov step over candidate sets (module docstring); returns None.
 
     ``backbone_logits`` f32 ``[B, L, V]`` or ``[B*L, V]`` (``L = logits_stride or P``, row ``b*L + step
@@ -93,8 +100,9 @@ def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_pr
     C:]``; ``proposal_uniforms`` f32 ``[B, P]``; settings ``[B]`` (module docstring). Writes
     ``candidate_probabilities[:, step]`` (f32 ``[B, P, C + M]``, contiguous) = q and
     ``draft_token_ids[:, step]`` (int32 ``[B, P]``, contiguous) = the draft; column ``step - 1`` of
-    ``draft_token_ids`` is the previous token when ``step > 0``. Never synchronises the host on the
-    Triton backend (graph-capturable).
+    ``draft_token_ids`` is the previous token when ``step > 0``. ``logit_bias`` f32 ``[B, V]`` or None:
+    added to row b's backbone logits (an fp32 add, as adding it to ``backbone_logits`` beforehand,
+    without the pass over them). Never synchronises the host on the Triton backend (graph-capturable).
     """
     c = Checker("markov_candidate_sample_step")
     c.tensor("markov_w2", markov_w2, dtype=HALF_DTYPES)  # no FP8 codes
@@ -114,16 +122,17 @@ def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_pr
     uniforms = c.tensor("proposal_uniforms", proposal_uniforms, dtype=torch.float32, shape=[m.batch, width],
                         device=m.device).contiguous()
     settings = _row_settings(c, m.batch, m.device, temperature, top_k, top_p, min_p)
+    bias = _logit_bias(c, logit_bias, m.batch, m.vocab, m.device)
     implementation("markov_candidate_sample_step", m.device)(
         m.logits, m.weights[0], m.weights[1], first_prev_tokens.contiguous(), ids, successor_ids, uniforms, draft,
-        probs, step, *settings, m.stride, m.offset)
+        probs, step, *settings, m.stride, m.offset, bias)
 
 
 def markov_candidate_sample(backbone_logits, markov_w1, markov_w2, first_prev_tokens, proposal_uniforms, temperature,
                             top_k, top_p, min_p, *, candidates, successor_ids=None, logits_stride=0,
-                            logits_offset=0):
+                            logits_offset=0, logit_bias=None):
     """A whole sampled drafting round over candidate sets: each slot's candidates are the ``candidates``
-    largest of its backbone logits, in descending order (the reference: ``torch.topk``, tied entries
+    largest of its backbone logits (plus ``logit_bias``), in descending order (the reference: ``torch.topk``, tied entries
     in its order; Triton, up to ``MAX_CANDIDATES`` of them: selected from group maxima in one read of
     the logits, ties to the lower index -- ``torch.topk`` on the GPU takes several radix passes over
     a 152k-entry row) and, with ``successor_ids`` (int32 ``[V, M]``), the previous token's M
@@ -147,12 +156,13 @@ def markov_candidate_sample(backbone_logits, markov_w1, markov_w2, first_prev_to
     successor_ids, successors = _successors(c, successor_ids, m.vocab, m.device)
     uniforms = c.tensor("proposal_uniforms", uniforms, shape=[m.batch, width], device=m.device).contiguous()
     settings = _row_settings(c, m.batch, m.device, temperature, top_k, top_p, min_p)
+    bias = _logit_bias(c, logit_bias, m.batch, m.vocab, m.device)
     ids = torch.zeros(m.batch, width, count + successors, dtype=torch.int32, device=m.device)
-    implementation("candidate_top_ids", m.device)(m.logits, m.stride, m.offset, ids, count)
+    implementation("candidate_top_ids", m.device)(m.logits, m.stride, m.offset, ids, count, bias)
     tokens = torch.zeros(m.batch, width, dtype=torch.int32, device=m.device)
     probs = torch.empty(m.batch, width, count + successors, dtype=torch.float32, device=m.device)
     step_fn = implementation("markov_candidate_sample_step", m.device)
     for step in range(width):  # the round is its steps on either backend
         step_fn(m.logits, m.weights[0], m.weights[1], first_prev_tokens.contiguous(), ids, successor_ids, uniforms,
-                tokens, probs, step, *settings, m.stride, m.offset)
+                tokens, probs, step, *settings, m.stride, m.offset, bias)
     return tokens, ids, probs

@@ -16,12 +16,16 @@ from .sampling import sample_from_sparse_probs
 __all__ = ["candidate_top_ids", "markov_candidate_sample_step"]
 
 
-def candidate_logits(backbone_logits, markov_w1, markov_w2, prev_tokens, ids, step, logits_stride, logits_offset):
-    """f32 ``[B, C]``: ``backbone[row(b, step), ids[b, c]] + W2[ids[b, c]] . W1[prev_b]``."""
+def candidate_logits(backbone_logits, markov_w1, markov_w2, prev_tokens, ids, step, logits_stride, logits_offset,
+                     logit_bias=None):
+    """f32 ``[B, C]``: ``(backbone[row(b, step), ids[b, c]] + logit_bias[b, ids[b, c]]) + W2[ids[b, c]] . W1[prev_b]``
+    (``logit_bias`` f32 ``[B, V]`` or None)."""
     vocab = markov_w1.shape[0]
     ids = ids.long().clamp(0, vocab - 1)
     rows = torch.arange(ids.shape[0], device=ids.device) * logits_stride + (step + logits_offset)
     base = backbone_logits[rows[:, None], ids]
+    if logit_bias is not None:
+        base = base + logit_bias.gather(1, ids)
     embedding = _markov_rows(markov_w1, prev_tokens)  # [B, R]
     return base + (markov_w2[ids].float() * embedding[:, None, :]).sum(-1)
 
@@ -60,22 +64,26 @@ def candidate_probabilities(z, temperature, top_k, top_p, min_p, valid=None):
 
 def markov_candidate_sample_step(backbone_logits, markov_w1, markov_w2, first_prev_tokens, candidate_ids,
                                  successor_ids, proposal_uniforms, draft_token_ids, candidate_probabilities_out, step,
-                                 temperature, top_k, top_p, min_p, logits_stride, logits_offset):
+                                 temperature, top_k, top_p, min_p, logits_stride, logits_offset, logit_bias):
     """``dspark.kernels.markov_candidate_sample_step``."""
     prev = first_prev_tokens if step == 0 else draft_token_ids[:, step - 1]
     if successor_ids is not None:
         row = prev.long().clamp(0, successor_ids.shape[0] - 1)
         candidate_ids[:, step, candidate_ids.shape[2] - successor_ids.shape[1]:] = successor_ids[row]
     ids = candidate_ids[:, step]
-    z = candidate_logits(backbone_logits, markov_w1, markov_w2, prev, ids, step, logits_stride, logits_offset)
+    z = candidate_logits(backbone_logits, markov_w1, markov_w2, prev, ids, step, logits_stride, logits_offset,
+                         logit_bias)
     q = candidate_probabilities(z, temperature, top_k, top_p, min_p, first_occurrences(ids))
     candidate_probabilities_out[:, step] = q
     draft_token_ids[:, step] = sample_from_sparse_probs(q, ids, proposal_uniforms[:, step])
 
 
-def candidate_top_ids(backbone_logits, logits_stride, logits_offset, candidate_ids, count):
+def candidate_top_ids(backbone_logits, logits_stride, logits_offset, candidate_ids, count, logit_bias):
     """``candidate_ids[b, s, :count]``: the ids of the ``count`` largest entries of slot s's backbone
-    row ``b*L + s + logits_offset`` (``torch.topk``: descending; which of tied entries, unspecified)."""
+    row ``b*L + s + logits_offset`` plus ``logit_bias[b]`` (None: none) (``torch.topk``: descending;
+    which of tied entries, unspecified)."""
     batch, width = candidate_ids.shape[:2]
     slots = backbone_logits.view(batch, logits_stride, -1)[:, logits_offset:logits_offset + width]
+    if logit_bias is not None:
+        slots = slots + logit_bias[:, None]
     candidate_ids[..., :count] = slots.topk(count, dim=-1).indices

@@ -153,9 +153,10 @@ def _candidates(keys, x0, take, scratch, OUT: tl.constexpr, NPROBE_: tl.constexp
 
 
 @triton.jit
-def top_candidates(x_row, V, inv_temp, group_keys, n_groups, take, scratch, KT: tl.constexpr,
-                   GROUP_SIZE: tl.constexpr, NPROBE_: tl.constexpr):
-    """A row's ``take <= KT // 2`` largest filter keys (``x = x_row[i] * inv_temp``) from its maxima of
+def top_candidates(x_row, bias_row, V, inv_temp, group_keys, n_groups, take, scratch, KT: tl.constexpr,
+                   GROUP_SIZE: tl.constexpr, NPROBE_: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A row's ``take <= KT // 2`` largest filter keys (``x = x_row[i] * inv_temp``; ``HAS_BIAS``:
+    ``(x_row[i] + bias_row[i]) * inv_temp``) from its maxima of
     every ``GROUP_SIZE`` entries (``group_keys``: ``n_groups`` of them, ``SENTINEL``-padded): they lie
     in the best ``take`` groups, and ``_candidates`` narrows groups, then their entries, to at most
     ``KT`` keys, ranked exactly by pairwise comparison. Returns ``(top [KT], rank [KT])``: the keys
@@ -165,8 +166,10 @@ def top_candidates(x_row, V, inv_temp, group_keys, n_groups, take, scratch, KT: 
     groups = _candidates(group_keys, big, tl.minimum(take, n_groups), scratch, KT, NPROBE_)
     index = ((key_index(groups) // GROUP_SIZE) * GROUP_SIZE)[:, None] + tl.arange(0, GROUP_SIZE)[None, :]
     in_row = (groups != SENTINEL)[:, None] & (index < V)
-    x = tl.load(x_row + index, mask=in_row, other=float("-inf")) * inv_temp
-    keys = tl.reshape(tl.where(in_row, order_key(x, index), SENTINEL), [KT * GROUP_SIZE])
+    x = tl.load(x_row + index, mask=in_row, other=float("-inf"))
+    if HAS_BIAS:
+        x += tl.load(bias_row + index, mask=in_row, other=0.0)
+    keys = tl.reshape(tl.where(in_row, order_key(x * inv_temp, index), SENTINEL), [KT * GROUP_SIZE])
     top = _candidates(keys, big, take, scratch, KT, NPROBE_)
     return top, tl.sum((top[None, :] > top[:, None]).to(tl.int32), axis=1)
 
@@ -199,8 +202,9 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, m_p
 
     g = tl.arange(0, NG_PAD)
     group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
-    top, rank = top_candidates(x_ptr + row.to(tl.int64) * x_stride, V, inv_temp, group_keys, n_groups, take,
-                               scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_)
+    x_row = x_ptr + row.to(tl.int64) * x_stride
+    top, rank = top_candidates(x_row, x_row, V, inv_temp, group_keys, n_groups, take,
+                               scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_, False)
     above = top[None, :] > top[:, None]  # [i, j]: entry j ranks above entry i
     keep = (top != SENTINEL) & (rank < take)
     value = key_value(top)

@@ -200,8 +200,9 @@ def _candidates_kernel(x_ptr, V, per, top_k_ptr, min_p_ptr, par_ptr, kappa_ptr, 
         g = tl.arange(0, NG_PAD)
         group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
         take = tl.minimum(KT // 2, V)
-        top, rank = top_candidates(x_ptr + row.to(tl.int64) * V, V, 1.0, group_keys, n_groups, take,
-                                   scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_)
+        x_row = x_ptr + row.to(tl.int64) * V
+        top, rank = top_candidates(x_row, x_row, V, 1.0, group_keys, n_groups, take,
+                                   scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_, False)
         exact = (top != SENTINEL) & (rank < take)  # the take largest keys
         x0 = tl.load(par_ptr + row * 3)
         if TOP_K:
