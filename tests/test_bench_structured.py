@@ -1,6 +1,7 @@
 """``dspark.bench.structured`` on the CPU: the tiny shape end to end (the plumbing the GPU session's
 one command relies on: every configuration free and constrained, each constrained output valid JSON of
-the schema, DSpark's outputs plain decoding's in fp32), the schema checker's teeth, and the 8B
+the schema, DSpark's outputs plain decoding's in fp32), the oracle's runs again while its target
+parts from its continuation, the schema checker's teeth, and the 8B
 shape's offline tokenizer (the real vocabulary and bitmask width)."""
 
 from __future__ import annotations
@@ -51,12 +52,40 @@ def test_the_tiny_shape_runs_every_configuration_free_and_constrained(tmp_path, 
             assert none["same_as_plain"] == constrained["same_as_plain"] == 2
             assert cell["x_plain_constrained"] == round(constrained["tok_per_s"] / row["plain"]["constrained"]
                                                         ["tok_per_s"], 3)
+        if name.startswith("dspark_a"):  # fp32: the first run keeps its continuation
+            assert none["oracle_runs"] == constrained["oracle_runs"] == 1
+            assert none["oracle_departed"] == constrained["oracle_departed"] == 0
     assert row["plain"]["none"]["tau"] == row["plain"]["constrained"]["tau"] == 1.0
     assert row["dspark_a1"]["none"]["tau"] > 0.75 * (report["drafts_per_round"] + 1)
     table = capsys.readouterr().out
     assert "| B | config | none ms/step | constrained ms/step | ratio |" in table
     assert f"| 2 | plain | {row['plain']['none']['step_ms']} | {row['plain']['constrained']['step_ms']} |" in table
     assert table.count("| 2/2 |") == 4 and (out / "structured.md").read_text().strip() in table
+
+
+def test_an_oracle_runs_again_from_its_own_outputs_while_a_row_parts_from_its_continuation(monkeypatch):
+    """``oracle_run``: a target that parts from the continuation it drafts from (a bf16 near-tie
+    decided by the batch's layout) is run again with its own outputs as drafts until no row parts,
+    at most ``ORACLE_RUNS`` times; the last run is the measurement. The emulated target keeps its
+    drafts up to a position, then writes its own tokens: that position moves later run by run."""
+    calls = []
+
+    def engine_run(engine, prompts, new, drafts, sampling):
+        calls.append(drafts)
+        keep = 3 * len(calls)  # each run repeats its predecessor further
+        outputs = [d[:min(keep, new)] + [100 * len(calls) + i for i in range(keep, new)] for d in drafts]
+        return dict(tokens_per_step=1.0, outputs=outputs)
+
+    monkeypatch.setattr(structured, "engine_run", engine_run)
+    start = [[1, 2, 3, 4, 5, 6, 7, 8], [9] * 8]
+    result = structured.oracle_run(None, [[0], [0]], 8, start, None, 2)
+    assert result["oracle_runs"] == 3 and result["oracle_departed"] == 0  # runs keep 3, 6, then all 8 drafts
+    first = [[1, 2, 3, 103, 104, 105, 106, 107], [9, 9, 9, 103, 104, 105, 106, 107]]
+    assert calls[0] == [c + [0, 0] for c in start] and calls[1] == [o + [0, 0] for o in first]
+    assert result["outputs"] == [o[:8] for o in calls[2]]
+    calls.clear()
+    result = structured.oracle_run(None, [[0], [0]], 40, [[1] * 40, [2] * 40], None, 2)  # parts every time
+    assert result["oracle_runs"] == len(calls) == structured.ORACLE_RUNS and result["oracle_departed"] == 2
 
 
 def test_a_profile_of_an_unknown_configuration_is_refused(capsys):
