@@ -2,7 +2,8 @@
 
 What a JSON schema costs an engine step, and what DSpark keeps of its speed under one. A random-weight
 target (``--shape qwen3-8b``: ``bench.engine``'s Qwen3-8B shape, bf16 on a GPU; ``tiny``: toy sizes,
-fp32 on the CPU, the plumbing), prompts of ``--prompt`` random tokens, per batch size of
+fp32 on the CPU, the plumbing; ``tiny-152k``: toy sizes with the 8B shape's vocabulary and tokenizer,
+the grammar's host work as on the 8B shape, on a CPU), prompts of ``--prompt`` random tokens, per batch size of
 ``--batches`` (default 1,16,64) and per configuration:
 
 * ``plain``: decoding without a drafter (``LLMEngine``);
@@ -112,6 +113,7 @@ class Shape:
 SHAPES = {
     "qwen3-8b": Shape(ENGINE_SHAPES["qwen3-8b"], VOCAB, 151643),  # Qwen3's regular tokens; specials + padding after
     "tiny": Shape(TINY, 4096, 4000),
+    "tiny-152k": Shape(TINY, VOCAB, 151643),  # the 8B shape's vocabulary and tokenizer: its grammar side, on a CPU
 }
 
 
