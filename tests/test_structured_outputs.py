@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
@@ -443,8 +444,10 @@ def test_cli_flags_read_files_and_refuse_two(tmp_path):
 def test_the_drafter_is_masked_where_the_state_is_known_before_drafting():
     """``fill_draft_masks`` on ``(a[cd]b)+``, four requests at once: position 0's mask is the state
     after the new tokens; through a forced run (b after a c) each next position's is the state after
-    it; from the first position with a choice on, every bit is set, and so after a stop token; the
-    matchers are rolled back."""
+    it; from the first position with a choice on, every bit is set, and so after a stop token. The
+    new tokens are taken ahead of their commit and the forced runs' rolled back: ``advance`` with the
+    commit takes nothing twice, and a commit shorter than the tokens (an output ending inside the
+    step) rolls the rest back. With ``stale``, rows past it are not written (they hold every bit)."""
     a, b, c, d = range(4)
     grammars = Grammars(letters_tokenizer(), 5, [EOS])
     spec = StructuredOutputs(regex="(a[cd]b)+")
@@ -459,16 +462,26 @@ def test_the_drafter_is_masked_where_the_state_is_known_before_drafting():
     grammar_list = [grammars.matcher(spec) for _ in range(4)]
     grammar_list[3].advance([a, c])
     out = torch.zeros(4 * 4, grammars.width, dtype=torch.int32)
-    fill_draft_masks(grammar_list, [[a, c], [a], [a, c, b], [b, EOS]], out, [0, 4, 8, 12], 4, MaskFiller())
+    new = [[a, c], [a], [a, c, b], [b, EOS]]
+    known = fill_draft_masks(grammar_list, new, out, [0, 4, 8, 12], 4, MaskFiller())
+    assert known.tolist() == [2, 1, 1, 0]
     assert torch.equal(out[0], state([a, c])) and torch.equal(out[1], state([a, c, b]))  # b forced, then a or EOS
     assert (out[2:4] == FREE_MASK).all() and not torch.equal(out[0], out[1])
     assert torch.equal(out[4], state([a])) and (out[5:8] == FREE_MASK).all()  # c or d: nothing known after
     assert torch.equal(out[8], state([a, c, b])) and (out[9:12] == FREE_MASK).all()
     assert (out[12:16] == FREE_MASK).all()  # after the stop token nothing follows
-    for grammar, committed in zip(grammar_list, ([], [], [], [a, c])):  # rolled back
+    commits = [[a, c], [a], [a], [b, EOS]]  # request 2's output ends after its first token
+    for grammar, before, commit in zip(grammar_list, ([], [], [], [a, c]), commits):
+        assert grammar.advance(commit) == (commit[-1] == EOS)
         row = torch.zeros(grammars.width, dtype=torch.int32)
         grammar.next_mask(row)
-        assert torch.equal(row, state(committed))
+        assert torch.equal(row, state(before + commit))  # each token taken once
+    out[:] = 7  # rows past ``stale`` are left as they are
+    known = fill_draft_masks(grammar_list[:3], [[b], [c], [c, b]], out, [0, 4, 8], 4, MaskFiller(), np.array([2, 1, 3]))
+    assert known.tolist() == [1, 2, 1]  # after a c b: a; after a c: b forced, then a
+    assert torch.equal(out[0], state([a, c, b])) and (out[1] == FREE_MASK).all() and (out[2:4] == 7).all()
+    assert torch.equal(out[5], state([a, c, b])) and (out[6:8] == 7).all()
+    assert (out[9:11] == FREE_MASK).all() and (out[11] == 7).all()
 
 
 # ------------------------------------------------------------------------------ sampled: the masked distribution

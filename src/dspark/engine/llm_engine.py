@@ -500,7 +500,8 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
             if self.acceptance is not None and seq.request_id in joined:  # a new request in its slot
                 self.acceptance.reset(seq.slot)
             kept = [] if resumed else seq.commit(result.tokens[i], max_len)
-            if seq.grammar is not None and kept and seq.grammar.advance(kept) and seq.finish_reason is None:
+            # (advance even with nothing kept: it rolls back what the drafter's masks took ahead)
+            if seq.grammar is not None and seq.grammar.advance(kept) and kept and seq.finish_reason is None:
                 seq.finish_reason = "stop"  # the grammar is complete
             kept_of.append(kept)
             if seq.request_id in first:
