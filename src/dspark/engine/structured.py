@@ -140,7 +140,7 @@ class Grammars:
         """A fresh matcher of ``spec`` for one request."""
         import xgrammar as xgr
 
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self.stop_ids)
 
 
 # xgrammar 0.2.9 writes a string bounded by minLength / maxLength as characters of this class, which
@@ -184,10 +184,12 @@ def only_tokens(rows: np.ndarray, vocab_size: int) -> np.ndarray:
 
 class RequestGrammar:
     """One request's grammar state (an xgrammar ``GrammarMatcher``) over a ``vocab_size``-token model
-    and the bitmask rows the engine stages for it: int32 ``[*, ceil(V / 32)]`` host tensors."""
+    and the bitmask rows the engine stages for it: int32 ``[*, ceil(V / 32)]`` host tensors.
+    ``stop_ids``: the tokens that end a complete grammar -- the matcher terminates when it takes
+    one and only then, so the walks test the tokens they take rather than ask the matcher."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, stop_ids):
+        self.matcher, self.vocab_size, self.stop_ids = matcher, vocab_size, frozenset(stop_ids)
         self.ahead: list[int] = []  # tokens taken before their commit (``take_ahead``)
 
     @property
@@ -215,10 +217,13 @@ class RequestGrammar:
         if self.ahead:  # a step that took tokens ahead and never committed them
             self.matcher.rollback(len(self.ahead))
         taken = 0
-        for token in tokens:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
-                break
-            taken += 1
+        if not self.matcher.is_terminated():
+            for token in tokens:
+                if not self.matcher.accept_token(token):
+                    break
+                taken += 1
+                if token in self.stop_ids:  # the grammar terminated: nothing follows
+                    break
         self.ahead = list(tokens[:taken])
 
     def advance(self, tokens: list[int]) -> bool:
@@ -260,6 +265,11 @@ def _rollback(matchers: list, counts: np.ndarray) -> None:
         xgr.BatchGrammarMatcher.batch_rollback([matchers[i] for i in some], counts[some].tolist())
 
 
+def _stop_ids(grammars: list[RequestGrammar]) -> np.ndarray:
+    """The stop tokens of ``grammars`` (one engine's: the same for all), int64."""
+    return np.array(sorted(grammars[0].stop_ids) if grammars else [], dtype=np.int64)
+
+
 def _not_terminated(matchers: list, requests: np.ndarray) -> np.ndarray:
     """The ``requests`` (indices into ``matchers``) whose grammar has not terminated."""
     return requests[[not matchers[i].is_terminated() for i in requests.tolist()]]
@@ -290,7 +300,7 @@ def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np
     still walking are filled at once (``batch``: a ``MaskFiller``), the drafts checked against them
     as arrays and taken in one xgrammar call; the matchers are rolled back (one call). No device
     work: a round's walk costs no host<->device round trip."""
-    n, vocab = len(grammars), (grammars[0].vocab_size if grammars else 0)
+    n, vocab, stops = len(grammars), (grammars[0].vocab_size if grammars else 0), _stop_ids(grammars)
     matchers = [g.matcher for g in grammars]
     drafts, first_rows = np.array(drafts, dtype=np.int64), np.asarray(first_rows, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -315,9 +325,10 @@ def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np
             drafts[walking[put], j] = tokens[put] = only[only >= 0]
             allowed[put] = True
         walking, tokens = walking[allowed], tokens[allowed]
-        walking = walking[_accept([matchers[i] for i in walking], tokens)]
+        took = _accept([matchers[i] for i in walking], tokens)
+        walking, tokens = walking[took], tokens[took]
         valid[walking] += 1
-        walking = _not_terminated(matchers, walking)  # the stop token ends the output: no row follows it
+        walking = walking[~np.isin(tokens, stops)]  # a stop token ends the output: no row follows it
         j += 1
     _rollback(matchers, valid)
     empty = np.zeros(0, dtype=np.int64)
@@ -340,7 +351,7 @@ def fill_draft_masks(grammars: list[RequestGrammar], tokens: list[list[int]], ma
     past it hold every bit already and are not written again (default: all ``positions``). All
     requests at once, position by position (``batch``: a ``MaskFiller``), the forced runs' tokens
     rolled back. Returns ``known`` int64 ``[n]``: the leading positions given a mask."""
-    n, vocab = len(grammars), (grammars[0].vocab_size if grammars else 0)
+    n, vocab, stops = len(grammars), (grammars[0].vocab_size if grammars else 0), _stop_ids(grammars)
     matchers = [g.matcher for g in grammars]
     first_rows = np.asarray(first_rows, dtype=np.int64)
     for grammar, new in zip(grammars, tokens):
@@ -348,9 +359,8 @@ def fill_draft_masks(grammars: list[RequestGrammar], tokens: list[list[int]], ma
     forced = np.zeros(n, dtype=np.int64)
     words = masks.numpy().view(np.uint32)
     known = np.zeros(n, dtype=np.int64)  # leading positions with a mask of their own
-    live = np.arange(n)
+    live = _not_terminated(matchers, np.arange(n))
     for j in range(positions):
-        live = _not_terminated(matchers, live)
         if not live.size:
             break
         rows = first_rows[live] + j
@@ -360,8 +370,10 @@ def fill_draft_masks(grammars: list[RequestGrammar], tokens: list[list[int]], ma
             break
         only = only_tokens(words[rows], vocab)
         live, only = live[only >= 0], only[only >= 0]
-        live = live[_accept([matchers[i] for i in live], only)]
+        took = _accept([matchers[i] for i in live], only)
+        live, only = live[took], only[took]
         forced[live] += 1
+        live = live[~np.isin(only, stops)]  # a forced stop token: nothing follows
     stale = np.full(n, positions, dtype=np.int64) if stale is None else np.asarray(stale, dtype=np.int64)
     position = np.arange(positions)[None, :]
     request, position = np.nonzero((position >= known[:, None]) & (position < stale[:, None]))  # [n, positions]
