@@ -10,11 +10,10 @@ drafts) -- are staged (``stage_round``: the windows' walk, the forced drafts, th
 commits each row's valid drafts and a token of the mask after them (the target's), the drafter's
 masks are staged after them (``stage_drafts``) and the requests take them (``commit``, as the
 engine's ``_commit``); a request whose JSON is complete starts again. Prints the median ms per round
-(this thread's CPU time: steady on a shared machine) of each part and of their sum over ``--rounds`` rounds after 5 warm-up rounds, the masks' two copies
-to the runner's buffers apart (on a GPU they are asynchronous copies from pinned memory, device time
-rather than the host's; here CPU memcpys); ``--profile FILE`` writes cProfile's table of the timed
-rounds (copies included).
-"""
+(this thread's CPU time: steady on a shared machine) of each part and of their sum over ``--rounds``
+rounds after 5 warm-up rounds, the masks' two copies to the runner's buffers apart (on a GPU they are
+asynchronous copies from pinned memory, device time rather than the host's; here CPU memcpys);
+``--profile FILE`` writes cProfile's table of the timed rounds (copies included)."""
 
 from __future__ import annotations
 
@@ -68,6 +67,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--profile", default=None)
     args = parser.parse_args()
+    # one thread: torch's int32 copy_ on two threads took ~4 ms for 150 KB on this project's shared
+    # 2-core machine (a GPU's copies are DMA; one thread times the memcpy itself)
+    torch.set_num_threads(1)
     b, p, rng = args.batch, args.drafts, random.Random(0)
     grammars, spec = Grammars(generated_tokenizer(REGULAR), VOCAB, [0]), StructuredOutputs(json=SCHEMA)
     width, t = bitmask_width(VOCAB), p + 1
