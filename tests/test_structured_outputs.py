@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,8 +19,7 @@ from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from statistics_cases import check_transitions
 
 from dspark.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputs
-from dspark.engine.structured import (FREE_MASK, GrammarRow, GrammarStager, Grammars, MaskFiller, fill_draft_masks,
-                                      only_tokens, walk_tree,
+from dspark.engine.structured import (FREE_MASK, Grammars, MaskFiller, fill_draft_masks, only_tokens, walk_tree,
                                       walk_windows)
 from dspark.training.data import demo_pair, read_prompts
 
@@ -484,57 +482,6 @@ def test_the_drafter_is_masked_where_the_state_is_known_before_drafting():
     assert torch.equal(out[0], state([a, c, b])) and (out[1] == FREE_MASK).all() and (out[2:4] == 7).all()
     assert torch.equal(out[5], state([a, c, b])) and (out[6:8] == 7).all()
     assert (out[9:11] == FREE_MASK).all() and (out[11] == 7).all()
-
-
-def test_a_window_starts_from_the_drafters_masks_where_they_hold_its_state():
-    """``GrammarStager``: the drafter's masks of a step (its tokens taken ahead, then committed as
-    they were) are the next window's first masks -- position 0 and the forced run after it, b after
-    a c -- not filled again; every window mask is a fresh matcher's after the committed tokens and
-    the window's tokens (a refused draft replaced by the forced one). A row now holding another
-    request, or a request whose commit was not what was taken ahead, is filled anew."""
-    a, b, c, d = range(4)
-    grammars = Grammars(letters_tokenizer(), 5, [EOS])
-    spec, t, width = StructuredOutputs(regex="(a[cd]b)+"), 4, grammars.width
-    state = SimpleNamespace(grammar_mask=torch.full((3, t, width), FREE_MASK, dtype=torch.int32),
-                            draft_mask=torch.full((3, t, width), FREE_MASK, dtype=torch.int32),
-                            draft_tokens=torch.zeros(3, t - 1, dtype=torch.int64), draft_probs=None)
-    stager = GrammarStager(state, t, width, slice(1, t))
-    filled = []
-    fill = stager.batch.batch_fill_next_token_bitmask
-    stager.batch.batch_fill_next_token_bitmask = lambda m, masks, rows: (filled.append(len(m)), fill(m, masks, rows))
-
-    def round_(rows, committed, drafts):
-        """One window walk of ``rows``; its masks checked against fresh matchers; masks filled."""
-        filled.clear()
-        state.draft_tokens[:len(rows)] = torch.tensor(drafts)
-        lens = stager.stage_round(rows, [t] * len(rows), state.draft_tokens[:len(rows)].clone())
-        for r, done in zip(rows, committed):
-            fresh = grammars.matcher(spec)
-            fresh.advance(done)
-            window = state.draft_tokens[r.row, :lens[r.row] - 1].tolist()
-            for j in range(lens[r.row]):
-                row = torch.zeros(width, dtype=torch.int32)
-                fresh.next_mask(row)
-                assert torch.equal(stager.verify_masks[r.row, j], row), (r.row, j)
-                if j < len(window) and not fresh.matcher.accept_token(window[j]):
-                    assert j == len(window) - 1  # the refused draft is the window's last
-        return sum(filled)
-
-    g = [grammars.matcher(spec) for _ in range(3)]
-    rows = [GrammarRow(0, g[0]), GrammarRow(1, g[1])]
-    stager.stage_drafts(rows, [[a, c], [a]])  # row 0: b forced after a c (2 masks known); row 1: c or d (1)
-    assert stager.draft_known[:2].tolist() == [2, 1]
-    assert not g[0].advance([a, c]) and not g[1].advance([a])
-    # row 0 drafts d (refused: b forced) a c; row 1 c b a: every draft taken, windows of 4 masks each
-    assert round_(rows, [[a, c], [a]], [[d, a, c], [c, b, a]]) == 8 - 3  # 3 masks were the drafter's
-    assert state.draft_tokens[0].tolist() == [b, a, c]
-    stager.stage_drafts(rows, [[b, a], [c]])
-    assert not g[0].advance([b]) and not g[1].advance([c, b])  # row 0's output ends early; row 1 commits more
-    assert round_(rows, [[a, c, b], [a, c, b]], [[a, c, b], [a, d, b]]) == 8  # neither is at the drafted state
-    stager.stage_drafts(rows, [[a], [a]])
-    assert not g[0].advance([a]) and not g[1].advance([a])
-    swapped = [GrammarRow(0, g[1]), GrammarRow(1, g[0])]  # each row's masks are the other request's now
-    assert round_(swapped, [[a, c, b, a], [a, c, b, a]], [[c, b, a], [d, b, a]]) == 8
 
 
 # ------------------------------------------------------------------------------ sampled: the masked distribution

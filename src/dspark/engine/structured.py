@@ -191,9 +191,6 @@ class RequestGrammar:
     def __init__(self, matcher, vocab_size: int, stop_ids):
         self.matcher, self.vocab_size, self.stop_ids = matcher, vocab_size, frozenset(stop_ids)
         self.ahead: list[int] = []  # tokens taken before their commit (``take_ahead``)
-        # whether the matcher is where ``take_ahead`` left it, committed: the state the drafter's
-        # masks were filled from (``GrammarStager`` reuses them as the next window's)
-        self.at_drafted_state = False
 
     @property
     def terminated(self) -> bool:
@@ -219,7 +216,6 @@ class RequestGrammar:
         then takes only what the commit adds to them."""
         if self.ahead:  # a step that took tokens ahead and never committed them
             self.matcher.rollback(len(self.ahead))
-        self.at_drafted_state = True
         taken = 0
         if not self.matcher.is_terminated():
             for token in tokens:
@@ -243,9 +239,6 @@ class RequestGrammar:
             if same < len(ahead):
                 self.matcher.rollback(len(ahead) - same)
             tokens = tokens[same:]
-            self.at_drafted_state = self.at_drafted_state and same == len(ahead) and not tokens
-        else:
-            self.at_drafted_state = self.at_drafted_state and not tokens
         for token in tokens:
             if self.matcher.is_terminated():
                 return True
@@ -302,7 +295,7 @@ class Windows:
 
 
 def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np.ndarray, masks: torch.Tensor,
-                 first_rows: np.ndarray, batch, filled: np.ndarray | None = None) -> Windows:
+                 first_rows: np.ndarray, batch) -> Windows:
     """Each request's verify window: row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``,
     host) becomes request i's bitmask after its committed tokens and its first j drafts (``drafts``
     int64 ``[n, P]``, the first ``lengths[i]`` of row i drafted), for each j up to its grammar-valid
@@ -311,10 +304,8 @@ def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np
     of a refused draft (``Windows.forced_tokens``): the target's masked distribution there is that token
     alone, so it is accepted whatever was drafted. Position by position, the masks of every request
     still walking are filled at once (``batch``: a ``MaskFiller``), the drafts checked against them
-    as arrays and taken (``accept_token`` per request); the matchers are rolled back (one call).
-    ``filled`` int64 ``[n]``: request i's first ``filled[i]`` rows already hold their masks (the
-    drafter's: ``GrammarStager``) and are not filled again. No device work: a round's walk costs no
-    host<->device round trip."""
+    as arrays and taken in one xgrammar call; the matchers are rolled back (one call). No device
+    work: a round's walk costs no host<->device round trip."""
     n, vocab, stops = len(grammars), (grammars[0].vocab_size if grammars else 0), _stop_ids(grammars)
     matchers = [g.matcher for g in grammars]
     drafts, first_rows = np.array(drafts, dtype=np.int64), np.asarray(first_rows, dtype=np.int64)
@@ -322,12 +313,10 @@ def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np
     words = masks.numpy().view(np.uint32)
     valid = np.zeros(n, dtype=np.int64)
     forced: list[tuple[np.ndarray, int, np.ndarray]] = []
-    filled = np.zeros(n, dtype=np.int64) if filled is None else np.asarray(filled, dtype=np.int64)
     walking, j = np.arange(n), 0
     while walking.size:
         rows = first_rows[walking] + j
-        fill = filled[walking] <= j
-        batch.batch_fill_next_token_bitmask([matchers[i] for i in walking[fill]], masks, rows[fill].tolist())
+        batch.batch_fill_next_token_bitmask([matchers[i] for i in walking], masks, rows.tolist())
         drafting = lengths[walking] > j
         walking, rows = walking[drafting], rows[drafting]
         if not walking.size:
@@ -356,8 +345,7 @@ def walk_windows(grammars: list[RequestGrammar], drafts: np.ndarray, lengths: np
 
 
 def fill_draft_masks(grammars: list[RequestGrammar], tokens: list[list[int]], masks: torch.Tensor,
-                     first_rows: np.ndarray, positions: int, batch,
-                     stale: np.ndarray | None = None) -> np.ndarray:
+                     first_rows: np.ndarray, positions: int, batch, stale: np.ndarray | None = None) -> np.ndarray:
     """The drafter's masks after each request's ``tokens[i]`` more, which the matchers take ahead of
     their commit (``RequestGrammar.take_ahead``; the engine's commit then does not take them again):
     row ``first_rows[i] + j`` of ``masks`` (int32 ``[R, width]``, host), j < ``positions``, becomes
@@ -393,8 +381,8 @@ def fill_draft_masks(grammars: list[RequestGrammar], tokens: list[list[int]], ma
         forced[live] += 1
         live = live[~_stops(only, stops)]  # a forced stop token: nothing follows
     stale = np.full(n, positions, dtype=np.int64) if stale is None else np.asarray(stale, dtype=np.int64)
-    position = np.arange(positions)[None, :]  # the rows to reset: after the known ones, up to the stale ones
-    request, position = np.nonzero((position >= known[:, None]) & (position < stale[:, None]))
+    position = np.arange(positions)[None, :]
+    request, position = np.nonzero((position >= known[:, None]) & (position < stale[:, None]))  # [n, positions]
     words[first_rows[request] + position] = np.uint32(0xFFFFFFFF)
     _rollback(matchers, forced)
     return known
@@ -500,8 +488,6 @@ class MaskFiller:
 
     def batch_fill_next_token_bitmask(self, matchers: list, masks: torch.Tensor, rows: list[int]) -> None:
         """``matchers[i]``'s next-token bitmask into row ``rows[i]`` of int32 ``masks`` ``[R, width]`` (host)."""
-        if not matchers:  # nothing to time either
-            return
         if len(matchers) * self.seconds_per_mask > self.PARALLEL_AFTER_S:
             self.parallel.batch_fill_next_token_bitmask(matchers, masks, rows)
             return
@@ -560,7 +546,6 @@ class GrammarStager:
         # per row of the host's draft masks, its leading draft positions that may hold a mask (the
         # rest have every bit set): a row's slots are reset only as far as they were written
         self.draft_known = np.zeros(rows, dtype=np.int64)
-        self.draft_owners: list[RequestGrammar | None] = [None] * rows  # whose masks a row holds
         self.batch = MaskFiller()
         # each step's masks go to the device in one copy per kind: a round's windows, a plain round's
         # (and a seat's) position 0, the drafter's block slots
@@ -591,10 +576,9 @@ class GrammarStager:
             return None
         lens = np.array(verify_lens, dtype=np.int64)
         batch_rows = np.array([r.row for r in rows], dtype=np.int64)
-        filled = self._reuse_draft_masks(rows, lens[batch_rows])
         windows = walk_windows([r.grammar for r in rows], drafts.numpy()[batch_rows], lens[batch_rows] - 1,
                                self.verify_masks.view(-1, self.verify_masks.shape[-1]),
-                               batch_rows * self.verify_len, self.batch, filled)
+                               batch_rows * self.verify_len, self.batch)
         lens[batch_rows] = 1 + np.minimum(lens[batch_rows] - 1, windows.valid + 1)
         self._force(batch_rows[windows.forced_requests], windows.forced_positions, windows.forced_tokens)
         # whole rows, not just the windows: a position past a row's window must keep on the device the
@@ -602,28 +586,6 @@ class GrammarStager:
         # verify's finite-probabilities check over every position can meet a row masked to nothing
         self.windows.send(batch_rows.tolist())
         return lens.tolist()
-
-    def _reuse_draft_masks(self, rows: list[GrammarRow], lens: np.ndarray) -> np.ndarray:
-        """The drafter's masks of the last step (``stage_drafts``) as the windows' first masks,
-        where a row still holds its request's and the request's matcher is at the state they were
-        filled from: its first position's, and through a forced run the next ones' (the walk takes
-        the forced tokens there, drafted or not), up to the row's verify length ``lens`` (a mask
-        past the window would change the one its stale logits were masked with). Returns int64
-        ``[len(rows)]``: how many leading masks each row got (``walk_windows``' ``filled``)."""
-        if self.draft_masks is None:
-            return np.zeros(len(rows), dtype=np.int64)
-        owners, known = self.draft_owners, self.draft_known
-        batch_rows = np.array([r.row for r in rows], dtype=np.int64)
-        mine = np.array([owners[r.row] is r.grammar and r.grammar.at_drafted_state for r in rows], dtype=bool)
-        filled = np.where(mine, np.minimum(known[batch_rows], lens), 0)
-        request = np.repeat(np.arange(len(rows)), filled)
-        position = np.arange(len(request)) - np.repeat(np.cumsum(filled) - filled, filled)
-        block, t = self.draft_masks.shape[1], self.verify_len
-        verify = self.verify_masks.view(-1, self.verify_masks.shape[-1]).numpy()
-        draft = self.draft_masks.view(-1, self.draft_masks.shape[-1]).numpy()
-        verify[batch_rows[request] * t + position] = draft[batch_rows[request] * block + self.draft_slots.start
-                                                           + position]
-        return filled
 
     def _first_masks(self, rows: list[GrammarRow]) -> None:
         """Each row's mask after its committed tokens at its verify position 0, the rows still
@@ -692,8 +654,6 @@ class GrammarStager:
         slots = self.draft_slots
         block = self.draft_masks.shape[1]
         batch_rows = np.array([r.row for r in rows], dtype=np.int64)
-        for r in rows:
-            self.draft_owners[r.row] = r.grammar
         self.draft_known[batch_rows] = fill_draft_masks(
             [r.grammar for r in rows], [tokens[r.row] if r.commits else [] for r in rows],
             self.draft_masks.view(-1, self.draft_masks.shape[-1]), batch_rows * block + slots.start,
