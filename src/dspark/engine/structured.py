@@ -233,9 +233,9 @@ class RequestGrammar:
         commits one."""
         ahead, self.ahead = self.ahead, []
         if ahead:
-            same = 0
-            while same < min(len(ahead), len(tokens)) and ahead[same] == tokens[same]:
-                same += 1
+            tokens = list(tokens)
+            same = len(ahead) if tokens[:len(ahead)] == ahead else next(  # where the commit leaves them
+                i for i, (taken, kept) in enumerate(zip(ahead, tokens + [None])) if taken != kept)
             if same < len(ahead):
                 self.matcher.rollback(len(ahead) - same)
             tokens = tokens[same:]
