@@ -92,6 +92,23 @@ def test_a_run_that_captures_everything_reports_the_pool_against_the_estimate(tm
     assert "error" not in report
 
 
+def test_memory_json_holds_each_graph_as_soon_as_it_is_captured(tmp_path, monkeypatch):
+    """A run its time limit kills mid-capture keeps what it measured: memory.json is rewritten after
+    every new graph (read here from inside the captures, before the run ends)."""
+    device = FakeDevice(monkeypatch)
+    engine, on_disk = FakeEngine(device, 3), []
+    replay = engine.runner._replay
+
+    def reading(key, fn):
+        if (tmp_path / "memory.json").exists():
+            on_disk.append([g["key"] for g in json.loads((tmp_path / "memory.json").read_text())["growth"]])
+        replay(key, fn)
+
+    engine.runner._replay = reading
+    memory.write_report(engine, tmp_path, estimate(2.5))
+    assert on_disk == [[["verify", "3", "24"]], [["verify", "3", "24"], ["verify", "2", "16"]]]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpu-memory-utilization", "0"], r"--gpu-memory-utilization must be in \(0, 1\], got 0.0"),
     (["--gpu-memory-utilization", "1.5"], r"--gpu-memory-utilization must be in \(0, 1\], got 1.5"),

@@ -37,11 +37,11 @@ def _pool_bytes(device) -> int:
                if s.get("device", device.index) == device.index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
-def measure(engine, report: dict) -> None:
+def measure(engine, report: dict, recorded_one=lambda: None) -> None:
     """Capture every graph of ``engine`` (idle), recording into ``report`` as it goes -- per new graph
     key (``report["growth"]``) the warm-up's peak allocation above what was allocated before it and
-    the reserved memory's growth, then the totals (``summarise``) -- so that a capture that raises
-    leaves what was measured until then."""
+    the reserved memory's growth (``recorded_one()`` called after each), then the totals
+    (``summarise``) -- so that a capture that raises leaves what was measured until then."""
     runner = engine.runner
     device = runner.device if runner.device.index is not None else torch.device("cuda", torch.cuda.current_device())
     replay, growth = runner._replay, report.setdefault("growth", [])
@@ -55,6 +55,7 @@ def measure(engine, report: dict) -> None:
             growth.append({"key": [str(k) for k in key],
                            "warm_up_peak_gib": _gib(torch.cuda.max_memory_allocated(device) - allocated),
                            "reserved_growth_gib": _gib(torch.cuda.memory_reserved(device) - reserved)})
+            recorded_one()
 
     report["free_before_captures_gib"] = _gib(torch.cuda.mem_get_info(device)[0])
     runner._replay = recorded
@@ -82,11 +83,12 @@ def summarise(report: dict, device, seconds: float) -> None:
 
 
 def write_report(engine, out: Path, report: dict) -> dict:
-    """``measure`` ``engine`` into ``report`` and write it to ``out/memory.json`` -- also when a capture
-    raises: what was recorded until then, with the error, then the error is raised again."""
+    """``measure`` ``engine`` into ``report`` and write it to ``out/memory.json`` -- after each graph (a
+    run its time limit kills keeps what it measured) and when a capture raises: what was recorded
+    until then, with the error, then the error is raised again."""
     out.mkdir(parents=True, exist_ok=True)
     try:
-        measure(engine, report)
+        measure(engine, report, lambda: (out / "memory.json").write_text(json.dumps(report, indent=1)))
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         raise
