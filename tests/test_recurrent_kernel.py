@@ -125,37 +125,47 @@ def test_gated_delta_replay_scan_is_the_per_position_scan_rolled_back(backend, d
     """Windows run by ``gated_delta_replay_scan`` (two checkpoint slots and two halves of kept
     entries in turn, as the engine runs them) give ``gated_delta_scan``'s outputs, and each call's
     new checkpoint is the per-position scan's state after the last window's accepted prefix, to the
-    bit (same backend, same steps), the one it read left as it was; a last call without tokens
-    replays the last window."""
+    bit (same backend, same steps), the one it read left as it was, and a snapshot after a given
+    count of replayed tokens (none, the start state, part or all of the prefix) that scan's state
+    there; a last call without tokens replays the last window."""
     lines, requests = _i64(REPLAY_LINES), len(REPLAY_LINES)
     *_, ring = _inputs(1, dtype, seed=3)
     ring = torch.cat([ring, ring[:2]])[:, :1].repeat(1, WINDOW + 1, 1, 1, 1)  # 7 lines; entry 0: the window's start
     fresh = torch.tensor([r == 2 for r in range(requests)], device=DEVICE)  # its first window from zero
-    checkpoints = ring[:, :2].clone()
+    checkpoints = ring[:, :3].clone()  # slot 2: the snapshots'
     kept = [torch.zeros(7, 2 * WINDOW, HEADS, *size, dtype=t, device=DEVICE)
             for size, t in (((DK,), dtype), ((DV,), dtype), ((), torch.float32), ((), dtype))]
-    replay = torch.zeros_like(lines)
+    replay, last, kinds = torch.zeros_like(lines), ring.clone(), set()
     for w, counts in enumerate(WINDOW_COUNTS + [[0] * requests]):
         q, k, v, g, beta, _ = _inputs(sum(counts), dtype, seed=10 + w)
         counts_, half = _i64(counts), w % 2  # the slot and half written last
         firsts = torch.cumsum(counts_, 0) - counts_
         read = torch.where(fresh & (w == 0), -1, half)
         before = checkpoints.clone()
+        snapshots = _i64([(a + w + i) % (a + 2) - 1 for i, a in enumerate(replay.tolist())])  # -1 .. replayed
         with K.use_backend(backend):
             out = K.gated_delta_replay_scan(q, k, v, g, beta, checkpoints, *kept, lines, read,
                                             torch.full_like(lines, half * WINDOW), replay,
                                             torch.full_like(lines, 1 - half),
                                             torch.full_like(lines, (1 - half) * WINDOW), firsts, counts_,
-                                            scale=DK ** -0.5)
+                                            snapshots, torch.full_like(lines, 2), scale=DK ** -0.5)
             expected = K.gated_delta_scan(q, k, v, g, beta, ring, lines, read.clamp(max=0), firsts, counts_,
                                           lines.repeat_interleave(counts_), torch.arange(len(q), device=DEVICE) -
                                           firsts.repeat_interleave(counts_) + 1, scale=DK ** -0.5)
         assert torch.equal(out, expected)
         assert torch.equal(checkpoints[lines, 1 - half], ring[lines, 0] * (read >= 0)[:, None, None, None])
         assert torch.equal(checkpoints[:, half], before[:, half]) and torch.equal(checkpoints[6], before[6])
+        # the per-position scan's state after that many tokens of the last window (entry 0: its start)
+        snapshot = last[lines, snapshots.clamp(min=0)] * (read >= 0)[:, None, None, None]
+        expected_snapshot = torch.where((snapshots >= 0)[:, None, None, None], snapshot, before[lines, 2])
+        kinds |= {"none" if n < 0 else "start" if n == 0 else "all" if n == a else "part"
+                  for n, a in zip(snapshots.tolist(), replay.tolist())}
+        assert torch.equal(checkpoints[lines, 2], expected_snapshot)
         if w < len(WINDOW_COUNTS):
-            replay = _i64(ACCEPTED[w])
+            replay, last = _i64(ACCEPTED[w]), ring.clone()
+            last[lines[read < 0], 0] = 0  # the window's start (a fresh line's: zero)
             ring[lines, 0] = ring[lines, replay]  # the per-position form's rollback: the state after the prefix
+    assert kinds == {"none", "start", "part", "all"}
 
 
 def test_gated_delta_replay_scan_refuses_bad_addressing_by_name():
@@ -171,6 +181,8 @@ def test_gated_delta_replay_scan_refuses_bad_addressing_by_name():
         K.gated_delta_replay_scan(**{**args, "checkpoints": states[:2, :2, :, :, :5].clone()})
     with pytest.raises(TypeError, match="kept_k must have dtype"):
         K.gated_delta_replay_scan(**{**args, "kept_k": kept[0].half()})
+    with pytest.raises(ValueError, match="snapshot_counts and snapshot_entries must be given together"):
+        K.gated_delta_replay_scan(**{**args, "snapshot_counts": one})
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="must not overlap"):
             K.gated_delta_replay_scan(**{**args, "keep_entries": one * 2})
@@ -180,6 +192,9 @@ def test_gated_delta_replay_scan_refuses_bad_addressing_by_name():
             K.gated_delta_replay_scan(**{**args, "write_entries": one * 2})
         with pytest.raises(ValueError, match="lines must lie"):
             K.gated_delta_replay_scan(**{**args, "lines": one * 2})
+        for count, entry in ((5, 0), (-2, 0), (4, 2)):  # past the replay, below -1, no such slot
+            with pytest.raises(ValueError, match=r"snapshot_counts\[r\] must lie in -1 .. replay_counts\[r\]"):
+                K.gated_delta_replay_scan(**{**args, "snapshot_counts": one * count, "snapshot_entries": one * entry})
 
 
 def test_gated_delta_scan_refuses_bad_inputs_by_name():

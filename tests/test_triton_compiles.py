@@ -115,7 +115,8 @@ KERNELS = {
     "recurrent._gated_delta_replay_scan_kernel": (
         {**BF16, "beta_ptr": "*bf16", "kept_k_ptr": "*bf16", "kept_v_ptr": "*bf16", "kept_beta_ptr": "*bf16",
          **{f"{name}_ptr": "*i64" for name in ("lines", "read_entries", "replay_entries", "replay_counts",
-                                                "write_entries", "keep_entries", "first", "count")}, "scale": "fp32"},
+                                                "write_entries", "keep_entries", "first", "count", "snapshot_counts",
+                                                "snapshot_entries")}, "scale": "fp32"},
         [dict(HV=32, DK=128, DV=128, BK=128, BV_=8)]),
     "recurrent._selective_state_scan_kernel": (
         {"x_ptr": "*bf16", "dt_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "d_ptr": "*bf16", "out_ptr": "*bf16",

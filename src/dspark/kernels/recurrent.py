@@ -80,7 +80,7 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
 
 def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, read_entries,
                             replay_entries, replay_counts, write_entries, keep_entries, first_tokens, token_counts,
-                            scale: float):
+                            snapshot_counts=None, snapshot_entries=None, *, scale: float):
     """The gated delta rule over each request's tokens from its line's checkpoint advanced through
     the accepted prefix of its last window; returns ``out`` ``[N, HV, dv]`` in ``v``'s dtype.
 
@@ -97,7 +97,10 @@ def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_
        ..`` -- the accepted prefix of the last window, without outputs, the same steps as that
        window's own -- and written to ``checkpoints[line, write_entries[r]]``: the state at this
        window's start (the read entry itself, or another: a caller that alternates two leaves the
-       line's state as it was until it switches, e.g. after a forward that failed half way);
+       line's state as it was until it switches, e.g. after a forward that failed half way); where
+       ``snapshot_counts[r] >= 0`` (at most ``replay_counts[r]``), the state after that many replayed
+       tokens (0: the start state) is also written to ``checkpoints[line, snapshot_entries[r]]`` --
+       the state at a block end the replay passes, for the prefix cache (None, None: no such writes);
     3. it runs the request's tokens ``first_tokens[r] .. + token_counts[r] - 1`` with outputs,
        their inputs kept at entries ``keep_entries[r] ..`` of the line (the next call replays them).
 
@@ -126,9 +129,16 @@ def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_
     kept_beta = c.tensor("kept_beta", kept_beta, dtype=beta.dtype, shape=[lines_count, entries, heads],
                          device=device, contiguous=True)
     lines = c.tensor("lines", lines, dtype=_INDEX, ndim=1, device=device).contiguous()
+    if (snapshot_counts is None) != (snapshot_entries is None):
+        c.fail("snapshot_counts and snapshot_entries must be given together (or neither), got "
+               f"{'snapshot_counts' if snapshot_entries is None else 'snapshot_entries'} alone")
+    if snapshot_counts is None:  # no snapshots: the kernels' addressing always has them
+        snapshot_counts = torch.full_like(lines, -1)
+        snapshot_entries = torch.zeros_like(lines)
     requests = (("read_entries", read_entries), ("replay_entries", replay_entries), ("replay_counts", replay_counts),
                 ("write_entries", write_entries), ("keep_entries", keep_entries), ("first_tokens", first_tokens),
-                ("token_counts", token_counts))
+                ("token_counts", token_counts), ("snapshot_counts", snapshot_counts),
+                ("snapshot_entries", snapshot_entries))
     addressing = Replay(lines, *(c.tensor(name, t, dtype=_INDEX, shape=[lines.shape[0]], device=device).contiguous()
                                  for name, t in requests))
     if device.type == "cpu":
@@ -140,7 +150,8 @@ def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_
 
 
 class Replay(NamedTuple):
-    """``gated_delta_replay_scan``'s per-request addressing (int64 ``[R]`` each; its docstring)."""
+    """``gated_delta_replay_scan``'s per-request addressing (int64 ``[R]`` each; its docstring;
+    ``snapshot_counts`` / ``snapshot_entries`` None: no snapshot writes)."""
 
     lines: torch.Tensor
     read_entries: torch.Tensor
@@ -150,6 +161,8 @@ class Replay(NamedTuple):
     keep_entries: torch.Tensor
     first_tokens: torch.Tensor
     token_counts: torch.Tensor
+    snapshot_counts: torch.Tensor | None = None
+    snapshot_entries: torch.Tensor | None = None
 
 
 def _delta_inputs(c: Checker, q, k, v, g, beta) -> tuple[torch.Tensor, ...]:
@@ -183,6 +196,11 @@ def _check_replay(c: Checker, a: Replay, lines_count: int, slots: int, entries: 
     fail_unless((a.keep_entries >= 0) & (a.keep_entries + a.token_counts <= entries),
                 f"keep_entries[r] .. + token_counts[r] - 1 must lie in 0 .. {entries - 1}",
                 ("keep_entries", "token_counts"))
+    snapshot = a.snapshot_counts >= 0
+    fail_unless((a.snapshot_counts >= -1) & (a.snapshot_counts <= a.replay_counts) &
+                (~snapshot | ((a.snapshot_entries >= 0) & (a.snapshot_entries < slots))),
+                f"snapshot_counts[r] must lie in -1 .. replay_counts[r], and snapshot_entries[r] in 0 .. {slots - 1} "
+                "where snapshot_counts[r] >= 0", ("snapshot_counts", "snapshot_entries", "replay_counts"))
     apart = (a.replay_counts == 0) | (a.token_counts == 0) | (a.replay_entries >= a.keep_entries + a.token_counts) | \
         (a.keep_entries >= a.replay_entries + a.replay_counts)
     fail_unless(apart, "the entries a request replays and those it keeps must not overlap",

@@ -28,13 +28,16 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
 
 def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, read_entries,
                             replay_entries, replay_counts, write_entries, keep_entries, first_tokens, token_counts,
-                            scale):
+                            snapshot_counts, snapshot_entries, scale):
     out = torch.empty_like(v)
     for r in range(lines.shape[0]):
-        line, entry = int(lines[r]), int(read_entries[r])
+        line, entry, snapshot = int(lines[r]), int(read_entries[r]), int(snapshot_counts[r])
         state = checkpoints[line, entry].clone() if entry >= 0 else checkpoints.new_zeros(checkpoints.shape[2:])
-        for e in range(int(replay_entries[r]), int(replay_entries[r] + replay_counts[r])):
-            state = _delta_step(state, kept_k[line, e], kept_v[line, e], kept_g[line, e], kept_beta[line, e])
+        for replayed, e in enumerate(range(int(replay_entries[r]), int(replay_entries[r] + replay_counts[r]) + 1)):
+            if replayed == snapshot:
+                checkpoints[line, snapshot_entries[r]] = state
+            if replayed < replay_counts[r]:
+                state = _delta_step(state, kept_k[line, e], kept_v[line, e], kept_g[line, e], kept_beta[line, e])
         checkpoints[line, write_entries[r]] = state
         first, keep = int(first_tokens[r]), int(keep_entries[r])
         for t in range(int(token_counts[r])):

@@ -122,7 +122,8 @@ def gated_delta_scan(q, k, v, g, beta, states, read_lines, read_entries, first_t
 def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, checkpoints_ptr, kept_k_ptr,
                                     kept_v_ptr, kept_g_ptr, kept_beta_ptr, lines_ptr, read_entries_ptr,
                                     replay_entries_ptr, replay_counts_ptr, write_entries_ptr, keep_entries_ptr,
-                                    first_ptr, count_ptr, scale, slots, entries, HV: tl.constexpr, DK: tl.constexpr,
+                                    first_ptr, count_ptr, snapshot_counts_ptr, snapshot_entries_ptr, scale, slots,
+                                    entries, HV: tl.constexpr, DK: tl.constexpr,
                                     DV: tl.constexpr, BK: tl.constexpr, BV_: tl.constexpr):
     pid = tl.program_id(0)
     nv = tl.cdiv(DV, BV_)
@@ -137,10 +138,17 @@ def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     line_stride = slots * (HV * DK * DV)
     s = _start_state(checkpoints_ptr, lines_ptr, read_entries_ptr, r, line_stride, HV * DK * DV, in_head, mask_s)
     replayed = line * entries + tl.load(replay_entries_ptr + r)  # the line's first replayed kept token
+    snapshot = tl.load(snapshot_counts_ptr + r)  # the state after this many replayed tokens to a block end's entry
+    if snapshot == 0:
+        _store_state(checkpoints_ptr, lines_ptr, snapshot_entries_ptr, r, line_stride, HV * DK * DV, in_head, s,
+                     mask_s)
     for t in range(0, tl.load(replay_counts_ptr + r)):
         b_k, b_v, b_g, b_beta = _delta_inputs(kept_k_ptr, kept_v_ptr, kept_g_ptr, kept_beta_ptr,
                                               (replayed + t) * HV + h, o_k, o_v, mask_k, mask_v, DK, DV)
         s = _delta_step(s, b_k, b_v, b_g, b_beta)
+        if t + 1 == snapshot:
+            _store_state(checkpoints_ptr, lines_ptr, snapshot_entries_ptr, r, line_stride, HV * DK * DV, in_head, s,
+                         mask_s)
     _store_state(checkpoints_ptr, lines_ptr, write_entries_ptr, r, line_stride, HV * DK * DV, in_head, s, mask_s)
     kept = line * entries + tl.load(keep_entries_ptr + r)  # where the line keeps this window's first token
     first = tl.load(first_ptr + r)
@@ -160,7 +168,7 @@ def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
 
 def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines, read_entries,
                             replay_entries, replay_counts, write_entries, keep_entries, first_tokens, token_counts,
-                            scale):
+                            snapshot_counts, snapshot_entries, scale):
     heads, dk = q.shape[1:]
     dv = v.shape[2]
     out = torch.empty_like(v)
@@ -170,7 +178,8 @@ def gated_delta_replay_scan(q, k, v, g, beta, checkpoints, kept_k, kept_v, kept_
     grid = (requests * heads * triton.cdiv(dv, BV),)
     _gated_delta_replay_scan_kernel[grid](q, k, v, g, beta, out, checkpoints, kept_k, kept_v, kept_g, kept_beta, lines,
                                           read_entries, replay_entries, replay_counts, write_entries, keep_entries,
-                                          first_tokens, token_counts, scale, checkpoints.shape[1], kept_k.shape[1],
+                                          first_tokens, token_counts, snapshot_counts, snapshot_entries, scale,
+                                          checkpoints.shape[1], kept_k.shape[1],
                                           HV=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV_=BV, num_warps=1)
     return out
 
