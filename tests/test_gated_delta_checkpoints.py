@@ -3,22 +3,28 @@ and the last window's inputs, the next window's ``K.gated_delta_replay_scan`` re
 prefix, instead of a state per position) keep the hybrid target's cases exact: those of
 tests/test_hybrid_target.py for rounds under each scheduler, the context limit, an abort, preemption,
 a failed step, a CUDA graph's warm-up run and prompt log-probabilities run again here on Qwen3.5 and
-Qwen3-Next with the switch on (and the prefix cache off, which it needs) -- ``generate()``'s tokens,
-and after every step each running request's recurrent state, the checkpoint advanced through its
-kept tokens, equal to its committed tokens run alone. A frozen or failed forward leaves what the
-next one reads; the Triton kernel runs in the engine (slow, under the interpreter) and on a GPU
-(``gpu``); the switch is refused where it cannot apply."""
+Qwen3-Next with the switch on (and the prefix cache off) -- ``generate()``'s tokens, and after every
+step each running request's recurrent state, the checkpoint advanced through its kept tokens, equal
+to its committed tokens run alone. So do tests/test_hybrid_prefix_cache.py's cases with the switch
+on (the prefix cache on): snapshots at block ends taken from the checkpoints (the replay kernel's
+snapshot as it passes a block end, prompt chunks split there, a replay at save time), each the
+state after its block's last position, and the per-position engine's. A frozen or failed forward
+leaves what the next one reads; the Triton kernel runs in the engine (slow, under the interpreter)
+and on a GPU (``gpu``); the switch is refused where it cannot apply."""
 
 import contextlib
 
 import pytest
+import test_hybrid_prefix_cache as cached_cases
 import test_hybrid_target as cases
 import torch
 from conftest import gpu, requires_triton
 from test_hf_target import PROMPTS, _drafter, _generate, _model
 
+from dspark.bench.oracle import OracleEngine
 from dspark.engine.llm_engine import EngineConfig, LLMEngine
 from dspark.engine.request import Request
+from dspark.model.hybrid import BLOCK_END
 from dspark.model.hf_target import HFTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,6 +43,91 @@ def checkpointed(monkeypatch):
         return EngineConfig(**{**fields, "enable_prefix_caching": False, "gated_delta_checkpoints": True})
 
     monkeypatch.setattr(cases, "EngineConfig", config)
+
+
+@pytest.fixture
+def cached_checkpointed(monkeypatch):
+    """Every engine tests/test_hybrid_prefix_cache.py's cases build keeps gated DeltaNet
+    checkpoints (the prefix cache as each case sets it)."""
+    def config(**fields):
+        return EngineConfig(**{**fields, "gated_delta_checkpoints": True})
+
+    monkeypatch.setattr(cached_cases, "EngineConfig", config)
+
+
+@pytest.mark.parametrize("case", ["test_a_chat_sharing_a_system_prompt_keeps_every_token_and_every_accepted_draft",
+                                  "test_a_request_takes_the_prompt_of_one_still_running",
+                                  "test_evicted_snapshots_cost_hits_not_tokens",
+                                  "test_preempted_requests_resume_from_their_snapshots",
+                                  "test_an_aborted_request_leaves_the_others_and_its_blocks_exact",
+                                  "test_sampled_requests_are_the_same_with_the_cache_and_alone"])
+def test_prefix_cache_case(hybrid, case, cached_checkpointed):
+    """The prefix cache's cases with the switch on: the same tokens and drafts with the cache on and
+    off, ``generate()``'s tokens, cache hits, every running request's states exact after every step."""
+    model, draft, _ = hybrid
+    getattr(cached_cases, case)((model, draft))
+    assert cached_cases.EngineConfig().gated_delta_checkpoints
+
+
+def test_snapshots_are_the_per_position_engines(hybrid):
+    """The chat sharing a system prompt (tests/test_hybrid_prefix_cache.py) on an engine with
+    checkpoints and one with a state per position, both caching: the same tokens, drafts and cache
+    hits, and the same snapshots in the same slots (to the chunked and replayed scans' rounding)."""
+    model, draft, _ = hybrid
+    system, users = cached_cases.SYSTEM, cached_cases.USERS
+    first = system + users[0]
+    waves = [[first], [system + users[1]], [system + users[2], system + users[3]],
+             [first + _generate(model, first, cached_cases.NEW) + users[4][:5]]]
+    engines = [OracleEngine(model, draft, EngineConfig(**cached_cases.CONFIG, gated_delta_checkpoints=on),
+                            acceptance=0.5) for on in (True, False)]
+    checkpointed, per_position = (cached_cases._waves(e, model, waves, check=False) for e in engines)
+    assert checkpointed == per_position and sum(r[3] for r in checkpointed) > 0
+    pools = [e.runner.cache.states for e in engines]
+    slots = [e.scheduler.blocks.snapshots.slot_of for e in engines]
+    assert slots[0] == slots[1] and len(slots[0]) >= 3
+    used = torch.tensor(sorted(slots[0].values()))
+    for layer, states in pools[0].layers.items():  # (the conv inputs: the layers before, in their rounding)
+        other = pools[1].layers[layer]
+        for mine, theirs in ((states.snapshot_conv, other.snapshot_conv),
+                             (states.snapshot_recurrent, other.snapshot_recurrent)):
+            if mine is not None:
+                torch.testing.assert_close(mine[used], theirs[used], rtol=1e-4, atol=1e-5)
+
+
+def test_a_saved_snapshot_is_the_state_after_its_blocks_last_position(hybrid):
+    """After every step, each running request's last full block of committed tokens saved into a
+    spare snapshot slot (``StatePool.save``, as a request leaving then would) holds the states after
+    that block's last position, its tokens run alone -- off by one position, it fails. Saved both
+    from a replay at save time (the block's end among tokens no forward has replayed yet) and from
+    the entry a replay or prompt chunk wrote as it passed the block's end."""
+    model, draft, _ = hybrid
+    block = 4
+    config = EngineConfig(**{**cached_cases.CONFIG, "kv_block_size": block, "state_snapshots": 1},
+                          gated_delta_checkpoints=True)
+    engine = OracleEngine(model, draft, config, acceptance=0.5)
+    prompts = [cached_cases.SYSTEM[:13], cached_cases.SYSTEM[3:10]]
+    for p in prompts:
+        engine.add_request(Request(p, cached_cases.NEW), _generate(model, p, cached_cases.NEW) + [0] * 8)
+    pool, paths = engine.runner.cache.states, set()
+    spare = torch.tensor([0])  # the one snapshot slot, used by no request here (no prompt shares a block)
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            index = (seq.num_tokens - 1) // block - 1
+            if index < 0:
+                continue
+            line, ends = torch.tensor([seq.slot]), (index + 1) * block
+            paths.add("replayed now" if ends >= int(pool.checkpoint_positions[seq.slot]) else "passed")
+            block_ends = {i: s.recurrent[:, BLOCK_END].clone() for i, s in pool.layers.items() if s.kept is not None}
+            pool.save(line, torch.tensor([index]), spare)
+            for i, entries in block_ends.items():  # as they were: what the engine's forwards wrote is checked
+                pool.layers[i].recurrent[:, BLOCK_END] = entries
+            for layer, (recurrent, conv) in cases._reference_states(model, seq.token_ids(0, ends)).items():
+                states = pool.layers[layer]
+                torch.testing.assert_close(states.snapshot_conv[0], conv, rtol=1e-4, atol=1e-5)
+                if recurrent is not None:
+                    torch.testing.assert_close(states.snapshot_recurrent[0], recurrent, rtol=1e-4, atol=1e-5)
+    assert paths == {"replayed now", "passed"}
 
 
 @pytest.mark.parametrize("scheduler", cases.SCHEDULERS)
@@ -131,11 +222,10 @@ def test_on_a_gpu_plain_and_dspark_greedy_are_generates_tokens(monkeypatch):
 
 
 def test_the_switch_is_refused_where_it_cannot_apply(hybrid):
-    """With the prefix cache on, or on a target without gated DeltaNet layers: refused, naming why.
-    The bytes counted for the states are those allocated: checkpoints and kept inputs included."""
+    """On a target without gated DeltaNet layers: refused, naming why. The bytes counted for the
+    states are those allocated: checkpoints and kept inputs included (and, with the prefix cache,
+    the block-end entry and snapshots)."""
     model, draft, _ = hybrid
-    with pytest.raises(ValueError, match="gated_delta_checkpoints needs enable_prefix_caching=False"):
-        LLMEngine(model, draft, EngineConfig(gated_delta_checkpoints=True, cuda_graphs=False))
     with pytest.raises(ValueError, match="gated_delta_checkpoints applies to a hybrid target's gated DeltaNet "
                                          r"layers, and this target has none \(stateful layers: \[0, 2\]\); "
                                          "leave it False"):
@@ -152,3 +242,10 @@ def test_the_switch_is_refused_where_it_cannot_apply(hybrid):
     assert all(s.recurrent.shape[1] == 2 and ring.layers[i].recurrent.shape[1] == ring.window + 1
                for i, s in pool.layers.items() if s.kept is not None)
     assert torch.equal(pool.checkpoint_slots, torch.zeros_like(pool.checkpoint_slots))
+    caching = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False, gated_delta_checkpoints=True))
+    pool = caching.runner.cache.states
+    allocated = sum(t.numel() * t.element_size() for s in pool.layers.values()
+                    for t in (s.conv, s.recurrent, s.snapshot_conv, s.snapshot_recurrent, *(s.kept or ()))
+                    if t is not None)
+    assert pool.layout.snapshots and caching.target.state_bytes(2 + 1, pool.layout) == allocated
+    assert all(s.recurrent.shape[1] == 3 for s in pool.layers.values() if s.kept is not None)

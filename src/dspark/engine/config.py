@@ -71,7 +71,8 @@ class EngineConfig:
     bytes: docs/engine.md). ``gated_delta_checkpoints``: a hybrid target's gated DeltaNet layers keep
     per slot two checkpoints and their last window's inputs, the next window's kernel replaying its
     accepted prefix (``K.gated_delta_replay_scan``), instead of the state after every position of a
-    window (docs/engine.md: which costs less); needs ``enable_prefix_caching=False``.
+    window (docs/engine.md: which costs less); with prefix caching also the state after the last
+    block end each slot's committed tokens passed.
 
     ``tensor_parallel_size`` N > 1: the target sharded over N processes, one per GPU (rank r on
     ``cuda:r``; gloo processes on the CPU), the draft replicated on each (``ranks``); the engine

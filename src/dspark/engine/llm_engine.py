@@ -129,7 +129,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         # a Mamba-2 dt limit makes a hybrid target's states depend on the prompt's length: no prefix cache
         caching = config.enable_prefix_caching and not hybrid.prompt_dependent(getattr(self.target, "stateful", {}))
         snapshots = self._state_snapshots(c, stateful, caching)
-        self._check_gated_delta_checkpoints(c, caching)
+        self._check_gated_delta_checkpoints(c)
         self.working_memory = working_memory(self.target, self.draft_model, config, verify_len, budget,
                                              drafter.block_size if drafter is not None else 0, snapshots)
         blocks = config.num_kv_blocks or kv_blocks_from_memory(self.target, self.draft_model, config,
@@ -174,18 +174,14 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         self._plain: LLMEngine | None = None
         self.structured = StructuredStage(self.runner, target)
 
-    def _check_gated_delta_checkpoints(self, c: Checker, caching: bool) -> None:
-        """``gated_delta_checkpoints`` needs gated DeltaNet layers, and no prefix cache (whose
-        snapshots are the states after block ends, which checkpoints do not keep)."""
+    def _check_gated_delta_checkpoints(self, c: Checker) -> None:
+        """``gated_delta_checkpoints`` needs gated DeltaNet layers."""
         if not self.config.gated_delta_checkpoints:
             return
         stateful = getattr(self.target, "stateful", {})
         if not hybrid.has_gated_deltanet(stateful):
             c.fail("gated_delta_checkpoints applies to a hybrid target's gated DeltaNet layers, and this target has "
                    f"none (stateful layers: {sorted(stateful) or 'none'}); leave it False")
-        if caching:
-            c.fail("gated_delta_checkpoints needs enable_prefix_caching=False: a cached block needs the layers' "
-                   "states after its last position, which checkpoints do not keep")
 
     def _state_snapshots(self, c: Checker, stateful: list[int], caching: bool) -> int:
         """How many state snapshots a hybrid target's prefix cache keeps (0: not a hybrid target, or

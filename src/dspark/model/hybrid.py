@@ -19,7 +19,7 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 and a state write per position.
 
 **Checkpoint + replay** (``StateLayout.checkpoints``, ``EngineConfig.gated_delta_checkpoints``; gated
-DeltaNet layers only, no prefix caching): per line two checkpoint slots and two halves of kept
+DeltaNet layers only): per line two checkpoint slots and two halves of kept
 window inputs instead of the ring of recurrent states, and per line where its checkpoints stand and
 which slot and half are current (``StatePool.checkpoint_positions`` / ``checkpoint_slots``). Each
 ragged group runs one ``K.gated_delta_replay_scan`` (``checkpoint_scan``): from the current
@@ -28,7 +28,13 @@ last window's accepted prefix) into the other slot, then a round-sized group's t
 kept in the other half; a longer group (prompt chunks) is scanned whole from that checkpoint and
 its last state written there, nothing kept. ``Forward.commit`` makes the other slot and half
 current once the forward has run through, and not while the pool is frozen: what the next forward
-reads is never written by one that failed or was a warm-up. The conv rings are as above.
+reads is never written by one that failed or was a warm-up. The conv rings are as above. With
+prefix caching a third checkpoint entry per line (``BLOCK_END``) holds the state after the last
+block end its committed tokens passed: the replay kernel writes it as it passes one (its snapshot
+fields), a prompt chunk scanned whole is split there as below, and ``StatePool.save`` replays a
+line's kept tokens up to the block end it saves where no forward has replayed them yet (a leaving
+request's last window, a prompt chunk run as a window); ``StatePool.restore`` writes a snapshot into
+the current checkpoint slot and sets the line's checkpoint position after its block.
 
 Prompt chunks (groups longer than a round) are scanned whole, every request of the group padded to
 the group's length with inputs that leave the state as it is (gated DeltaNet: zero key, value, beta
@@ -82,7 +88,7 @@ import torch.nn.functional as F
 from .. import kernels as K
 from . import mamba
 
-__all__ = ["HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "checkpoint_scan",
+__all__ = ["BLOCK_END", "HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "checkpoint_scan",
            "conv_tail", "delta_chunk_rule", "delta_rule", "has_gated_deltanet", "install", "is_supported_mixer",
            "new_pool", "pool_bytes", "prompt_dependent", "state_scan"]
 
@@ -97,6 +103,9 @@ CHUNKED_PROMPTS = True
 # whose convs run in one kernel per forward (``K.causal_conv_window``); elsewhere position by position
 # through the modeling file's reference, and the conv as ``F.conv1d`` (what the kernels are tested against)
 WINDOW_SCAN_DEVICES = {"cuda"}
+# under StateLayout.checkpoints with prefix caching, the checkpoint entry of each line holding its gated DeltaNet
+# state after the last block end its committed tokens passed (beside the two checkpoint slots, 0 and 1)
+BLOCK_END = 2
 # the stateful mixers run here: class name -> (kind, the layer types a config declares their layers as)
 _SUPPORTED = {"Qwen3NextGatedDeltaNet": (_DELTANET, ("linear_attention",)),
               # Qwen3.5's gated DeltaNet, in the families that copy it
@@ -145,7 +154,8 @@ class StateLayout:
     verify length); with prefix caching, ``boundaries`` ring entries for the states at the ends of
     blocks of ``block_size`` positions and ``snapshots`` slots to copy them to (0, 0: no prefix
     caching); ``checkpoints``: gated DeltaNet layers keep checkpoints and their last window's inputs
-    instead of a state per position (module docstring: checkpoint + replay; no prefix caching)."""
+    instead of a state per position (module docstring: checkpoint + replay; with prefix caching, a
+    third checkpoint entry per line, ``BLOCK_END``, instead of their block-end entries)."""
 
     window: int
     block_size: int = 0
@@ -161,9 +171,7 @@ class StateLayout:
         tokens of the window beyond the first)."""
         if not snapshots:
             return cls(window, checkpoints=checkpoints)
-        if checkpoints:
-            raise ValueError("gated DeltaNet checkpoints keep no state at block ends: they take no prefix caching")
-        return cls(window, block_size, 2 + (window - 1) // block_size, snapshots)
+        return cls(window, block_size, 2 + (window - 1) // block_size, snapshots, checkpoints)
 
 
 @dataclass
@@ -175,7 +183,7 @@ class LayerStates:
     caching, snapshot slots of the states after a block's last position: ``snapshot_conv``
     ``[snapshots, kernel - 1, channels]`` and ``snapshot_recurrent`` ``[snapshots, ...]``. A gated
     DeltaNet layer under ``StateLayout.checkpoints`` instead: ``recurrent`` f32 ``[lines, 2, heads,
-    dk, dv]`` (two checkpoint slots) and ``kept`` its windows' inputs ``k``, ``v`` (model dtype),
+    dk, dv]`` (two checkpoint slots; with prefix caching ``[lines, 3, ...]``, the third ``BLOCK_END``) and ``kept`` its windows' inputs ``k``, ``v`` (model dtype),
     ``g`` (f32), ``beta`` (model dtype) ``[lines, 2 * window, heads, ...]`` (two halves)."""
 
     conv: torch.Tensor
@@ -252,29 +260,57 @@ class StatePool:
     def save(self, lines: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy the states after the last position of block ``blocks[i]`` (its index in the line)
         of cache line ``lines[i]`` into snapshot slot ``slots[i]`` (int64 ``[n]`` each): the
-        recurrent state and the conv inputs of the block's last ``kernel - 1`` positions."""
-        for states, recurrent, conv in self._block_ends(lines, blocks):
+        recurrent state and the conv inputs of the block's last ``kernel - 1`` positions (under
+        ``StateLayout.checkpoints`` the gated DeltaNet states from ``BLOCK_END``, replayed there
+        first: ``_replay_to_block_ends``)."""
+        if self.layout.checkpoints:
+            self._replay_to_block_ends(lines, blocks)
+        for states, recurrent, conv in self._block_ends(lines, blocks, torch.full_like(lines, BLOCK_END)):
             if recurrent is not None:
                 states.snapshot_recurrent[slots] = states.recurrent[lines, recurrent]
             states.snapshot_conv[slots] = states.conv[lines[:, None], conv]
 
     def restore(self, lines: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
         """``save`` backwards: snapshot ``slots[i]`` into line ``lines[i]``'s states after block
-        ``blocks[i]``, where its next tokens read them."""
-        for states, recurrent, conv in self._block_ends(lines, blocks):
+        ``blocks[i]``, where its next tokens read them (under ``StateLayout.checkpoints`` the gated
+        DeltaNet states into the current checkpoint slot, which then stands after the block)."""
+        for states, recurrent, conv in self._block_ends(lines, blocks, self.checkpoint_slots[lines]):
             if recurrent is not None:
                 states.recurrent[lines, recurrent] = states.snapshot_recurrent[slots]
             states.conv[lines[:, None], conv] = states.snapshot_conv[slots]
+        if self.layout.checkpoints:
+            self.checkpoint_positions[lines] = (blocks + 1) * self.layout.block_size
 
-    def _block_ends(self, lines: torch.Tensor, blocks: torch.Tensor):
+    def _block_ends(self, lines: torch.Tensor, blocks: torch.Tensor, checkpoint_entries: torch.Tensor):
         """Per layer: ``(LayerStates, recurrent entries [n] or None, conv entries [n, kernel - 1])``
-        of the states after the last position of each block."""
+        of the states after the last position of each block (a gated DeltaNet layer's under
+        ``StateLayout.checkpoints``: ``checkpoint_entries``)."""
         ends = (blocks + 1) * self.layout.block_size - 1
         for states in self.layers.values():
             back = torch.arange(states.kernel - 2, -1, -1, device=ends.device)  # oldest first
             conv, _ = self.conv_entries(ends[:, None] - back, states.conv, states.kernel)
-            recurrent = None if states.recurrent is None else self.recurrent_entries(ends, states.recurrent)
+            recurrent = None if states.recurrent is None else checkpoint_entries if states.kept is not None \
+                else self.recurrent_entries(ends, states.recurrent)
             yield states, recurrent, conv
+
+    def _replay_to_block_ends(self, lines: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Under ``StateLayout.checkpoints``: line ``lines[i]``'s gated DeltaNet states after block
+        ``blocks[i]`` into its ``BLOCK_END`` entry, where that block's end is among the committed
+        tokens its next forward would replay (a leaving request's last window, a prompt chunk run
+        as a window): its current checkpoint advanced through them by ``K.gated_delta_replay_scan``,
+        the steps that replay would take. A checkpoint past that block end finds the state there
+        already (written by the replay or prompt chunk that passed it, the last block end the
+        line's committed tokens passed), and copies it onto itself."""
+        window = self.window
+        replayed = (blocks + 1) * self.layout.block_size - self.checkpoint_positions[lines]
+        slot, block_end, none = self.checkpoint_slots[lines], torch.full_like(lines, BLOCK_END), torch.zeros_like(lines)
+        replay = K.Replay(lines, read_entries=torch.where(replayed >= 0, slot, block_end), replay_entries=slot * window,
+                          replay_counts=replayed.clamp(min=0), write_entries=block_end, keep_entries=none,
+                          first_tokens=none, token_counts=none)
+        for states in self.layers.values():
+            if states.kept is not None:
+                no_tokens = [t[0, :0] for t in states.kept]  # [0, HV, ...]
+                K.gated_delta_replay_scan(no_tokens[0], *no_tokens, states.recurrent, *states.kept, *replay, scale=1.0)
 
 
 @dataclass
@@ -384,13 +420,13 @@ def _state_shapes(module, lines: int, layout: StateLayout) -> tuple[torch.Size, 
     """A mixer's conv ring ``[lines + 1, window + kernel - 1 + boundaries * (kernel - 1), channels]``
     and its recurrent ring ``[lines + 1, window + 1 + boundaries, ...]`` (None for a short
     convolution; a gated DeltaNet's two checkpoint slots ``[lines + 1, 2, ...]`` under
-    ``StateLayout.checkpoints``; module docstring: why these sizes)."""
+    ``StateLayout.checkpoints``, and ``BLOCK_END`` with prefix caching; module docstring: why these sizes)."""
     conv, window, ends = _conv(module), layout.window, layout.boundaries
     tail = conv.kernel_size[0] - 1
     conv_shape = torch.Size((lines + 1, window + tail + ends * tail, conv.in_channels))
     kind, states = _kind(module), (lines + 1, window + 1 + ends)
     if kind == _DELTANET:
-        slots = (lines + 1, 2) if layout.checkpoints else states
+        slots = (lines + 1, 2 + (layout.snapshots > 0)) if layout.checkpoints else states
         return conv_shape, torch.Size((*slots, module.num_v_heads, module.head_k_dim, module.head_v_dim))
     if kind == _MAMBA2:
         return conv_shape, torch.Size((*states, module.num_heads, module.head_dim, module.ssm_state_size))
@@ -717,7 +753,13 @@ def checkpoint_scan(inputs: tuple[torch.Tensor, ...], states: LayerStates, curre
             continue
         at = (replay.lines, replay.write_entries)
         token, valid, padded = _padded(inputs, replay.first_tokens, counts, batch.max_query_len, n)
-        out, state = chunked(states.recurrent[at], *_only(padded, valid))
+        if pool.layout.snapshots:  # split at the last block end (after the replay's, which it follows)
+            starts = batch.context_lens.long()
+            out, state, middle, split = _split_at_block_end(chunked, states.recurrent[at], padded, valid, starts, counts,
+                                                            pool.layout.block_size)
+            states.recurrent[pool.write_lines(replay.lines, split >= 0), BLOCK_END] = middle.to(states.recurrent.dtype)
+        else:
+            out, state = chunked(states.recurrent[at], *_only(padded, valid))
         states.recurrent[at] = state.to(states.recurrent.dtype)
         outputs.append((token.flatten(), out.flatten(0, 1)))
     return _gathered(outputs, n)
@@ -741,10 +783,24 @@ def _replay_group(current: Forward, lo: int, hi: int, batch,
         replayed = torch.where(starts > 0, starts - pool.checkpoint_positions[lines], 0).clamp(0, window)
         replay = K.Replay(lines, read_entries=torch.where(starts > 0, slot, -1), replay_entries=slot * window,
                           replay_counts=replayed, write_entries=1 - slot, keep_entries=(1 - slot) * window,
-                          first_tokens=lo + cu[:-1], token_counts=counts if whole else torch.zeros_like(counts))
+                          first_tokens=lo + cu[:-1], token_counts=counts if whole else torch.zeros_like(counts),
+                          **_block_end_snapshots(pool, starts, replayed))
         current.windows[key] = (replay, counts, torch.arange(lo, hi, device=lines.device))
         current.commits.append((lines, starts if whole else starts + counts, 1 - slot))
     return current.windows[key]
+
+
+def _block_end_snapshots(pool: StatePool, starts: torch.Tensor, replayed: torch.Tensor) -> dict:
+    """``K.Replay``'s snapshot fields for requests starting at ``starts`` after replaying ``replayed``
+    tokens (int64 ``[R]``), with prefix caching: the state after the last block end among the
+    replayed positions into ``BLOCK_END`` (none where they hold no block end, nor while the pool is
+    frozen); none without prefix caching."""
+    if not pool.layout.snapshots:
+        return {}
+    passed = starts // pool.layout.block_size * pool.layout.block_size - (starts - replayed)  # through the block end
+    if pool.frozen:
+        passed = torch.zeros_like(passed)
+    return dict(snapshot_counts=torch.where(passed > 0, passed, -1), snapshot_entries=torch.full_like(starts, BLOCK_END))
 
 
 def _window_group(window, ring: torch.Tensor, current: Forward, lo: int, hi: int, firsts: torch.Tensor,
@@ -781,18 +837,29 @@ def _chunked_group(chunked, state: torch.Tensor, inputs: tuple[torch.Tensor, ...
     among its tokens (the scan is split there: before it, then from it with its state). Returns
     ``(token indices [R * T], outputs [R * T, ...])`` (index ``n``: padding)."""
     token, valid, padded = _padded(inputs, firsts, counts, length, n)
-    layout = pool.layout
-    if layout.boundaries:
-        split = (starts + counts) // layout.block_size * layout.block_size - 1 - starts  # < 0: no block end
-        before = torch.arange(length, device=counts.device)[None] <= split[:, None]
-        out_before, middle = chunked(state, *_only(padded, before & valid))
-        out_after, state = chunked(middle.to(state.dtype), *_only(padded, valid & ~before))
-        out = torch.where(before.view(*before.shape, *[1] * (out_before.dim() - 2)), out_before, out_after)
+    if pool.layout.boundaries:
+        out, state, middle, split = _split_at_block_end(chunked, state, padded, valid, starts, counts,
+                                                        pool.layout.block_size)
         ring[pool.write_lines(slots, split >= 0), pool.recurrent_entries(starts + split, ring)] = middle.to(ring.dtype)
     else:
         out, state = chunked(state, *_only(padded, valid))
     ring[pool.write_lines(slots, counts > 0), pool.recurrent_entries(starts + counts - 1, ring)] = state.to(ring.dtype)
     return token.flatten(), out.flatten(0, 1)
+
+
+def _split_at_block_end(chunked, state: torch.Tensor, padded: list[torch.Tensor], valid: torch.Tensor,
+                        starts: torch.Tensor, counts: torch.Tensor, block_size: int):
+    """Padded requests (``_padded``) scanned whole by ``chunked`` in two parts, split after the last
+    block end among each one's tokens (positions ``starts[r] ..``, ``counts[r]`` of them; blocks of
+    ``block_size``). Returns ``(out [R, T, ...], state after the last token, state after that
+    block end, split [R])``: ``split[r]`` its index among the request's tokens (< 0: none, the
+    second part then the whole)."""
+    split = (starts + counts) // block_size * block_size - 1 - starts
+    before = torch.arange(valid.shape[1], device=counts.device)[None] <= split[:, None]
+    out_before, middle = chunked(state, *_only(padded, before & valid))
+    out_after, state = chunked(middle.to(state.dtype), *_only(padded, valid & ~before))
+    out = torch.where(before.view(*before.shape, *[1] * (out_before.dim() - 2)), out_before, out_after)
+    return out, state, middle, split
 
 
 def _padded(inputs: tuple[torch.Tensor, ...], firsts: torch.Tensor, counts: torch.Tensor, length: int,
