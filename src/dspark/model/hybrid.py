@@ -88,9 +88,9 @@ import torch.nn.functional as F
 from .. import kernels as K
 from . import mamba
 
-__all__ = ["BLOCK_END", "HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv", "checkpoint_scan",
-           "conv_tail", "delta_chunk_rule", "delta_rule", "has_gated_deltanet", "install", "is_supported_mixer",
-           "new_pool", "pool_bytes", "prompt_dependent", "state_scan"]
+__all__ = ["BLOCK_END", "HYBRID", "Forward", "LayerStates", "StateLayout", "StatePool", "Tokens", "causal_conv",
+           "checkpoint_scan", "conv_tail", "delta_chunk_rule", "delta_rule", "has_gated_deltanet", "install",
+           "is_supported_mixer", "new_pool", "pool_bytes", "prompt_dependent", "state_scan"]
 
 _DELTANET, _SHORT_CONV, _MAMBA2 = "gated DeltaNet", "short convolution", "Mamba-2"
 _MAMBA_TYPES = ("mamba", "linear_attention")  # what configs declare Mamba layers as (older releases: "mamba")
@@ -183,8 +183,9 @@ class LayerStates:
     caching, snapshot slots of the states after a block's last position: ``snapshot_conv``
     ``[snapshots, kernel - 1, channels]`` and ``snapshot_recurrent`` ``[snapshots, ...]``. A gated
     DeltaNet layer under ``StateLayout.checkpoints`` instead: ``recurrent`` f32 ``[lines, 2, heads,
-    dk, dv]`` (two checkpoint slots; with prefix caching ``[lines, 3, ...]``, the third ``BLOCK_END``) and ``kept`` its windows' inputs ``k``, ``v`` (model dtype),
-    ``g`` (f32), ``beta`` (model dtype) ``[lines, 2 * window, heads, ...]`` (two halves)."""
+    dk, dv]`` (two checkpoint slots; with prefix caching ``[lines, 3, ...]``, the third
+    ``BLOCK_END``) and ``kept`` its windows' inputs ``k``, ``v`` (model dtype), ``g`` (f32),
+    ``beta`` (model dtype) ``[lines, 2 * window, heads, ...]`` (two halves)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor | None = None
@@ -755,8 +756,8 @@ def checkpoint_scan(inputs: tuple[torch.Tensor, ...], states: LayerStates, curre
         token, valid, padded = _padded(inputs, replay.first_tokens, counts, batch.max_query_len, n)
         if pool.layout.snapshots:  # split at the last block end (after the replay's, which it follows)
             starts = batch.context_lens.long()
-            out, state, middle, split = _split_at_block_end(chunked, states.recurrent[at], padded, valid, starts, counts,
-                                                            pool.layout.block_size)
+            out, state, middle, split = _split_at_block_end(chunked, states.recurrent[at], padded, valid, starts,
+                                                            counts, pool.layout.block_size)
             states.recurrent[pool.write_lines(replay.lines, split >= 0), BLOCK_END] = middle.to(states.recurrent.dtype)
         else:
             out, state = chunked(states.recurrent[at], *_only(padded, valid))
@@ -800,7 +801,8 @@ def _block_end_snapshots(pool: StatePool, starts: torch.Tensor, replayed: torch.
     passed = starts // pool.layout.block_size * pool.layout.block_size - (starts - replayed)  # through the block end
     if pool.frozen:
         passed = torch.zeros_like(passed)
-    return dict(snapshot_counts=torch.where(passed > 0, passed, -1), snapshot_entries=torch.full_like(starts, BLOCK_END))
+    return dict(snapshot_counts=torch.where(passed > 0, passed, -1),
+                snapshot_entries=torch.full_like(starts, BLOCK_END))
 
 
 def _window_group(window, ring: torch.Tensor, current: Forward, lo: int, hi: int, firsts: torch.Tensor,
