@@ -310,8 +310,8 @@ class StatePool:
                           first_tokens=none, token_counts=none)
         for states in self.layers.values():
             if states.kept is not None:
-                no_tokens = [t[0, :0] for t in states.kept]  # [0, HV, ...]
-                K.gated_delta_replay_scan(no_tokens[0], *no_tokens, states.recurrent, *states.kept, *replay, scale=1.0)
+                unread = [t[0, :1] for t in states.kept]  # a row of inputs no request runs ([1, HV, ...])
+                K.gated_delta_replay_scan(unread[0], *unread, states.recurrent, *states.kept, *replay, scale=1.0)
 
 
 @dataclass
