@@ -77,18 +77,24 @@ def _read_out(s, q_ptr, out_ptr, row, scale, o_k, o_v, mask_k, mask_v, DK: tl.co
 
 
 @triton.jit
+def _delta_program(HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV_: tl.constexpr):
+    """This program's request ``r``, value head ``h`` and slice of the state's columns: the key
+    offsets ``o_k``, the value offsets ``o_v``, their masks and the ``[BK, BV_]`` state mask."""
+    pid = tl.program_id(0)
+    nv = tl.cdiv(DV, BV_)
+    i_v, i_rh = pid % nv, pid // nv
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV_ + tl.arange(0, BV_)
+    mask_k, mask_v = o_k < DK, o_v < DV
+    return i_rh // HV, i_rh % HV, o_k, o_v, mask_k, mask_v, mask_k[:, None] & mask_v[None, :]
+
+
+@triton.jit
 def _gated_delta_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, states_ptr, read_lines_ptr,
                              read_entries_ptr, first_ptr, count_ptr, write_lines_ptr, write_entries_ptr, scale,
                              line_stride, entry_stride, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BK: tl.constexpr, BV_: tl.constexpr):
-    pid = tl.program_id(0)
-    nv = tl.cdiv(DV, BV_)
-    i_v, i_rh = pid % nv, pid // nv
-    r, h = i_rh // HV, i_rh % HV
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV_ + tl.arange(0, BV_)
-    mask_k, mask_v = o_k < DK, o_v < DV
-    mask_s = mask_k[:, None] & mask_v[None, :]
+    r, h, o_k, o_v, mask_k, mask_v, mask_s = _delta_program(HV, DK, DV, BK, BV_)
     in_head = h * DK * DV + o_k[:, None] * DV + o_v[None, :]
     s = _start_state(states_ptr, read_lines_ptr, read_entries_ptr, r, line_stride, entry_stride, in_head, mask_s)
     first = tl.load(first_ptr + r)
@@ -125,14 +131,7 @@ def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
                                     first_ptr, count_ptr, snapshot_counts_ptr, snapshot_entries_ptr, scale, slots,
                                     entries, HV: tl.constexpr, DK: tl.constexpr,
                                     DV: tl.constexpr, BK: tl.constexpr, BV_: tl.constexpr):
-    pid = tl.program_id(0)
-    nv = tl.cdiv(DV, BV_)
-    i_v, i_rh = pid % nv, pid // nv
-    r, h = i_rh // HV, i_rh % HV
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV_ + tl.arange(0, BV_)
-    mask_k, mask_v = o_k < DK, o_v < DV
-    mask_s = mask_k[:, None] & mask_v[None, :]
+    r, h, o_k, o_v, mask_k, mask_v, mask_s = _delta_program(HV, DK, DV, BK, BV_)
     line = tl.load(lines_ptr + r)
     in_head = h * DK * DV + o_k[:, None] * DV + o_v[None, :]
     line_stride = slots * (HV * DK * DV)
@@ -153,7 +152,8 @@ def _gated_delta_replay_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     kept = line * entries + tl.load(keep_entries_ptr + r)  # where the line keeps this window's first token
     first = tl.load(first_ptr + r)
     count = tl.load(count_ptr + r)
-    lead = i_v == 0  # one program per (request, head) keeps the k, g and beta that all its programs load
+    # one program per (request, head) keeps the k, g and beta that all its programs load
+    lead = tl.program_id(0) % tl.cdiv(DV, BV_) == 0
     keep_k = o_k < tl.where(lead, DK, 0)  # (mask_k & lead: the interpreter refuses a vector & scalar mask)
     for t in range(0, count):
         row, at = (first + t) * HV + h, (kept + t) * HV + h
