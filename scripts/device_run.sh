@@ -15,6 +15,7 @@
 # load: the frontier's configurations without a server at B = 128, 256 (bench.load; LOAD_ARGS adds options);
 # mixedload: its mixed-settings workload at B = 1, 16, 64 (MIXEDLOAD_ARGS adds options).
 # memory: the 8B shape's engine at B = 256 capturing every graph, its memory against its estimate (bench.memory).
+# breakdown: bench.breakdown's cases named in BREAKDOWN_CASES, separated by ';' (none: every case).
 # demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target); out/demo and the
 # candidate drafters (out/demo_work/draft, draft_bp; not their training states) sent back as
 # demo.tgz.part-* (15 MiB pieces; here: cat demo.tgz.part-* | tar xzf - -C out); a later call that runs
@@ -51,9 +52,9 @@ for step in "$@"; do
              --out "$OUT/hybrid" ${HYBRID_ARGS:-} > "$OUT/hybrid.log" 2>&1 ;;
     structured) timeout "${STRUCTURED_LIMIT:-560}" python -m dspark.bench.structured --shape qwen3-8b --batches 1,16,64 \
              --out "$OUT/structured" ${STRUCTURED_ARGS:-} > "$OUT/structured.log" 2>&1 ;;
-    breakdown) timeout 90 python -m dspark.bench.breakdown --case "logits_to_probabilities rows=512 top-p 0.9" \
-             --case "logits_to_probabilities rows=512 per-row mixed" --case "markov_sample_step B=64 R=256 top-p 0.9" \
-             --case "markov_sample_step B=64 R=256 per-row mixed" > "$OUT/breakdown.txt" 2>&1 ;;
+    breakdown) cases=(); IFS=';' read -ra named <<< "${BREAKDOWN_CASES:-}"
+             for c in "${named[@]}"; do cases+=(--case "$c"); done
+             timeout "${BREAKDOWN_LIMIT:-90}" python -m dspark.bench.breakdown "${cases[@]}" > "$OUT/breakdown.txt" 2>&1 ;;
     mixed) timeout "${MIXED_LIMIT:-300}" python -m dspark.bench.frontier --out "$OUT/mixed" --workload mixed \
              --prompt-tokens-max 2048 ${MIXED_ARGS:-} > "$OUT/mixed.log" 2>&1 ;;
     demo) timeout "${DEMO_LIMIT:-560}" env STAGES="${DEMO_STAGES:-target}" bash scripts/build_demo_pair.sh out/demo \
