@@ -136,9 +136,10 @@ def _top_ids_kernel(x_ptr, bias_ptr, V, stride, offset, width, group_ptr, n_grou
     row = (slot // width) * stride + slot % width + offset
     g = tl.arange(0, NG_PAD)
     group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
-    top, rank = top_candidates(x_ptr + row.to(tl.int64) * V, bias_ptr + (slot // width).to(tl.int64) * V, V, 1.0,
-                               group_keys, n_groups, count, scratch_ptr + slot.to(tl.int64) * KT, KT, GROUP_SIZE,
-                               NPROBE_, HAS_BIAS)
+    top = top_candidates(x_ptr + row.to(tl.int64) * V, bias_ptr + (slot // width).to(tl.int64) * V, V, 1.0,
+                         group_keys, n_groups, count, scratch_ptr + slot.to(tl.int64) * KT, KT, GROUP_SIZE,
+                         NPROBE_, HAS_BIAS)
+    rank = tl.arange(0, KT)
     tl.store(ids_ptr + slot.to(tl.int64) * ids_stride + rank, key_index(top), mask=(top != SENTINEL) & (rank < count))
 
 

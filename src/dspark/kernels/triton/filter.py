@@ -7,7 +7,7 @@ NVIDIA does top-p on one thread in O(V * n). Here no pass over a row is serial:
   stores ``exp(x - M) / S`` (and, sampling, draws the token in the chunk that holds the threshold).
 * Filtered rows: the stats pass also stores the maximum of every group of ``GROUP`` entries. The
   global top k lie in the k best groups, so one program per row narrows groups and then entries to a
-  few hundred candidates with histogram thresholds, ranks them exactly by pairwise comparison and
+  few hundred candidates with histogram thresholds, sorts them and
   derives the mass-clipped cut from the ranked masses. When that decides the row, the write pass
   only writes (zeros and the listed entries). A nucleus wider than ``MAX_CANDIDATES`` entries, or
   ``top_k > MAX_CANDIDATES``, is cut by the value-space search of ``search.py``.
@@ -159,9 +159,8 @@ def top_candidates(x_row, bias_row, V, inv_temp, group_keys, n_groups, take, scr
     ``(x_row[i] + bias_row[i]) * inv_temp``) from its maxima of
     every ``GROUP_SIZE`` entries (``group_keys``: ``n_groups`` of them, ``SENTINEL``-padded): they lie
     in the best ``take`` groups, and ``_candidates`` narrows groups, then their entries, to at most
-    ``KT`` keys, ranked exactly by pairwise comparison. Returns ``(top [KT], rank [KT])``: the keys
-    with ``top != SENTINEL`` and ``rank < take`` are the ``take`` largest, ``rank`` their position in
-    descending order (the other keys lie below them)."""
+    ``KT`` keys, sorted. Returns ``top [KT]`` in descending order, ``SENTINEL``-padded: its first
+    ``take`` keys are the ``take`` largest (the row's keys are distinct: value, then index)."""
     big = key_value(tl.max(group_keys, axis=0))
     groups = _candidates(group_keys, big, tl.minimum(take, n_groups), scratch, KT, NPROBE_)
     index = ((key_index(groups) // GROUP_SIZE) * GROUP_SIZE)[:, None] + tl.arange(0, GROUP_SIZE)[None, :]
@@ -170,8 +169,8 @@ def top_candidates(x_row, bias_row, V, inv_temp, group_keys, n_groups, take, scr
     if HAS_BIAS:
         x += tl.load(bias_row + index, mask=in_row, other=0.0)
     keys = tl.reshape(tl.where(in_row, order_key(x * inv_temp, index), SENTINEL), [KT * GROUP_SIZE])
-    top = _candidates(keys, big, take, scratch, KT, NPROBE_)
-    return top, tl.sum((top[None, :] > top[:, None]).to(tl.int32), axis=1)
+    # a sort, not a pairwise rank: a [KT, KT] tile spills registers (a program per row)
+    return tl.sort(_candidates(keys, big, take, scratch, KT, NPROBE_), descending=True)
 
 
 @triton.jit
@@ -184,8 +183,7 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, m_p
     cut (``kappa``, its share ``a``, ``denom``), the kept entries' ids and probabilities and, with
     ``SAMPLE``, the draw among them. The row's filter comes from ``row_filter`` (``PER_ROW``).
 
-    The candidates are ``top_candidates``' (group maxima, then entries, ranked exactly by pairwise
-    comparison). ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
+    The candidates are ``top_candidates``' (group maxima, then entries, sorted). ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
     (cut found; ``kept`` lists the kept entries), 1 (degenerate row: uniform ``1/V``), 2 (cut beyond
     the candidates: the value-space search starts from ``bounds``/``cut``) or 3 (a per-row setting
     without filter: every entry kept, ``exp(x - max) / S``, drawn after the write).
@@ -203,14 +201,14 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, m_p
     g = tl.arange(0, NG_PAD)
     group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
     x_row = x_ptr + row.to(tl.int64) * x_stride
-    top, rank = top_candidates(x_row, x_row, V, inv_temp, group_keys, n_groups, take,
-                               scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_, False)
-    above = top[None, :] > top[:, None]  # [i, j]: entry j ranks above entry i
+    top = top_candidates(x_row, x_row, V, inv_temp, group_keys, n_groups, take,
+                         scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_, False)
+    rank = tl.arange(0, KT)
     keep = (top != SENTINEL) & (rank < take)
     value = key_value(top)
     x_top = tl.max(tl.where(keep, value, float("-inf")), axis=0)
     e = tl.where(keep, tl.exp(value - x_top), 0.0)
-    excl = tl.sum(tl.where(above, e[None, :], 0.0), axis=1)  # mass ranked above
+    excl = tl.cumsum(e, axis=0) - e  # mass ranked above
     # top-p alone clips the whole row's mass (its max is x_top too)
     kept = tl.where(use_k, tl.sum(e, axis=0), total)
     nucleus = tl.maximum(top_p * kept, TINY)

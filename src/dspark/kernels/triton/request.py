@@ -201,9 +201,10 @@ def _candidates_kernel(x_ptr, V, per, top_k_ptr, min_p_ptr, par_ptr, kappa_ptr, 
         group_keys = tl.load(group_ptr + row.to(tl.int64) * n_groups + g, mask=g < n_groups, other=SENTINEL)
         take = tl.minimum(KT // 2, V)
         x_row = x_ptr + row.to(tl.int64) * V
-        top, rank = top_candidates(x_row, x_row, V, 1.0, group_keys, n_groups, take,
-                                   scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_, False)
-        exact = (top != SENTINEL) & (rank < take)  # the take largest keys
+        top = top_candidates(x_row, x_row, V, 1.0, group_keys, n_groups, take,
+                             scratch_ptr + row.to(tl.int64) * KT, KT, GROUP_SIZE, NPROBE_, False)
+        rank = tl.arange(0, KT)
+        exact = (top != SENTINEL) & (rank < take)  # the take largest keys, descending
         x0 = tl.load(par_ptr + row * 3)
         if TOP_K:
             k = tl.load(top_k_ptr + row // per).to(tl.int32)
@@ -215,7 +216,7 @@ def _candidates_kernel(x_ptr, V, per, top_k_ptr, min_p_ptr, par_ptr, kappa_ptr, 
         else:
             kept = exact & (top >= tl.load(kappa_ptr + row))
             e = tl.where(kept, tl.exp(key_value(top) - x0), 0.0)
-            reach = tl.sum(tl.where(top[None, :] >= top[:, None], e[None, :], 0.0), axis=1)  # mass at or above
+            reach = tl.cumsum(e, axis=0)  # mass at or above
             hit = kept & (reach >= tl.load(cut_ptr + row * 4 + 3) - TINY)
             if tl.sum(hit.to(tl.int32), axis=0) > 0:
                 kappa = tl.max(tl.where(hit, top, SENTINEL), axis=0)
