@@ -241,7 +241,8 @@ def test_the_switch_is_refused_where_it_cannot_apply(hybrid):
     allocated = sum(t.numel() * t.element_size() for s in pool.layers.values()
                     for t in (s.conv, s.recurrent, *(s.kept or ())) if t is not None)
     assert pool.layout.checkpoints and engine.target.state_bytes(2 + 1, pool.layout) == allocated
-    per_position = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False, enable_prefix_caching=False))
+    per_position = LLMEngine(model, draft, EngineConfig(max_batch=2, cuda_graphs=False, enable_prefix_caching=False,
+                                                        gated_delta_checkpoints=False))
     ring = per_position.runner.cache.states
     assert all(s.recurrent.shape[1] == 2 and ring.layers[i].recurrent.shape[1] == ring.window + 1
                for i, s in pool.layers.items() if s.kept is not None)
@@ -253,3 +254,14 @@ def test_the_switch_is_refused_where_it_cannot_apply(hybrid):
                     if t is not None)
     assert pool.layout.snapshots and caching.target.state_bytes(2 + 1, pool.layout) == allocated
     assert all(s.recurrent.shape[1] == 3 for s in pool.layers.values() if s.kept is not None)
+
+
+def test_the_default_is_checkpoints_where_the_target_has_gated_deltanet_layers(hybrid):
+    """``gated_delta_checkpoints=None`` (the default) resolves to True on a target with gated
+    DeltaNet layers and to False on one without (Bamba's Mamba-2): what the engine then runs."""
+    model, draft, _ = hybrid
+    engine = LLMEngine(model, draft, EngineConfig(max_batch=1, cuda_graphs=False))
+    assert engine.config.gated_delta_checkpoints and engine.runner.cache.states.layout.checkpoints
+    mamba = LLMEngine(_model("bamba"), None, EngineConfig(max_batch=1, cuda_graphs=False))
+    assert mamba.config.gated_delta_checkpoints is False and not mamba.runner.cache.states.layout.checkpoints
+    assert EngineConfig().gated_delta_checkpoints is None

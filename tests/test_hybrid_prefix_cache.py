@@ -15,15 +15,21 @@ and sampled requests.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from test_hf_target import HYBRID, _drafter, _generate, _model
 from test_hybrid_target import _check_running_states
 
 from dspark.bench.oracle import OracleEngine
-from dspark.engine import SamplingParams
-from dspark.engine.llm_engine import EngineConfig, LLMEngine
+from dspark.engine import SamplingParams, llm_engine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.request import Request
+
+# the per-position states (tests/test_gated_delta_checkpoints.py runs these cases again under checkpoints,
+# the gated DeltaNet default)
+EngineConfig = partial(llm_engine.EngineConfig, gated_delta_checkpoints=False)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 12

@@ -20,6 +20,7 @@ Prefix caching on these targets: tests/test_hybrid_prefix_cache.py.
 
 import contextlib
 from copy import deepcopy
+from functools import partial
 
 import pytest
 import torch
@@ -27,13 +28,17 @@ from conftest import gpu, requires_triton
 from test_hf_target import HYBRID, PROMPTS, _drafter, _generate, _model
 
 from dspark.bench.oracle import OracleEngine
-from dspark.engine import round_plan
-from dspark.engine.llm_engine import EngineConfig, LLMEngine
+from dspark.engine import llm_engine, round_plan
+from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.request import Request
 from dspark.engine.schedulers import SPSCostTable
 from dspark.model import hybrid as hybrid_model  # (``hybrid`` is the fixture)
 from dspark.model.hf_target import HFTarget
 from dspark.model.llama import AttentionBatch
+
+# the per-position states (tests/test_gated_delta_checkpoints.py runs these cases again under checkpoints,
+# the gated DeltaNet default)
+EngineConfig = partial(llm_engine.EngineConfig, gated_delta_checkpoints=False)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 16

@@ -26,8 +26,8 @@ first, then the baselines for every batch size (the parent's model freed before 
 baseline that hangs costs at most its timeout and never dspark's numbers. A measurement that fails
 is recorded as its error, the others still run. Writes ``hybrid.json`` (rewritten after each
 measurement) and prints a table. ``--hf none`` times dspark's engine alone;
-``--gated-delta-checkpoints`` runs dspark's engines with gated DeltaNet checkpoints
-(``EngineConfig.gated_delta_checkpoints``) instead of a state per position.
+``--no-gated-delta-checkpoints`` runs dspark's engines with a state per position instead of gated
+DeltaNet checkpoints (``EngineConfig.gated_delta_checkpoints``, the engine's default).
 
 Shapes (``SHAPES``): ``qwen3.5-9b`` is ``transformers.Qwen3_5TextConfig()``'s defaults as such
 (transformers 5.25; its docstring: "the Qwen3.5-9B style configuration"): vocabulary 248,320, hidden
@@ -221,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu: fp32, the plumbing (--shape tiny)")
     parser.add_argument("--profile", default="", help="comma-separated batch sizes whose random-draft DSpark "
                         "requests run once more under the PyTorch profiler (OUT/profile-dspark_random-b<B>.txt)")
-    parser.add_argument("--gated-delta-checkpoints", action="store_true",
-                        help="dspark's engines keep gated DeltaNet checkpoints instead of a state per position "
-                             "(EngineConfig.gated_delta_checkpoints)")
+    parser.add_argument("--gated-delta-checkpoints", action=argparse.BooleanOptionalAction, default=True,
+                        help="dspark's engines keep gated DeltaNet checkpoints (the engine's default), or with "
+                             "--no-gated-delta-checkpoints a state per position (EngineConfig.gated_delta_checkpoints)")
     args = parser.parse_args(argv)
     try:
         args.batches = [int(b) for b in args.batches.split(",")]

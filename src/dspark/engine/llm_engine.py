@@ -94,8 +94,11 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
             raise self.ranks.failure(exc) from exc
 
     def _build(self, c: Checker, target, draft, config: EngineConfig) -> None:
-        self.config = config
         self.target, self.draft_model, self.eos_ids = load_models(c, target, draft, config, self.tp)
+        if config.gated_delta_checkpoints is None:  # the default: where the target has gated DeltaNet layers
+            has_delta = hybrid.has_gated_deltanet(getattr(self.target, "stateful", {}))
+            config = replace(config, gated_delta_checkpoints=has_delta)
+        self.config = config
         positions = self.target.shape.max_positions
         self.max_model_len = limit = config.max_model_len or min(positions, DEFAULT_MAX_MODEL_LEN)
         if limit > positions:
