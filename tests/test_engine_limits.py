@@ -14,6 +14,7 @@ import torch
 from model_cases import random_draft, tiny_draft_config, tiny_qwen3_target
 from test_engine import _greedy
 
+from dspark.engine import llm_engine
 from dspark.engine.llm_engine import EngineConfig, LLMEngine, token_logprobs
 from dspark.engine.request import Request
 from dspark.engine.schedulers import SPSCostTable
@@ -159,6 +160,33 @@ def test_prompts_run_in_chunks_beside_running_rows(target, draft, with_draft):
     assert split >= 1
     with pytest.raises(ValueError, match="max_num_batched_tokens must be at least max_batch x verify length"):
         LLMEngine(target, draft if with_draft else None, EngineConfig(max_batch=3, max_num_batched_tokens=2))
+
+
+def test_the_default_budget_leaves_prompts_room_beside_full_verifies(target, draft, monkeypatch):
+    """By default a step's budget is every row's full verify plus ``DEFAULT_PROMPT_ROOM`` prompt
+    tokens (and ``DEFAULT_BATCHED_TOKENS`` at least): a prompt joining rows that verify full windows
+    runs the room and the free row's window in its first step -- not the free row's window alone,
+    which at 256 rows of 8 verify tokens (2048) left refilled rows idle for many steps. Exact output."""
+    monkeypatch.setattr(llm_engine, "DEFAULT_BATCHED_TOKENS", 1)
+    monkeypatch.setattr(llm_engine, "DEFAULT_PROMPT_ROOM", 6)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler="off"))
+    verify = engine.runner.verify_len
+    assert engine.max_num_batched_tokens == 3 * verify + 6
+    prompts, new = [[5, 6], [9, 1, 4], list(range(1, 19))], (16, 16, 4)
+    ids = [engine.add_request(Request(p, n)) for p, n in zip(prompts[:2], new)]
+    outs = {i: [] for i in ids}
+    for _ in range(2):  # both rows decoding: the next rounds verify full windows
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+    late = engine.add_request(Request(prompts[2], new[2]))
+    outs[late] = []
+    for out in engine.step():
+        outs[out.request_id] += out.new_token_ids
+    assert verify + 6 < len(prompts[2]) and engine.sequences[late].prefilled == verify + 6
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+    assert [outs[i] for i in ids + [late]] == [_greedy(target, p, n) for p, n in zip(prompts, new)]
 
 
 def test_a_failing_round_fails_its_rows_and_the_engine_goes_on(target, draft, monkeypatch):

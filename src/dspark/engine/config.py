@@ -12,7 +12,7 @@ from ..kernels.tree import MAX_TREE_NODES, MAX_TREE_TOP_K
 from .drafting import SCHEDULERS
 from .schedulers import SPSCostTable
 
-__all__ = ["DEFAULT_BATCHED_TOKENS", "DEFAULT_DRAFT_CANDIDATES", "DEFAULT_DRAFT_SUCCESSORS", "DEFAULT_MAX_MODEL_LEN",
+__all__ = ["DEFAULT_BATCHED_TOKENS", "DEFAULT_PROMPT_ROOM", "DEFAULT_DRAFT_CANDIDATES", "DEFAULT_DRAFT_SUCCESSORS", "DEFAULT_MAX_MODEL_LEN",
            "DEFAULT_STATE_SNAPSHOTS_PER_ROW", "ENGINES", "ENGINE_SCHEDULERS", "SCHEDULE_SIGNALS", "EngineConfig",
            "engine_config"]
 
@@ -24,6 +24,9 @@ ENGINE_SCHEDULERS = SCHEDULERS + ("cost",)
 # replay favours the online estimator, but it prices rounds by a table)
 SCHEDULE_SIGNALS = ("confidence", "online")
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step (vLLM's default): running rows first, prompt chunks after
+# prompt-chunk tokens a default step budget leaves beside every running row's full verify: at 2048
+# (256 rows x 8) nothing was left, and rows whose request ended waited idle for their next prompt
+DEFAULT_PROMPT_ROOM = 1024
 ENGINES = ("auto", "batched", "reference")
 # sampled drafts over 64 backbone candidates + 16 bigram successors: 97.7 % of the full vocabulary's
 # tau on the demo pair at T 1 and 106 % under top-p 0.9, and a 64-row mixed-settings step 29.5 ms
@@ -44,8 +47,9 @@ class EngineConfig:
     ``device`` / ``dtype`` for checkpoints loaded from directories (dtype None: ``default_dtype``,
     float32 on a CPU, the checkpoint's half precision on a GPU); ``max_num_batched_tokens``
     tokens per step (vLLM's flag): the running rows' verify or decode tokens, then chunks of the
-    prompts being admitted in the same forward (default: 2048, at least ``max_batch`` times the
-    verify length, so that every running row always fits);
+    prompts being admitted in the same forward (default: 2048, and at least ``max_batch`` times the
+    verify length plus ``DEFAULT_PROMPT_ROOM``, so that every running row always fits and prompts
+    still progress);
     ``draft_top_k`` > 1: tree mode (DDTree; greedy requests walk the target's argmax, sampled ones
     are verified losslessly by ``K.sampled_tree_accept``): each round verifies a token tree grown from
     that many drafter candidates per depth, ``tree_budget`` nodes per row with the root (default:

@@ -29,8 +29,8 @@ from ..model.llama import TargetLM
 from ..model.parallel import SINGLE_RANK, TensorParallel
 from .acceptance import OnlineAcceptance
 from .block_manager import BlockManager, StateSnapshots, kv_blocks_from_memory, working_memory
-from .config import (DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_STATE_SNAPSHOTS_PER_ROW, ENGINES,
-                     EngineConfig, engine_config)
+from .config import (DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_PROMPT_ROOM, DEFAULT_STATE_SNAPSHOTS_PER_ROW,
+                     ENGINES, EngineConfig, engine_config)
 from .drafting import Drafter
 from .logprobs import LogprobScoring
 from .offline import OfflineGeneration
@@ -125,7 +125,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
                                 config.threshold if config.scheduler != "off" else 0.0)
         verify_len = tree.budget if tree else drafter.num_draft_tokens + 1 if drafter is not None else 1
         rows_tokens = config.max_batch * verify_len
-        budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, rows_tokens)
+        budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, rows_tokens + DEFAULT_PROMPT_ROOM)
         if budget < rows_tokens:
             c.fail(f"max_num_batched_tokens must be at least max_batch x verify length = {config.max_batch} x "
                    f"{verify_len} = {rows_tokens} (every running row's tokens fit in a step), got {budget}")
