@@ -23,6 +23,9 @@ def test_load_bench_runs_every_configuration_with_the_same_outputs(tmp_path, mon
         assert set(rows) == set(load.LOAD_CONFIGS)
         for r in rows.values():
             assert r["failed"] == 0 and r["tokens"] == 2 * int(batch) * 16 and r["tokens_per_s"] > 0
+            # no graphs on the CPU: nothing captured, the same throughput either way
+            assert r["capture_seconds"] == 0 and r["tokens_per_s_captured_first"] == r["tokens_per_s"]
+            assert r["config"] == "plain" or 0 < r["rows_per_step"] <= int(batch)
         assert rows["plain"]["tau"] is None and rows["dspark-fixed"]["tau"] > 1
 
 

@@ -8,6 +8,7 @@ windows trimmed at the end, finish reason ``"length"``, output identical to plai
 
 import copy
 import logging
+import time
 
 import pytest
 import torch
@@ -187,6 +188,25 @@ def test_the_default_budget_leaves_prompts_room_beside_full_verifies(target, dra
         for out in engine.step():
             outs[out.request_id] += out.new_token_ids
     assert [outs[i] for i in ids + [late]] == [_greedy(target, p, n) for p, n in zip(prompts, new)]
+
+
+def test_the_steps_that_capture_a_graph_are_timed_apart(target, draft, monkeypatch):
+    """``EngineMetrics.capture_step_time``: the seconds of the steps during which the runner captured
+    a graph (a capture while serving stalls its step; a benchmark reports throughput without them)."""
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=2))
+    real, calls = engine.runner.launch_round, []
+
+    def launch_round(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # as a capture would: the runner counts one, the step takes longer
+            engine.runner.captures += 1
+            time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "launch_round", launch_round)
+    engine.generate([Request([3, 17], 10), Request([9, 1], 10)])
+    m = engine.metrics
+    assert len(calls) > 3 and 0.2 <= m.capture_step_time < m.step_time
 
 
 def test_a_failing_round_fails_its_rows_and_the_engine_goes_on(target, draft, monkeypatch):

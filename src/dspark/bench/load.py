@@ -16,7 +16,10 @@ every configuration (the replay's peaked random model, ``bench.replay``); the co
 first up to the largest batch's full verify. Prefix caching is off (the requests repeat the
 benchmark's prompts). ``DIR/load.json`` / ``load.md``: per batch and configuration total tokens/s,
 tau, engine steps, mean step time, and whether every request got the same tokens from every
-configuration (greedy: it must).
+configuration (greedy: it must); per configuration also the seconds of the timed steps that captured
+a graph and the throughput without them (the table's ratios: a server captures first), the plain
+steps, the rows a step decoded on average (fewer than B: rows idle, e.g. waiting for their
+prompt's turn in the step's token budget) and the host ms per step.
 """
 
 from __future__ import annotations
@@ -109,20 +112,31 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
         engine.generate(requests)  # captures the graphs this load meets
         m = engine.metrics
         before = dict(steps=m.steps, rounds=m.rounds, drafts=m.draft_tokens, accepted=m.accepted_tokens,
-                      step_time=m.step_time, captures=engine.runner.captures, tokens=m.generated_tokens)
+                      step_time=m.step_time, captures=engine.runner.captures, tokens=m.generated_tokens,
+                      capture_time=m.capture_step_time, host_time=m.host_time, plain_steps=m.plain_steps,
+                      preemptions=m.preemptions)
         _synchronize(spec)
         start = time.perf_counter()
         results = engine.generate(requests)
         _synchronize(spec)
         elapsed = time.perf_counter() - start
         steps, rounds = m.steps - before["steps"], m.rounds - before["rounds"]
+        plain_steps = m.plain_steps - before["plain_steps"]
         tokens = sum(len(r.token_ids) for r in results)
+        captures = m.capture_step_time - before["capture_time"]
         result = {"config": label, "batch": batch, "requests": len(requests), "tokens": tokens,
                 "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
+                # a server captures every graph first: its throughput is without the steps that captured
+                "capture_seconds": round(captures, 3),
+                "tokens_per_s_captured_first": round(tokens / max(elapsed - captures, 1e-9), 1),
                 "tau": None if label.startswith("plain") else round((m.accepted_tokens - before["accepted"] + rounds)
                                                           / max(rounds, 1), 3),
                 "steps": steps, "step_ms": round(1e3 * (m.step_time - before["step_time"]) / max(steps, 1), 3),
                 "captures_timed": engine.runner.captures - before["captures"],
+                "plain_steps": plain_steps, "preemptions": m.preemptions - before["preemptions"],
+                # rows a step decoded on average (below the batch: rows idle, e.g. waiting for their prompt)
+                "rows_per_step": None if label.startswith("plain") else round(rounds / max(steps, 1), 1),
+                "host_ms": round(1e3 * (m.host_time - before["host_time"]) / max(steps, 1), 3),
                 "failed": sum(r.finish_reason == "error" for r in results),
                 "outputs": [r.token_ids for r in results]}
         if profile_to is not None:  # the same requests once more, profiled
@@ -142,19 +156,24 @@ def _synchronize(spec: dict) -> None:
 
 
 def markdown(report: dict) -> str:
+    """The report's table: ratios of the throughput without the steps that captured a graph (a
+    server captures every graph first), which the capture seconds separate from the total."""
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
-             "| B | config | total tok/s | vs plain | vs fixed | mixed / greedy | τ | steps | step ms | timed captures "
-             "| failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | config | total tok/s | tok/s captured first | vs plain | vs fixed | mixed / greedy | τ | steps "
+             "| plain steps | rows / step | step ms | host ms | timed captures (s) | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in report["batches"].items():
         by = {r["config"]: r for r in rows}
         for r in rows:
             greedy = r["config"].removesuffix("-mixed")
-            ratio = {k: (f"{r['tokens_per_s'] / by[k]['tokens_per_s']:.3f}x" if k in by else "-")
-                     for k in ("plain", "dspark-fixed", greedy)}
-            lines.append(f"| {batch} | {r['config']} | {r['tokens_per_s']} | {ratio['plain']} | {ratio['dspark-fixed']} "
-                         f"| {ratio[greedy] if greedy != r['config'] else '-'} "
-                         f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['step_ms']} "
-                         f"| {r['captures_timed']} | {r['failed']} of {r['requests']} |")
+            rate = "tokens_per_s_captured_first"
+            ratio = {k: (f"{r[rate] / by[k][rate]:.3f}x" if k in by else "-") for k in ("plain", "dspark-fixed", greedy)}
+            lines.append(f"| {batch} | {r['config']} | {r['tokens_per_s']} | {r[rate]} | {ratio['plain']} "
+                         f"| {ratio['dspark-fixed']} | {ratio[greedy] if greedy != r['config'] else '-'} "
+                         f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['plain_steps']} "
+                         f"| {r['rows_per_step'] if r['rows_per_step'] is not None else '-'} "
+                         f"| {r['step_ms']} | {r['host_ms']} | {r['captures_timed']} ({r['capture_seconds']}) "
+                         f"| {r['failed']} of {r['requests']} |")
     lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**"]
     return "\n".join(lines)
 

@@ -162,7 +162,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         self._drafted = True  # whether the running rows hold drafts (the last step drafted them)
         self._plain_rounds = 0  # plain rounds in a row (the cost scheduler's fallback)
         self._host_ms = [0.0, 0.0]  # average host time of a drafting round and of a plain one (measured)
-        self._step_host = 0.0
+        self._step_host = self._launch_time = 0.0  # the launched step's host seconds and launch seconds
         self._step_captures = 0  # the runner's capture count when the step was launched
         self.cost_table = config.cost_table
         # whether the host picks verify lengths from the drafter's proposals (threshold / sps / cost
@@ -389,7 +389,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         end = time.perf_counter()
         host = end - start - self._proposal_wait
         self.metrics.record_host(end - start, host, overlapped, plan=planned - start, launch=end - planned)
-        self._step_host = host - overlapped
+        self._step_host, self._launch_time = host - overlapped, end - start
 
     def _run_step(self, plan: StepPlan, outputs) -> list[Sequence]:
         """Launch ``plan``; returns the requests whose prompt ended (now running, last rows). A failed
@@ -478,8 +478,9 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         elapsed = time.perf_counter() - start
         self.metrics.record_host(elapsed, elapsed - waited, hidden, commit=elapsed - waited)
         self.metrics.steps += 1
-        self._count_round(drafted, self._step_host + elapsed - waited - hidden,
-                          self.runner.captures != self._step_captures)
+        captured = self.runner.captures != self._step_captures
+        self.metrics.capture_step_time += captured * (self._launch_time + elapsed)
+        self._count_round(drafted, self._step_host + elapsed - waited - hidden, captured)
         return outputs
 
     def _admit(self) -> None:
