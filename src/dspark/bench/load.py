@@ -137,6 +137,10 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                 # rows a step decoded on average (below the batch: rows idle, e.g. waiting for their prompt)
                 "rows_per_step": None if label.startswith("plain") else round(rounds / max(steps, 1), 1),
                 "host_ms": round(1e3 * (m.host_time - before["host_time"]) / max(steps, 1), 3),
+                "drafts_verified_per_round": None if label.startswith("plain") else round(
+                    (m.draft_tokens - before["drafts"]) / max(rounds, 1), 2),
+                # what the cost scheduler priced a drafting / a plain round's host time at, in the end
+                "priced_host_ms": [round(x, 3) for x in engine._host_ms],
                 "failed": sum(r.finish_reason == "error" for r in results),
                 "outputs": [r.token_ids for r in results]}
         if profile_to is not None:  # the same requests once more, profiled
