@@ -5,6 +5,7 @@ request the same tokens."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,6 +27,7 @@ def test_load_bench_runs_every_configuration_with_the_same_outputs(tmp_path, mon
             # no graphs on the CPU: nothing captured, the same throughput either way
             assert r["capture_seconds"] == 0 and r["tokens_per_s_captured_first"] == r["tokens_per_s"]
             assert r["config"] == "plain" or 0 < r["rows_per_step"] <= int(batch)
+            assert r["steady_steps"] > 0 and r["steady_tokens_per_s"] > 0
         assert rows["plain"]["tau"] is None and rows["dspark-fixed"]["tau"] > 1
 
 
@@ -63,3 +65,19 @@ def test_bad_arguments_name_the_flag(tmp_path, argv, message, capsys):
     with pytest.raises(SystemExit):
         load.main(["--out", str(tmp_path), "--device", "cpu", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_the_steady_window_is_the_steps_while_requests_wait():
+    """``SteadyWindow``: the tokens of the steps after the first that ended with requests waiting, up
+    to the last such step, over the engine's step time between them less the capture steps' time."""
+    metrics = SimpleNamespace(steps=0, step_time=0.0, capture_step_time=0.0)
+    engine = SimpleNamespace(metrics=metrics, scheduler=SimpleNamespace(waiting=[1]))
+    window = load.SteadyWindow(engine)
+    for step in range(1, 6):  # 1 s a step, step 3 captured a graph for 0.5 s of it; the queue empties after step 3
+        metrics.steps, metrics.step_time = step, float(step)
+        metrics.capture_step_time = 0.5 if step >= 3 else 0.0
+        engine.scheduler.waiting = [1] if step <= 3 else []
+        for _ in range(2):  # two requests' outputs per step, 5 tokens each
+            window.observe(SimpleNamespace(new_token_ids=[0] * 5))
+    assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1)}
+    assert load.SteadyWindow(engine).report() == {"steady_steps": 0, "steady_tokens_per_s": None}

@@ -16,8 +16,9 @@ every configuration (the replay's peaked random model, ``bench.replay``); the co
 first up to the largest batch's full verify. Prefix caching is off (the requests repeat the
 benchmark's prompts). ``DIR/load.json`` / ``load.md``: per batch and configuration total tokens/s,
 tau, engine steps, mean step time, and whether every request got the same tokens from every
-configuration (greedy: it must); per configuration also the seconds of the timed steps that captured
-a graph and the throughput without them (the table's ratios: a server captures first), the plain
+configuration (greedy: it must); per configuration also the steady throughput, while every row is
+busy (``SteadyWindow``; the table's ratios), the seconds of the timed steps that captured a graph and
+the throughput without them (a server captures first), the plain
 steps, the rows a step decoded on average (fewer than B: rows idle, e.g. waiting for their
 prompt's turn in the step's token budget) and the host ms per step.
 """
@@ -100,6 +101,35 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models: Mode
     return engine
 
 
+class SteadyWindow:
+    """The throughput while every row is busy: over the steps that ended with requests still
+    waiting for a row (the queue not yet empty), after the first of them -- their tokens over the
+    engine's step time between them, less the steps that captured a graph. The whole run's
+    throughput also counts the tail, where rows empty as the last requests end: as long as the
+    slowest request in a load of a few requests per row, so DSpark's requests of uneven acceptance
+    leave more rows idle there than plain decoding's, all of one length."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps: dict[int, list] = {}  # step -> [tokens, queue not empty, step seconds, capture seconds]
+
+    def observe(self, output) -> None:
+        """``generate``'s ``on_output``: count the step's tokens (the engine's counters as it ended)."""
+        m = self.engine.metrics
+        step = self.steps.setdefault(m.steps, [0, bool(self.engine.scheduler.waiting), m.step_time,
+                                               m.capture_step_time])
+        step[0] += len(output.new_token_ids)
+
+    def report(self) -> dict:
+        busy = sorted(k for k, step in self.steps.items() if step[1])
+        if len(busy) < 2:
+            return {"steady_steps": 0, "steady_tokens_per_s": None}
+        first, last = self.steps[busy[0]], self.steps[busy[-1]]
+        tokens = sum(step[0] for k, step in self.steps.items() if busy[0] < k <= busy[-1])
+        seconds = (last[2] - first[2]) - (last[3] - first[3])
+        return {"steady_steps": busy[-1] - busy[0], "steady_tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+
+
 def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
                workload: str = "replay", mixed: bool = False, profile_to: Path | None = None) -> dict:
     """One configuration at ``batch`` rows: an untimed run, then the timed one (``mixed``: the
@@ -116,8 +146,9 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                       capture_time=m.capture_step_time, host_time=m.host_time, plain_steps=m.plain_steps,
                       preemptions=m.preemptions)
         _synchronize(spec)
+        steady = SteadyWindow(engine)
         start = time.perf_counter()
-        results = engine.generate(requests)
+        results = engine.generate(requests, steady.observe)
         _synchronize(spec)
         elapsed = time.perf_counter() - start
         steps, rounds = m.steps - before["steps"], m.rounds - before["rounds"]
@@ -129,6 +160,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                 # a server captures every graph first: its throughput is without the steps that captured
                 "capture_seconds": round(captures, 3),
                 "tokens_per_s_captured_first": round(tokens / max(elapsed - captures, 1e-9), 1),
+                **steady.report(),
                 "tau": None if label.startswith("plain") else round((m.accepted_tokens - before["accepted"] + rounds)
                                                           / max(rounds, 1), 3),
                 "steps": steps, "step_ms": round(1e3 * (m.step_time - before["step_time"]) / max(steps, 1), 3),
@@ -160,26 +192,31 @@ def _synchronize(spec: dict) -> None:
 
 
 def markdown(report: dict) -> str:
-    """The report's table: ratios of the throughput without the steps that captured a graph (a
-    server captures every graph first), which the capture seconds separate from the total."""
+    """The report's table; its ratios are of the steady throughput (``SteadyWindow``: every row busy,
+    capture steps left out), which a server under sustained load sees."""
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
-             "| B | config | total tok/s | tok/s captured first | vs plain | vs fixed | mixed / greedy | τ | steps "
-             "| plain steps | rows / step | step ms | host ms | timed captures (s) | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | config | total tok/s | tok/s captured first | steady tok/s | vs plain | vs fixed | mixed / greedy "
+             "| τ | steps | steady steps | plain steps | rows / step | step ms | host ms | timed captures (s) | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in report["batches"].items():
         by = {r["config"]: r for r in rows}
         for r in rows:
             greedy = r["config"].removesuffix("-mixed")
-            rate = "tokens_per_s_captured_first"
-            ratio = {k: (f"{r[rate] / by[k][rate]:.3f}x" if k in by else "-") for k in ("plain", "dspark-fixed", greedy)}
-            lines.append(f"| {batch} | {r['config']} | {r['tokens_per_s']} | {r[rate]} | {ratio['plain']} "
-                         f"| {ratio['dspark-fixed']} | {ratio[greedy] if greedy != r['config'] else '-'} "
-                         f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['plain_steps']} "
-                         f"| {r['rows_per_step'] if r['rows_per_step'] is not None else '-'} "
+            ratio = {k: (f"{_rate(r) / _rate(by[k]):.3f}x" if k in by else "-") for k in ("plain", "dspark-fixed", greedy)}
+            lines.append(f"| {batch} | {r['config']} | {r['tokens_per_s']} | {r['tokens_per_s_captured_first']} "
+                         f"| {r['steady_tokens_per_s']} | {ratio['plain']} | {ratio['dspark-fixed']} "
+                         f"| {ratio[greedy] if greedy != r['config'] else '-'} "
+                         f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['steady_steps']} "
+                         f"| {r['plain_steps']} | {r['rows_per_step'] if r['rows_per_step'] is not None else '-'} "
                          f"| {r['step_ms']} | {r['host_ms']} | {r['captures_timed']} ({r['capture_seconds']}) "
                          f"| {r['failed']} of {r['requests']} |")
     lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**"]
     return "\n".join(lines)
+
+
+def _rate(row: dict) -> float:
+    """A row's steady throughput, or without its capture steps where no steady window was seen."""
+    return row["steady_tokens_per_s"] or row["tokens_per_s_captured_first"]
 
 
 def main(argv: list[str] | None = None) -> int:
