@@ -406,10 +406,57 @@ def test_cost_scheduler_trims_verification_and_falls_back_to_plain_rounds(target
     assert sum(verified["steep"]) / len(verified["steep"]) < sum(verified["flat"]) / len(verified["flat"])
     assert engine.metrics.plain_steps > 0  # the last engine's table: drafting never pays
     plain = verified["drafting never pays"].count(0)
-    # after a prompt's step (which drafts) every round is plain but one in REDRAFT_STEPS + 1
+    # every round is plain but one in REDRAFT_STEPS + 1 (and a request's first, drafted where it joined)
     assert plain >= len(verified["drafting never pays"]) * REDRAFT_STEPS / (REDRAFT_STEPS + 1) - len(PROMPTS)
     with pytest.raises(ValueError, match="scheduler 'cost' needs cost_table"):
         EngineConfig(scheduler="cost")
+
+
+def _draft_context(engine, seq, n: int) -> torch.Tensor:
+    """The draft model's context K of ``seq``'s first ``n`` positions ``[n, layers, heads, dim]``."""
+    cache = engine.runner.proposer.draft.cache
+    table, size = cache.block_table[seq.slot], cache.block_size
+    return torch.stack([cache.k[:, table[p // size], p % size] for p in range(n)])
+
+
+def _contexts(engine, requests: list) -> tuple[dict, list[bool]]:
+    """Run ``requests``; per request its draft context over its committed positions but the last
+    (final once written), as the latest step left it, and whether each step with a prompt drafted."""
+    contexts, mixed_drafted = {}, []
+    runner = engine.runner
+    mixed = runner._mixed_step
+
+    def recording(*args, **kwargs):
+        mixed(*args, **kwargs)
+        mixed_drafted.append(runner.drafted)
+
+    runner._mixed_step = recording
+    ids = [engine.add_request(r) for r in requests]
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            n = seq.prompt_len + len(seq.output_ids) - 1
+            contexts[seq.request_id] = _draft_context(engine, seq, n)
+    return {i: contexts[i] for i in ids}, mixed_drafted
+
+
+def test_steps_that_do_not_draft_keep_every_rows_draft_context(target):
+    """Under the cost scheduler's plain rounds a step with prompt chunks does not draft either (at
+    high load most steps carry chunks: drafting each would cost a draft pass of every row): it writes
+    the draft context of every row -- running rows and the requests it seats -- as the draft pass
+    would. Each request's context then equals its context in an engine that drafts every step."""
+    from dspark.engine.schedulers import SPSCostTable
+
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    never = SPSCostTable((1, 64), (1.0, 64.0), draft_rows=(1,), draft_time_ms=(50.0,))
+    requests = [Request(p, n) for p, n in zip(PROMPTS, (6, 24, 8, 12))]  # the later ones join running rows
+    plain, mixed_drafted = _contexts(LLMEngine(target, draft, EngineConfig(max_batch=2, scheduler="cost",
+                                                                           cost_table=never)), requests)
+    assert False in mixed_drafted  # requests joined in steps that did not draft
+    drafting, _ = _contexts(LLMEngine(target, draft, EngineConfig(max_batch=2, scheduler="off")), requests)
+    for rid, context in plain.items():
+        n = min(len(context), len(drafting[rid]))
+        assert n > len(PROMPTS[rid]) and torch.allclose(context[:n], drafting[rid][:n], atol=1e-5), rid
 
 
 def test_a_step_that_captures_a_graph_is_left_out_of_the_host_time_average(target):

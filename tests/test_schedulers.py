@@ -205,7 +205,9 @@ def test_drafting_pays_compares_the_best_round_with_plain_decoding():
 
 def test_prompt_tokens_in_the_step_price_the_verify_further_up_the_curve():
     """Prompt chunks share the step's forward: Algorithm 1 prices each verify token where the step
-    already is -- free on the flat part of the curve, dear once a prefill has taken it up the steep one."""
+    already is -- free on the flat part of the curve, dear once a prefill has taken it up the steep
+    one. There drafting stops paying: its 11.7 more tokens take 10.7 ms, where plain rounds make
+    17 (8 tokens in 5 ms on the flat part)."""
     import numpy as np
 
     from dspark.engine.schedulers import batch_schedule, drafting_pays
@@ -214,7 +216,27 @@ def test_prompt_tokens_in_the_step_price_the_verify_further_up_the_curve():
     conf = np.full((8, 7), 0.6)
     assert batch_schedule(conf, curve, 0.0) == [7] * 8
     assert sum(batch_schedule(conf, curve, 0.0, prefill_tokens=1500)) < 7 * 8
-    assert drafting_pays(conf, curve, 0.04) and drafting_pays(conf, curve, 0.04, prefill_tokens=1500)
+    assert drafting_pays(conf, curve, 0.04) and not drafting_pays(conf, curve, 0.04, prefill_tokens=1500)
+
+
+def test_drafting_is_priced_against_plain_rounds_without_the_steps_prompt_tokens():
+    """A step's prompt chunks run whether it drafts or not: what drafting adds -- tokens and time --
+    is weighed against plain rounds' rate without them. On a straight cost curve the choice is then
+    the same with and without prompt tokens; pricing against a plain round that carries them (its
+    time per token up 6x here) drafted at 256 rows where the extra time made more tokens plainly."""
+    import numpy as np
+
+    from dspark.engine.schedulers import drafting_pays
+
+    line = SPSCostTable((1, 4096), (5.03, 127.88), draft_rows=(1, 256), draft_time_ms=(5.0, 5.0))  # 5 + 0.03 n ms
+    first = np.tile([0.88, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], (256, 1))  # 1.88 tokens a row verifying 1 draft
+    for prompt in (0, 500, 2000, 3000):
+        # the round verifying one draft a row: 481 tokens in 25.4 ms; plain: 256 in 12.7 ms, 512 in 25.4
+        assert not drafting_pays(first, line, 0.0, lengths=[1] * 256, prefill_tokens=prompt)
+    # the old price (per token of a round with 2,000 prompt tokens: 481 / 85.4 ms against 256 / 72.7 ms) drafted
+    assert 481 / (line.step_time(2512) + 5.0) > 256 / line.step_time(2256)
+    sure = np.full((256, 7), 0.95)  # verifying all 7: 6.7 tokens a row for 59 ms more than plain's 12.7
+    assert all(drafting_pays(sure, line, 0.0, lengths=[7] * 256, prefill_tokens=p) for p in (0, 2000))
 
 
 def prefix_schedule_lengths(conf, table):

@@ -110,10 +110,15 @@ class RoundPlanning:
 
     def _acceptance_signal(self, rows: list[Sequence]) -> np.ndarray:
         """Each draft's conditional acceptance for ``rows`` ``[R, P]``: the drafter's confidences of
-        their pending proposals, or the online estimator's estimates (``schedule_signal``)."""
+        their pending proposals, or the online estimator's estimates (``schedule_signal``). A row
+        seated by a step that did not draft has no confidences yet: it takes the other rows' mean
+        (all ones where none has any: drafting again finds out), which only the choice to draft reads
+        -- rows that hold no drafts verify none."""
         if self.acceptance is not None:
             return self.acceptance.estimate([seq.slot for seq in rows])
-        return np.stack([seq.confidence for seq in rows])
+        known = [seq.confidence for seq in rows if seq.confidence is not None]
+        prior = np.mean(known, axis=0) if known else np.ones(self.num_drafts, dtype=np.float32)
+        return np.stack([prior if seq.confidence is None else seq.confidence for seq in rows])
 
     def _scheduled_drafts(self) -> list[int]:
         """Drafts per running row under the ``off`` / ``threshold`` / ``sps`` schedulers: the drafter's

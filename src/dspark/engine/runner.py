@@ -23,7 +23,8 @@ Prompts are run in chunks inside the same step (``PrefillChunk``: extra requests
 forward, after the running rows' verify or decode tokens, each group with its own attention
 launch); a request whose prompt ends in a step takes the next row, gets its first token from the
 prompt's last logits and is drafted by that step's draft pass with the others -- nothing is
-re-drafted on admission. Steps with chunks replay graphs too (graphs.py).
+re-drafted on admission -- or, in a step that does not draft (the cost scheduler's plain rounds),
+has only its draft context written, as the others. Steps with chunks replay graphs too (graphs.py).
 
 Plain decoding (no draft) is ``decode(B)``: one target step per row, graphed the same way. A
 DSpark runner can run plain rounds too (``launch_round(rows, None, ...)``: the cost scheduler's
@@ -230,10 +231,10 @@ class ModelRunner(CudaGraphs):
         same forward, and those that end their prompt join at rows ``rows, rows + 1, ...`` (read
         them too). ``draft``: whether the round drafts the next one (block, Markov chain,
         confidences), or a function called once the target pass is queued that says it; without
-        it only the draft context advances and the next round is plain. A step with chunks always
-        drafts. ``self.drafted`` says whether this step did."""
+        it only the draft context advances (the chunks' too) and the next round is plain.
+        ``self.drafted`` says whether this step did."""
         self.round_times, self._draft_choice = None, draft
-        self.drafted = True if chunks else draft if isinstance(draft, bool) else None
+        self.drafted = draft if isinstance(draft, bool) else None
         self.block_tables.flush()
         self.penalties.flush()
         if verify_lens is None:
@@ -271,16 +272,22 @@ class ModelRunner(CudaGraphs):
         self._replay(key, target_pass)
         self._send_readout(0)
         self._between_passes()
-        if self.drafted is None:  # decided now: the target pass runs on the device meanwhile
-            self.drafted = bool(self._draft_choice())
         verified = time.perf_counter()
+        self._draft_or_context(b, path)
+        self._send_readout(1)
+        if self.device.type == "cpu":
+            self.round_times = (verified - start, time.perf_counter() - verified)
+
+    def _draft_or_context(self, b: int, path: LogitsPath) -> None:
+        """After the target pass of rows ``0 .. b-1``: the draft pass where the step drafts
+        (``self.drafted``, decided now where it is a choice: the target pass runs on the device
+        meanwhile), else only their draft context -- what the draft pass writes first."""
+        if self.drafted is None:
+            self.drafted = bool(self._draft_choice())
         if self.drafted:
             self._draft(b, path)
         else:
             self._replay(("context", b), lambda: self.proposer.context_rows(b))
-        self._send_readout(1)
-        if self.device.type == "cpu":
-            self.round_times = (verified - start, time.perf_counter() - verified)
 
     def _between_passes(self) -> None:
         if self.between_passes is not None and self.drafter is not None:
@@ -378,7 +385,8 @@ class ModelRunner(CudaGraphs):
         bucket ``b`` (None: one decode token per row), exactly as a round without chunks -- and the
         prompt chunks, staged into ``self.chunks`` and padded to a chunk bucket; then accept / sample
         as a round does, write the chunks' draft context, seat the requests whose prompt ended
-        (first token, row state) and draft every row. Up to ``GRAPH_CHUNK_TOKENS`` chunk tokens, one
+        (first token, row state) and draft every row (or, where the step does not draft, write
+        their draft context only: ``_draft_or_context``). Up to ``GRAPH_CHUNK_TOKENS`` chunk tokens, one
         CUDA graph per (rows bucket, verify tokens, chunk bucket, running rows greedy or ``PENALISED``);
         with more, the running rows' verify is padded to every row's full length (one verify total per
         rows bucket: ``mixed_shapes``). The running rows are verified in the
@@ -399,7 +407,7 @@ class ModelRunner(CudaGraphs):
             self.row_paths[c.row] = LogitsPath.of(c.sampling)
         total = rows + len(joined)
         if self.drafter is not None and total:
-            self._draft(self.bucket(total), self._path(total))
+            self._draft_or_context(self.bucket(total), self._path(total))
             self._send_readout(1)
 
     def _draft(self, b: int, path: LogitsPath) -> None:

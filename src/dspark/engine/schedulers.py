@@ -180,11 +180,14 @@ def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_ga
                   host_ms: tuple[float, float] = (0.0, 0.0), lengths: list[int] | None = None,
                   prefill_tokens: int = 0) -> bool:
     """Whether the next round should draft: the round ``batch_schedule`` would run on the rows'
-    latest confidences ``[R, P]`` (``lengths``, when already scheduled) -- its expected tokens over
-    its verify, draft pass and host time ``host_ms[0]`` -- beats a plain round (R tokens: the
-    target's one per row, over the verify of R tokens and ``host_ms[1]``) by ``min_predicted_gain``,
-    both forwards also running ``prefill_tokens`` prompt tokens. Else the engine decodes without
-    drafting."""
+    latest confidences ``[R, P]`` (``lengths``, when already scheduled) -- its expected tokens in
+    its verify, draft pass and host time ``host_ms[0]`` -- makes ``1 + min_predicted_gain`` times
+    what plain decoding makes in that time: a plain round's R tokens (the verify of R tokens and
+    ``host_ms[1]``) and, for the time the drafting round takes beyond it, plain rounds' tokens at
+    their rate. Both forwards also run ``prefill_tokens`` prompt tokens, which a step runs either
+    way: so that rate is a plain round's without them (with them, a plain round's time per token
+    rose, and drafting looked to pay where the extra time it takes would make more tokens in plain
+    rounds -- most steps at high load carry prompt chunks). Else the engine decodes without drafting."""
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     rows, p = survival.shape
     if lengths is None:
@@ -192,8 +195,9 @@ def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_ga
     every = all(n == p for n in lengths)
     round_ms = table.step_time(sum(lengths) + rows + prefill_tokens) + table.draft_time(rows) + host_ms[0]
     plain_ms = table.step_time(rows + prefill_tokens) + host_ms[1]
+    plain_rate = rows / (table.step_time(rows) + host_ms[1])  # tokens per ms, no prompt tokens
     expected = _expected_tokens(survival, None if every else np.asarray(lengths))
-    return expected / round_ms > (1 + min_predicted_gain) * rows / plain_ms
+    return expected > (1 + min_predicted_gain) * (rows + plain_rate * (round_ms - plain_ms))
 
 
 def _expected_tokens(survival: np.ndarray, lengths: np.ndarray | None) -> float:
