@@ -440,19 +440,24 @@ def _contexts(engine, requests: list) -> tuple[dict, list[bool]]:
     return {i: contexts[i] for i in ids}, mixed_drafted
 
 
-def test_steps_that_do_not_draft_keep_every_rows_draft_context(target):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_steps_that_do_not_draft_keep_every_rows_draft_context(target, device):
     """Under the cost scheduler's plain rounds a step with prompt chunks does not draft either (at
     high load most steps carry chunks: drafting each would cost a draft pass of every row): it writes
     the draft context of every row -- running rows and the requests it seats -- as the draft pass
-    would. Each request's context then equals its context in an engine that drafts every step."""
+    would. Each request's context then equals its context in an engine that drafts every step (on
+    CUDA: from the graphs the start-up captured, none captured later)."""
     from dspark.engine.schedulers import SPSCostTable
 
-    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    target = target if device == "cpu" else tiny_qwen3_target().cuda()
+    draft = random_draft(tiny_draft_config(target.config), 0, target).to(device)
     never = SPSCostTable((1, 64), (1.0, 64.0), draft_rows=(1,), draft_time_ms=(50.0,))
     requests = [Request(p, n) for p, n in zip(PROMPTS, (6, 24, 8, 12))]  # the later ones join running rows
-    plain, mixed_drafted = _contexts(LLMEngine(target, draft, EngineConfig(max_batch=2, scheduler="cost",
-                                                                           cost_table=never)), requests)
-    assert False in mixed_drafted  # requests joined in steps that did not draft
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=2, scheduler="cost", cost_table=never))
+    engine.capture_graphs()  # the server's start-up capture (none on the CPU)
+    captured = engine.runner.captures
+    plain, mixed_drafted = _contexts(engine, requests)
+    assert False in mixed_drafted and engine.runner.captures == captured  # joined in steps that did not draft
     drafting, _ = _contexts(LLMEngine(target, draft, EngineConfig(max_batch=2, scheduler="off")), requests)
     for rid, context in plain.items():
         n = min(len(context), len(drafting[rid]))
