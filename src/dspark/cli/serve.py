@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per engine round (--max-num-seqs: vLLM's name)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per engine step: the running requests' verify/decode tokens, then chunks of "
-                             "arriving prompts in the same forward (default: 2048, at least max-batch x verify length)")
+                             "arriving prompts in the same forward (default: 2048, at least max-batch x verify length "
+                             "+ 1024 for prompts)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="tokens per request, prompt included (default: the target's, at most 4096)")
     parser.add_argument("--max-waiting", type=int, default=4096,
