@@ -18,8 +18,8 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 ``verify_len + kernel - 1`` conv inputs. The cost is ``verify_len + 1`` recurrent states per line
 and a state write per position.
 
-**Checkpoint + replay** (``StateLayout.checkpoints``, ``EngineConfig.gated_delta_checkpoints``; gated
-DeltaNet layers only): per line two checkpoint slots and two halves of kept
+**Checkpoint + replay** (``StateLayout.checkpoints``, ``EngineConfig.gated_delta_checkpoints``, the
+engine's default where a target has gated DeltaNet layers; those layers only): per line two checkpoint slots and two halves of kept
 window inputs instead of the ring of recurrent states, and per line where its checkpoints stand and
 which slot and half are current (``StatePool.checkpoint_positions`` / ``checkpoint_slots``). Each
 ragged group runs one ``K.gated_delta_replay_scan`` (``checkpoint_scan``): from the current
