@@ -412,6 +412,27 @@ def test_cost_scheduler_trims_verification_and_falls_back_to_plain_rounds(target
         EngineConfig(scheduler="cost")
 
 
+def test_the_wait_for_a_fresh_draft_doubles_while_drafting_does_not_pay(target, monkeypatch):
+    """Plain rounds under the cost scheduler: after ``REDRAFT_STEPS`` of them the engine drafts again
+    (fresh confidences); each time that finds drafting still does not pay the wait doubles, at most
+    ``REDRAFT_DOUBLINGS`` times -- at high load each refresh costs a draft pass and a verify of every
+    row. Greedy output exact."""
+    from dspark.engine import round_plan
+    from dspark.engine.schedulers import SPSCostTable
+
+    monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 2)
+    monkeypatch.setattr(round_plan, "REDRAFT_DOUBLINGS", 3)
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    never = SPSCostTable((1, 64), (1.0, 64.0), draft_rows=(1,), draft_time_ms=(50.0,))
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=1, scheduler="cost", cost_table=never))
+    rid, drafted, out = engine.add_request(Request(PROMPTS[1], 90)), [], []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+        drafted.append(engine.runner.drafted)
+    runs = [len(run) for run in "".join("d" if d else "p" for d in drafted).split("d") if run]
+    assert runs[:6] == [2, 4, 8, 16, 16, 16] and out == _greedy(target, PROMPTS[1], 90)
+
+
 def _draft_context(engine, seq, n: int) -> torch.Tensor:
     """The draft model's context K of ``seq``'s first ``n`` positions ``[n, layers, heads, dim]``."""
     cache = engine.runner.proposer.draft.cache

@@ -8,8 +8,8 @@ or the engine decodes plainly; after a step ``_count_round`` keeps what that cho
 the rows hold drafts, the run of plain rounds, the measured host times). It reads the engine's
 ``config``, ``scheduler``, ``runner``, ``metrics``, ``acceptance``, ``cost_table``, ``num_drafts``,
 ``max_model_len`` and ``max_num_batched_tokens``, takes the last draft pass's confidences
-(``_unread``, ``_take_proposals``), and keeps ``_drafted``, ``_plain_rounds`` and ``_host_ms`` (set
-where the engine is built).
+(``_unread``, ``_take_proposals``), and keeps ``_drafted``, ``_plain_rounds``, ``_redraft_doublings``,
+``_redrafted`` and ``_host_ms`` (set where the engine is built).
 
 The confidences are this round's, left by the last step's draft pass: reading them waits for it.
 Where the cost scheduler verifies every draft whatever they are (``full_verify_wins``: the flat
@@ -30,9 +30,13 @@ from .. import kernels as K
 from .request import Sequence
 from .schedulers import batch_schedule, drafting_pays, full_verify_wins
 
-__all__ = ["HOST_EMA", "REDRAFT_STEPS", "RoundPlanning"]
+__all__ = ["HOST_EMA", "REDRAFT_DOUBLINGS", "REDRAFT_STEPS", "RoundPlanning"]
 
 REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
+# each such round that finds drafting still does not pay doubles the wait, up to 16 x 2^4 = 256 plain
+# rounds: at high load each costs a draft pass and a verify of every row (about 7 % of a 256-row
+# H200 step's time at 16) and rarely finds anything new
+REDRAFT_DOUBLINGS = 4
 HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
 
 
@@ -62,7 +66,8 @@ class RoundPlanning:
         round Algorithm 1 would run on the rows' latest confidences is predicted to beat plain
         decoding (``drafting_pays``: verify, draft pass and measured host times) -- then the engine
         decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the
-        confidences. That choice is a callable when the verify lengths need no confidence (module
+        confidences (twice as many after each such round that found drafting still does not pay,
+        at most ``REDRAFT_DOUBLINGS`` times; back to ``REDRAFT_STEPS`` once it pays). That choice is a callable when the verify lengths need no confidence (module
         docstring). A failed draft pass fails the running rows (none left: a plain plan)."""
         if self.config.scheduler != "cost":
             if not self._proposals_taken(outputs):
@@ -101,12 +106,19 @@ class RoundPlanning:
     def _drafting_pays(self, drafting: list[int], scheduled: list[int], others: int) -> bool:
         """Whether the step drafts the next round (``_plan_round``) -- taking the proposals first."""
         self._take_proposals()
-        if self._plain_rounds >= REDRAFT_STEPS:
+        if self._plain_rounds >= REDRAFT_STEPS << self._redraft_doublings:
+            self._redrafted = True
             return True
         signal = self._acceptance_signal([self.scheduler.running[i] for i in drafting])
         # until a plain round is measured, price its host time as a drafting round's (keep drafting)
         host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
-        return drafting_pays(signal, self.cost_table, self.config.min_predicted_gain, host, scheduled, others)
+        pays = drafting_pays(signal, self.cost_table, self.config.min_predicted_gain, host, scheduled, others)
+        if pays:
+            self._redraft_doublings = 0
+        elif self._redrafted:  # the fresh confidences did not make drafting pay: wait longer next time
+            self._redraft_doublings = min(self._redraft_doublings + 1, REDRAFT_DOUBLINGS)
+        self._redrafted = False
+        return pays
 
     def _acceptance_signal(self, rows: list[Sequence]) -> np.ndarray:
         """Each draft's conditional acceptance for ``rows`` ``[R, P]``: the drafter's confidences of
