@@ -425,7 +425,8 @@ def test_the_wait_for_a_fresh_draft_doubles_while_drafting_does_not_pay(target, 
     draft = random_draft(tiny_draft_config(target.config), 0, target)
     never = SPSCostTable((1, 64), (1.0, 64.0), draft_rows=(1,), draft_time_ms=(50.0,))
     engine = LLMEngine(target, draft, EngineConfig(max_batch=1, scheduler="cost", cost_table=never))
-    rid, drafted, out = engine.add_request(Request(PROMPTS[1], 90)), [], []
+    engine.add_request(Request(PROMPTS[1], 90))
+    drafted, out = [], []
     while engine.has_unfinished():
         out += [t for o in engine.step() for t in o.new_token_ids]
         drafted.append(engine.runner.drafted)

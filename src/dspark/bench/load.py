@@ -196,13 +196,15 @@ def markdown(report: dict) -> str:
     capture steps left out), which a server under sustained load sees."""
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
              "| B | config | total tok/s | tok/s captured first | steady tok/s | vs plain | vs fixed | mixed / greedy "
-             "| τ | steps | steady steps | plain steps | rows / step | step ms | host ms | timed captures (s) | failed |",
+             "| τ | steps | steady steps | plain steps | rows / step | step ms | host ms | timed captures (s) "
+             "| failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in report["batches"].items():
         by = {r["config"]: r for r in rows}
         for r in rows:
             greedy = r["config"].removesuffix("-mixed")
-            ratio = {k: (f"{_rate(r) / _rate(by[k]):.3f}x" if k in by else "-") for k in ("plain", "dspark-fixed", greedy)}
+            ratio = {k: (f"{_rate(r) / _rate(by[k]):.3f}x" if k in by else "-")
+                     for k in ("plain", "dspark-fixed", greedy)}
             lines.append(f"| {batch} | {r['config']} | {r['tokens_per_s']} | {r['tokens_per_s_captured_first']} "
                          f"| {r['steady_tokens_per_s']} | {ratio['plain']} | {ratio['dspark-fixed']} "
                          f"| {ratio[greedy] if greedy != r['config'] else '-'} "

@@ -29,8 +29,8 @@ from ..model.llama import TargetLM
 from ..model.parallel import SINGLE_RANK, TensorParallel
 from .acceptance import OnlineAcceptance
 from .block_manager import BlockManager, StateSnapshots, kv_blocks_from_memory, working_memory
-from .config import (DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_PROMPT_ROOM, DEFAULT_STATE_SNAPSHOTS_PER_ROW,
-                     ENGINES, EngineConfig, engine_config)
+from .config import (DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_PROMPT_ROOM,
+                     DEFAULT_STATE_SNAPSHOTS_PER_ROW, ENGINES, EngineConfig, engine_config)
 from .drafting import Drafter
 from .logprobs import LogprobScoring
 from .offline import OfflineGeneration

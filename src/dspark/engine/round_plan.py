@@ -67,8 +67,9 @@ class RoundPlanning:
         decoding (``drafting_pays``: verify, draft pass and measured host times) -- then the engine
         decodes plainly, drafting again after ``REDRAFT_STEPS`` plain rounds to refresh the
         confidences (twice as many after each such round that found drafting still does not pay,
-        at most ``REDRAFT_DOUBLINGS`` times; back to ``REDRAFT_STEPS`` once it pays). That choice is a callable when the verify lengths need no confidence (module
-        docstring). A failed draft pass fails the running rows (none left: a plain plan)."""
+        at most ``REDRAFT_DOUBLINGS`` times; back to ``REDRAFT_STEPS`` once it pays). That choice is
+        a callable when the verify lengths need no confidence (module docstring). A failed draft
+        pass fails the running rows (none left: a plain plan)."""
         if self.config.scheduler != "cost":
             if not self._proposals_taken(outputs):
                 return None, True

@@ -19,22 +19,23 @@ after an abort need nothing more. The rings are sized so that no write of a wind
 and a state write per position.
 
 **Checkpoint + replay** (``StateLayout.checkpoints``, ``EngineConfig.gated_delta_checkpoints``, the
-engine's default where a target has gated DeltaNet layers; those layers only): per line two checkpoint slots and two halves of kept
-window inputs instead of the ring of recurrent states, and per line where its checkpoints stand and
-which slot and half are current (``StatePool.checkpoint_positions`` / ``checkpoint_slots``). Each
-ragged group runs one ``K.gated_delta_replay_scan`` (``checkpoint_scan``): from the current
-checkpoint (zero at position 0) through the kept tokens before the request's first position (its
-last window's accepted prefix) into the other slot, then a round-sized group's tokens with outputs,
-kept in the other half; a longer group (prompt chunks) is scanned whole from that checkpoint and
-its last state written there, nothing kept. ``Forward.commit`` makes the other slot and half
-current once the forward has run through, and not while the pool is frozen: what the next forward
-reads is never written by one that failed or was a warm-up. The conv rings are as above. With
-prefix caching a third checkpoint entry per line (``BLOCK_END``) holds the state after the last
-block end its committed tokens passed: the replay kernel writes it as it passes one (its snapshot
-fields), a prompt chunk scanned whole is split there as below, and ``StatePool.save`` replays a
-line's kept tokens up to the block end it saves where no forward has replayed them yet (a leaving
-request's last window, a prompt chunk run as a window); ``StatePool.restore`` writes a snapshot into
-the current checkpoint slot and sets the line's checkpoint position after its block.
+engine's default where a target has gated DeltaNet layers; those layers only): per line two
+checkpoint slots and two halves of kept window inputs instead of the ring of recurrent states, and
+per line where its checkpoints stand and which slot and half are current
+(``StatePool.checkpoint_positions`` / ``checkpoint_slots``). Each ragged group runs one
+``K.gated_delta_replay_scan`` (``checkpoint_scan``): from the current checkpoint (zero at position
+0) through the kept tokens before the request's first position (its last window's accepted prefix)
+into the other slot, then a round-sized group's tokens with outputs, kept in the other half; a
+longer group (prompt chunks) is scanned whole from that checkpoint and its last state written there,
+nothing kept. ``Forward.commit`` makes the other slot and half current once the forward has run
+through, and not while the pool is frozen: what the next forward reads is never written by one that
+failed or was a warm-up. The conv rings are as above. With prefix caching a third checkpoint entry
+per line (``BLOCK_END``) holds the state after the last block end its committed tokens passed: the
+replay kernel writes it as it passes one (its snapshot fields), a prompt chunk scanned whole is
+split there as below, and ``StatePool.save`` replays a line's kept tokens up to the block end it
+saves where no forward has replayed them yet (a leaving request's last window, a prompt chunk run as
+a window); ``StatePool.restore`` writes a snapshot into the current checkpoint slot and sets the
+line's checkpoint position after its block.
 
 Prompt chunks (groups longer than a round) are scanned whole, every request of the group padded to
 the group's length with inputs that leave the state as it is (gated DeltaNet: zero key, value, beta

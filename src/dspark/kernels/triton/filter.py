@@ -183,7 +183,8 @@ def _select_kernel(x_ptr, x_stride, V, inv_temp, top_k, top_p, settings_ptr, m_p
     cut (``kappa``, its share ``a``, ``denom``), the kept entries' ids and probabilities and, with
     ``SAMPLE``, the draw among them. The row's filter comes from ``row_filter`` (``PER_ROW``).
 
-    The candidates are ``top_candidates``' (group maxima, then entries, sorted). ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
+    The candidates are ``top_candidates``' (group maxima, then entries, sorted).
+    ``par[row] = (x0, denom, a)``; ``state[row]`` is 0
     (cut found; ``kept`` lists the kept entries), 1 (degenerate row: uniform ``1/V``), 2 (cut beyond
     the candidates: the value-space search starts from ``bounds``/``cut``) or 3 (a per-row setting
     without filter: every entry kept, ``exp(x - max) / S``, drawn after the write).
