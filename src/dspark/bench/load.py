@@ -18,7 +18,8 @@ benchmark's prompts). ``DIR/load.json`` / ``load.md``: per batch and configurati
 tau, engine steps, mean step time, and whether every request got the same tokens from every
 configuration (greedy: it must); per configuration also the steady throughput, while every row is
 busy (``SteadyWindow``; the table's ratios), the seconds of the timed steps that captured a graph and
-the throughput without them (a server captures first), the plain
+the throughput without them (a server captures first), what the cost table prices its mean step
+at beside the measured one (``table_step_ms``), the plain
 steps, the rows a step decoded on average (fewer than B: rows idle, e.g. waiting for their
 prompt's turn in the step's token budget) and the host ms per step.
 """
@@ -144,7 +145,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
         before = dict(steps=m.steps, rounds=m.rounds, drafts=m.draft_tokens, accepted=m.accepted_tokens,
                       step_time=m.step_time, captures=engine.runner.captures, tokens=m.generated_tokens,
                       capture_time=m.capture_step_time, host_time=m.host_time, plain_steps=m.plain_steps,
-                      preemptions=m.preemptions)
+                      preemptions=m.preemptions, forward_tokens=m.row_tokens + m.prompt_tokens)
         _synchronize(spec)
         steady = SteadyWindow(engine)
         start = time.perf_counter()
@@ -173,8 +174,10 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                     (m.draft_tokens - before["drafts"]) / max(rounds, 1), 2),
                 # what the cost scheduler priced a drafting / a plain round's host time at, in the end
                 "priced_host_ms": [round(x, 3) for x in engine._host_ms],
+                "tokens_per_forward": round((m.row_tokens + m.prompt_tokens - before["forward_tokens"]) / max(steps, 1), 1),
                 "failed": sum(r.finish_reason == "error" for r in results),
                 "outputs": [r.token_ids for r in results]}
+        result["table_step_ms"] = table_step_ms(cost_table, result, engine.runner.drafter is not None)
         if profile_to is not None:  # the same requests once more, profiled
             profile_to.write_text(profile_table(partial(engine.generate, requests), torch.device(spec["device"])))
         return result
@@ -184,6 +187,22 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def table_step_ms(cost_table: Path | None, result: dict, drafts: bool) -> float | None:
+    """What the cost table prices the configuration's mean step at: a forward of its mean tokens
+    (running rows' and prompt chunks'), plus the draft pass of its mean rows on the steps that
+    drafted -- beside the measured ``step_ms``, how far the scheduler's prices are from the steps."""
+    if cost_table is None:
+        return None
+    from ..engine.schedulers import SPSCostTable
+
+    table = SPSCostTable.from_json(str(cost_table))
+    steps = max(result["steps"], 1)
+    drafting = (steps - result["plain_steps"]) / steps if drafts else 0.0
+    rows = result["rows_per_step"] or 1
+    forward = table.step_time(max(round(result["tokens_per_forward"]), 1))
+    return round(forward + drafting * table.draft_time(round(rows)), 3)
 
 
 def _synchronize(spec: dict) -> None:
@@ -196,9 +215,9 @@ def markdown(report: dict) -> str:
     capture steps left out), which a server under sustained load sees."""
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
              "| B | config | total tok/s | tok/s captured first | steady tok/s | vs plain | vs fixed | mixed / greedy "
-             "| τ | steps | steady steps | plain steps | rows / step | step ms | host ms | timed captures (s) "
-             "| failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| τ | steps | steady steps | plain steps | rows / step | step ms | table ms | host ms "
+             "| timed captures (s) | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in report["batches"].items():
         by = {r["config"]: r for r in rows}
         for r in rows:
@@ -210,7 +229,8 @@ def markdown(report: dict) -> str:
                          f"| {ratio[greedy] if greedy != r['config'] else '-'} "
                          f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['steady_steps']} "
                          f"| {r['plain_steps']} | {r['rows_per_step'] if r['rows_per_step'] is not None else '-'} "
-                         f"| {r['step_ms']} | {r['host_ms']} | {r['captures_timed']} ({r['capture_seconds']}) "
+                         f"| {r['step_ms']} | {r['table_step_ms'] if r['table_step_ms'] is not None else '-'} "
+                         f"| {r['host_ms']} | {r['captures_timed']} ({r['capture_seconds']}) "
                          f"| {r['failed']} of {r['requests']} |")
     lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**"]
     return "\n".join(lines)

@@ -418,6 +418,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         except Exception as exc:  # noqa: BLE001 -- a batched round concerns every row in it
             self._fail_round(exc, outputs, [seq for seq, _ in plan.chunks])
             return []
+        self.metrics.row_tokens += sum(plan.verify_lens) if plan.verify_lens else plan.rows
         joined = []
         for seq, chunk in plan.chunks:
             self.scheduler.ran_chunk(seq, chunk)

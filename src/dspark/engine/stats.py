@@ -115,6 +115,7 @@ class EngineMetrics:
         self.host_phases = dict.fromkeys(HOST_PHASES, 0.0)
         self.host_overlapped_time = 0.0  # of host_time: while the device still ran a draft pass (hidden)
         self.prompt_tokens = 0  # prompt tokens run in steps (chunks)
+        self.row_tokens = 0  # the running rows' tokens run in steps (verify windows, or one a row in plain rounds)
         self.errors = 0  # requests the engine failed (finish reason "error")
         self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)
         self.graph_captures = 0  # CUDA graphs captured (a capture while serving stalls its step)
