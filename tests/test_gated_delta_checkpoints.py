@@ -221,6 +221,7 @@ def test_on_a_gpu_plain_and_dspark_greedy_are_generates_tokens(monkeypatch):
     from the checkpoints) and CUDA graphs (their warm-up runs frozen): plain decoding and DSpark
     rounds give ``generate()``'s tokens on the same GPU."""
     monkeypatch.setattr(cases.round_plan, "REDRAFT_STEPS", 3)
+    monkeypatch.setattr(cases.round_plan, "REDRAFT_DOUBLINGS", 0)  # every wait 3 plain rounds
     expected, plain, dspark = cases._on_device_outputs("qwen3.5", "cuda")
     assert plain == expected and dspark == expected
 

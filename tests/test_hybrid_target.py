@@ -144,6 +144,7 @@ def test_states_after_every_round_are_the_committed_tokens(hybrid, scheduler, mo
     lengths; plain rounds between drafting ones): ``generate()``'s tokens, and after every step each
     running request's states equal its committed tokens run alone."""
     monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 3)  # the cost scheduler drafts again after 3 plain rounds
+    monkeypatch.setattr(round_plan, "REDRAFT_DOUBLINGS", 0)  # every wait 3 plain rounds
     model, draft, expected = hybrid
     engine = OracleEngine(model, draft, EngineConfig(**CHUNKED, **SCHEDULERS[scheduler]), acceptance=0.5)
     ids = [engine.add_request(Request(p, NEW), e + [0] * 8) for p, e in zip(PROMPTS, expected)]
@@ -176,6 +177,7 @@ def test_rounds_through_the_window_kernels_keep_every_state(name, backend, monke
     import dspark.kernels as K
 
     monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 3)
+    monkeypatch.setattr(round_plan, "REDRAFT_DOUBLINGS", 0)  # every wait 3 plain rounds
     monkeypatch.setattr(hybrid_model, "WINDOW_SCAN_DEVICES", {"cuda", "cpu"})
     calls = {}
     for kernel in ("gated_delta_scan" if name == "qwen3.5" else "selective_state_scan", "causal_conv_window"):
@@ -220,6 +222,7 @@ def test_on_a_gpu_plain_and_dspark_greedy_are_generates_tokens(name, monkeypatch
     kernel) and CUDA graphs: dspark's plain decoding and its DSpark rounds (rejected and accepted
     drafts, plain rounds, prompt chunks) give transformers' ``generate()`` tokens on the same GPU."""
     monkeypatch.setattr(round_plan, "REDRAFT_STEPS", 3)
+    monkeypatch.setattr(round_plan, "REDRAFT_DOUBLINGS", 0)  # every wait 3 plain rounds
     expected, plain, dspark = _on_device_outputs(name, "cuda")
     assert plain == expected and dspark == expected
 
