@@ -69,16 +69,21 @@ def test_bad_arguments_name_the_flag(tmp_path, argv, message, capsys):
 
 
 def test_the_steady_window_is_the_steps_while_requests_wait():
-    """``SteadyWindow``: the tokens of the steps after the first that ended with requests waiting, up
-    to the last such step, over the engine's step time between them less the capture steps' time."""
+    """``SteadyWindow``: the tokens of the steps after the first that ended with every row decoding
+    and requests waiting, up to the last step with requests waiting, over the engine's step time
+    between them less the capture steps' time."""
     metrics = SimpleNamespace(steps=0, step_time=0.0, capture_step_time=0.0)
-    engine = SimpleNamespace(metrics=metrics, scheduler=SimpleNamespace(waiting=[1]))
+    scheduler = SimpleNamespace(waiting=[1], prefilling=[], running=[1, 2], max_batch=2)
+    engine = SimpleNamespace(metrics=metrics, scheduler=scheduler)
     window = load.SteadyWindow(engine)
-    for step in range(1, 6):  # 1 s a step, step 3 captured a graph for 0.5 s of it; the queue empties after step 3
+    # 1 s a step; step 1 still runs a prompt; step 3 captured a graph for 0.5 s of it; the queue
+    # empties after step 4
+    for step in range(1, 7):
         metrics.steps, metrics.step_time = step, float(step)
         metrics.capture_step_time = 0.5 if step >= 3 else 0.0
-        engine.scheduler.waiting = [1] if step <= 3 else []
+        scheduler.prefilling = [3] if step == 1 else []
+        scheduler.waiting = [1] if step <= 4 else []
         for _ in range(2):  # two requests' outputs per step, 5 tokens each
             window.observe(SimpleNamespace(new_token_ids=[0] * 5))
-    assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1)}
+    assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1)}  # steps 3, 4 after 2
     assert load.SteadyWindow(engine).report() == {"steady_steps": 0, "steady_tokens_per_s": None}

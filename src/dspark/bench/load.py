@@ -102,9 +102,22 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models: Mode
     return engine
 
 
+@dataclass
+class _StepRecord:
+    """What ``SteadyWindow`` keeps of a step: its tokens, and as it ended whether requests waited for
+    a row, whether every row was decoding (none prefilling), the engine's step and capture seconds."""
+
+    tokens: int
+    waiting: bool
+    settled: bool
+    step_time: float
+    capture_time: float
+
+
 class SteadyWindow:
-    """The throughput while every row is busy: over the steps that ended with requests still
-    waiting for a row (the queue not yet empty), after the first of them -- their tokens over the
+    """The throughput while every row is busy: from the first step that ended with every row
+    decoding (the first prompts run) and requests waiting, to the last that ended with requests
+    still waiting (the queue not yet empty) -- the tokens of the steps after the first, over the
     engine's step time between them, less the steps that captured a graph. The whole run's
     throughput also counts the tail, where rows empty as the last requests end: as long as the
     slowest request in a load of a few requests per row, so DSpark's requests of uneven acceptance
@@ -112,23 +125,25 @@ class SteadyWindow:
 
     def __init__(self, engine):
         self.engine = engine
-        self.steps: dict[int, list] = {}  # step -> [tokens, queue not empty, step seconds, capture seconds]
+        self.steps: dict[int, _StepRecord] = {}
 
     def observe(self, output) -> None:
         """``generate``'s ``on_output``: count the step's tokens (the engine's counters as it ended)."""
-        m = self.engine.metrics
-        step = self.steps.setdefault(m.steps, [0, bool(self.engine.scheduler.waiting), m.step_time,
-                                               m.capture_step_time])
-        step[0] += len(output.new_token_ids)
+        m, scheduler = self.engine.metrics, self.engine.scheduler
+        if m.steps not in self.steps:
+            settled = not scheduler.prefilling and len(scheduler.running) == scheduler.max_batch
+            self.steps[m.steps] = _StepRecord(0, bool(scheduler.waiting), settled, m.step_time, m.capture_step_time)
+        self.steps[m.steps].tokens += len(output.new_token_ids)
 
     def report(self) -> dict:
-        busy = sorted(k for k, step in self.steps.items() if step[1])
-        if len(busy) < 2:
+        busy = sorted(k for k, step in self.steps.items() if step.waiting)
+        start = next((k for k in busy if self.steps[k].settled), None)
+        if start is None or start == busy[-1]:
             return {"steady_steps": 0, "steady_tokens_per_s": None}
-        first, last = self.steps[busy[0]], self.steps[busy[-1]]
-        tokens = sum(step[0] for k, step in self.steps.items() if busy[0] < k <= busy[-1])
-        seconds = (last[2] - first[2]) - (last[3] - first[3])
-        return {"steady_steps": busy[-1] - busy[0], "steady_tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+        first, last = self.steps[start], self.steps[busy[-1]]
+        tokens = sum(step.tokens for k, step in self.steps.items() if start < k <= busy[-1])
+        seconds = (last.step_time - first.step_time) - (last.capture_time - first.capture_time)
+        return {"steady_steps": busy[-1] - start, "steady_tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
 
 
 def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
