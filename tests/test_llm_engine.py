@@ -434,6 +434,38 @@ def test_the_wait_for_a_fresh_draft_doubles_while_drafting_does_not_pay(target, 
     assert runs[:6] == [2, 4, 8, 16, 16, 16] and out == _greedy(target, PROMPTS[1], 90)
 
 
+def test_plain_rounds_keep_their_choice_until_the_batch_shrinks(target, greedy, monkeypatch):
+    """In plain rounds the choice to go on decoding plainly is not planned again every step (the
+    confidences it read are the same until a draft pass): only when a refresh is due, or when the
+    drafting rows fall below ``PLAIN_CHOICE_SHRINK`` of those it was made for -- here drafting pays
+    on one row only, and the engine drafts again once one request is left. Greedy output exact."""
+    from dspark.engine import round_plan
+    from dspark.engine.schedulers import SPSCostTable
+
+    calls = []
+
+    def pays_on_one_row(signal, *args):
+        calls.append(len(signal))
+        return len(signal) <= 1
+
+    monkeypatch.setattr(round_plan, "drafting_pays", pays_on_one_row)
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=4, scheduler="cost",
+                                                   cost_table=SPSCostTable((1, 64), (1.0, 64.0))))
+    new = (20, 30, 40, 60)
+    ids = [engine.add_request(Request(p, n)) for p, n in zip(PROMPTS, new)]
+    outs, drafted = {i: [] for i in ids}, []
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+        drafted.append((len(engine.scheduler.running), engine.runner.drafted))
+    assert [outs[i] for i in ids] == [_greedy(target, p, n) for p, n in zip(PROMPTS, new)]
+    plain_on_rows = sum(rows >= 2 and not d for rows, d in drafted)
+    planned_on_rows = sum(n >= 2 for n in calls)  # at 4 rows, then 3 (< 7/8 of 4), then 2; one refresh
+    assert plain_on_rows >= 30 and planned_on_rows <= 5, (plain_on_rows, calls)
+    assert 1 in calls and any(d for rows, d in drafted if rows == 1)  # one request left: drafting again
+
+
 def _draft_context(engine, seq, n: int) -> torch.Tensor:
     """The draft model's context K of ``seq``'s first ``n`` positions ``[n, layers, heads, dim]``."""
     cache = engine.runner.proposer.draft.cache

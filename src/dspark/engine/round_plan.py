@@ -9,7 +9,7 @@ the rows hold drafts, the run of plain rounds, the measured host times). It read
 ``config``, ``scheduler``, ``runner``, ``metrics``, ``acceptance``, ``cost_table``, ``num_drafts``,
 ``max_model_len`` and ``max_num_batched_tokens``, takes the last draft pass's confidences
 (``_unread``, ``_take_proposals``), and keeps ``_drafted``, ``_plain_rounds``, ``_redraft_doublings``,
-``_redrafted`` and ``_host_ms`` (set where the engine is built).
+``_redrafted``, ``_plain_rows`` and ``_host_ms`` (set where the engine is built).
 
 The confidences are this round's, left by the last step's draft pass: reading them waits for it.
 Where the cost scheduler verifies every draft whatever they are (``full_verify_wins``: the flat
@@ -30,13 +30,16 @@ from .. import kernels as K
 from .request import Sequence
 from .schedulers import batch_schedule, drafting_pays, full_verify_wins
 
-__all__ = ["HOST_EMA", "REDRAFT_DOUBLINGS", "REDRAFT_STEPS", "RoundPlanning"]
+__all__ = ["HOST_EMA", "PLAIN_CHOICE_SHRINK", "REDRAFT_DOUBLINGS", "REDRAFT_STEPS", "RoundPlanning"]
 
 REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
 # each such round that finds drafting still does not pay doubles the wait, up to 16 x 2^4 = 256 plain
 # rounds: at high load each costs a draft pass and a verify of every row (about 7 % of a 256-row
 # H200 step's time at 16) and rarely finds anything new
 REDRAFT_DOUBLINGS = 4
+# in plain rounds the choice stands until the drafting rows fall below this share of those it was
+# made for (then it is made again: drafting pays sooner on fewer rows)
+PLAIN_CHOICE_SHRINK = 0.875
 HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
 
 
@@ -78,6 +81,8 @@ class RoundPlanning:
         drafting = [i for i, seq in enumerate(running) if not seq.request.disable_spec_decode]
         if not drafting:  # every row opted out of drafting: plain rounds
             return None, False
+        if self._plain_choice_holds(len(drafting)):
+            return None, False
         # Algorithm 1 across the drafting rows on their signal (STS-calibrated confidences or the
         # online estimates) and the profiled cost table; the opted-out rows' anchors and the step's
         # prompt chunks share the forward (the chunks: at most what the budget leaves the longest verify)
@@ -94,6 +99,16 @@ class RoundPlanning:
         scheduled = batch_schedule(signal, self.cost_table, gain, self._host_ms[0], others)
         return self._drafted_lens(drafting, scheduled), self._drafting_pays(drafting, scheduled, others)
 
+    def _plain_choice_holds(self, rows: int) -> bool:
+        """Whether a plain round's choice to go on decoding plainly stands without planning again:
+        the rows hold no drafts, no refresh is due, and the drafting rows have not fallen below
+        ``PLAIN_CHOICE_SHRINK`` of those it was made for -- the confidences it read are the same
+        (no draft pass since), and drafting pays sooner on fewer rows. Planning took 0.67 ms a
+        step at 256 rows (``bench.host --plan``), on the host while the device waits."""
+        return (not self._drafted and self._plain_rows is not None
+                and self._plain_rounds < REDRAFT_STEPS << self._redraft_doublings
+                and rows >= PLAIN_CHOICE_SHRINK * self._plain_rows)
+
     def _drafted_lens(self, drafting: list[int], scheduled: list[int]) -> list[int] | None:
         """The verify lengths of the running rows when rows ``drafting`` verify ``scheduled`` drafts
         (the others none; None: a plain round)."""
@@ -108,12 +123,13 @@ class RoundPlanning:
         """Whether the step drafts the next round (``_plan_round``) -- taking the proposals first."""
         self._take_proposals()
         if self._plain_rounds >= REDRAFT_STEPS << self._redraft_doublings:
-            self._redrafted = True
+            self._redrafted, self._plain_rows = True, None
             return True
         signal = self._acceptance_signal([self.scheduler.running[i] for i in drafting])
         # until a plain round is measured, price its host time as a drafting round's (keep drafting)
         host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
         pays = drafting_pays(signal, self.cost_table, self.config.min_predicted_gain, host, scheduled, others)
+        self._plain_rows = None if pays else len(drafting)
         if pays:
             self._redraft_doublings = 0
         elif self._redrafted:  # the fresh confidences did not make drafting pay: wait longer next time
