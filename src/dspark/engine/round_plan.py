@@ -106,8 +106,12 @@ class RoundPlanning:
         (no draft pass since), and drafting pays sooner on fewer rows. Planning took 0.67 ms a
         step at 256 rows (``bench.host --plan``), on the host while the device waits."""
         return (not self._drafted and self._plain_rows is not None
-                and self._plain_rounds < REDRAFT_STEPS << self._redraft_doublings
+                and not self._refresh_due()
                 and rows >= PLAIN_CHOICE_SHRINK * self._plain_rows)
+
+    def _refresh_due(self) -> bool:
+        """Whether plain rounds have run long enough to draft again for fresh confidences."""
+        return self._plain_rounds >= REDRAFT_STEPS << self._redraft_doublings
 
     def _drafted_lens(self, drafting: list[int], scheduled: list[int]) -> list[int] | None:
         """The verify lengths of the running rows when rows ``drafting`` verify ``scheduled`` drafts
@@ -122,7 +126,7 @@ class RoundPlanning:
     def _drafting_pays(self, drafting: list[int], scheduled: list[int], others: int) -> bool:
         """Whether the step drafts the next round (``_plan_round``) -- taking the proposals first."""
         self._take_proposals()
-        if self._plain_rounds >= REDRAFT_STEPS << self._redraft_doublings:
+        if self._refresh_due():
             self._redrafted, self._plain_rows = True, None
             return True
         signal = self._acceptance_signal([self.scheduler.running[i] for i in drafting])
