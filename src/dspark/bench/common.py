@@ -149,6 +149,22 @@ def record(row: dict, name: str, measure, device: torch.device, save) -> list[li
     return outputs
 
 
+def python_profile_table(fn: Callable[[], object], rows: int = 40) -> str:
+    """``fn`` run once under cProfile: the Python functions by own time, then by cumulative time --
+    where the host's share of a step goes (the PyTorch profiler shows operators, not the engine)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return text.getvalue()
+
+
 def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 40) -> str:
     """``fn`` run once under the PyTorch profiler: its operators and kernels (graph replays'
     included) by device time, by host time on the CPU -- where a step's time goes."""

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .common import profile_table
+from .common import profile_table, python_profile_table
 from .frontier import CONFIGS, MIXED_CONFIGS, _environment, profile
 from .replay import TRACES, ReplayEngine, _models, _prompts, load_traces
 from .serve import MIXED_SETTINGS
@@ -160,6 +160,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
         before = dict(steps=m.steps, rounds=m.rounds, drafts=m.draft_tokens, accepted=m.accepted_tokens,
                       step_time=m.step_time, captures=engine.runner.captures, tokens=m.generated_tokens,
                       capture_time=m.capture_step_time, host_time=m.host_time, plain_steps=m.plain_steps,
+                      host_phases=dict(m.host_phases),
                       preemptions=m.preemptions, forward_tokens=m.row_tokens + m.prompt_tokens)
         _synchronize(spec)
         steady = SteadyWindow(engine)
@@ -185,6 +186,8 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                 # rows a step decoded on average (below the batch: rows idle, e.g. waiting for their prompt)
                 "rows_per_step": None if label.startswith("plain") else round(rounds / max(steps, 1), 1),
                 "host_ms": round(1e3 * (m.host_time - before["host_time"]) / max(steps, 1), 3),
+                "host_phase_ms": {k: round(1e3 * (v - before["host_phases"][k]) / max(steps, 1), 3)
+                                  for k, v in m.host_phases.items()},
                 "drafts_verified_per_round": None if label.startswith("plain") else round(
                     (m.draft_tokens - before["drafts"]) / max(rounds, 1), 2),
                 # what the cost scheduler priced a drafting / a plain round's host time at, in the end
@@ -195,6 +198,8 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
         result["table_step_ms"] = table_step_ms(cost_table, result, engine.runner.drafter is not None)
         if profile_to is not None:  # the same requests once more, profiled
             profile_to.write_text(profile_table(partial(engine.generate, requests), torch.device(spec["device"])))
+            python_profile = profile_to.with_name(profile_to.stem + "-python.txt")
+            python_profile.write_text(python_profile_table(partial(engine.generate, requests)))
         return result
     finally:
         engine.close()
@@ -230,7 +235,7 @@ def markdown(report: dict) -> str:
     capture steps left out), which a server under sustained load sees."""
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
              "| B | config | total tok/s | tok/s captured first | steady tok/s | vs plain | vs fixed | mixed / greedy "
-             "| τ | steps | steady steps | plain steps | rows / step | step ms | table ms | host ms "
+             "| τ | steps | steady steps | plain steps | rows / step | step ms | table ms | host ms (plan/launch/commit) "
              "| timed captures (s) | failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in report["batches"].items():
@@ -245,7 +250,7 @@ def markdown(report: dict) -> str:
                          f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['steady_steps']} "
                          f"| {r['plain_steps']} | {r['rows_per_step'] if r['rows_per_step'] is not None else '-'} "
                          f"| {r['step_ms']} | {r['table_step_ms'] if r['table_step_ms'] is not None else '-'} "
-                         f"| {r['host_ms']} | {r['captures_timed']} ({r['capture_seconds']}) "
+                         f"| {r['host_ms']} ({'/'.join(str(x) for x in r['host_phase_ms'].values())}) | {r['captures_timed']} ({r['capture_seconds']}) "
                          f"| {r['failed']} of {r['requests']} |")
     lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**"]
     return "\n".join(lines)
