@@ -1,7 +1,7 @@
 """The model runner's CUDA graphs: one per shape, captured on first use or all up front, and replayed.
 
 A graph is keyed by its shape -- ``("decode", B, 1, path)``, ``("verify", B, N, path)``,
-``("draft", B, 0, path)``, ``("plain", B, path)``, ``("context", B)``, and
+``("draft", B, 0, path)``, ``("plain", B, path)``, ``("context", B, T)`` (T = 1: after a plain round), and
 ``("mixed", B, N, chunk bucket, path)`` for a step with prompt chunks -- where ``B`` is the batch
 bucket the running rows pad up to (``rows.batch_buckets``) and ``path`` the rows' ``LogitsPath``
 (greedy, sampled, or sampled after the penalty pass; a mixed step's only ``GREEDY`` or
@@ -178,4 +178,5 @@ class CudaGraphs:
         self._draft(b, path)
         if plain_rounds:
             self._replay(("plain", b, path), lambda: self._decode_rows(b, path))
-            self._replay(("context", b), lambda: self.proposer.context_rows(b))
+            for t in {1, self.verify_len}:
+                self._context(b, t)

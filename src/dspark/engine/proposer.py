@@ -48,13 +48,13 @@ class DSparkProposer:
         cache lines ``slots`` int ``[M]`` (a prompt chunk's tokens)."""
         self.draft.context(hidden, positions, slots)
 
-    def context_rows(self, b: int) -> None:
+    def context_rows(self, b: int, t: int | None = None) -> None:
         """The draft context of the last verify of rows ``0 .. b-1``: each row's captured states at
-        their positions (those past the accepted prefix lie beyond the anchor, unseen, and are
-        rewritten later)."""
-        s, t = self.state, self.verify_len
+        its first ``t`` verify positions (default: all; a plain round's 1, its anchor -- the others
+        lie beyond it, unseen, and are rewritten later, as those past an accepted prefix)."""
+        s, t = self.state, t or self.verify_len
         positions = (s.ctx_pos[:b, None] + self.offsets[:t]).view(-1)
-        self.draft.context(s.capture[:b].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
+        self.draft.context(s.capture[:b, :t].reshape(b * t, -1), positions, s.slot_ids[:b].repeat_interleave(t))
 
     def propose_rows(self, b: int, path: LogitsPath) -> None:
         """The draft pass of rows ``0 .. b-1``: context, block, Markov chain, confidences, proposal
