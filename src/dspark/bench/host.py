@@ -53,8 +53,11 @@ def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
     def nothing(*args, **kwargs) -> None:
         return None
 
-    runner.read, runner.read_proposals = read, read_proposals
-    runner.launch = runner.move_row = runner.clear_row = nothing
+    def launch(plan) -> None:  # the drafting choice is made as on a device (the cost scheduler's plain rounds)
+        runner.drafted = plan.draft if isinstance(plan.draft, bool) else bool(plan.draft())
+
+    runner.read, runner.read_proposals, runner.launch = read, read_proposals, launch
+    runner.move_row = runner.clear_row = nothing
 
 
 def _running_engine(config: str, rows: int, cost_table) -> LLMEngine:
