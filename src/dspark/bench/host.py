@@ -31,8 +31,9 @@ CONFIGS = ("plain", "off", "cost", "cost-online")
 
 def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
     """Make ``engine``'s runner launch nothing and read back random readouts (drawn up front, so that
-    drawing them is not timed): per row its accepted tokens, accept length (1 .. verify length),
-    verified drafts, next proposal length and confidences, in the runner's readout layout."""
+    drawing them is not timed): per row its accepted tokens, accept length (1 .. verify length;
+    1 in a plain round), verified drafts, next proposal length and confidences, in the runner's
+    readout layout. The step's drafting choice is made as the runner makes it."""
     runner, rng = engine.runner, np.random.default_rng(seed)
     t, p, vocab, b = runner.verify_len, runner.num_drafts, engine.target.vocab_size, runner.max_batch
     pool = torch.zeros(variants, b, t + 3 + p, dtype=torch.int32)
@@ -40,12 +41,14 @@ def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
     pool[..., t] = torch.from_numpy(rng.integers(1, t + 1, (variants, b), dtype=np.int32))
     pool[..., t + 1], pool[..., t + 2] = t - 1, p
     pool[..., t + 3:] = torch.from_numpy(rng.uniform(0.5, 0.99, (variants, b, p)).astype(np.float32)).view(torch.int32)
+    plain = pool.clone()  # a plain round's readout: the target's one token a row, no draft verified
+    plain[..., t], plain[..., t + 1] = 1, 0
     reads = itertools.count()
-    last = [0]
+    last, plain_round = [0], [False]
 
     def read(rows: int) -> StepResult:
         last[0] = next(reads) % variants
-        return StepResult.from_readout(pool[last[0], :rows], runner.readout_columns)
+        return StepResult.from_readout((plain if plain_round[0] else pool)[last[0], :rows], runner.readout_columns)
 
     def read_proposals(rows: int) -> Proposals:
         return Proposals.from_readout(pool[last[0], :rows], runner.readout_columns)
@@ -54,6 +57,7 @@ def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
         return None
 
     def launch(plan) -> None:  # the drafting choice is made as on a device (the cost scheduler's plain rounds)
+        plain_round[0] = plan.verify_lens is None
         runner.drafted = plan.draft if isinstance(plan.draft, bool) else bool(plan.draft())
 
     runner.read, runner.read_proposals, runner.launch = read, read_proposals, launch

@@ -499,6 +499,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         speculative, times = self.runner.drafter is not None, self.runner.round_times
         running, kept_of, drafted_rows = list(self.scheduler.running), [], []  # retiring reorders the rows
         first = {seq.request_id for seq in running if seq.request_id in joined and not seq.output_ids}
+        verified = result.verified.tolist()  # Python ints: a numpy scalar a row costs more at 256 rows
         for i, seq in enumerate(running):
             resumed = seq.request_id in joined and seq.request_id not in first
             if self.acceptance is not None and seq.request_id in joined:  # a new request in its slot
@@ -513,7 +514,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
             elif resumed:
                 continue
             elif speculative:
-                seq.stats.record_round(int(result.verified[i]), len(result.tokens[i]), len(kept))
+                seq.stats.record_round(verified[i], len(result.tokens[i]), len(kept))
                 drafted_rows.append(i)
                 if times is not None:  # each row's round took the whole step (a CPU's timing)
                     seq.stats.verify_time += times[0]
@@ -521,10 +522,10 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
             else:
                 seq.stats.record_round(0, 1, len(kept))
         if drafted_rows:
-            verified, accept_lengths = result.verified[drafted_rows], result.accept_lengths[drafted_rows]
-            self.metrics.record_rounds(verified, accept_lengths)
+            rows_verified, accept_lengths = result.verified[drafted_rows], result.accept_lengths[drafted_rows]
+            self.metrics.record_rounds(rows_verified, accept_lengths)
             if self.acceptance is not None:
-                self.acceptance.observe([running[i].slot for i in drafted_rows], verified, accept_lengths - 1)
+                self.acceptance.observe([running[i].slot for i in drafted_rows], rows_verified, accept_lengths - 1)
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
         lps = {}
         if wanted:
