@@ -43,7 +43,9 @@ def test_the_mixed_workload_runs_greedy_and_mixed_settings(tmp_path, monkeypatch
     assert status == 0 and report["outputs_identical"] is True
     # the profiled configuration's requests ran a third time under the PyTorch profiler
     assert "Self CPU" in (tmp_path / "profile-dspark-random-vocabulary-mixed-b2.txt").read_text()
-    assert [p.name for p in tmp_path.glob("profile-*")] == ["profile-dspark-random-vocabulary-mixed-b2.txt"]
+    assert sorted(p.name for p in tmp_path.glob("profile-*")) == ["profile-dspark-random-vocabulary-mixed-b2-python.txt",
+                                                                   "profile-dspark-random-vocabulary-mixed-b2.txt"]
+    assert "llm_engine.py" in (tmp_path / "profile-dspark-random-vocabulary-mixed-b2-python.txt").read_text()
     assert [r["config"] for r in report["batches"]["2"]] == [
         "plain", "plain-mixed", "dspark-random-vocabulary", "dspark-random-vocabulary-mixed"]
     assert "mixed / greedy" in (tmp_path / "load.md").read_text()
@@ -72,18 +74,22 @@ def test_the_steady_window_is_the_steps_while_requests_wait():
     """``SteadyWindow``: the tokens of the steps after the first that ended with every row decoding
     and requests waiting, up to the last step with requests waiting, over the engine's step time
     between them less the capture steps' time."""
-    metrics = SimpleNamespace(steps=0, step_time=0.0, capture_step_time=0.0)
+    metrics = SimpleNamespace(steps=0, step_time=0.0, capture_step_time=0.0, plain_steps=0, draft_tokens=0)
     scheduler = SimpleNamespace(waiting=[1], prefilling=[], running=[1, 2], max_batch=2)
-    engine = SimpleNamespace(metrics=metrics, scheduler=scheduler)
+    engine = SimpleNamespace(metrics=metrics, scheduler=scheduler, runner=SimpleNamespace(drafter=object()))
     window = load.SteadyWindow(engine)
     # 1 s a step; step 1 still runs a prompt; step 3 captured a graph for 0.5 s of it; the queue
     # empties after step 4
     for step in range(1, 7):
         metrics.steps, metrics.step_time = step, float(step)
         metrics.capture_step_time = 0.5 if step >= 3 else 0.0
+        # steps 1-3 plain rounds; step 4 verifies 3 drafts and drafts the next round
+        metrics.plain_steps, metrics.draft_tokens = min(step, 3), 3 * (step >= 4)
         scheduler.prefilling = [3] if step == 1 else []
         scheduler.waiting = [1] if step <= 4 else []
         for _ in range(2):  # two requests' outputs per step, 5 tokens each
             window.observe(SimpleNamespace(new_token_ids=[0] * 5))
-    assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1)}  # steps 3, 4 after 2
+    # steps 3, 4 after 2; by kind, step 4 (step 3 captured a graph)
+    assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1),
+                               "steady_step_kinds": {"verify+draft": {"steps": 1, "ms": 1000.0, "tokens": 10.0}}}
     assert load.SteadyWindow(engine).report() == {"steady_steps": 0, "steady_tokens_per_s": None}

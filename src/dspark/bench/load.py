@@ -112,6 +112,8 @@ class _StepRecord:
     settled: bool
     step_time: float
     capture_time: float
+    plain_steps: int = 0  # the engine's counters as the step ended, for the steady window's step kinds
+    draft_tokens: int = 0
 
 
 class SteadyWindow:
@@ -132,7 +134,8 @@ class SteadyWindow:
         m, scheduler = self.engine.metrics, self.engine.scheduler
         if m.steps not in self.steps:
             settled = not scheduler.prefilling and len(scheduler.running) == scheduler.max_batch
-            self.steps[m.steps] = _StepRecord(0, bool(scheduler.waiting), settled, m.step_time, m.capture_step_time)
+            self.steps[m.steps] = _StepRecord(0, bool(scheduler.waiting), settled, m.step_time, m.capture_step_time,
+                                              m.plain_steps, m.draft_tokens)
         self.steps[m.steps].tokens += len(output.new_token_ids)
 
     def report(self) -> dict:
@@ -143,7 +146,25 @@ class SteadyWindow:
         first, last = self.steps[start], self.steps[busy[-1]]
         tokens = sum(step.tokens for k, step in self.steps.items() if start < k <= busy[-1])
         seconds = (last.step_time - first.step_time) - (last.capture_time - first.capture_time)
-        return {"steady_steps": busy[-1] - start, "steady_tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+        return {"steady_steps": busy[-1] - start, "steady_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                "steady_step_kinds": self._kinds(start, busy[-1])}
+
+    def _kinds(self, start: int, end: int) -> dict[str, dict]:
+        """The steady window's steps by kind -- whether the step verified drafts, whether it ran the
+        draft pass (``plain``: neither; ``refresh``: drafted without verifying) -- each kind's count,
+        mean ms and tokens a step (capture steps left out): where a scheduler's time goes."""
+        kinds: dict[str, list[tuple[float, int]]] = {}
+        for k in range(start + 1, end + 1):
+            step, before = self.steps.get(k), self.steps.get(k - 1)
+            if step is None or before is None or step.capture_time != before.capture_time:
+                continue
+            verified = step.draft_tokens > before.draft_tokens
+            drafted = step.plain_steps == before.plain_steps and self.engine.runner.drafter is not None
+            kind = {(False, False): "plain", (False, True): "refresh", (True, True): "verify+draft",
+                    (True, False): "verify"}[verified, drafted]
+            kinds.setdefault(kind, []).append((step.step_time - before.step_time, step.tokens))
+        return {kind: {"steps": len(v), "ms": round(1e3 * sum(x for x, _ in v) / len(v), 3),
+                       "tokens": round(sum(n for _, n in v) / len(v), 1)} for kind, v in sorted(kinds.items())}
 
 
 def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
@@ -252,7 +273,13 @@ def markdown(report: dict) -> str:
                          f"| {r['step_ms']} | {r['table_step_ms'] if r['table_step_ms'] is not None else '-'} "
                          f"| {r['host_ms']} ({'/'.join(str(x) for x in r['host_phase_ms'].values())}) | {r['captures_timed']} ({r['capture_seconds']}) "
                          f"| {r['failed']} of {r['requests']} |")
-    lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**"]
+    lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**",
+              "", "Steady window by step kind (steps, mean ms, tokens a step):", ""]
+    for batch, rows in report["batches"].items():
+        for r in rows:
+            kinds = "; ".join(f"{kind} {v['steps']} x {v['ms']} ms, {v['tokens']} tok"
+                              for kind, v in (r.get("steady_step_kinds") or {}).items())
+            lines.append(f"- {batch} {r['config']}: {kinds or '-'}")
     return "\n".join(lines)
 
 
