@@ -97,7 +97,7 @@ class RoundPlanning:
             return None, True
         signal = self._acceptance_signal([running[i] for i in drafting])
         scheduled = batch_schedule(signal, self.cost_table, gain, self._host_ms[0], others)
-        return self._drafted_lens(drafting, scheduled), self._drafting_pays(drafting, scheduled, others)
+        return self._drafted_lens(drafting, scheduled), self._drafting_pays(drafting, scheduled, others, signal)
 
     def _plain_choice_holds(self, rows: int) -> bool:
         """Whether a plain round's choice to go on decoding plainly stands without planning again:
@@ -123,13 +123,16 @@ class RoundPlanning:
             drafts[i] = n
         return self._verify_lens(drafts)
 
-    def _drafting_pays(self, drafting: list[int], scheduled: list[int], others: int) -> bool:
-        """Whether the step drafts the next round (``_plan_round``) -- taking the proposals first."""
+    def _drafting_pays(self, drafting: list[int], scheduled: list[int], others: int,
+                       signal: np.ndarray | None = None) -> bool:
+        """Whether the step drafts the next round (``_plan_round``) -- taking the proposals first
+        (``signal``: the drafting rows' acceptance signal, where the plan read it already)."""
         self._take_proposals()
         if self._refresh_due():
             self._redrafted, self._plain_rows = True, None
             return True
-        signal = self._acceptance_signal([self.scheduler.running[i] for i in drafting])
+        if signal is None:
+            signal = self._acceptance_signal([self.scheduler.running[i] for i in drafting])
         # until a plain round is measured, price its host time as a drafting round's (keep drafting)
         host = (self._host_ms[0], self._host_ms[1] or self._host_ms[0])
         pays = drafting_pays(signal, self.cost_table, self.config.min_predicted_gain, host, scheduled, others)
@@ -149,9 +152,12 @@ class RoundPlanning:
         -- rows that hold no drafts verify none."""
         if self.acceptance is not None:
             return self.acceptance.estimate([seq.slot for seq in rows])
-        known = [seq.confidence for seq in rows if seq.confidence is not None]
+        confidences = [seq.confidence for seq in rows]
+        known = [c for c in confidences if c is not None]
+        if len(known) == len(confidences):  # the usual case: no mean to take
+            return np.stack(known)
         prior = np.mean(known, axis=0) if known else np.ones(self.num_drafts, dtype=np.float32)
-        return np.stack([prior if seq.confidence is None else seq.confidence for seq in rows])
+        return np.stack([prior if c is None else c for c in confidences])
 
     def _scheduled_drafts(self) -> list[int]:
         """Drafts per running row under the ``off`` / ``threshold`` / ``sps`` schedulers: the drafter's
