@@ -137,8 +137,10 @@ class EngineMetrics:
     def record_rounds(self, verified: np.ndarray, accept_length: np.ndarray) -> None:
         """Count one step's speculative rounds: per row the drafts (tree nodes) it verified and its
         accept length (bonus included), int arrays ``[R]``."""
-        accepted = np.minimum(accept_length - 1, verified)
         self.rounds += len(verified)
+        if not verified.any():  # a plain round: nothing verified, nothing accepted
+            return
+        accepted = np.minimum(accept_length - 1, verified)
         self.draft_tokens += int(verified.sum())
         self.accepted_tokens += int(accepted.sum())
         # position k was verified with k drafts accepted before it (a tree verifies more nodes than depths)
