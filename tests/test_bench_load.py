@@ -63,7 +63,9 @@ def test_engine_settings_are_the_served_configurations():
                                            (["--configs", "fast"], "--configs must name"),
                                            (["--shape", "huge"], "--shape must be one of"),
                                            (["--shape", "tiny", "--configs", "plain", "--profile", "plain-mixed"],
-                                            "--profile must name labels this run reports (plain)")])
+                                            "--profile must name labels this run reports (plain)"),
+                                           (["--shape", "tiny", "--cost-table", "missing.json"],
+                                            "--cost-table must be a cost table file")])
 def test_bad_arguments_name_the_flag(tmp_path, argv, message, capsys):
     with pytest.raises(SystemExit):
         load.main(["--out", str(tmp_path), "--device", "cpu", *argv])
@@ -93,3 +95,22 @@ def test_the_steady_window_is_the_steps_while_requests_wait():
     assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1),
                                "steady_step_kinds": {"verify+draft": {"steps": 1, "ms": 1000.0, "tokens": 10.0}}}
     assert load.SteadyWindow(engine).report() == {"steady_steps": 0, "steady_tokens_per_s": None}
+
+
+def test_a_given_cost_table_is_used_instead_of_profiling_one(tmp_path, monkeypatch):
+    """``--cost-table``: the scheduler runs on that table (a GPU run's, on the CPU replay), none is
+    profiled -- a table that makes drafting never pay gives plain rounds only after the first."""
+    from dspark.engine.schedulers import SPSCostTable
+
+    monkeypatch.delenv("DSPARK_REPLAY", raising=False)
+    table = tmp_path / "never.json"
+    SPSCostTable((1, 4096), (1.0, 4096.0), draft_rows=(1,), draft_time_ms=(50.0,)).write_json(table)
+    out = tmp_path / "out"
+    status = load.main(["--out", str(out), "--device", "cpu", "--shape", "tiny", "--batches", "2", "--configs",
+                        "plain,dspark-scheduled", "--max-tokens", "16", "--prompt-tokens", "12", "--num-prompts", "2",
+                        "--cost-table", str(table)])
+    report = json.loads((out / "load.json").read_text())
+    assert status == 0 and not (out / "cost_table.json").exists()
+    scheduled = report["batches"]["2"][1]
+    assert scheduled["config"] == "dspark-scheduled" and scheduled["plain_steps"] >= scheduled["steps"] - 2
+

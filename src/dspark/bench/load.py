@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="qwen3-8b", help="a shape of bench.engine.SHAPES, or tiny (--device cpu)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32")
     parser.add_argument("--draft-rank", type=int, default=256)
+    parser.add_argument("--cost-table", default=None,
+                        help="the cost scheduler's table to use instead of profiling one (e.g. a GPU run's "
+                             "cost_table.json on the CPU replay: that GPU's scheduling decisions, the CPU's times)")
     parser.add_argument("--profile", default="", help="comma-separated labels as reported (e.g. dspark-random-mixed) "
                         "whose requests run a third time under the PyTorch profiler: OUT/profile-<label>-b<B>.txt")
     args = parser.parse_args(argv)
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shape must be one of {[*SHAPES, 'tiny']}, got {args.shape!r}")
     shape = {k: v for k, v in TINY.items() if k != "vocab"} if args.shape == "tiny" else args.shape
     vocab = TINY["vocab"] if args.shape == "tiny" else VOCAB
+    if args.cost_table is not None and not Path(args.cost_table).is_file():
+        parser.error(f"--cost-table must be a cost table file (`dspark profile`), got {args.cost_table!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spec = {"shape": shape, "vocab": vocab, "device": args.device,
@@ -343,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens_max": None, "max_tokens": args.max_tokens}
     os.environ["DSPARK_REPLAY"] = json.dumps(spec)
     scheduled = any("{cost_table}" in WORKLOADS[args.workload][x][1] for x in labels)
-    cost_table = profile(spec, out, load_traces(TRACES)["num_drafts"], batches[0]) if scheduled else None
+    cost_table = None
+    if scheduled:
+        cost_table = (Path(args.cost_table) if args.cost_table is not None
+                      else profile(spec, out, load_traces(TRACES)["num_drafts"], batches[0]))
     from ..engine import EngineConfig
 
     models = Models(*_models(spec, EngineConfig(), draft=True))
