@@ -21,7 +21,9 @@ busy (``SteadyWindow``; the table's ratios), the seconds of the timed steps that
 the throughput without them (a server captures first), what the cost table prices its mean step
 at beside the measured one (``table_step_ms``), the plain
 steps, the rows a step decoded on average (fewer than B: rows idle, e.g. waiting for their
-prompt's turn in the step's token budget) and the host ms per step.
+prompt's turn in the step's token budget), the host ms per step (by phase) and the steady window's
+steps by kind (plain, refresh, verify, verify+draft). ``--cost-table`` runs the cost scheduler on a
+given table instead of profiling one (a GPU run's table on the CPU replay: that GPU's decisions).
 """
 
 from __future__ import annotations
@@ -171,7 +173,8 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                workload: str = "replay", mixed: bool = False, profile_to: Path | None = None) -> dict:
     """One configuration at ``batch`` rows: an untimed run, then the timed one (``mixed``: the
     requests of ``MIXED_SETTINGS``); with ``profile_to``, a third run under the PyTorch profiler,
-    its table written there (``common.profile_table``)."""
+    its table written there (``common.profile_table``), and a fourth under cProfile beside it
+    (``-python.txt``: ``common.python_profile_table``)."""
     engine = build_engine(label, workload, batch, spec, models, cost_table)
     requests = requests_of(spec, batch * requests_per_row, mixed)
     label = f"{label}-mixed" if mixed else label
@@ -310,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the cost scheduler's table to use instead of profiling one (e.g. a GPU run's "
                              "cost_table.json on the CPU replay: that GPU's scheduling decisions, the CPU's times)")
     parser.add_argument("--profile", default="", help="comma-separated labels as reported (e.g. dspark-random-mixed) "
-                        "whose requests run a third time under the PyTorch profiler: OUT/profile-<label>-b<B>.txt")
+                        "whose requests run again under the PyTorch profiler and under cProfile: "
+                        "OUT/profile-<label>-b<B>.txt and OUT/profile-<label>-b<B>-python.txt")
     args = parser.parse_args(argv)
     known = WORKLOADS[args.workload]
     labels = [x for x in (args.configs or ",".join(x for x in known if x != "dspark-random-vocabulary")).split(",") if x]

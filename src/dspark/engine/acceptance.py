@@ -73,6 +73,8 @@ class OnlineAcceptance:
         round, a request that opted out of drafting) observed nothing: its counts stay as they are."""
         verified, accepted, slots = np.asarray(verified), np.asarray(accepted), np.asarray(slots)
         rows = verified > 0
+        if not rows.any():  # a plain round: nothing to update (the pooled ratio would not move either)
+            return
         tried, hit = round_outcomes(self.num_drafts, verified[rows], accepted[rows])
         slots = slots[rows]
         self.hits[slots] = self.decay * self.hits[slots] + hit

@@ -524,7 +524,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         if drafted_rows:
             rows_verified, accept_lengths = result.verified[drafted_rows], result.accept_lengths[drafted_rows]
             self.metrics.record_rounds(rows_verified, accept_lengths)
-            if self.acceptance is not None and rows_verified.any():  # a plain round observes nothing
+            if self.acceptance is not None:
                 self.acceptance.observe([running[i].slot for i in drafted_rows], rows_verified, accept_lengths - 1)
         wanted = [i for i, seq in enumerate(running) if seq.request.logprobs is not None and kept_of[i]]
         lps = {}
