@@ -164,6 +164,27 @@ def test_known_continuation_as_drafts_is_accepted_in_full(target, greedy):
     assert stats.committed[:-1] == stats.accept_lengths[:-1] and stats.committed[-1] <= stats.accept_lengths[-1]
 
 
+def test_preempted_oracle_requests_keep_their_drafts(target):
+    """KV blocks for about one request among three rows: ``OracleEngine``'s requests are preempted
+    and admitted again, into other slots, with their known continuations drafted there too (every
+    verified draft still accepted), and give the target's greedy tokens; none kept once finished."""
+    from dspark.bench.oracle import OracleEngine
+
+    prompts = [PROMPT, PROMPT[::-1], [9, 4, 27, 50, 2, 33]]
+    expected = [_greedy(target, p, NEW_TOKENS) for p in prompts]
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = OracleEngine(target, draft, EngineConfig(max_batch=3, max_model_len=32, kv_block_size=4, num_kv_blocks=12,
+                                                      cuda_graphs=False, enable_prefix_caching=False), acceptance=1.0)
+    ids = [engine.add_request(Request(p, NEW_TOKENS), e + [0] * 8) for p, e in zip(prompts, expected)]
+    seqs = [engine.sequences[i] for i in ids]
+    while engine.has_unfinished():
+        engine.step()
+    assert [seq.output_ids for seq in seqs] == expected
+    assert engine.metrics.preemptions > 0
+    assert engine.metrics.accepted_tokens == engine.metrics.draft_tokens > 0
+    assert not engine._oracles
+
+
 def test_context_limit_ends_the_output(target, greedy, tmp_path):
     """The context (max_model_len) ends the output at "length"; a prompt that fills it is refused."""
     draft = load_draft(write_tiny_draft(target, tmp_path / "draft", format="speculators"))

@@ -21,7 +21,8 @@ busy (``SteadyWindow``; the table's ratios), the seconds of the timed steps that
 the throughput without them (a server captures first), what the cost table prices its mean step
 at beside the measured one (``table_step_ms``), the plain
 steps, the rows a step decoded on average (fewer than B: rows idle, e.g. waiting for their
-prompt's turn in the step's token budget), the host ms per step (by phase) and the steady window's
+prompt's turn in the step's token budget), the host ms per step (by phase), the preemptions (none
+expected: every engine holds KV blocks for all its rows' longest requests) and the steady window's
 steps by kind (plain, refresh, verify, verify+draft). ``--cost-table`` runs the cost scheduler on a
 given table instead of profiling one (a GPU run's table on the CPU replay: that GPU's decisions).
 """
@@ -90,9 +91,12 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models: Mode
     from ..engine import EngineConfig, LLMEngine
 
     target, draft = models.target, models.draft
+    # KV blocks for every row's longest request (gpu_memory_utilization None): sized from the GPU's free
+    # memory, an engine's blocks would depend on what the process held when it was built, and a
+    # configuration short of them preempts (an H100 run: 373 preemptions in one configuration, none in the others)
     config = EngineConfig(max_batch=batch, max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 64,
-                          enable_prefix_caching=False, device=spec["device"], dtype=getattr(torch, spec["dtype"]),
-                          **engine_settings(label, cost_table, workload))
+                          enable_prefix_caching=False, gpu_memory_utilization=None, device=spec["device"],
+                          dtype=getattr(torch, spec["dtype"]), **engine_settings(label, cost_table, workload))
     if label == "plain":
         return LLMEngine(target, None, config)
     if workload == "mixed":  # a random drafter drafting for real
@@ -260,8 +264,8 @@ def markdown(report: dict) -> str:
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
              "| B | config | total tok/s | tok/s captured first | steady tok/s | vs plain | vs fixed | mixed / greedy "
              "| τ | steps | steady steps | plain steps | rows / step | step ms | table ms | host ms (plan/launch/commit) "
-             "| timed captures (s) | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| timed captures (s) | preempted | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in report["batches"].items():
         by = {r["config"]: r for r in rows}
         for r in rows:
@@ -275,7 +279,7 @@ def markdown(report: dict) -> str:
                          f"| {r['plain_steps']} | {r['rows_per_step'] if r['rows_per_step'] is not None else '-'} "
                          f"| {r['step_ms']} | {r['table_step_ms'] if r['table_step_ms'] is not None else '-'} "
                          f"| {r['host_ms']} ({'/'.join(str(x) for x in r['host_phase_ms'].values())}) | {r['captures_timed']} ({r['capture_seconds']}) "
-                         f"| {r['failed']} of {r['requests']} |")
+                         f"| {r['preemptions']} | {r['failed']} of {r['requests']} |")
     lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**",
               "", "Steady window by step kind (steps, mean ms, tokens a step):", ""]
     for batch, rows in report["batches"].items():

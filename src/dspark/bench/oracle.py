@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as K
-from ..engine import EngineConfig, LLMEngine, Request
+from ..engine import EngineConfig, LLMEngine, Request, RequestOutput
 from ..kernels._validate import Checker
 
 __all__ = ["OracleDrafts", "OracleEngine", "PURPOSE_ORACLE", "TRACE_ROUNDS"]
@@ -129,10 +129,19 @@ class OracleEngine(LLMEngine):
 
     def _admit(self) -> None:
         """Admission, then each newly admitted request's drafts into its slot (no step is in flight
-        that reads the slot: its last owner was retired after its step's readout)."""
+        that reads the slot: its last owner was retired after its step's readout). A request
+        preempted (KV blocks ran out) is admitted again, into another slot: its drafts are kept
+        until it finishes, and its trace replays from its first round."""
         before = {seq.request_id for seq in self.scheduler.prefilling}
         super()._admit()
         for seq in self.scheduler.prefilling:
             if seq.request_id not in before:
-                ids, trace = self._oracles.pop(seq.request_id)
+                ids, trace = self._oracles[seq.request_id]
                 self.runner.draft_override.stage(seq.slot, seq.prompt_len, ids, trace)
+
+    def finish(self) -> list[RequestOutput]:
+        outputs = super().finish()
+        for out in outputs:
+            if out.finished:
+                self._oracles.pop(out.request_id, None)
+        return outputs
