@@ -211,6 +211,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                 "steps": steps, "step_ms": round(1e3 * (m.step_time - before["step_time"]) / max(steps, 1), 3),
                 "captures_timed": engine.runner.captures - before["captures"],
                 "plain_steps": plain_steps, "preemptions": m.preemptions - before["preemptions"],
+                "kv_blocks": engine.runner.num_kv_blocks,
                 # rows a step decoded on average (below the batch: rows idle, e.g. waiting for their prompt)
                 "rows_per_step": None if label.startswith("plain") else round(rounds / max(steps, 1), 1),
                 "host_ms": round(1e3 * (m.host_time - before["host_time"]) / max(steps, 1), 3),
