@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device run (the H200 sessions of issues 22-24): the carried wheels (FastAPI stack for `dspark serve`), then the
-# (.whl, not in git; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl: fastapi
+# steps named on the command line, each with its own time limit, logs under $OUT.
+# The wheels (.whl, not in git; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl: fastapi
 # starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions uvicorn sniffio opentelemetry-api
 # importlib-metadata zipp annotated-doc h11 click anyio idna httpx httpcore certifi prometheus-client xgrammar
 # apache-tvm-ffi; fla-core for hybrid targets)
-# steps named on the command line, each with its own time limit, logs under $OUT.
 #   scripts/device_run.sh STEP...   steps: tests, gputests, engine, firstcall, prefixchat, capacity, backends, breakdown,
 #   mixed, frontier, load, mixedload, memory, demo, hybrid, structured
 # gputests: every gpu-marked test; engine: plain and DSpark step times of the 8B shape at B = 1 and 64;
