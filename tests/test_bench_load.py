@@ -113,4 +113,3 @@ def test_a_given_cost_table_is_used_instead_of_profiling_one(tmp_path, monkeypat
     assert status == 0 and not (out / "cost_table.json").exists()
     scheduled = report["batches"]["2"][1]
     assert scheduled["config"] == "dspark-scheduled" and scheduled["plain_steps"] >= scheduled["steps"] - 2
-

@@ -22,7 +22,7 @@ the throughput without them (a server captures first), what the cost table price
 at beside the measured one (``table_step_ms``), the plain
 steps, the rows a step decoded on average (fewer than B: rows idle, e.g. waiting for their
 prompt's turn in the step's token budget), the host ms per step (by phase), the preemptions (none
-expected: every engine holds KV blocks for all its rows' longest requests) and the steady window's
+expected: every engine holds KV blocks -- ``kv_blocks`` -- for all its rows' longest requests) and the steady window's
 steps by kind (plain, refresh, verify, verify+draft). ``--cost-table`` runs the cost scheduler on a
 given table instead of profiling one (a GPU run's table on the CPU replay: that GPU's decisions).
 """
@@ -92,8 +92,7 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models: Mode
 
     target, draft = models.target, models.draft
     # KV blocks for every row's longest request (gpu_memory_utilization None): sized from the GPU's free
-    # memory, an engine's blocks would depend on what the process held when it was built, and a
-    # configuration short of them preempts (an H100 run: 373 preemptions in one configuration, none in the others)
+    # memory, an engine's blocks would depend on what the process still held, and one short of them preempts
     config = EngineConfig(max_batch=batch, max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 64,
                           enable_prefix_caching=False, gpu_memory_utilization=None, device=spec["device"],
                           dtype=getattr(torch, spec["dtype"]), **engine_settings(label, cost_table, workload))
