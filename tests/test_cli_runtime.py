@@ -219,6 +219,7 @@ def test_commands_take_hub_names_from_the_cache(hub, tmp_path):
         assert done.returncode == 0, done.stderr
         table = json.loads((tmp_path / "cost.json").read_text())
         assert table["target"] == "tiny/target" and table["draft_rows"] == [1] and table["draft_time_ms"][0] > 0
+        assert table["decode_rows"] == [1] and table["decode_time_ms"][0] > 0 and table["tokens_per_row"] == 8
         missing = [*generate[:3], "--target", "nobody/nothing", "--draft", "tiny/draft", *generate[7:]]
         done = forker.run(missing, timeout=300)
     finally:

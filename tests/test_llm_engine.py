@@ -616,13 +616,20 @@ def test_a_graph_warm_up_leaves_the_row_state_as_it_was(target):
 
 
 def test_profile_writes_a_cost_table_the_engine_reads(target, greedy, tmp_path):
-    from dspark.engine.profile import default_token_counts, profile_verify
+    from dspark.engine.profile import default_token_counts, profile_costs
     from dspark.engine.schedulers import SPSCostTable
 
     assert default_token_counts(130) == [1, 2, 4, 8, 16, 32, 64, 128, 130]
-    table = profile_verify(TargetLM.from_hf_model(target), [1, 8, 24], context=16, reps=2)
+    drafting = LLMEngine(target, random_draft(tiny_draft_config(target.config), 0, target), EngineConfig(max_batch=3))
+    table = profile_costs(TargetLM.from_hf_model(target), [1, 8, 24], context=16, tokens_per_row=8, engine=drafting,
+                          reps=2)
     assert table.token_counts == (1, 8, 24) and all(t > 0 for t in table.step_time_ms)
+    # the decode curve: up to the verify curve's rows (24 tokens of 8 a row), one token a row
+    assert table.decode_rows == (1, 2, 3) and all(t > 0 for t in table.decode_time_ms) and table.tokens_per_row == 8
+    assert table.draft_rows == tuple(drafting.runner.buckets) and all(t > 0 for t in table.draft_time_ms)
     path = tmp_path / "cost.json"
+    table.write_json(path)
+    assert SPSCostTable.from_json(str(path)) == table
     path.write_text('{"token_counts": [1, 64], "step_time_ms": [1.0, 64.0]}')
     engine = LLMEngine(target, random_draft(tiny_draft_config(target.config), 0, target),
                        EngineConfig(max_batch=2, scheduler="cost", cost_table=str(path)))

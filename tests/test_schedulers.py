@@ -47,6 +47,54 @@ def test_cost_table_draft_pass_curve(tmp_path):
         SPSCostTable((1,), (1.0,), draft_rows=(4,), draft_time_ms=())
 
 
+def test_cost_table_prices_rows_apart_from_tokens(tmp_path):
+    """The decode curve (R rows of one token) beside the verify curve (rows of ``tokens_per_row``):
+    a plain round costs the decode curve's time, a full verify the verify curve's, and a round in
+    between the verify curve plus each row it has beyond the curve's own at the per-row excess."""
+    table = SPSCostTable((1, 256, 2048), (5.0, 7.0, 21.0), decode_rows=(1, 256), decode_time_ms=(5.0, 14.0),
+                         tokens_per_row=8)
+    assert table.forward_time(256, 256) == pytest.approx(14.0)  # plain: the decode curve
+    assert table.forward_time(2048, 256) == pytest.approx(21.0)  # every row 8 tokens: the verify curve
+    row = 7.0 / (256 * 7 / 8)  # the excess at 256 rows over the 224 rows the verify curve lacks
+    assert table.row_time(256) == pytest.approx(row)
+    assert table.forward_time(512, 256) == pytest.approx(table.step_time(512) + row * (256 - 64))
+    assert table.forward_time(512, 256, prefill_tokens=100) == pytest.approx(table.step_time(612) + row * 192)
+    tokens = torch.tensor([256, 300, 2048, 4096]).numpy()
+    assert table.forward_times(tokens, 256).tolist() == pytest.approx([table.forward_time(int(n), 256) for n in tokens])
+    assert table.forward_time(4096, 256) == pytest.approx(table.step_time(4096))  # beyond 8 a row: no row term
+    plain = SPSCostTable((1, 256, 2048), (5.0, 7.0, 21.0))  # no decode curve: the verify curve alone
+    assert plain.forward_time(256, 256) == plain.step_time(256) and plain.row_time(256) == 0.0
+    faster = SPSCostTable((1, 256), (5.0, 7.0), decode_rows=(256,), decode_time_ms=(6.0,))
+    assert faster.row_time(256) == 0.0  # a decode curve below the verify curve adds nothing
+    path = tmp_path / "cost.json"
+    table.write_json(path, device="cpu")
+    assert SPSCostTable.from_json(str(path)) == table
+    with pytest.raises(ValueError, match="decode_rows must be strictly increasing"):
+        SPSCostTable((1,), (1.0,), decode_rows=(4, 2), decode_time_ms=(1.0, 1.0))
+    with pytest.raises(ValueError, match="tokens_per_row"):
+        SPSCostTable((1,), (1.0,), tokens_per_row=0)
+
+
+def test_plain_rounds_priced_by_the_decode_curve_let_drafting_pay_at_many_rows():
+    """Session 27's H100 at 256 rows: the verify curve priced a plain round at 8.85 ms where it took
+    15.4, so plain decoding looked 1.7x as fast as it is and the scheduler decoded plainly where
+    verifying a few drafts a row made more tokens a millisecond. With the decode curve, the same
+    confidences draft."""
+    import numpy as np
+
+    from dspark.engine.schedulers import batch_schedule, drafting_pays
+
+    verify = dict(token_counts=(1, 256, 512, 1024, 2048), step_time_ms=(5.5, 8.85, 11.0, 15.0, 24.0),
+                  draft_rows=(1, 256), draft_time_ms=(0.6, 1.2))
+    conf = np.tile([0.3, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1], (256, 1))
+    blind = SPSCostTable(**verify)
+    seeing = SPSCostTable(**verify, decode_rows=(1, 256), decode_time_ms=(5.5, 15.4), tokens_per_row=8)
+    assert not drafting_pays(conf, blind, 0.04, (2.0, 1.5))
+    assert drafting_pays(conf, seeing, 0.04, (2.0, 1.5))
+    # a trimmed round, and a longer one: a row's extra verify tokens cost less than its K/V reads
+    assert sum(batch_schedule(conf, blind, 0.04, 2.0)) == 256 < sum(batch_schedule(conf, seeing, 0.04, 2.0)) < 7 * 256
+
+
 def test_the_draft_pass_makes_verifying_more_pay():
     """A round's draft pass costs the same whatever it verifies, so with it in the step time one more
     token's share of the step is smaller and Algorithm 1 admits drafts it stopped at before."""
@@ -256,8 +304,10 @@ def test_batch_schedule_skips_algorithm_1_only_where_its_answer_is_every_draft(m
     for _ in range(300):
         counts = np.unique(rng.integers(1, 600, size=8))
         times = 4.0 + np.sort(rng.uniform(0, 10, counts.size)) * rng.uniform(0, 1) + rng.uniform(0, 0.3, counts.size)
+        decode = dict(decode_rows=(1, 64), decode_time_ms=(times[0], times[0] + rng.uniform(0, 8)),
+                      tokens_per_row=int(rng.integers(2, 10))) if rng.uniform() < 0.5 else {}
         table = SPSCostTable(tuple(counts.tolist()), tuple(times.tolist()), draft_rows=(1, 64),
-                             draft_time_ms=(0.6, rng.uniform(0.6, 2.0)))
+                             draft_time_ms=(0.6, rng.uniform(0.6, 2.0)), **decode)
         rows, p = int(rng.integers(1, 65)), int(rng.integers(1, 8))
         confidences = rng.uniform(0, 1, (rows, p)) ** rng.uniform(0.2, 3)
         args = (confidences, table, float(rng.uniform(0, 0.1)), float(rng.uniform(0, 1)), int(rng.integers(0, 200)))

@@ -348,6 +348,7 @@ def test_eval_and_profile_take_the_size(pair, tmp_path, capsys):
     written = json.loads(table.read_text())
     assert written["token_counts"] == [1, 2, 4, 8, 16] and written["tensor_parallel_size"] == 2
     assert len(written["draft_rows"]) == len(written["draft_time_ms"]) > 0
+    assert written["decode_rows"] == [1, 2] and len(written["decode_time_ms"]) == 2  # 16 tokens: 2 rows of 8
 
 
 def _serve_engine(target: str, draft: str, size: int) -> LLMEngine:

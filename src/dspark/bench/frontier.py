@@ -52,27 +52,21 @@ def profile(spec: dict, out: Path, num_drafts: int, max_batch: int) -> Path:
     """``DIR/cost_table.json`` of the spec's target (the format ``dspark profile`` writes)."""
     if spec.get("tensor_parallel_size") is not None:
         return _profile_parallel(spec, out, num_drafts, max_batch)
-    from ..engine.profile import default_token_counts, profile_verify
+    from ..engine import EngineConfig, LLMEngine
+    from ..engine.profile import default_token_counts, profile_costs
     from ..model.llama import TargetLM
-    from .replay import _target
+    from .engine import random_drafter
+    from .replay import _shape, _target
 
     model = _target(spec)
     target = TargetLM.from_hf_model(model, [])
     context = spec["prompt_tokens"] + spec["max_tokens"] // 2
-    table = profile_verify(target, default_token_counts(max_batch * (num_drafts + 1)), context=context,
-                           tokens_per_row=num_drafts + 1)
     # the round's draft pass per batch size: the same random drafter the DSpark servers build
-    from dataclasses import replace
-
-    from ..engine import EngineConfig, LLMEngine
-    from ..engine.profile import profile_draft
-    from .engine import random_drafter
-    from .replay import _shape
-
     engine = LLMEngine(target, random_drafter(model, _shape(spec), rank=spec.get("draft_rank", 256)),
                        EngineConfig(max_batch=max_batch, max_model_len=context + 64,
                                     gpu_memory_utilization=None))
-    table = replace(table, **dict(zip(("draft_rows", "draft_time_ms"), profile_draft(engine))))
+    table = profile_costs(target, default_token_counts(max_batch * (num_drafts + 1)), context=context,
+                          tokens_per_row=num_drafts + 1, engine=engine)
     del engine
     path = out / "cost_table.json"
     table.write_json(path, device=spec["device"], target=f"bench.replay.peaked_target({spec['shape']!r})",

@@ -239,7 +239,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
 
 def table_step_ms(cost_table: Path | None, result: dict, drafts: bool) -> float | None:
     """What the cost table prices the configuration's mean step at: a forward of its mean tokens
-    (running rows' and prompt chunks'), plus the draft pass of its mean rows on the steps that
+    (running rows' and prompt chunks') over its mean rows, plus the draft pass of its mean rows on the steps that
     drafted -- beside the measured ``step_ms``, how far the scheduler's prices are from the steps."""
     if cost_table is None:
         return None
@@ -249,7 +249,7 @@ def table_step_ms(cost_table: Path | None, result: dict, drafts: bool) -> float 
     steps = max(result["steps"], 1)
     drafting = (steps - result["plain_steps"]) / steps if drafts else 0.0
     rows = result["rows_per_step"] or 1
-    forward = table.step_time(max(round(result["tokens_per_forward"]), 1))
+    forward = table.forward_time(max(round(result["tokens_per_forward"]), 1), round(rows))
     return round(forward + drafting * table.draft_time(round(rows)), 3)
 
 

@@ -127,11 +127,11 @@ def goodput(traces: list, concurrency: int, table: SPSCostTable, scheduler: str 
                     estimator.reset(row)
             tokens += float(kept.sum() + concurrency)
             verified += float(lengths.sum())
-            ms += table.step_time(int(lengths.sum()) + concurrency) + table.draft_time(concurrency)
+            ms += table.forward_time(int(lengths.sum()) + concurrency, concurrency) + table.draft_time(concurrency)
         out[policy] = {"tau": round(tokens / (steps * concurrency), 4),
                        "verified_per_round": round(verified / (steps * concurrency), 3),
                        "tokens_per_ms": round(tokens / ms, 4)}
-    plain_ms = table.step_time(concurrency)
+    plain_ms = table.forward_time(concurrency, concurrency)
     out["plain"] = {"tau": 1.0, "verified_per_round": 0.0, "tokens_per_ms": round(concurrency / plain_ms, 4)}
     for policy in (*SIGNALS, "oracle"):
         out[policy]["gain_vs_fixed"] = round(out[policy]["tokens_per_ms"] / out["fixed"]["tokens_per_ms"], 4)

@@ -3,7 +3,8 @@
 Times one target forward per total verify token count (blocks of --tokens-per-row tokens over
 --context cached positions; CUDA graphs on a GPU) and writes TensorRT-LLM's cost-table JSON
 (``token_counts``, ``step_time_ms``), which ``dspark generate/serve --scheduler cost --cost-table``
-read. With --draft it also times the round's draft pass at each batch size of the engine
+read; beside it a plain decoding forward per row count (``decode_rows``, ``decode_time_ms``: a
+dspark addition that prices the K/V reads of many rows of few tokens). With --draft it also times the round's draft pass at each batch size of the engine
 (``draft_rows``, ``draft_time_ms``: a dspark addition the cost scheduler adds to every round).
 """
 
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark.engine.profile import default_token_counts, profile_verify
+    from dspark.engine.profile import default_token_counts, profile_costs
     from dspark.model.llama import TargetLM
 
     for name in ("max_tokens", "context", "tokens_per_row"):
@@ -52,15 +53,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, TypeError) as exc:
         print(f"dspark profile: {exc}", file=sys.stderr)
         return 2
-    table = profile_verify(target, default_token_counts(args.max_tokens), context=args.context,
-                           tokens_per_row=args.tokens_per_row)
-    if engine is not None:
-        from dataclasses import replace
-
-        from dspark.engine.profile import profile_draft
-
-        rows, times = profile_draft(engine)
-        table = replace(table, draft_rows=rows, draft_time_ms=times)
+    table = profile_costs(target, default_token_counts(args.max_tokens), context=args.context,
+                          tokens_per_row=args.tokens_per_row, engine=engine)
     return _write(args, table, device)
 
 
@@ -82,8 +76,10 @@ def _profile_parallel(args: argparse.Namespace, device, dtype) -> int:
 
 
 def _write(args: argparse.Namespace, table, device) -> int:
-    for n, t in zip(table.draft_rows or (), table.draft_time_ms or ()):
+    for n, t in zip(table.draft_rows, table.draft_time_ms):
         print(f"{n:6d} rows    {t:8.3f} ms draft pass")
+    for n, t in zip(table.decode_rows, table.decode_time_ms):
+        print(f"{n:6d} rows    {t:8.3f} ms plain decoding forward")
     table.write_json(args.out, device=str(device), target=args.target_name, context=args.context,
                      **({"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size != 1 else {}))
     for n, t in zip(table.token_counts, table.step_time_ms):

@@ -333,8 +333,8 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
 
     def profile_costs(self, token_counts: list[int], *, context: int, tokens_per_row: int):
         """The ``cost`` scheduler's table of this engine's target (``engine.profile``: a verify
-        forward per total token count over ``context`` cached positions) and, with a draft, of its
-        draft pass per batch bucket; under tensor parallelism every rank runs the forwards (rank
+        forward per total token count and a plain forward per row count over ``context`` cached
+        positions) and, with a draft, of its draft pass per batch bucket; under tensor parallelism every rank runs the forwards (rank
         0's times). Only while no request runs."""
         if self.scheduler.running:
             Checker("profile_costs").fail(f"profile_costs needs an idle engine, but {len(self.scheduler.running)} "
@@ -342,12 +342,10 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         return self.on_every_rank("_profile_costs", tuple(token_counts), context, tokens_per_row)
 
     def _profile_costs(self, token_counts, context: int, tokens_per_row: int):
-        from .profile import profile_draft, profile_verify
+        from .profile import profile_costs
 
-        table = profile_verify(self.target, list(token_counts), context=context, tokens_per_row=tokens_per_row)
-        if self.runner.drafter is not None:
-            table = replace(table, **dict(zip(("draft_rows", "draft_time_ms"), profile_draft(self))))
-        return table
+        return profile_costs(self.target, list(token_counts), context=context, tokens_per_row=tokens_per_row,
+                             engine=self if self.runner.drafter is not None else None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,15 +1,18 @@
-"""Profile the target's verify forward per total token count, and the round's draft pass per batch
-size: the cost table of the ``cost`` scheduler (paper Algorithm 1, runtime.md "Cost tables").
+"""Profile the target's verify forward per total token count, its plain decoding forward per row
+count, and the round's draft pass per batch size: the cost table of the ``cost`` scheduler (paper
+Algorithm 1, runtime.md "Cost tables").
 
 Each point times one forward of ``N`` flat tokens spread over requests of at most ``tokens_per_row``
-tokens (a verify block), each with ``context`` cached positions, on the engine's own target runner:
-replayed as a CUDA graph on a GPU (median of CUDA-event timings), eagerly on the CPU.
+tokens (a verify block; one for the decode curve), each with ``context`` cached positions, on the
+engine's own target runner: replayed as a CUDA graph on a GPU (median of CUDA-event timings),
+eagerly on the CPU.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -18,7 +21,7 @@ from .rows import LogitsPath
 from .runner import state_layout
 from .schedulers import SPSCostTable
 
-__all__ = ["default_token_counts", "profile_draft", "profile_verify"]
+__all__ = ["default_token_counts", "profile_costs", "profile_draft", "profile_verify"]
 
 
 def default_token_counts(max_tokens: int) -> list[int]:
@@ -26,6 +29,21 @@ def default_token_counts(max_tokens: int) -> list[int]:
     counts = {1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens}
     counts |= set(range(64, max_tokens + 1, 64)) | {max_tokens}
     return sorted(counts)
+
+
+def profile_costs(target: TargetLM, token_counts: list[int], *, context: int, tokens_per_row: int,
+                  engine=None, reps: int = 20) -> SPSCostTable:
+    """The ``cost`` scheduler's whole table: the verify curve (``profile_verify``), the decode curve
+    (a plain forward of R rows of one token, R up to the verify curve's rows) and, given ``engine``
+    (an idle ``LLMEngine`` with a draft), its draft pass per batch bucket (``profile_draft``)."""
+    table = profile_verify(target, token_counts, context=context, tokens_per_row=tokens_per_row, reps=reps)
+    decode = profile_verify(target, default_token_counts(-(-max(token_counts) // tokens_per_row)), context=context,
+                            tokens_per_row=1, reps=reps)
+    table = replace(table, decode_rows=decode.token_counts, decode_time_ms=decode.step_time_ms,
+                    tokens_per_row=tokens_per_row)
+    if engine is not None:
+        table = replace(table, **dict(zip(("draft_rows", "draft_time_ms"), profile_draft(engine, reps))))
+    return table
 
 
 @torch.inference_mode()
@@ -53,7 +71,7 @@ def profile_verify(target: TargetLM, token_counts: list[int], *, context: int = 
             target.forward(ids, positions, token_slots, batch, cache)
 
         times.append(_median_ms(forward, reps, dev))
-    return SPSCostTable(tuple(token_counts), tuple(round(t, 4) for t in times))
+    return SPSCostTable(tuple(token_counts), tuple(round(t, 4) for t in times), tokens_per_row=tokens_per_row)
 
 
 @torch.inference_mode()

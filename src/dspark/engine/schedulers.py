@@ -32,6 +32,10 @@ class SPSCostTable:
     ``draft_rows`` / ``draft_time_ms`` (a dspark addition; may be empty): the round's draft pass --
     context, block, Markov chain, confidence -- per batch rows, interpolated the same way: a cost
     every round pays whatever it verifies, so it moves where admitting one more draft stops paying.
+    ``decode_rows`` / ``decode_time_ms`` (a dspark addition; may be empty): a plain decoding forward
+    of R rows of one token each, over the same cached context as the verify curve, whose points are
+    rows of ``tokens_per_row`` tokens. A forward's attention reads every row's K/V, so at many rows
+    the verify curve under-prices a round of few tokens a row; ``forward_time`` adds what it misses.
     """
 
     token_counts: tuple[int, ...]
@@ -39,6 +43,9 @@ class SPSCostTable:
     fixed_overhead_ms: float = 0.0
     draft_rows: tuple[int, ...] = ()
     draft_time_ms: tuple[float, ...] = ()
+    decode_rows: tuple[int, ...] = ()
+    decode_time_ms: tuple[float, ...] = ()
+    tokens_per_row: int = 8
 
     def __post_init__(self):
         c = Checker("SPSCostTable")
@@ -53,10 +60,17 @@ class SPSCostTable:
         draft = [c.real("draft_time_ms[]", t, low=0.0) for t in self.draft_time_ms]
         if len(rows) != len(draft) or any(b <= a for a, b in zip(rows, rows[1:])):
             c.fail(f"draft_rows must be strictly increasing and as long as draft_time_ms, got {rows} and {draft}")
+        decode_rows = [c.integer("decode_rows[]", n, low=1) for n in self.decode_rows]
+        decode = [c.real("decode_time_ms[]", t, low=0.0) for t in self.decode_time_ms]
+        if len(decode_rows) != len(decode) or any(b <= a for a, b in zip(decode_rows, decode_rows[1:])):
+            c.fail(f"decode_rows must be strictly increasing and as long as decode_time_ms, got {decode_rows} and {decode}")
+        c.integer("tokens_per_row", self.tokens_per_row, low=1)
         object.__setattr__(self, "token_counts", tuple(counts))
         object.__setattr__(self, "step_time_ms", tuple(times))
         object.__setattr__(self, "draft_rows", tuple(rows))
         object.__setattr__(self, "draft_time_ms", tuple(draft))
+        object.__setattr__(self, "decode_rows", tuple(decode_rows))
+        object.__setattr__(self, "decode_time_ms", tuple(decode))
         # the step-time curve once as per-segment lines (intercept, slope; the first and last
         # segments extended): the scheduler interpolates it every round
         n, t = np.asarray(counts, dtype=np.float64), np.asarray(times, dtype=np.float64)
@@ -75,7 +89,8 @@ class SPSCostTable:
         if missing:
             Checker("SPSCostTable.from_json").fail(f"{path} is missing the key(s) {missing}")
         return cls(tuple(d["token_counts"]), tuple(d["step_time_ms"]), d.get("fixed_overhead_ms", 0.0),
-                   tuple(d.get("draft_rows", ())), tuple(d.get("draft_time_ms", ())))
+                   tuple(d.get("draft_rows", ())), tuple(d.get("draft_time_ms", ())),
+                   tuple(d.get("decode_rows", ())), tuple(d.get("decode_time_ms", ())), d.get("tokens_per_row", 8))
 
     def write_json(self, path, **info) -> None:
         """Write the table as ``from_json`` reads it (TensorRT-LLM's keys), plus ``info`` (where and
@@ -85,6 +100,9 @@ class SPSCostTable:
             data["fixed_overhead_ms"] = self.fixed_overhead_ms
         if self.draft_rows:
             data.update(draft_rows=list(self.draft_rows), draft_time_ms=list(self.draft_time_ms))
+        if self.decode_rows:
+            data.update(decode_rows=list(self.decode_rows), decode_time_ms=list(self.decode_time_ms),
+                        tokens_per_row=self.tokens_per_row)
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
 
@@ -102,6 +120,30 @@ class SPSCostTable:
     def draft_time(self, rows: int) -> float:
         """Milliseconds of the draft pass of a round of ``rows`` requests (0 without a draft curve)."""
         return _interpolate(self.draft_rows, self.draft_time_ms, rows) if self.draft_rows else 0.0
+
+    def forward_time(self, tokens: int, rows: int, prefill_tokens: int = 0) -> float:
+        """Milliseconds of a forward of ``tokens`` decode tokens over ``rows`` running requests and
+        ``prefill_tokens`` prompt tokens: the verify curve at all its tokens plus, for the rows
+        beyond the curve's own (``tokens / tokens_per_row``), ``row_time(rows)`` each -- so a
+        plain round (one token a row) costs the decode curve's time and a full verify the verify
+        curve's. Without a decode curve, ``step_time(tokens + prefill_tokens)``."""
+        extra = max(rows - tokens / self.tokens_per_row, 0.0)
+        return self.step_time(tokens + prefill_tokens) + (self.row_time(rows) * extra if extra else 0.0)
+
+    def forward_times(self, tokens: np.ndarray, rows: int, prefill_tokens: int = 0) -> np.ndarray:
+        """``forward_time`` of every entry of an array of decode token counts (float64 ms)."""
+        extra = np.maximum(rows - tokens / self.tokens_per_row, 0.0)
+        return self.step_times(tokens + prefill_tokens) + self.row_time(rows) * extra
+
+    def row_time(self, rows: int) -> float:
+        """Milliseconds one more row of cached context adds to a forward of ``rows`` rows (K/V reads
+        the verify curve, at ``tokens_per_row`` tokens a row, does not make): the decode curve's
+        excess over the verify curve at ``rows`` tokens, per row it has beyond the verify curve's,
+        never negative (0 without a decode curve)."""
+        if not self.decode_rows or self.tokens_per_row == 1:
+            return 0.0
+        excess = _interpolate(self.decode_rows, self.decode_time_ms, rows) + self.fixed_overhead_ms - self.step_time(rows)
+        return max(excess, 0.0) / (rows * (1.0 - 1.0 / self.tokens_per_row))
 
     def sps(self, tokens: int) -> float:
         """Steps per second at ``tokens`` verify tokens: 1000 / step_time_ms."""
@@ -145,7 +187,7 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
     (``prefix_schedule``) on f32/f64 confidences ``[R, P]``, at least one draft per row (the accept
     kernels verify >= 1), kept only when its predicted goodput beats verifying every draft by
     ``min_predicted_gain`` (TensorRT-LLM's rule; else every row verifies all P). A round's time is
-    the table's verify time plus its draft pass (``SPSCostTable.draft_time``) plus ``host_ms``, the
+    the table's forward time of its rows (``SPSCostTable.forward_time``) plus its draft pass (``SPSCostTable.draft_time``) plus ``host_ms``, the
     engine's own time per drafting round; ``prefill_tokens`` prompt tokens share the step's forward
     (the verify is priced from there on the curve)."""
     rows, p = np.shape(confidences)
@@ -154,8 +196,8 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     lengths = np.maximum(_admit(survival, table, host_ms, prefill_tokens), 1)
     fixed = table.draft_time(rows) + host_ms
-    goodput = (_expected_tokens(survival, lengths) / (table.step_time(int(lengths.sum()) + rows + prefill_tokens) + fixed),
-               _expected_tokens(survival, None) / (table.step_time((p + 1) * rows + prefill_tokens) + fixed))
+    goodput = (_expected_tokens(survival, lengths) / (table.forward_time(int(lengths.sum()) + rows, rows, prefill_tokens) + fixed),
+               _expected_tokens(survival, None) / (table.forward_time((p + 1) * rows, rows, prefill_tokens) + fixed))
     return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else [p] * rows
 
 
@@ -166,13 +208,15 @@ def full_verify_wins(table: SPSCostTable, rows: int, p: int, min_predicted_gain:
     least one draft per row -- takes no less than the fastest on the curve between ``2 * rows`` and
     ``(p + 1) * rows`` verify tokens, plus the same draft pass and host time; when the full round
     is within ``min_predicted_gain`` of that, none beats it by the gain. (The flat start of a GPU's
-    curve: a few rows.)"""
-    low, high = 2 * rows + prefill_tokens, (p + 1) * rows + prefill_tokens
+    curve: a few rows.) ``forward_time`` is piecewise linear in the tokens: the fastest is at an end
+    or a kink."""
+    low, high = 2 * rows, (p + 1) * rows
     fixed = table.draft_time(rows) + host_ms
-    full = table.step_time(high) + fixed
-    if full > (table.step_time(low) + fixed) * (1 + min_predicted_gain):  # the usual case past a few rows
+    full = table.forward_time(high, rows, prefill_tokens) + fixed
+    if full > (table.forward_time(low, rows, prefill_tokens) + fixed) * (1 + min_predicted_gain):  # past a few rows
         return False
-    inner = [table.step_time(n) for n in table.token_counts if low < n < high]
+    kinks = [n - prefill_tokens for n in table.token_counts] + [table.tokens_per_row * rows]  # the row term's end
+    inner = [table.forward_time(n, rows, prefill_tokens) for n in kinks if low < n < high]
     return not inner or full <= (min(inner) + fixed) * (1 + min_predicted_gain)
 
 
@@ -193,9 +237,9 @@ def drafting_pays(confidences: np.ndarray, table: SPSCostTable, min_predicted_ga
     if lengths is None:
         lengths = batch_schedule(confidences, table, min_predicted_gain, host_ms[0], prefill_tokens)
     every = all(n == p for n in lengths)
-    round_ms = table.step_time(sum(lengths) + rows + prefill_tokens) + table.draft_time(rows) + host_ms[0]
-    plain_ms = table.step_time(rows + prefill_tokens) + host_ms[1]
-    plain_rate = rows / (table.step_time(rows) + host_ms[1])  # tokens per ms, no prompt tokens
+    round_ms = table.forward_time(sum(lengths) + rows, rows, prefill_tokens) + table.draft_time(rows) + host_ms[0]
+    plain_ms = table.forward_time(rows, rows, prefill_tokens) + host_ms[1]
+    plain_rate = rows / (table.forward_time(rows, rows) + host_ms[1])  # tokens per ms, no prompt tokens
     expected = _expected_tokens(survival, None if every else np.asarray(lengths))
     return expected > (1 + min_predicted_gain) * (rows + plain_rate * (round_ms - plain_ms))
 
@@ -224,8 +268,8 @@ def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable, hos
     a = flat[index]
     tokens = np.arange(num_requests, num_requests + a.size + 1)
     if isinstance(sps, SPSCostTable):  # a round's time: its verify plus its draft pass and host time
-        rates = 1000.0 / np.maximum(sps.step_times(tokens + prefill_tokens) + sps.draft_time(num_requests) + host_ms,
-                                    1e-9)
+        rates = 1000.0 / np.maximum(sps.forward_times(tokens, num_requests, prefill_tokens) + sps.draft_time(num_requests)
+                                    + host_ms, 1e-9)
     else:
         rates = np.array([sps(int(b)) for b in tokens], dtype=np.float64)
     goodput = np.concatenate([[float(num_requests)], num_requests + np.cumsum(a)]) * rates
