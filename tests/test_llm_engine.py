@@ -554,7 +554,7 @@ def test_a_step_waits_for_its_draft_pass_only_where_the_scheduler_reads_the_prop
 
 @pytest.mark.parametrize("flat", [True, False])
 def test_the_cost_scheduler_reads_the_confidences_behind_the_queued_verify_where_it_verifies_every_draft(
-        target, greedy, flat):
+        target, greedy, flat, monkeypatch):
     """Where the cost table is flat enough that Algorithm 1 verifies every draft whatever the
     confidences (``full_verify_wins``), a step queues its target pass first and reads the last draft
     pass's confidences only to choose whether it drafts, before its draft pass; elsewhere the plan
@@ -562,6 +562,9 @@ def test_the_cost_scheduler_reads_the_confidences_behind_the_queued_verify_where
     from dspark.engine.schedulers import SPSCostTable
 
     draft = random_draft(tiny_draft_config(target.config), 0, target)
+    from dspark.engine import round_plan
+
+    monkeypatch.setattr(round_plan, "FULL_CHOICE_STEPS", 0)  # every round plans (the next test holds a plan)
     table = SPSCostTable((1, 64), (1.0, 1.0) if flat else (1.0, 8.0))
     engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler="cost", cost_table=table))
     events, replay, read = [], engine.runner._replay, engine.runner.read_proposals
@@ -574,6 +577,35 @@ def test_the_cost_scheduler_reads_the_confidences_behind_the_queued_verify_where
     # the target pass before the read (flat) or after it (the plan needs the confidences)
     assert all((events[i - 1] == "verify") == flat for i in reads)
     assert all(events[i + 1] in ("verify", "draft", "context") for i in reads)
+
+
+def test_a_plan_that_verifies_every_draft_holds_for_the_next_rounds(target, greedy, monkeypatch):
+    """Once Algorithm 1 verifies every draft of every row, the next ``FULL_CHOICE_STEPS`` rounds do
+    so without planning: their target pass is queued before the last draft pass's confidences are
+    read (only the drafting choice reads them). Greedy output exact."""
+    from dspark.engine import round_plan
+    from dspark.engine.schedulers import SPSCostTable
+
+    plans = []
+
+    def every_draft(signal, *args):
+        plans.append(len(signal))
+        return [signal.shape[1]] * len(signal)
+
+    monkeypatch.setattr(round_plan, "batch_schedule", every_draft)
+    monkeypatch.setattr(round_plan, "full_verify_wins", lambda *args: False)  # Algorithm 1 runs: the plan waits
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler="cost",
+                                                   cost_table=SPSCostTable((1, 64), (1.0, 1.0))))
+    events, replay, read = [], engine.runner._replay, engine.runner.read_proposals
+    engine.runner._replay = lambda key, fn: (events.append(key[0]), replay(key, fn))
+    engine.runner.read_proposals = lambda rows: events.append("read") or read(rows)
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
+    assert [r.token_ids for r in results] == greedy
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    held = sum(events[i - 1] == "verify" for i in reads)  # read behind the queued target pass
+    assert len(plans) + held == len(reads) and held >= round_plan.FULL_CHOICE_STEPS
+    assert len(plans) <= -(-len(reads) // (round_plan.FULL_CHOICE_STEPS + 1)) + 1, (len(plans), len(reads))
 
 
 @pytest.mark.parametrize("busy", [False, True])

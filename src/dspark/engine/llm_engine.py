@@ -164,6 +164,7 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
         self._redraft_doublings = 0  # how often the wait for a fresh draft doubled (round_plan.REDRAFT_DOUBLINGS)
         self._redrafted = False  # the running draft pass is a refresh after plain rounds
         self._plain_rows = None  # drafting rows when plain rounds were last chosen (None: drafting)
+        self._full_rounds_left = 0  # rounds that verify every draft without planning (round_plan.FULL_CHOICE_STEPS)
         self._host_ms = [0.0, 0.0]  # average host time of a drafting round and of a plain one (measured)
         self._step_host = self._launch_time = 0.0  # the launched step's host seconds and launch seconds
         self._step_captures = 0  # the runner's capture count when the step was launched
