@@ -16,11 +16,14 @@ Where the cost scheduler verifies every draft whatever they are (``full_verify_w
 start of the cost curve, a few rows), the verify lengths need none, so the step's target pass is
 queued first and the drafting choice -- the only one that reads them -- is made between the
 target pass and the draft pass (``StepPlan.draft`` a callable): the same choice, without the
-device idling while the host waits, plans and launches. Past the flat start, once Algorithm 1 has
-verified every draft of every row, the next ``FULL_CHOICE_STEPS`` rounds do so as well without
-waiting for it: lengths chosen before this round's confidences exist are as lossless as fixed
-blocks (Appendix A's causality holds: nothing a round verifies depends on its own drafts), and with
-confident drafts (a few rows, high acceptance) Algorithm 1 keeps choosing them anyway.
+device idling while the host waits, plans and launches. A little further up the curve -- where
+verifying every draft takes at most ``FULL_CHOICE_MARGIN`` longer than any round that verifies
+one draft a row or more -- once Algorithm 1 has verified every draft of every row, the next
+``FULL_CHOICE_STEPS`` rounds do so as well without waiting: lengths chosen before this round's
+confidences exist are as lossless as fixed blocks (nothing a round verifies depends on its own
+drafts), with confident drafts Algorithm 1 keeps choosing them anyway, and a held round loses at
+most that margin where the confidences fell. Further up (many rows) trimming gains more than the
+wait costs, and every round plans.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from .. import kernels as K
 from .request import Sequence
 from .schedulers import batch_schedule, drafting_pays, full_verify_wins
 
-__all__ = ["FULL_CHOICE_STEPS", "HOST_EMA", "PLAIN_CHOICE_SHRINK", "REDRAFT_DOUBLINGS", "REDRAFT_STEPS",
+__all__ = ["FULL_CHOICE_MARGIN", "FULL_CHOICE_STEPS", "HOST_EMA", "PLAIN_CHOICE_SHRINK", "REDRAFT_DOUBLINGS", "REDRAFT_STEPS",
            "RoundPlanning"]
 
 REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
@@ -45,9 +48,12 @@ REDRAFT_DOUBLINGS = 4
 # in plain rounds the choice stands until the drafting rows fall below this share of those it was
 # made for (then it is made again: drafting pays sooner on fewer rows)
 PLAIN_CHOICE_SHRINK = 0.875
-# rounds that verify every draft without planning after Algorithm 1 chose that for every row: the
-# plan waits for the draft pass, the device idle meanwhile (0.33 ms of a 9 ms H100 step at 16 rows)
+# rounds that verify every draft without planning after Algorithm 1 chose that for every row, where
+# that round is within FULL_CHOICE_MARGIN of the fastest: the plan waits for the draft pass, the
+# device idle meanwhile (0.33 ms of a 9 ms H100 step at 16 rows, where the full round is 11 % slower
+# than the fastest; 16 % on an H200); at 64 rows (62 %) holding it cost 4 % against fixed blocks
 FULL_CHOICE_STEPS = 8
+FULL_CHOICE_MARGIN = 0.2
 HOST_EMA = 0.1  # weight of the newest step in the host-time averages of the cost scheduler
 
 
@@ -107,7 +113,8 @@ class RoundPlanning:
             return None, True
         signal = self._acceptance_signal([running[i] for i in drafting])
         scheduled = batch_schedule(signal, self.cost_table, gain, self._host_ms[0], others)
-        self._full_rounds_left = FULL_CHOICE_STEPS if self._drafted and min(scheduled) == p else 0
+        self._full_rounds_left = FULL_CHOICE_STEPS if self._drafted and min(scheduled) == p and full_verify_wins(
+            self.cost_table, len(drafting), p, FULL_CHOICE_MARGIN, self._host_ms[0], others) else 0
         return self._drafted_lens(drafting, scheduled), self._drafting_pays(drafting, scheduled, others, signal)
 
     def _plain_choice_holds(self, rows: int) -> bool:
