@@ -537,6 +537,34 @@ def test_serve_benchmark_load_generator(served, prompts, tmp_path):
         assert plot(tmp_path) is None
 
 
+def test_a_benchmark_ended_by_its_time_limit_stops_its_server():
+    """``bench.serve`` under ``timeout`` (SIGTERM) ends through its ``finally`` blocks, which stop the
+    server child -- by default Python dies at once and the child outlives it, holding the GPU (a
+    frontier cut by its time limit left 61 GiB to the next benchmark, which ran out of memory)."""
+    import textwrap
+
+    code = textwrap.dedent("""
+        import subprocess, sys, time
+        from dspark.bench.serve import stop_on_sigterm
+        stop_on_sigterm()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(child.pid, flush=True)
+        try:
+            time.sleep(600)
+        finally:
+            child.kill()
+            child.wait()
+    """)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(TIMEOUT) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(child, 0)
+
+
 def test_full_queue_answers_429_and_sigterm_drains():
     """``--max-batch 1 --max-waiting 1``: one request runs, one waits, a third gets 429. SIGTERM mid-stream:
     no new connections, both requests in flight finish whole, exit status 0. The API key comes from

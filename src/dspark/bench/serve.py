@@ -220,6 +220,13 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def stop_on_sigterm() -> None:
+    """Make a SIGTERM (a time limit's ``timeout``) end this process through its ``finally`` blocks,
+    which stop the server child: by default the process dies at once and the server outlives it,
+    holding the GPU's memory for whatever runs next."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def wait_healthy(client_sync, url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -431,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(args)
+    if not args.url:
+        stop_on_sigterm()
     server = None if args.url else ServerProcess(server_args, args.startup_timeout)
     url = args.url or server.url
     try:
