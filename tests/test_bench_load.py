@@ -19,6 +19,8 @@ def test_load_bench_runs_every_configuration_with_the_same_outputs(tmp_path, mon
     report = json.loads((tmp_path / "load.json").read_text())
     assert status == 0 and report["outputs_identical"] is True
     assert (tmp_path / "cost_table.json").is_file() and (tmp_path / "load.md").is_file()
+    table = json.loads((tmp_path / "cost_table.json").read_text())  # up to 3 rows of 8 (P + 1) verify tokens
+    assert table["decode_rows"] == [1, 2, 3] and table["tokens_per_row"] == 8 and table["draft_rows"]
     for batch in ("2", "3"):
         rows = {r["config"]: r for r in report["batches"][batch]}
         assert set(rows) == set(load.LOAD_CONFIGS)

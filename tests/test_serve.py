@@ -548,8 +548,8 @@ def test_a_benchmark_ended_by_its_time_limit_stops_its_server():
         from dspark.bench.serve import stop_on_sigterm
         stop_on_sigterm()
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        print(child.pid, flush=True)
         try:
+            print(child.pid, flush=True)
             time.sleep(600)
         finally:
             child.kill()

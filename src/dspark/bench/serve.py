@@ -205,9 +205,12 @@ class ServerProcess:
             found.set()
 
         threading.Thread(target=relay, daemon=True).start()
-        if not found.wait(startup_timeout) or self.url is None:
+        try:
+            if not found.wait(startup_timeout) or self.url is None:
+                raise RuntimeError(f"the server did not start (exit status {self.proc.poll()})")
+        except BaseException:  # a timeout, or a SIGTERM while it starts (stop_on_sigterm)
             self.stop()
-            raise RuntimeError(f"the server did not start (exit status {self.proc.poll()})")
+            raise
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
@@ -441,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.url:
         stop_on_sigterm()
     server = None if args.url else ServerProcess(server_args, args.startup_timeout)
-    url = args.url or server.url
     try:
+        url = args.url or server.url
         with httpx.Client(timeout=30) as sync:
             wait_healthy(sync, url, args.startup_timeout)
             models = sync.get(url + "/v1/models").json()
