@@ -559,19 +559,11 @@ def test_the_cost_scheduler_reads_the_confidences_behind_the_queued_verify_where
     confidences (``full_verify_wins``), a step queues its target pass first and reads the last draft
     pass's confidences only to choose whether it drafts, before its draft pass; elsewhere the plan
     reads them before anything is launched. Greedy output exact either way."""
+    from dspark.engine import round_plan
     from dspark.engine.schedulers import SPSCostTable
 
-    draft = random_draft(tiny_draft_config(target.config), 0, target)
-    from dspark.engine import round_plan
-
     monkeypatch.setattr(round_plan, "FULL_CHOICE_STEPS", 0)  # every round plans (the next test holds a plan)
-    table = SPSCostTable((1, 64), (1.0, 1.0) if flat else (1.0, 8.0))
-    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler="cost", cost_table=table))
-    events, replay, read = [], engine.runner._replay, engine.runner.read_proposals
-    engine.runner._replay = lambda key, fn: (events.append(key[0]), replay(key, fn))
-    engine.runner.read_proposals = lambda rows: events.append("read") or read(rows)
-    results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
-    assert [r.token_ids for r in results] == greedy
+    engine, events = _passes_and_reads(target, greedy, SPSCostTable((1, 64), (1.0, 1.0) if flat else (1.0, 8.0)))
     reads = [i for i, e in enumerate(events) if e == "read"]
     assert engine.metrics.steps - 3 <= len(reads) < engine.metrics.steps
     # the target pass before the read (flat) or after it (the plan needs the confidences)
@@ -598,14 +590,7 @@ def test_a_plan_that_verifies_every_draft_holds_for_the_next_rounds(target, gree
     # Algorithm 1 runs (the plan waits); the full round is within the hold's margin (near) or not
     monkeypatch.setattr(round_plan, "full_verify_wins",
                         lambda table, rows, p, margin, *args: near and margin >= round_plan.FULL_CHOICE_MARGIN)
-    draft = random_draft(tiny_draft_config(target.config), 0, target)
-    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler="cost",
-                                                   cost_table=SPSCostTable((1, 64), (1.0, 1.0))))
-    events, replay, read = [], engine.runner._replay, engine.runner.read_proposals
-    engine.runner._replay = lambda key, fn: (events.append(key[0]), replay(key, fn))
-    engine.runner.read_proposals = lambda rows: events.append("read") or read(rows)
-    results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
-    assert [r.token_ids for r in results] == greedy
+    _, events = _passes_and_reads(target, greedy, SPSCostTable((1, 64), (1.0, 1.0)))
     reads = [i for i, e in enumerate(events) if e == "read"]
     held = sum(events[i - 1] == "verify" for i in reads)  # read behind the queued target pass
     assert len(plans) + held == len(reads) and len(reads) >= 2 * round_plan.FULL_CHOICE_STEPS
@@ -613,6 +598,19 @@ def test_a_plan_that_verifies_every_draft_holds_for_the_next_rounds(target, gree
         assert len(plans) <= -(-len(reads) // (round_plan.FULL_CHOICE_STEPS + 1)) + 1, (len(plans), len(reads))
     else:
         assert held == 0
+
+
+def _passes_and_reads(target, greedy, table):
+    """A cost-scheduled engine on ``table`` run over ``PROMPTS`` (greedy output checked), and the
+    order of its passes (the graph keys' kinds) and proposal reads (``"read"``)."""
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler="cost", cost_table=table))
+    events, replay, read = [], engine.runner._replay, engine.runner.read_proposals
+    engine.runner._replay = lambda key, fn: (events.append(key[0]), replay(key, fn))
+    engine.runner.read_proposals = lambda rows: events.append("read") or read(rows)
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
+    assert [r.token_ids for r in results] == greedy
+    return engine, events
 
 
 @pytest.mark.parametrize("busy", [False, True])
