@@ -29,6 +29,7 @@ def test_load_bench_runs_every_configuration_with_the_same_outputs(tmp_path, mon
             # no graphs on the CPU: nothing captured, the same throughput either way
             assert r["capture_seconds"] == 0 and r["tokens_per_s_captured_first"] == r["tokens_per_s"]
             assert r["config"] == "plain" or 0 < r["rows_per_step"] <= int(batch)
+            assert r["held_rounds"] == 0 or r["config"] == "dspark-scheduled"
             assert r["steady_steps"] > 0 and r["steady_tokens_per_s"] > 0
             assert r["table_step_ms"] > 0 and r["tokens_per_forward"] >= (1 if r["config"] == "plain" else 2)
         assert rows["plain"]["tau"] is None and rows["dspark-fixed"]["tau"] > 1

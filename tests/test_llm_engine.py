@@ -590,9 +590,10 @@ def test_a_plan_that_verifies_every_draft_holds_for_the_next_rounds(target, gree
     # Algorithm 1 runs (the plan waits); the full round is within the hold's margin (near) or not
     monkeypatch.setattr(round_plan, "full_verify_wins",
                         lambda table, rows, p, margin, *args: near and margin >= round_plan.FULL_CHOICE_MARGIN)
-    _, events = _passes_and_reads(target, greedy, SPSCostTable((1, 64), (1.0, 1.0)))
+    engine, events = _passes_and_reads(target, greedy, SPSCostTable((1, 64), (1.0, 1.0)))
     reads = [i for i, e in enumerate(events) if e == "read"]
     held = sum(events[i - 1] == "verify" for i in reads)  # read behind the queued target pass
+    assert engine.metrics.held_rounds == held
     assert len(plans) + held == len(reads) and len(reads) >= 2 * round_plan.FULL_CHOICE_STEPS
     if near:
         assert len(plans) <= -(-len(reads) // (round_plan.FULL_CHOICE_STEPS + 1)) + 1, (len(plans), len(reads))

@@ -187,6 +187,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
         before = dict(steps=m.steps, rounds=m.rounds, drafts=m.draft_tokens, accepted=m.accepted_tokens,
                       step_time=m.step_time, captures=engine.runner.captures, tokens=m.generated_tokens,
                       capture_time=m.capture_step_time, host_time=m.host_time, plain_steps=m.plain_steps,
+                      held_rounds=m.held_rounds,
                       host_phases=dict(m.host_phases),
                       preemptions=m.preemptions, forward_tokens=m.row_tokens + m.prompt_tokens)
         _synchronize(spec)
@@ -209,7 +210,8 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                                                           / max(rounds, 1), 3),
                 "steps": steps, "step_ms": round(1e3 * (m.step_time - before["step_time"]) / max(steps, 1), 3),
                 "captures_timed": engine.runner.captures - before["captures"],
-                "plain_steps": plain_steps, "preemptions": m.preemptions - before["preemptions"],
+                "plain_steps": plain_steps, "held_rounds": m.held_rounds - before["held_rounds"],
+                "preemptions": m.preemptions - before["preemptions"],
                 "kv_blocks": engine.runner.num_kv_blocks,
                 # rows a step decoded on average (below the batch: rows idle, e.g. waiting for their prompt)
                 "rows_per_step": None if label.startswith("plain") else round(rounds / max(steps, 1), 1),
@@ -263,9 +265,9 @@ def markdown(report: dict) -> str:
     capture steps left out), which a server under sustained load sees."""
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
              "| B | config | total tok/s | tok/s captured first | steady tok/s | vs plain | vs fixed | mixed / greedy "
-             "| τ | steps | steady steps | plain steps | rows / step | step ms | table ms | host ms (plan/launch/commit) "
-             "| timed captures (s) | preempted | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| τ | steps | steady steps | plain steps | held rounds | rows / step | step ms | table ms "
+             "| host ms (plan/launch/commit) | timed captures (s) | preempted | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in report["batches"].items():
         by = {r["config"]: r for r in rows}
         for r in rows:
@@ -276,7 +278,8 @@ def markdown(report: dict) -> str:
                          f"| {r['steady_tokens_per_s']} | {ratio['plain']} | {ratio['dspark-fixed']} "
                          f"| {ratio[greedy] if greedy != r['config'] else '-'} "
                          f"| {r['tau'] if r['tau'] is not None else '-'} | {r['steps']} | {r['steady_steps']} "
-                         f"| {r['plain_steps']} | {r['rows_per_step'] if r['rows_per_step'] is not None else '-'} "
+                         f"| {r['plain_steps']} | {r['held_rounds']} "
+                         f"| {r['rows_per_step'] if r['rows_per_step'] is not None else '-'} "
                          f"| {r['step_ms']} | {r['table_step_ms'] if r['table_step_ms'] is not None else '-'} "
                          f"| {r['host_ms']} ({'/'.join(str(x) for x in r['host_phase_ms'].values())}) | {r['captures_timed']} ({r['capture_seconds']}) "
                          f"| {r['preemptions']} | {r['failed']} of {r['requests']} |")

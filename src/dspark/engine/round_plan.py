@@ -136,7 +136,9 @@ class RoundPlanning:
         if not (self._drafted and self._full_rounds_left > 0):
             return False
         self._full_rounds_left -= 1
-        return full_verify_wins(self.cost_table, rows, self.num_drafts, FULL_CHOICE_MARGIN, self._host_ms[0], others)
+        held = full_verify_wins(self.cost_table, rows, self.num_drafts, FULL_CHOICE_MARGIN, self._host_ms[0], others)
+        self.metrics.held_rounds += held
+        return held
 
     def _refresh_due(self) -> bool:
         """Whether plain rounds have run long enough to draft again for fresh confidences."""

@@ -118,6 +118,7 @@ class EngineMetrics:
         self.row_tokens = 0  # the running rows' tokens run in steps (verify windows, or one a row in plain rounds)
         self.errors = 0  # requests the engine failed (finish reason "error")
         self.plain_steps = 0  # steps that did not draft the next round (the cost scheduler's fallback)
+        self.held_rounds = 0  # steps that verified every draft on a held choice, without waiting for confidences
         self.graph_captures = 0  # CUDA graphs captured (a capture while serving stalls its step)
         self.capture_step_time = 0.0  # of step_time: the steps that captured a graph (a server captures first)
         self.device_memory = 0  # bytes torch's allocator holds for tensors on the engine's GPU (0 on the CPU)

@@ -92,6 +92,8 @@ class DSparkCollector:
                                        "each).", m.kv_blocks)
         yield counter("engine_plain_steps", "DSpark steps that did not draft the next round (the cost scheduler "
                                             "found no draft worth its cost).", m.plain_steps)
+        yield counter("engine_held_rounds", "DSpark steps that verified every draft on the cost scheduler's held "
+                                            "choice, without waiting for the draft pass's confidences.", m.held_rounds)
         yield counter("engine_graph_captures", "CUDA graphs captured, at start-up and while serving.", m.graph_captures)
         yield gauge("engine_device_memory_bytes", "Bytes of GPU memory the engine's tensors hold (torch's allocator; "
                                                   "0 on the CPU), after its last step.", m.device_memory)
