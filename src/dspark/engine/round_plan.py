@@ -37,8 +37,8 @@ from .. import kernels as K
 from .request import Sequence
 from .schedulers import batch_schedule, drafting_pays, full_verify_wins
 
-__all__ = ["FULL_CHOICE_MARGIN", "FULL_CHOICE_STEPS", "HOST_EMA", "PLAIN_CHOICE_SHRINK", "REDRAFT_DOUBLINGS", "REDRAFT_STEPS",
-           "RoundPlanning"]
+__all__ = ["FULL_CHOICE_MARGIN", "FULL_CHOICE_STEPS", "HOST_EMA", "PLAIN_CHOICE_SHRINK", "REDRAFT_DOUBLINGS",
+           "REDRAFT_STEPS", "RoundPlanning"]
 
 REDRAFT_STEPS = 16  # plain rounds in a row after which the cost scheduler drafts again (fresh confidences)
 # each such round that finds drafting still does not pay doubles the wait, up to 16 x 2^4 = 256 plain

@@ -63,7 +63,8 @@ class SPSCostTable:
         decode_rows = [c.integer("decode_rows[]", n, low=1) for n in self.decode_rows]
         decode = [c.real("decode_time_ms[]", t, low=0.0) for t in self.decode_time_ms]
         if len(decode_rows) != len(decode) or any(b <= a for a, b in zip(decode_rows, decode_rows[1:])):
-            c.fail(f"decode_rows must be strictly increasing and as long as decode_time_ms, got {decode_rows} and {decode}")
+            c.fail(f"decode_rows must be strictly increasing and as long as decode_time_ms, got {decode_rows} "
+                   f"and {decode}")
         c.integer("tokens_per_row", self.tokens_per_row, low=1)
         object.__setattr__(self, "token_counts", tuple(counts))
         object.__setattr__(self, "step_time_ms", tuple(times))
@@ -142,8 +143,8 @@ class SPSCostTable:
         never negative (0 without a decode curve)."""
         if not self.decode_rows or self.tokens_per_row == 1:
             return 0.0
-        excess = _interpolate(self.decode_rows, self.decode_time_ms, rows) + self.fixed_overhead_ms - self.step_time(rows)
-        return max(excess, 0.0) / (rows * (1.0 - 1.0 / self.tokens_per_row))
+        decode = _interpolate(self.decode_rows, self.decode_time_ms, rows) + self.fixed_overhead_ms
+        return max(decode - self.step_time(rows), 0.0) / (rows * (1.0 - 1.0 / self.tokens_per_row))
 
     def sps(self, tokens: int) -> float:
         """Steps per second at ``tokens`` verify tokens: 1000 / step_time_ms."""
@@ -187,17 +188,19 @@ def batch_schedule(confidences: np.ndarray, table: SPSCostTable, min_predicted_g
     (``prefix_schedule``) on f32/f64 confidences ``[R, P]``, at least one draft per row (the accept
     kernels verify >= 1), kept only when its predicted goodput beats verifying every draft by
     ``min_predicted_gain`` (TensorRT-LLM's rule; else every row verifies all P). A round's time is
-    the table's forward time of its rows (``SPSCostTable.forward_time``) plus its draft pass (``SPSCostTable.draft_time``) plus ``host_ms``, the
-    engine's own time per drafting round; ``prefill_tokens`` prompt tokens share the step's forward
-    (the verify is priced from there on the curve)."""
+    the table's forward time of its rows (``SPSCostTable.forward_time``) plus its draft pass
+    (``SPSCostTable.draft_time``) plus ``host_ms``, the engine's own time per drafting round;
+    ``prefill_tokens`` prompt tokens share the step's forward (the verify is priced from there on
+    the curve)."""
     rows, p = np.shape(confidences)
     if full_verify_wins(table, rows, p, min_predicted_gain, host_ms, prefill_tokens):
         return [p] * rows
     survival = np.cumprod(np.asarray(confidences, dtype=np.float64), axis=-1)
     lengths = np.maximum(_admit(survival, table, host_ms, prefill_tokens), 1)
     fixed = table.draft_time(rows) + host_ms
-    goodput = (_expected_tokens(survival, lengths) / (table.forward_time(int(lengths.sum()) + rows, rows, prefill_tokens) + fixed),
-               _expected_tokens(survival, None) / (table.forward_time((p + 1) * rows, rows, prefill_tokens) + fixed))
+    trimmed = table.forward_time(int(lengths.sum()) + rows, rows, prefill_tokens) + fixed
+    full = table.forward_time((p + 1) * rows, rows, prefill_tokens) + fixed
+    goodput = _expected_tokens(survival, lengths) / trimmed, _expected_tokens(survival, None) / full
     return lengths.tolist() if goodput[0] > (1 + min_predicted_gain) * goodput[1] else [p] * rows
 
 
@@ -268,8 +271,8 @@ def _admit(survival: np.ndarray, sps: Callable[[int], float] | SPSCostTable, hos
     a = flat[index]
     tokens = np.arange(num_requests, num_requests + a.size + 1)
     if isinstance(sps, SPSCostTable):  # a round's time: its verify plus its draft pass and host time
-        rates = 1000.0 / np.maximum(sps.forward_times(tokens, num_requests, prefill_tokens) + sps.draft_time(num_requests)
-                                    + host_ms, 1e-9)
+        round_ms = sps.forward_times(tokens, num_requests, prefill_tokens) + sps.draft_time(num_requests) + host_ms
+        rates = 1000.0 / np.maximum(round_ms, 1e-9)
     else:
         rates = np.array([sps(int(b)) for b in tokens], dtype=np.float64)
     goodput = np.concatenate([[float(num_requests)], num_requests + np.cumsum(a)]) * rates
