@@ -4,8 +4,9 @@ Times one target forward per total verify token count (blocks of --tokens-per-ro
 --context cached positions; CUDA graphs on a GPU) and writes TensorRT-LLM's cost-table JSON
 (``token_counts``, ``step_time_ms``), which ``dspark generate/serve --scheduler cost --cost-table``
 read; beside it a plain decoding forward per row count (``decode_rows``, ``decode_time_ms``: a
-dspark addition that prices the K/V reads of many rows of few tokens). With --draft it also times the round's draft pass at each batch size of the engine
-(``draft_rows``, ``draft_time_ms``: a dspark addition the cost scheduler adds to every round).
+dspark addition that prices the K/V reads of many rows of few tokens). With --draft it also times
+the round's draft pass at each batch size of the engine (``draft_rows``, ``draft_time_ms``: a
+dspark addition the cost scheduler adds to every round).
 """
 
 from __future__ import annotations

@@ -335,8 +335,8 @@ class LLMEngine(RankMirror, RoundPlanning, LogprobScoring, OfflineGeneration):
     def profile_costs(self, token_counts: list[int], *, context: int, tokens_per_row: int):
         """The ``cost`` scheduler's table of this engine's target (``engine.profile``: a verify
         forward per total token count and a plain forward per row count over ``context`` cached
-        positions) and, with a draft, of its draft pass per batch bucket; under tensor parallelism every rank runs the forwards (rank
-        0's times). Only while no request runs."""
+        positions) and, with a draft, of its draft pass per batch bucket; under tensor parallelism
+        every rank runs the forwards (rank 0's times). Only while no request runs."""
         if self.scheduler.running:
             Checker("profile_costs").fail(f"profile_costs needs an idle engine, but {len(self.scheduler.running)} "
                                           "requests run")
