@@ -45,6 +45,7 @@ from .common import profile_table, python_profile_table
 from .frontier import CONFIGS, MIXED_CONFIGS, _environment, profile
 from .replay import TRACES, ReplayEngine, _models, _prompts, load_traces
 from .serve import MIXED_SETTINGS
+from .step_trace import kind_summary, trace_markdown, trace_steps
 
 __all__ = ["main"]
 
@@ -173,11 +174,14 @@ class SteadyWindow:
 
 
 def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
-               workload: str = "replay", mixed: bool = False, profile_to: Path | None = None) -> dict:
+               workload: str = "replay", mixed: bool = False, profile_to: Path | None = None,
+               trace: tuple[Path, int, int] | None = None) -> dict:
     """One configuration at ``batch`` rows: an untimed run, then the timed one (``mixed``: the
     requests of ``MIXED_SETTINGS``); with ``profile_to``, a third run under the PyTorch profiler,
     its table written there (``common.profile_table``), and a fourth under cProfile beside it
-    (``-python.txt``: ``common.python_profile_table``)."""
+    (``-python.txt``: ``common.python_profile_table``); with ``trace`` = ``(path, first, count)``,
+    one more run whose steps ``first ..`` are traced (``step_trace``): the Chrome trace at ``path``
+    (``.json.gz``), the steps' wall and device busy time beside it (``.md``) and by kind in the result."""
     engine = build_engine(label, workload, batch, spec, models, cost_table)
     requests = requests_of(spec, batch * requests_per_row, mixed)
     label = f"{label}-mixed" if mixed else label
@@ -230,6 +234,12 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
             profile_to.write_text(profile_table(partial(engine.generate, requests), torch.device(spec["device"])))
             python_profile = profile_to.with_name(profile_to.stem + "-python.txt")
             python_profile.write_text(python_profile_table(partial(engine.generate, requests)))
+        if trace is not None:
+            path, first, count = trace
+            rows = trace_steps(engine, partial(engine.generate, requests), first, count, path)
+            path.with_name(path.name.replace(".json.gz", ".md")).write_text(
+                trace_markdown(f"{label} at {batch} rows: steps {first} .. {first + count - 1}", rows) + "\n")
+            result["traced_step_kinds"] = kind_summary(rows)
         return result
     finally:
         engine.close()
@@ -322,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="", help="comma-separated labels as reported (e.g. dspark-random-mixed) "
                         "whose requests run again under the PyTorch profiler and under cProfile: "
                         "OUT/profile-<label>-b<B>.txt and OUT/profile-<label>-b<B>-python.txt")
+    parser.add_argument("--trace", default="", help="comma-separated labels as reported whose requests run again "
+                        "with steps --trace-steps traced (device busy against idle, step by step): "
+                        "OUT/trace-<label>-b<B>.json.gz (Chrome trace) and .md")
+    parser.add_argument("--trace-steps", default="60,24", help="FIRST,COUNT: the traced steps of that run")
     args = parser.parse_args(argv)
     known = WORKLOADS[args.workload]
     labels = [x for x in (args.configs or ",".join(x for x in known if x != "dspark-random-vocabulary")).split(",") if x]
@@ -332,6 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     if any(x not in reportable for x in args.profile):
         parser.error(f"--profile must name labels this run reports ({', '.join(reportable)}), "
                      f"got {','.join(args.profile)!r}")
+    args.trace = [x for x in args.trace.split(",") if x]
+    if any(x not in reportable for x in args.trace):
+        parser.error(f"--trace must name labels this run reports ({', '.join(reportable)}), got {','.join(args.trace)!r}")
+    try:
+        first, count = (int(x) for x in args.trace_steps.split(","))
+    except ValueError:
+        first = count = -1
+    if first < 0 or count < 1:
+        parser.error(f"--trace-steps must be FIRST,COUNT with FIRST >= 0 and COUNT >= 1, got {args.trace_steps!r}")
     try:
         batches = sorted({int(b) for b in args.batches.split(",") if b.strip()}, reverse=True)  # largest first
     except ValueError:
@@ -373,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         for label, mixed in [(x, m) for x in labels for m in ((False, True) if args.workload == "mixed" else (False,))]:
             reported = f"{label}-mixed" if mixed else label
             profile_to = out / f"profile-{reported}-b{batch}.txt" if reported in args.profile else None
+            trace = (out / f"trace-{reported}-b{batch}.json.gz", first, count) if reported in args.trace else None
             row = run_config(label, batch, spec, models, cost_table, args.requests_per_row, args.workload, mixed,
-                             profile_to)
+                             profile_to, trace)
             greedy = [o for i, o in enumerate(row.pop("outputs")) if args.workload != "mixed" or i % len(MIXED_SETTINGS) == 0]
             outputs.setdefault(batch, []).append(greedy)
             report["batches"].setdefault(str(batch), []).append(row)

@@ -1,0 +1,156 @@
+"""Where an engine step's wall time goes: device busy against idle, step by step.
+
+``trace_steps(engine, run, first, count, trace_to)`` runs ``run`` (something that steps ``engine``:
+``engine.generate(requests)``) with steps ``first .. first + count - 1`` under the PyTorch profiler,
+each inside a ``dspark-step`` annotation, writes the Chrome trace (``trace_to``, gzip) and returns
+one ``StepTrace`` a step: its kind (``plain`` / ``refresh`` / ``verify`` / ``verify+draft``, as
+``bench.load.SteadyWindow`` names them), its wall time (from its start to the next step's: the
+host's work between steps included), the device's busy time in that span (the union of its
+kernels and copies, CUDA graph replays' included) and the kernels that took most of it. A step
+whose wall exceeds its busy time by much left the device idle while the host planned, launched or
+committed; one whose busy time grew ran more device work.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["StepTrace", "kind_summary", "trace_steps", "trace_markdown"]
+
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+ANNOTATION = "dspark-step"
+
+
+@dataclass
+class StepTrace:
+    """One traced step: ``kind``, ``wall_ms`` (its start to the next step's start), ``busy_ms`` (device
+    busy within that span; None without device events: the CPU) and ``kernels`` (ms by name, largest first)."""
+
+    index: int
+    kind: str
+    wall_ms: float
+    busy_ms: float | None
+    kernels: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def idle_ms(self) -> float | None:
+        return None if self.busy_ms is None else self.wall_ms - self.busy_ms
+
+
+def step_kind(engine, draft_tokens_before: int, plain_steps_before: int) -> str:
+    """The kind of the step just run: whether it verified drafts, whether it ran the draft pass."""
+    m = engine.metrics
+    verified = m.draft_tokens > draft_tokens_before
+    drafted = m.plain_steps == plain_steps_before and engine.runner.drafter is not None
+    return {(False, False): "plain", (False, True): "refresh", (True, True): "verify+draft",
+            (True, False): "verify"}[verified, drafted]
+
+
+def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace_to: Path) -> list[StepTrace]:
+    """``run()`` with ``engine``'s steps ``first .. first + count - 1`` (counted from this call) profiled;
+    the Chrome trace into ``trace_to`` (gzip); one ``StepTrace`` per traced step that ran."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+    profiler, calls, kinds = profile(activities=activities), itertools.count(), []
+    step, started = engine.step, False
+
+    def traced():
+        nonlocal started
+        n = next(calls)
+        if not first <= n < first + count:
+            return step()
+        if n == first:
+            profiler.start()
+            started = True
+        before = engine.metrics.draft_tokens, engine.metrics.plain_steps
+        with record_function(f"{ANNOTATION} {n - first}"):
+            outputs = step()
+        kinds.append(step_kind(engine, *before))
+        return outputs
+
+    engine.step = traced
+    try:
+        run()
+    finally:
+        del engine.step  # the class's method again
+        if started:
+            if engine.runner.device.type == "cuda":
+                torch.cuda.synchronize(engine.runner.device)
+            profiler.stop()
+    if not started:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(raw))
+        events = json.loads(raw.read_text())["traceEvents"]
+        with raw.open("rb") as src, gzip.open(trace_to, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return step_traces(events, kinds)
+
+
+def step_traces(events: list[dict], kinds: list[str]) -> list[StepTrace]:
+    """``StepTrace`` rows from a Chrome trace's events (``kinds``: each annotated step's kind, in order)."""
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith(ANNOTATION)),
+                   key=lambda e: e["ts"])
+    device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")) for e in events
+                    if e.get("cat") in DEVICE_EVENTS)
+    ends = [e["ts"] for e in steps[1:]] + [max([steps[-1]["ts"] + steps[-1]["dur"]] + [end for _, end, _ in device])] \
+        if steps else []
+    rows = []
+    for i, (annotation, end) in enumerate(zip(steps, ends)):
+        start = annotation["ts"]
+        busy, kernels, reach = 0.0, Counter(), start
+        for lo, hi, name in device:
+            lo, hi = max(lo, start), min(hi, end)
+            if hi <= lo:
+                continue
+            kernels[name] += hi - lo
+            busy += max(0.0, hi - max(lo, reach))  # the union: overlapping events count once
+            reach = max(reach, hi)
+        rows.append(StepTrace(i, kinds[i] if i < len(kinds) else "?", (end - start) / 1e3,
+                              busy / 1e3 if device else None,
+                              {name: round(us / 1e3, 3) for name, us in kernels.most_common(8)}))
+    return rows
+
+
+def kind_summary(rows: list[StepTrace]) -> dict[str, dict]:
+    """Per step kind: steps, mean wall / busy / idle ms, and the kernels' mean ms a step (largest 8)."""
+    summary = {}
+    for kind in sorted({r.kind for r in rows}):
+        of = [r for r in rows if r.kind == kind]
+        kernels = Counter()
+        for r in of:
+            kernels.update(r.kernels)
+        busy = None if of[0].busy_ms is None else round(sum(r.busy_ms for r in of) / len(of), 3)
+        wall = round(sum(r.wall_ms for r in of) / len(of), 3)
+        summary[kind] = {"steps": len(of), "wall_ms": wall, "busy_ms": busy,
+                         "idle_ms": None if busy is None else round(wall - busy, 3),
+                         "kernels_ms": {k: round(v / len(of), 3) for k, v in kernels.most_common(8)}}
+    return summary
+
+
+def trace_markdown(title: str, rows: list[StepTrace]) -> str:
+    """The traced steps as a table, then the summary by kind."""
+    def ms(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    lines = [f"### {title}", "", "| step | kind | wall ms | device busy ms | idle ms | largest kernels (ms) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        top = ", ".join(f"{name[:40]} {t:.3f}" for name, t in list(r.kernels.items())[:3])
+        lines.append(f"| {r.index} | {r.kind} | {r.wall_ms:.3f} | {ms(r.busy_ms)} | {ms(r.idle_ms)} | {top} |")
+    lines += ["", "| kind | steps | wall ms | device busy ms | idle ms |", "|---|---|---|---|---|"]
+    for kind, s in kind_summary(rows).items():
+        lines.append(f"| {kind} | {s['steps']} | {s['wall_ms']:.3f} | {ms(s['busy_ms'])} | {ms(s['idle_ms'])} |")
+    return "\n".join(lines)
