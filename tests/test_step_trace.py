@@ -25,14 +25,17 @@ def test_busy_time_is_the_union_of_the_device_events_in_each_step_span():
     # crosses into step 1 (900-1200: 100 us here, 200 there); step 1 ends with its last device event
     events = [_annotation(0, 0, 800), _annotation(1, 1000, 300),
               _kernel("a", 100, 300), _kernel("b", 300, 200), _kernel("c", 900, 300),
-              _kernel("copy", 1250, 150, "gpu_memcpy"), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]
+              _kernel("copy", 1250, 150, "gpu_memcpy"), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+              {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 600, "dur": 500},
+              {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 100, "dur": 50}]
     rows = step_traces(events, ["plain", "verify+draft"])
     assert [r.kind for r in rows] == ["plain", "verify+draft"]
     assert rows[0].wall_ms == 1.0 and rows[0].busy_ms == 0.5 and rows[0].idle_ms == 0.5
     assert rows[0].kernels == {"a": 0.3, "b": 0.2, "c": 0.1}
+    assert rows[0].waited_ms == 0.4 and rows[1].waited_ms == 0.1  # the wait 600 .. 1100 crosses the steps
     assert rows[1].wall_ms == 0.4 and rows[1].busy_ms == 0.35  # 1000 .. 1400: c's 200 us and the copy's 150
     summary = kind_summary(rows)
-    assert summary["plain"] == {"steps": 1, "wall_ms": 1.0, "busy_ms": 0.5, "idle_ms": 0.5,
+    assert summary["plain"] == {"steps": 1, "wall_ms": 1.0, "busy_ms": 0.5, "idle_ms": 0.5, "waited_ms": 0.4,
                                 "kernels_ms": {"a": 0.3, "b": 0.2, "c": 0.1}}
 
 

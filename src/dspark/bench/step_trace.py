@@ -28,18 +28,21 @@ import torch
 __all__ = ["StepTrace", "kind_summary", "trace_steps", "trace_markdown"]
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_EVENTS = ("cuda_runtime", "cuda_driver")
 ANNOTATION = "dspark-step"
 
 
 @dataclass
 class StepTrace:
     """One traced step: ``kind``, ``wall_ms`` (its start to the next step's start), ``busy_ms`` (device
-    busy within that span; None without device events: the CPU) and ``kernels`` (ms by name, largest first)."""
+    busy within that span; None without device events: the CPU), ``waited_ms`` (the host blocked in a
+    CUDA synchronisation: the rest of the wall is host work) and ``kernels`` (ms by name, largest first)."""
 
     index: int
     kind: str
     wall_ms: float
     busy_ms: float | None
+    waited_ms: float = 0.0
     kernels: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -105,6 +108,8 @@ def step_traces(events: list[dict], kinds: list[str]) -> list[StepTrace]:
                    key=lambda e: e["ts"])
     device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")) for e in events
                     if e.get("cat") in DEVICE_EVENTS)
+    waits = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+             if e.get("cat") in RUNTIME_EVENTS and "Synchronize" in e.get("name", "")]
     ends = [e["ts"] for e in steps[1:]] + [max([steps[-1]["ts"] + steps[-1]["dur"]] + [end for _, end, _ in device])] \
         if steps else []
     rows = []
@@ -118,8 +123,9 @@ def step_traces(events: list[dict], kinds: list[str]) -> list[StepTrace]:
             kernels[name] += hi - lo
             busy += max(0.0, hi - max(lo, reach))  # the union: overlapping events count once
             reach = max(reach, hi)
+        waited = sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in waits)
         rows.append(StepTrace(i, kinds[i] if i < len(kinds) else "?", (end - start) / 1e3,
-                              busy / 1e3 if device else None,
+                              busy / 1e3 if device else None, waited / 1e3,
                               {name: round(us / 1e3, 3) for name, us in kernels.most_common(8)}))
     return rows
 
@@ -136,6 +142,7 @@ def kind_summary(rows: list[StepTrace]) -> dict[str, dict]:
         wall = round(sum(r.wall_ms for r in of) / len(of), 3)
         summary[kind] = {"steps": len(of), "wall_ms": wall, "busy_ms": busy,
                          "idle_ms": None if busy is None else round(wall - busy, 3),
+                         "waited_ms": round(sum(r.waited_ms for r in of) / len(of), 3),
                          "kernels_ms": {k: round(v / len(of), 3) for k, v in kernels.most_common(8)}}
     return summary
 
@@ -145,12 +152,16 @@ def trace_markdown(title: str, rows: list[StepTrace]) -> str:
     def ms(x):
         return "-" if x is None else f"{x:.3f}"
 
-    lines = [f"### {title}", "", "| step | kind | wall ms | device busy ms | idle ms | largest kernels (ms) |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"### {title}", "", "| step | kind | wall ms | device busy ms | idle ms | host waited ms | largest kernels (ms) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         top = ", ".join(f"{name[:40]} {t:.3f}" for name, t in list(r.kernels.items())[:3])
-        lines.append(f"| {r.index} | {r.kind} | {r.wall_ms:.3f} | {ms(r.busy_ms)} | {ms(r.idle_ms)} | {top} |")
-    lines += ["", "| kind | steps | wall ms | device busy ms | idle ms |", "|---|---|---|---|---|"]
+        lines.append(f"| {r.index} | {r.kind} | {r.wall_ms:.3f} | {ms(r.busy_ms)} | {ms(r.idle_ms)} | {r.waited_ms:.3f} | {top} |")
+    lines += ["", "| kind | steps | wall ms | device busy ms | idle ms | host waited ms |", "|---|---|---|---|---|---|"]
     for kind, s in kind_summary(rows).items():
-        lines.append(f"| {kind} | {s['steps']} | {s['wall_ms']:.3f} | {ms(s['busy_ms'])} | {ms(s['idle_ms'])} |")
+        lines.append(f"| {kind} | {s['steps']} | {s['wall_ms']:.3f} | {ms(s['busy_ms'])} | {ms(s['idle_ms'])} | "
+                     f"{s['waited_ms']:.3f} |")
+    lines += ["", "Kernels by kind (mean ms a step):", ""]
+    for kind, s in kind_summary(rows).items():
+        lines.append(f"- {kind}: " + "; ".join(f"{name[:70]} {t:.3f}" for name, t in s["kernels_ms"].items()))
     return "\n".join(lines)
