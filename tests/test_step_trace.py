@@ -55,7 +55,11 @@ def test_load_traces_the_named_steps(tmp_path, monkeypatch):
     assert sum(s["steps"] for s in fixed["traced_step_kinds"].values()) == 3
     assert set(fixed["traced_step_kinds"]) <= {"verify+draft", "refresh", "plain", "verify"}
     events = json.loads(gzip.open(tmp_path / "trace-dspark-fixed-b2.json.gz").read())["traceEvents"]
-    assert sum(e.get("name", "").startswith("dspark-step") for e in events) == 3
+    steps = [e for e in events if e.get("name", "").startswith("dspark-step")]
+    assert len(steps) == 3
+    # the profiler stopped after the last traced step: nothing of the steps after it is in the trace
+    last_end = max(e["ts"] + e["dur"] for e in steps)
+    assert all(e["ts"] <= last_end for e in events if e.get("cat") == "cpu_op")
     assert "| step | kind | wall ms" in (tmp_path / "trace-dspark-fixed-b2.md").read_text()
     assert not list(tmp_path.glob("trace-plain-*"))
 

@@ -61,25 +61,34 @@ def step_kind(engine, draft_tokens_before: int, plain_steps_before: int) -> str:
 
 def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace_to: Path) -> list[StepTrace]:
     """``run()`` with ``engine``'s steps ``first .. first + count - 1`` (counted from this call) profiled;
-    the Chrome trace into ``trace_to`` (gzip); one ``StepTrace`` per traced step that ran."""
+    the Chrome trace into ``trace_to`` (gzip); one ``StepTrace`` per traced step that ran. The
+    profiler stops once the last traced step's device work is done: its span ends there."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
-    profiler, calls, kinds = profile(activities=activities), itertools.count(), []
-    step, started = engine.step, False
+    cuda = engine.runner.device.type == "cuda"
+    profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    calls, kinds, state = itertools.count(), [], {"started": False, "stopped": False}
+    step = engine.step
+
+    def stop() -> None:  # right after the last traced step: the steps after it are not in the trace
+        if cuda:
+            torch.cuda.synchronize(engine.runner.device)
+        profiler.stop()
+        state["stopped"] = True
 
     def traced():
-        nonlocal started
         n = next(calls)
         if not first <= n < first + count:
             return step()
         if n == first:
             profiler.start()
-            started = True
+            state["started"] = True
         before = engine.metrics.draft_tokens, engine.metrics.plain_steps
         with record_function(f"{ANNOTATION} {n - first}"):
             outputs = step()
         kinds.append(step_kind(engine, *before))
+        if n == first + count - 1:
+            stop()
         return outputs
 
     engine.step = traced
@@ -87,11 +96,9 @@ def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace
         run()
     finally:
         del engine.step  # the class's method again
-        if started:
-            if engine.runner.device.type == "cuda":
-                torch.cuda.synchronize(engine.runner.device)
-            profiler.stop()
-    if not started:
+        if state["started"] and not state["stopped"]:  # the run ended before the last traced step
+            stop()
+    if not state["started"]:
         return []
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
