@@ -68,5 +68,6 @@ def test_trace_arguments_are_checked(tmp_path, capsys):
     for argv, message in ((["--trace", "plain"], "--trace must name labels this run reports"),
                           (["--trace-steps", "5"], "--trace-steps must be FIRST,COUNT")):
         with pytest.raises(SystemExit) as exc:
-            load.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny", "--configs", "dspark-fixed", *argv])
+            load.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny", "--configs", "dspark-fixed",
+                       *argv])
         assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"got {','.join(args.profile)!r}")
     args.trace = [x for x in args.trace.split(",") if x]
     if any(x not in reportable for x in args.trace):
-        parser.error(f"--trace must name labels this run reports ({', '.join(reportable)}), got {','.join(args.trace)!r}")
+        parser.error(f"--trace must name labels this run reports ({', '.join(reportable)}), "
+                     f"got {','.join(args.trace)!r}")
     try:
         first, count = (int(x) for x in args.trace_steps.split(","))
     except ValueError:

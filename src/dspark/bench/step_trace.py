@@ -111,7 +111,8 @@ def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace
 
 def step_traces(events: list[dict], kinds: list[str]) -> list[StepTrace]:
     """``StepTrace`` rows from a Chrome trace's events (``kinds``: each annotated step's kind, in order)."""
-    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith(ANNOTATION)),
+    steps = sorted((e for e in events
+                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith(ANNOTATION)),
                    key=lambda e: e["ts"])
     device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")) for e in events
                     if e.get("cat") in DEVICE_EVENTS)
@@ -159,11 +160,13 @@ def trace_markdown(title: str, rows: list[StepTrace]) -> str:
     def ms(x):
         return "-" if x is None else f"{x:.3f}"
 
-    lines = [f"### {title}", "", "| step | kind | wall ms | device busy ms | idle ms | host waited ms | largest kernels (ms) |",
+    lines = [f"### {title}", "",
+             "| step | kind | wall ms | device busy ms | idle ms | host waited ms | largest kernels (ms) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         top = ", ".join(f"{name[:40]} {t:.3f}" for name, t in list(r.kernels.items())[:3])
-        lines.append(f"| {r.index} | {r.kind} | {r.wall_ms:.3f} | {ms(r.busy_ms)} | {ms(r.idle_ms)} | {r.waited_ms:.3f} | {top} |")
+        lines.append(f"| {r.index} | {r.kind} | {r.wall_ms:.3f} | {ms(r.busy_ms)} | {ms(r.idle_ms)} | "
+                     f"{r.waited_ms:.3f} | {top} |")
     lines += ["", "| kind | steps | wall ms | device busy ms | idle ms | host waited ms |", "|---|---|---|---|---|---|"]
     for kind, s in kind_summary(rows).items():
         lines.append(f"| {kind} | {s['steps']} | {s['wall_ms']:.3f} | {ms(s['busy_ms'])} | {ms(s['idle_ms'])} | "
