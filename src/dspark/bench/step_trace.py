@@ -36,7 +36,8 @@ ANNOTATION = "dspark-step"
 class StepTrace:
     """One traced step: ``kind``, ``wall_ms`` (its start to the next step's start), ``busy_ms`` (device
     busy within that span; None without device events: the CPU), ``waited_ms`` (the host blocked in a
-    CUDA synchronisation: the rest of the wall is host work) and ``kernels`` (ms by name, largest first)."""
+    CUDA synchronisation: the rest of the wall is host work) and ``kernels`` (ms by name, largest first:
+    every kernel and copy in the span)."""
 
     index: int
     kind: str
@@ -134,7 +135,7 @@ def step_traces(events: list[dict], kinds: list[str]) -> list[StepTrace]:
         waited = sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in waits)
         rows.append(StepTrace(i, kinds[i] if i < len(kinds) else "?", (end - start) / 1e3,
                               busy / 1e3 if device else None, waited / 1e3,
-                              {name: round(us / 1e3, 3) for name, us in kernels.most_common(8)}))
+                              {name: round(us / 1e3, 3) for name, us in kernels.most_common()}))
     return rows
 
 
