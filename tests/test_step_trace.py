@@ -62,6 +62,8 @@ def test_load_traces_the_named_steps(tmp_path, monkeypatch):
     assert all(e["ts"] <= last_end for e in events if e.get("cat") == "cpu_op")
     assert "| step | kind | wall ms" in (tmp_path / "trace-dspark-fixed-b2.md").read_text()
     assert not list(tmp_path.glob("trace-plain-*"))
+    assert "Traced steps by kind" in (tmp_path / "load.md").read_text()  # the CPU: no device time
+    assert "- 2 dspark-fixed: " in (tmp_path / "load.md").read_text()
 
 
 def test_trace_arguments_are_checked(tmp_path, capsys):

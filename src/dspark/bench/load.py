@@ -249,6 +249,10 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
             torch.cuda.empty_cache()
 
 
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def table_step_ms(cost_table: Path | None, result: dict, drafts: bool) -> float | None:
     """What the cost table prices the configuration's mean step at: a forward of its mean tokens
     (running rows' and prompt chunks') over its mean rows, plus the draft pass of its mean rows on the steps that
@@ -300,6 +304,14 @@ def markdown(report: dict) -> str:
             kinds = "; ".join(f"{kind} {v['steps']} x {v['ms']} ms, {v['tokens']} tok"
                               for kind, v in (r.get("steady_step_kinds") or {}).items())
             lines.append(f"- {batch} {r['config']}: {kinds or '-'}")
+    traced = [(batch, r) for batch, rows in report["batches"].items() for r in rows if r.get("traced_step_kinds")]
+    if traced:
+        lines += ["", "Traced steps by kind (steps x ms: wall = device busy + device idle; the host blocked), "
+                  "trace-<config>-b<B>.md:", ""]
+    for batch, r in traced:
+        kinds = "; ".join(f"{kind} {v['steps']} x {v['wall_ms']} = {_or_dash(v['busy_ms'])} + "
+                          f"{_or_dash(v['idle_ms'])} ({v['waited_ms']})" for kind, v in r["traced_step_kinds"].items())
+        lines.append(f"- {batch} {r['config']}: {kinds}")
     return "\n".join(lines)
 
 
