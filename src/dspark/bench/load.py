@@ -45,7 +45,7 @@ from .common import profile_table, python_profile_table
 from .frontier import CONFIGS, MIXED_CONFIGS, _environment, profile
 from .replay import TRACES, ReplayEngine, _models, _prompts, load_traces
 from .serve import MIXED_SETTINGS
-from .step_trace import kind_summary, trace_markdown, trace_steps
+from .step_trace import kind_summary, step_kind, trace_markdown, trace_steps
 
 __all__ = ["main"]
 
@@ -166,8 +166,7 @@ class SteadyWindow:
                 continue
             verified = step.draft_tokens > before.draft_tokens
             drafted = step.plain_steps == before.plain_steps and self.engine.runner.drafter is not None
-            kind = {(False, False): "plain", (False, True): "refresh", (True, True): "verify+draft",
-                    (True, False): "verify"}[verified, drafted]
+            kind = step_kind(verified, drafted)
             kinds.setdefault(kind, []).append((step.step_time - before.step_time, step.tokens))
         return {kind: {"steps": len(v), "ms": round(1e3 * sum(x for x, _ in v) / len(v), 3),
                        "tokens": round(sum(n for _, n in v) / len(v), 1)} for kind, v in sorted(kinds.items())}

@@ -51,11 +51,8 @@ class StepTrace:
         return None if self.busy_ms is None else self.wall_ms - self.busy_ms
 
 
-def step_kind(engine, draft_tokens_before: int, plain_steps_before: int) -> str:
-    """The kind of the step just run: whether it verified drafts, whether it ran the draft pass."""
-    m = engine.metrics
-    verified = m.draft_tokens > draft_tokens_before
-    drafted = m.plain_steps == plain_steps_before and engine.runner.drafter is not None
+def step_kind(verified: bool, drafted: bool) -> str:
+    """A step's kind by whether it verified drafts and whether it ran the draft pass."""
     return {(False, False): "plain", (False, True): "refresh", (True, True): "verify+draft",
             (True, False): "verify"}[verified, drafted]
 
@@ -84,10 +81,12 @@ def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace
         if n == first:
             profiler.start()
             state["started"] = True
-        before = engine.metrics.draft_tokens, engine.metrics.plain_steps
+        m = engine.metrics
+        drafts, plain_steps = m.draft_tokens, m.plain_steps
         with record_function(f"{ANNOTATION} {n - first}"):
             outputs = step()
-        kinds.append(step_kind(engine, *before))
+        drafted = m.plain_steps == plain_steps and engine.runner.drafter is not None
+        kinds.append(step_kind(m.draft_tokens > drafts, drafted))
         if n == first + count - 1:
             stop()
         return outputs
