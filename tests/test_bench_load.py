@@ -25,7 +25,8 @@ def test_load_bench_runs_every_configuration_with_the_same_outputs(tmp_path, mon
         rows = {r["config"]: r for r in report["batches"][batch]}
         assert set(rows) == set(load.LOAD_CONFIGS)
         for r in rows.values():
-            assert r["failed"] == 0 and r["tokens"] == 2 * int(batch) * 16 and r["tokens_per_s"] > 0
+            lengths = load.output_lengths(16, 0.5, 2 * int(batch))
+            assert r["failed"] == 0 and r["tokens"] == sum(lengths) and r["tokens_per_s"] > 0
             # no graphs on the CPU: nothing captured, the same throughput either way
             assert r["capture_seconds"] == 0 and r["tokens_per_s_captured_first"] == r["tokens_per_s"]
             assert r["config"] == "plain" or 0 < r["rows_per_step"] <= int(batch)
@@ -54,6 +55,13 @@ def test_the_mixed_workload_runs_greedy_and_mixed_settings(tmp_path, monkeypatch
     assert "mixed / greedy" in (tmp_path / "load.md").read_text()
 
 
+def test_output_lengths_spread_evenly_below_max_tokens():
+    lengths = load.output_lengths(256, 0.5, 512)
+    assert min(lengths) >= 128 and max(lengths) == 256 and len(set(lengths)) > 100
+    assert sum(n < 192 for n in lengths) in range(240, 273)  # half below the middle
+    assert load.output_lengths(16, 0.0, 3) == [16, 16, 16]
+
+
 def test_engine_settings_are_the_served_configurations():
     assert load.engine_settings("dspark-fixed", "t.json") == {"scheduler": "off"}
     assert load.engine_settings("dspark-scheduled-online", "t.json") == {
@@ -65,6 +73,7 @@ def test_engine_settings_are_the_served_configurations():
 @pytest.mark.parametrize("argv, message", [(["--batches", "0"], "--batches must be"),
                                            (["--configs", "fast"], "--configs must name"),
                                            (["--shape", "huge"], "--shape must be one of"),
+                                           (["--length-spread", "1"], "--length-spread must be in [0, 1)"),
                                            (["--shape", "tiny", "--configs", "plain", "--profile", "plain-mixed"],
                                             "--profile must name labels this run reports (plain)"),
                                            (["--shape", "tiny", "--cost-table", "missing.json"],
@@ -79,24 +88,28 @@ def test_the_steady_window_is_the_steps_while_requests_wait():
     """``SteadyWindow``: the tokens of the steps after the first that ended with every row decoding
     and requests waiting, up to the last step with requests waiting, over the engine's step time
     between them less the capture steps' time."""
-    metrics = SimpleNamespace(steps=0, step_time=0.0, capture_step_time=0.0, plain_steps=0, draft_tokens=0)
+    metrics = SimpleNamespace(steps=0, step_time=0.0, capture_step_time=0.0, plain_steps=0, draft_tokens=0,
+                              prompt_tokens=0, host_time=0.0)
     scheduler = SimpleNamespace(waiting=[1], prefilling=[], running=[1, 2], max_batch=2)
     engine = SimpleNamespace(metrics=metrics, scheduler=scheduler, runner=SimpleNamespace(drafter=object()))
     window = load.SteadyWindow(engine)
-    # 1 s a step; step 1 still runs a prompt; step 3 captured a graph for 0.5 s of it; the queue
-    # empties after step 4
+    # 1 s a step (0.25 s of it the host's); step 1 still runs a prompt; step 3 captured a graph for 0.5 s
+    # of it; step 5 runs the next prompt; the queue empties after step 5
     for step in range(1, 7):
-        metrics.steps, metrics.step_time = step, float(step)
+        metrics.steps, metrics.step_time, metrics.host_time = step, float(step), step / 4
+        metrics.prompt_tokens = 12 * (step >= 5)
         metrics.capture_step_time = 0.5 if step >= 3 else 0.0
-        # steps 1-3 plain rounds; step 4 verifies 3 drafts and drafts the next round
-        metrics.plain_steps, metrics.draft_tokens = min(step, 3), 3 * (step >= 4)
+        # steps 1-3 plain rounds; from step 4 each verifies 3 drafts and drafts the next round
+        metrics.plain_steps, metrics.draft_tokens = min(step, 3), 3 * max(0, step - 3)
         scheduler.prefilling = [3] if step == 1 else []
-        scheduler.waiting = [1] if step <= 4 else []
+        scheduler.waiting = [1] if step <= 5 else []
         for _ in range(2):  # two requests' outputs per step, 5 tokens each
             window.observe(SimpleNamespace(new_token_ids=[0] * 5))
-    # steps 3, 4 after 2; by kind, step 4 (step 3 captured a graph)
-    assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1),
-                               "steady_step_kinds": {"verify+draft": {"steps": 1, "ms": 1000.0, "tokens": 10.0}}}
+    # steps 3 - 5 after 2; by kind, steps 4 and 5 (step 3 captured a graph)
+    kinds = {"verify+draft": {"steps": 1, "ms": 1000.0, "host_ms": 250.0, "tokens": 10.0},
+             "verify+draft+prompt": {"steps": 1, "ms": 1000.0, "host_ms": 250.0, "tokens": 10.0}}
+    assert window.report() == {"steady_steps": 3, "steady_tokens_per_s": round(30 / 2.5, 1),
+                               "steady_step_kinds": kinds}
     assert load.SteadyWindow(engine).report() == {"steady_steps": 0, "steady_tokens_per_s": None}
 
 

@@ -1,7 +1,10 @@
 """Throughput at high load without a server: the frontier's configurations (``bench.frontier``:
 plain decoding, DSpark verifying every draft, the cost scheduler on the confidence head or the
 online estimator) on the 8B-shaped target with acceptance replay, each driving ``B`` rows with
-``LLMEngine.generate`` -- concurrency B, every row refilled as soon as its request ends.
+``LLMEngine.generate`` -- concurrency B, every row refilled as soon as its request ends. The
+requests ask for outputs of different lengths (``--length-spread``: between half of ``--max-tokens``
+and all of it by default), so that rows end and take the next prompts at different steps in every
+configuration, as under served traffic.
 
 ``python -m dspark.bench.load --out DIR --batches 128,256`` (on a GPU; ``--device cpu --shape tiny``:
 toy sizes in fp32, the plumbing). ``--workload mixed``: instead, the frontier's mixed-settings
@@ -63,9 +66,18 @@ def engine_settings(label: str, cost_table: Path, workload: str = "replay") -> d
     return settings
 
 
+def output_lengths(max_tokens: int, spread: float, count: int) -> list[int]:
+    """Each request's ``max_tokens``: spread evenly over ``(1 - spread) * max_tokens .. max_tokens``
+    in a low-discrepancy order (request i at the golden ratio's multiple i mod 1), so that requests
+    end at different steps, as served traffic does -- with one length, plain decoding's rows all
+    end in the same step and run the next prompts together, outside the steady window."""
+    golden = (5 ** 0.5 - 1) / 2
+    return [max(1, round(max_tokens * (1 - spread * ((i * golden) % 1)))) for i in range(count)]
+
+
 def requests_of(spec: dict, count: int, mixed: bool) -> list:
-    """``count`` requests over the benchmark's prompts: greedy, or (``mixed``) request i with
-    ``MIXED_SETTINGS[i % 4]`` and seed i, as ``bench.serve --mixed-settings`` sends them."""
+    """``count`` requests over the benchmark's prompts, of ``output_lengths``: greedy, or (``mixed``)
+    request i with ``MIXED_SETTINGS[i % 4]`` and seed i, as ``bench.serve --mixed-settings`` sends them."""
     from ..engine import Request, SamplingParams
 
     prompts = _prompts(spec)
@@ -74,7 +86,8 @@ def requests_of(spec: dict, count: int, mixed: bool) -> list:
         setting = MIXED_SETTINGS[i % len(MIXED_SETTINGS)] if mixed else {"temperature": 0.0}
         return SamplingParams(**setting, seed=i)
 
-    return [Request(prompts[i % len(prompts)], spec["max_tokens"], sampling(i), ignore_eos=True) for i in range(count)]
+    lengths = output_lengths(spec["max_tokens"], spec.get("length_spread", 0.0), count)
+    return [Request(prompts[i % len(prompts)], n, sampling(i), ignore_eos=True) for i, n in enumerate(lengths)]
 
 
 @dataclass
@@ -120,6 +133,8 @@ class _StepRecord:
     capture_time: float
     plain_steps: int = 0  # the engine's counters as the step ended, for the steady window's step kinds
     draft_tokens: int = 0
+    prompt_tokens: int = 0
+    host_time: float = 0.0
 
 
 class SteadyWindow:
@@ -129,7 +144,7 @@ class SteadyWindow:
     engine's step time between them, less the steps that captured a graph. The whole run's
     throughput also counts the tail, where rows empty as the last requests end: as long as the
     slowest request in a load of a few requests per row, so DSpark's requests of uneven acceptance
-    leave more rows idle there than plain decoding's, all of one length."""
+    leave more rows idle there than plain decoding's."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -141,7 +156,7 @@ class SteadyWindow:
         if m.steps not in self.steps:
             settled = not scheduler.prefilling and len(scheduler.running) == scheduler.max_batch
             self.steps[m.steps] = _StepRecord(0, bool(scheduler.waiting), settled, m.step_time, m.capture_step_time,
-                                              m.plain_steps, m.draft_tokens)
+                                              m.plain_steps, m.draft_tokens, m.prompt_tokens, m.host_time)
         self.steps[m.steps].tokens += len(output.new_token_ids)
 
     def report(self) -> dict:
@@ -157,19 +172,23 @@ class SteadyWindow:
 
     def _kinds(self, start: int, end: int) -> dict[str, dict]:
         """The steady window's steps by kind -- whether the step verified drafts, whether it ran the
-        draft pass (``plain``: neither; ``refresh``: drafted without verifying) -- each kind's count,
-        mean ms and tokens a step (capture steps left out): where a scheduler's time goes."""
-        kinds: dict[str, list[tuple[float, int]]] = {}
+        draft pass (``plain``: neither; ``refresh``: drafted without verifying), ``+prompt`` where it
+        ran prompt chunks too (``step_trace.step_kind``) -- each kind's count, mean ms, host ms (the
+        engine's: all but waiting for the device) and tokens a step (capture steps left out): where
+        a scheduler's time goes."""
+        kinds: dict[str, list[tuple[float, float, int]]] = {}
         for k in range(start + 1, end + 1):
             step, before = self.steps.get(k), self.steps.get(k - 1)
             if step is None or before is None or step.capture_time != before.capture_time:
                 continue
             verified = step.draft_tokens > before.draft_tokens
             drafted = step.plain_steps == before.plain_steps and self.engine.runner.drafter is not None
-            kind = step_kind(verified, drafted)
-            kinds.setdefault(kind, []).append((step.step_time - before.step_time, step.tokens))
-        return {kind: {"steps": len(v), "ms": round(1e3 * sum(x for x, _ in v) / len(v), 3),
-                       "tokens": round(sum(n for _, n in v) / len(v), 1)} for kind, v in sorted(kinds.items())}
+            kind = step_kind(verified, drafted, step.prompt_tokens > before.prompt_tokens)
+            kinds.setdefault(kind, []).append((step.step_time - before.step_time, step.host_time - before.host_time,
+                                               step.tokens))
+        return {kind: {"steps": len(v), "ms": round(1e3 * sum(x[0] for x in v) / len(v), 3),
+                       "host_ms": round(1e3 * sum(x[1] for x in v) / len(v), 3),
+                       "tokens": round(sum(x[2] for x in v) / len(v), 1)} for kind, v in sorted(kinds.items())}
 
 
 def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
@@ -297,10 +316,10 @@ def markdown(report: dict) -> str:
                          f"| {r['host_ms']} ({'/'.join(str(x) for x in r['host_phase_ms'].values())}) | {r['captures_timed']} ({r['capture_seconds']}) "
                          f"| {r['preemptions']} | {r['failed']} of {r['requests']} |")
     lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**",
-              "", "Steady window by step kind (steps, mean ms, tokens a step):", ""]
+              "", "Steady window by step kind (steps x mean ms, of it host ms; tokens a step):", ""]
     for batch, rows in report["batches"].items():
         for r in rows:
-            kinds = "; ".join(f"{kind} {v['steps']} x {v['ms']} ms, {v['tokens']} tok"
+            kinds = "; ".join(f"{kind} {v['steps']} x {v['ms']} ms ({v['host_ms']} host), {v['tokens']} tok"
                               for kind, v in (r.get("steady_step_kinds") or {}).items())
             lines.append(f"- {batch} {r['config']}: {kinds or '-'}")
     traced = [(batch, r) for batch, rows in report["batches"].items() for r in rows if r.get("traced_step_kinds")]
@@ -331,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"subset of {','.join(CONFIGS)} (--workload mixed: of {','.join(MIXED_CONFIGS)}; "
                              "default: all but dspark-random-vocabulary)")
     parser.add_argument("--requests-per-row", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=256, help="the longest request's output tokens")
+    parser.add_argument("--length-spread", type=float, default=0.5,
+                        help="requests ask for (1 - S) x .. 1 x --max-tokens output tokens, spread evenly "
+                             "(output_lengths; 0: every request --max-tokens)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--shape", default="qwen3-8b", help="a shape of bench.engine.SHAPES, or tiny (--device cpu)")
@@ -376,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("requests_per_row", "max_tokens", "prompt_tokens", "num_prompts", "draft_rank"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.length_spread < 1.0:
+        parser.error(f"--length-spread must be in [0, 1), got {args.length_spread}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (--device cpu --shape tiny runs on the CPU)")
     from .engine import SHAPES, TINY, VOCAB
@@ -391,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"shape": shape, "vocab": vocab, "device": args.device,
             "dtype": "bfloat16" if args.device == "cuda" else "float32", "draft_rank": args.draft_rank,
             "traces": str(TRACES), "num_prompts": args.num_prompts, "prompt_tokens": args.prompt_tokens,
-            "prompt_tokens_max": None, "max_tokens": args.max_tokens}
+            "prompt_tokens_max": None, "max_tokens": args.max_tokens, "length_spread": args.length_spread}
     os.environ["DSPARK_REPLAY"] = json.dumps(spec)
     scheduled = any("{cost_table}" in WORKLOADS[args.workload][x][1] for x in labels)
     cost_table = None

@@ -3,12 +3,17 @@
 ``trace_steps(engine, run, first, count, trace_to)`` runs ``run`` (something that steps ``engine``:
 ``engine.generate(requests)``) with steps ``first .. first + count - 1`` under the PyTorch profiler,
 each inside a ``dspark-step`` annotation, writes the Chrome trace (``trace_to``, gzip) and returns
-one ``StepTrace`` a step: its kind (``plain`` / ``refresh`` / ``verify`` / ``verify+draft``, as
-``bench.load.SteadyWindow`` names them), its wall time (from its start to the next step's: the
-host's work between steps included), the device's busy time in that span (the union of its
-kernels and copies, CUDA graph replays' included) and the kernels that took most of it. A step
-whose wall exceeds its busy time by much left the device idle while the host planned, launched or
-committed; one whose busy time grew ran more device work.
+one ``StepTrace`` a step: its kind (``plain`` / ``refresh`` / ``verify`` / ``verify+draft``, ``+prompt``
+where it ran prompt chunks too: ``step_kind``, as ``bench.load.SteadyWindow`` names them), its wall
+time (from its start to the next step's: the host's work between steps included), the device's busy
+time in that span (the union of its kernels and copies, CUDA graph replays' included) and the
+kernels that took most of it. A step whose wall exceeds its busy time by much left the device idle
+while the host planned, launched or committed; one whose busy time grew ran more device work.
+
+The profiler slows the host: with kernel tracing on, launching a CUDA graph costs about 1 - 3 µs
+per node (0.4 - 1.1 ms for the 8B shape's 360-node decode graphs on an H100, where a 360-kernel
+graph launches in 6 µs untraced), so a traced step's idle time overstates the untraced one's; its
+device busy time is the untraced step's.
 """
 
 from __future__ import annotations
@@ -51,10 +56,12 @@ class StepTrace:
         return None if self.busy_ms is None else self.wall_ms - self.busy_ms
 
 
-def step_kind(verified: bool, drafted: bool) -> str:
-    """A step's kind by whether it verified drafts and whether it ran the draft pass."""
-    return {(False, False): "plain", (False, True): "refresh", (True, True): "verify+draft",
+def step_kind(verified: bool, drafted: bool, prompt: bool = False) -> str:
+    """A step's kind by whether it verified drafts and whether it ran the draft pass, with ``+prompt``
+    where it also ran prompt chunks (their work is the prompts', not the rounds')."""
+    kind = {(False, False): "plain", (False, True): "refresh", (True, True): "verify+draft",
             (True, False): "verify"}[verified, drafted]
+    return kind + "+prompt" if prompt else kind
 
 
 def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace_to: Path) -> list[StepTrace]:
@@ -82,11 +89,11 @@ def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace
             profiler.start()
             state["started"] = True
         m = engine.metrics
-        drafts, plain_steps = m.draft_tokens, m.plain_steps
+        drafts, plain_steps, prompts = m.draft_tokens, m.plain_steps, m.prompt_tokens
         with record_function(f"{ANNOTATION} {n - first}"):
             outputs = step()
         drafted = m.plain_steps == plain_steps and engine.runner.drafter is not None
-        kinds.append(step_kind(m.draft_tokens > drafts, drafted))
+        kinds.append(step_kind(m.draft_tokens > drafts, drafted, m.prompt_tokens > prompts))
         if n == first + count - 1:
             stop()
         return outputs
