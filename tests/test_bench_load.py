@@ -85,32 +85,44 @@ def test_bad_arguments_name_the_flag(tmp_path, argv, message, capsys):
 
 
 def test_the_steady_window_is_the_steps_while_requests_wait():
-    """``SteadyWindow``: the tokens of the steps after the first that ended with every row decoding
-    and requests waiting, up to the last step with requests waiting, over the engine's step time
-    between them less the capture steps' time."""
+    """``SteadyWindow``: the tokens of the steps after the first that ended once as many requests
+    as rows had produced tokens, up to the last step with requests waiting, over the engine's step
+    time between them less the capture steps' time; by kind, with the host's share."""
     metrics = SimpleNamespace(steps=0, step_time=0.0, capture_step_time=0.0, plain_steps=0, draft_tokens=0,
                               prompt_tokens=0, host_time=0.0)
     scheduler = SimpleNamespace(waiting=[1], prefilling=[], running=[1, 2], max_batch=2)
     engine = SimpleNamespace(metrics=metrics, scheduler=scheduler, runner=SimpleNamespace(drafter=object()))
     window = load.SteadyWindow(engine)
-    # 1 s a step (0.25 s of it the host's); step 1 still runs a prompt; step 3 captured a graph for 0.5 s
-    # of it; step 5 runs the next prompt; the queue empties after step 5
+    # 1 s a step (0.25 s of it the host's); request 1's first tokens come in step 2; step 4 captured a
+    # graph for 0.5 s of it; steps 3 and 5 run the next prompts; the queue empties after step 5
     for step in range(1, 7):
         metrics.steps, metrics.step_time, metrics.host_time = step, float(step), step / 4
-        metrics.prompt_tokens = 12 * (step >= 5)
-        metrics.capture_step_time = 0.5 if step >= 3 else 0.0
-        # steps 1-3 plain rounds; from step 4 each verifies 3 drafts and drafts the next round
-        metrics.plain_steps, metrics.draft_tokens = min(step, 3), 3 * max(0, step - 3)
-        scheduler.prefilling = [3] if step == 1 else []
+        metrics.prompt_tokens = 12 * (step >= 3) + 12 * (step >= 5)
+        metrics.capture_step_time = 0.5 if step >= 4 else 0.0
+        # steps 1-2 plain rounds; from step 3 each verifies 3 drafts and drafts the next round
+        metrics.plain_steps, metrics.draft_tokens = min(step, 2), 3 * max(0, step - 2)
         scheduler.waiting = [1] if step <= 5 else []
-        for _ in range(2):  # two requests' outputs per step, 5 tokens each
-            window.observe(SimpleNamespace(new_token_ids=[0] * 5))
-    # steps 3 - 5 after 2; by kind, steps 4 and 5 (step 3 captured a graph)
-    kinds = {"verify+draft": {"steps": 1, "ms": 1000.0, "host_ms": 250.0, "tokens": 10.0},
-             "verify+draft+prompt": {"steps": 1, "ms": 1000.0, "host_ms": 250.0, "tokens": 10.0}}
-    assert window.report() == {"steady_steps": 3, "steady_tokens_per_s": round(30 / 2.5, 1),
+        for request in (0, 1) if step > 1 else (0,):  # 5 tokens a request a step
+            window.observe(SimpleNamespace(request_id=request, new_token_ids=[0] * 5))
+    # the ramp ends in step 2 (request 1's first tokens): steps 4, 5 after step 3; by kind, step 5
+    # (step 4 captured a graph)
+    kinds = {"verify+draft+prompt": {"steps": 1, "ms": 1000.0, "host_ms": 250.0, "tokens": 10.0}}
+    assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1),
                                "steady_step_kinds": kinds}
     assert load.SteadyWindow(engine).report() == {"steady_steps": 0, "steady_tokens_per_s": None}
+
+
+def test_isolated_jobs_run_each_configuration_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """``--isolate`` (the default on a GPU): the profile and every configuration in a fresh process,
+    with the same report."""
+    monkeypatch.delenv("DSPARK_REPLAY", raising=False)
+    status = load.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny", "--batches", "2",
+                        "--configs", "plain,dspark-scheduled", "--max-tokens", "12", "--prompt-tokens", "12",
+                        "--num-prompts", "2", "--isolate"])
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert status == 0 and report["outputs_identical"] is True and (tmp_path / "cost_table.json").is_file()
+    assert [r["config"] for r in report["batches"]["2"]] == ["plain", "dspark-scheduled"]
+    assert all(r["failed"] == 0 and r["tokens"] == sum(load.output_lengths(12, 0.5, 4)) for r in report["batches"]["2"])
 
 
 def test_a_given_cost_table_is_used_instead_of_profiling_one(tmp_path, monkeypatch):

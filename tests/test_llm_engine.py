@@ -536,6 +536,28 @@ def test_a_step_that_captures_a_graph_is_left_out_of_the_host_time_average(targe
     assert engine._host_ms[0] == pytest.approx(3.0)  # 0.9 x 2 + 0.1 x 12
 
 
+def test_a_plain_round_is_not_priced_at_a_drafting_rounds_host_time(target, greedy):
+    """Until a plain round ran, the cost scheduler prices its host time at none, not at the drafting
+    rounds' (measured on a GPU): where drafting rounds take the host long (at high load) but the
+    table says plain rounds pay, a plain round then runs -- priced as a drafting round, plain rounds
+    looked as slow, none ran, and their host time was never measured."""
+    from dspark.engine.schedulers import SPSCostTable
+
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    compute_bound = SPSCostTable((1, 64), (1.0, 64.0))  # 1 ms a verified token: drafting never pays on the table
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=3, scheduler="cost", cost_table=compute_bound))
+    count = engine._count_round
+
+    def slow_drafting_host(drafted, host_s, captured=False):  # as a GPU measures it (the CPU keeps none)
+        count(drafted, host_s, captured)
+        engine._host_ms[0] = 50.0
+
+    engine._count_round = slow_drafting_host
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])
+    assert [r.token_ids for r in results] == greedy
+    assert engine.metrics.plain_steps >= engine.metrics.steps // 2
+
+
 @pytest.mark.parametrize("scheduler", ["off", "threshold"])
 def test_a_step_waits_for_its_draft_pass_only_where_the_scheduler_reads_the_proposals(target, greedy, scheduler):
     """A step's tokens are committed from the target pass's readout; the draft pass's (proposal

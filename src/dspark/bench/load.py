@@ -36,7 +36,9 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -124,7 +126,7 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models: Mode
 @dataclass
 class _StepRecord:
     """What ``SteadyWindow`` keeps of a step: its tokens, and as it ended whether requests waited for
-    a row, whether every row was decoding (none prefilling), the engine's step and capture seconds."""
+    a row, whether the ramp was over (``SteadyWindow``), the engine's step and capture seconds."""
 
     tokens: int
     waiting: bool
@@ -138,10 +140,11 @@ class _StepRecord:
 
 
 class SteadyWindow:
-    """The throughput while every row is busy: from the first step that ended with every row
-    decoding (the first prompts run) and requests waiting, to the last that ended with requests
-    still waiting (the queue not yet empty) -- the tokens of the steps after the first, over the
-    engine's step time between them, less the steps that captured a graph. The whole run's
+    """The throughput while requests queue for the rows: from the first step after the ramp -- once
+    as many requests as there are rows have produced tokens (the first batch's prompts all ran) --
+    to the last that ended with requests still waiting (the queue not yet empty): the tokens of the
+    steps after the first, over the engine's step time between them, less the steps that captured
+    a graph. Rows that end take the next prompts within it, as under served traffic. The whole run's
     throughput also counts the tail, where rows empty as the last requests end: as long as the
     slowest request in a load of a few requests per row, so DSpark's requests of uneven acceptance
     leave more rows idle there than plain decoding's."""
@@ -149,15 +152,18 @@ class SteadyWindow:
     def __init__(self, engine):
         self.engine = engine
         self.steps: dict[int, _StepRecord] = {}
+        self.started: set[int] = set()  # requests that produced tokens
 
     def observe(self, output) -> None:
         """``generate``'s ``on_output``: count the step's tokens (the engine's counters as it ended)."""
         m, scheduler = self.engine.metrics, self.engine.scheduler
         if m.steps not in self.steps:
-            settled = not scheduler.prefilling and len(scheduler.running) == scheduler.max_batch
+            settled = len(self.started) >= scheduler.max_batch
             self.steps[m.steps] = _StepRecord(0, bool(scheduler.waiting), settled, m.step_time, m.capture_step_time,
                                               m.plain_steps, m.draft_tokens, m.prompt_tokens, m.host_time)
         self.steps[m.steps].tokens += len(output.new_token_ids)
+        if output.new_token_ids:
+            self.started.add(output.request_id)
 
     def report(self) -> dict:
         busy = sorted(k for k, step in self.steps.items() if step.waiting)
@@ -267,6 +273,48 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
             torch.cuda.empty_cache()
 
 
+class Jobs:
+    """The cost table's profiling and each configuration's run (``run_config``), in this process or
+    (``isolate``: on a GPU) each in a process of its own -- every configuration then starts from an
+    empty GPU, as a server does: in one process, an 80 GB H100 ran out of memory building the third
+    256-row engine, the earlier engines' memory not all given back."""
+
+    def __init__(self, spec: dict, isolate: bool):
+        self.spec, self.isolate = spec, isolate
+        self.models: Models | None = None
+
+    def run(self, job: dict):
+        """``job`` (``kind`` ``profile``: the cost table's path; ``config``: ``run_config``'s result)."""
+        if not self.isolate:
+            return self._run(job)
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "result.json"
+            payload = json.dumps({**job, "spec": self.spec, "result": str(result)})
+            subprocess.run([sys.executable, "-m", "dspark.bench.load", "--job", payload], check=True)
+            return json.loads(result.read_text())
+
+    def _run(self, job: dict):
+        os.environ["DSPARK_REPLAY"] = json.dumps(self.spec)
+        if job["kind"] == "profile":
+            return str(profile(self.spec, Path(job["out"]), load_traces(TRACES)["num_drafts"], job["batch"]))
+        if self.models is None:
+            from ..engine import EngineConfig
+
+            self.models = Models(*_models(self.spec, EngineConfig(), draft=True))
+        path = lambda p: None if p is None else Path(p)  # noqa: E731
+        trace = None if job["trace"] is None else (Path(job["trace"][0]), *job["trace"][1:])
+        return run_config(job["label"], job["batch"], self.spec, self.models, path(job["cost_table"]),
+                          job["requests_per_row"], job["workload"], job["mixed"], path(job["profile_to"]), trace)
+
+
+def _job(payload: str) -> int:
+    """``--job``: one of ``Jobs``' jobs in this process, its result written as JSON where it says."""
+    job = json.loads(payload)
+    result = Jobs(job.pop("spec"), isolate=False).run(job)
+    Path(job["result"]).write_text(json.dumps(result))
+    return 0
+
+
 def _or_dash(value) -> str:
     return "-" if value is None else str(value)
 
@@ -339,6 +387,9 @@ def _rate(row: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--job"] and len(argv) == 2:
+        return _job(argv[1])
     parser = argparse.ArgumentParser(prog="python -m dspark.bench.load", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for cost_table.json, load.json, load.md")
@@ -369,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                         "with steps --trace-steps traced (device busy against idle, step by step): "
                         "OUT/trace-<label>-b<B>.json.gz (Chrome trace) and .md")
     parser.add_argument("--trace-steps", default="60,24", help="FIRST,COUNT: the traced steps of that run")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="profile and run each configuration in a process of its own (default: on a GPU)")
     args = parser.parse_args(argv)
     known = WORKLOADS[args.workload]
     labels = [x for x in (args.configs or ",".join(x for x in known if x != "dspark-random-vocabulary")).split(",") if x]
@@ -416,25 +469,24 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": "bfloat16" if args.device == "cuda" else "float32", "draft_rank": args.draft_rank,
             "traces": str(TRACES), "num_prompts": args.num_prompts, "prompt_tokens": args.prompt_tokens,
             "prompt_tokens_max": None, "max_tokens": args.max_tokens, "length_spread": args.length_spread}
-    os.environ["DSPARK_REPLAY"] = json.dumps(spec)
+    isolate = args.device == "cuda" if args.isolate is None else args.isolate
+    jobs = Jobs(spec, isolate)
     scheduled = any("{cost_table}" in WORKLOADS[args.workload][x][1] for x in labels)
     cost_table = None
     if scheduled:
-        cost_table = (Path(args.cost_table) if args.cost_table is not None
-                      else profile(spec, out, load_traces(TRACES)["num_drafts"], batches[0]))
-    from ..engine import EngineConfig
-
-    models = Models(*_models(spec, EngineConfig(), draft=True))
-    report = {"command": "python -m dspark.bench.load " + " ".join(argv if argv is not None else sys.argv[1:]),
+        cost_table = (args.cost_table if args.cost_table is not None
+                      else jobs.run({"kind": "profile", "out": str(out), "batch": batches[0]}))
+    report = {"command": "python -m dspark.bench.load " + " ".join(argv),
               "environment": _environment(args.device), "spec": spec, "batches": {}}
     outputs = {}
     for batch in batches:
         for label, mixed in [(x, m) for x in labels for m in ((False, True) if args.workload == "mixed" else (False,))]:
             reported = f"{label}-mixed" if mixed else label
-            profile_to = out / f"profile-{reported}-b{batch}.txt" if reported in args.profile else None
-            trace = (out / f"trace-{reported}-b{batch}.json.gz", first, count) if reported in args.trace else None
-            row = run_config(label, batch, spec, models, cost_table, args.requests_per_row, args.workload, mixed,
-                             profile_to, trace)
+            profile_to = str(out / f"profile-{reported}-b{batch}.txt") if reported in args.profile else None
+            trace = (str(out / f"trace-{reported}-b{batch}.json.gz"), first, count) if reported in args.trace else None
+            row = jobs.run({"kind": "config", "label": label, "batch": batch, "cost_table": cost_table,
+                            "requests_per_row": args.requests_per_row, "workload": args.workload, "mixed": mixed,
+                            "profile_to": profile_to, "trace": trace})
             greedy = [o for i, o in enumerate(row.pop("outputs")) if args.workload != "mixed" or i % len(MIXED_SETTINGS) == 0]
             outputs.setdefault(batch, []).append(greedy)
             report["batches"].setdefault(str(batch), []).append(row)
