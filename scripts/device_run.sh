@@ -16,8 +16,9 @@
 # structured: the 8B shape at B = 1, 16, 64 with every row free and every row constrained to a JSON schema: ms per
 # step of plain decoding and DSpark (oracle drafts at acceptance 1 and 0.8, random drafts), their ratio and tokens/s
 # (bench.structured; STRUCTURED_ARGS adds options).
-# load: the frontier's configurations without a server at B = 128, 256 (bench.load; LOAD_ARGS adds options);
-# mixedload: its mixed-settings workload at B = 1, 16, 64 (MIXEDLOAD_ARGS adds options).
+# load: the frontier's configurations without a server at B = 128, 256 (bench.load, each configuration in a
+# process of its own; LOAD_ARGS adds options); mixedload: its mixed-settings workload at B = 1, 16, 64, in one
+# process (small engines; MIXEDLOAD_ARGS adds options).
 # memory: the 8B shape's engine at B = 256 capturing every graph, its memory against its estimate (bench.memory).
 # breakdown: bench.breakdown's cases named in BREAKDOWN_CASES, separated by ';' (none: every case).
 # demo: scripts/build_demo_pair.sh out/demo with STAGES=$DEMO_STAGES (default target); out/demo and the
@@ -66,7 +67,7 @@ for step in "$@"; do
              | split -b 15m - "$OUT/demo.tgz.part-" ;;
     load) timeout "${LOAD_LIMIT:-560}" python -m dspark.bench.load --out "$OUT/load" ${LOAD_ARGS:-} > "$OUT/load.log" 2>&1 ;;
     mixedload) timeout "${MIXEDLOAD_LIMIT:-300}" python -m dspark.bench.load --out "$OUT/mixedload" --workload mixed \
-             --batches 1,16,64 ${MIXEDLOAD_ARGS:-} > "$OUT/mixedload.log" 2>&1 ;;
+             --batches 1,16,64 --no-isolate ${MIXEDLOAD_ARGS:-} > "$OUT/mixedload.log" 2>&1 ;;
     memory) timeout "${MEMORY_LIMIT:-240}" python -m dspark.bench.memory --out "$OUT/memory" ${MEMORY_ARGS:-} \
              > "$OUT/memory.log" 2>&1 ;;
     frontier) timeout "${FRONTIER_LIMIT:-420}" python -m dspark.bench.frontier --out "$OUT/frontier" \
