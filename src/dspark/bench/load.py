@@ -19,15 +19,17 @@ every configuration (the replay's peaked random model, ``bench.replay``); the co
 first up to the largest batch's full verify. Prefix caching is off (the requests repeat the
 benchmark's prompts). ``DIR/load.json`` / ``load.md``: per batch and configuration total tokens/s,
 tau, engine steps, mean step time, and whether every request got the same tokens from every
-configuration (greedy: it must); per configuration also the steady throughput, while every row is
-busy (``SteadyWindow``; the table's ratios), the seconds of the timed steps that captured a graph and
+configuration (greedy: it must); per configuration also the steady throughput, while requests
+queue for the rows (``SteadyWindow``; the table's ratios), the seconds of the timed steps that captured a graph and
 the throughput without them (a server captures first), what the cost table prices its mean step
 at beside the measured one (``table_step_ms``), the plain
 steps, the rows a step decoded on average (fewer than B: rows idle, e.g. waiting for their
 prompt's turn in the step's token budget), the host ms per step (by phase), the preemptions (none
 expected: every engine holds KV blocks -- ``kv_blocks`` -- for all its rows' longest requests) and the steady window's
-steps by kind (plain, refresh, verify, verify+draft). ``--cost-table`` runs the cost scheduler on a
-given table instead of profiling one (a GPU run's table on the CPU replay: that GPU's decisions).
+steps by kind (plain, refresh, verify, verify+draft; ``+prompt`` with prompt chunks) with their host ms.
+``--cost-table`` runs the cost scheduler on a given table instead of profiling one (a GPU run's table
+on the CPU replay: that GPU's decisions). On a GPU the profile and each configuration run in a
+process of their own (``--isolate``, ``Jobs``).
 """
 
 from __future__ import annotations
@@ -341,8 +343,8 @@ def _synchronize(spec: dict) -> None:
 
 
 def markdown(report: dict) -> str:
-    """The report's table; its ratios are of the steady throughput (``SteadyWindow``: every row busy,
-    capture steps left out), which a server under sustained load sees."""
+    """The report's table; its ratios are of the steady throughput (``SteadyWindow``: after the ramp
+    while requests queue, capture steps left out), which a server under sustained load sees."""
     lines = [f"Environment: {report['environment']}", "", f"`{report['command']}`", "",
              "| B | config | total tok/s | tok/s captured first | steady tok/s | vs plain | vs fixed | mixed / greedy "
              "| τ | steps | steady steps | plain steps | held rounds | rows / step | step ms | table ms "
