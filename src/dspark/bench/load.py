@@ -303,10 +303,10 @@ class Jobs:
             from ..engine import EngineConfig
 
             self.models = Models(*_models(self.spec, EngineConfig(), draft=True))
-        path = lambda p: None if p is None else Path(p)  # noqa: E731
-        trace = None if job["trace"] is None else (Path(job["trace"][0]), *job["trace"][1:])
-        return run_config(job["label"], job["batch"], self.spec, self.models, path(job["cost_table"]),
-                          job["requests_per_row"], job["workload"], job["mixed"], path(job["profile_to"]), trace)
+        cost_table, profile_to, trace = job["cost_table"], job["profile_to"], job["trace"]
+        return run_config(job["label"], job["batch"], self.spec, self.models, cost_table and Path(cost_table),
+                          job["requests_per_row"], job["workload"], job["mixed"], profile_to and Path(profile_to),
+                          trace and (Path(trace[0]), *trace[1:]))
 
 
 def _job(payload: str) -> int:
