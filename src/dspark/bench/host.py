@@ -53,15 +53,11 @@ def fake_device(engine: LLMEngine, seed: int = 0, variants: int = 64) -> None:
     def read_proposals(rows: int) -> Proposals:
         return Proposals.from_readout(pool[last[0], :rows], runner.readout_columns)
 
-    def nothing(*args, **kwargs) -> None:
-        return None
-
     def launch(plan) -> None:  # the drafting choice is made as on a device (the cost scheduler's plain rounds)
         plain_round[0] = plan.verify_lens is None
         runner.drafted = plan.draft if isinstance(plan.draft, bool) else bool(plan.draft())
 
     runner.read, runner.read_proposals, runner.launch = read, read_proposals, launch
-    runner.move_row = runner.clear_row = nothing
 
 
 def _running_engine(config: str, rows: int, cost_table) -> LLMEngine:

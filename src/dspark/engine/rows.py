@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .penalties import PenaltyState
     from .runner import ModelRunner
 
-__all__ = ["DraftOverride", "LogitsPath", "RowState", "TreeSettings", "batch_buckets"]
+__all__ = ["DraftOverride", "LogitsPath", "MoveIndices", "RowState", "TreeSettings", "batch_buckets"]
 
 
 class LogitsPath(IntEnum):
@@ -112,6 +112,45 @@ class RowState:
         """Rows ``0 .. b-1``'s sampling settings, with their slots' ``penalties`` state when given."""
         return RowSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b], self.min_p[:b], self.logit_bias[:b],
                            None if penalties is None else penalties.rows(self.slot_ids[:b]))
+
+
+class MoveIndices:
+    """The rows of ``ModelRunner.move_rows`` on the device without a synchronising copy (one from
+    pageable memory waits for the queued device work): a batch of k ``(source, destination)`` pairs
+    is written into a pinned host buffer at a cursor, 2k contiguous int64 (the sources, then the
+    destinations: a strided copy would go through a pageable temporary), and copied asynchronously
+    into the same place of a device buffer (``capacity`` pairs each). A place is rewritten only
+    once the device took it: the cursor goes back to 0 when the last copy is done (an event after
+    it); a batch that does not fit after the cursor waits for that."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        on_cuda = device.type == "cuda"
+        self.host = torch.empty(2 * capacity, dtype=torch.int64, pin_memory=on_cuda)
+        self.device = torch.empty(2 * capacity, dtype=torch.int64, device=device)
+        self.copied = torch.cuda.Event() if on_cuda else None
+        self.used = 0  # pairs staged since the cursor was last at 0
+
+    def send(self, moves: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``moves`` on the device: int64 ``[k]`` sources and ``[k]`` destinations (queued copies)."""
+        k = len(moves)
+        start = self._cursor(k)
+        self.used = start + k
+        staged = self.host[2 * start:2 * self.used].view(2, k)
+        staged.copy_(torch.tensor(list(zip(*moves)), dtype=torch.int64))
+        sent = self.device[2 * start:2 * self.used].view(2, k)
+        sent.copy_(staged, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        return sent[0], sent[1]
+
+    def _cursor(self, k: int) -> int:
+        """Where ``k`` pairs are staged: after the pairs the device may not have taken yet, or at 0."""
+        if self.copied is None or self.copied.query():
+            return 0
+        if self.used + k > self.host.numel() // 2:
+            self.copied.synchronize()
+            return 0
+        return self.used
 
 
 class DraftOverride(Protocol):

@@ -59,7 +59,7 @@ from .drafting import Drafter
 from .graphs import CudaGraphs
 from .penalties import PenaltyState
 from .proposer import DSparkProposer
-from .rows import DraftOverride, LogitsPath, RowState, TreeSettings
+from .rows import DraftOverride, LogitsPath, MoveIndices, RowState, TreeSettings
 from .step import Proposals, StepPlan, StepResult, readout_columns
 from .structured import FREE_MASK, apply_bitmask, bitmask_width
 from .verifier import Verifier, sample_rows
@@ -161,6 +161,7 @@ class ModelRunner(CudaGraphs):
         self.offsets = torch.arange(max(t, block), **i32)
         # each row's logits path (the host's copy of which graphs to run)
         self.row_paths = [LogitsPath.GREEDY] * b
+        self.move_indices = MoveIndices(b, dev)  # a compaction moves fewer pairs than rows
         # the kernels' scratch, owned here and sized once, so a captured graph's buffers never move
         self.workspace = K.Workspace()
         if dev.type == "cuda":  # the reference backend (CPU) needs no scratch
@@ -176,23 +177,29 @@ class ModelRunner(CudaGraphs):
 
     # ---- rows ---------------------------------------------------------------------------------
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Move a running request's row (its cache slot stays where it is)."""
+    def move_rows(self, moves: list[tuple[int, int]]) -> None:
+        """Move running requests' rows, ``(source, destination)`` pairs, no row among both (their
+        cache slots stay where they are): every per-row tensor in one gather and one scatter, the
+        indices sent without a wait (``MoveIndices``). The sources keep their state (``clear_rows``)."""
+        if not moves:
+            return
+        src, dst = self.move_indices.send(moves)
         for _, t in self.state.tensors():
-            t[dst] = t[src]
-        self.row_paths[dst] = self.row_paths[src]
-        self.clear_row(src)
+            t.index_copy_(0, dst, t.index_select(0, src))
+        for s, d in moves:
+            self.row_paths[d] = self.row_paths[s]
 
-    def clear_row(self, row: int) -> None:
-        """Turn ``row`` into padding: dummy slot, position 0."""
-        s = self.state
-        s.slot_ids[row] = self.dummy_slot
+    def clear_rows(self, start: int, stop: int) -> None:
+        """Turn rows ``start .. stop-1`` into padding: dummy slot, position 0, every token allowed,
+        greedy; one op per tensor."""
+        s, rows = self.state, slice(start, stop)
+        s.slot_ids[rows] = self.dummy_slot
         for t in (s.active, s.anchor, s.anchor_pos, s.ctx_pos):
-            t[row] = 0
+            t[rows] = 0
         for mask in (s.grammar_mask, s.draft_mask):
             if mask is not None:
-                mask[row] = FREE_MASK
-        self.row_paths[row] = LogitsPath.GREEDY
+                mask[rows] = FREE_MASK
+        self.row_paths[rows] = [LogitsPath.GREEDY] * (stop - start)
 
     # ---- a hybrid target's state snapshots (prefix caching) --------------------------------------
 

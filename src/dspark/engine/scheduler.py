@@ -6,8 +6,9 @@ table -- and blocks; its prompt runs in chunks) or *running* (a batch row, ``run
 while rows are free, with the prefix cache's blocks of their prompt; gives every running request
 the blocks its next step writes (``reserve_running``), preempting the latest admitted when blocks
 run out; picks the step's prompt chunks within the token budget and the free blocks; and frees a
-request's row, slot and blocks when it ends (finished, aborted, failed) or is preempted. The
-device-side row state follows through the runner (``move_row``, ``clear_row``, the block table).
+request's row, slot and blocks when it ends (finished, aborted, failed) or is preempted. The rows
+stay dense: the requests that leave together leave their rows at once (``_leave_rows``), and the
+device-side row state follows through the runner (``move_rows``, ``clear_rows``, the block table).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Scheduler:
     def requeue(self, seq: Sequence) -> None:
         """``preempt`` without counting it: ``seq`` leaves the batch, to run its tokens again first."""
         if seq.status is SequenceStatus.RUNNING:
-            self._leave_row(seq)
+            self._leave_rows([seq])
             self._cache_output(seq)
         else:
             self.prefilling.remove(seq)
@@ -211,6 +212,7 @@ class Scheduler:
 
     def release(self, seqs: list[Sequence]) -> None:
         """End ``seqs`` wherever they are (waiting, prefilling, running): slots, blocks and rows freed."""
+        running = []
         for seq in seqs:
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
@@ -218,31 +220,38 @@ class Scheduler:
                 self.prefilling.remove(seq)
                 self._free_slot(seq)
             elif seq.status is SequenceStatus.RUNNING:
-                self.retire([seq])
+                running.append(seq)
                 continue
             seq.status, seq.row, seq.slot = SequenceStatus.FINISHED, -1, -1
-        self.count()
+        self.retire(running)
 
     def retire(self, finished: list[Sequence]) -> None:
         """Free finished requests' rows, slots and blocks."""
+        self._leave_rows(finished)
         for seq in finished:
-            self._leave_row(seq)
             self._cache_output(seq)
             self._free_slot(seq)
             seq.status = SequenceStatus.FINISHED
             self.metrics.finished += 1
         self.count()
 
-    def _leave_row(self, seq: Sequence) -> None:
-        """Take a running request out of its batch row, keeping the rows dense (the last row moves in)."""
-        last = self.running[-1]
-        if last is not seq:
-            self.runner.move_row(last.row, seq.row)
-            self.running[seq.row], last.row = last, seq.row
-        else:
-            self.runner.clear_row(seq.row)
-        self.running.pop()
-        seq.row = -1
+    def _leave_rows(self, seqs: list[Sequence]) -> None:
+        """Take running requests out of their batch rows, keeping the rows dense: of n rows, with k
+        leaving, the requests staying in the last k move into the rows left among the first n - k
+        (one ``move_rows``), and the last k rows become padding."""
+        if not seqs:
+            return
+        n, leaving = len(self.running), {seq.row for seq in seqs}
+        kept = n - len(seqs)
+        holes = sorted(row for row in leaving if row < kept)
+        movers = [seq for seq in self.running[kept:] if seq.row not in leaving]
+        self.runner.move_rows([(seq.row, hole) for seq, hole in zip(movers, holes)])
+        for seq, hole in zip(movers, holes):
+            self.running[hole], seq.row = seq, hole
+        del self.running[kept:]
+        self.runner.clear_rows(kept, n)
+        for seq in seqs:
+            seq.row = -1
 
     def _free_slot(self, seq: Sequence) -> None:
         """Give back ``seq``'s cache slot and its blocks (cached ones stay in the prefix cache)."""

@@ -534,7 +534,7 @@ class GrammarStager:
     ``[rows, N, width]``: the drafter's per block slot, ``draft_slots`` those of the draft positions,
     set where the state is known before drafting): each step fills the constrained rows' masks in
     pinned host copies and sends those rows to the device; a free row keeps every bit set
-    (``clear_row``)."""
+    (``clear_rows``)."""
 
     def __init__(self, state, verify_len: int, width: int, draft_slots: slice | None = None):
         self.state, self.verify_len, self.draft_slots = state, verify_len, draft_slots
@@ -643,7 +643,7 @@ class GrammarStager:
     def stage_seats(self, rows: list[GrammarRow]) -> None:
         """The first-token masks of constrained requests seated this step (the state after their
         committed tokens). A free request's row has every bit set: a row is cleared when its request
-        leaves (``ModelRunner.clear_row``)."""
+        leaves (``ModelRunner.clear_rows``)."""
         for r in rows:
             r.grammar.next_mask(self.verify_masks[r.row, 0])
         self.seats.send([r.row for r in rows])
