@@ -180,12 +180,16 @@ class ModelRunner(CudaGraphs):
     def move_rows(self, moves: list[tuple[int, int]]) -> None:
         """Move running requests' rows, ``(source, destination)`` pairs, no row among both (their
         cache slots stay where they are): every per-row tensor in one gather and one scatter, the
-        indices sent without a wait (``MoveIndices``). The sources keep their state (``clear_rows``)."""
-        if not moves:
-            return
-        src, dst = self.move_indices.send(moves)
-        for _, t in self.state.tensors():
-            t.index_copy_(0, dst, t.index_select(0, src))
+        indices sent without a wait (``MoveIndices``); one pair, the most frequent, in one copy per
+        tensor (no indices to send). The sources keep their state (``clear_rows``)."""
+        if len(moves) == 1:
+            (s, d), = moves
+            for _, t in self.state.tensors():
+                t[d] = t[s]
+        elif moves:
+            src, dst = self.move_indices.send(moves)
+            for _, t in self.state.tensors():
+                t.index_copy_(0, dst, t.index_select(0, src))
         for s, d in moves:
             self.row_paths[d] = self.row_paths[s]
 
