@@ -77,7 +77,9 @@ def test_engine_settings_are_the_served_configurations():
                                            (["--shape", "tiny", "--configs", "plain", "--profile", "plain-mixed"],
                                             "--profile must name labels this run reports (plain)"),
                                            (["--shape", "tiny", "--cost-table", "missing.json"],
-                                            "--cost-table must be a cost table file")])
+                                            "--cost-table must be a cost table file"),
+                                           (["--shape", "tiny", "--host-ms", "3"], "--host-ms must be DRAFTING,PLAIN"),
+                                           (["--shape", "tiny", "--host-ms", "3,-1"], "--host-ms must be DRAFTING,PLAIN")])
 def test_bad_arguments_name_the_flag(tmp_path, argv, message, capsys):
     with pytest.raises(SystemExit):
         load.main(["--out", str(tmp_path), "--device", "cpu", *argv])
@@ -141,3 +143,22 @@ def test_a_given_cost_table_is_used_instead_of_profiling_one(tmp_path, monkeypat
     assert status == 0 and not (out / "cost_table.json").exists()
     scheduled = report["batches"]["2"][1]
     assert scheduled["config"] == "dspark-scheduled" and scheduled["plain_steps"] >= scheduled["steps"] - 2
+
+
+@pytest.mark.parametrize("host_ms, drafts", [(None, True), ("1000,0", False)])
+def test_given_host_times_price_the_cpu_replays_rounds(tmp_path, monkeypatch, host_ms, drafts):
+    """``--host-ms DRAFTING,PLAIN``: the CPU replay's cost scheduler prices the rounds' host time at
+    those milliseconds (it measures none on the CPU) -- on a flat table drafting pays, unless a
+    drafting round's host time is priced at a second."""
+    from dspark.engine.schedulers import SPSCostTable
+
+    monkeypatch.delenv("DSPARK_REPLAY", raising=False)
+    table = tmp_path / "flat.json"
+    SPSCostTable((1, 4096), (1.0, 1.0), draft_rows=(1,), draft_time_ms=(0.01,)).write_json(table)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--device", "cpu", "--shape", "tiny", "--batches", "2", "--configs", "dspark-scheduled",
+            "--max-tokens", "16", "--prompt-tokens", "12", "--num-prompts", "2", "--cost-table", str(table)]
+    assert load.main(argv + (["--host-ms", host_ms] if host_ms else [])) == 0
+    scheduled = json.loads((out / "load.json").read_text())["batches"]["2"][0]
+    assert scheduled["priced_host_ms"] == ([1000.0, 0.0] if host_ms else [0.0, 0.0])
+    assert (scheduled["plain_steps"] == 0) == drafts and (scheduled["plain_steps"] >= scheduled["steps"] - 2) != drafts

@@ -28,7 +28,9 @@ prompt's turn in the step's token budget), the host ms per step (by phase), the 
 expected: every engine holds KV blocks -- ``kv_blocks`` -- for all its rows' longest requests) and the steady window's
 steps by kind (plain, refresh, verify, verify+draft; ``+prompt`` with prompt chunks) with their host ms.
 ``--cost-table`` runs the cost scheduler on a given table instead of profiling one (a GPU run's table
-on the CPU replay: that GPU's decisions). On a GPU the profile and each configuration run in a
+on the CPU replay: that GPU's decisions); ``--host-ms DRAFTING,PLAIN`` on the CPU prices the host
+time of a drafting and of a plain round at those milliseconds (a GPU measures them as it runs, the
+CPU not at all): with a GPU's table and its host times, the CPU replays its choices. On a GPU the profile and each configuration run in a
 process of their own (``--isolate``, ``Jobs``).
 """
 
@@ -122,6 +124,8 @@ def build_engine(label: str, workload: str, batch: int, spec: dict, models: Mode
     engine = ReplayEngine(target, draft, config, _prompts(spec), traces["traces"], spec["max_tokens"],
                           known=models.known)
     models.known = engine.known
+    if spec.get("host_ms"):  # on the CPU the engine measures none: the scheduler prices these
+        engine._host_ms = list(spec["host_ms"])
     return engine
 
 
@@ -422,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                         "with steps --trace-steps traced (device busy against idle, step by step): "
                         "OUT/trace-<label>-b<B>.json.gz (Chrome trace) and .md")
     parser.add_argument("--trace-steps", default="60,24", help="FIRST,COUNT: the traced steps of that run")
+    parser.add_argument("--host-ms", default=None,
+                        help="DRAFTING,PLAIN: --device cpu only, the host ms of a drafting and a plain round the "
+                             "cost scheduler prices (a GPU run's: its choices on the CPU replay)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="profile and run each configuration in a process of its own (default: on a GPU)")
     args = parser.parse_args(argv)
@@ -463,6 +470,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shape must be one of {[*SHAPES, 'tiny']}, got {args.shape!r}")
     shape = {k: v for k, v in TINY.items() if k != "vocab"} if args.shape == "tiny" else args.shape
     vocab = TINY["vocab"] if args.shape == "tiny" else VOCAB
+    host_ms = None
+    if args.host_ms is not None:
+        try:
+            host_ms = [float(x) for x in args.host_ms.split(",")]
+        except ValueError:
+            host_ms = []
+        if len(host_ms) != 2 or min(host_ms) < 0:
+            parser.error(f"--host-ms must be DRAFTING,PLAIN milliseconds >= 0, got {args.host_ms!r}")
+        if args.device != "cpu":
+            parser.error("--host-ms prices host times on the CPU replay (--device cpu); a GPU measures them")
     if args.cost_table is not None and not Path(args.cost_table).is_file():
         parser.error(f"--cost-table must be a cost table file (`dspark profile`), got {args.cost_table!r}")
     out = Path(args.out)
@@ -470,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"shape": shape, "vocab": vocab, "device": args.device,
             "dtype": "bfloat16" if args.device == "cuda" else "float32", "draft_rank": args.draft_rank,
             "traces": str(TRACES), "num_prompts": args.num_prompts, "prompt_tokens": args.prompt_tokens,
-            "prompt_tokens_max": None, "max_tokens": args.max_tokens, "length_spread": args.length_spread}
+            "prompt_tokens_max": None, "max_tokens": args.max_tokens, "length_spread": args.length_spread,
+            "host_ms": host_ms}
     isolate = args.device == "cuda" if args.isolate is None else args.isolate
     jobs = Jobs(spec, isolate)
     scheduled = any("{cost_table}" in WORKLOADS[args.workload][x][1] for x in labels)
