@@ -236,3 +236,26 @@ def test_requests_leaving_together_keep_the_rows_dense_and_their_tokens(device):
     assert max(moved) >= 2 and len(set(aborted)) == 3  # several rows moved at once
     for rid, tokens in zip(ids, alone):
         assert done[rid] == (tokens[:len(done[rid])] if rid in aborted else tokens), f"request {rid}"
+
+
+def test_releasing_a_running_request_named_twice_frees_its_row_once():
+    """``Scheduler.release`` with a running request named twice (and another): each leaves once, the
+    rows stay dense, and the rest go on to their own tokens."""
+    target = tiny_qwen3_target()
+    draft = random_draft(tiny_draft_config(target.config), 0, target)
+    engine = LLMEngine(target, draft, EngineConfig(max_batch=4, enable_prefix_caching=False))
+    requests = [Request(SHORT[i] + [i], NEW, GREEDY) for i in range(4)]
+    alone = [engine.generate([r])[0].token_ids for r in requests]
+    ids = [engine.add_request(r) for r in requests]
+    done = {rid: [] for rid in ids}
+    for out in engine.step():
+        done[out.request_id] += out.new_token_ids
+    first, third = engine.sequences[ids[0]], engine.sequences[ids[2]]
+    engine.scheduler.release([first, third, first])
+    _assert_dense(engine)
+    assert len(engine.scheduler.running) == 2 and first.row == third.row == -1
+    assert first.status is third.status is SequenceStatus.FINISHED
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] += out.new_token_ids
+    assert done[ids[1]] == alone[1] and done[ids[3]] == alone[3]

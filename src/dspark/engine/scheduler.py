@@ -211,9 +211,10 @@ class Scheduler:
     # ---- leaving ---------------------------------------------------------------------------------
 
     def release(self, seqs: list[Sequence]) -> None:
-        """End ``seqs`` wherever they are (waiting, prefilling, running): slots, blocks and rows freed."""
+        """End ``seqs`` wherever they are (waiting, prefilling, running): slots, blocks and rows freed
+        (a request named twice, once)."""
         running = []
-        for seq in seqs:
+        for seq in {id(seq): seq for seq in seqs}.values():
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
             elif seq.status is SequenceStatus.PREFILLING:
