@@ -86,31 +86,39 @@ def test_bad_arguments_name_the_flag(tmp_path, argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_the_steady_window_is_the_steps_while_requests_wait():
+@pytest.mark.parametrize("priced", [False, True])
+def test_the_steady_window_is_the_steps_while_requests_wait(priced):
     """``SteadyWindow``: the tokens of the steps after the first that ended once as many requests
     as rows had produced tokens, up to the last step with requests waiting, over the engine's step
-    time between them less the capture steps' time; by kind, with the host's share."""
+    time between them less the capture steps' time; by kind, with the host's share and, given a cost
+    table, the step's price (its rows' tokens and prompt tokens in one forward, the draft pass)."""
+    from dspark.engine.schedulers import SPSCostTable
+
     metrics = SimpleNamespace(steps=0, step_time=0.0, capture_step_time=0.0, plain_steps=0, draft_tokens=0,
-                              prompt_tokens=0, host_time=0.0)
+                              prompt_tokens=0, host_time=0.0, row_tokens=0, rounds=0)
     scheduler = SimpleNamespace(waiting=[1], prefilling=[], running=[1, 2], max_batch=2)
     engine = SimpleNamespace(metrics=metrics, scheduler=scheduler, runner=SimpleNamespace(drafter=object()))
-    window = load.SteadyWindow(engine)
+    table = SPSCostTable((1, 101), (1.0, 2.0), draft_rows=(1, 2), draft_time_ms=(0.3, 0.5)) if priced else None
+    window = load.SteadyWindow(engine, table)
     # 1 s a step (0.25 s of it the host's); request 1's first tokens come in step 2; step 4 captured a
     # graph for 0.5 s of it; steps 3 and 5 run the next prompts; the queue empties after step 5
     for step in range(1, 7):
         metrics.steps, metrics.step_time, metrics.host_time = step, float(step), step / 4
         metrics.prompt_tokens = 12 * (step >= 3) + 12 * (step >= 5)
         metrics.capture_step_time = 0.5 if step >= 4 else 0.0
-        # steps 1-2 plain rounds; from step 3 each verifies 3 drafts and drafts the next round
+        # steps 1-2 plain rounds; from step 3 each verifies 3 drafts a row (2 rows) and drafts the next round
         metrics.plain_steps, metrics.draft_tokens = min(step, 2), 3 * max(0, step - 2)
+        metrics.row_tokens, metrics.rounds = 2 * min(step, 2) + 8 * max(0, step - 2), 2 * step
         scheduler.waiting = [1] if step <= 5 else []
         for request in (0, 1) if step > 1 else (0,):  # 5 tokens a request a step
             window.observe(SimpleNamespace(request_id=request, new_token_ids=[0] * 5))
     # the ramp ends in step 2 (request 1's first tokens): steps 4, 5 after step 3; by kind, step 5
-    # (step 4 captured a graph)
-    kinds = {"verify+draft+prompt": {"steps": 1, "ms": 1000.0, "host_ms": 250.0, "tokens": 10.0}}
+    # (step 4 captured a graph): 8 row tokens and 12 prompt tokens in a forward, a 2-row draft pass
+    kind = {"steps": 1, "ms": 1000.0, "host_ms": 250.0, "tokens": 10.0}
+    if priced:
+        kind["table_ms"] = round(1.0 + 19 / 100 + 0.5, 3)
     assert window.report() == {"steady_steps": 2, "steady_tokens_per_s": round(20 / 1.5, 1),
-                               "steady_step_kinds": kinds}
+                               "steady_step_kinds": {"verify+draft+prompt": kind}}
     assert load.SteadyWindow(engine).report() == {"steady_steps": 0, "steady_tokens_per_s": None}
 
 

@@ -143,6 +143,8 @@ class _StepRecord:
     draft_tokens: int = 0
     prompt_tokens: int = 0
     host_time: float = 0.0
+    row_tokens: int = 0  # the running rows' tokens, and their rounds (a DSpark runner's rows)
+    rounds: int = 0
 
 
 class SteadyWindow:
@@ -153,10 +155,11 @@ class SteadyWindow:
     a graph. Rows that end take the next prompts within it, as under served traffic. The whole run's
     throughput also counts the tail, where rows empty as the last requests end: as long as the
     slowest request in a load of a few requests per row, so DSpark's requests of uneven acceptance
-    leave more rows idle there than plain decoding's."""
+    leave more rows idle there than plain decoding's. With a cost ``table``, each step kind is also
+    priced as the cost scheduler prices it (``step_price_ms``)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, table=None):
+        self.engine, self.table = engine, table
         self.steps: dict[int, _StepRecord] = {}
         self.started: set[int] = set()  # requests that produced tokens
 
@@ -166,7 +169,8 @@ class SteadyWindow:
         if m.steps not in self.steps:
             settled = len(self.started) >= scheduler.max_batch
             self.steps[m.steps] = _StepRecord(0, bool(scheduler.waiting), settled, m.step_time, m.capture_step_time,
-                                              m.plain_steps, m.draft_tokens, m.prompt_tokens, m.host_time)
+                                              m.plain_steps, m.draft_tokens, m.prompt_tokens, m.host_time,
+                                              m.row_tokens, m.rounds)
         self.steps[m.steps].tokens += len(output.new_token_ids)
         if output.new_token_ids:
             self.started.add(output.request_id)
@@ -186,9 +190,10 @@ class SteadyWindow:
         """The steady window's steps by kind -- whether the step verified drafts, whether it ran the
         draft pass (``plain``: neither; ``refresh``: drafted without verifying), ``+prompt`` where it
         ran prompt chunks too (``step_trace.step_kind``) -- each kind's count, mean ms, host ms (the
-        engine's: all but waiting for the device) and tokens a step (capture steps left out): where
-        a scheduler's time goes."""
-        kinds: dict[str, list[tuple[float, float, int]]] = {}
+        engine's: all but waiting for the device), tokens a step and, with a table, its price
+        (``table_ms``; capture steps left out): where a scheduler's time goes, and how far its
+        prices are from it."""
+        kinds: dict[str, list[tuple[float, float, int, float]]] = {}
         for k in range(start + 1, end + 1):
             step, before = self.steps.get(k), self.steps.get(k - 1)
             if step is None or before is None or step.capture_time != before.capture_time:
@@ -196,11 +201,26 @@ class SteadyWindow:
             verified = step.draft_tokens > before.draft_tokens
             drafted = step.plain_steps == before.plain_steps and self.engine.runner.drafter is not None
             kind = step_kind(verified, drafted, step.prompt_tokens > before.prompt_tokens)
+            price = 0.0 if self.table is None else step_price_ms(self.table, before, step, drafted)
             kinds.setdefault(kind, []).append((step.step_time - before.step_time, step.host_time - before.host_time,
-                                               step.tokens))
+                                               step.tokens, price))
         return {kind: {"steps": len(v), "ms": round(1e3 * sum(x[0] for x in v) / len(v), 3),
                        "host_ms": round(1e3 * sum(x[1] for x in v) / len(v), 3),
-                       "tokens": round(sum(x[2] for x in v) / len(v), 1)} for kind, v in sorted(kinds.items())}
+                       "tokens": round(sum(x[2] for x in v) / len(v), 1),
+                       **({} if self.table is None else {"table_ms": round(sum(x[3] for x in v) / len(v), 3)})}
+                for kind, v in sorted(kinds.items())}
+
+
+def step_price_ms(table, before: _StepRecord, step: _StepRecord, drafted: bool) -> float:
+    """The cost table's price of ``step`` (the counters before and after it), as the cost scheduler
+    prices a round: its running rows' tokens over its rows (a DSpark runner's rounds; one token a
+    row otherwise) and its prompt tokens in one forward, plus the draft pass where it drafted --
+    device time, without the host's."""
+    tokens, prompt = step.row_tokens - before.row_tokens, step.prompt_tokens - before.prompt_tokens
+    rows = (step.rounds - before.rounds) or tokens
+    if not tokens:
+        return table.step_time(prompt)
+    return table.forward_time(tokens, rows, prompt) + (table.draft_time(rows) if drafted else 0.0)
 
 
 def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: Path | None, requests_per_row: int,
@@ -212,6 +232,8 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
     (``-python.txt``: ``common.python_profile_table``); with ``trace`` = ``(path, first, count)``,
     one more run whose steps ``first ..`` are traced (``step_trace``): the Chrome trace at ``path``
     (``.json.gz``), the steps' wall and device busy time beside it (``.md``) and by kind in the result."""
+    from ..engine.schedulers import SPSCostTable
+
     engine = build_engine(label, workload, batch, spec, models, cost_table)
     requests = requests_of(spec, batch * requests_per_row, mixed)
     label = f"{label}-mixed" if mixed else label
@@ -225,7 +247,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                       host_phases=dict(m.host_phases),
                       preemptions=m.preemptions, forward_tokens=m.row_tokens + m.prompt_tokens)
         _synchronize(spec)
-        steady = SteadyWindow(engine)
+        steady = SteadyWindow(engine, cost_table and SPSCostTable.from_json(str(cost_table)))
         start = time.perf_counter()
         results = engine.generate(requests, steady.observe)
         _synchronize(spec)
@@ -370,10 +392,12 @@ def markdown(report: dict) -> str:
                          f"| {r['host_ms']} ({'/'.join(str(x) for x in r['host_phase_ms'].values())}) | {r['captures_timed']} ({r['capture_seconds']}) "
                          f"| {r['preemptions']} | {r['failed']} of {r['requests']} |")
     lines += ["", f"Every greedy request got the same tokens from every configuration: **{report['outputs_identical']}**",
-              "", "Steady window by step kind (steps x mean ms, of it host ms; tokens a step):", ""]
+              "", "Steady window by step kind (steps x mean ms, of it host ms; the cost table's price of the step's device "
+              "work; tokens a step):", ""]
     for batch, rows in report["batches"].items():
         for r in rows:
-            kinds = "; ".join(f"{kind} {v['steps']} x {v['ms']} ms ({v['host_ms']} host), {v['tokens']} tok"
+            kinds = "; ".join(f"{kind} {v['steps']} x {v['ms']} ms ({v['host_ms']} host"
+                              f"{'; table ' + str(v['table_ms']) if 'table_ms' in v else ''}), {v['tokens']} tok"
                               for kind, v in (r.get("steady_step_kinds") or {}).items())
             lines.append(f"- {batch} {r['config']}: {kinds or '-'}")
     traced = [(batch, r) for batch, rows in report["batches"].items() for r in rows if r.get("traced_step_kinds")]
