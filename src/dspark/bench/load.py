@@ -26,7 +26,8 @@ at beside the measured one (``table_step_ms``), the plain
 steps, the rows a step decoded on average (fewer than B: rows idle, e.g. waiting for their
 prompt's turn in the step's token budget), the host ms per step (by phase), the preemptions (none
 expected: every engine holds KV blocks -- ``kv_blocks`` -- for all its rows' longest requests) and the steady window's
-steps by kind (plain, refresh, verify, verify+draft; ``+prompt`` with prompt chunks) with their host ms.
+steps by kind (plain, refresh, verify, verify+draft; ``+prompt`` with prompt chunks) with their host ms
+and, with a cost table, their price (``step_price_ms``).
 ``--cost-table`` runs the cost scheduler on a given table instead of profiling one (a GPU run's table
 on the CPU replay: that GPU's decisions); ``--host-ms DRAFTING,PLAIN`` on the CPU prices the host
 time of a drafting and of a plain round at those milliseconds (a GPU measures them as it runs, the
