@@ -49,24 +49,14 @@ class OracleDrafts:
         return [self.ids, self.trace, self.trace_len, self.trace_round]
 
     def stage(self, slot: int, prompt_len: int, oracle_ids: list[int], trace: list[list[float]] | None) -> None:
-        """A request's continuation (after its ``prompt_len`` prompt tokens) and trace into ``slot``,
-        copied without a wait: a copy from pageable memory would make the host wait for the queued
-        device work at every admission, which the engine itself never does."""
+        """A request's continuation (after its ``prompt_len`` prompt tokens) and trace into ``slot``."""
         known = torch.tensor(list(oracle_ids)[: self.ids.shape[1] - prompt_len], dtype=torch.int32)
         self.ids[slot].zero_()
-        self._send(self.ids[slot, prompt_len: prompt_len + known.numel()], known)
+        self.ids[slot, prompt_len: prompt_len + known.numel()] = known.to(self.ids.device)
         if trace is not None:
             rounds = torch.tensor(trace[:TRACE_ROUNDS], dtype=torch.float32)
-            self._send(self.trace[slot, : rounds.shape[0]], rounds)
+            self.trace[slot, : rounds.shape[0]] = rounds.to(self.trace.device)
             self.trace_len[slot], self.trace_round[slot] = rounds.shape[0], 0
-
-    @staticmethod
-    def _send(destination: torch.Tensor, host: torch.Tensor) -> None:
-        """``host`` into ``destination`` in stream order (pinned on a GPU: PyTorch's pinned-memory
-        cache keeps the buffer until the copy ran)."""
-        if destination.is_cuda:
-            host = host.pin_memory()
-        destination.copy_(host, non_blocking=destination.is_cuda)
 
     def apply(self, runner, b: int) -> None:
         """Replace rows ``0 .. b-1``'s drafts (and, replaying, confidences and lengths); captured."""
