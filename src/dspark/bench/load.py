@@ -51,11 +51,12 @@ from pathlib import Path
 
 import torch
 
+from ..engine.schedulers import SPSCostTable
 from .common import profile_table, python_profile_table
 from .frontier import CONFIGS, MIXED_CONFIGS, _environment, profile
 from .replay import TRACES, ReplayEngine, _models, _prompts, load_traces
 from .serve import MIXED_SETTINGS
-from .step_trace import kind_summary, step_kind, trace_markdown, trace_steps
+from .step_trace import kind_summary, step_drafted, step_kind, trace_markdown, trace_steps
 
 __all__ = ["main"]
 
@@ -199,10 +200,10 @@ class SteadyWindow:
             step, before = self.steps.get(k), self.steps.get(k - 1)
             if step is None or before is None or step.capture_time != before.capture_time:
                 continue
-            verified = step.draft_tokens > before.draft_tokens
-            drafted = step.plain_steps == before.plain_steps and self.engine.runner.drafter is not None
-            kind = step_kind(verified, drafted, step.prompt_tokens > before.prompt_tokens)
-            price = 0.0 if self.table is None else step_price_ms(self.table, before, step, drafted)
+            speculative = self.engine.runner.drafter is not None
+            kind = step_kind(before, step, speculative)
+            price = (0.0 if self.table is None
+                     else step_price_ms(self.table, before, step, step_drafted(before, step, speculative)))
             kinds.setdefault(kind, []).append((step.step_time - before.step_time, step.host_time - before.host_time,
                                                step.tokens, price))
         return {kind: {"steps": len(v), "ms": round(1e3 * sum(x[0] for x in v) / len(v), 3),
@@ -233,9 +234,8 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
     (``-python.txt``: ``common.python_profile_table``); with ``trace`` = ``(path, first, count)``,
     one more run whose steps ``first ..`` are traced (``step_trace``): the Chrome trace at ``path``
     (``.json.gz``), the steps' wall and device busy time beside it (``.md``) and by kind in the result."""
-    from ..engine.schedulers import SPSCostTable
-
     engine = build_engine(label, workload, batch, spec, models, cost_table)
+    table = cost_table and SPSCostTable.from_json(str(cost_table))
     requests = requests_of(spec, batch * requests_per_row, mixed)
     label = f"{label}-mixed" if mixed else label
     try:
@@ -248,7 +248,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                       host_phases=dict(m.host_phases),
                       preemptions=m.preemptions, forward_tokens=m.row_tokens + m.prompt_tokens)
         _synchronize(spec)
-        steady = SteadyWindow(engine, cost_table and SPSCostTable.from_json(str(cost_table)))
+        steady = SteadyWindow(engine, table)
         start = time.perf_counter()
         results = engine.generate(requests, steady.observe)
         _synchronize(spec)
@@ -282,7 +282,7 @@ def run_config(label: str, batch: int, spec: dict, models: Models, cost_table: P
                 "tokens_per_forward": round((m.row_tokens + m.prompt_tokens - before["forward_tokens"]) / max(steps, 1), 1),
                 "failed": sum(r.finish_reason == "error" for r in results),
                 "outputs": [r.token_ids for r in results]}
-        result["table_step_ms"] = table_step_ms(cost_table, result, engine.runner.drafter is not None)
+        result["table_step_ms"] = table_step_ms(table, result, engine.runner.drafter is not None)
         if profile_to is not None:  # the same requests once more, profiled
             profile_to.write_text(profile_table(partial(engine.generate, requests), torch.device(spec["device"])))
             python_profile = profile_to.with_name(profile_to.stem + "-python.txt")
@@ -348,15 +348,12 @@ def _or_dash(value) -> str:
     return "-" if value is None else str(value)
 
 
-def table_step_ms(cost_table: Path | None, result: dict, drafts: bool) -> float | None:
+def table_step_ms(table: SPSCostTable | None, result: dict, drafts: bool) -> float | None:
     """What the cost table prices the configuration's mean step at: a forward of its mean tokens
     (running rows' and prompt chunks') over its mean rows, plus the draft pass of its mean rows on the steps that
     drafted -- beside the measured ``step_ms``, how far the scheduler's prices are from the steps."""
-    if cost_table is None:
+    if table is None:
         return None
-    from ..engine.schedulers import SPSCostTable
-
-    table = SPSCostTable.from_json(str(cost_table))
     steps = max(result["steps"], 1)
     drafting = (steps - result["plain_steps"]) / steps if drafts else 0.0
     rows = result["rows_per_step"] or 1

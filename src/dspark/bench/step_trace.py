@@ -26,7 +26,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -56,12 +56,32 @@ class StepTrace:
         return None if self.busy_ms is None else self.wall_ms - self.busy_ms
 
 
-def step_kind(verified: bool, drafted: bool, prompt: bool = False) -> str:
-    """A step's kind by whether it verified drafts and whether it ran the draft pass, with ``+prompt``
-    where it also ran prompt chunks (their work is the prompts', not the rounds')."""
+class Counters(NamedTuple):
+    """The engine's counters a step's kind is read from (``LLMEngine.metrics``' names)."""
+
+    draft_tokens: int
+    plain_steps: int
+    prompt_tokens: int
+
+    @classmethod
+    def of(cls, counters) -> "Counters":
+        return cls(counters.draft_tokens, counters.plain_steps, counters.prompt_tokens)
+
+
+def step_drafted(before, after, speculative: bool) -> bool:
+    """Whether the step between counters ``before`` and ``after`` ran the draft pass (a DSpark
+    runner's step that was not a plain round)."""
+    return speculative and after.plain_steps == before.plain_steps
+
+
+def step_kind(before, after, speculative: bool) -> str:
+    """The kind of the step between counters ``before`` and ``after`` (``Counters``' fields): whether
+    it verified drafts and whether it ran the draft pass, with ``+prompt`` where it also ran prompt
+    chunks (their work is the prompts', not the rounds')."""
+    verified, drafted = after.draft_tokens > before.draft_tokens, step_drafted(before, after, speculative)
     kind = {(False, False): "plain", (False, True): "refresh", (True, True): "verify+draft",
             (True, False): "verify"}[verified, drafted]
-    return kind + "+prompt" if prompt else kind
+    return kind + "+prompt" if after.prompt_tokens > before.prompt_tokens else kind
 
 
 def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace_to: Path) -> list[StepTrace]:
@@ -88,12 +108,10 @@ def trace_steps(engine, run: Callable[[], object], first: int, count: int, trace
         if n == first:
             profiler.start()
             state["started"] = True
-        m = engine.metrics
-        drafts, plain_steps, prompts = m.draft_tokens, m.plain_steps, m.prompt_tokens
+        before = Counters.of(engine.metrics)
         with record_function(f"{ANNOTATION} {n - first}"):
             outputs = step()
-        drafted = m.plain_steps == plain_steps and engine.runner.drafter is not None
-        kinds.append(step_kind(m.draft_tokens > drafts, drafted, m.prompt_tokens > prompts))
+        kinds.append(step_kind(before, engine.metrics, engine.runner.drafter is not None))
         if n == first + count - 1:
             stop()
         return outputs

@@ -164,9 +164,8 @@ class RoundPlanning:
             return True
         if signal is None:
             signal = self._acceptance_signal([self.scheduler.running[i] for i in drafting])
-        # a plain round's host time is its own measurement, none (0) until one ran: priced as a drafting
-        # round's (10.9 ms a step at 256 rows on an H100, 5.5 of it committing up to 8 tokens a row),
-        # plain rounds looked slow, so none ever ran to correct it -- priced low, the first one measures it
+        # a plain round's host time is its own measurement, 0 until one ran: priced at a drafting round's
+        # (12-15 ms a step at 256 rows on an H100) no plain round would run to measure it
         pays = drafting_pays(signal, self.cost_table, self.config.min_predicted_gain, tuple(self._host_ms), scheduled,
                              others)
         self._plain_rows = None if pays else len(drafting)
